@@ -1,0 +1,135 @@
+"""Inline-PTX helpers for the SM90 kernels.
+
+Each helper wraps one or two PTX instructions whose operands the kernels compute by hand
+(shared-memory byte addresses as 32-bit integers, global addresses as 64-bit integers), so
+the address arithmetic stays explicit and testable instead of hidden in layout algebra.
+"""
+
+from cutlass import Float32, Int32, Int64, Uint32
+from cutlass._mlir.dialects import llvm
+from cutlass.cutlass_dsl import T, dsl_user_op
+
+# L2 cache-policy operand for "evict last" (the value CUTLASS uses for CacheHintSm90::EVICT_LAST):
+# gathered KV rows are shared by neighbouring query tokens, so keep them in L2.
+L2_EVICT_LAST = 0x14F0000000000000
+
+
+def _asm(ret_type, operands, text, constraints, side_effects):
+    return llvm.inline_asm(
+        ret_type,
+        operands,
+        text,
+        constraints,
+        has_side_effects=side_effects,
+        is_align_stack=False,
+        asm_dialect=llvm.AsmDialect.AD_ATT,
+    )
+
+
+@dsl_user_op
+def cp_async_16_zfill(smem_addr, gmem_addr, src_bytes, *, loc=None, ip=None) -> None:
+    """16-byte cp.async global -> shared (L2 evict-last); bytes past ``src_bytes`` are zero-filled.
+
+    ``src_bytes`` 0 reads nothing from global memory and writes 16 zero bytes.
+    """
+    _asm(
+        None,
+        [
+            Int32(smem_addr).ir_value(loc=loc, ip=ip),
+            Int64(gmem_addr).ir_value(loc=loc, ip=ip),
+            Int32(src_bytes).ir_value(loc=loc, ip=ip),
+            Int64(L2_EVICT_LAST).ir_value(loc=loc, ip=ip),
+        ],
+        "cp.async.cg.shared.global.L2::cache_hint [$0], [$1], 16, $2, $3;",
+        "r,l,r,l",
+        True,
+    )
+
+
+@dsl_user_op
+def cp_async_wait_all(*, loc=None, ip=None) -> None:
+    _asm(None, [], "cp.async.wait_all;", "", True)
+
+
+@dsl_user_op
+def ldmatrix_x4_trans(smem_addr, *, loc=None, ip=None):
+    """``ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16``: four 8x8 b16 matrices, transposed.
+
+    Lane L supplies the address of row L % 8 of matrix L // 8 (16 contiguous bytes).
+    Returns the four 32-bit registers (one per matrix).
+    """
+    res = _asm(
+        llvm.StructType.get_literal([T.i32()] * 4),
+        [Int32(smem_addr).ir_value(loc=loc, ip=ip)],
+        "ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {$0, $1, $2, $3}, [$4];",
+        "=r,=r,=r,=r,r",
+        True,
+    )
+    return tuple(Uint32(llvm.extractvalue(T.i32(), res, [i], loc=loc, ip=ip)) for i in range(4))
+
+
+@dsl_user_op
+def prmt(a, b, selector: int, *, loc=None, ip=None) -> Uint32:
+    """``prmt.b32``: byte i of the result is byte ``(selector >> 4i) & 7`` of the pair {b:a}."""
+    return Uint32(
+        _asm(
+            T.i32(),
+            [Uint32(a).ir_value(loc=loc, ip=ip), Uint32(b).ir_value(loc=loc, ip=ip)],
+            f"prmt.b32 $0, $1, $2, {selector:#x};",
+            "=r,r,r",
+            False,
+        )
+    )
+
+
+@dsl_user_op
+def pack_e4m3x4(x0, x1, x2, x3, *, loc=None, ip=None) -> Uint32:
+    """Round four f32 to e4m3 (RN, saturating to +-448) and pack them: x0 in the lowest byte."""
+    return Uint32(
+        _asm(
+            T.i32(),
+            [Float32(x).ir_value(loc=loc, ip=ip) for x in (x0, x1, x2, x3)],
+            "{\n\t.reg .b16 lo, hi;\n\t"
+            "cvt.rn.satfinite.e4m3x2.f32 lo, $2, $1;\n\t"
+            "cvt.rn.satfinite.e4m3x2.f32 hi, $4, $3;\n\t"
+            "mov.b32 $0, {lo, hi};\n\t}",
+            "=r,f,f,f,f",
+            False,
+        )
+    )
+
+
+@dsl_user_op
+def pack_bf16x2(lo, hi, *, loc=None, ip=None) -> Uint32:
+    """Round two f32 to bf16 (RN) and pack them: ``lo`` in the low half."""
+    return Uint32(
+        _asm(
+            T.i32(),
+            [Float32(lo).ir_value(loc=loc, ip=ip), Float32(hi).ir_value(loc=loc, ip=ip)],
+            "cvt.rn.bf16x2.f32 $0, $2, $1;",
+            "=r,f,f",
+            False,
+        )
+    )
+
+
+@dsl_user_op
+def st_shared_u32(smem_addr, value, *, loc=None, ip=None) -> None:
+    _asm(
+        None,
+        [Int32(smem_addr).ir_value(loc=loc, ip=ip), Uint32(value).ir_value(loc=loc, ip=ip)],
+        "st.shared.b32 [$0], $1;",
+        "r,r",
+        True,
+    )
+
+
+@dsl_user_op
+def st_global_u32(gmem_addr, value, *, loc=None, ip=None) -> None:
+    _asm(
+        None,
+        [Int64(gmem_addr).ir_value(loc=loc, ip=ip), Uint32(value).ir_value(loc=loc, ip=ip)],
+        "st.global.b32 [$0], $1;",
+        "l,r",
+        True,
+    )

@@ -1,0 +1,1 @@
+"""Hopper (SM90a) kernels."""

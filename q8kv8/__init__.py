@@ -1,0 +1,27 @@
+"""q8kv8: FP8 sparse MLA attention prefill for Hopper (SM90) GPUs, written in CuTe DSL, called from PyTorch.
+
+``sparse_mla_q8kv8_prefill_fwd`` is a drop-in for SGLang's function of that name; ``padded_num_heads``,
+``pad_topk`` and ``topk_length_from_seqlens`` help callers lay out their inputs.
+"""
+
+import os
+
+from q8kv8.api import sparse_mla_q8kv8_prefill_fwd
+from q8kv8.metadata import pad_topk, padded_num_heads, topk_length_from_seqlens
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "__version__",
+    "pad_topk",
+    "padded_num_heads",
+    "sparse_mla_q8kv8_prefill_fwd",
+    "topk_length_from_seqlens",
+]
+
+# Compile (or load from the disk cache) every kernel variant now, so the first call pays no compile.
+# Works without a GPU (the target is sm_90a); Q8KV8_COMPILE_AT_IMPORT=0 defers it to the first call.
+if os.environ.get("Q8KV8_COMPILE_AT_IMPORT", "1") != "0":
+    from q8kv8 import kernels as _kernels
+
+    _kernels.load_variants()

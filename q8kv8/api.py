@@ -1,0 +1,127 @@
+"""``sparse_mla_q8kv8_prefill_fwd``: the PyTorch entry point, a drop-in for SGLang's function of that name.
+
+It checks the arguments, pads the head count to the kernel's multiple of 64, allocates the outputs and
+launches the CuTe DSL kernel (``q8kv8.kernels``, imported on first call). It never syncs with the GPU
+unless ``Q8KV8_CHECK_RANGES=1``, so a call can be captured in a CUDA graph.
+"""
+
+import math
+
+import torch
+
+from q8kv8.contract import check_inputs, check_ranges_enabled, check_topk_length_range
+from q8kv8.metadata import padded_num_heads
+
+
+def sparse_mla_q8kv8_prefill_fwd(
+    q: torch.Tensor,
+    kv: torch.Tensor,
+    indices: torch.Tensor,
+    sm_scale: float,
+    q_scale: torch.Tensor,
+    kv_scale: torch.Tensor,
+    d_v: int = 512,
+    attn_sink: torch.Tensor | None = None,
+    topk_length: torch.Tensor | None = None,
+    *,
+    out: torch.Tensor | None = None,
+    max_logits: torch.Tensor | None = None,
+    lse: torch.Tensor | None = None,
+    precision: str = "default",
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """FP8 sparse MLA prefill attention on an SM90 GPU; returns ``(out, max_logits, lse)``.
+
+    Args:
+        q: [s_q, h_q, d_qk] float8_e4m3fn, d_qk in {512, 576}.
+        kv: [s_kv, 1, d_qk] float8_e4m3fn; V is ``kv[..., :d_v]``.
+        indices: [s_q, 1, topk] int32, topk a positive multiple of 128 (see ``pad_topk``). A slot is valid
+            when its index is in ``[0, s_kv)`` and its position is below ``topk_length``; other slots are
+            ignored and never read. Duplicated indices count as often as they appear.
+        sm_scale: softmax scale, a finite Python number.
+        q_scale, kv_scale: one-element float32 tensors, the per-tensor dequantisation scales of q and kv.
+        d_v: 512.
+        attn_sink: optional [h_q] float32; ``out`` is multiplied by ``1 / (1 + exp(attn_sink[h] - lse))``.
+        topk_length: optional [s_q] int32, the number of leading slots of each row to consider; values
+            outside [0, topk] are clamped in the kernel (``Q8KV8_CHECK_RANGES=1`` raises for them instead).
+        out, max_logits, lse: optional contiguous output buffers ([s_q, h_q, d_v] bfloat16, [s_q, h_q]
+            float32, [s_q, h_q] float32) that share no memory with each other or the inputs; written and
+            returned when given.
+        precision: "default" or "accurate".
+
+    Returns:
+        ``out`` (softmax-weighted sum of ``kv[idx, :d_v] * kv_scale``), ``max_logits`` (largest logit) and
+        ``lse`` (natural-log log-sum-exp of the logits ``q . kv[idx] * q_scale * kv_scale * sm_scale``).
+        A row with no valid slot gets out 0, max_logits -inf and lse +inf.
+    """
+    problem = check_inputs(
+        q,
+        kv,
+        indices,
+        sm_scale,
+        q_scale,
+        kv_scale,
+        d_v,
+        attn_sink,
+        topk_length,
+        out,
+        max_logits,
+        lse,
+        precision,
+    )
+    if check_ranges_enabled():
+        check_topk_length_range(topk_length, problem.topk)
+    s_q, h_q, device = problem.s_q, problem.h_q, problem.device
+    if out is None:
+        out = torch.empty((s_q, h_q, problem.d_v), dtype=torch.bfloat16, device=device)
+    if max_logits is None:
+        max_logits = torch.empty((s_q, h_q), dtype=torch.float32, device=device)
+    if lse is None:
+        lse = torch.empty((s_q, h_q), dtype=torch.float32, device=device)
+    if s_q == 0:
+        return out, max_logits, lse
+    if problem.s_kv == 0:
+        # Every slot is invalid: the no-valid-slot results, without launching on an empty kv.
+        out.zero_()
+        max_logits.fill_(-math.inf)
+        lse.fill_(math.inf)
+        return out, max_logits, lse
+
+    h_kernel = padded_num_heads(h_q)
+    if h_kernel == h_q:
+        kernel_q, kernel_sink = q, attn_sink
+        kernel_out, kernel_max_logits, kernel_lse = out, max_logits, lse
+    else:
+        kernel_q = _pad_dim(q, 1, h_kernel, 0.0)
+        kernel_sink = None if attn_sink is None else _pad_dim(attn_sink, 0, h_kernel, -math.inf)
+        kernel_out = torch.empty((s_q, h_kernel, problem.d_v), dtype=torch.bfloat16, device=device)
+        kernel_max_logits = torch.empty((s_q, h_kernel), dtype=torch.float32, device=device)
+        kernel_lse = torch.empty((s_q, h_kernel), dtype=torch.float32, device=device)
+
+    from q8kv8 import kernels
+
+    kernels.launch_sparse_prefill(
+        kernel_q.contiguous(),
+        kv.contiguous(),
+        indices.contiguous(),
+        None if topk_length is None else topk_length.contiguous(),
+        None if kernel_sink is None else kernel_sink.contiguous(),
+        q_scale.reshape(1),
+        kv_scale.reshape(1),
+        float(sm_scale),
+        kernel_out,
+        kernel_max_logits,
+        kernel_lse,
+        precision,
+    )
+    if h_kernel != h_q:
+        out.copy_(kernel_out[:, :h_q])
+        max_logits.copy_(kernel_max_logits[:, :h_q])
+        lse.copy_(kernel_lse[:, :h_q])
+    return out, max_logits, lse
+
+
+def _pad_dim(tensor: torch.Tensor, dim: int, size: int, value: float) -> torch.Tensor:
+    """``tensor`` extended along ``dim`` to ``size`` with ``value`` (a new contiguous tensor)."""
+    padding_shape = list(tensor.shape)
+    padding_shape[dim] = size - tensor.shape[dim]
+    return torch.cat([tensor, tensor.new_full(padding_shape, value)], dim=dim)

@@ -1,0 +1,312 @@
+"""The compiled kernel variants: build or load them, describe them, launch them.
+
+Variants are keyed by ``d_qk`` (512 and 576); the attention sink and ``topk_length`` are runtime
+flags of each variant, and every extent (s_q, s_kv, topk, heads) is dynamic. ``load_variants()``
+(called when ``q8kv8`` is imported) compiles each variant for ``sm_90a`` with fake tensors, or
+loads it from the on-disk cache:
+
+- location: ``$Q8KV8_CACHE_DIR``, default ``$XDG_CACHE_HOME/q8kv8`` (``~/.cache/q8kv8``);
+- key: a hash of the kernel sources (``cute_kernels/``, this file), the CuTe DSL version and the
+  target arch; each entry holds the object file (``<variant>.o``, loaded through TVM-FFI), its
+  SHA-256 (a truncated or corrupted object is detected, dropped and rebuilt) and the PTX;
+- compiles are serialised (a thread lock plus a file lock: the DSL's compile is not thread-safe)
+  and every file is written to a temporary name and renamed into place.
+
+No SM90 GPU is needed to compile: without one ``CUTE_DSL_ARCH`` is set to ``sm_90a`` before the
+DSL is imported. Calls pass torch tensors straight to the TVM-FFI function, which launches on
+the caller's current CUDA stream.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import hashlib
+import math
+import os
+import re
+import shutil
+import subprocess
+import tempfile
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+TARGET_ARCH = "sm_90a"
+D_QK_VARIANTS = (512, 576)
+D_V = 512
+EXPORTED_FUNCTION = "sparse_prefill"
+_LOG2_E = math.log2(math.e)
+_PACKAGE_ROOT = Path(__file__).resolve().parent.parent
+
+
+class KernelCompileError(RuntimeError):
+    """A kernel variant failed to compile or load; the message names the variant."""
+
+
+@dataclass
+class Variant:
+    """One compiled kernel variant and where it came from."""
+
+    name: str
+    d_qk: int
+    function: object = field(repr=False)
+    source: str  # "compiled" or "cache"
+    seconds: float  # compile or load time
+    object_path: Path
+    ptx_path: Path | None
+
+
+@dataclass
+class CacheStats:
+    hits: int = 0
+    misses: int = 0
+    rebuilt_corrupt: int = 0
+
+
+cache_stats = CacheStats()
+_variants: dict[int, Variant] = {}
+_compile_lock = threading.Lock()
+
+
+def _sm90_visible() -> bool:
+    return torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)
+
+
+def _import_dsl():
+    """Import the CuTe DSL, targeting sm_90a when no SM90 GPU is visible (set before import)."""
+    if "CUTE_DSL_ARCH" not in os.environ and not _sm90_visible():
+        os.environ["CUTE_DSL_ARCH"] = TARGET_ARCH
+    import cutlass
+    import cutlass.cute as cute
+
+    return cutlass, cute
+
+
+def cache_dir() -> Path:
+    root = os.environ.get("Q8KV8_CACHE_DIR")
+    if root:
+        return Path(root)
+    xdg = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
+    return Path(xdg) / "q8kv8"
+
+
+def _cache_key(dsl_version: str) -> str:
+    digest = hashlib.sha256()
+    sources = sorted((_PACKAGE_ROOT / "cute_kernels").rglob("*.py")) + [Path(__file__).resolve()]
+    for source in sources:
+        digest.update(source.relative_to(_PACKAGE_ROOT).as_posix().encode())
+        digest.update(source.read_bytes())
+    digest.update(f"dsl={dsl_version};arch={TARGET_ARCH}".encode())
+    return digest.hexdigest()[:24]
+
+
+def variant_name(d_qk: int) -> str:
+    return f"sparse_prefill_sm90_d{d_qk}"
+
+
+def _compile(d_qk: int, dump_dir: Path):
+    """Trace and compile one variant with fake tensors (dynamic extents); returns the JIT object.
+
+    ``dump_dir`` receives the DSL's own copy of the PTX (``--keep-ptx`` writes one)."""
+    cutlass, cute = _import_dsl()
+    from cutlass import BFloat16, Float8E4M3FN, Float32, Int32
+
+    from cute_kernels.sm90.sparse_prefill import SparsePrefillSm90
+
+    fake = cute.runtime.make_fake_compact_tensor
+    rows, s_kv, s_q, topk = cute.sym_int(), cute.sym_int(), cute.sym_int(), cute.sym_int()
+    args = (
+        fake(Float8E4M3FN, (rows, d_qk), stride_order=(1, 0), assumed_align=16),  # q [s_q*h, d_qk]
+        cute.runtime.make_fake_tensor(  # kv [s_kv, d_qk], 16-byte aligned rows
+            Float8E4M3FN, (s_kv, d_qk), stride=(cute.sym_int64(divisibility=16), 1), assumed_align=16
+        ),
+        fake(Int32, (s_q, topk), stride_order=(1, 0), assumed_align=4),  # indices [s_q, topk]
+        fake(Int32, (cute.sym_int(),), assumed_align=4),  # topk_length
+        fake(Float32, (cute.sym_int(),), assumed_align=4),  # attn_sink
+        fake(Float32, (1,), assumed_align=4),  # q_scale
+        fake(Float32, (1,), assumed_align=4),  # kv_scale
+        fake(BFloat16, (rows, D_V), stride_order=(1, 0), assumed_align=4),  # out [s_q*h, 512]
+        fake(Float32, (rows,), assumed_align=4),  # max_logits
+        fake(Float32, (rows,), assumed_align=4),  # lse
+        Float32(1.0),  # sm_scale * log2(e)
+        Int32(0),  # flags
+        cute.runtime.make_fake_stream(use_tvm_ffi_env_stream=True),
+    )
+    return cute.compile(
+        SparsePrefillSm90(d_qk),
+        *args,
+        options=f"--enable-tvm-ffi --gpu-arch {TARGET_ARCH} --keep-ptx --dump-dir {dump_dir}",
+    )
+
+
+def _sha256(path: Path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+def _write_atomic(path: Path, data: bytes) -> None:
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.{threading.get_ident()}.tmp")
+    tmp.write_bytes(data)
+    os.replace(tmp, path)
+
+
+@contextlib.contextmanager
+def _file_lock(path: Path):
+    with open(path, "a+") as handle:
+        fcntl.flock(handle, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(handle, fcntl.LOCK_UN)
+
+
+def _load_object(cute, object_path: Path, digest_path: Path):
+    """The exported function from a cache entry, or None when the entry is missing or damaged."""
+    if not (object_path.exists() and digest_path.exists()):
+        return None
+    if _sha256(object_path) != digest_path.read_text().strip():
+        return None
+    try:
+        return cute.runtime.load_module(str(object_path), enable_tvm_ffi=True)[EXPORTED_FUNCTION]
+    except Exception:
+        return None
+
+
+def _build_or_load(d_qk: int) -> Variant:
+    cutlass, cute = _import_dsl()
+    name = variant_name(d_qk)
+    entry = cache_dir() / _cache_key(cutlass.__version__)
+    entry.mkdir(parents=True, exist_ok=True)
+    object_path, digest_path, ptx_path = (entry / f"{name}{ext}" for ext in (".o", ".sha256", ".ptx"))
+    start = time.perf_counter()
+    with _compile_lock, _file_lock(entry / ".lock"):
+        function = _load_object(cute, object_path, digest_path)
+        if function is not None:
+            cache_stats.hits += 1
+            return Variant(name, d_qk, function, "cache", time.perf_counter() - start, object_path, ptx_path)
+        if object_path.exists():
+            cache_stats.rebuilt_corrupt += 1
+        cache_stats.misses += 1
+        try:
+            with tempfile.TemporaryDirectory(dir=entry) as dump_dir:
+                compiled = _compile(d_qk, Path(dump_dir))
+            tmp_object = entry / f".{name}.{os.getpid()}.o.tmp"
+            compiled.export_to_c(object_file_path=str(tmp_object), function_name=EXPORTED_FUNCTION)
+            _write_atomic(digest_path, _sha256(tmp_object).encode())
+            os.replace(tmp_object, object_path)
+            if compiled.__ptx__:
+                _write_atomic(ptx_path, compiled.__ptx__.encode())
+            function = cute.runtime.load_module(str(object_path), enable_tvm_ffi=True)[EXPORTED_FUNCTION]
+        except Exception as exc:
+            first_line = (str(exc).strip().splitlines() or [type(exc).__name__])[0][:300]
+            raise KernelCompileError(
+                f"q8kv8: building kernel variant {name} for {TARGET_ARCH} failed: "
+                f"{type(exc).__name__}: {first_line}"
+            ) from exc
+    return Variant(name, d_qk, function, "compiled", time.perf_counter() - start, object_path, ptx_path)
+
+
+def load_variants() -> dict[int, Variant]:
+    """Compile or load every variant (idempotent); returns them keyed by d_qk."""
+    for d_qk in D_QK_VARIANTS:
+        if d_qk not in _variants:
+            _variants[d_qk] = _build_or_load(d_qk)
+    return dict(_variants)
+
+
+def shared_memory_bytes(d_qk: int) -> int:
+    """Dynamic shared memory per CTA of the d_qk variant."""
+    _import_dsl()
+    from cute_kernels.sm90.sparse_prefill import SparsePrefillSm90
+
+    return SparsePrefillSm90(d_qk).shared_memory_bytes()
+
+
+@dataclass
+class PtxasReport:
+    """What ptxas says about a variant's PTX (the DSL's own build of the same PTX)."""
+
+    registers: int
+    stack_frame_bytes: int
+    spill_store_bytes: int
+    spill_load_bytes: int
+    text: str
+
+
+def ptxas_report(variant: Variant) -> PtxasReport | None:
+    """Assemble the variant's kept PTX with ``ptxas -v`` (None when ptxas is not on PATH)."""
+    ptxas = shutil.which("ptxas")
+    if ptxas is None or variant.ptx_path is None or not variant.ptx_path.exists():
+        return None
+    result = subprocess.run(
+        [ptxas, f"-arch={TARGET_ARCH}", "-v", str(variant.ptx_path), "-o", os.devnull],
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    text = result.stdout + result.stderr
+
+    def number(pattern: str) -> int:
+        match = re.search(pattern, text)
+        if match is None:
+            raise RuntimeError(f"ptxas -v output has no {pattern!r}:\n{text}")
+        return int(match.group(1))
+
+    return PtxasReport(
+        registers=number(r"Used (\d+) registers"),
+        stack_frame_bytes=number(r"(\d+) bytes stack frame"),
+        spill_store_bytes=number(r"(\d+) bytes spill stores"),
+        spill_load_bytes=number(r"(\d+) bytes spill loads"),
+        text=text,
+    )
+
+
+_dummy_tensors: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}
+
+
+def _dummies(device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """Placeholders passed for an absent topk_length / attn_sink (the kernel's flags say absent)."""
+    if device not in _dummy_tensors:
+        _dummy_tensors[device] = (
+            torch.zeros(1, dtype=torch.int32, device=device),
+            torch.zeros(1, dtype=torch.float32, device=device),
+        )
+    return _dummy_tensors[device]
+
+
+def _aligned(tensor: torch.Tensor, alignment: int) -> torch.Tensor:
+    return tensor if tensor.data_ptr() % alignment == 0 else tensor.clone()
+
+
+def launch_sparse_prefill(
+    q, kv, indices, topk_length, attn_sink, q_scale, kv_scale, sm_scale, out, max_logits, lse, precision
+) -> None:
+    """Launch the kernel on contiguous, validated tensors (head count a multiple of 64)."""
+    if precision != "default":
+        raise NotImplementedError(f"precision={precision!r} is not available yet; use 'default'")
+    s_q, h, d_qk = q.shape
+    variant = _variants.get(d_qk) or load_variants()[d_qk]
+    no_topk_length, no_sink = _dummies(q.device)
+    flags = (topk_length is not None) | ((attn_sink is not None) << 1)
+    rows = s_q * h
+    kernel_out = out if out.data_ptr() % 4 == 0 else torch.empty_like(out)
+    with torch.cuda.device(q.device):
+        variant.function(
+            _aligned(q, 16).view(rows, d_qk),
+            _aligned(kv, 16).view(kv.shape[0], d_qk),
+            indices.view(s_q, indices.shape[-1]),
+            no_topk_length if topk_length is None else topk_length,
+            no_sink if attn_sink is None else attn_sink,
+            q_scale,
+            kv_scale,
+            kernel_out.view(rows, D_V),
+            max_logits.view(rows),
+            lse.view(rows),
+            sm_scale * _LOG2_E,
+            flags,
+        )
+    if kernel_out is not out:
+        out.copy_(kernel_out)

@@ -1,0 +1,47 @@
+"""Layout helpers for callers of the sparse prefill: head padding, top-k padding and per-row top-k lengths."""
+
+import torch
+
+HEAD_ALIGNMENT = 64
+"""The kernel processes query heads in groups of this many; the wrapper pads other head counts up to it."""
+
+TOPK_ALIGNMENT = 128
+"""The kernel walks the top-k slots in blocks of this many; ``indices.shape[-1]`` must be a multiple of it."""
+
+PAD_INDEX = -1
+"""The index value ``pad_topk`` appends; any index outside ``[0, s_kv)`` is ignored, -1 is the usual one."""
+
+
+def padded_num_heads(h_q: int) -> int:
+    """The head count the kernel runs with: ``h_q`` rounded up to a multiple of 64."""
+    if h_q < 1:
+        raise ValueError(f"h_q: expected at least 1 head, got {h_q}")
+    return -(-h_q // HEAD_ALIGNMENT) * HEAD_ALIGNMENT
+
+
+def pad_topk(indices: torch.Tensor) -> torch.Tensor:
+    """Pad the last dim of ``indices`` with -1 up to a non-zero multiple of 128.
+
+    Returns ``indices`` itself when its last dim already is one; otherwise a new tensor of the same dtype
+    and device whose first ``indices.shape[-1]`` slots are ``indices``.
+    """
+    topk = indices.shape[-1]
+    padded_topk = max(1, -(-topk // TOPK_ALIGNMENT)) * TOPK_ALIGNMENT
+    if padded_topk == topk:
+        return indices
+    padding = indices.new_full((*indices.shape[:-1], padded_topk - topk), PAD_INDEX)
+    return torch.cat([indices, padding], dim=-1)
+
+
+def topk_length_from_seqlens(seqlens: torch.Tensor, topk: int) -> torch.Tensor:
+    """Per-row valid-slot count for left-packed ``indices``: ``seqlens`` clamped to ``[0, topk]``, as int32.
+
+    A serving engine that packs each row's valid indices to the front already knows this count (the row's
+    number of selected tokens); passing it as ``topk_length`` makes the kernel skip the padded tail, whatever
+    values that tail holds. No host sync; the result stays on ``seqlens``'s device.
+    """
+    if seqlens.is_floating_point() or seqlens.is_complex() or seqlens.dtype == torch.bool:
+        raise TypeError(f"seqlens: expected an integer tensor, got dtype {seqlens.dtype}")
+    if topk < 0:
+        raise ValueError(f"topk: expected a non-negative slot count, got {topk}")
+    return seqlens.clamp(0, topk).to(torch.int32)

@@ -1,0 +1,252 @@
+"""``make bench``: time q8kv8's sparse MLA prefill on an SM90 GPU; elsewhere, report the build.
+
+On an H100/H200 it times each shape (median of ``triton.testing.do_bench``, CUDA events otherwise)
+for the q8kv8 kernel and a plain-PyTorch baseline (gather + bf16 matmul + softmax, what one writes
+without a kernel), prints a table with TF/s (FLOPs = 2 * sum(valid topk) * h_q * (d_qk + 512)), the
+host overhead per call, and writes ``bench/results.json`` and ``bench/results.png``.
+Without an SM90 GPU it builds the kernel variants for sm_90a, prints a compile report and exits 2.
+
+    python scripts/bench.py [--shapes NAME,...] [--check] [--rep MS] [--no-baseline]
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import math
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+
+import q8kv8  # noqa: E402  (compiles or loads the kernel variants)
+from q8kv8 import kernels  # noqa: E402
+from q8kv8.reference import sparse_mla_prefill_reference  # noqa: E402
+
+# name, s_q, s_kv, h_q, d_qk, topk, topk_length mode (the peers' table, issue 4)
+SHAPES = [
+    ("h128_kv64k_d576_tk2048", 4096, 65536, 128, 576, 2048, None),
+    ("h64_kv64k_d576_tk2048", 4096, 65536, 64, 576, 2048, None),
+    ("h128_kv8k_d576_tk2048", 4096, 8192, 128, 576, 2048, None),
+    ("h64_kv32k_d512_tk512", 4096, 32768, 64, 512, 512, None),
+    ("h64_kv64k_d576_tk2048_tlhalf", 4096, 65536, 64, 576, 2048, "half"),
+    ("h64_kv64k_d576_tk2048_tlq", 4096, 65536, 64, 576, 2048, "le_quarter"),
+]
+
+
+def compile_report() -> list[dict]:
+    rows = []
+    for d_qk, variant in sorted(kernels.load_variants().items()):
+        report = kernels.ptxas_report(variant)
+        rows.append(
+            {
+                "variant": variant.name,
+                "source": variant.source,
+                "seconds": round(variant.seconds, 3),
+                "registers": None if report is None else report.registers,
+                "spill_bytes": None if report is None else report.spill_store_bytes + report.spill_load_bytes,
+                "shared_memory_bytes": kernels.shared_memory_bytes(d_qk),
+            }
+        )
+    print(f"{'variant':28s} {'from':9s} {'time s':>7s} {'regs':>5s} {'spills':>7s} {'smem B':>7s}")
+    for r in rows:
+        print(
+            f"{r['variant']:28s} {r['source']:9s} {r['seconds']:7.3f} {r['registers']!s:>5s} "
+            f"{r['spill_bytes']!s:>7s} {r['shared_memory_bytes']:7d}"
+        )
+    return rows
+
+
+def random_indices(s_q: int, s_kv: int, topk: int, device, chunk: int = 256) -> torch.Tensor:
+    """Distinct random indices in [0, s_kv) per row, in random order (as the peers' benchmark)."""
+    out = torch.empty(s_q, topk, dtype=torch.int32, device=device)
+    for start in range(0, s_q, chunk):
+        r = torch.rand(min(chunk, s_q - start), s_kv, device=device)
+        out[start : start + r.shape[0]] = r.topk(topk, dim=1, sorted=False).indices.to(torch.int32)
+    return out
+
+
+def quantize(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    scale = (x.float().abs().amax().clamp_min(1e-4) / 448.0).reshape(1)
+    return (x.float() / scale).clamp(-448, 448).to(torch.float8_e4m3fn), scale
+
+
+def make_inputs(s_q, s_kv, h_q, d_qk, topk, tl_mode, device) -> dict:
+    torch.manual_seed(0)
+    q, q_scale = quantize(torch.randn(s_q, h_q, d_qk, device=device) / 10)
+    kv, kv_scale = quantize(torch.randn(s_kv, 1, d_qk, device=device) / 10)
+    topk_length = None
+    if tl_mode == "half":
+        topk_length = torch.full((s_q,), topk // 2, dtype=torch.int32, device=device)
+    elif tl_mode == "le_quarter":
+        topk_length = torch.randint(1, topk // 4 + 1, (s_q,), dtype=torch.int32, device=device)
+    return {
+        "q": q,
+        "kv": kv,
+        "indices": random_indices(s_q, s_kv, topk, device).view(s_q, 1, topk),
+        "sm_scale": d_qk**-0.5,
+        "q_scale": q_scale,
+        "kv_scale": kv_scale,
+        "topk_length": topk_length,
+    }
+
+
+def torch_baseline(inputs: dict, chunk_rows: int = 256) -> torch.Tensor:
+    """Gather + bf16 matmuls + softmax in PyTorch, chunked over query rows."""
+    q, kv, indices = inputs["q"], inputs["kv"][:, 0], inputs["indices"][:, 0]
+    s_q, topk = indices.shape
+    scale = float(inputs["sm_scale"])
+    kv_bf16 = (kv.float() * inputs["kv_scale"]).to(torch.bfloat16)
+    q_bf16 = (q.float() * inputs["q_scale"]).to(torch.bfloat16)
+    slots = torch.arange(topk, device=q.device)
+    out = torch.empty(s_q, q.shape[1], 512, dtype=torch.bfloat16, device=q.device)
+    for start in range(0, s_q, chunk_rows):
+        rows = slice(start, start + chunk_rows)
+        idx = indices[rows].long()
+        valid = (idx >= 0) & (idx < kv.shape[0])
+        if inputs["topk_length"] is not None:
+            valid &= slots < inputs["topk_length"][rows, None]
+        gathered = kv_bf16[idx.clamp(0, kv.shape[0] - 1)]
+        logits = torch.matmul(q_bf16[rows], gathered.transpose(1, 2)).float() * scale
+        probs = torch.softmax(logits.masked_fill(~valid[:, None], -math.inf), dim=-1).nan_to_num_(0.0)
+        out[rows] = torch.matmul(probs.to(torch.bfloat16), gathered[..., :512])
+    return out
+
+
+def time_ms(fn, rep_ms: int) -> float:
+    try:
+        from triton.testing import do_bench
+
+        return float(do_bench(fn, warmup=25, rep=rep_ms, return_mode="median"))
+    except ImportError:
+        for _ in range(3):
+            fn()
+        torch.cuda.synchronize()
+        times = []
+        for _ in range(20):
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            fn()
+            end.record()
+            end.synchronize()
+            times.append(start.elapsed_time(end))
+        return sorted(times)[len(times) // 2]
+
+
+def check(inputs: dict, outputs, rows: int = 64) -> float:
+    """||out - ref|| / ||ref|| on the first ``rows`` query rows (float64 reference)."""
+    sub = {
+        k: (v[:rows] if k in ("q", "indices", "topk_length") and v is not None else v)
+        for k, v in inputs.items()
+    }
+    ref_out, _, _ = sparse_mla_prefill_reference(**sub, chunk_rows=8)
+    return ((outputs[0][:rows].double() - ref_out).norm() / ref_out.norm()).item()
+
+
+def host_overhead_us(calls: int = 2000) -> float:
+    """Wall time per call of a tiny problem, launches queued without syncs (validation + launch)."""
+    inputs = make_inputs(1, 256, 64, 576, 128, None, "cuda")
+    out = q8kv8.sparse_mla_q8kv8_prefill_fwd(**inputs)
+    buffers = {"out": out[0], "max_logits": out[1], "lse": out[2]}
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    for _ in range(calls):
+        q8kv8.sparse_mla_q8kv8_prefill_fwd(**inputs, **buffers)
+    elapsed = time.perf_counter() - start
+    torch.cuda.synchronize()
+    return elapsed / calls * 1e6
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--shapes", default="", help="comma-separated substrings of shape names to run")
+    parser.add_argument(
+        "--check", action="store_true", help="validate each shape against the reference first"
+    )
+    parser.add_argument("--rep", type=int, default=300, help="do_bench repetition time per arm, ms")
+    parser.add_argument("--no-baseline", action="store_true", help="skip the PyTorch baseline arm")
+    parser.add_argument("--out", default=str(REPO / "bench"), help="folder for results.json / results.png")
+    args = parser.parse_args()
+
+    build = compile_report()
+    if not (torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)):
+        print("\nTimings need an SM90 GPU (H100/H200); this machine has none, so only the build is reported.")
+        return 2
+
+    gpu = torch.cuda.get_device_name()
+    wanted = [s for s in args.shapes.split(",") if s]
+    results = []
+    header = f"{'shape':30s} {'eff topk':>8s} | {'q8kv8 ms':>9s} {'TF/s':>6s} | {'torch ms':>9s} {'TF/s':>6s}"
+    print(f"\n{gpu}, {datetime.date.today()}\n{header}" + (" | rel err" if args.check else ""))
+    for name, s_q, s_kv, h_q, d_qk, topk, tl_mode in SHAPES:
+        if wanted and not any(w in name for w in wanted):
+            continue
+        inputs = make_inputs(s_q, s_kv, h_q, d_qk, topk, tl_mode, "cuda")
+        tl = inputs["topk_length"]
+        eff = int(tl.long().sum()) if tl is not None else s_q * topk
+        flops = 2.0 * eff * h_q * (d_qk + 512)
+        row = {"shape": name, "s_q": s_q, "s_kv": s_kv, "h_q": h_q, "d_qk": d_qk, "topk": topk}
+        row.update(topk_length=tl_mode, sum_valid_topk=eff, flops=flops)
+        outputs = q8kv8.sparse_mla_q8kv8_prefill_fwd(**inputs)
+        if args.check:
+            row["rel_err"] = check(inputs, outputs)
+        ms = time_ms(lambda inputs=inputs: q8kv8.sparse_mla_q8kv8_prefill_fwd(**inputs), args.rep)
+        row["q8kv8"] = {"ms": ms, "tflops": flops / ms / 1e9}
+        if not args.no_baseline:
+            base_ms = time_ms(lambda inputs=inputs: torch_baseline(inputs), max(args.rep // 3, 50))
+            row["torch"] = {"ms": base_ms, "tflops": flops / base_ms / 1e9}
+        results.append(row)
+        base = row.get("torch", {"ms": math.nan, "tflops": math.nan})
+        line = (
+            f"{name:30s} {eff / s_q:8.0f} | {ms:9.3f} {row['q8kv8']['tflops']:6.0f} | "
+            f"{base['ms']:9.3f} {base['tflops']:6.0f}"
+        )
+        print(line + (f" | {row['rel_err']:.2e}" if args.check else ""), flush=True)
+        del inputs, outputs
+
+    overhead = host_overhead_us()
+    print(f"\nhost overhead per call (validation + launch, tiny shape): {overhead:.1f} us")
+    report = {"gpu": gpu, "date": str(datetime.date.today()), "build": build, "shapes": results}
+    report["host_overhead_us"] = overhead
+    out_dir = Path(args.out)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    (out_dir / "results.json").write_text(json.dumps(report, indent=2))
+    plot(report, out_dir / "results.png")
+    return 0
+
+
+def plot(report: dict, path: Path) -> None:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("matplotlib not installed: no chart")
+        return
+    shapes = report["shapes"]
+    arms = [arm for arm in ("q8kv8", "torch") if any(arm in s for s in shapes)]
+    fig, ax = plt.subplots(figsize=(max(6, 1.6 * len(shapes)), 4))
+    width = 0.8 / max(len(arms), 1)
+    for i, arm in enumerate(arms):
+        values = [s[arm]["tflops"] if arm in s else 0 for s in shapes]
+        ax.bar([x + i * width for x in range(len(shapes))], values, width, label=arm)
+    ax.set_xticks([x + width * (len(arms) - 1) / 2 for x in range(len(shapes))])
+    ax.set_xticklabels([s["shape"] for s in shapes], rotation=20, ha="right", fontsize=7)
+    ax.set_ylabel("TF/s")
+    ax.set_title(f"sparse MLA prefill, {report['gpu']}, {report['date']}")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    print(f"wrote {path}")
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,106 @@
+"""Shared test setup: skipping of ``gpu`` tests off SM90, per-test random generators and input builders."""
+
+import hashlib
+import sys
+import types
+
+import pytest
+import torch
+
+import q8kv8
+
+
+def _sm90_missing_reason() -> str | None:
+    """None when an SM90 GPU is usable, else why the ``gpu`` tests are skipped."""
+    if not torch.cuda.is_available():
+        return "needs an SM90 GPU (found: no CUDA device)"
+    major, minor = torch.cuda.get_device_capability()
+    if (major, minor) != (9, 0):
+        return f"needs an SM90 GPU (found: {torch.cuda.get_device_name()}, sm_{major}{minor})"
+    return None
+
+
+def pytest_collection_modifyitems(config, items):
+    reason = _sm90_missing_reason()
+    if reason is None:
+        return
+    for item in items:
+        if item.get_closest_marker("gpu") is not None:
+            item.add_marker(pytest.mark.skip(reason=reason))
+
+
+@pytest.fixture
+def generator(request) -> torch.Generator:
+    """A CPU generator seeded from the test's node id: fresh data for every test, reproducible per test."""
+    seed = int.from_bytes(hashlib.sha256(request.node.nodeid.encode()).digest()[:8], "little")
+    return torch.Generator().manual_seed(seed)
+
+
+@pytest.fixture
+def randn_fp8(generator):
+    """``randn_fp8(*shape, device="cpu", scale=1.0)``: standard-normal values times ``scale``, as fp8 e4m3."""
+
+    def make(*shape: int, device="cpu", scale: float = 1.0) -> torch.Tensor:
+        values = torch.randn(shape, generator=generator) * scale
+        return values.to(torch.float8_e4m3fn).to(device)
+
+    return make
+
+
+@pytest.fixture
+def make_inputs(generator, randn_fp8):
+    """``make_inputs(...)``: keyword arguments for one valid ``sparse_mla_q8kv8_prefill_fwd`` call.
+
+    Indices are uniform in ``[0, s_kv)`` with about ``invalid_fraction`` of the slots set to -1 (all of
+    them when s_kv is 0); ``attn_sink`` and ``topk_length`` are random when asked for, else None.
+    """
+
+    def make(
+        s_q: int = 4,
+        h_q: int = 64,
+        s_kv: int = 256,
+        d_qk: int = 576,
+        topk: int = 128,
+        *,
+        device="cpu",
+        invalid_fraction: float = 0.25,
+        with_sink: bool = False,
+        with_topk_length: bool = False,
+    ) -> dict:
+        indices = torch.randint(0, max(s_kv, 1), (s_q, 1, topk), generator=generator, dtype=torch.int32)
+        dropped = torch.rand(indices.shape, generator=generator) < (invalid_fraction if s_kv > 0 else 1.0)
+        indices = indices.masked_fill(dropped, -1)
+        inputs = {
+            "q": randn_fp8(s_q, h_q, d_qk, device=device),
+            "kv": randn_fp8(s_kv, 1, d_qk, device=device),
+            "indices": indices.to(device),
+            "sm_scale": d_qk**-0.5,
+            "q_scale": (0.5 + torch.rand(1, generator=generator)).to(device),
+            "kv_scale": (0.5 + torch.rand(1, generator=generator)).to(device),
+            "d_v": 512,
+            "attn_sink": None,
+            "topk_length": None,
+        }
+        if with_sink:
+            inputs["attn_sink"] = torch.randn(h_q, generator=generator).to(device)
+        if with_topk_length:
+            lengths = torch.randint(0, topk + 1, (s_q,), generator=generator, dtype=torch.int32)
+            inputs["topk_length"] = lengths.to(device)
+        return inputs
+
+    return make
+
+
+@pytest.fixture
+def fake_kernels(monkeypatch):
+    """``fake_kernels(launch)``: make ``from q8kv8 import kernels`` return a module whose
+    ``launch_sparse_prefill`` is ``launch``, for this test only."""
+
+    def install(launch) -> types.ModuleType:
+        module = types.ModuleType("q8kv8.kernels")
+        module.launch_sparse_prefill = launch
+        monkeypatch.setitem(sys.modules, "q8kv8.kernels", module)
+        monkeypatch.setattr(q8kv8, "kernels", module, raising=False)
+        return module
+
+    return install

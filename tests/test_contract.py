@@ -1,0 +1,488 @@
+"""The input contract on a CPU-only machine: every violation raises its own message, and nothing launches.
+
+Shape and dtype checks run before device checks, so each violation below is built from CPU tensors and
+still gets its own error; the device and GPU-generation checks are tested with fake devices and a patched
+capability lookup.
+"""
+
+import math
+
+import pytest
+import torch
+
+from q8kv8 import contract, sparse_mla_q8kv8_prefill_fwd
+from q8kv8.contract import Problem, check_device, check_inputs
+
+S_Q, H_Q, S_KV, D_QK, D_V, TOPK = 4, 16, 32, 576, 512, 128
+FP8 = torch.float8_e4m3fn
+
+
+def fp8(*shape: int) -> torch.Tensor:
+    return torch.zeros(shape, dtype=FP8)
+
+
+def int32(*shape: int) -> torch.Tensor:
+    return torch.zeros(shape, dtype=torch.int32)
+
+
+def every_other_in_last_dim(tensor: torch.Tensor) -> torch.Tensor:
+    """A tensor shaped like ``tensor`` whose last dim has stride 2."""
+    spread = torch.zeros(*tensor.shape[:-1], 2 * tensor.shape[-1], dtype=tensor.dtype)
+    return spread[..., ::2]
+
+
+def overlapping_float32(tensor: torch.Tensor, shape: tuple[int, ...]) -> torch.Tensor:
+    """A contiguous float32 tensor of ``shape`` over the first bytes of ``tensor``'s memory."""
+    size = math.prod(shape)
+    return tensor.reshape(-1).view(torch.uint8)[: 4 * size].view(torch.float32).view(shape)
+
+
+@pytest.fixture
+def valid_args(make_inputs) -> dict:
+    """Keyword arguments of a valid call on CPU tensors, with a sink, topk_length and output buffers."""
+    args = make_inputs(S_Q, H_Q, S_KV, D_QK, TOPK, with_sink=True, with_topk_length=True)
+    args["out"] = torch.empty(S_Q, H_Q, D_V, dtype=torch.bfloat16)
+    args["max_logits"] = torch.empty(S_Q, H_Q)
+    args["lse"] = torch.empty(S_Q, H_Q)
+    args["precision"] = "default"
+    return args
+
+
+@pytest.fixture
+def tripwire_kernels(fake_kernels):
+    """A fake kernels module that fails the test if anything is launched."""
+
+    def launch_sparse_prefill(*args):
+        raise AssertionError("the kernel was launched for arguments that break the contract")
+
+    return fake_kernels(launch_sparse_prefill)
+
+
+# (test id, changes to the valid arguments: a function of them, expected exception, message fragment)
+VIOLATIONS = [
+    ("q-not-a-tensor", lambda a: {"q": [[0.0]]}, TypeError, "q: expected a torch.Tensor, got list"),
+    ("kv-not-a-tensor", lambda a: {"kv": None}, TypeError, "kv: expected a torch.Tensor, got NoneType"),
+    ("indices-not-a-tensor", lambda a: {"indices": (1, 2)}, TypeError, "indices: expected a torch.Tensor"),
+    (
+        "q-rank",
+        lambda a: {"q": fp8(S_Q, H_Q * D_QK)},
+        ValueError,
+        "q: expected a 3-D tensor [s_q, h_q, d_qk], got shape [4, 9216]",
+    ),
+    (
+        "kv-rank",
+        lambda a: {"kv": fp8(S_KV, D_QK)},
+        ValueError,
+        "kv: expected a 3-D tensor [s_kv, h_kv, d_qk], got shape [32, 576]",
+    ),
+    (
+        "indices-rank",
+        lambda a: {"indices": int32(S_Q, TOPK)},
+        ValueError,
+        "indices: expected a 3-D tensor [s_q, 1, topk], got shape [4, 128]",
+    ),
+    (
+        "q-dtype",
+        lambda a: {"q": a["q"].to(torch.bfloat16)},
+        TypeError,
+        "q: expected dtype torch.float8_e4m3fn, got torch.bfloat16",
+    ),
+    (
+        "kv-dtype",
+        lambda a: {"kv": a["kv"].to(torch.float8_e5m2)},
+        TypeError,
+        "kv: expected dtype torch.float8_e4m3fn, got torch.float8_e5m2",
+    ),
+    (
+        "indices-dtype",
+        lambda a: {"indices": a["indices"].long()},
+        TypeError,
+        "indices: expected dtype torch.int32, got torch.int64",
+    ),
+    (
+        "q-last-dim-strided",
+        lambda a: {"q": every_other_in_last_dim(a["q"])},
+        ValueError,
+        "q: expected a contiguous last dimension (stride 1), got stride 2",
+    ),
+    (
+        "kv-last-dim-strided",
+        lambda a: {"kv": every_other_in_last_dim(a["kv"])},
+        ValueError,
+        "kv: expected a contiguous last dimension (stride 1), got stride 2",
+    ),
+    (
+        "indices-last-dim-strided",
+        lambda a: {"indices": every_other_in_last_dim(a["indices"])},
+        ValueError,
+        "indices: expected a contiguous last dimension (stride 1), got stride 2",
+    ),
+    ("no-heads", lambda a: {"q": fp8(S_Q, 0, D_QK)}, ValueError, "q: expected at least 1 head"),
+    ("h-kv-2", lambda a: {"kv": fp8(S_KV, 2, D_QK)}, ValueError, "kv: expected h_kv = kv.shape[1] = 1"),
+    (
+        "d-qk-unsupported",
+        lambda a: {"q": fp8(S_Q, H_Q, 256), "kv": fp8(S_KV, 1, 256)},
+        ValueError,
+        "q: expected d_qk = q.shape[2] in (512, 576), got 256",
+    ),
+    (
+        "kv-d-qk-differs-from-q",
+        lambda a: {"kv": fp8(S_KV, 1, 512)},
+        ValueError,
+        "kv: expected kv.shape[2] = 576 (d_qk of q), got 512",
+    ),
+    ("d-v-256", lambda a: {"d_v": 256}, ValueError, "d_v: expected the integer 512, got 256"),
+    ("d-v-float", lambda a: {"d_v": 512.0}, ValueError, "d_v: expected the integer 512, got 512.0"),
+    (
+        "indices-rows-differ-from-s-q",
+        lambda a: {"indices": int32(S_Q + 1, 1, TOPK)},
+        ValueError,
+        "indices: expected shape [s_q, 1, topk] with s_q = 4, got [5, 1, 128]",
+    ),
+    (
+        "indices-dim-1-not-1",
+        lambda a: {"indices": int32(S_Q, 2, TOPK)},
+        ValueError,
+        "indices: expected shape [s_q, 1, topk] with s_q = 4, got [4, 2, 128]",
+    ),
+    (
+        "topk-not-multiple-of-128",
+        lambda a: {"indices": int32(S_Q, 1, 100)},
+        ValueError,
+        "a positive multiple of 128, got 100; pad it with q8kv8.pad_topk(indices)",
+    ),
+    (
+        "topk-zero",
+        lambda a: {"indices": int32(S_Q, 1, 0)},
+        ValueError,
+        "a positive multiple of 128, got 0; pad it with q8kv8.pad_topk(indices)",
+    ),
+    (
+        "sm-scale-bool",
+        lambda a: {"sm_scale": True},
+        TypeError,
+        "sm_scale: expected a Python real number, got bool",
+    ),
+    (
+        "sm-scale-tensor",
+        lambda a: {"sm_scale": torch.tensor(0.1)},
+        TypeError,
+        "sm_scale: expected a Python real number, got Tensor",
+    ),
+    (
+        "sm-scale-str",
+        lambda a: {"sm_scale": "0.1"},
+        TypeError,
+        "sm_scale: expected a Python real number, got str",
+    ),
+    (
+        "sm-scale-nan",
+        lambda a: {"sm_scale": math.nan},
+        ValueError,
+        "sm_scale: expected a finite number, got nan",
+    ),
+    (
+        "sm-scale-inf",
+        lambda a: {"sm_scale": -math.inf},
+        ValueError,
+        "sm_scale: expected a finite number, got -inf",
+    ),
+    (
+        "q-scale-float",
+        lambda a: {"q_scale": 1.0},
+        TypeError,
+        "q_scale: expected a torch.Tensor, got float",
+    ),
+    (
+        "q-scale-dtype",
+        lambda a: {"q_scale": torch.ones(1, dtype=torch.float64)},
+        TypeError,
+        "q_scale: expected dtype torch.float32, got torch.float64",
+    ),
+    (
+        "q-scale-two-elements",
+        lambda a: {"q_scale": torch.ones(2)},
+        ValueError,
+        "q_scale: expected a tensor with exactly one element, got shape [2]",
+    ),
+    (
+        "kv-scale-float",
+        lambda a: {"kv_scale": 1.0},
+        TypeError,
+        "kv_scale: expected a torch.Tensor, got float",
+    ),
+    (
+        "kv-scale-dtype",
+        lambda a: {"kv_scale": torch.ones((), dtype=torch.bfloat16)},
+        TypeError,
+        "kv_scale: expected dtype torch.float32, got torch.bfloat16",
+    ),
+    (
+        "kv-scale-empty",
+        lambda a: {"kv_scale": torch.ones(0)},
+        ValueError,
+        "kv_scale: expected a tensor with exactly one element, got shape [0]",
+    ),
+    (
+        "precision-unknown",
+        lambda a: {"precision": "fast"},
+        ValueError,
+        "precision: expected one of ('default', 'accurate'), got 'fast'",
+    ),
+    (
+        "sink-not-a-tensor",
+        lambda a: {"attn_sink": [0.0] * H_Q},
+        TypeError,
+        "attn_sink: expected a torch.Tensor",
+    ),
+    (
+        "sink-dtype",
+        lambda a: {"attn_sink": a["attn_sink"].to(torch.bfloat16)},
+        TypeError,
+        "attn_sink: expected dtype torch.float32, got torch.bfloat16",
+    ),
+    (
+        "sink-shape",
+        lambda a: {"attn_sink": torch.zeros(H_Q + 1)},
+        ValueError,
+        "attn_sink: expected shape [h_q] = [16], got [17]",
+    ),
+    (
+        "topk-length-dtype",
+        lambda a: {"topk_length": a["topk_length"].long()},
+        TypeError,
+        "topk_length: expected dtype torch.int32, got torch.int64",
+    ),
+    (
+        "topk-length-shape",
+        lambda a: {"topk_length": int32(S_Q, 1)},
+        ValueError,
+        "topk_length: expected shape [s_q] = [4], got [4, 1]",
+    ),
+    ("out-not-a-tensor", lambda a: {"out": 0}, TypeError, "out: expected a torch.Tensor, got int"),
+    (
+        "out-shape",
+        lambda a: {"out": torch.empty(S_Q, H_Q, D_QK, dtype=torch.bfloat16)},
+        ValueError,
+        "out: expected shape [s_q, h_q, d_v] = [4, 16, 512], got [4, 16, 576]",
+    ),
+    (
+        "out-dtype",
+        lambda a: {"out": torch.empty(S_Q, H_Q, D_V)},
+        TypeError,
+        "out: expected dtype torch.bfloat16, got torch.float32",
+    ),
+    (
+        "out-not-contiguous",
+        lambda a: {"out": torch.empty(S_Q, D_V, H_Q, dtype=torch.bfloat16).transpose(1, 2)},
+        ValueError,
+        "out: expected a contiguous tensor",
+    ),
+    (
+        "max-logits-shape",
+        lambda a: {"max_logits": torch.empty(S_Q, H_Q + 1)},
+        ValueError,
+        "max_logits: expected shape [s_q, h_q] = [4, 16], got [4, 17]",
+    ),
+    (
+        "max-logits-dtype",
+        lambda a: {"max_logits": torch.empty(S_Q, H_Q, dtype=torch.float64)},
+        TypeError,
+        "max_logits: expected dtype torch.float32, got torch.float64",
+    ),
+    (
+        "max-logits-not-contiguous",
+        lambda a: {"max_logits": torch.empty(H_Q, S_Q).t()},
+        ValueError,
+        "max_logits: expected a contiguous tensor",
+    ),
+    (
+        "lse-shape",
+        lambda a: {"lse": torch.empty(S_Q * H_Q)},
+        ValueError,
+        "lse: expected shape [s_q, h_q] = [4, 16], got [64]",
+    ),
+    (
+        "lse-dtype",
+        lambda a: {"lse": torch.empty(S_Q, H_Q, dtype=torch.bfloat16)},
+        TypeError,
+        "lse: expected dtype torch.float32, got torch.bfloat16",
+    ),
+    (
+        "lse-not-contiguous",
+        lambda a: {"lse": torch.empty(H_Q, S_Q).t()},
+        ValueError,
+        "lse: expected a contiguous tensor",
+    ),
+    (
+        "lse-is-max-logits",
+        lambda a: {"lse": a["max_logits"]},
+        ValueError,
+        "lse: expected memory of its own, got memory overlapping max_logits",
+    ),
+    (
+        "lse-inside-out",
+        lambda a: {"lse": overlapping_float32(a["out"], (S_Q, H_Q))},
+        ValueError,
+        "lse: expected memory of its own, got memory overlapping out",
+    ),
+    (
+        "max-logits-inside-q",
+        lambda a: {"max_logits": overlapping_float32(a["q"], (S_Q, H_Q))},
+        ValueError,
+        "max_logits: expected memory of its own, got memory overlapping q",
+    ),
+    (
+        "lse-inside-indices",
+        lambda a: {"lse": overlapping_float32(a["indices"], (S_Q, H_Q))},
+        ValueError,
+        "lse: expected memory of its own, got memory overlapping indices",
+    ),
+    (
+        "out-over-kv",
+        lambda a: {"kv": a["out"].reshape(-1).view(FP8)[: S_KV * D_QK].view(S_KV, 1, D_QK)},
+        ValueError,
+        "out: expected memory of its own, got memory overlapping kv",
+    ),
+    (
+        "max-logits-over-kv-scale",
+        lambda a: {"kv_scale": a["max_logits"][1, 3:4]},
+        ValueError,
+        "max_logits: expected memory of its own, got memory overlapping kv_scale",
+    ),
+    (
+        "lse-over-attn-sink",
+        lambda a: {"attn_sink": a["lse"][S_Q - 1]},
+        ValueError,
+        "lse: expected memory of its own, got memory overlapping attn_sink",
+    ),
+    (
+        "max-logits-over-topk-length",
+        lambda a: {"topk_length": a["max_logits"][0].view(torch.int32)[:S_Q]},
+        ValueError,
+        "max_logits: expected memory of its own, got memory overlapping topk_length",
+    ),
+]
+
+
+@pytest.mark.parametrize(
+    ("changes", "exception", "message"),
+    [case[1:] for case in VIOLATIONS],
+    ids=[case[0] for case in VIOLATIONS],
+)
+def test_violation_raises_before_any_launch(valid_args, tripwire_kernels, changes, exception, message):
+    valid_args.update(changes(valid_args))
+    with pytest.raises(exception) as error:
+        sparse_mla_q8kv8_prefill_fwd(**valid_args)
+    assert message in str(error.value)
+
+
+def test_valid_cpu_inputs_fail_only_the_device_check(valid_args, tripwire_kernels):
+    with pytest.raises(ValueError, match="^q: expected a CUDA tensor, got device cpu$"):
+        sparse_mla_q8kv8_prefill_fwd(**valid_args)
+
+
+def test_check_inputs_hands_every_tensor_to_the_device_check(valid_args, monkeypatch):
+    seen = {}
+    monkeypatch.setattr(contract, "check_device", seen.update)
+    problem = check_inputs(**valid_args)
+    assert problem == Problem(
+        s_q=S_Q, h_q=H_Q, s_kv=S_KV, d_qk=D_QK, d_v=D_V, topk=TOPK, device=torch.device("cpu")
+    )
+    assert list(seen) == [
+        "q",
+        "kv",
+        "indices",
+        "q_scale",
+        "kv_scale",
+        "attn_sink",
+        "topk_length",
+        "out",
+        "max_logits",
+        "lse",
+    ]
+    assert all(device == torch.device("cpu") for device in seen.values())
+
+
+@pytest.mark.parametrize(("s_q", "s_kv"), [(0, S_KV), (S_Q, 0), (0, 0)])
+def test_empty_query_or_kv_is_valid(make_inputs, monkeypatch, s_q, s_kv):
+    monkeypatch.setattr(contract, "check_device", lambda named_devices: None)
+    args = make_inputs(s_q, H_Q, s_kv, 512, 256, with_sink=True, with_topk_length=True)
+    problem = check_inputs(**args, out=None, max_logits=None, lse=None, precision="accurate")
+    assert (problem.s_q, problem.s_kv, problem.d_qk, problem.topk) == (s_q, s_kv, 512, 256)
+
+
+@pytest.fixture
+def sm90(monkeypatch):
+    monkeypatch.setattr(contract, "_device_capability", lambda device: (9, 0))
+    monkeypatch.setattr(contract, "_device_name", lambda device: "NVIDIA H200")
+
+
+def cuda_devices(**overrides: str) -> dict:
+    devices = dict.fromkeys(["q", "kv", "indices", "q_scale", "kv_scale", "out"], "cuda:0") | overrides
+    return {name: torch.device(device) for name, device in devices.items()}
+
+
+def test_one_sm90_device_passes(sm90):
+    assert check_device(cuda_devices()) is None
+
+
+def test_tensor_on_another_gpu_is_rejected(sm90):
+    with pytest.raises(
+        ValueError, match=r"^kv_scale: expected a tensor on cuda:0 \(the device of q\), got device cuda:1$"
+    ):
+        check_device(cuda_devices(kv_scale="cuda:1"))
+
+
+def test_cpu_tensor_among_gpu_tensors_is_rejected(sm90):
+    with pytest.raises(ValueError, match="^out: expected a CUDA tensor, got device cpu$"):
+        check_device(cuda_devices(out="cpu"))
+
+
+@pytest.mark.parametrize(
+    ("capability", "name"), [((8, 0), "NVIDIA A100-SXM4-80GB"), ((10, 0), "NVIDIA B200")]
+)
+def test_non_sm90_gpu_is_rejected(monkeypatch, capability, name):
+    monkeypatch.setattr(contract, "_device_capability", lambda device: capability)
+    monkeypatch.setattr(contract, "_device_name", lambda device: name)
+    with pytest.raises(ValueError) as error:
+        check_device(cuda_devices())
+    message = str(error.value)
+    assert message.startswith("q: expected a GPU of compute capability 9.0")
+    assert f"got {name} on cuda:0 with compute capability {capability[0]}.{capability[1]}" in message
+
+
+def test_overlap_is_judged_by_byte_ranges():
+    buffer = torch.zeros(64)
+    first, second = buffer[:32], buffer[32:]
+    assert not contract._overlaps(first, second)
+    assert not contract._overlaps(second, first)
+    assert contract._overlaps(buffer[:33], second)
+    assert contract._overlaps(buffer[::2], buffer[1::2])  # interleaved views: conservatively overlapping
+    assert contract._overlaps(buffer.view(torch.int32)[10:11], buffer[10:12])
+    assert not contract._overlaps(buffer[:0], buffer)
+    assert not contract._overlaps(torch.zeros(4), torch.zeros(4))
+
+
+def test_check_ranges_is_enabled_only_by_env_value_1(monkeypatch):
+    monkeypatch.delenv(contract.CHECK_RANGES_ENV, raising=False)
+    assert not contract.check_ranges_enabled()
+    monkeypatch.setenv(contract.CHECK_RANGES_ENV, "0")
+    assert not contract.check_ranges_enabled()
+    monkeypatch.setenv(contract.CHECK_RANGES_ENV, "1")
+    assert contract.check_ranges_enabled()
+
+
+def test_topk_length_in_range_passes():
+    contract.check_topk_length_range(None, TOPK)
+    contract.check_topk_length_range(torch.zeros(0, dtype=torch.int32), TOPK)
+    contract.check_topk_length_range(torch.tensor([0, 5, TOPK], dtype=torch.int32), TOPK)
+
+
+@pytest.mark.parametrize(("values", "low", "high"), [([0, -1, 3], -1, 3), ([TOPK + 1, 2], 2, TOPK + 1)])
+def test_topk_length_out_of_range_raises(values, low, high):
+    with pytest.raises(
+        ValueError,
+        match=rf"^topk_length: expected values in \[0, {TOPK}\] \(topk\), got values from {low} to {high}",
+    ):
+        contract.check_topk_length_range(torch.tensor(values, dtype=torch.int32), TOPK)

@@ -1,0 +1,78 @@
+"""The kernel variants build for sm_90a without a GPU, use the instructions they are meant to use, fit
+in registers, and are cached on disk (CPU tests, run in CI)."""
+
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from q8kv8 import kernels
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+@pytest.fixture(scope="module")
+def variants():
+    return kernels.load_variants()
+
+
+def test_import_builds_every_variant(variants):
+    assert sorted(variants) == [512, 576]
+    for d_qk, variant in variants.items():
+        assert variant.name == kernels.variant_name(d_qk)
+        assert variant.object_path.exists() and variant.ptx_path.exists()
+
+
+@pytest.mark.parametrize("d_qk", [512, 576])
+def test_ptx_uses_fp8_wgmma_tma_and_cp_async(variants, d_qk):
+    ptx = variants[d_qk].ptx_path.read_text()
+    qk_steps, pv_steps = d_qk // 32, 16  # k-steps of S = Q.K^T, and of O^T (4 d tiles x 4 k-steps)
+    fp8_wgmma = re.findall(r"wgmma\.mma_async\.sync\.aligned\.m64n64k32\.f32\.e4m3\.e4m3", ptx)
+    assert len(fp8_wgmma) == qk_steps + pv_steps
+    assert len(re.findall(r"cp\.async\.bulk\.tensor", ptx)) == d_qk // 64  # Q tile by TMA
+    assert len(re.findall(r"cp\.async\.cg\.shared\.global\.L2::cache_hint", ptx)) == d_qk // 64 * 4
+    assert "ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16" in ptx
+    assert re.search(r"setmaxnreg\.dec\.sync\.aligned\.u32\s+40", ptx)
+    assert re.search(r"setmaxnreg\.inc\.sync\.aligned\.u32\s+232", ptx)
+
+
+@pytest.mark.parametrize("d_qk", [512, 576])
+def test_ptxas_reports_no_spills(variants, d_qk):
+    report = kernels.ptxas_report(variants[d_qk])
+    if report is None:
+        pytest.skip("ptxas is not on PATH")
+    assert report.spill_store_bytes == 0 and report.spill_load_bytes == 0, report.text
+    assert report.stack_frame_bytes == 0, report.text
+    assert report.registers <= 168, report.text  # 65536 / 384 threads
+
+
+def _import_in_subprocess(cache: Path) -> dict:
+    code = (
+        "import q8kv8.kernels as k, q8kv8;"
+        "print(k.cache_stats.hits, k.cache_stats.misses, k.cache_stats.rebuilt_corrupt,"
+        " max(v.seconds for v in k._variants.values()))"
+    )
+    env = dict(os.environ, Q8KV8_CACHE_DIR=str(cache))
+    result = subprocess.run(
+        [sys.executable, "-c", code], env=env, cwd=REPO, capture_output=True, text=True, check=True
+    )
+    hits, misses, rebuilt, seconds = result.stdout.split()
+    return {"hits": int(hits), "misses": int(misses), "rebuilt": int(rebuilt), "seconds": float(seconds)}
+
+
+def test_second_import_hits_the_disk_cache_and_damage_is_rebuilt(tmp_path):
+    first = _import_in_subprocess(tmp_path)
+    assert (first["hits"], first["misses"]) == (0, 2)
+    second = _import_in_subprocess(tmp_path)
+    assert (second["hits"], second["misses"]) == (2, 0)
+    assert second["seconds"] < 1.0, "loading a cached variant should take well under a second"
+
+    objects = sorted(tmp_path.rglob("*.o"))
+    assert len(objects) == 2
+    objects[0].write_bytes(objects[0].read_bytes()[:1000])  # truncate one cached object
+    third = _import_in_subprocess(tmp_path)
+    assert (third["hits"], third["misses"], third["rebuilt"]) == (1, 1, 1)
+    assert (tmp_path / objects[0].relative_to(tmp_path)).stat().st_size > 1000

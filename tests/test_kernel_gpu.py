@@ -1,0 +1,207 @@
+"""The SM90 kernel against the float64 reference, on an H100/H200 (``gpu`` marker; skipped elsewhere).
+
+Tolerances: ``out`` rounds P to e4m3 before the PV product (about 3% rms), so
+``||out - ref|| / ||ref|| <= 4e-2``; ``max_logits`` and ``lse`` come from exact fp8 products
+accumulated in f32, so they must agree to 1e-2 relative (absolute below 1). Rows with no valid
+slot must hold the sentinels exactly.
+"""
+
+import math
+
+import pytest
+import torch
+
+from q8kv8 import sparse_mla_q8kv8_prefill_fwd, topk_length_from_seqlens
+from q8kv8.reference import sparse_mla_prefill_reference
+
+pytestmark = pytest.mark.gpu
+
+OUT_TOLERANCE = 4e-2
+STAT_TOLERANCE = 1e-2
+INT32_MIN, INT32_MAX = -(2**31), 2**31 - 1
+
+
+def run_kernel(inputs: dict, **kwargs):
+    outputs = sparse_mla_q8kv8_prefill_fwd(**inputs, **kwargs)
+    torch.cuda.synchronize()
+    return outputs
+
+
+def assert_matches_reference(outputs, inputs, rows=None):
+    """Compare kernel outputs with the float64 reference (optionally on a subset of query rows)."""
+    out, max_logits, lse = outputs
+    ref_inputs = dict(inputs)
+    if rows is not None:
+        ref_inputs["q"] = inputs["q"][rows]
+        ref_inputs["indices"] = inputs["indices"][rows]
+        if inputs.get("topk_length") is not None:
+            ref_inputs["topk_length"] = inputs["topk_length"][rows]
+        out, max_logits, lse = out[rows], max_logits[rows], lse[rows]
+    ref_out, ref_max, ref_lse = sparse_mla_prefill_reference(**ref_inputs, chunk_rows=32)
+
+    assert not torch.isnan(out).any(), "NaN in out"
+    assert not torch.isnan(max_logits).any() and not torch.isnan(lse).any(), "NaN in max_logits/lse"
+    empty = torch.isinf(ref_lse) & (ref_lse > 0)  # rows with no valid slot
+    assert torch.equal(torch.isinf(lse) & (lse > 0), empty), "sentinel rows differ"
+    assert (out[empty] == 0).all(), "out of an empty row is not exactly 0"
+    assert (max_logits[empty] == -math.inf).all(), "max_logits of an empty row is not -inf"
+
+    out64 = out.double()
+    ref_norm = ref_out.norm()
+    if ref_norm > 0:
+        rel = ((out64 - ref_out).norm() / ref_norm).item()
+        assert rel <= OUT_TOLERANCE, f"||out - ref|| / ||ref|| = {rel:.3e}"
+    full = ~empty
+    for name, got, want in (("max_logits", max_logits, ref_max), ("lse", lse, ref_lse)):
+        err = (got.double()[full] - want[full]).abs() / want[full].abs().clamp(min=1.0)
+        if err.numel():
+            assert err.max().item() <= STAT_TOLERANCE, f"{name}: max relative error {err.max().item():.3e}"
+
+
+@pytest.mark.parametrize("s_kv_kind", ["below_topk", "64k"])
+@pytest.mark.parametrize("topk", [128, 512, 2048])
+@pytest.mark.parametrize("h_q", [64, 128])
+@pytest.mark.parametrize("d_qk", [512, 576])
+@pytest.mark.parametrize("extras", ["plain", "sink_and_topk_length"])
+def test_matches_reference(make_inputs, d_qk, h_q, topk, s_kv_kind, extras):
+    s_kv = topk // 2 + 3 if s_kv_kind == "below_topk" else 65536
+    with_extras = extras == "sink_and_topk_length"
+    inputs = make_inputs(
+        37, h_q, s_kv, d_qk, topk, device="cuda", with_sink=with_extras, with_topk_length=with_extras
+    )
+    assert_matches_reference(run_kernel(inputs), inputs)
+
+
+def test_every_invalid_index_kind_and_duplicates(make_inputs, generator):
+    inputs = make_inputs(16, 64, 3000, 576, 256, device="cuda", invalid_fraction=0.0)
+    indices = inputs["indices"].cpu()
+    bad_values = torch.tensor([-1, -5, 3000, 3001, INT32_MIN, INT32_MAX], dtype=torch.int32)
+    picks = torch.randint(0, len(bad_values), indices.shape, generator=generator)
+    bad = torch.rand(indices.shape, generator=generator) < 0.4
+    indices = torch.where(bad, bad_values[picks], indices)
+    indices[:, :, 10:20] = indices[:, :, 5:6]  # duplicates of slot 5 (valid or not)
+    indices[3] = 7  # one row attends the same kv row topk times
+    inputs["indices"] = indices.cuda()
+    assert_matches_reference(run_kernel(inputs), inputs)
+
+
+def test_sink_infinities_and_empty_rows(make_inputs):
+    inputs = make_inputs(12, 128, 500, 512, 128, device="cuda", with_sink=True)
+    sink = inputs["attn_sink"]
+    sink[0::3] = math.inf
+    sink[1::3] = -math.inf
+    inputs["indices"][2:5] = -1  # rows with no valid slot
+    out, max_logits, lse = run_kernel(inputs)
+    assert_matches_reference((out, max_logits, lse), inputs)
+    assert (out[:, 0::3] == 0).all(), "sink +inf must zero out"
+    assert (out[2:5] == 0).all() and (lse[2:5] == math.inf).all() and (max_logits[2:5] == -math.inf).all()
+
+
+def test_topk_length_edges_clamped(make_inputs):
+    inputs = make_inputs(8, 64, 4000, 576, 512, device="cuda", with_topk_length=True)
+    inputs["topk_length"] = torch.tensor([0, 1, 64, 65, 511, 512, 900, -7], dtype=torch.int32, device="cuda")
+    out, max_logits, lse = run_kernel(inputs)
+    assert_matches_reference((out, max_logits, lse), inputs)
+    for row in (0, 7):  # 0 and negative: no slot visited
+        assert (out[row] == 0).all() and (lse[row] == math.inf).all() and (max_logits[row] == -math.inf).all()
+
+
+def test_non_unit_scales_and_sm_scale(make_inputs, randn_fp8):
+    inputs = make_inputs(20, 64, 2048, 576, 256, device="cuda", with_sink=True)
+    inputs["q"] = randn_fp8(20, 64, 576, device="cuda", scale=0.25)
+    inputs["kv"] = randn_fp8(2048, 1, 576, device="cuda", scale=0.25)
+    inputs["q_scale"] = torch.tensor([0.37], device="cuda")
+    inputs["kv_scale"] = torch.tensor(1.9, device="cuda")
+    inputs["sm_scale"] = 0.5
+    assert_matches_reference(run_kernel(inputs), inputs)
+
+
+@pytest.mark.parametrize("h_q", [16, 48, 96])
+def test_head_counts_padded(make_inputs, h_q):
+    inputs = make_inputs(9, h_q, 1000, 576, 128, device="cuda", with_sink=True, with_topk_length=True)
+    assert_matches_reference(run_kernel(inputs), inputs)
+
+
+def test_poisoned_outputs_fully_written(make_inputs):
+    inputs = make_inputs(33, 128, 5000, 512, 256, device="cuda", with_sink=True, with_topk_length=True)
+    out = torch.full((33, 128, 512), math.nan, dtype=torch.bfloat16, device="cuda")
+    max_logits = torch.full((33, 128), math.nan, device="cuda")
+    lse = torch.full((33, 128), math.nan, device="cuda")
+    result = run_kernel(inputs, out=out, max_logits=max_logits, lse=lse)
+    assert result[0] is out and result[1] is max_logits and result[2] is lse
+    assert_matches_reference(result, inputs)
+
+
+def test_repeated_launches_bitwise_equal(make_inputs):
+    inputs = make_inputs(512, 128, 8192, 576, 256, device="cuda", with_sink=True, with_topk_length=True)
+    first = run_kernel(inputs)
+    for _ in range(9):
+        again = run_kernel(inputs)
+        assert all(torch.equal(a, b) for a, b in zip(first, again, strict=True)), "launches differ"
+    assert_matches_reference(first, inputs)
+
+
+def test_grid_beyond_65535_rows(make_inputs, generator):
+    s_q, h_q, s_kv, d_qk, topk = 70000, 64, 4096, 576, 128
+    inputs = make_inputs(1, h_q, s_kv, d_qk, topk, device="cuda")
+    cuda_gen = torch.Generator(device="cuda").manual_seed(
+        int(torch.randint(0, 2**31, (1,), generator=generator))
+    )
+    inputs["q"] = torch.randn(s_q, h_q, d_qk, device="cuda", generator=cuda_gen).to(torch.float8_e4m3fn)
+    inputs["indices"] = torch.randint(
+        -64, s_kv, (s_q, 1, topk), device="cuda", generator=cuda_gen, dtype=torch.int32
+    )
+    outputs = run_kernel(inputs)
+    rows = torch.cat(
+        [torch.tensor([0, 1, s_q - 2, s_q - 1]), torch.randint(0, s_q, (60,), generator=generator)]
+    )
+    assert_matches_reference(outputs, inputs, rows=rows.cuda())
+
+
+def test_left_packed_with_topk_length_matches_none(make_inputs, generator):
+    s_q, topk, s_kv = 64, 512, 6000
+    inputs = make_inputs(s_q, 64, s_kv, 576, topk, device="cuda", invalid_fraction=0.0)
+    seqlens = torch.randint(0, topk + 1, (s_q,), generator=generator, dtype=torch.int32)
+    seqlens[:3] = torch.tensor([0, topk, 1], dtype=torch.int32)
+    slots = torch.arange(topk)
+    indices = inputs["indices"].cpu().masked_fill((slots >= seqlens[:, None])[:, None, :], -1)
+    inputs["indices"] = indices.cuda()
+    plain = run_kernel(inputs)
+    inputs_tl = dict(inputs, topk_length=topk_length_from_seqlens(seqlens.cuda(), topk))
+    packed = run_kernel(inputs_tl)
+    assert torch.equal(plain[1], packed[1]) and torch.equal(plain[2], packed[2])
+    ulp = (plain[0].float().abs() * 2.0**-7).clamp(min=2.0**-133)
+    assert ((plain[0].float() - packed[0].float()).abs() <= ulp).all()
+    assert_matches_reference(packed, inputs_tl)
+
+
+def test_cuda_graph_replay(make_inputs):
+    inputs = make_inputs(24, 128, 3000, 576, 256, device="cuda", with_sink=True, with_topk_length=True)
+    eager = [t.clone() for t in run_kernel(inputs)]
+    out = torch.empty_like(eager[0])
+    max_logits, lse = torch.empty_like(eager[1]), torch.empty_like(eager[2])
+    run_kernel(inputs, out=out, max_logits=max_logits, lse=lse)  # warm-up outside capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        sparse_mla_q8kv8_prefill_fwd(**inputs, out=out, max_logits=max_logits, lse=lse)
+    for buffer in (out, max_logits, lse):
+        buffer.fill_(math.nan)
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(out, eager[0]) and torch.equal(max_logits, eager[1]) and torch.equal(lse, eager[2])
+
+
+def test_runs_on_callers_stream(make_inputs, randn_fp8):
+    """The call must queue on the current stream: behind a slow copy issued there just before it."""
+    inputs = make_inputs(16, 64, 2000, 512, 256, device="cuda", with_topk_length=True)
+    q_later = randn_fp8(16, 64, 512, device="cuda")
+    expected = run_kernel(dict(inputs, q=q_later))
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        torch.cuda._sleep(100_000_000)
+        inputs["q"].copy_(q_later)
+        got = sparse_mla_q8kv8_prefill_fwd(**inputs)
+    torch.cuda.synchronize()
+    for a, b in zip(expected, got, strict=True):
+        assert torch.equal(a, b)

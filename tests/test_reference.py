@@ -1,0 +1,254 @@
+"""The float64 reference against hand-computed cases and a per-element loop.
+
+Hand cases use small d_qk and d_v and values that fp8 e4m3 holds exactly, so their expected results are
+exact or follow from a line of math; float64 comparisons use a relative tolerance of 1e-12.
+"""
+
+import math
+
+import pytest
+import torch
+
+from q8kv8.reference import sparse_mla_prefill_reference
+
+FP8 = torch.float8_e4m3fn
+TOL = {"rtol": 1e-12, "atol": 1e-12}
+INT32_MIN, INT32_MAX = -(2**31), 2**31 - 1
+
+
+def fp8_exact(values) -> torch.Tensor:
+    """``values`` as an fp8 e4m3 tensor, asserting that fp8 holds each of them exactly."""
+    exact = torch.tensor(values, dtype=torch.float64)
+    converted = exact.to(FP8)
+    assert torch.equal(converted.to(torch.float64), exact)
+    return converted
+
+
+# One query row, one head, d_qk = 4, d_v = 2; kv rows as [s_kv, 1, d_qk].
+Q = fp8_exact([[[1.0, 2.0, 0.0, 1.0]]])
+KV = fp8_exact([[[1.0, 1.0, 1.0, 1.0]], [[2.0, 0.0, 1.0, 0.0]], [[0.5, 1.5, -1.0, 4.0]]])
+D_V = 2
+DOTS = [4.0, 2.0, 7.5]  # q . kv[j] for j = 0, 1, 2
+
+
+def reference(indices, *, q=Q, kv=KV, sm_scale=1.0, q_scale=1.0, kv_scale=1.0, **kwargs):
+    indices = torch.tensor(indices, dtype=torch.int32).reshape(q.shape[0], 1, -1)
+    return sparse_mla_prefill_reference(q, kv, indices, sm_scale, q_scale, kv_scale, D_V, **kwargs)
+
+
+def expected_softmax(slots: list[int], scale: float, kv_scale: float = 1.0):
+    """Hand softmax over ``slots`` (with repeats) of the one-row problem: (out, max_logit, lse)."""
+    logits = [DOTS[j] * scale for j in slots]
+    top = max(logits)
+    lse = top + math.log(sum(math.exp(logit - top) for logit in logits))
+    weights = [math.exp(logit - lse) for logit in logits]
+    out = [
+        sum(w * KV[j, 0, d].item() * kv_scale for w, j in zip(weights, slots, strict=True))
+        for d in range(D_V)
+    ]
+    return torch.tensor([[out]], dtype=torch.float64), top, lse
+
+
+def assert_sentinel_row(out, max_logits, lse, row=0):
+    assert torch.equal(out[row], torch.zeros_like(out[row]))
+    assert torch.equal(max_logits[row], torch.full_like(max_logits[row], -math.inf))
+    assert torch.equal(lse[row], torch.full_like(lse[row], math.inf))
+
+
+def test_one_valid_slot_returns_that_value_row_and_logit():
+    out, max_logits, lse = reference([1, -1], q_scale=0.5, kv_scale=2.0, sm_scale=0.25)
+    logit = 2.0 * 0.5 * 2.0 * 0.25
+    assert torch.equal(out, torch.tensor([[[4.0, 0.0]]], dtype=torch.float64))
+    assert max_logits.item() == logit
+    assert lse.item() == logit
+
+
+def test_two_slots_follow_the_hand_softmax():
+    out, max_logits, lse = reference([0, 2], sm_scale=0.3)
+    expected_out, expected_max, expected_lse = expected_softmax([0, 2], 0.3)
+    torch.testing.assert_close(out, expected_out, **TOL)
+    assert max_logits.item() == pytest.approx(expected_max, rel=1e-12)
+    assert lse.item() == pytest.approx(expected_lse, rel=1e-12)
+
+
+def test_scales_multiply_logits_and_values():
+    out, max_logits, lse = reference([0, 1, 2], q_scale=0.75, kv_scale=1.5, sm_scale=0.2)
+    expected_out, expected_max, expected_lse = expected_softmax([0, 1, 2], 0.75 * 1.5 * 0.2, kv_scale=1.5)
+    torch.testing.assert_close(out, expected_out, **TOL)
+    assert max_logits.item() == pytest.approx(expected_max, rel=1e-12)
+    assert lse.item() == pytest.approx(expected_lse, rel=1e-12)
+
+
+def test_tensor_scales_equal_float_scales():
+    as_floats = reference([0, 2, 1], q_scale=0.75, kv_scale=1.5)
+    as_tensors = reference([0, 2, 1], q_scale=torch.tensor([0.75]), kv_scale=torch.tensor(1.5))
+    for got, expected in zip(as_tensors, as_floats, strict=True):
+        assert torch.equal(got, expected)
+
+
+def test_duplicated_index_counts_twice():
+    out, max_logits, lse = reference([2, 0, 2], sm_scale=0.3)
+    expected_out, expected_max, expected_lse = expected_softmax([2, 0, 2], 0.3)
+    torch.testing.assert_close(out, expected_out, **TOL)
+    assert max_logits.item() == pytest.approx(expected_max, rel=1e-12)
+    assert lse.item() == pytest.approx(expected_lse, rel=1e-12)
+    # Doubling the weight of slot 2: lse = log(2 e^l2 + e^l0).
+    assert lse.item() == pytest.approx(math.log(2 * math.exp(7.5 * 0.3) + math.exp(4.0 * 0.3)), rel=1e-12)
+
+
+@pytest.mark.parametrize(
+    "invalid", [-1, -5, 3, INT32_MIN, INT32_MAX], ids=["-1", "-5", "s_kv", "int_min", "int_max"]
+)
+def test_invalid_index_is_ignored(invalid):
+    with_invalid = reference([0, invalid, 2, invalid], sm_scale=0.3)
+    without = reference([0, 2], sm_scale=0.3)
+    for got, expected in zip(with_invalid, without, strict=True):
+        assert torch.equal(got, expected)
+    assert_sentinel_row(*reference([invalid, invalid]))
+
+
+def test_sink_minus_inf_has_no_effect():
+    plain = reference([0, 1, 2], sm_scale=0.3)
+    with_sink = reference([0, 1, 2], sm_scale=0.3, attn_sink=torch.tensor([-math.inf]))
+    for got, expected in zip(with_sink, plain, strict=True):
+        assert torch.equal(got, expected)
+
+
+def test_sink_plus_inf_zeroes_out_and_keeps_lse():
+    plain_out, plain_max, plain_lse = reference([0, 1, 2], sm_scale=0.3)
+    out, max_logits, lse = reference([0, 1, 2], sm_scale=0.3, attn_sink=torch.tensor([math.inf]))
+    assert torch.equal(out, torch.zeros_like(plain_out))
+    assert torch.equal(max_logits, plain_max)
+    assert torch.equal(lse, plain_lse)
+
+
+def test_finite_sink_scales_out_by_one_over_one_plus_exp_sink_minus_lse():
+    plain_out, plain_max, plain_lse = reference([0, 1, 2], sm_scale=0.3)
+    sink = 1.75
+    out, max_logits, lse = reference([0, 1, 2], sm_scale=0.3, attn_sink=torch.tensor([sink]))
+    factor = 1.0 / (1.0 + math.exp(sink - plain_lse.item()))
+    torch.testing.assert_close(out, plain_out * factor, **TOL)
+    assert torch.equal(max_logits, plain_max)
+    assert torch.equal(lse, plain_lse)
+
+
+@pytest.mark.parametrize("sink", [-math.inf, -2.0, 0.0, math.inf])
+def test_topk_length_zero_gives_sentinels_with_or_without_sink(sink):
+    assert_sentinel_row(*reference([0, 1, 2], topk_length=torch.tensor([0], dtype=torch.int32)))
+    sinks = torch.tensor([sink])
+    assert_sentinel_row(
+        *reference([0, 1, 2], topk_length=torch.tensor([0], dtype=torch.int32), attn_sink=sinks)
+    )
+
+
+def test_topk_length_cuts_the_row():
+    cut = reference([0, 2, 1], sm_scale=0.3, topk_length=torch.tensor([2], dtype=torch.int32))
+    for got, expected in zip(cut, reference([0, 2], sm_scale=0.3), strict=True):
+        assert torch.equal(got, expected)
+
+
+def test_topk_length_outside_0_topk_acts_clamped():
+    assert_sentinel_row(*reference([0, 1, 2], topk_length=torch.tensor([-3], dtype=torch.int32)))
+    beyond = reference([0, 1, 2], sm_scale=0.3, topk_length=torch.tensor([7], dtype=torch.int32))
+    for got, expected in zip(beyond, reference([0, 1, 2], sm_scale=0.3), strict=True):
+        assert torch.equal(got, expected)
+
+
+def test_topk_length_equal_to_topk_is_no_topk_length(make_inputs):
+    args = make_inputs(s_q=5, h_q=3, s_kv=40, d_qk=8, topk=16, with_sink=True)
+    args["d_v"] = 4
+    full = torch.full((5,), 16, dtype=torch.int32)
+    for got, expected in zip(
+        sparse_mla_prefill_reference(**(args | {"topk_length": full})),
+        sparse_mla_prefill_reference(**args),
+        strict=True,
+    ):
+        assert torch.equal(got, expected)
+
+
+def test_s_kv_below_topk_ignores_indices_past_s_kv(make_inputs):
+    args = make_inputs(s_q=3, h_q=2, s_kv=3, d_qk=8, topk=8)
+    args["d_v"] = 4
+    args["indices"] = torch.arange(8, dtype=torch.int32).repeat(3, 1, 1)  # 0..7 with s_kv = 3
+    first_three = args | {"indices": args["indices"][..., :3]}
+    for got, expected in zip(
+        sparse_mla_prefill_reference(**args), sparse_mla_prefill_reference(**first_three), strict=True
+    ):
+        assert torch.equal(got, expected)
+
+
+def test_empty_kv_gives_sentinels_and_empty_query_gives_empty_outputs(make_inputs):
+    args = make_inputs(s_q=3, h_q=2, s_kv=0, d_qk=8, topk=4, with_sink=True)
+    out, max_logits, lse = sparse_mla_prefill_reference(**args | {"d_v": 4})
+    for row in range(3):
+        assert_sentinel_row(out, max_logits, lse, row)
+    out, max_logits, lse = sparse_mla_prefill_reference(
+        **make_inputs(s_q=0, h_q=2, s_kv=5, d_qk=8, topk=4) | {"d_v": 4}
+    )
+    assert (out.shape, max_logits.shape, lse.shape) == ((0, 2, 4), (0, 2), (0, 2))
+
+
+def test_chunk_size_does_not_change_results(make_inputs):
+    args = make_inputs(s_q=11, h_q=4, s_kv=50, d_qk=16, topk=24, with_sink=True, with_topk_length=True)
+    args["d_v"] = 8
+    whole = sparse_mla_prefill_reference(**args, chunk_rows=256)
+    for chunk_rows in (1, 3, 11):
+        for got, expected in zip(
+            sparse_mla_prefill_reference(**args, chunk_rows=chunk_rows), whole, strict=True
+        ):
+            torch.testing.assert_close(got, expected, rtol=1e-14, atol=0.0)
+
+
+def loop_reference(q, kv, indices, sm_scale, q_scale, kv_scale, d_v, attn_sink, topk_length):
+    """The semantics written out per row, head and slot, in Python floats."""
+    s_q, h_q, _ = q.shape
+    s_kv, topk = kv.shape[0], indices.shape[-1]
+    q, kv = q.double() * float(q_scale), kv[:, 0].double() * float(kv_scale)
+    out = torch.zeros(s_q, h_q, d_v, dtype=torch.float64)
+    max_logits = torch.full((s_q, h_q), -math.inf, dtype=torch.float64)
+    lse = torch.full((s_q, h_q), math.inf, dtype=torch.float64)
+    for i in range(s_q):
+        length = topk if topk_length is None else int(topk_length[i])
+        slots = [int(indices[i, 0, j]) for j in range(topk) if j < length and 0 <= indices[i, 0, j] < s_kv]
+        if not slots:
+            continue
+        for h in range(h_q):
+            logits = [float(q[i, h] @ kv[j]) * sm_scale for j in slots]
+            top = max(logits)
+            row_lse = top + math.log(sum(math.exp(logit - top) for logit in logits))
+            sink = 1.0 if attn_sink is None else 1.0 / (1.0 + math.exp(float(attn_sink[h]) - row_lse))
+            for logit, j in zip(logits, slots, strict=True):
+                out[i, h] += math.exp(logit - row_lse) * sink * kv[j, :d_v]
+            max_logits[i, h], lse[i, h] = top, row_lse
+    return out, max_logits, lse
+
+
+@pytest.mark.parametrize("with_sink", [False, True])
+@pytest.mark.parametrize("with_topk_length", [False, True])
+def test_matches_a_per_slot_loop_on_random_inputs(make_inputs, with_sink, with_topk_length):
+    args = make_inputs(
+        s_q=6,
+        h_q=3,
+        s_kv=20,
+        d_qk=12,
+        topk=10,
+        invalid_fraction=0.3,
+        with_sink=with_sink,
+        with_topk_length=with_topk_length,
+    )
+    args["d_v"] = 8
+    args["indices"][0, 0, :] = -1  # one row with no valid slot
+    args["indices"][1, 0, 1::2] = args["indices"][1, 0, 0]  # and one with duplicates
+    for got, expected in zip(sparse_mla_prefill_reference(**args), loop_reference(**args), strict=True):
+        torch.testing.assert_close(got, expected, **TOL)
+
+
+@pytest.mark.gpu
+def test_runs_on_the_gpu_like_on_the_cpu(make_inputs):
+    args = make_inputs(s_q=300, h_q=64, s_kv=1000, d_qk=576, topk=256, with_sink=True, with_topk_length=True)
+    on_cpu = sparse_mla_prefill_reference(**args)
+    on_gpu = sparse_mla_prefill_reference(
+        **{k: v.cuda() if torch.is_tensor(v) else v for k, v in args.items()}
+    )
+    for got, expected in zip(on_gpu, on_cpu, strict=True):
+        torch.testing.assert_close(got.cpu(), expected, rtol=1e-10, atol=1e-12)
