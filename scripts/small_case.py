@@ -1,0 +1,56 @@
+"""One small kernel call checked against the float64 reference; exits 1 on a mismatch.
+
+Small enough to run under ``compute-sanitizer`` (memcheck, racecheck):
+
+    compute-sanitizer --tool memcheck --report-api-errors no python scripts/small_case.py
+"""
+
+import math
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from q8kv8 import sparse_mla_q8kv8_prefill_fwd  # noqa: E402
+from q8kv8.reference import sparse_mla_prefill_reference  # noqa: E402
+
+
+def main() -> int:
+    torch.manual_seed(int(sys.argv[1]) if len(sys.argv) > 1 else 0)
+    s_q, h_q, s_kv, d_qk, topk = 4, 64, 700, 576, 256
+    q = torch.randn(s_q, h_q, d_qk, device="cuda").to(torch.float8_e4m3fn)
+    kv = torch.randn(s_kv, 1, d_qk, device="cuda").to(torch.float8_e4m3fn)
+    indices = torch.randint(-50, s_kv + 50, (s_q, 1, topk), dtype=torch.int32, device="cuda")
+    indices[1] = -1
+    inputs = {
+        "q": q,
+        "kv": kv,
+        "indices": indices,
+        "sm_scale": d_qk**-0.5,
+        "q_scale": torch.tensor([0.8], device="cuda"),
+        "kv_scale": torch.tensor([1.1], device="cuda"),
+        "attn_sink": torch.randn(h_q, device="cuda"),
+        "topk_length": torch.tensor([256, 100, 0, 200], dtype=torch.int32, device="cuda"),
+    }
+    out, max_logits, lse = sparse_mla_q8kv8_prefill_fwd(**inputs)
+    torch.cuda.synchronize()
+    ref_out, ref_max, ref_lse = sparse_mla_prefill_reference(**inputs)
+    full = torch.isfinite(ref_lse)
+    rel = ((out.double() - ref_out).norm() / ref_out.norm()).item()
+    lse_err = (lse.double() - ref_lse)[full].abs().max().item()
+    max_err = (max_logits.double() - ref_max)[full].abs().max().item()
+    sentinels = bool(
+        (out[~full] == 0).all() and (lse[~full] == math.inf).all() and (max_logits[~full] == -math.inf).all()
+    )
+    print(
+        f"out rel err {rel:.3e}, lse err {lse_err:.2e}, max_logits err {max_err:.2e}, sentinels {sentinels}"
+    )
+    ok = rel <= 4e-2 and lse_err <= 1e-2 and max_err <= 1e-2 and sentinels and not torch.isnan(out).any()
+    print("OK" if ok else "MISMATCH")
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
