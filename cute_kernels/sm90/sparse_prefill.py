@@ -401,6 +401,7 @@ class SparsePrefillSm90:
             (64, B_H),
             warpgroup.OperandSource.RMEM,
         )
+        tiled_mma_pv.set(warpgroup.Field.ACCUMULATE, True)  # O^T always accumulates (zeroed below)
         thr_mma_qk = tiled_mma_qk.get_slice(wtid)
         thr_mma_pv = tiled_mma_pv.get_slice(wtid)
         tSrQ = tiled_mma_qk.make_fragment_A(thr_mma_qk.partition_A(sQ))  # (MMA, 1, d_qk/32)
