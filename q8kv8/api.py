@@ -101,12 +101,12 @@ def sparse_mla_q8kv8_prefill_fwd(
 
     kernels.launch_sparse_prefill(
         kernel_q.contiguous(),
-        kv.contiguous(),
-        indices.contiguous(),
+        kv,
+        indices,
         None if topk_length is None else topk_length.contiguous(),
         None if kernel_sink is None else kernel_sink.contiguous(),
-        q_scale.reshape(1),
-        kv_scale.reshape(1),
+        q_scale,
+        kv_scale,
         float(sm_scale),
         kernel_out,
         kernel_max_logits,

@@ -141,10 +141,9 @@ def check_inputs(
         _require_shape(name, buffer, shape, layout)
         if not buffer.is_contiguous():
             raise ValueError(f"{name}: expected a contiguous tensor, got strides {list(buffer.stride())}")
-        for other_name, other in (*outputs.items(), *inputs.items()):
-            if _overlaps(buffer, other):
-                raise ValueError(f"{name}: expected memory of its own, got memory overlapping {other_name}")
         outputs[name] = buffer
+    if outputs:
+        _check_no_overlap(outputs, inputs)
 
     check_device({name: t.device for name, t in (*inputs.items(), *outputs.items())})
     return Problem(s_q=s_q, h_q=h_q, s_kv=s_kv, d_qk=d_qk, d_v=int(d_v), topk=topk, device=q.device)
@@ -209,15 +208,37 @@ def _require_shape(name: str, tensor: torch.Tensor, shape: tuple[int, ...], layo
 
 def _byte_range(tensor: torch.Tensor) -> tuple[int, int]:
     """The half-open byte interval spanned by ``tensor``'s elements (a superset for strided tensors)."""
-    start = tensor.untyped_storage().data_ptr() + tensor.storage_offset() * tensor.element_size()
+    start = tensor.data_ptr()
+    if tensor.is_contiguous():
+        return start, start + tensor.numel() * tensor.element_size()
     last = sum((size - 1) * stride for size, stride in zip(tensor.shape, tensor.stride(), strict=True))
     return start, start + (last + 1) * tensor.element_size()
 
 
+def _span(tensor: torch.Tensor) -> tuple[torch.device, int, int] | None:
+    """``(device, start, end)`` of a tensor's bytes, None for an empty tensor."""
+    return None if tensor.numel() == 0 else (tensor.device, *_byte_range(tensor))
+
+
 def _overlaps(a: torch.Tensor, b: torch.Tensor) -> bool:
     """Conservatively, whether ``a`` and ``b`` may share memory: their byte intervals on one device meet."""
-    if a.numel() == 0 or b.numel() == 0 or a.device != b.device:
-        return False
-    a_start, a_end = _byte_range(a)
-    b_start, b_end = _byte_range(b)
-    return a_start < b_end and b_start < a_end
+    span_a, span_b = _span(a), _span(b)
+    return _spans_meet(span_a, span_b) if span_a and span_b else False
+
+
+def _spans_meet(a: tuple[torch.device, int, int], b: tuple[torch.device, int, int]) -> bool:
+    return a[1] < b[2] and b[1] < a[2] and a[0] == b[0]
+
+
+def _check_no_overlap(outputs: dict[str, torch.Tensor], inputs: dict[str, torch.Tensor]) -> None:
+    """Raise ValueError when an output buffer may share memory with an earlier output or an input."""
+    input_spans = [(name, span) for name, tensor in inputs.items() if (span := _span(tensor))]
+    seen: list[tuple[str, tuple[torch.device, int, int]]] = []
+    for name, buffer in outputs.items():
+        span = _span(buffer)
+        if span is None:
+            continue
+        for other, other_span in seen + input_spans:
+            if _spans_meet(span, other_span):
+                raise ValueError(f"{name}: expected memory of its own, got memory overlapping {other}")
+        seen.append((name, span))

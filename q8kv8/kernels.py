@@ -118,20 +118,26 @@ def _compile(d_qk: int, dump_dir: Path):
     from cute_kernels.sm90.sparse_prefill import SparsePrefillSm90
 
     fake = cute.runtime.make_fake_compact_tensor
-    rows, s_kv, s_q, topk = cute.sym_int(), cute.sym_int(), cute.sym_int(), cute.sym_int()
+    s_q, heads, s_kv, topk = cute.sym_int(), cute.sym_int(), cute.sym_int(), cute.sym_int()
+    row_major = (2, 1, 0)
     args = (
-        fake(Float8E4M3FN, (rows, d_qk), stride_order=(1, 0), assumed_align=16),  # q [s_q*h, d_qk]
-        cute.runtime.make_fake_tensor(  # kv [s_kv, d_qk], 16-byte aligned rows
-            Float8E4M3FN, (s_kv, d_qk), stride=(cute.sym_int64(divisibility=16), 1), assumed_align=16
+        fake(Float8E4M3FN, (s_q, heads, d_qk), stride_order=row_major, assumed_align=16),  # q
+        cute.runtime.make_fake_tensor(  # kv [s_kv, 1, d_qk]: any 16-byte multiple row stride
+            Float8E4M3FN,
+            (s_kv, 1, d_qk),
+            stride=(cute.sym_int64(divisibility=16), cute.sym_int64(), 1),
+            assumed_align=16,
         ),
-        fake(Int32, (s_q, topk), stride_order=(1, 0), assumed_align=4),  # indices [s_q, topk]
+        cute.runtime.make_fake_tensor(  # indices [s_q, 1, topk]: any row stride
+            Int32, (s_q, 1, topk), stride=(cute.sym_int64(), cute.sym_int64(), 1), assumed_align=4
+        ),
         fake(Int32, (cute.sym_int(),), assumed_align=4),  # topk_length
         fake(Float32, (cute.sym_int(),), assumed_align=4),  # attn_sink
         fake(Float32, (1,), assumed_align=4),  # q_scale
         fake(Float32, (1,), assumed_align=4),  # kv_scale
-        fake(BFloat16, (rows, D_V), stride_order=(1, 0), assumed_align=4),  # out [s_q*h, 512]
-        fake(Float32, (rows,), assumed_align=4),  # max_logits
-        fake(Float32, (rows,), assumed_align=4),  # lse
+        fake(BFloat16, (s_q, heads, D_V), stride_order=row_major, assumed_align=4),  # out
+        fake(Float32, (s_q, heads), stride_order=(1, 0), assumed_align=4),  # max_logits
+        fake(Float32, (s_q, heads), stride_order=(1, 0), assumed_align=4),  # lse
         Float32(1.0),  # sm_scale * log2(e)
         Int32(0),  # flags
         cute.runtime.make_fake_stream(use_tvm_ffi_env_stream=True),
@@ -277,36 +283,39 @@ def _dummies(device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
     return _dummy_tensors[device]
 
 
-def _aligned(tensor: torch.Tensor, alignment: int) -> torch.Tensor:
-    return tensor if tensor.data_ptr() % alignment == 0 else tensor.clone()
-
-
 def launch_sparse_prefill(
     q, kv, indices, topk_length, attn_sink, q_scale, kv_scale, sm_scale, out, max_logits, lse, precision
 ) -> None:
-    """Launch the kernel on contiguous, validated tensors (head count a multiple of 64)."""
+    """Launch the kernel on validated tensors: q, out, max_logits, lse row-major with a head count that
+    is a multiple of 64; kv and indices with a contiguous last dimension; one-element scales."""
     if precision != "default":
         raise NotImplementedError(f"precision={precision!r} is not available yet; use 'default'")
-    s_q, h, d_qk = q.shape
-    variant = _variants.get(d_qk) or load_variants()[d_qk]
-    no_topk_length, no_sink = _dummies(q.device)
-    flags = (topk_length is not None) | ((attn_sink is not None) << 1)
-    rows = s_q * h
+    variant = _variants.get(q.shape[2]) or load_variants()[q.shape[2]]
+    if q.data_ptr() % 16:  # the Q tile is loaded by TMA
+        q = q.clone()
+    if kv.data_ptr() % 16 or kv.stride(0) % 16:  # rows are gathered with 16-byte copies
+        kv = kv.clone(memory_format=torch.contiguous_format)
     kernel_out = out if out.data_ptr() % 4 == 0 else torch.empty_like(out)
-    with torch.cuda.device(q.device):
+    no_topk_length, no_sink = _dummies(q.device)
+    device_index = q.device.index
+    guard = torch.cuda.device(device_index) if device_index != torch.cuda.current_device() else _NO_GUARD
+    with guard:
         variant.function(
-            _aligned(q, 16).view(rows, d_qk),
-            _aligned(kv, 16).view(kv.shape[0], d_qk),
-            indices.view(s_q, indices.shape[-1]),
+            q,
+            kv,
+            indices,
             no_topk_length if topk_length is None else topk_length,
             no_sink if attn_sink is None else attn_sink,
-            q_scale,
-            kv_scale,
-            kernel_out.view(rows, D_V),
-            max_logits.view(rows),
-            lse.view(rows),
+            q_scale if q_scale.dim() == 1 else q_scale.reshape(1),
+            kv_scale if kv_scale.dim() == 1 else kv_scale.reshape(1),
+            kernel_out,
+            max_logits,
+            lse,
             sm_scale * _LOG2_E,
-            flags,
+            (topk_length is not None) | ((attn_sink is not None) << 1),
         )
     if kernel_out is not out:
         out.copy_(kernel_out)
+
+
+_NO_GUARD = contextlib.nullcontext()

@@ -101,28 +101,42 @@ class SparsePrefillSm90:
     @cute.jit
     def __call__(
         self,
-        mQ: cute.Tensor,  # [s_q * h, d_qk] e4m3
-        mKV: cute.Tensor,  # [s_kv, d_qk] e4m3, row stride dynamic (multiple of 16)
-        mIdx: cute.Tensor,  # [s_q, topk] int32
+        mQ: cute.Tensor,  # [s_q, h, d_qk] e4m3, row-major
+        mKV: cute.Tensor,  # [s_kv, 1, d_qk] e4m3, row stride dynamic (multiple of 16 bytes)
+        mIdx: cute.Tensor,  # [s_q, 1, topk] int32, row stride dynamic
         mTopkLen: cute.Tensor,  # [s_q] int32 (read when flags & 1)
         mSink: cute.Tensor,  # [h] f32 (read when flags & 2)
         mQScale: cute.Tensor,  # [1] f32
         mKVScale: cute.Tensor,  # [1] f32
-        mOut: cute.Tensor,  # [s_q * h, 512] bf16
-        mMaxLogits: cute.Tensor,  # [s_q * h] f32
-        mLse: cute.Tensor,  # [s_q * h] f32
+        mOut: cute.Tensor,  # [s_q, h, 512] bf16, row-major
+        mMaxLogits: cute.Tensor,  # [s_q, h] f32, row-major
+        mLse: cute.Tensor,  # [s_q, h] f32, row-major
         sm_scale_log2: Float32,  # sm_scale * log2(e)
         flags: Int32,  # bit 0: topk_length given, bit 1: attn_sink given
         stream,
     ):
         e4m3 = mQ.element_type
+        # Row views: query rows are (token, head) pairs; kv and indices keep their row strides.
+        rows = cute.size(mQ, mode=[0]) * cute.size(mQ, mode=[1])
+        mQ_rows = cute.make_tensor(mQ.iterator, cute.make_layout((rows, self.d_qk), stride=(self.d_qk, 1)))
+        mKV_rows = cute.make_tensor(
+            mKV.iterator, cute.make_layout((cute.size(mKV, mode=[0]), self.d_qk), stride=(mKV.stride[0], 1))
+        )
+        mIdx_rows = cute.make_tensor(
+            mIdx.iterator,
+            cute.make_layout(
+                (cute.size(mIdx, mode=[0]), cute.size(mIdx, mode=[2])), stride=(mIdx.stride[0], 1)
+            ),
+        )
+        mMaxLogits_rows = cute.make_tensor(mMaxLogits.iterator, cute.make_layout(rows))
+        mLse_rows = cute.make_tensor(mLse.iterator, cute.make_layout(rows))
         smem_atom = warpgroup.make_smem_layout_atom(warpgroup.SmemLayoutAtomKind.K_SW64, e4m3)
         sQ_layout = cute.tile_to_shape(smem_atom, (B_H, self.d_qk), (0, 1))
         sK_layout = cute.tile_to_shape(smem_atom, (B_TOPK, self.d_qk, NUM_STAGES * 2), (0, 1, 2))
         sP_layout = cute.tile_to_shape(smem_atom, (B_H, PAIR, 2), (0, 1, 2))
 
         tma_atom_q, tma_tensor_q = cpasync.make_tiled_tma_atom(
-            cpasync.CopyBulkTensorTileG2SOp(), mQ, sQ_layout, (B_H, self.d_qk)
+            cpasync.CopyBulkTensorTileG2SOp(), mQ_rows, sQ_layout, (B_H, self.d_qk)
         )
 
         @cute.struct
@@ -138,19 +152,19 @@ class SparsePrefillSm90:
             sK: cute.struct.Align[cute.struct.MemRange[e4m3, cute.cosize(sK_layout)], 1024]
             sP: cute.struct.Align[cute.struct.MemRange[e4m3, cute.cosize(sP_layout)], 1024]
 
-        num_ctas = cute.size(mQ, mode=[0]) // B_H
+        num_ctas = rows // B_H
         self.kernel(
             tma_atom_q,
             tma_tensor_q,
-            mKV,
-            mIdx,
+            mKV_rows,
+            mIdx_rows,
             mTopkLen,
             mSink,
             mQScale,
             mKVScale,
             mOut,
-            mMaxLogits,
-            mLse,
+            mMaxLogits_rows,
+            mLse_rows,
             sm_scale_log2,
             flags,
             sQ_layout,
@@ -218,9 +232,8 @@ class SparsePrefillSm90:
         cute.arch.sync_threads()
 
         # Problem geometry of this CTA.
-        s_q = cute.size(mIdx, mode=[0])
         topk = cute.size(mIdx, mode=[1])
-        num_head_groups = cute.size(mOut, mode=[0]) // (B_H * s_q)
+        num_head_groups = cute.size(mOut, mode=[1]) // B_H
         token = bid // num_head_groups
         head_group = bid - token * num_head_groups
         valid_len = topk
