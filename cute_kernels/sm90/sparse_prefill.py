@@ -14,11 +14,13 @@ Warp roles (384 threads, ``setmaxregister``; launched with ``min_blocks_per_mp=1
   half c of d_v (256 columns) for O.
   1. S_c = Q . K_c^T: SS WGMMA m64n64k32 over d_qk (e4m3 x e4m3 -> f32).
   2. Logits are scaled by ``q_scale*kv_scale*sm_scale*log2(e)`` (exp2 domain), invalid slots
-     set to -inf, row maxima exchanged between the consumers through shared memory (named
-     barrier 1) so both use the same running max m for the pair.
-  3. P_c = exp2(S - m) * 2^8 (an exact power of two, so small probabilities stay normal in e4m3)
-     is rounded to e4m3 and stored, head-major, as the K-major B operand of the PV product
-     (named barrier 2 publishes both blocks' P).
+     set to -inf, block row maxima exchanged between the consumers through shared memory
+     (named barrier 1), so both agree on the pair's running max m.
+  3. P_c = exp2(S - m) * 2^7, rounded to e4m3 and stored head-major as the K-major B operand of
+     the PV product (named barrier 2 publishes both blocks' P). 2^7 is exact and keeps small
+     probabilities normal in e4m3. The running max is *lazy*: it only moves when a block's max
+     exceeds it by more than RESCALE_THRESHOLD (log2 units), so most pairs need no rescale of
+     O, and stored P stay below 2^(7 + 1.75) < 448, the e4m3 maximum.
   4. The PV product is computed transposed, O^T[d, h] += V^T[d, slot] . P^T[slot, h], with
      A = V^T taken from registers (RS WGMMA): ``ldmatrix.trans`` reads the gathered rows as
      they are (no transposed copy of V in shared memory), and two byte permutes turn each pair
@@ -26,20 +28,29 @@ Warp roles (384 threads, ``setmaxregister``; launched with ``min_blocks_per_mp=1
      32-slot k-step (sigma below) is the order in which P is stored, so the product is exact;
      the d order it produces (A row g <-> d 2g, row g+8 <-> d 2g+1) is undone in the epilogue,
      where each thread then owns two adjacent d columns (one 32-bit bf16x2 store).
-- Epilogue: row sums are exchanged (named barrier 3); out = O / (2^8 (l + exp(sink - m)))
-  * kv_scale in bf16; max_logits = m ln2, lse = (m + log2 l) ln2. A row with no valid slot
-  writes out = 0, max_logits = -inf, lse = +inf.
+  Software pipeline per consumer: QK(p) and d tile 0 of PV(p-1) are queued on the tensor cores
+  before the softmax of pair p starts, d tile 1 during it, tiles 2-3 after it; at most one
+  PV A fragment (16 registers) is in flight while S is live, which keeps the consumers within
+  240 registers. A block past topk_length (the second block of the last pair) is zero-filled,
+  its S product skipped (fully masked) and its PV k-steps multiply zeros. Branches that hold
+  WGMMAs depend only on warp-uniform values (the consumer index comes from the warp index),
+  so ptxas does not serialise the WGMMAs.
+- Epilogue: row sums are exchanged (named barrier 3); out = O / (sum + 2^7 exp(sink - m))
+  * kv_scale in bf16; max_logits = true max * ln2, lse = (m + log2(sum) - 7) * ln2. A row with
+  no valid slot writes out = 0, max_logits = -inf, lse = +inf.
 
 Barriers: mbarriers ``q_full``; ``kv_full[stage][block]`` (64 producer threads, cp.async
 arrive.noinc); ``kv_empty[stage]`` (256 consumer threads). Shared buffers that both consumers
 write per pair (row maxima, P) are double-buffered by pair parity.
 
 Constraints: h % 64 == 0 (the wrapper pads heads), topk % 128 == 0, d_qk in {512, 576},
-d_v = 512, every tensor row-major with 16-byte aligned rows. ``topk_length`` values are
-clamped to [0, topk]; only ceil(topk_length / 128) pairs are visited.
+d_v = 512, q/out/max_logits/lse row-major, kv rows 16-byte aligned. ``topk_length`` values
+are clamped to [0, topk]; only ceil(topk_length / 128) pairs are visited and only the rows
+below topk_length are read.
 """
 
 import math
+from typing import NamedTuple
 
 import cutlass
 import cutlass.cute as cute
@@ -53,15 +64,17 @@ B_H = 64  # heads per CTA: one WGMMA M tile
 B_TOPK = 64  # gathered KV rows per block: the N tile of S and two k-steps of the PV product
 PAIR = 2 * B_TOPK  # rows per loop iteration (one block per consumer)
 D_V = 512  # value width: the first 512 columns of each KV row
+D_TILES_PER_CONSUMER = 4  # 64-wide d tiles of O^T per consumer (256 of d_v)
 NUM_STAGES = 2  # pairs of KV blocks in flight
-P_SCALE = 256.0  # 2^8: P is stored as e4m3(p * 2^8); undone in the epilogue
+P_SCALE_LOG2 = 7  # P is stored as e4m3(p * 2^7); undone in the epilogue
+RESCALE_THRESHOLD = 1.75  # log2 units; 2^(P_SCALE_LOG2 + RESCALE_THRESHOLD) = 430 < 448
 SW64_TILE_COLS = 64  # bytes per row of one 64-byte-swizzled column tile
 TILE_ROW_GROUP_BYTES = B_TOPK * SW64_TILE_COLS  # one [64 rows x 64 B] swizzle column tile
 
 THREADS_PER_WG = 128
 NUM_THREADS = 3 * THREADS_PER_WG
-PRODUCER_REGS = 40
-CONSUMER_REGS = 232
+PRODUCER_REGS = 24
+CONSUMER_REGS = 240
 
 # Named barrier ids (0 is __syncthreads).
 BAR_MAX_READY = 1  # both consumers published their block's row maxima
@@ -77,6 +90,17 @@ def _swizzle64(row, chunk16):
     """Byte offset of 16-byte chunk ``chunk16`` (0..3) of ``row`` inside a [rows x 64 B]
     column tile with the WGMMA 64-byte swizzle (Swizzle<2,4,3>: chunk ^= (row >> 1) & 3)."""
     return row * SW64_TILE_COLS + ((chunk16 ^ ((row >> 1) & 3)) << 4)
+
+
+class CtaWork(NamedTuple):
+    """What one CTA computes (trace-time bundle of runtime values)."""
+
+    bid: Int32  # CTA index: row tile [64 * bid, 64 * bid + 64) of the (token, head) rows
+    token: Int32
+    head_group: Int32
+    valid_len: Int32  # topk_length clamped to [0, topk] (topk when not given)
+    num_blocks: Int32  # ceil(valid_len / 64)
+    num_pairs: Int32  # ceil(valid_len / 128)
 
 
 class SparsePrefillSm90:
@@ -130,6 +154,7 @@ class SparsePrefillSm90:
         )
         mMaxLogits_rows = cute.make_tensor(mMaxLogits.iterator, cute.make_layout(rows))
         mLse_rows = cute.make_tensor(mLse.iterator, cute.make_layout(rows))
+
         smem_atom = warpgroup.make_smem_layout_atom(warpgroup.SmemLayoutAtomKind.K_SW64, e4m3)
         sQ_layout = cute.tile_to_shape(smem_atom, (B_H, self.d_qk), (0, 1))
         sK_layout = cute.tile_to_shape(smem_atom, (B_TOPK, self.d_qk, NUM_STAGES * 2), (0, 1, 2))
@@ -152,7 +177,6 @@ class SparsePrefillSm90:
             sK: cute.struct.Align[cute.struct.MemRange[e4m3, cute.cosize(sK_layout)], 1024]
             sP: cute.struct.Align[cute.struct.MemRange[e4m3, cute.cosize(sP_layout)], 1024]
 
-        num_ctas = rows // B_H
         self.kernel(
             tma_atom_q,
             tma_tensor_q,
@@ -172,7 +196,7 @@ class SparsePrefillSm90:
             sP_layout,
             SharedStorage,
         ).launch(
-            grid=[num_ctas, 1, 1],
+            grid=[rows // B_H, 1, 1],
             block=[NUM_THREADS, 1, 1],
             stream=stream,
             min_blocks_per_mp=1,
@@ -204,7 +228,6 @@ class SparsePrefillSm90:
     ):
         tidx, _, _ = cute.arch.thread_idx()
         warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
-        lane = cute.arch.lane_idx()
         bid, _, _ = cute.arch.block_idx()
 
         smem = cutlass.utils.SmemAllocator()
@@ -215,10 +238,6 @@ class SparsePrefillSm90:
         sQ = storage.sQ.get_tensor(sQ_layout.outer, swizzle=sQ_layout.inner)
         sK = storage.sK.get_tensor(sK_layout.outer, swizzle=sK_layout.inner)
         sP = storage.sP.get_tensor(sP_layout.outer, swizzle=sP_layout.inner)
-        s_row_max = storage.row_max.get_tensor(cute.make_layout((B_H, 2, 2)))
-        s_alpha = storage.alpha.get_tensor(cute.make_layout((B_H, 2, 2)))
-        s_row_sum = storage.row_sum.get_tensor(cute.make_layout((B_H, 2)))
-        s_out_scale = storage.out_scale.get_tensor(cute.make_layout((B_H, 2)))
 
         if warp_idx == 0:
             cpasync.prefetch_descriptor(tma_atom_q)
@@ -231,45 +250,40 @@ class SparsePrefillSm90:
             cute.arch.mbarrier_init_fence()
         cute.arch.sync_threads()
 
-        # Problem geometry of this CTA.
         topk = cute.size(mIdx, mode=[1])
         num_head_groups = cute.size(mOut, mode=[1]) // B_H
         token = bid // num_head_groups
-        head_group = bid - token * num_head_groups
         valid_len = topk
         if (flags & 1) != 0:
             valid_len = cutlass.min(cutlass.max(mTopkLen[token], 0), topk)
-        num_pairs = (valid_len + PAIR - 1) // PAIR
+        valid_len = cute.arch.make_warp_uniform(valid_len)
+        work = CtaWork(
+            bid=bid,
+            token=token,
+            head_group=bid - token * num_head_groups,
+            valid_len=valid_len,
+            num_blocks=(valid_len + B_TOPK - 1) // B_TOPK,
+            num_pairs=(valid_len + PAIR - 1) // PAIR,
+        )
 
         if warp_idx < 4:
             cute.arch.setmaxregister_decrease(PRODUCER_REGS)
-            self.produce(
-                tma_atom_q,
-                mQ_tma,
-                sQ,
-                sK,
-                mKV,
-                mIdx,
-                mbar_q,
-                mbar_kv_full,
-                mbar_kv_empty,
-                bid,
-                token,
-                valid_len,
-                num_pairs,
-                warp_idx,
-                lane,
-            )
+            self.produce(tma_atom_q, mQ_tma, sQ, sK, mKV, mIdx, mbar_q, mbar_kv_full, mbar_kv_empty, work)
         else:
             cute.arch.setmaxregister_increase(CONSUMER_REGS)
+            consumer = warp_idx // 4 - 1  # warp-uniform, so branches on it are not divergent
+            smem_stats = (
+                storage.row_max.get_tensor(cute.make_layout((B_H, 2, 2))),
+                storage.alpha.get_tensor(cute.make_layout((B_H, 2, 2))),
+                storage.row_sum.get_tensor(cute.make_layout((B_H, 2))),
+                storage.out_scale.get_tensor(cute.make_layout((B_H, 2))),
+            )
             self.consume(
+                consumer,
                 sQ,
                 sK,
                 sP,
-                s_row_max,
-                s_alpha,
-                s_row_sum,
-                s_out_scale,
+                smem_stats,
                 mIdx,
                 mKV,
                 mSink,
@@ -283,38 +297,17 @@ class SparsePrefillSm90:
                 mbar_kv_empty,
                 sm_scale_log2,
                 flags,
-                bid,
-                token,
-                head_group,
-                valid_len,
-                num_pairs,
-                tidx - THREADS_PER_WG,
-                lane,
+                work,
             )
 
     # ------------------------------------------------------------------------------------
     @cute.jit
-    def produce(
-        self,
-        tma_atom_q,
-        mQ_tma,
-        sQ,
-        sK,
-        mKV,
-        mIdx,
-        mbar_q,
-        mbar_kv_full,
-        mbar_kv_empty,
-        bid,
-        token,
-        valid_len,
-        num_pairs,
-        warp_idx,
-        lane,
-    ):
+    def produce(self, tma_atom_q, mQ_tma, sQ, sK, mKV, mIdx, mbar_q, mbar_kv_full, mbar_kv_empty, work):
         """WG0: Q by TMA (one thread), then the pair-by-pair row gather."""
+        warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
+        lane = cute.arch.lane_idx()
         if warp_idx == 0:
-            gQ = cute.local_tile(mQ_tma, (B_H, self.d_qk), (bid, 0))
+            gQ = cute.local_tile(mQ_tma, (B_H, self.d_qk), (work.bid, 0))
             tQsQ, tQgQ = cpasync.tma_partition(
                 tma_atom_q, 0, cute.make_layout(1), cute.group_modes(sQ, 0, 2), cute.group_modes(gQ, 0, 2)
             )
@@ -331,16 +324,16 @@ class SparsePrefillSm90:
         chunk16 = lane % 4  # 16-byte chunk of a 64-byte column tile this lane copies
         lane_row = lane // 4  # row (of 8) this lane copies per 8-row group
 
-        for pair in cutlass.range(num_pairs, unroll=1):
+        for pair in cutlass.range(work.num_pairs, unroll=1):
             stage = pair % NUM_STAGES
             phase = (pair // NUM_STAGES) % 2
+            full_barrier = mbar_kv_full + stage * 2 + block_in_pair
             slot = pair * PAIR + warp_idx * 32 + lane
-            kv_row = mIdx[token, slot]
+            kv_row = mIdx[work.token, slot]
             is_valid = Int32(0)
-            if (kv_row >= 0) & (kv_row < s_kv) & (slot < valid_len):
+            if (kv_row >= 0) & (kv_row < s_kv) & (slot < work.valid_len):
                 is_valid = Int32(1)
             cute.arch.mbarrier_wait(mbar_kv_empty + stage, phase ^ 1)
-
             tile_base = sK_base + (stage * 2 + block_in_pair) * self.k_tile_bytes
             for group in cutlass.range_constexpr(4):
                 src_lane = group * 8 + lane_row
@@ -356,20 +349,18 @@ class SparsePrefillSm90:
                         g_addr + col_tile * SW64_TILE_COLS,
                         nbytes,
                     )
-            cute.arch.cp_async_mbarrier_arrive_noinc(mbar_kv_full + stage * 2 + block_in_pair)
+            cute.arch.cp_async_mbarrier_arrive_noinc(full_barrier)
         ptx.cp_async_wait_all()
 
     # ------------------------------------------------------------------------------------
     @cute.jit
     def consume(
         self,
+        consumer,
         sQ,
         sK,
         sP,
-        s_row_max,
-        s_alpha,
-        s_row_sum,
-        s_out_scale,
+        smem_stats,
         mIdx,
         mKV,
         mSink,
@@ -383,23 +374,16 @@ class SparsePrefillSm90:
         mbar_kv_empty,
         sm_scale_log2,
         flags,
-        bid,
-        token,
-        head_group,
-        valid_len,
-        num_pairs,
-        ctidx,
-        lane,
+        work,
     ):
         """WG1/WG2: S for block c of each pair, softmax, O^T for half c of d_v, epilogue."""
         e4m3 = sQ.element_type
-        consumer = ctidx // THREADS_PER_WG  # c: block of the pair for S, half of d_v for O
-        wtid = ctidx % THREADS_PER_WG  # thread index inside the warpgroup
+        wtid = cute.arch.thread_idx()[0] % THREADS_PER_WG  # thread index inside the warpgroup
+        lane = cute.arch.lane_idx()
         cwarp = wtid // 32  # warp inside the warpgroup: rows 16*cwarp.. of every M tile
         quad_row = lane // 4  # g: C-fragment row inside the warp's 16 rows
         quad_lane = lane % 4  # t: C-fragment column pair 2t, 2t+1
-        other = 1 - consumer
-        s_kv = cute.size(mKV, mode=[0])
+        s_row_max, s_alpha, s_row_sum, s_out_scale = smem_stats
 
         tiled_mma_qk = sm90_utils.make_trivial_tiled_mma(
             e4m3, e4m3, OperandMajorMode.K, OperandMajorMode.K, Float32, (1, 1, 1), (B_H, B_TOPK)
@@ -414,163 +398,256 @@ class SparsePrefillSm90:
             (64, B_H),
             warpgroup.OperandSource.RMEM,
         )
-        tiled_mma_pv.set(warpgroup.Field.ACCUMULATE, True)  # O^T always accumulates (zeroed below)
+        # Both products always accumulate: S is zeroed before each block, O^T once below.
+        tiled_mma_qk.set(warpgroup.Field.ACCUMULATE, True)
+        tiled_mma_pv.set(warpgroup.Field.ACCUMULATE, True)
         thr_mma_qk = tiled_mma_qk.get_slice(wtid)
         thr_mma_pv = tiled_mma_pv.get_slice(wtid)
         tSrQ = tiled_mma_qk.make_fragment_A(thr_mma_qk.partition_A(sQ))  # (MMA, 1, d_qk/32)
         tSrK = tiled_mma_qk.make_fragment_B(thr_mma_qk.partition_B(sK))  # (MMA, 1, d_qk/32, tiles)
         tOrP = tiled_mma_pv.make_fragment_B(thr_mma_pv.partition_B(sP))  # (MMA, 1, 4, parity)
         acc_s = cute.make_rmem_tensor(thr_mma_qk.partition_shape_C((B_H, B_TOPK)), Float32)
-        acc_o = [cute.make_rmem_tensor(thr_mma_pv.partition_shape_C((64, B_H)), Float32) for _ in range(4)]
-        for mt in cutlass.range_constexpr(4):
+        acc_o = [
+            cute.make_rmem_tensor(thr_mma_pv.partition_shape_C((64, B_H)), Float32)
+            for _ in range(D_TILES_PER_CONSUMER)
+        ]
+        for mt in cutlass.range_constexpr(D_TILES_PER_CONSUMER):
             acc_o[mt].fill(0.0)
-        # Two A-fragment buffers (V^T, 4 k-steps = one pair) so the PV of d tile mt+1 is
-        # loaded while the PV of d tile mt runs.
+        # Two A-fragment buffers (V^T, 4 k-steps = one pair): the PV of one d tile is loaded
+        # while the PV of the previous one runs.
         frag_v = [cute.make_rmem_tensor(thr_mma_pv.partition_shape_A((64, PAIR)), e4m3) for _ in range(2)]
-        frag_v_words = [cute.recast_tensor(f, Uint32) for f in frag_v]
 
-        row_max_run = cute.make_rmem_tensor((2,), Float32)  # running max (exp2 domain), rows g, g+8
-        row_sum_run = cute.make_rmem_tensor((2,), Float32)  # this thread's partial row sums
-        row_max_run.fill(-Float32.inf)
-        row_sum_run.fill(0.0)
-        alpha_cols = cute.make_rmem_tensor((16,), Float32)
+        # Per-row softmax state for rows 16*cwarp + quad_row + 8r, r = 0, 1 (exp2 domain).
+        row_max_used = cute.make_rmem_tensor((2,), Float32)  # max the stored P are relative to
+        row_max_true = cute.make_rmem_tensor((2,), Float32)  # exact running max (max_logits)
+        row_sum = cute.make_rmem_tensor((2,), Float32)  # this thread's partial sums of 2^7 P
+        row_max_used.fill(-Float32.inf)
+        row_max_true.fill(-Float32.inf)
+        row_sum.fill(0.0)
 
         scale_log2 = mQScale[0] * mKVScale[0] * sm_scale_log2
+        s_kv = cute.size(mKV, mode=[0])
         sK_base = sK.iterator.toint()
         sP_base = sP.iterator.toint()
 
         cute.arch.mbarrier_wait(mbar_q, 0)
-        for pair in cutlass.range(num_pairs, unroll=1):
-            stage = pair % NUM_STAGES
-            phase = (pair // NUM_STAGES) % 2
-            parity = pair % 2
+        if work.num_pairs > 0:
+            self.issue_qk(consumer, 0, tiled_mma_qk, tSrQ, tSrK, acc_s, mbar_kv_full, work)
+            valid_bits = self.block_valid_bits(consumer, 0, mIdx, s_kv, work, lane, quad_lane)
+            warpgroup.wait_group(0)
+            self.softmax_block_max(
+                consumer, 0, acc_s, valid_bits, scale_log2, s_row_max, cwarp, quad_row, quad_lane
+            )
+            self.softmax_p(
+                consumer, 0, acc_s, row_max_used, row_max_true, row_sum, s_row_max, s_alpha, sP_base,
+                cwarp, quad_row, quad_lane,
+            )  # fmt: skip
+            # Steady state, per pair: QK(pair) and PV(prev) d tile 0 are queued; the masking and
+            # block max of S(pair) run while tile 0 computes, the rest of the softmax while tile 1
+            # does, then tiles 2-3. At most one A buffer is in flight while S is live.
+            for pair in cutlass.range(1, work.num_pairs, 1, unroll=1):
+                prev = pair - 1
+                self.issue_qk(consumer, pair, tiled_mma_qk, tSrQ, tSrK, acc_s, mbar_kv_full, work)
+                self.issue_pv(consumer, prev, 0, tiled_mma_pv, frag_v[0], tOrP, acc_o[0],
+                              sK_base, mbar_kv_full, work, cwarp, lane)  # fmt: skip
+                valid_bits = self.block_valid_bits(consumer, pair, mIdx, s_kv, work, lane, quad_lane)
+                warpgroup.wait_group(1)  # S(pair) is ready
+                self.softmax_block_max(
+                    consumer, pair, acc_s, valid_bits, scale_log2, s_row_max, cwarp, quad_row, quad_lane
+                )
+                warpgroup.wait_group(0)
+                self.issue_pv(consumer, prev, 1, tiled_mma_pv, frag_v[1], tOrP, acc_o[1],
+                              sK_base, mbar_kv_full, work, cwarp, lane)  # fmt: skip
+                self.softmax_p(
+                    consumer, pair, acc_s, row_max_used, row_max_true, row_sum, s_row_max, s_alpha, sP_base,
+                    cwarp, quad_row, quad_lane,
+                )  # fmt: skip
+                self.issue_pv(consumer, prev, 2, tiled_mma_pv, frag_v[0], tOrP, acc_o[2],
+                              sK_base, mbar_kv_full, work, cwarp, lane)  # fmt: skip
+                warpgroup.wait_group(1)
+                self.issue_pv(consumer, prev, 3, tiled_mma_pv, frag_v[1], tOrP, acc_o[3],
+                              sK_base, mbar_kv_full, work, cwarp, lane)  # fmt: skip
+                cute.arch.mbarrier_arrive(mbar_kv_empty + prev % NUM_STAGES)  # both blocks of prev read
+                warpgroup.wait_group(0)
+                self.rescale_o(consumer, pair % 2, acc_o, s_alpha, quad_lane)
+            last = work.num_pairs - 1
+            for mt in cutlass.range_constexpr(D_TILES_PER_CONSUMER):
+                if const_expr(mt >= 2):
+                    warpgroup.wait_group(1)
+                self.issue_pv(consumer, last, mt, tiled_mma_pv, frag_v[mt % 2], tOrP, acc_o[mt],
+                              sK_base, mbar_kv_full, work, cwarp, lane)  # fmt: skip
+            warpgroup.wait_group(0)
 
-            # ---- 1. S = Q . K_c^T ------------------------------------------------------
-            cute.arch.mbarrier_wait(mbar_kv_full + stage * 2 + consumer, phase)
-            warpgroup.fence()
-            tiled_mma_qk.set(warpgroup.Field.ACCUMULATE, False)
+        self.epilogue(
+            consumer, acc_o, row_max_used, row_max_true, row_sum, s_row_sum, s_out_scale,
+            mSink, mKVScale, mOut, mMaxLogits, mLse, flags, work, cwarp, quad_row, quad_lane,
+        )  # fmt: skip
+
+    # ------------------------------------------------------------------------------------
+    @cute.jit
+    def issue_qk(self, consumer, pair, tiled_mma_qk, tSrQ, tSrK, acc_s, mbar_kv_full, work):
+        """Queue S = Q . K_c^T for block c of ``pair`` (one WGMMA group; empty for a block past
+        topk_length, whose S is then fully masked)."""
+        stage = pair % NUM_STAGES
+        cute.arch.mbarrier_wait(mbar_kv_full + stage * 2 + consumer, (pair // NUM_STAGES) % 2)
+        acc_s.fill(0.0)
+        warpgroup.fence()
+        if pair * 2 + consumer < work.num_blocks:
             for k in cutlass.range_constexpr(self.d_qk // 32):
                 cute.gemm(
                     tiled_mma_qk, acc_s, tSrQ[None, None, k], tSrK[None, None, k, stage * 2 + consumer], acc_s
                 )
-                tiled_mma_qk.set(warpgroup.Field.ACCUMULATE, True)
-            warpgroup.commit_group()
+        warpgroup.commit_group()
 
-            # Slot validity of this block, one bit per slot, while the MMA runs.
-            slot0 = pair * PAIR + consumer * B_TOPK
-            idx_lo = mIdx[token, slot0 + lane]
-            idx_hi = mIdx[token, slot0 + 32 + lane]
-            ok_lo = (idx_lo >= 0) & (idx_lo < s_kv) & (slot0 + lane < valid_len)
-            ok_hi = (idx_hi >= 0) & (idx_hi < s_kv) & (slot0 + 32 + lane < valid_len)
-            valid_lo = Uint32(cute.arch.vote_ballot_sync(ok_lo)) >> Uint32(2 * quad_lane)
-            valid_hi = Uint32(cute.arch.vote_ballot_sync(ok_hi)) >> Uint32(2 * quad_lane)
-            warpgroup.wait_group(0)
+    @cute.jit
+    def block_valid_bits(self, consumer, pair, mIdx, s_kv, work, lane, quad_lane):
+        """Validity of the 64 slots of block c of ``pair``, one bit per slot, shifted so bit
+        8j + e is the slot of this thread's S column 8j + 2t + e (j < 4: low word)."""
+        slot0 = pair * PAIR + consumer * B_TOPK
+        idx_lo = mIdx[work.token, slot0 + lane]
+        idx_hi = mIdx[work.token, slot0 + 32 + lane]
+        ok_lo = (idx_lo >= 0) & (idx_lo < s_kv) & (slot0 + lane < work.valid_len)
+        ok_hi = (idx_hi >= 0) & (idx_hi < s_kv) & (slot0 + 32 + lane < work.valid_len)
+        shift = Uint32(2 * quad_lane)
+        return (
+            Uint32(cute.arch.vote_ballot_sync(ok_lo)) >> shift,
+            Uint32(cute.arch.vote_ballot_sync(ok_hi)) >> shift,
+        )
 
-            # ---- 2. scale, mask, row max, exchange -------------------------------------
-            for r in cutlass.range_constexpr(2):
-                block_max = -Float32.inf
-                for j in cutlass.range_constexpr(8):
-                    for e in cutlass.range_constexpr(2):
-                        i = e + 2 * r + 4 * j
-                        bits = valid_lo if j < 4 else valid_hi
-                        bit = (bits >> Uint32(8 * (j % 4) + e)) & Uint32(1)
-                        logit = acc_s[i] * scale_log2
-                        acc_s[i] = logit if bit != 0 else -Float32.inf
-                        block_max = cute.arch.fmax(block_max, acc_s[i])
-                block_max = cute.arch.fmax(block_max, cute.arch.shuffle_sync_bfly(block_max, offset=1))
-                block_max = cute.arch.fmax(block_max, cute.arch.shuffle_sync_bfly(block_max, offset=2))
-                if quad_lane == 0:
-                    s_row_max[cwarp * 16 + quad_row + 8 * r, consumer, parity] = block_max
-            cute.arch.barrier(barrier_id=BAR_MAX_READY, number_of_threads=2 * THREADS_PER_WG)
-
-            # ---- 3. P = exp2(S - m) * 2^8 -> e4m3, stored K-major for the PV product ------
-            for r in cutlass.range_constexpr(2):
-                row = cwarp * 16 + quad_row + 8 * r
-                max_new = cute.arch.fmax(
-                    row_max_run[r], cute.arch.fmax(s_row_max[row, 0, parity], s_row_max[row, 1, parity])
-                )
-                # A row with no valid slot so far keeps max -inf; subtract 0 instead (P = 0).
-                max_use = max_new if max_new != -Float32.inf else Float32(0.0)
-                alpha = cute.math.exp2(row_max_run[r] - max_use, fastmath=True)
-                row_max_run[r] = max_new
-                row_sum = Float32(0.0)
-                for j in cutlass.range_constexpr(8):
-                    for e in cutlass.range_constexpr(2):
-                        i = e + 2 * r + 4 * j
-                        p = cute.math.exp2(acc_s[i] - max_use, fastmath=True)
-                        row_sum += p
-                        acc_s[i] = p * P_SCALE
-                row_sum_run[r] = row_sum_run[r] * alpha + row_sum
-                if quad_lane == 0:
-                    s_alpha[row, consumer, parity] = alpha
-                # Slot order inside a 32-slot k-step (sigma): k = 4t + b holds slot
-                # [2t, 2t+1, 8+2t, 9+2t][b] and k + 16 holds slot + 16 -- the order that
-                # ldmatrix.trans + prmt give the V^T fragment. This thread's S columns
-                # 8j + 2t + e therefore land in two 4-byte words per 32-slot group.
-                row_addr = sP_base + parity * (B_H * PAIR) + consumer * TILE_ROW_GROUP_BYTES
-                for kstep in cutlass.range_constexpr(2):
-                    for half in cutlass.range_constexpr(2):
-                        j0 = 4 * kstep + 2 * half
-                        word = ptx.pack_e4m3x4(
-                            acc_s[0 + 2 * r + 4 * j0],
-                            acc_s[1 + 2 * r + 4 * j0],
-                            acc_s[0 + 2 * r + 4 * (j0 + 1)],
-                            acc_s[1 + 2 * r + 4 * (j0 + 1)],
-                        )
-                        ptx.st_shared_u32(row_addr + _swizzle64(row, 2 * kstep + half) + 4 * quad_lane, word)
-            cute.arch.fence_proxy("async.shared", space="cta")
-            cute.arch.barrier(barrier_id=BAR_P_READY, number_of_threads=2 * THREADS_PER_WG)
-
-            # ---- 4. O^T = alpha * O^T + V^T . P^T ----------------------------------------
-            # O^T columns are heads 8j + 2t + e.
+    @cute.jit
+    def softmax_block_max(
+        self, consumer, pair, acc_s, valid_bits, scale_log2, s_row_max, cwarp, quad_row, quad_lane
+    ):
+        """Scale S to the exp2 domain, set invalid slots to -inf, publish the block's row maxima."""
+        valid_lo, valid_hi = valid_bits
+        for r in cutlass.range_constexpr(2):
+            block_max = -Float32.inf
             for j in cutlass.range_constexpr(8):
                 for e in cutlass.range_constexpr(2):
-                    alpha_cols[2 * j + e] = s_alpha[8 * j + 2 * quad_lane + e, consumer, parity]
-            for mt in cutlass.range_constexpr(4):
+                    i = e + 2 * r + 4 * j
+                    bits = valid_lo if j < 4 else valid_hi
+                    bit = (bits >> Uint32(8 * (j % 4) + e)) & Uint32(1)
+                    logit = acc_s[i] * scale_log2
+                    acc_s[i] = logit if bit != 0 else -Float32.inf
+                    block_max = cute.arch.fmax(block_max, acc_s[i])
+            block_max = cute.arch.fmax(block_max, cute.arch.shuffle_sync_bfly(block_max, offset=1))
+            block_max = cute.arch.fmax(block_max, cute.arch.shuffle_sync_bfly(block_max, offset=2))
+            if quad_lane == 0:
+                s_row_max[cwarp * 16 + quad_row + 8 * r, consumer, pair % 2] = block_max
+
+    @cute.jit
+    def softmax_p(
+        self, consumer, pair, acc_s, row_max_used, row_max_true, row_sum, s_row_max, s_alpha, sP_base,
+        cwarp, quad_row, quad_lane,
+    ):  # fmt: skip
+        """Agree on the running max with the other consumer, store P = e4m3(2^7 exp2(S - m)) as
+        the PV B operand and the O rescale factors alpha."""
+        parity = pair % 2
+        cute.arch.barrier(barrier_id=BAR_MAX_READY, number_of_threads=2 * THREADS_PER_WG)
+
+        # Slot order inside a 32-slot k-step (sigma): k = 4t + b holds slot
+        # [2t, 2t+1, 8+2t, 9+2t][b] and k + 16 holds slot + 16 -- the order that
+        # ldmatrix.trans + prmt give the V^T fragment. This thread's S columns
+        # 8j + 2t + e therefore land in two 4-byte words per 32-slot group.
+        tile_addr = sP_base + parity * (B_H * PAIR) + consumer * TILE_ROW_GROUP_BYTES
+        for r in cutlass.range_constexpr(2):
+            row = cwarp * 16 + quad_row + 8 * r
+            pair_max = cute.arch.fmax(s_row_max[row, 0, parity], s_row_max[row, 1, parity])
+            row_max_true[r] = cute.arch.fmax(row_max_true[r], pair_max)
+            # Lazy max: move only when the pair's max exceeds it by more than the threshold.
+            alpha = Float32(1.0)
+            if pair_max > row_max_used[r] + RESCALE_THRESHOLD:
+                alpha = cute.math.exp2(row_max_used[r] - pair_max, fastmath=True)
+                row_max_used[r] = pair_max
+            # Exponent offset: 2^7 folded in; a row with no valid slot so far (max -inf) uses 0.
+            max_used = row_max_used[r]
+            bias = (max_used if max_used != -Float32.inf else Float32(0.0)) - P_SCALE_LOG2
+            block_sum = Float32(0.0)
+            for j in cutlass.range_constexpr(8):
+                for e in cutlass.range_constexpr(2):
+                    i = e + 2 * r + 4 * j
+                    acc_s[i] = cute.math.exp2(acc_s[i] - bias, fastmath=True)
+                    block_sum += acc_s[i]
+            row_sum[r] = row_sum[r] * alpha + block_sum
+            if quad_lane == 0:
+                s_alpha[row, consumer, parity] = alpha
+            for kstep in cutlass.range_constexpr(2):
+                for half in cutlass.range_constexpr(2):
+                    j0 = 4 * kstep + 2 * half
+                    word = ptx.pack_e4m3x4(
+                        acc_s[0 + 2 * r + 4 * j0],
+                        acc_s[1 + 2 * r + 4 * j0],
+                        acc_s[0 + 2 * r + 4 * (j0 + 1)],
+                        acc_s[1 + 2 * r + 4 * (j0 + 1)],
+                    )
+                    ptx.st_shared_u32(tile_addr + _swizzle64(row, 2 * kstep + half) + 4 * quad_lane, word)
+        cute.arch.fence_proxy("async.shared", space="cta")
+        cute.arch.barrier(barrier_id=BAR_P_READY, number_of_threads=2 * THREADS_PER_WG)
+
+    @cute.jit
+    def rescale_o(self, consumer, parity, acc_o, s_alpha, quad_lane):
+        """O^T *= alpha per head (column 8j + 2t + e); skipped when the warp's alphas are all 1."""
+        alpha_cols = cute.make_rmem_tensor((16,), Float32)
+        needed = False
+        for j in cutlass.range_constexpr(8):
+            for e in cutlass.range_constexpr(2):
+                alpha_cols[2 * j + e] = s_alpha[8 * j + 2 * quad_lane + e, consumer, parity]
+                needed = needed | (alpha_cols[2 * j + e] != 1.0)
+        if cute.arch.vote_any_sync(needed):
+            for mt in cutlass.range_constexpr(D_TILES_PER_CONSUMER):
                 for j in cutlass.range_constexpr(8):
                     for r in cutlass.range_constexpr(2):
                         for e in cutlass.range_constexpr(2):
-                            acc_o[mt][e + 2 * r + 4 * j] = (
-                                acc_o[mt][e + 2 * r + 4 * j] * alpha_cols[2 * j + e]
-                            )
+                            i = e + 2 * r + 4 * j
+                            acc_o[mt][i] = acc_o[mt][i] * alpha_cols[2 * j + e]
 
-            cute.arch.mbarrier_wait(mbar_kv_full + stage * 2 + other, phase)
-            for mt in cutlass.range_constexpr(4):
-                buf = mt % 2
-                if const_expr(mt >= 2):
-                    warpgroup.wait_group(1)  # the PV that used this buffer is done
-                d_tile = consumer * 4 + mt  # 64-column tile of d (0..7)
-                for ks in cutlass.range_constexpr(4):
-                    slot = (ks % 2) * 32 + lane  # lane L addresses row L of the 4 matrices
-                    addr = (
-                        sK_base
-                        + (stage * 2 + ks // 2) * self.k_tile_bytes
-                        + d_tile * TILE_ROW_GROUP_BYTES
-                        + _swizzle64(slot, cwarp)
-                    )
-                    m0, m1, m2, m3 = ptx.ldmatrix_x4_trans(addr)
-                    frag_v_words[buf][4 * ks + 0] = ptx.prmt(m0, m1, 0x6420)  # d 2g,   k 4t..
-                    frag_v_words[buf][4 * ks + 1] = ptx.prmt(m0, m1, 0x7531)  # d 2g+1, k 4t..
-                    frag_v_words[buf][4 * ks + 2] = ptx.prmt(m2, m3, 0x6420)  # d 2g,   k 16+4t..
-                    frag_v_words[buf][4 * ks + 3] = ptx.prmt(m2, m3, 0x7531)  # d 2g+1, k 16+4t..
-                warpgroup.fence()
-                for ks in cutlass.range_constexpr(4):
-                    cute.gemm(
-                        tiled_mma_pv,
-                        acc_o[mt],
-                        frag_v[buf][None, None, ks],
-                        tOrP[None, None, ks, parity],
-                        acc_o[mt],
-                    )
-                warpgroup.commit_group()
-            cute.arch.mbarrier_arrive(mbar_kv_empty + stage)
+    @cute.jit
+    def issue_pv(
+        self, consumer, pair, mt, tiled_mma_pv, frag, tOrP, acc, sK_base, mbar_kv_full, work, cwarp, lane
+    ):
+        """Load the V^T A fragment of d tile ``mt`` (of this consumer's half) for ``pair`` with
+        ldmatrix.trans + prmt and queue its 4 k-steps (one WGMMA group). The k-steps of a block
+        past topk_length are skipped."""
+        stage = pair % NUM_STAGES
+        # The other consumer's block is read too: wait on its barrier (a no-op wait by now)
+        # so its cp.async writes are visible to this thread.
+        cute.arch.mbarrier_wait(mbar_kv_full + stage * 2 + (1 - consumer), (pair // NUM_STAGES) % 2)
+        words = cute.recast_tensor(frag, Uint32)
+        d_tile = consumer * D_TILES_PER_CONSUMER + mt  # 64-column tile of d (0..7)
+        tile_base = sK_base + stage * 2 * self.k_tile_bytes + d_tile * TILE_ROW_GROUP_BYTES
+        for ks in cutlass.range_constexpr(4):
+            self.load_v_fragment(words, ks, tile_base, cwarp, lane)
+        warpgroup.fence()
+        for ks in cutlass.range_constexpr(4):
+            cute.gemm(tiled_mma_pv, acc, frag[None, None, ks], tOrP[None, None, ks, pair % 2], acc)
+        warpgroup.commit_group()
 
-        warpgroup.wait_group(0)
+    @cute.jit
+    def load_v_fragment(self, words, ks, tile_base, cwarp, lane):
+        """k-step ``ks`` (32 slots) of the V^T A fragment: one ldmatrix.x4.trans + 4 prmt.
 
-        # ---- epilogue ---------------------------------------------------------------------
+        Lane L addresses row (slot) L of the four 8x8 b16 matrices (slots 32*(ks%2) + 8i + L%8,
+        the 16 d bytes of this warp). Thread (g, t) receives, per matrix, bytes
+        [V[2t][2g], V[2t][2g+1], V[2t+1][2g], V[2t+1][2g+1]]; the permutes gather the e4m3 A
+        registers a0 = (d 2g, slots 2t, 2t+1, 8+2t, 9+2t), a1 = the same for d 2g+1, and a2, a3 for
+        slots + 16."""
+        slot = (ks % 2) * 32 + lane
+        addr = tile_base + (ks // 2) * self.k_tile_bytes + _swizzle64(slot, cwarp)
+        m0, m1, m2, m3 = ptx.ldmatrix_x4_trans(addr)
+        words[4 * ks + 0] = ptx.prmt(m0, m1, 0x6420)
+        words[4 * ks + 1] = ptx.prmt(m0, m1, 0x7531)
+        words[4 * ks + 2] = ptx.prmt(m2, m3, 0x6420)
+        words[4 * ks + 3] = ptx.prmt(m2, m3, 0x7531)
+
+    @cute.jit
+    def epilogue(
+        self, consumer, acc_o, row_max_used, row_max_true, row_sum, s_row_sum, s_out_scale,
+        mSink, mKVScale, mOut, mMaxLogits, mLse, flags, work, cwarp, quad_row, quad_lane,
+    ):  # fmt: skip
+        """Normalise O, apply kv_scale and the sink, write out (bf16), max_logits and lse."""
         kv_scale = mKVScale[0]
         for r in cutlass.range_constexpr(2):
-            total = row_sum_run[r]
+            total = row_sum[r]
             total += cute.arch.shuffle_sync_bfly(total, offset=1)
             total += cute.arch.shuffle_sync_bfly(total, offset=2)
             if quad_lane == 0:
@@ -578,21 +655,23 @@ class SparsePrefillSm90:
         cute.arch.barrier(barrier_id=BAR_SUM_READY, number_of_threads=2 * THREADS_PER_WG)
         for r in cutlass.range_constexpr(2):
             row = cwarp * 16 + quad_row + 8 * r
-            out_row = bid * B_H + row
-            row_sum = s_row_sum[row, 0] + s_row_sum[row, 1]
-            row_max = row_max_run[r]
-            denom = row_sum
+            out_row = work.bid * B_H + row
+            scaled_sum = s_row_sum[row, 0] + s_row_sum[row, 1]  # sum of 2^7 P over all slots
+            max_used = row_max_used[r]
+            denom = scaled_sum
             if (flags & 2) != 0:
-                denom += cute.math.exp2(mSink[head_group * B_H + row] * LOG2_E - row_max, fastmath=True)
+                sink_log2 = mSink[work.head_group * B_H + row] * LOG2_E
+                denom += cute.math.exp2(sink_log2 - max_used + P_SCALE_LOG2, fastmath=True)
             out_scale = Float32(0.0)
-            if row_sum > 0.0:
-                out_scale = kv_scale / (P_SCALE * denom)
+            if scaled_sum > 0.0:
+                out_scale = kv_scale / denom
             if quad_lane == 0:
                 s_out_scale[row, consumer] = out_scale
                 if consumer == 0:
-                    if row_sum > 0.0:
-                        mMaxLogits[out_row] = row_max * LN_2
-                        mLse[out_row] = (row_max + cute.math.log2(row_sum, fastmath=True)) * LN_2
+                    if scaled_sum > 0.0:
+                        mMaxLogits[out_row] = row_max_true[r] * LN_2
+                        log2_sum = cute.math.log2(scaled_sum, fastmath=True) - P_SCALE_LOG2
+                        mLse[out_row] = (max_used + log2_sum) * LN_2
                     else:
                         mMaxLogits[out_row] = -Float32.inf
                         mLse[out_row] = Float32.inf
@@ -603,8 +682,8 @@ class SparsePrefillSm90:
             for e in cutlass.range_constexpr(2):
                 head = 8 * j + 2 * quad_lane + e
                 scale = s_out_scale[head, consumer]
-                row_addr = out_base + Int64(bid * B_H + head) * (D_V * 2)
-                for mt in cutlass.range_constexpr(4):
-                    d = consumer * 256 + mt * 64 + cwarp * 16 + 2 * quad_row
+                row_addr = out_base + Int64(work.bid * B_H + head) * (D_V * 2)
+                for mt in cutlass.range_constexpr(D_TILES_PER_CONSUMER):
+                    d = (consumer * D_TILES_PER_CONSUMER + mt) * 64 + cwarp * 16 + 2 * quad_row
                     word = ptx.pack_bf16x2(acc_o[mt][e + 4 * j] * scale, acc_o[mt][e + 2 + 4 * j] * scale)
                     ptx.st_global_u32(row_addr + d * 2, word)
