@@ -108,7 +108,7 @@ def variant_name(d_qk: int) -> str:
     return f"sparse_prefill_sm90_d{d_qk}"
 
 
-def _compile(d_qk: int, dump_dir: Path):
+def _compile(d_qk: int, dump_dir: Path, **kernel_options):
     """Trace and compile one variant with fake tensors (dynamic extents); returns the JIT object.
 
     ``dump_dir`` receives the DSL's own copy of the PTX (``--keep-ptx`` writes one)."""
@@ -143,7 +143,7 @@ def _compile(d_qk: int, dump_dir: Path):
         cute.runtime.make_fake_stream(use_tvm_ffi_env_stream=True),
     )
     return cute.compile(
-        SparsePrefillSm90(d_qk),
+        SparsePrefillSm90(d_qk, **kernel_options),
         *args,
         options=f"--enable-tvm-ffi --gpu-arch {TARGET_ARCH} --keep-ptx --dump-dir {dump_dir}",
     )

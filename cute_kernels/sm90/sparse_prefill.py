@@ -103,13 +103,54 @@ class CtaWork(NamedTuple):
     num_pairs: Int32  # ceil(valid_len / 128)
 
 
+class Consumer(NamedTuple):
+    """One consumer warpgroup's view of the CTA (trace-time bundle): who it is, its MMAs and
+    fragments, its running softmax state and the shared buffers it exchanges through."""
+
+    index: Int32  # c: block of each pair for S, half of d_v for O (warp-uniform)
+    warp: Int32  # warp inside the warpgroup: rows 16*warp.. of every M tile
+    lane: Int32
+    quad_row: Int32  # g: C-fragment row inside the warp's 16 rows
+    quad_lane: Int32  # t: C-fragment column pair 2t, 2t+1
+    work: CtaWork
+    tiled_mma_qk: cute.TiledMma
+    tiled_mma_pv: cute.TiledMma
+    tSrQ: cute.Tensor  # Q descriptors (MMA, 1, d_qk/32)
+    tSrK: cute.Tensor  # K descriptors (MMA, 1, d_qk/32, stage*2 + block)
+    tOrP: cute.Tensor  # P^T descriptors (MMA, 1, 4 k-steps, parity)
+    acc_s: cute.Tensor  # S of this consumer's block (32 f32)
+    acc_o: list  # O^T, one 64x64 accumulator per d tile (4 x 32 f32)
+    frag_v: list  # two V^T A-fragment buffers (4 k-steps each, 16 registers)
+    row_max_used: cute.Tensor  # per row r: max the stored P are relative to (exp2 domain)
+    row_max_true: cute.Tensor  # per row r: exact running max (for max_logits)
+    row_sum: cute.Tensor  # per row r: this thread's partial sum of 2^7 P
+    s_row_max: cute.Tensor  # smem [row, consumer, parity]: block row maxima
+    s_alpha: cute.Tensor  # smem [row, consumer, parity]: O rescale factors
+    s_row_sum: cute.Tensor  # smem [row, consumer]
+    s_out_scale: cute.Tensor  # smem [row, consumer]
+    sK_base: Int32  # shared-memory byte address of the gathered KV tiles
+    sP_base: Int32  # shared-memory byte address of the P tiles
+    mbar_kv_full: cute.Pointer
+    mIdx: cute.Tensor
+    s_kv: Int32
+    scale_log2: Float32  # q_scale * kv_scale * sm_scale * log2(e)
+
+
 class SparsePrefillSm90:
     """Compile-time configuration of the kernel: ``d_qk`` (512 or 576)."""
 
-    def __init__(self, d_qk: int):
+    def __init__(self, d_qk: int, schedule: str = "overlap", experiment: str | None = None):
+        """``schedule``: "overlap" queues PV(p-1) around the softmax of pair p; "serial" runs
+        QK(p), softmax(p), PV(p) in turn (releasing each stage a full iteration earlier).
+        ``experiment`` (timing studies only, wrong results): "gather_only" skips all math,
+        "math_only" skips the gather."""
         if d_qk not in (512, 576):
             raise ValueError(f"d_qk must be 512 or 576, got {d_qk}")
+        if schedule not in ("overlap", "serial") or experiment not in (None, "gather_only", "math_only"):
+            raise ValueError(f"unknown schedule {schedule!r} or experiment {experiment!r}")
         self.d_qk = d_qk
+        self.schedule = schedule
+        self.experiment = experiment
         self.k_tile_bytes = B_TOPK * d_qk  # one gathered block in shared memory
         self.q_tile_bytes = B_H * d_qk
 
@@ -328,28 +369,32 @@ class SparsePrefillSm90:
             stage = pair % NUM_STAGES
             phase = (pair // NUM_STAGES) % 2
             full_barrier = mbar_kv_full + stage * 2 + block_in_pair
-            slot = pair * PAIR + warp_idx * 32 + lane
-            kv_row = mIdx[work.token, slot]
-            is_valid = Int32(0)
-            if (kv_row >= 0) & (kv_row < s_kv) & (slot < work.valid_len):
-                is_valid = Int32(1)
-            cute.arch.mbarrier_wait(mbar_kv_empty + stage, phase ^ 1)
-            tile_base = sK_base + (stage * 2 + block_in_pair) * self.k_tile_bytes
-            for group in cutlass.range_constexpr(4):
-                src_lane = group * 8 + lane_row
-                row_kv = cute.arch.shuffle_sync(kv_row, src_lane)
-                row_valid = cute.arch.shuffle_sync(is_valid, src_lane)
-                row = row_base + group * 8 + lane_row
-                g_addr = kv_base + Int64(row_kv * row_valid) * kv_row_stride + chunk16 * 16
-                s_addr = tile_base + _swizzle64(row, chunk16)
-                nbytes = row_valid * 16
-                for col_tile in cutlass.range_constexpr(self.d_qk // SW64_TILE_COLS):
-                    ptx.cp_async_16_zfill(
-                        s_addr + col_tile * TILE_ROW_GROUP_BYTES,
-                        g_addr + col_tile * SW64_TILE_COLS,
-                        nbytes,
-                    )
-            cute.arch.cp_async_mbarrier_arrive_noinc(full_barrier)
+            if const_expr(self.experiment == "math_only"):
+                cute.arch.mbarrier_wait(mbar_kv_empty + stage, phase ^ 1)
+                cute.arch.mbarrier_arrive(full_barrier)
+            else:
+                slot = pair * PAIR + warp_idx * 32 + lane
+                kv_row = mIdx[work.token, slot]
+                is_valid = Int32(0)
+                if (kv_row >= 0) & (kv_row < s_kv) & (slot < work.valid_len):
+                    is_valid = Int32(1)
+                cute.arch.mbarrier_wait(mbar_kv_empty + stage, phase ^ 1)
+                tile_base = sK_base + (stage * 2 + block_in_pair) * self.k_tile_bytes
+                for group in cutlass.range_constexpr(4):
+                    src_lane = group * 8 + lane_row
+                    row_kv = cute.arch.shuffle_sync(kv_row, src_lane)
+                    row_valid = cute.arch.shuffle_sync(is_valid, src_lane)
+                    row = row_base + group * 8 + lane_row
+                    g_addr = kv_base + Int64(row_kv * row_valid) * kv_row_stride + chunk16 * 16
+                    s_addr = tile_base + _swizzle64(row, chunk16)
+                    nbytes = row_valid * 16
+                    for col_tile in cutlass.range_constexpr(self.d_qk // SW64_TILE_COLS):
+                        ptx.cp_async_16_zfill(
+                            s_addr + col_tile * TILE_ROW_GROUP_BYTES,
+                            g_addr + col_tile * SW64_TILE_COLS,
+                            nbytes,
+                        )
+                cute.arch.cp_async_mbarrier_arrive_noinc(full_barrier)
         ptx.cp_async_wait_all()
 
     # ------------------------------------------------------------------------------------
@@ -380,10 +425,6 @@ class SparsePrefillSm90:
         e4m3 = sQ.element_type
         wtid = cute.arch.thread_idx()[0] % THREADS_PER_WG  # thread index inside the warpgroup
         lane = cute.arch.lane_idx()
-        cwarp = wtid // 32  # warp inside the warpgroup: rows 16*cwarp.. of every M tile
-        quad_row = lane // 4  # g: C-fragment row inside the warp's 16 rows
-        quad_lane = lane % 4  # t: C-fragment column pair 2t, 2t+1
-        s_row_max, s_alpha, s_row_sum, s_out_scale = smem_stats
 
         tiled_mma_qk = sm90_utils.make_trivial_tiled_mma(
             e4m3, e4m3, OperandMajorMode.K, OperandMajorMode.K, Float32, (1, 1, 1), (B_H, B_TOPK)
@@ -425,99 +466,129 @@ class SparsePrefillSm90:
         row_max_true.fill(-Float32.inf)
         row_sum.fill(0.0)
 
-        scale_log2 = mQScale[0] * mKVScale[0] * sm_scale_log2
-        s_kv = cute.size(mKV, mode=[0])
-        sK_base = sK.iterator.toint()
-        sP_base = sP.iterator.toint()
+        s_row_max, s_alpha, s_row_sum, s_out_scale = smem_stats
+        c = Consumer(
+            index=consumer,
+            warp=wtid // 32,
+            lane=lane,
+            quad_row=lane // 4,
+            quad_lane=lane % 4,
+            work=work,
+            tiled_mma_qk=tiled_mma_qk,
+            tiled_mma_pv=tiled_mma_pv,
+            tSrQ=tSrQ,
+            tSrK=tSrK,
+            tOrP=tOrP,
+            acc_s=acc_s,
+            acc_o=acc_o,
+            frag_v=frag_v,
+            row_max_used=row_max_used,
+            row_max_true=row_max_true,
+            row_sum=row_sum,
+            s_row_max=s_row_max,
+            s_alpha=s_alpha,
+            s_row_sum=s_row_sum,
+            s_out_scale=s_out_scale,
+            sK_base=sK.iterator.toint(),
+            sP_base=sP.iterator.toint(),
+            mbar_kv_full=mbar_kv_full,
+            mIdx=mIdx,
+            s_kv=cute.size(mKV, mode=[0]),
+            scale_log2=mQScale[0] * mKVScale[0] * sm_scale_log2,
+        )
 
         cute.arch.mbarrier_wait(mbar_q, 0)
-        if work.num_pairs > 0:
-            self.issue_qk(consumer, 0, tiled_mma_qk, tSrQ, tSrK, acc_s, mbar_kv_full, work)
-            valid_bits = self.block_valid_bits(consumer, 0, mIdx, s_kv, work, lane, quad_lane)
+        if const_expr(self.experiment == "gather_only"):
+            for pair in cutlass.range(work.num_pairs, unroll=1):
+                stage = pair % NUM_STAGES
+                for block in cutlass.range_constexpr(2):
+                    cute.arch.mbarrier_wait(mbar_kv_full + stage * 2 + block, (pair // NUM_STAGES) % 2)
+                cute.arch.mbarrier_arrive(mbar_kv_empty + stage)
+        elif const_expr(self.schedule == "serial"):
+            if work.num_pairs > 0:
+                for pair in cutlass.range(work.num_pairs, unroll=1):
+                    self.issue_qk(c, pair)
+                    valid_bits = self.block_valid_bits(c, pair)
+                    warpgroup.wait_group(0)  # S(pair), and PV(pair - 1)
+                    self.softmax_block_max(c, pair, valid_bits)
+                    self.softmax_p(c, pair)
+                    self.rescale_o(c, pair)
+                    for mt in cutlass.range_constexpr(D_TILES_PER_CONSUMER):
+                        if const_expr(mt >= 2):
+                            warpgroup.wait_group(1)  # the PV that used this A buffer has finished
+                        self.issue_pv(c, pair, mt, mt % 2)
+                    cute.arch.mbarrier_arrive(mbar_kv_empty + pair % NUM_STAGES)  # both blocks of pair read
+                    # Drained at the end of each iteration: WGMMAs in flight across the loop's back
+                    # edge make ptxas serialise them (C7520).
+                    warpgroup.wait_group(0)
+        elif work.num_pairs > 0:
+            self.issue_qk(c, 0)
+            valid_bits = self.block_valid_bits(c, 0)
             warpgroup.wait_group(0)
-            self.softmax_block_max(
-                consumer, 0, acc_s, valid_bits, scale_log2, s_row_max, cwarp, quad_row, quad_lane
-            )
-            self.softmax_p(
-                consumer, 0, acc_s, row_max_used, row_max_true, row_sum, s_row_max, s_alpha, sP_base,
-                cwarp, quad_row, quad_lane,
-            )  # fmt: skip
+            self.softmax_block_max(c, 0, valid_bits)
+            self.softmax_p(c, 0)
             # Steady state, per pair: QK(pair) and PV(prev) d tile 0 are queued; the masking and
             # block max of S(pair) run while tile 0 computes, the rest of the softmax while tile 1
             # does, then tiles 2-3. At most one A buffer is in flight while S is live.
             for pair in cutlass.range(1, work.num_pairs, 1, unroll=1):
                 prev = pair - 1
-                self.issue_qk(consumer, pair, tiled_mma_qk, tSrQ, tSrK, acc_s, mbar_kv_full, work)
-                self.issue_pv(consumer, prev, 0, tiled_mma_pv, frag_v[0], tOrP, acc_o[0],
-                              sK_base, mbar_kv_full, work, cwarp, lane)  # fmt: skip
-                valid_bits = self.block_valid_bits(consumer, pair, mIdx, s_kv, work, lane, quad_lane)
+                self.issue_qk(c, pair)
+                self.issue_pv(c, prev, 0, 0)
+                valid_bits = self.block_valid_bits(c, pair)
                 warpgroup.wait_group(1)  # S(pair) is ready
-                self.softmax_block_max(
-                    consumer, pair, acc_s, valid_bits, scale_log2, s_row_max, cwarp, quad_row, quad_lane
-                )
+                self.softmax_block_max(c, pair, valid_bits)
                 warpgroup.wait_group(0)
-                self.issue_pv(consumer, prev, 1, tiled_mma_pv, frag_v[1], tOrP, acc_o[1],
-                              sK_base, mbar_kv_full, work, cwarp, lane)  # fmt: skip
-                self.softmax_p(
-                    consumer, pair, acc_s, row_max_used, row_max_true, row_sum, s_row_max, s_alpha, sP_base,
-                    cwarp, quad_row, quad_lane,
-                )  # fmt: skip
-                self.issue_pv(consumer, prev, 2, tiled_mma_pv, frag_v[0], tOrP, acc_o[2],
-                              sK_base, mbar_kv_full, work, cwarp, lane)  # fmt: skip
+                self.issue_pv(c, prev, 1, 1)
+                self.softmax_p(c, pair)
+                self.issue_pv(c, prev, 2, 0)
                 warpgroup.wait_group(1)
-                self.issue_pv(consumer, prev, 3, tiled_mma_pv, frag_v[1], tOrP, acc_o[3],
-                              sK_base, mbar_kv_full, work, cwarp, lane)  # fmt: skip
+                self.issue_pv(c, prev, 3, 1)
                 cute.arch.mbarrier_arrive(mbar_kv_empty + prev % NUM_STAGES)  # both blocks of prev read
                 warpgroup.wait_group(0)
-                self.rescale_o(consumer, pair % 2, acc_o, s_alpha, quad_lane)
+                self.rescale_o(c, pair)
             last = work.num_pairs - 1
             for mt in cutlass.range_constexpr(D_TILES_PER_CONSUMER):
                 if const_expr(mt >= 2):
                     warpgroup.wait_group(1)
-                self.issue_pv(consumer, last, mt, tiled_mma_pv, frag_v[mt % 2], tOrP, acc_o[mt],
-                              sK_base, mbar_kv_full, work, cwarp, lane)  # fmt: skip
+                self.issue_pv(c, last, mt, mt % 2)
             warpgroup.wait_group(0)
 
-        self.epilogue(
-            consumer, acc_o, row_max_used, row_max_true, row_sum, s_row_sum, s_out_scale,
-            mSink, mKVScale, mOut, mMaxLogits, mLse, flags, work, cwarp, quad_row, quad_lane,
-        )  # fmt: skip
+        self.epilogue(c, mSink, mKVScale, mOut, mMaxLogits, mLse, flags)
 
     # ------------------------------------------------------------------------------------
     @cute.jit
-    def issue_qk(self, consumer, pair, tiled_mma_qk, tSrQ, tSrK, acc_s, mbar_kv_full, work):
+    def issue_qk(self, c: Consumer, pair):
         """Queue S = Q . K_c^T for block c of ``pair`` (one WGMMA group; empty for a block past
         topk_length, whose S is then fully masked)."""
         stage = pair % NUM_STAGES
-        cute.arch.mbarrier_wait(mbar_kv_full + stage * 2 + consumer, (pair // NUM_STAGES) % 2)
-        acc_s.fill(0.0)
+        tile = stage * 2 + c.index
+        cute.arch.mbarrier_wait(c.mbar_kv_full + tile, (pair // NUM_STAGES) % 2)
+        c.acc_s.fill(0.0)
         warpgroup.fence()
-        if pair * 2 + consumer < work.num_blocks:
+        if pair * 2 + c.index < c.work.num_blocks:
             for k in cutlass.range_constexpr(self.d_qk // 32):
                 cute.gemm(
-                    tiled_mma_qk, acc_s, tSrQ[None, None, k], tSrK[None, None, k, stage * 2 + consumer], acc_s
+                    c.tiled_mma_qk, c.acc_s, c.tSrQ[None, None, k], c.tSrK[None, None, k, tile], c.acc_s
                 )
         warpgroup.commit_group()
 
     @cute.jit
-    def block_valid_bits(self, consumer, pair, mIdx, s_kv, work, lane, quad_lane):
+    def block_valid_bits(self, c: Consumer, pair):
         """Validity of the 64 slots of block c of ``pair``, one bit per slot, shifted so bit
         8j + e is the slot of this thread's S column 8j + 2t + e (j < 4: low word)."""
-        slot0 = pair * PAIR + consumer * B_TOPK
-        idx_lo = mIdx[work.token, slot0 + lane]
-        idx_hi = mIdx[work.token, slot0 + 32 + lane]
-        ok_lo = (idx_lo >= 0) & (idx_lo < s_kv) & (slot0 + lane < work.valid_len)
-        ok_hi = (idx_hi >= 0) & (idx_hi < s_kv) & (slot0 + 32 + lane < work.valid_len)
-        shift = Uint32(2 * quad_lane)
+        slot0 = pair * PAIR + c.index * B_TOPK
+        idx_lo = c.mIdx[c.work.token, slot0 + c.lane]
+        idx_hi = c.mIdx[c.work.token, slot0 + 32 + c.lane]
+        ok_lo = (idx_lo >= 0) & (idx_lo < c.s_kv) & (slot0 + c.lane < c.work.valid_len)
+        ok_hi = (idx_hi >= 0) & (idx_hi < c.s_kv) & (slot0 + 32 + c.lane < c.work.valid_len)
+        shift = Uint32(2 * c.quad_lane)
         return (
             Uint32(cute.arch.vote_ballot_sync(ok_lo)) >> shift,
             Uint32(cute.arch.vote_ballot_sync(ok_hi)) >> shift,
         )
 
     @cute.jit
-    def softmax_block_max(
-        self, consumer, pair, acc_s, valid_bits, scale_log2, s_row_max, cwarp, quad_row, quad_lane
-    ):
+    def softmax_block_max(self, c: Consumer, pair, valid_bits):
         """Scale S to the exp2 domain, set invalid slots to -inf, publish the block's row maxima."""
         valid_lo, valid_hi = valid_bits
         for r in cutlass.range_constexpr(2):
@@ -527,103 +598,103 @@ class SparsePrefillSm90:
                     i = e + 2 * r + 4 * j
                     bits = valid_lo if j < 4 else valid_hi
                     bit = (bits >> Uint32(8 * (j % 4) + e)) & Uint32(1)
-                    logit = acc_s[i] * scale_log2
-                    acc_s[i] = logit if bit != 0 else -Float32.inf
-                    block_max = cute.arch.fmax(block_max, acc_s[i])
+                    logit = c.acc_s[i] * c.scale_log2
+                    c.acc_s[i] = logit if bit != 0 else -Float32.inf
+                    block_max = cute.arch.fmax(block_max, c.acc_s[i])
             block_max = cute.arch.fmax(block_max, cute.arch.shuffle_sync_bfly(block_max, offset=1))
             block_max = cute.arch.fmax(block_max, cute.arch.shuffle_sync_bfly(block_max, offset=2))
-            if quad_lane == 0:
-                s_row_max[cwarp * 16 + quad_row + 8 * r, consumer, pair % 2] = block_max
+            if c.quad_lane == 0:
+                c.s_row_max[c.warp * 16 + c.quad_row + 8 * r, c.index, pair % 2] = block_max
 
     @cute.jit
-    def softmax_p(
-        self, consumer, pair, acc_s, row_max_used, row_max_true, row_sum, s_row_max, s_alpha, sP_base,
-        cwarp, quad_row, quad_lane,
-    ):  # fmt: skip
+    def softmax_p(self, c: Consumer, pair):
         """Agree on the running max with the other consumer, store P = e4m3(2^7 exp2(S - m)) as
         the PV B operand and the O rescale factors alpha."""
         parity = pair % 2
         cute.arch.barrier(barrier_id=BAR_MAX_READY, number_of_threads=2 * THREADS_PER_WG)
-
         # Slot order inside a 32-slot k-step (sigma): k = 4t + b holds slot
         # [2t, 2t+1, 8+2t, 9+2t][b] and k + 16 holds slot + 16 -- the order that
         # ldmatrix.trans + prmt give the V^T fragment. This thread's S columns
         # 8j + 2t + e therefore land in two 4-byte words per 32-slot group.
-        tile_addr = sP_base + parity * (B_H * PAIR) + consumer * TILE_ROW_GROUP_BYTES
+        tile_addr = c.sP_base + parity * (B_H * PAIR) + c.index * TILE_ROW_GROUP_BYTES
         for r in cutlass.range_constexpr(2):
-            row = cwarp * 16 + quad_row + 8 * r
-            pair_max = cute.arch.fmax(s_row_max[row, 0, parity], s_row_max[row, 1, parity])
-            row_max_true[r] = cute.arch.fmax(row_max_true[r], pair_max)
+            row = c.warp * 16 + c.quad_row + 8 * r
+            pair_max = cute.arch.fmax(c.s_row_max[row, 0, parity], c.s_row_max[row, 1, parity])
+            c.row_max_true[r] = cute.arch.fmax(c.row_max_true[r], pair_max)
             # Lazy max: move only when the pair's max exceeds it by more than the threshold.
             alpha = Float32(1.0)
-            if pair_max > row_max_used[r] + RESCALE_THRESHOLD:
-                alpha = cute.math.exp2(row_max_used[r] - pair_max, fastmath=True)
-                row_max_used[r] = pair_max
+            if pair_max > c.row_max_used[r] + RESCALE_THRESHOLD:
+                alpha = cute.math.exp2(c.row_max_used[r] - pair_max, fastmath=True)
+                c.row_max_used[r] = pair_max
             # Exponent offset: 2^7 folded in; a row with no valid slot so far (max -inf) uses 0.
-            max_used = row_max_used[r]
+            max_used = c.row_max_used[r]
             bias = (max_used if max_used != -Float32.inf else Float32(0.0)) - P_SCALE_LOG2
             block_sum = Float32(0.0)
             for j in cutlass.range_constexpr(8):
                 for e in cutlass.range_constexpr(2):
                     i = e + 2 * r + 4 * j
-                    acc_s[i] = cute.math.exp2(acc_s[i] - bias, fastmath=True)
-                    block_sum += acc_s[i]
-            row_sum[r] = row_sum[r] * alpha + block_sum
-            if quad_lane == 0:
-                s_alpha[row, consumer, parity] = alpha
+                    c.acc_s[i] = cute.math.exp2(c.acc_s[i] - bias, fastmath=True)
+                    block_sum += c.acc_s[i]
+            c.row_sum[r] = c.row_sum[r] * alpha + block_sum
+            if c.quad_lane == 0:
+                c.s_alpha[row, c.index, parity] = alpha
             for kstep in cutlass.range_constexpr(2):
                 for half in cutlass.range_constexpr(2):
                     j0 = 4 * kstep + 2 * half
                     word = ptx.pack_e4m3x4(
-                        acc_s[0 + 2 * r + 4 * j0],
-                        acc_s[1 + 2 * r + 4 * j0],
-                        acc_s[0 + 2 * r + 4 * (j0 + 1)],
-                        acc_s[1 + 2 * r + 4 * (j0 + 1)],
+                        c.acc_s[0 + 2 * r + 4 * j0],
+                        c.acc_s[1 + 2 * r + 4 * j0],
+                        c.acc_s[0 + 2 * r + 4 * (j0 + 1)],
+                        c.acc_s[1 + 2 * r + 4 * (j0 + 1)],
                     )
-                    ptx.st_shared_u32(tile_addr + _swizzle64(row, 2 * kstep + half) + 4 * quad_lane, word)
+                    ptx.st_shared_u32(tile_addr + _swizzle64(row, 2 * kstep + half) + 4 * c.quad_lane, word)
         cute.arch.fence_proxy("async.shared", space="cta")
         cute.arch.barrier(barrier_id=BAR_P_READY, number_of_threads=2 * THREADS_PER_WG)
 
     @cute.jit
-    def rescale_o(self, consumer, parity, acc_o, s_alpha, quad_lane):
+    def rescale_o(self, c: Consumer, pair):
         """O^T *= alpha per head (column 8j + 2t + e); skipped when the warp's alphas are all 1."""
         alpha_cols = cute.make_rmem_tensor((16,), Float32)
         needed = False
         for j in cutlass.range_constexpr(8):
             for e in cutlass.range_constexpr(2):
-                alpha_cols[2 * j + e] = s_alpha[8 * j + 2 * quad_lane + e, consumer, parity]
+                alpha_cols[2 * j + e] = c.s_alpha[8 * j + 2 * c.quad_lane + e, c.index, pair % 2]
                 needed = needed | (alpha_cols[2 * j + e] != 1.0)
-        if cute.arch.vote_any_sync(needed):
+        if cute.arch.make_warp_uniform(Int32(cute.arch.vote_any_sync(needed))) != 0:
             for mt in cutlass.range_constexpr(D_TILES_PER_CONSUMER):
                 for j in cutlass.range_constexpr(8):
                     for r in cutlass.range_constexpr(2):
                         for e in cutlass.range_constexpr(2):
                             i = e + 2 * r + 4 * j
-                            acc_o[mt][i] = acc_o[mt][i] * alpha_cols[2 * j + e]
+                            c.acc_o[mt][i] = c.acc_o[mt][i] * alpha_cols[2 * j + e]
 
     @cute.jit
-    def issue_pv(
-        self, consumer, pair, mt, tiled_mma_pv, frag, tOrP, acc, sK_base, mbar_kv_full, work, cwarp, lane
-    ):
-        """Load the V^T A fragment of d tile ``mt`` (of this consumer's half) for ``pair`` with
-        ldmatrix.trans + prmt and queue its 4 k-steps (one WGMMA group). The k-steps of a block
-        past topk_length are skipped."""
+    def issue_pv(self, c: Consumer, pair, mt, buf):
+        """Load the V^T A fragment of d tile ``mt`` (of this consumer's half) for ``pair`` into
+        A buffer ``buf`` with ldmatrix.trans + prmt and queue its 4 k-steps (one WGMMA group)."""
         stage = pair % NUM_STAGES
         # The other consumer's block is read too: wait on its barrier (a no-op wait by now)
         # so its cp.async writes are visible to this thread.
-        cute.arch.mbarrier_wait(mbar_kv_full + stage * 2 + (1 - consumer), (pair // NUM_STAGES) % 2)
+        cute.arch.mbarrier_wait(c.mbar_kv_full + stage * 2 + (1 - c.index), (pair // NUM_STAGES) % 2)
+        frag = c.frag_v[buf]
         words = cute.recast_tensor(frag, Uint32)
-        d_tile = consumer * D_TILES_PER_CONSUMER + mt  # 64-column tile of d (0..7)
-        tile_base = sK_base + stage * 2 * self.k_tile_bytes + d_tile * TILE_ROW_GROUP_BYTES
+        d_tile = c.index * D_TILES_PER_CONSUMER + mt  # 64-column tile of d (0..7)
+        tile_base = c.sK_base + stage * 2 * self.k_tile_bytes + d_tile * TILE_ROW_GROUP_BYTES
         for ks in cutlass.range_constexpr(4):
-            self.load_v_fragment(words, ks, tile_base, cwarp, lane)
+            self.load_v_fragment(words, ks, tile_base, c.warp, c.lane)
         warpgroup.fence()
         for ks in cutlass.range_constexpr(4):
-            cute.gemm(tiled_mma_pv, acc, frag[None, None, ks], tOrP[None, None, ks, pair % 2], acc)
+            cute.gemm(
+                c.tiled_mma_pv,
+                c.acc_o[mt],
+                frag[None, None, ks],
+                c.tOrP[None, None, ks, pair % 2],
+                c.acc_o[mt],
+            )
         warpgroup.commit_group()
 
     @cute.jit
-    def load_v_fragment(self, words, ks, tile_base, cwarp, lane):
+    def load_v_fragment(self, words, ks, tile_base, warp, lane):
         """k-step ``ks`` (32 slots) of the V^T A fragment: one ldmatrix.x4.trans + 4 prmt.
 
         Lane L addresses row (slot) L of the four 8x8 b16 matrices (slots 32*(ks%2) + 8i + L%8,
@@ -632,7 +703,7 @@ class SparsePrefillSm90:
         registers a0 = (d 2g, slots 2t, 2t+1, 8+2t, 9+2t), a1 = the same for d 2g+1, and a2, a3 for
         slots + 16."""
         slot = (ks % 2) * 32 + lane
-        addr = tile_base + (ks // 2) * self.k_tile_bytes + _swizzle64(slot, cwarp)
+        addr = tile_base + (ks // 2) * self.k_tile_bytes + _swizzle64(slot, warp)
         m0, m1, m2, m3 = ptx.ldmatrix_x4_trans(addr)
         words[4 * ks + 0] = ptx.prmt(m0, m1, 0x6420)
         words[4 * ks + 1] = ptx.prmt(m0, m1, 0x7531)
@@ -640,50 +711,47 @@ class SparsePrefillSm90:
         words[4 * ks + 3] = ptx.prmt(m2, m3, 0x7531)
 
     @cute.jit
-    def epilogue(
-        self, consumer, acc_o, row_max_used, row_max_true, row_sum, s_row_sum, s_out_scale,
-        mSink, mKVScale, mOut, mMaxLogits, mLse, flags, work, cwarp, quad_row, quad_lane,
-    ):  # fmt: skip
+    def epilogue(self, c: Consumer, mSink, mKVScale, mOut, mMaxLogits, mLse, flags):
         """Normalise O, apply kv_scale and the sink, write out (bf16), max_logits and lse."""
         kv_scale = mKVScale[0]
         for r in cutlass.range_constexpr(2):
-            total = row_sum[r]
+            total = c.row_sum[r]
             total += cute.arch.shuffle_sync_bfly(total, offset=1)
             total += cute.arch.shuffle_sync_bfly(total, offset=2)
-            if quad_lane == 0:
-                s_row_sum[cwarp * 16 + quad_row + 8 * r, consumer] = total
+            if c.quad_lane == 0:
+                c.s_row_sum[c.warp * 16 + c.quad_row + 8 * r, c.index] = total
         cute.arch.barrier(barrier_id=BAR_SUM_READY, number_of_threads=2 * THREADS_PER_WG)
         for r in cutlass.range_constexpr(2):
-            row = cwarp * 16 + quad_row + 8 * r
-            out_row = work.bid * B_H + row
-            scaled_sum = s_row_sum[row, 0] + s_row_sum[row, 1]  # sum of 2^7 P over all slots
-            max_used = row_max_used[r]
+            row = c.warp * 16 + c.quad_row + 8 * r
+            out_row = c.work.bid * B_H + row
+            scaled_sum = c.s_row_sum[row, 0] + c.s_row_sum[row, 1]  # sum of 2^7 P over all slots
+            max_used = c.row_max_used[r]
             denom = scaled_sum
             if (flags & 2) != 0:
-                sink_log2 = mSink[work.head_group * B_H + row] * LOG2_E
+                sink_log2 = mSink[c.work.head_group * B_H + row] * LOG2_E
                 denom += cute.math.exp2(sink_log2 - max_used + P_SCALE_LOG2, fastmath=True)
             out_scale = Float32(0.0)
             if scaled_sum > 0.0:
                 out_scale = kv_scale / denom
-            if quad_lane == 0:
-                s_out_scale[row, consumer] = out_scale
-                if consumer == 0:
+            if c.quad_lane == 0:
+                c.s_out_scale[row, c.index] = out_scale
+                if c.index == 0:
                     if scaled_sum > 0.0:
-                        mMaxLogits[out_row] = row_max_true[r] * LN_2
+                        mMaxLogits[out_row] = c.row_max_true[r] * LN_2
                         log2_sum = cute.math.log2(scaled_sum, fastmath=True) - P_SCALE_LOG2
                         mLse[out_row] = (max_used + log2_sum) * LN_2
                     else:
                         mMaxLogits[out_row] = -Float32.inf
                         mLse[out_row] = Float32.inf
-        cute.arch.barrier(barrier_id=BAR_SCALE_READY + consumer, number_of_threads=THREADS_PER_WG)
+        cute.arch.barrier(barrier_id=BAR_SCALE_READY + c.index, number_of_threads=THREADS_PER_WG)
 
         out_base = mOut.iterator.toint()
         for j in cutlass.range_constexpr(8):
             for e in cutlass.range_constexpr(2):
-                head = 8 * j + 2 * quad_lane + e
-                scale = s_out_scale[head, consumer]
-                row_addr = out_base + Int64(work.bid * B_H + head) * (D_V * 2)
+                head = 8 * j + 2 * c.quad_lane + e
+                scale = c.s_out_scale[head, c.index]
+                row_addr = out_base + Int64(c.work.bid * B_H + head) * (D_V * 2)
                 for mt in cutlass.range_constexpr(D_TILES_PER_CONSUMER):
-                    d = (consumer * D_TILES_PER_CONSUMER + mt) * 64 + cwarp * 16 + 2 * quad_row
-                    word = ptx.pack_bf16x2(acc_o[mt][e + 4 * j] * scale, acc_o[mt][e + 2 + 4 * j] * scale)
+                    d = (c.index * D_TILES_PER_CONSUMER + mt) * 64 + c.warp * 16 + 2 * c.quad_row
+                    word = ptx.pack_bf16x2(c.acc_o[mt][e + 4 * j] * scale, c.acc_o[mt][e + 2 + 4 * j] * scale)
                     ptx.st_global_u32(row_addr + d * 2, word)

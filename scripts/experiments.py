@@ -1,0 +1,83 @@
+"""Timing study of kernel variants (schedules, gather-only / math-only bounds) on bench shapes.
+
+Builds each variant in-process (not through the cache), checks the correct ones against the
+reference on a few rows, and prints milliseconds and TF/s per shape. On a machine without an
+SM90 GPU it only builds them and prints their ptxas report.
+
+    python scripts/experiments.py [--shapes NAME,...] [--variants NAME,...]
+"""
+
+import argparse
+import sys
+import tempfile
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from bench import SHAPES, check, make_inputs, time_ms  # noqa: E402
+
+from q8kv8 import kernels  # noqa: E402
+
+VARIANTS = {
+    "overlap": {"schedule": "overlap"},
+    "serial": {"schedule": "serial"},
+    "gather_only": {"schedule": "serial", "experiment": "gather_only"},
+    "math_only": {"schedule": "serial", "experiment": "math_only"},
+}
+
+
+def build(d_qk: int, options: dict):
+    with tempfile.TemporaryDirectory() as dump:
+        compiled = kernels._compile(d_qk, Path(dump), **options)
+    with tempfile.NamedTemporaryFile(suffix=".ptx", mode="w") as ptx:
+        ptx.write(compiled.__ptx__)
+        ptx.flush()
+        variant = kernels.Variant(
+            "experiment", d_qk, compiled, "compiled", 0.0, Path(ptx.name), Path(ptx.name)
+        )
+        report = kernels.ptxas_report(variant)
+    return compiled, report
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--shapes", default="h128_kv64k_d576_tk2048")
+    parser.add_argument("--variants", default=",".join(VARIANTS))
+    parser.add_argument("--rep", type=int, default=150)
+    args = parser.parse_args()
+    gpu = torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)
+    shapes = [s for s in SHAPES if any(w in s[0] for w in args.shapes.split(","))]
+    for d_qk in sorted({s[4] for s in shapes}):
+        for name in args.variants.split(","):
+            compiled, report = build(d_qk, VARIANTS[name])
+            serialised = report and "serialized" in report.text
+            spills = report and report.spill_store_bytes + report.spill_load_bytes
+            print(
+                f"d{d_qk} {name:12s} regs {report and report.registers} spills {spills} serialised {serialised}"
+            )
+            if not gpu:
+                continue
+            kernels._variants[d_qk] = kernels.Variant(name, d_qk, compiled, "compiled", 0.0, Path(), None)
+            for shape, s_q, s_kv, h_q, dq, topk, tl_mode in shapes:
+                if dq != d_qk:
+                    continue
+                inputs = make_inputs(s_q, s_kv, h_q, d_qk, topk, tl_mode, "cuda")
+                tl = inputs["topk_length"]
+                flops = 2.0 * (int(tl.long().sum()) if tl is not None else s_q * topk) * h_q * (d_qk + 512)
+                import q8kv8
+
+                outputs = q8kv8.sparse_mla_q8kv8_prefill_fwd(**inputs)
+                err = check(inputs, outputs, rows=16) if "experiment" not in VARIANTS[name] else float("nan")
+                ms = time_ms(lambda inputs=inputs: q8kv8.sparse_mla_q8kv8_prefill_fwd(**inputs), args.rep)
+                print(
+                    f"    {shape:30s} {ms:8.3f} ms {flops / ms / 1e9:7.0f} TF/s  rel err {err:.2e}",
+                    flush=True,
+                )
+            kernels._variants.pop(d_qk)
+
+
+if __name__ == "__main__":
+    main()
