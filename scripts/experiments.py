@@ -56,7 +56,7 @@ def main() -> None:
             serialised = report and "serialized" in report.text
             spills = report and report.spill_store_bytes + report.spill_load_bytes
             print(
-                f"d{d_qk} {name:12s} regs {report and report.registers} spills {spills} serialised {serialised}"
+                f"d{d_qk} {name:12s} regs {report and report.registers} spills {spills} serial {serialised}"
             )
             if not gpu:
                 continue
