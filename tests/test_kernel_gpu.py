@@ -116,6 +116,15 @@ def test_non_unit_scales_and_sm_scale(make_inputs, randn_fp8):
     assert_matches_reference(run_kernel(inputs), inputs)
 
 
+@pytest.mark.parametrize("q_scale, kv_scale", [(-0.7, 1.3), (0.0, 1.0), (0.9, -0.4)])
+def test_zero_and_negative_scales(make_inputs, q_scale, kv_scale):
+    """Not sensible dequantisation scales, but defined: logits change sign or vanish."""
+    inputs = make_inputs(10, 64, 900, 512, 256, device="cuda", with_topk_length=True)
+    inputs["q_scale"] = torch.tensor([q_scale], device="cuda")
+    inputs["kv_scale"] = torch.tensor([kv_scale], device="cuda")
+    assert_matches_reference(run_kernel(inputs), inputs)
+
+
 @pytest.mark.parametrize("h_q", [16, 48, 96])
 def test_head_counts_padded(make_inputs, h_q):
     inputs = make_inputs(9, h_q, 1000, 576, 128, device="cuda", with_sink=True, with_topk_length=True)

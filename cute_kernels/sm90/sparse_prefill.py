@@ -28,13 +28,17 @@ Warp roles (384 threads, ``setmaxregister``; launched with ``min_blocks_per_mp=1
      32-slot k-step (sigma below) is the order in which P is stored, so the product is exact;
      the d order it produces (A row g <-> d 2g, row g+8 <-> d 2g+1) is undone in the epilogue,
      where each thread then owns two adjacent d columns (one 32-bit bf16x2 store).
-  Software pipeline per consumer: QK(p) and d tile 0 of PV(p-1) are queued on the tensor cores
-  before the softmax of pair p starts, d tile 1 during it, tiles 2-3 after it; at most one
-  PV A fragment (16 registers) is in flight while S is live, which keeps the consumers within
-  240 registers. A block past topk_length (the second block of the last pair) is zero-filled,
-  its S product skipped (fully masked) and its PV k-steps multiply zeros. Branches that hold
-  WGMMAs depend only on warp-uniform values (the consumer index comes from the warp index),
-  so ptxas does not serialise the WGMMAs.
+  Schedule per consumer ("serial", the default): QK(p), softmax(p), PV(p) in turn, two V^T
+  A-fragment buffers alternating over the four d tiles, the pair's stage released right after
+  its last V^T load, so the producer has a whole iteration to gather pair p + 2 (measured: the
+  gather alone needs about half the kernel's time, the math alone 94%). "overlap" queues
+  PV(p-1) around the softmax of pair p instead; it releases stages later and measured 25%
+  slower. A block past topk_length (the second block of the last pair) is zero-filled, its S
+  product skipped (fully masked) and its PV k-steps multiply zeros. Branches that hold WGMMAs
+  depend only on warp-uniform values (the consumer index comes from the warp index) and no
+  WGMMA is in flight across a loop's back edge, so ptxas does not serialise them (C7520).
+  The softmax masks only blocks that hold an invalid slot, and folds the logit scale into
+  the exponent's FMA.
 - Epilogue: row sums are exchanged (named barrier 3); out = O / (sum + 2^7 exp(sink - m))
   * kv_scale in bf16; max_logits = true max * ln2, lse = (m + log2(sum) - 7) * ln2. A row with
   no valid slot writes out = 0, max_logits = -inf, lse = +inf.
@@ -139,7 +143,7 @@ class Consumer(NamedTuple):
 class SparsePrefillSm90:
     """Compile-time configuration of the kernel: ``d_qk`` (512 or 576)."""
 
-    def __init__(self, d_qk: int, schedule: str = "overlap", experiment: str | None = None):
+    def __init__(self, d_qk: int, schedule: str = "serial", experiment: str | None = None):
         """``schedule``: "overlap" queues PV(p-1) around the softmax of pair p; "serial" runs
         QK(p), softmax(p), PV(p) in turn (releasing each stage a full iteration earlier).
         ``experiment`` (timing studies only, wrong results): "gather_only" skips all math,
@@ -574,8 +578,9 @@ class SparsePrefillSm90:
 
     @cute.jit
     def block_valid_bits(self, c: Consumer, pair):
-        """Validity of the 64 slots of block c of ``pair``, one bit per slot, shifted so bit
-        8j + e is the slot of this thread's S column 8j + 2t + e (j < 4: low word)."""
+        """Validity of the 64 slots of block c of ``pair``: one bit per slot, shifted so bit
+        8j + e is the slot of this thread's S column 8j + 2t + e (j < 4: low word), and whether
+        every slot is valid (warp-uniform)."""
         slot0 = pair * PAIR + c.index * B_TOPK
         idx_lo = c.mIdx[c.work.token, slot0 + c.lane]
         idx_hi = c.mIdx[c.work.token, slot0 + 32 + c.lane]
@@ -585,24 +590,37 @@ class SparsePrefillSm90:
         return (
             Uint32(cute.arch.vote_ballot_sync(ok_lo)) >> shift,
             Uint32(cute.arch.vote_ballot_sync(ok_hi)) >> shift,
+            cute.arch.vote_all_sync(ok_lo & ok_hi),
         )
 
     @cute.jit
     def softmax_block_max(self, c: Consumer, pair, valid_bits):
-        """Scale S to the exp2 domain, set invalid slots to -inf, publish the block's row maxima."""
-        valid_lo, valid_hi = valid_bits
+        """Set invalid slots of S to -inf and publish the block's row maxima (exp2 domain).
+
+        S stays unscaled when the logit scale is positive (the scale is folded into the
+        exponent later); a scale <= 0 (never a sensible dequantisation scale, but defined) is
+        applied here first so the max is still the max of the logits."""
+        valid_lo, valid_hi, all_valid = valid_bits
+        if c.scale_log2 <= 0.0:
+            for i in cutlass.range_constexpr(cute.size(c.acc_s)):
+                c.acc_s[i] = c.acc_s[i] * c.scale_log2
+        if not all_valid:
+            for r in cutlass.range_constexpr(2):
+                for j in cutlass.range_constexpr(8):
+                    for e in cutlass.range_constexpr(2):
+                        i = e + 2 * r + 4 * j
+                        bits = valid_lo if j < 4 else valid_hi
+                        bit = (bits >> Uint32(8 * (j % 4) + e)) & Uint32(1)
+                        c.acc_s[i] = c.acc_s[i] if bit != 0 else -Float32.inf
         for r in cutlass.range_constexpr(2):
             block_max = -Float32.inf
             for j in cutlass.range_constexpr(8):
                 for e in cutlass.range_constexpr(2):
-                    i = e + 2 * r + 4 * j
-                    bits = valid_lo if j < 4 else valid_hi
-                    bit = (bits >> Uint32(8 * (j % 4) + e)) & Uint32(1)
-                    logit = c.acc_s[i] * c.scale_log2
-                    c.acc_s[i] = logit if bit != 0 else -Float32.inf
-                    block_max = cute.arch.fmax(block_max, c.acc_s[i])
+                    block_max = cute.arch.fmax(block_max, c.acc_s[e + 2 * r + 4 * j])
             block_max = cute.arch.fmax(block_max, cute.arch.shuffle_sync_bfly(block_max, offset=1))
             block_max = cute.arch.fmax(block_max, cute.arch.shuffle_sync_bfly(block_max, offset=2))
+            if c.scale_log2 > 0.0:
+                block_max = block_max * c.scale_log2
             if c.quad_lane == 0:
                 c.s_row_max[c.warp * 16 + c.quad_row + 8 * r, c.index, pair % 2] = block_max
 
@@ -611,6 +629,8 @@ class SparsePrefillSm90:
         """Agree on the running max with the other consumer, store P = e4m3(2^7 exp2(S - m)) as
         the PV B operand and the O rescale factors alpha."""
         parity = pair % 2
+        # S is still unscaled when the scale is positive (see softmax_block_max).
+        logit_scale = c.scale_log2 if c.scale_log2 > 0.0 else Float32(1.0)
         cute.arch.barrier(barrier_id=BAR_MAX_READY, number_of_threads=2 * THREADS_PER_WG)
         # Slot order inside a 32-slot k-step (sigma): k = 4t + b holds slot
         # [2t, 2t+1, 8+2t, 9+2t][b] and k + 16 holds slot + 16 -- the order that
@@ -633,7 +653,7 @@ class SparsePrefillSm90:
             for j in cutlass.range_constexpr(8):
                 for e in cutlass.range_constexpr(2):
                     i = e + 2 * r + 4 * j
-                    c.acc_s[i] = cute.math.exp2(c.acc_s[i] - bias, fastmath=True)
+                    c.acc_s[i] = cute.math.exp2(c.acc_s[i] * logit_scale - bias, fastmath=True)
                     block_sum += c.acc_s[i]
             c.row_sum[r] = c.row_sum[r] * alpha + block_sum
             if c.quad_lane == 0:
