@@ -9,7 +9,7 @@ import math
 import numbers
 import os
 from collections.abc import Mapping
-from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 
@@ -22,8 +22,7 @@ SM90 = (9, 0)
 CHECK_RANGES_ENV = "Q8KV8_CHECK_RANGES"
 
 
-@dataclass(frozen=True)
-class Problem:
+class Problem(NamedTuple):
     """The sizes of one validated call."""
 
     s_q: int
@@ -55,17 +54,19 @@ def check_inputs(
     Raises TypeError for a wrong type or dtype and ValueError for anything else; the message names the
     argument, what was expected and what was got.
     """
-    for name, tensor, rank, layout in (
-        ("q", q, 3, "[s_q, h_q, d_qk]"),
-        ("kv", kv, 3, "[s_kv, h_kv, d_qk]"),
-        ("indices", indices, 3, "[s_q, 1, topk]"),
+    for name, tensor, layout in (
+        ("q", q, "[s_q, h_q, d_qk]"),
+        ("kv", kv, "[s_kv, h_kv, d_qk]"),
+        ("indices", indices, "[s_q, 1, topk]"),
     ):
-        _require_tensor(name, tensor)
-        if tensor.dim() != rank:
-            raise ValueError(f"{name}: expected a {rank}-D tensor {layout}, got shape {list(tensor.shape)}")
-    _require_dtype("q", q, torch.float8_e4m3fn)
-    _require_dtype("kv", kv, torch.float8_e4m3fn)
-    _require_dtype("indices", indices, torch.int32)
+        if type(tensor) is not torch.Tensor:
+            _require_tensor(name, tensor)
+        if tensor.dim() != 3:
+            raise ValueError(f"{name}: expected a 3-D tensor {layout}, got shape {list(tensor.shape)}")
+    if q.dtype != torch.float8_e4m3fn or kv.dtype != torch.float8_e4m3fn or indices.dtype != torch.int32:
+        _require_dtype("q", q, torch.float8_e4m3fn)
+        _require_dtype("kv", kv, torch.float8_e4m3fn)
+        _require_dtype("indices", indices, torch.int32)
     for name, tensor in (("q", q), ("kv", kv), ("indices", indices)):
         if tensor.stride(-1) != 1:
             raise ValueError(
@@ -83,7 +84,11 @@ def check_inputs(
         raise ValueError(f"q: expected d_qk = q.shape[2] in {SUPPORTED_D_QK}, got {d_qk}")
     if kv_d_qk != d_qk:
         raise ValueError(f"kv: expected kv.shape[2] = {d_qk} (d_qk of q), got {kv_d_qk}")
-    if isinstance(d_v, bool) or not isinstance(d_v, numbers.Integral) or d_v != SUPPORTED_D_V:
+    if (
+        type(d_v) is not int
+        and (isinstance(d_v, bool) or not isinstance(d_v, numbers.Integral))
+        or d_v != 512
+    ):
         raise ValueError(f"d_v: expected the integer {SUPPORTED_D_V}, got {d_v!r}")
     if tuple(indices.shape[:2]) != (s_q, 1):
         raise ValueError(
@@ -95,13 +100,14 @@ def check_inputs(
             "pad it with q8kv8.pad_topk(indices)"
         )
 
-    if not isinstance(sm_scale, numbers.Real) or isinstance(sm_scale, bool):
+    if type(sm_scale) is not float and (not isinstance(sm_scale, numbers.Real) or isinstance(sm_scale, bool)):
         raise TypeError(f"sm_scale: expected a Python real number, got {type(sm_scale).__name__}")
     if not math.isfinite(sm_scale):
         raise ValueError(f"sm_scale: expected a finite number, got {sm_scale}")
     for name, scale in (("q_scale", q_scale), ("kv_scale", kv_scale)):
-        _require_tensor(name, scale)
-        _require_dtype(name, scale, torch.float32)
+        if type(scale) is not torch.Tensor or scale.dtype != torch.float32:
+            _require_tensor(name, scale)
+            _require_dtype(name, scale, torch.float32)
         if scale.numel() != 1:
             raise ValueError(
                 f"{name}: expected a tensor with exactly one element, got shape {list(scale.shape)}"
@@ -118,16 +124,11 @@ def check_inputs(
         _require_dtype("topk_length", topk_length, torch.int32)
         _require_shape("topk_length", topk_length, (s_q,), "[s_q]")
 
-    inputs = {
-        "q": q,
-        "kv": kv,
-        "indices": indices,
-        "q_scale": q_scale,
-        "kv_scale": kv_scale,
-        "attn_sink": attn_sink,
-        "topk_length": topk_length,
-    }
-    inputs = {name: tensor for name, tensor in inputs.items() if tensor is not None}
+    inputs = {"q": q, "kv": kv, "indices": indices, "q_scale": q_scale, "kv_scale": kv_scale}
+    if attn_sink is not None:
+        inputs["attn_sink"] = attn_sink
+    if topk_length is not None:
+        inputs["topk_length"] = topk_length
     outputs = {}
     for name, buffer, dtype, shape, layout in (
         ("out", out, torch.bfloat16, (s_q, h_q, d_v), "[s_q, h_q, d_v]"),
@@ -136,28 +137,35 @@ def check_inputs(
     ):
         if buffer is None:
             continue
-        _require_tensor(name, buffer)
-        _require_dtype(name, buffer, dtype)
-        _require_shape(name, buffer, shape, layout)
+        if type(buffer) is not torch.Tensor or buffer.dtype != dtype or buffer.shape != shape:
+            _require_tensor(name, buffer)
+            _require_dtype(name, buffer, dtype)
+            _require_shape(name, buffer, shape, layout)
         if not buffer.is_contiguous():
             raise ValueError(f"{name}: expected a contiguous tensor, got strides {list(buffer.stride())}")
         outputs[name] = buffer
     if outputs:
         _check_no_overlap(outputs, inputs)
 
-    check_device({name: t.device for name, t in (*inputs.items(), *outputs.items())})
+    devices = {name: t.device for name, t in inputs.items()}
+    for name, buffer in outputs.items():
+        devices[name] = buffer.device
+    check_device(devices)
     return Problem(s_q=s_q, h_q=h_q, s_kv=s_kv, d_qk=d_qk, d_v=int(d_v), topk=topk, device=q.device)
 
 
 def check_device(named_devices: Mapping[str, torch.device]) -> None:
     """Require every named device (``q``'s among them) to be a CUDA device, ``q``'s one, and an SM90 GPU."""
-    for name, device in named_devices.items():
-        if device.type != "cuda":
-            raise ValueError(f"{name}: expected a CUDA tensor, got device {device}")
     device = named_devices["q"]
-    for name, other in named_devices.items():
-        if other != device:
-            raise ValueError(f"{name}: expected a tensor on {device} (the device of q), got device {other}")
+    if any(other != device for other in named_devices.values()) or device.type != "cuda":
+        for name, other in named_devices.items():
+            if other.type != "cuda":
+                raise ValueError(f"{name}: expected a CUDA tensor, got device {other}")
+        for name, other in named_devices.items():
+            if other != device:
+                raise ValueError(
+                    f"{name}: expected a tensor on {device} (the device of q), got device {other}"
+                )
     capability = _device_capability(device)
     if capability != SM90:
         raise ValueError(
@@ -166,8 +174,14 @@ def check_device(named_devices: Mapping[str, torch.device]) -> None:
         )
 
 
+_capabilities: dict[int, tuple[int, int]] = {}
+
+
 def _device_capability(device: torch.device) -> tuple[int, int]:
-    return torch.cuda.get_device_capability(device)
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    if index not in _capabilities:
+        _capabilities[index] = torch.cuda.get_device_capability(index)
+    return _capabilities[index]
 
 
 def _device_name(device: torch.device) -> str:
@@ -210,35 +224,34 @@ def _byte_range(tensor: torch.Tensor) -> tuple[int, int]:
     """The half-open byte interval spanned by ``tensor``'s elements (a superset for strided tensors)."""
     start = tensor.data_ptr()
     if tensor.is_contiguous():
-        return start, start + tensor.numel() * tensor.element_size()
+        return start, start + tensor.nbytes
     last = sum((size - 1) * stride for size, stride in zip(tensor.shape, tensor.stride(), strict=True))
     return start, start + (last + 1) * tensor.element_size()
 
 
-def _span(tensor: torch.Tensor) -> tuple[torch.device, int, int] | None:
-    """``(device, start, end)`` of a tensor's bytes, None for an empty tensor."""
-    return None if tensor.numel() == 0 else (tensor.device, *_byte_range(tensor))
-
-
 def _overlaps(a: torch.Tensor, b: torch.Tensor) -> bool:
-    """Conservatively, whether ``a`` and ``b`` may share memory: their byte intervals on one device meet."""
-    span_a, span_b = _span(a), _span(b)
-    return _spans_meet(span_a, span_b) if span_a and span_b else False
-
-
-def _spans_meet(a: tuple[torch.device, int, int], b: tuple[torch.device, int, int]) -> bool:
-    return a[1] < b[2] and b[1] < a[2] and a[0] == b[0]
+    """Conservatively, whether ``a`` and ``b`` may share memory: their byte intervals on one device meet
+    (empty tensors never overlap)."""
+    if a.numel() == 0 or b.numel() == 0 or a.device != b.device:
+        return False
+    a_start, a_end = _byte_range(a)
+    b_start, b_end = _byte_range(b)
+    return a_start < b_end and b_start < a_end
 
 
 def _check_no_overlap(outputs: dict[str, torch.Tensor], inputs: dict[str, torch.Tensor]) -> None:
-    """Raise ValueError when an output buffer may share memory with an earlier output or an input."""
-    input_spans = [(name, span) for name, tensor in inputs.items() if (span := _span(tensor))]
-    seen: list[tuple[str, tuple[torch.device, int, int]]] = []
+    """Raise ValueError when an output buffer may share memory with an earlier output or an input.
+
+    On the hot path of every call: byte intervals are computed once per tensor."""
+    input_spans = [
+        (name, tensor.device, *_byte_range(tensor)) for name, tensor in inputs.items() if tensor.numel()
+    ]
+    seen: list[tuple[str, torch.device, int, int]] = []
     for name, buffer in outputs.items():
-        span = _span(buffer)
-        if span is None:
+        if not buffer.numel():
             continue
-        for other, other_span in seen + input_spans:
-            if _spans_meet(span, other_span):
+        device, (start, end) = buffer.device, _byte_range(buffer)
+        for other, other_device, other_start, other_end in seen + input_spans:
+            if start < other_end and other_start < end and device == other_device:
                 raise ValueError(f"{name}: expected memory of its own, got memory overlapping {other}")
-        seen.append((name, span))
+        seen.append((name, device, start, end))

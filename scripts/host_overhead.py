@@ -1,0 +1,82 @@
+"""Where the host time of one call goes: contract checks, the wrapper, the TVM-FFI launch.
+
+Times each stage in a loop of launches queued without syncs on a tiny problem (the GPU keeps up),
+then prints a cProfile of the full call.
+
+    python scripts/host_overhead.py
+"""
+
+import cProfile
+import pstats
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+import q8kv8  # noqa: E402
+from bench import make_inputs  # noqa: E402
+from q8kv8 import contract, kernels  # noqa: E402
+
+
+def per_call_us(fn, calls: int = 3000) -> float:
+    for _ in range(100):
+        fn()
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    for _ in range(calls):
+        fn()
+    elapsed = time.perf_counter() - start
+    torch.cuda.synchronize()
+    return elapsed / calls * 1e6
+
+
+def main() -> None:
+    inputs = make_inputs(1, 256, 64, 576, 128, None, "cuda")
+    out, max_logits, lse = q8kv8.sparse_mla_q8kv8_prefill_fwd(**inputs)
+    buffers = {"out": out, "max_logits": max_logits, "lse": lse}
+    args = (
+        inputs["q"], inputs["kv"], inputs["indices"], inputs["sm_scale"], inputs["q_scale"],
+        inputs["kv_scale"], 512, None, None, out, max_logits, lse, "default",
+    )  # fmt: skip
+    variant = kernels.load_variants()[576]
+    no_tl, no_sink = kernels._dummies(inputs["q"].device)
+    ffi_args = (
+        inputs["q"], inputs["kv"], inputs["indices"], no_tl, no_sink, inputs["q_scale"], inputs["kv_scale"],
+        out, max_logits, lse, 1.0, 0,
+    )  # fmt: skip
+    rows = {
+        "contract.check_inputs": lambda: contract.check_inputs(*args),
+        "kernels.launch_sparse_prefill": lambda: kernels.launch_sparse_prefill(
+            inputs["q"],
+            inputs["kv"],
+            inputs["indices"],
+            None,
+            None,
+            inputs["q_scale"],
+            inputs["kv_scale"],
+            inputs["sm_scale"],
+            out,
+            max_logits,
+            lse,
+            "default",
+        ),  # fmt: skip
+        "TVM-FFI call alone": lambda: variant.function(*ffi_args),
+        "full call": lambda: q8kv8.sparse_mla_q8kv8_prefill_fwd(**inputs, **buffers),
+    }
+    for name, fn in rows.items():
+        print(f"{name:32s} {per_call_us(fn):7.1f} us")
+    profile = cProfile.Profile()
+    profile.enable()
+    for _ in range(2000):
+        q8kv8.sparse_mla_q8kv8_prefill_fwd(**inputs, **buffers)
+    profile.disable()
+    torch.cuda.synchronize()
+    pstats.Stats(profile).sort_stats("tottime").print_stats(15)
+
+
+if __name__ == "__main__":
+    main()
