@@ -18,7 +18,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench import SHAPES, check, make_inputs, time_ms  # noqa: E402
-
 from q8kv8 import kernels  # noqa: E402
 
 VARIANTS = {

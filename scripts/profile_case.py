@@ -12,9 +12,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from bench import SHAPES, make_inputs  # noqa: E402
-
 import q8kv8  # noqa: E402
+from bench import SHAPES, make_inputs  # noqa: E402
 
 
 def main() -> None:
