@@ -140,7 +140,6 @@ def _compile(d_qk: int, dump_dir: Path, **kernel_options):
         fake(Float32, (s_q, heads), stride_order=(1, 0), assumed_align=4),  # lse
         Float32(1.0),  # sm_scale * log2(e)
         Int32(0),  # flags
-        Int32(1),  # max_ctas: the persistent grid size
         cute.runtime.make_fake_stream(use_tvm_ffi_env_stream=True),
     )
     return cute.compile(
@@ -314,20 +313,9 @@ def launch_sparse_prefill(
             lse,
             sm_scale * _LOG2_E,
             (topk_length is not None) | ((attn_sink is not None) << 1),
-            _multiprocessor_count(device_index),
         )
     if kernel_out is not out:
         out.copy_(kernel_out)
 
 
 _NO_GUARD = contextlib.nullcontext()
-_multiprocessor_counts: dict[int, int] = {}
-
-
-def _multiprocessor_count(device_index: int) -> int:
-    """The persistent grid size: one CTA per multiprocessor (a CTA fills one with shared memory)."""
-    if device_index not in _multiprocessor_counts:
-        _multiprocessor_counts[device_index] = torch.cuda.get_device_properties(
-            device_index
-        ).multi_processor_count
-    return _multiprocessor_counts[device_index]

@@ -1,18 +1,15 @@
 """SM90 FP8 sparse MLA prefill: out = softmax(q . kv[idx]^T) . kv[idx, :512], TMA + WGMMA e4m3.
 
-Work tiles are (query token, group of B_H = 64 heads): the Q tile is [64, d_qk], and the token's
-``topk`` gathered KV rows are walked in blocks of B_TOPK = 64 rows, two blocks (a *pair*) at a
-time, so ``topk % 128 == 0``. The grid is persistent: one CTA per SM walks tiles bid, bid + grid,
-..., so the producer prefetches the next tile's Q and first rows while the consumers finish the
-current one (short rows are mostly such prologue and epilogue).
+One CTA per (query token, group of B_H = 64 heads): the Q tile is [64, d_qk], the CTA walks the
+token's ``topk`` gathered KV rows in blocks of B_TOPK = 64 rows, two blocks (a *pair*) at a
+time, so ``topk % 128 == 0``.
 
 Warp roles (384 threads, ``setmaxregister``; launched with ``min_blocks_per_mp=1``):
 
-- WG0, the producer. One thread issues each tile's Q TMA (once the consumers released the
-  previous Q). Every pair, warps 0-1 gather the pair's first block and warps 2-3 its second:
-  16-byte ``cp.async`` copies straight from the gathered rows into the K-major,
-  64-byte-swizzled tile (L2 evict-last). A slot that is not valid (index outside [0, s_kv), or
-  slot >= topk_length) is zero-filled and never read.
+- WG0, the producer. One thread issues the Q tile's TMA. Every pair, warps 0-1 gather the
+  pair's first block and warps 2-3 its second: 16-byte ``cp.async`` copies straight from the
+  gathered rows into the K-major, 64-byte-swizzled tile (L2 evict-last). A slot that is not
+  valid (index outside [0, s_kv), or slot >= topk_length) is zero-filled and never read.
 - WG1 / WG2, the consumers c = 0 / 1. Consumer c owns block c of every pair for S = Q.K^T and
   half c of d_v (256 columns) for O.
   1. S_c = Q . K_c^T: SS WGMMA m64n64k32 over d_qk (e4m3 x e4m3 -> f32).
@@ -31,25 +28,24 @@ Warp roles (384 threads, ``setmaxregister``; launched with ``min_blocks_per_mp=1
      32-slot k-step (sigma below) is the order in which P is stored, so the product is exact;
      the d order it produces (A row g <-> d 2g, row g+8 <-> d 2g+1) is undone in the epilogue,
      where each thread then owns two adjacent d columns (one 32-bit bf16x2 store).
-  Per consumer, QK(p), softmax(p), PV(p) run in turn, two V^T A-fragment buffers alternating
-  over the four d tiles; the pair's stage is released right after its last V^T load, so the
-  producer has a whole iteration to gather pair p + 2 (docs/perf-notes.md: a schedule that
-  overlapped PV(p-1) with softmax(p) released stages later and measured 25% slower). A block
-  past topk_length (the second block of the last pair) is zero-filled, its S product skipped
-  (fully masked) and its PV k-steps multiply zeros. Branches that hold WGMMAs depend only on
-  warp-uniform values (the consumer index comes from the warp index) and no WGMMA is in
-  flight across a loop's back edge, so ptxas does not serialise them (C7520). The softmax
-  masks only blocks that hold an invalid slot, and folds the logit scale into the exponent's
-  FMA.
+  Schedule per consumer ("serial", the default): QK(p), softmax(p), PV(p) in turn, two V^T
+  A-fragment buffers alternating over the four d tiles, the pair's stage released right after
+  its last V^T load, so the producer has a whole iteration to gather pair p + 2 (measured: the
+  gather alone needs about half the kernel's time, the math alone 94%). "overlap" queues
+  PV(p-1) around the softmax of pair p instead; it releases stages later and measured 25%
+  slower. A block past topk_length (the second block of the last pair) is zero-filled, its S
+  product skipped (fully masked) and its PV k-steps multiply zeros. Branches that hold WGMMAs
+  depend only on warp-uniform values (the consumer index comes from the warp index) and no
+  WGMMA is in flight across a loop's back edge, so ptxas does not serialise them (C7520).
+  The softmax masks only blocks that hold an invalid slot, and folds the logit scale into
+  the exponent's FMA.
 - Epilogue: row sums are exchanged (named barrier 3); out = O / (sum + 2^7 exp(sink - m))
   * kv_scale in bf16; max_logits = true max * ln2, lse = (m + log2(sum) - 7) * ln2. A row with
   no valid slot writes out = 0, max_logits = -inf, lse = +inf.
 
-Barriers: mbarriers ``q_full`` / ``q_empty`` (the Q tile, 256 consumer threads release it);
-``kv_full[stage][block]`` (64 producer threads, cp.async arrive.noinc); ``kv_empty[stage]``
-(256 consumer threads). Stages and phases follow a pair count that runs on across tiles.
-Shared buffers both consumers write per pair (row maxima, P) are double-buffered by stage, the
-row sums of the epilogue by tile parity.
+Barriers: mbarriers ``q_full``; ``kv_full[stage][block]`` (64 producer threads, cp.async
+arrive.noinc); ``kv_empty[stage]`` (256 consumer threads). Shared buffers that both consumers
+write per pair (row maxima, P) are double-buffered by pair parity.
 
 Constraints: h % 64 == 0 (the wrapper pads heads), topk % 128 == 0, d_qk in {512, 576},
 d_v = 512, q/out/max_logits/lse row-major, kv rows 16-byte aligned. ``topk_length`` values
@@ -100,28 +96,15 @@ def _swizzle64(row, chunk16):
     return row * SW64_TILE_COLS + ((chunk16 ^ ((row >> 1) & 3)) << 4)
 
 
-class TileWork(NamedTuple):
-    """One work tile (trace-time bundle of runtime values)."""
+class CtaWork(NamedTuple):
+    """What one CTA computes (trace-time bundle of runtime values)."""
 
-    tile: Int32  # row tile [64 * tile, 64 * tile + 64) of the (token, head) rows
+    bid: Int32  # CTA index: row tile [64 * bid, 64 * bid + 64) of the (token, head) rows
     token: Int32
     head_group: Int32
     valid_len: Int32  # topk_length clamped to [0, topk] (topk when not given)
     num_blocks: Int32  # ceil(valid_len / 64)
     num_pairs: Int32  # ceil(valid_len / 128)
-
-
-class Step(NamedTuple):
-    """One pair of one tile: where its slots are and which buffers and phases it uses."""
-
-    pair: Int32  # pair index inside the tile: slots [128 * pair, 128 * pair + 128)
-    stage: Int32  # KV stage, P and row-max buffer: running pair count % 2
-    phase: Int32  # mbarrier phase of the stage: (running pair count // 2) % 2
-
-
-def _step(pair, pairs_before) -> Step:
-    count = pairs_before + pair
-    return Step(pair=pair, stage=count % NUM_STAGES, phase=(count // NUM_STAGES) % 2)
 
 
 class Consumer(NamedTuple):
@@ -133,21 +116,21 @@ class Consumer(NamedTuple):
     lane: Int32
     quad_row: Int32  # g: C-fragment row inside the warp's 16 rows
     quad_lane: Int32  # t: C-fragment column pair 2t, 2t+1
-    work: TileWork
+    work: CtaWork
     tiled_mma_qk: cute.TiledMma
     tiled_mma_pv: cute.TiledMma
     tSrQ: cute.Tensor  # Q descriptors (MMA, 1, d_qk/32)
     tSrK: cute.Tensor  # K descriptors (MMA, 1, d_qk/32, stage*2 + block)
-    tOrP: cute.Tensor  # P^T descriptors (MMA, 1, 4 k-steps, stage)
+    tOrP: cute.Tensor  # P^T descriptors (MMA, 1, 4 k-steps, parity)
     acc_s: cute.Tensor  # S of this consumer's block (32 f32)
     acc_o: list  # O^T, one 64x64 accumulator per d tile (4 x 32 f32)
     frag_v: list  # two V^T A-fragment buffers (4 k-steps each, 16 registers)
     row_max_used: cute.Tensor  # per row r: max the stored P are relative to (exp2 domain)
     row_max_true: cute.Tensor  # per row r: exact running max (for max_logits)
     row_sum: cute.Tensor  # per row r: this thread's partial sum of 2^7 P
-    s_row_max: cute.Tensor  # smem [row, consumer, stage]: block row maxima
-    s_alpha: cute.Tensor  # smem [row, consumer, stage]: O rescale factors
-    s_row_sum: cute.Tensor  # smem [row, consumer, tile parity]
+    s_row_max: cute.Tensor  # smem [row, consumer, parity]: block row maxima
+    s_alpha: cute.Tensor  # smem [row, consumer, parity]: O rescale factors
+    s_row_sum: cute.Tensor  # smem [row, consumer]
     s_out_scale: cute.Tensor  # smem [row, consumer]
     sK_base: Int32  # shared-memory byte address of the gathered KV tiles
     sP_base: Int32  # shared-memory byte address of the P tiles
@@ -160,21 +143,24 @@ class Consumer(NamedTuple):
 class SparsePrefillSm90:
     """Compile-time configuration of the kernel: ``d_qk`` (512 or 576)."""
 
-    def __init__(self, d_qk: int, experiment: str | None = None):
-        """``experiment`` (timing studies only, wrong results): "gather_only" skips all math,
+    def __init__(self, d_qk: int, schedule: str = "serial", experiment: str | None = None):
+        """``schedule``: "overlap" queues PV(p-1) around the softmax of pair p; "serial" runs
+        QK(p), softmax(p), PV(p) in turn (releasing each stage a full iteration earlier).
+        ``experiment`` (timing studies only, wrong results): "gather_only" skips all math,
         "math_only" skips the gather."""
         if d_qk not in (512, 576):
             raise ValueError(f"d_qk must be 512 or 576, got {d_qk}")
-        if experiment not in (None, "gather_only", "math_only"):
-            raise ValueError(f"unknown experiment {experiment!r}")
+        if schedule not in ("overlap", "serial") or experiment not in (None, "gather_only", "math_only"):
+            raise ValueError(f"unknown schedule {schedule!r} or experiment {experiment!r}")
         self.d_qk = d_qk
+        self.schedule = schedule
         self.experiment = experiment
         self.k_tile_bytes = B_TOPK * d_qk  # one gathered block in shared memory
         self.q_tile_bytes = B_H * d_qk
 
     def shared_memory_bytes(self) -> int:
         """Dynamic shared memory per CTA (the SharedStorage struct built in ``__call__``)."""
-        barriers_and_stats = 8 * (2 + 3 * NUM_STAGES) + 4 * B_H * (4 + 4 + 4 + 2)
+        barriers_and_stats = 8 * (1 + 3 * NUM_STAGES) + 4 * B_H * (4 + 4 + 2 + 2)
         aligned = -(-barriers_and_stats // 1024) * 1024
         return aligned + self.q_tile_bytes + NUM_STAGES * 2 * self.k_tile_bytes + 2 * B_H * PAIR
 
@@ -196,7 +182,6 @@ class SparsePrefillSm90:
         mLse: cute.Tensor,  # [s_q, h] f32, row-major
         sm_scale_log2: Float32,  # sm_scale * log2(e)
         flags: Int32,  # bit 0: topk_length given, bit 1: attn_sink given
-        max_ctas: Int32,  # persistent grid size: the GPU's multiprocessor count
         stream,
     ):
         e4m3 = mQ.element_type
@@ -218,7 +203,7 @@ class SparsePrefillSm90:
         smem_atom = warpgroup.make_smem_layout_atom(warpgroup.SmemLayoutAtomKind.K_SW64, e4m3)
         sQ_layout = cute.tile_to_shape(smem_atom, (B_H, self.d_qk), (0, 1))
         sK_layout = cute.tile_to_shape(smem_atom, (B_TOPK, self.d_qk, NUM_STAGES * 2), (0, 1, 2))
-        sP_layout = cute.tile_to_shape(smem_atom, (B_H, PAIR, NUM_STAGES), (0, 1, 2))
+        sP_layout = cute.tile_to_shape(smem_atom, (B_H, PAIR, 2), (0, 1, 2))
 
         tma_atom_q, tma_tensor_q = cpasync.make_tiled_tma_atom(
             cpasync.CopyBulkTensorTileG2SOp(), mQ_rows, sQ_layout, (B_H, self.d_qk)
@@ -226,19 +211,17 @@ class SparsePrefillSm90:
 
         @cute.struct
         class SharedStorage:
-            mbar_q_full: cute.struct.MemRange[Int64, 1]
-            mbar_q_empty: cute.struct.MemRange[Int64, 1]
+            mbar_q: cute.struct.MemRange[Int64, 1]
             mbar_kv_full: cute.struct.MemRange[Int64, NUM_STAGES * 2]
             mbar_kv_empty: cute.struct.MemRange[Int64, NUM_STAGES]
-            row_max: cute.struct.MemRange[Float32, B_H * 2 * NUM_STAGES]  # [row, consumer, stage]
-            alpha: cute.struct.MemRange[Float32, B_H * 2 * NUM_STAGES]  # [row, consumer, stage]
-            row_sum: cute.struct.MemRange[Float32, B_H * 2 * 2]  # [row, consumer, tile parity]
+            row_max: cute.struct.MemRange[Float32, B_H * 2 * 2]  # [row, consumer, parity]
+            alpha: cute.struct.MemRange[Float32, B_H * 2 * 2]  # [row, consumer, parity]
+            row_sum: cute.struct.MemRange[Float32, B_H * 2]  # [row, consumer]
             out_scale: cute.struct.MemRange[Float32, B_H * 2]  # [row, consumer]
             sQ: cute.struct.Align[cute.struct.MemRange[e4m3, cute.cosize(sQ_layout)], 1024]
             sK: cute.struct.Align[cute.struct.MemRange[e4m3, cute.cosize(sK_layout)], 1024]
             sP: cute.struct.Align[cute.struct.MemRange[e4m3, cute.cosize(sP_layout)], 1024]
 
-        num_tiles = rows // B_H
         self.kernel(
             tma_atom_q,
             tma_tensor_q,
@@ -258,7 +241,7 @@ class SparsePrefillSm90:
             sP_layout,
             SharedStorage,
         ).launch(
-            grid=[cutlass.min(num_tiles, max_ctas), 1, 1],
+            grid=[rows // B_H, 1, 1],
             block=[NUM_THREADS, 1, 1],
             stream=stream,
             min_blocks_per_mp=1,
@@ -288,12 +271,13 @@ class SparsePrefillSm90:
         sP_layout: cute.ComposedLayout,
         SharedStorage: cutlass.Constexpr,
     ):
+        tidx, _, _ = cute.arch.thread_idx()
         warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
+        bid, _, _ = cute.arch.block_idx()
 
         smem = cutlass.utils.SmemAllocator()
         storage = smem.allocate(SharedStorage)
-        mbar_q_full = storage.mbar_q_full.data_ptr()
-        mbar_q_empty = storage.mbar_q_empty.data_ptr()
+        mbar_q = storage.mbar_q.data_ptr()
         mbar_kv_full = storage.mbar_kv_full.data_ptr()
         mbar_kv_empty = storage.mbar_kv_empty.data_ptr()
         sQ = storage.sQ.get_tensor(sQ_layout.outer, swizzle=sQ_layout.inner)
@@ -303,8 +287,7 @@ class SparsePrefillSm90:
         if warp_idx == 0:
             cpasync.prefetch_descriptor(tma_atom_q)
             with cute.arch.elect_one():
-                cute.arch.mbarrier_init(mbar_q_full, 1)
-                cute.arch.mbarrier_init(mbar_q_empty, 2 * THREADS_PER_WG)
+                cute.arch.mbarrier_init(mbar_q, 1)
                 for i in cutlass.range_constexpr(NUM_STAGES * 2):
                     cute.arch.mbarrier_init(mbar_kv_full + i, 2 * 32)
                 for i in cutlass.range_constexpr(NUM_STAGES):
@@ -312,65 +295,71 @@ class SparsePrefillSm90:
             cute.arch.mbarrier_init_fence()
         cute.arch.sync_threads()
 
-        geometry = (mIdx, mTopkLen, mOut, flags)
-        if warp_idx < 4:
-            cute.arch.setmaxregister_decrease(PRODUCER_REGS)
-            self.produce(tma_atom_q, mQ_tma, sQ, sK, mKV, mIdx, mbar_q_full, mbar_q_empty, mbar_kv_full,
-                         mbar_kv_empty, geometry)  # fmt: skip
-        else:
-            cute.arch.setmaxregister_increase(CONSUMER_REGS)
-            smem_stats = (
-                storage.row_max.get_tensor(cute.make_layout((B_H, 2, NUM_STAGES))),
-                storage.alpha.get_tensor(cute.make_layout((B_H, 2, NUM_STAGES))),
-                storage.row_sum.get_tensor(cute.make_layout((B_H, 2, 2))),
-                storage.out_scale.get_tensor(cute.make_layout((B_H, 2))),
-            )
-            self.consume(
-                warp_idx // 4 - 1,  # consumer index, warp-uniform so branches on it are not divergent
-                sQ,
-                sK,
-                sP,
-                smem_stats,
-                mKV,
-                mSink,
-                mQScale,
-                mKVScale,
-                mMaxLogits,
-                mLse,
-                mbar_q_full,
-                mbar_q_empty,
-                mbar_kv_full,
-                mbar_kv_empty,
-                sm_scale_log2,
-                geometry,
-            )
-
-    @cute.jit
-    def tile_work(self, tile, geometry) -> TileWork:
-        """Token, head group and visited length of one work tile."""
-        mIdx, mTopkLen, mOut, flags = geometry
         topk = cute.size(mIdx, mode=[1])
         num_head_groups = cute.size(mOut, mode=[1]) // B_H
-        token = tile // num_head_groups
+        token = bid // num_head_groups
         valid_len = topk
         if (flags & 1) != 0:
             valid_len = cutlass.min(cutlass.max(mTopkLen[token], 0), topk)
-        return TileWork(
-            tile=tile,
+        valid_len = cute.arch.make_warp_uniform(valid_len)
+        work = CtaWork(
+            bid=bid,
             token=token,
-            head_group=tile - token * num_head_groups,
+            head_group=bid - token * num_head_groups,
             valid_len=valid_len,
             num_blocks=(valid_len + B_TOPK - 1) // B_TOPK,
             num_pairs=(valid_len + PAIR - 1) // PAIR,
         )
 
+        if warp_idx < 4:
+            cute.arch.setmaxregister_decrease(PRODUCER_REGS)
+            self.produce(tma_atom_q, mQ_tma, sQ, sK, mKV, mIdx, mbar_q, mbar_kv_full, mbar_kv_empty, work)
+        else:
+            cute.arch.setmaxregister_increase(CONSUMER_REGS)
+            consumer = warp_idx // 4 - 1  # warp-uniform, so branches on it are not divergent
+            smem_stats = (
+                storage.row_max.get_tensor(cute.make_layout((B_H, 2, 2))),
+                storage.alpha.get_tensor(cute.make_layout((B_H, 2, 2))),
+                storage.row_sum.get_tensor(cute.make_layout((B_H, 2))),
+                storage.out_scale.get_tensor(cute.make_layout((B_H, 2))),
+            )
+            self.consume(
+                consumer,
+                sQ,
+                sK,
+                sP,
+                smem_stats,
+                mIdx,
+                mKV,
+                mSink,
+                mQScale,
+                mKVScale,
+                mOut,
+                mMaxLogits,
+                mLse,
+                mbar_q,
+                mbar_kv_full,
+                mbar_kv_empty,
+                sm_scale_log2,
+                flags,
+                work,
+            )
+
     # ------------------------------------------------------------------------------------
     @cute.jit
-    def produce(self, tma_atom_q, mQ_tma, sQ, sK, mKV, mIdx, mbar_q_full, mbar_q_empty, mbar_kv_full,
-                mbar_kv_empty, geometry):  # fmt: skip
-        """WG0: per tile, Q by TMA (one thread), then the pair-by-pair row gather."""
+    def produce(self, tma_atom_q, mQ_tma, sQ, sK, mKV, mIdx, mbar_q, mbar_kv_full, mbar_kv_empty, work):
+        """WG0: Q by TMA (one thread), then the pair-by-pair row gather."""
         warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
         lane = cute.arch.lane_idx()
+        if warp_idx == 0:
+            gQ = cute.local_tile(mQ_tma, (B_H, self.d_qk), (work.bid, 0))
+            tQsQ, tQgQ = cpasync.tma_partition(
+                tma_atom_q, 0, cute.make_layout(1), cute.group_modes(sQ, 0, 2), cute.group_modes(gQ, 0, 2)
+            )
+            with cute.arch.elect_one():
+                cute.arch.mbarrier_arrive_and_expect_tx(mbar_q, self.q_tile_bytes)
+            cute.copy(tma_atom_q, tQgQ, tQsQ, tma_bar_ptr=mbar_q)
+
         s_kv = cute.size(mKV, mode=[0])
         kv_row_stride = Int64(mKV.stride[0])
         kv_base = mKV.iterator.toint()
@@ -379,53 +368,37 @@ class SparsePrefillSm90:
         row_base = (warp_idx % 2) * 32  # this warp's 32 rows inside its block
         chunk16 = lane % 4  # 16-byte chunk of a 64-byte column tile this lane copies
         lane_row = lane // 4  # row (of 8) this lane copies per 8-row group
-        bid, _, _ = cute.arch.block_idx()
-        grid, _, _ = cute.arch.grid_dim()
-        num_tiles = cute.size(geometry[2], mode=[0]) * cute.size(geometry[2], mode=[1]) // B_H
 
-        pairs_before = Int32(0)
-        for tile in cutlass.range(bid, num_tiles, grid, unroll=1):
-            work = self.tile_work(tile, geometry)
-            if warp_idx == 0:
-                cute.arch.mbarrier_wait(mbar_q_empty, ((tile - bid) // grid) % 2 ^ 1)
-                gQ = cute.local_tile(mQ_tma, (B_H, self.d_qk), (tile, 0))
-                tQsQ, tQgQ = cpasync.tma_partition(
-                    tma_atom_q, 0, cute.make_layout(1), cute.group_modes(sQ, 0, 2), cute.group_modes(gQ, 0, 2)
-                )
-                with cute.arch.elect_one():
-                    cute.arch.mbarrier_arrive_and_expect_tx(mbar_q_full, self.q_tile_bytes)
-                cute.copy(tma_atom_q, tQgQ, tQsQ, tma_bar_ptr=mbar_q_full)
-
-            for pair in cutlass.range(work.num_pairs, unroll=1):
-                step = _step(pair, pairs_before)
-                full_barrier = mbar_kv_full + step.stage * 2 + block_in_pair
-                if const_expr(self.experiment == "math_only"):
-                    cute.arch.mbarrier_wait(mbar_kv_empty + step.stage, step.phase ^ 1)
-                    cute.arch.mbarrier_arrive(full_barrier)
-                else:
-                    slot = pair * PAIR + warp_idx * 32 + lane
-                    kv_row = mIdx[work.token, slot]
-                    is_valid = Int32(0)
-                    if (kv_row >= 0) & (kv_row < s_kv) & (slot < work.valid_len):
-                        is_valid = Int32(1)
-                    cute.arch.mbarrier_wait(mbar_kv_empty + step.stage, step.phase ^ 1)
-                    tile_base = sK_base + (step.stage * 2 + block_in_pair) * self.k_tile_bytes
-                    for group in cutlass.range_constexpr(4):
-                        src_lane = group * 8 + lane_row
-                        row_kv = cute.arch.shuffle_sync(kv_row, src_lane)
-                        row_valid = cute.arch.shuffle_sync(is_valid, src_lane)
-                        row = row_base + group * 8 + lane_row
-                        g_addr = kv_base + Int64(row_kv * row_valid) * kv_row_stride + chunk16 * 16
-                        s_addr = tile_base + _swizzle64(row, chunk16)
-                        nbytes = row_valid * 16
-                        for col_tile in cutlass.range_constexpr(self.d_qk // SW64_TILE_COLS):
-                            ptx.cp_async_16_zfill(
-                                s_addr + col_tile * TILE_ROW_GROUP_BYTES,
-                                g_addr + col_tile * SW64_TILE_COLS,
-                                nbytes,
-                            )
-                    cute.arch.cp_async_mbarrier_arrive_noinc(full_barrier)
-            pairs_before += work.num_pairs
+        for pair in cutlass.range(work.num_pairs, unroll=1):
+            stage = pair % NUM_STAGES
+            phase = (pair // NUM_STAGES) % 2
+            full_barrier = mbar_kv_full + stage * 2 + block_in_pair
+            if const_expr(self.experiment == "math_only"):
+                cute.arch.mbarrier_wait(mbar_kv_empty + stage, phase ^ 1)
+                cute.arch.mbarrier_arrive(full_barrier)
+            else:
+                slot = pair * PAIR + warp_idx * 32 + lane
+                kv_row = mIdx[work.token, slot]
+                is_valid = Int32(0)
+                if (kv_row >= 0) & (kv_row < s_kv) & (slot < work.valid_len):
+                    is_valid = Int32(1)
+                cute.arch.mbarrier_wait(mbar_kv_empty + stage, phase ^ 1)
+                tile_base = sK_base + (stage * 2 + block_in_pair) * self.k_tile_bytes
+                for group in cutlass.range_constexpr(4):
+                    src_lane = group * 8 + lane_row
+                    row_kv = cute.arch.shuffle_sync(kv_row, src_lane)
+                    row_valid = cute.arch.shuffle_sync(is_valid, src_lane)
+                    row = row_base + group * 8 + lane_row
+                    g_addr = kv_base + Int64(row_kv * row_valid) * kv_row_stride + chunk16 * 16
+                    s_addr = tile_base + _swizzle64(row, chunk16)
+                    nbytes = row_valid * 16
+                    for col_tile in cutlass.range_constexpr(self.d_qk // SW64_TILE_COLS):
+                        ptx.cp_async_16_zfill(
+                            s_addr + col_tile * TILE_ROW_GROUP_BYTES,
+                            g_addr + col_tile * SW64_TILE_COLS,
+                            nbytes,
+                        )
+                cute.arch.cp_async_mbarrier_arrive_noinc(full_barrier)
         ptx.cp_async_wait_all()
 
     # ------------------------------------------------------------------------------------
@@ -437,22 +410,23 @@ class SparsePrefillSm90:
         sK,
         sP,
         smem_stats,
+        mIdx,
         mKV,
         mSink,
         mQScale,
         mKVScale,
+        mOut,
         mMaxLogits,
         mLse,
-        mbar_q_full,
-        mbar_q_empty,
+        mbar_q,
         mbar_kv_full,
         mbar_kv_empty,
         sm_scale_log2,
-        geometry,
+        flags,
+        work,
     ):
-        """WG1/WG2, per tile: S for block c of each pair, softmax, O^T for half c of d_v, epilogue."""
+        """WG1/WG2: S for block c of each pair, softmax, O^T for half c of d_v, epilogue."""
         e4m3 = sQ.element_type
-        mIdx, _, mOut, flags = geometry
         wtid = cute.arch.thread_idx()[0] % THREADS_PER_WG  # thread index inside the warpgroup
         lane = cute.arch.lane_idx()
 
@@ -469,11 +443,33 @@ class SparsePrefillSm90:
             (64, B_H),
             warpgroup.OperandSource.RMEM,
         )
-        # Both products always accumulate: S is zeroed before each block, O^T before each tile.
+        # Both products always accumulate: S is zeroed before each block, O^T once below.
         tiled_mma_qk.set(warpgroup.Field.ACCUMULATE, True)
         tiled_mma_pv.set(warpgroup.Field.ACCUMULATE, True)
         thr_mma_qk = tiled_mma_qk.get_slice(wtid)
         thr_mma_pv = tiled_mma_pv.get_slice(wtid)
+        tSrQ = tiled_mma_qk.make_fragment_A(thr_mma_qk.partition_A(sQ))  # (MMA, 1, d_qk/32)
+        tSrK = tiled_mma_qk.make_fragment_B(thr_mma_qk.partition_B(sK))  # (MMA, 1, d_qk/32, tiles)
+        tOrP = tiled_mma_pv.make_fragment_B(thr_mma_pv.partition_B(sP))  # (MMA, 1, 4, parity)
+        acc_s = cute.make_rmem_tensor(thr_mma_qk.partition_shape_C((B_H, B_TOPK)), Float32)
+        acc_o = [
+            cute.make_rmem_tensor(thr_mma_pv.partition_shape_C((64, B_H)), Float32)
+            for _ in range(D_TILES_PER_CONSUMER)
+        ]
+        for mt in cutlass.range_constexpr(D_TILES_PER_CONSUMER):
+            acc_o[mt].fill(0.0)
+        # Two A-fragment buffers (V^T, 4 k-steps = one pair): the PV of one d tile is loaded
+        # while the PV of the previous one runs.
+        frag_v = [cute.make_rmem_tensor(thr_mma_pv.partition_shape_A((64, PAIR)), e4m3) for _ in range(2)]
+
+        # Per-row softmax state for rows 16*cwarp + quad_row + 8r, r = 0, 1 (exp2 domain).
+        row_max_used = cute.make_rmem_tensor((2,), Float32)  # max the stored P are relative to
+        row_max_true = cute.make_rmem_tensor((2,), Float32)  # exact running max (max_logits)
+        row_sum = cute.make_rmem_tensor((2,), Float32)  # this thread's partial sums of 2^7 P
+        row_max_used.fill(-Float32.inf)
+        row_max_true.fill(-Float32.inf)
+        row_sum.fill(0.0)
+
         s_row_max, s_alpha, s_row_sum, s_out_scale = smem_stats
         c = Consumer(
             index=consumer,
@@ -481,21 +477,18 @@ class SparsePrefillSm90:
             lane=lane,
             quad_row=lane // 4,
             quad_lane=lane % 4,
-            work=None,  # set per tile
+            work=work,
             tiled_mma_qk=tiled_mma_qk,
             tiled_mma_pv=tiled_mma_pv,
-            tSrQ=tiled_mma_qk.make_fragment_A(thr_mma_qk.partition_A(sQ)),
-            tSrK=tiled_mma_qk.make_fragment_B(thr_mma_qk.partition_B(sK)),
-            tOrP=tiled_mma_pv.make_fragment_B(thr_mma_pv.partition_B(sP)),
-            acc_s=cute.make_rmem_tensor(thr_mma_qk.partition_shape_C((B_H, B_TOPK)), Float32),
-            acc_o=[
-                cute.make_rmem_tensor(thr_mma_pv.partition_shape_C((64, B_H)), Float32)
-                for _ in range(D_TILES_PER_CONSUMER)
-            ],
-            frag_v=[cute.make_rmem_tensor(thr_mma_pv.partition_shape_A((64, PAIR)), e4m3) for _ in range(2)],
-            row_max_used=cute.make_rmem_tensor((2,), Float32),
-            row_max_true=cute.make_rmem_tensor((2,), Float32),
-            row_sum=cute.make_rmem_tensor((2,), Float32),
+            tSrQ=tSrQ,
+            tSrK=tSrK,
+            tOrP=tOrP,
+            acc_s=acc_s,
+            acc_o=acc_o,
+            frag_v=frag_v,
+            row_max_used=row_max_used,
+            row_max_true=row_max_true,
+            row_sum=row_sum,
             s_row_max=s_row_max,
             s_alpha=s_alpha,
             s_row_sum=s_row_sum,
@@ -507,55 +500,76 @@ class SparsePrefillSm90:
             s_kv=cute.size(mKV, mode=[0]),
             scale_log2=mQScale[0] * mKVScale[0] * sm_scale_log2,
         )
-        bid, _, _ = cute.arch.block_idx()
-        grid, _, _ = cute.arch.grid_dim()
-        num_tiles = cute.size(mOut, mode=[0]) * cute.size(mOut, mode=[1]) // B_H
 
-        pairs_before = Int32(0)
-        for tile in cutlass.range(bid, num_tiles, grid, unroll=1):
-            tile_count = (tile - bid) // grid
-            tc = c._replace(work=self.tile_work(tile, geometry))  # this tile's consumer view
-            for mt in cutlass.range_constexpr(D_TILES_PER_CONSUMER):
-                tc.acc_o[mt].fill(0.0)
-            tc.row_max_used.fill(-Float32.inf)
-            tc.row_max_true.fill(-Float32.inf)
-            tc.row_sum.fill(0.0)
-
-            cute.arch.mbarrier_wait(mbar_q_full, tile_count % 2)
-            for pair in cutlass.range(tc.work.num_pairs, unroll=1):
-                step = _step(pair, pairs_before)
-                if const_expr(self.experiment == "gather_only"):
-                    for block in cutlass.range_constexpr(2):
-                        cute.arch.mbarrier_wait(mbar_kv_full + step.stage * 2 + block, step.phase)
-                else:
-                    self.issue_qk(tc, step)
-                    valid_bits = self.block_valid_bits(tc, step)
-                    warpgroup.wait_group(0)
-                    self.softmax_block_max(tc, step, valid_bits)
-                    self.softmax_p(tc, step)
-                    self.rescale_o(tc, step)
+        cute.arch.mbarrier_wait(mbar_q, 0)
+        if const_expr(self.experiment == "gather_only"):
+            for pair in cutlass.range(work.num_pairs, unroll=1):
+                stage = pair % NUM_STAGES
+                for block in cutlass.range_constexpr(2):
+                    cute.arch.mbarrier_wait(mbar_kv_full + stage * 2 + block, (pair // NUM_STAGES) % 2)
+                cute.arch.mbarrier_arrive(mbar_kv_empty + stage)
+        elif const_expr(self.schedule == "serial"):
+            if work.num_pairs > 0:
+                for pair in cutlass.range(work.num_pairs, unroll=1):
+                    self.issue_qk(c, pair)
+                    valid_bits = self.block_valid_bits(c, pair)
+                    warpgroup.wait_group(0)  # S(pair), and PV(pair - 1)
+                    self.softmax_block_max(c, pair, valid_bits)
+                    self.softmax_p(c, pair)
+                    self.rescale_o(c, pair)
                     for mt in cutlass.range_constexpr(D_TILES_PER_CONSUMER):
                         if const_expr(mt >= 2):
                             warpgroup.wait_group(1)  # the PV that used this A buffer has finished
-                        self.issue_pv(tc, step, mt, mt % 2)
-                cute.arch.mbarrier_arrive(mbar_kv_empty + step.stage)  # both blocks of the pair read
-                # Drained at the end of each iteration: WGMMAs in flight across the loop's back
-                # edge make ptxas serialise them (C7520).
+                        self.issue_pv(c, pair, mt, mt % 2)
+                    cute.arch.mbarrier_arrive(mbar_kv_empty + pair % NUM_STAGES)  # both blocks of pair read
+                    # Drained at the end of each iteration: WGMMAs in flight across the loop's back
+                    # edge make ptxas serialise them (C7520).
+                    warpgroup.wait_group(0)
+        elif work.num_pairs > 0:
+            self.issue_qk(c, 0)
+            valid_bits = self.block_valid_bits(c, 0)
+            warpgroup.wait_group(0)
+            self.softmax_block_max(c, 0, valid_bits)
+            self.softmax_p(c, 0)
+            # Steady state, per pair: QK(pair) and PV(prev) d tile 0 are queued; the masking and
+            # block max of S(pair) run while tile 0 computes, the rest of the softmax while tile 1
+            # does, then tiles 2-3. At most one A buffer is in flight while S is live.
+            for pair in cutlass.range(1, work.num_pairs, 1, unroll=1):
+                prev = pair - 1
+                self.issue_qk(c, pair)
+                self.issue_pv(c, prev, 0, 0)
+                valid_bits = self.block_valid_bits(c, pair)
+                warpgroup.wait_group(1)  # S(pair) is ready
+                self.softmax_block_max(c, pair, valid_bits)
                 warpgroup.wait_group(0)
-            cute.arch.mbarrier_arrive(mbar_q_empty)  # every QK of this tile has completed
-            pairs_before += tc.work.num_pairs
-            self.epilogue(tc, tile_count % 2, mSink, mKVScale, mOut, mMaxLogits, mLse, flags)
+                self.issue_pv(c, prev, 1, 1)
+                self.softmax_p(c, pair)
+                self.issue_pv(c, prev, 2, 0)
+                warpgroup.wait_group(1)
+                self.issue_pv(c, prev, 3, 1)
+                cute.arch.mbarrier_arrive(mbar_kv_empty + prev % NUM_STAGES)  # both blocks of prev read
+                warpgroup.wait_group(0)
+                self.rescale_o(c, pair)
+            last = work.num_pairs - 1
+            for mt in cutlass.range_constexpr(D_TILES_PER_CONSUMER):
+                if const_expr(mt >= 2):
+                    warpgroup.wait_group(1)
+                self.issue_pv(c, last, mt, mt % 2)
+            warpgroup.wait_group(0)
+
+        self.epilogue(c, mSink, mKVScale, mOut, mMaxLogits, mLse, flags)
 
     # ------------------------------------------------------------------------------------
     @cute.jit
-    def issue_qk(self, c: Consumer, step: Step):
-        """Queue S = Q . K_c^T for block c of the step's pair (one WGMMA group; empty for a
-        block past topk_length, whose S is then fully masked)."""
-        tile = step.stage * 2 + c.index
-        cute.arch.mbarrier_wait(c.mbar_kv_full + tile, step.phase)
+    def issue_qk(self, c: Consumer, pair):
+        """Queue S = Q . K_c^T for block c of ``pair`` (one WGMMA group; empty for a block past
+        topk_length, whose S is then fully masked)."""
+        stage = pair % NUM_STAGES
+        tile = stage * 2 + c.index
+        cute.arch.mbarrier_wait(c.mbar_kv_full + tile, (pair // NUM_STAGES) % 2)
         c.acc_s.fill(0.0)
         warpgroup.fence()
-        if step.pair * 2 + c.index < c.work.num_blocks:
+        if pair * 2 + c.index < c.work.num_blocks:
             for k in cutlass.range_constexpr(self.d_qk // 32):
                 cute.gemm(
                     c.tiled_mma_qk, c.acc_s, c.tSrQ[None, None, k], c.tSrK[None, None, k, tile], c.acc_s
@@ -563,11 +577,11 @@ class SparsePrefillSm90:
         warpgroup.commit_group()
 
     @cute.jit
-    def block_valid_bits(self, c: Consumer, step: Step):
-        """Validity of the 64 slots of block c of the step's pair: one bit per slot, shifted so bit
+    def block_valid_bits(self, c: Consumer, pair):
+        """Validity of the 64 slots of block c of ``pair``: one bit per slot, shifted so bit
         8j + e is the slot of this thread's S column 8j + 2t + e (j < 4: low word), and whether
         every slot is valid (warp-uniform)."""
-        slot0 = step.pair * PAIR + c.index * B_TOPK
+        slot0 = pair * PAIR + c.index * B_TOPK
         idx_lo = c.mIdx[c.work.token, slot0 + c.lane]
         idx_hi = c.mIdx[c.work.token, slot0 + 32 + c.lane]
         ok_lo = (idx_lo >= 0) & (idx_lo < c.s_kv) & (slot0 + c.lane < c.work.valid_len)
@@ -580,7 +594,7 @@ class SparsePrefillSm90:
         )
 
     @cute.jit
-    def softmax_block_max(self, c: Consumer, step: Step, valid_bits):
+    def softmax_block_max(self, c: Consumer, pair, valid_bits):
         """Set invalid slots of S to -inf and publish the block's row maxima (exp2 domain).
 
         S stays unscaled when the logit scale is positive (the scale is folded into the
@@ -608,13 +622,13 @@ class SparsePrefillSm90:
             if c.scale_log2 > 0.0:
                 block_max = block_max * c.scale_log2
             if c.quad_lane == 0:
-                c.s_row_max[c.warp * 16 + c.quad_row + 8 * r, c.index, step.stage] = block_max
+                c.s_row_max[c.warp * 16 + c.quad_row + 8 * r, c.index, pair % 2] = block_max
 
     @cute.jit
-    def softmax_p(self, c: Consumer, step: Step):
+    def softmax_p(self, c: Consumer, pair):
         """Agree on the running max with the other consumer, store P = e4m3(2^7 exp2(S - m)) as
         the PV B operand and the O rescale factors alpha."""
-        parity = step.stage
+        parity = pair % 2
         # S is still unscaled when the scale is positive (see softmax_block_max).
         logit_scale = c.scale_log2 if c.scale_log2 > 0.0 else Float32(1.0)
         cute.arch.barrier(barrier_id=BAR_MAX_READY, number_of_threads=2 * THREADS_PER_WG)
@@ -658,13 +672,13 @@ class SparsePrefillSm90:
         cute.arch.barrier(barrier_id=BAR_P_READY, number_of_threads=2 * THREADS_PER_WG)
 
     @cute.jit
-    def rescale_o(self, c: Consumer, step: Step):
+    def rescale_o(self, c: Consumer, pair):
         """O^T *= alpha per head (column 8j + 2t + e); skipped when the warp's alphas are all 1."""
         alpha_cols = cute.make_rmem_tensor((16,), Float32)
         needed = False
         for j in cutlass.range_constexpr(8):
             for e in cutlass.range_constexpr(2):
-                alpha_cols[2 * j + e] = c.s_alpha[8 * j + 2 * c.quad_lane + e, c.index, step.stage]
+                alpha_cols[2 * j + e] = c.s_alpha[8 * j + 2 * c.quad_lane + e, c.index, pair % 2]
                 needed = needed | (alpha_cols[2 * j + e] != 1.0)
         if cute.arch.make_warp_uniform(Int32(cute.arch.vote_any_sync(needed))) != 0:
             for mt in cutlass.range_constexpr(D_TILES_PER_CONSUMER):
@@ -675,13 +689,13 @@ class SparsePrefillSm90:
                             c.acc_o[mt][i] = c.acc_o[mt][i] * alpha_cols[2 * j + e]
 
     @cute.jit
-    def issue_pv(self, c: Consumer, step: Step, mt, buf):
-        """Load the V^T A fragment of d tile ``mt`` (of this consumer's half) for the step into
+    def issue_pv(self, c: Consumer, pair, mt, buf):
+        """Load the V^T A fragment of d tile ``mt`` (of this consumer's half) for ``pair`` into
         A buffer ``buf`` with ldmatrix.trans + prmt and queue its 4 k-steps (one WGMMA group)."""
-        stage = step.stage
+        stage = pair % NUM_STAGES
         # The other consumer's block is read too: wait on its barrier (a no-op wait by now)
         # so its cp.async writes are visible to this thread.
-        cute.arch.mbarrier_wait(c.mbar_kv_full + stage * 2 + (1 - c.index), step.phase)
+        cute.arch.mbarrier_wait(c.mbar_kv_full + stage * 2 + (1 - c.index), (pair // NUM_STAGES) % 2)
         frag = c.frag_v[buf]
         words = cute.recast_tensor(frag, Uint32)
         d_tile = c.index * D_TILES_PER_CONSUMER + mt  # 64-column tile of d (0..7)
@@ -694,7 +708,7 @@ class SparsePrefillSm90:
                 c.tiled_mma_pv,
                 c.acc_o[mt],
                 frag[None, None, ks],
-                c.tOrP[None, None, ks, stage],
+                c.tOrP[None, None, ks, pair % 2],
                 c.acc_o[mt],
             )
         warpgroup.commit_group()
@@ -717,7 +731,7 @@ class SparsePrefillSm90:
         words[4 * ks + 3] = ptx.prmt(m2, m3, 0x7531)
 
     @cute.jit
-    def epilogue(self, c: Consumer, tile_parity, mSink, mKVScale, mOut, mMaxLogits, mLse, flags):
+    def epilogue(self, c: Consumer, mSink, mKVScale, mOut, mMaxLogits, mLse, flags):
         """Normalise O, apply kv_scale and the sink, write out (bf16), max_logits and lse."""
         kv_scale = mKVScale[0]
         for r in cutlass.range_constexpr(2):
@@ -725,12 +739,12 @@ class SparsePrefillSm90:
             total += cute.arch.shuffle_sync_bfly(total, offset=1)
             total += cute.arch.shuffle_sync_bfly(total, offset=2)
             if c.quad_lane == 0:
-                c.s_row_sum[c.warp * 16 + c.quad_row + 8 * r, c.index, tile_parity] = total
+                c.s_row_sum[c.warp * 16 + c.quad_row + 8 * r, c.index] = total
         cute.arch.barrier(barrier_id=BAR_SUM_READY, number_of_threads=2 * THREADS_PER_WG)
         for r in cutlass.range_constexpr(2):
             row = c.warp * 16 + c.quad_row + 8 * r
-            out_row = c.work.tile * B_H + row
-            scaled_sum = c.s_row_sum[row, 0, tile_parity] + c.s_row_sum[row, 1, tile_parity]  # sum of 2^7 P
+            out_row = c.work.bid * B_H + row
+            scaled_sum = c.s_row_sum[row, 0] + c.s_row_sum[row, 1]  # sum of 2^7 P over all slots
             max_used = c.row_max_used[r]
             denom = scaled_sum
             if (flags & 2) != 0:
@@ -756,7 +770,7 @@ class SparsePrefillSm90:
             for e in cutlass.range_constexpr(2):
                 head = 8 * j + 2 * c.quad_lane + e
                 scale = c.s_out_scale[head, c.index]
-                row_addr = out_base + Int64(c.work.tile * B_H + head) * (D_V * 2)
+                row_addr = out_base + Int64(c.work.bid * B_H + head) * (D_V * 2)
                 for mt in cutlass.range_constexpr(D_TILES_PER_CONSUMER):
                     d = (c.index * D_TILES_PER_CONSUMER + mt) * 64 + c.warp * 16 + 2 * c.quad_row
                     word = ptx.pack_bf16x2(c.acc_o[mt][e + 4 * j] * scale, c.acc_o[mt][e + 2 + 4 * j] * scale)
