@@ -229,37 +229,33 @@ def _byte_range(tensor: torch.Tensor) -> tuple[int, int]:
     return start, start + (last + 1) * tensor.element_size()
 
 
+def _span(tensor: torch.Tensor) -> tuple[int, int, torch.device] | None:
+    """``(start, end, device)`` of the bytes ``tensor`` may touch; None for an empty tensor."""
+    return (*_byte_range(tensor), tensor.device) if tensor.nbytes else None
+
+
+def _spans_meet(a: tuple[int, int, torch.device], b: tuple[int, int, torch.device]) -> bool:
+    return a[0] < b[1] and b[0] < a[1] and a[2] == b[2]
+
+
 def _overlaps(a: torch.Tensor, b: torch.Tensor) -> bool:
     """Conservatively, whether ``a`` and ``b`` may share memory: their byte intervals on one device meet
-    (empty tensors never overlap)."""
-    if a.numel() == 0 or b.numel() == 0 or a.device != b.device:
-        return False
-    a_start, a_end = _byte_range(a)
-    b_start, b_end = _byte_range(b)
-    return a_start < b_end and b_start < a_end
+    (empty tensors never overlap). The same test ``_check_no_overlap`` applies."""
+    span_a, span_b = _span(a), _span(b)
+    return span_a is not None and span_b is not None and _spans_meet(span_a, span_b)
 
 
 def _check_no_overlap(outputs: dict[str, torch.Tensor], inputs: dict[str, torch.Tensor]) -> None:
     """Raise ValueError when an output buffer may share memory with an earlier output or an input.
 
-    On the hot path of every call that passes buffers: one byte interval per tensor, no extra calls
-    for contiguous tensors."""
-    input_spans = []
-    for name, tensor in inputs.items():
-        size = tensor.nbytes
-        if size:
-            start = tensor.data_ptr()
-            end = start + size if tensor.is_contiguous() else _byte_range(tensor)[1]
-            input_spans.append((name, start, end, tensor.device))
-    output_spans: list[tuple[str, int, int, torch.device]] = []
-    for name, buffer in outputs.items():  # contiguous: checked by the caller
-        size = buffer.nbytes
-        if not size:
+    On the hot path of every call that passes buffers: one byte interval per tensor."""
+    input_spans = [(name, span) for name, tensor in inputs.items() if (span := _span(tensor))]
+    output_spans: list[tuple[str, tuple[int, int, torch.device]]] = []
+    for name, buffer in outputs.items():
+        span = _span(buffer)
+        if span is None:
             continue
-        start = buffer.data_ptr()
-        end = start + size
-        device = buffer.device
-        for other, other_start, other_end, other_device in output_spans + input_spans:
-            if start < other_end and other_start < end and device == other_device:
+        for other, other_span in output_spans + input_spans:
+            if _spans_meet(span, other_span):
                 raise ValueError(f"{name}: expected memory of its own, got memory overlapping {other}")
-        output_spans.append((name, start, end, device))
+        output_spans.append((name, span))
