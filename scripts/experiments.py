@@ -1,4 +1,4 @@
-"""Timing study of kernel variants (schedules, gather-only / math-only bounds) on bench shapes.
+"""Timing study of kernel variants (gather-only / math-only bounds) on bench shapes.
 
 Builds each variant in-process (not through the cache), checks the correct ones against the
 reference on a few rows, and prints milliseconds and TF/s per shape. On a machine without an
@@ -21,10 +21,9 @@ from bench import SHAPES, check, make_inputs, time_ms  # noqa: E402
 from q8kv8 import kernels  # noqa: E402
 
 VARIANTS = {
-    "overlap": {"schedule": "overlap"},
-    "serial": {"schedule": "serial"},
-    "gather_only": {"schedule": "serial", "experiment": "gather_only"},
-    "math_only": {"schedule": "serial", "experiment": "math_only"},
+    "default": {},
+    "gather_only": {"experiment": "gather_only"},
+    "math_only": {"experiment": "math_only"},
 }
 
 

@@ -28,12 +28,12 @@ Warp roles (384 threads, ``setmaxregister``; launched with ``min_blocks_per_mp=1
      32-slot k-step (sigma below) is the order in which P is stored, so the product is exact;
      the d order it produces (A row g <-> d 2g, row g+8 <-> d 2g+1) is undone in the epilogue,
      where each thread then owns two adjacent d columns (one 32-bit bf16x2 store).
-  Schedule per consumer ("serial", the default): QK(p), softmax(p), PV(p) in turn, two V^T
+  Schedule per consumer: QK(p), softmax(p), PV(p) in turn, two V^T
   A-fragment buffers alternating over the four d tiles, the pair's stage released right after
   its last V^T load, so the producer has a whole iteration to gather pair p + 2 (measured: the
-  gather alone needs about half the kernel's time, the math alone 94%). "overlap" queues
-  PV(p-1) around the softmax of pair p instead; it releases stages later and measured 25%
-  slower. A block past topk_length (the second block of the last pair) is zero-filled, its S
+  gather alone needs about half the kernel's time, the math alone 94%). Queueing PV(p-1)
+  around the softmax of pair p instead releases stages later and measured 25% slower
+  (docs/perf-notes.md). A block past topk_length (the second block of the last pair) is zero-filled, its S
   product skipped (fully masked) and its PV k-steps multiply zeros. Branches that hold WGMMAs
   depend only on warp-uniform values (the consumer index comes from the warp index) and no
   WGMMA is in flight across a loop's back edge, so ptxas does not serialise them (C7520).
@@ -143,17 +143,14 @@ class Consumer(NamedTuple):
 class SparsePrefillSm90:
     """Compile-time configuration of the kernel: ``d_qk`` (512 or 576)."""
 
-    def __init__(self, d_qk: int, schedule: str = "serial", experiment: str | None = None):
-        """``schedule``: "overlap" queues PV(p-1) around the softmax of pair p; "serial" runs
-        QK(p), softmax(p), PV(p) in turn (releasing each stage a full iteration earlier).
-        ``experiment`` (timing studies only, wrong results): "gather_only" skips all math,
+    def __init__(self, d_qk: int, experiment: str | None = None):
+        """``experiment`` (timing studies only, wrong results): "gather_only" skips all math,
         "math_only" skips the gather."""
         if d_qk not in (512, 576):
             raise ValueError(f"d_qk must be 512 or 576, got {d_qk}")
-        if schedule not in ("overlap", "serial") or experiment not in (None, "gather_only", "math_only"):
-            raise ValueError(f"unknown schedule {schedule!r} or experiment {experiment!r}")
+        if experiment not in (None, "gather_only", "math_only"):
+            raise ValueError(f"unknown experiment {experiment!r}")
         self.d_qk = d_qk
-        self.schedule = schedule
         self.experiment = experiment
         self.k_tile_bytes = B_TOPK * d_qk  # one gathered block in shared memory
         self.q_tile_bytes = B_H * d_qk
@@ -508,54 +505,22 @@ class SparsePrefillSm90:
                 for block in cutlass.range_constexpr(2):
                     cute.arch.mbarrier_wait(mbar_kv_full + stage * 2 + block, (pair // NUM_STAGES) % 2)
                 cute.arch.mbarrier_arrive(mbar_kv_empty + stage)
-        elif const_expr(self.schedule == "serial"):
-            if work.num_pairs > 0:
-                for pair in cutlass.range(work.num_pairs, unroll=1):
-                    self.issue_qk(c, pair)
-                    valid_bits = self.block_valid_bits(c, pair)
-                    warpgroup.wait_group(0)  # S(pair), and PV(pair - 1)
-                    self.softmax_block_max(c, pair, valid_bits)
-                    self.softmax_p(c, pair)
-                    self.rescale_o(c, pair)
-                    for mt in cutlass.range_constexpr(D_TILES_PER_CONSUMER):
-                        if const_expr(mt >= 2):
-                            warpgroup.wait_group(1)  # the PV that used this A buffer has finished
-                        self.issue_pv(c, pair, mt, mt % 2)
-                    cute.arch.mbarrier_arrive(mbar_kv_empty + pair % NUM_STAGES)  # both blocks of pair read
-                    # Drained at the end of each iteration: WGMMAs in flight across the loop's back
-                    # edge make ptxas serialise them (C7520).
-                    warpgroup.wait_group(0)
         elif work.num_pairs > 0:
-            self.issue_qk(c, 0)
-            valid_bits = self.block_valid_bits(c, 0)
-            warpgroup.wait_group(0)
-            self.softmax_block_max(c, 0, valid_bits)
-            self.softmax_p(c, 0)
-            # Steady state, per pair: QK(pair) and PV(prev) d tile 0 are queued; the masking and
-            # block max of S(pair) run while tile 0 computes, the rest of the softmax while tile 1
-            # does, then tiles 2-3. At most one A buffer is in flight while S is live.
-            for pair in cutlass.range(1, work.num_pairs, 1, unroll=1):
-                prev = pair - 1
+            for pair in cutlass.range(work.num_pairs, unroll=1):
                 self.issue_qk(c, pair)
-                self.issue_pv(c, prev, 0, 0)
                 valid_bits = self.block_valid_bits(c, pair)
-                warpgroup.wait_group(1)  # S(pair) is ready
+                warpgroup.wait_group(0)  # S(pair)
                 self.softmax_block_max(c, pair, valid_bits)
-                warpgroup.wait_group(0)
-                self.issue_pv(c, prev, 1, 1)
                 self.softmax_p(c, pair)
-                self.issue_pv(c, prev, 2, 0)
-                warpgroup.wait_group(1)
-                self.issue_pv(c, prev, 3, 1)
-                cute.arch.mbarrier_arrive(mbar_kv_empty + prev % NUM_STAGES)  # both blocks of prev read
-                warpgroup.wait_group(0)
                 self.rescale_o(c, pair)
-            last = work.num_pairs - 1
-            for mt in cutlass.range_constexpr(D_TILES_PER_CONSUMER):
-                if const_expr(mt >= 2):
-                    warpgroup.wait_group(1)
-                self.issue_pv(c, last, mt, mt % 2)
-            warpgroup.wait_group(0)
+                for mt in cutlass.range_constexpr(D_TILES_PER_CONSUMER):
+                    if const_expr(mt >= 2):
+                        warpgroup.wait_group(1)  # the PV that used this A buffer has finished
+                    self.issue_pv(c, pair, mt, mt % 2)
+                cute.arch.mbarrier_arrive(mbar_kv_empty + pair % NUM_STAGES)  # both blocks of pair read
+                # Drained at the end of each iteration: WGMMAs in flight across the loop's back
+                # edge make ptxas serialise them (C7520).
+                warpgroup.wait_group(0)
 
         self.epilogue(c, mSink, mKVScale, mOut, mMaxLogits, mLse, flags)
 
