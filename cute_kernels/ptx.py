@@ -133,3 +133,109 @@ def st_global_u32(gmem_addr, value, *, loc=None, ip=None) -> None:
         "l,r",
         True,
     )
+
+
+@dsl_user_op
+def exp2_f16x2(x0, x1, *, loc=None, ip=None) -> Uint32:
+    """``2^x`` of two f32, computed as one f16x2 ``ex2.approx`` (relative error ~2^-10): x0 in the
+    low half. Inputs below the f16 range give +0, ``-inf`` gives +0."""
+    return Uint32(
+        _asm(
+            T.i32(),
+            [Float32(x0).ir_value(loc=loc, ip=ip), Float32(x1).ir_value(loc=loc, ip=ip)],
+            "{\n\t.reg .b32 h;\n\tcvt.rn.f16x2.f32 h, $2, $1;\n\tex2.approx.f16x2 $0, h;\n\t}",
+            "=r,f,f",
+            False,
+        )
+    )
+
+
+@dsl_user_op
+def pack_e4m3x4_from_f16x2(h01, h23, *, loc=None, ip=None) -> Uint32:
+    """Round two f16x2 to e4m3 (RN, saturating to +-448) and pack them: the low half of ``h01``
+    in the lowest byte."""
+    return Uint32(
+        _asm(
+            T.i32(),
+            [Uint32(h01).ir_value(loc=loc, ip=ip), Uint32(h23).ir_value(loc=loc, ip=ip)],
+            "{\n\t.reg .b16 lo, hi;\n\t"
+            "cvt.rn.satfinite.e4m3x2.f16x2 lo, $1;\n\t"
+            "cvt.rn.satfinite.e4m3x2.f16x2 hi, $2;\n\t"
+            "mov.b32 $0, {lo, hi};\n\t}",
+            "=r,r,r",
+            False,
+        )
+    )
+
+
+@dsl_user_op
+def split_e4m3x4_from_f16x2(h01, h23, *, loc=None, ip=None):
+    """Two-term e4m3 split of four f16 values (two f16x2): ``hi = e4m3(h)`` and
+    ``lo = e4m3(h - hi)`` (RN, saturating), each packed like ``pack_e4m3x4_from_f16x2``, so that
+    ``hi + lo`` carries about 8 significant bits (the difference ``h - hi`` is exact in f16)."""
+    res = _asm(
+        llvm.StructType.get_literal([T.i32()] * 2),
+        [Uint32(h01).ir_value(loc=loc, ip=ip), Uint32(h23).ir_value(loc=loc, ip=ip)],
+        "{\n\t.reg .b16 a, b, c, d;\n\t.reg .b32 ra, rb;\n\t"
+        "cvt.rn.satfinite.e4m3x2.f16x2 a, $2;\n\t"
+        "cvt.rn.satfinite.e4m3x2.f16x2 b, $3;\n\t"
+        "mov.b32 $0, {a, b};\n\t"
+        "cvt.rn.f16x2.e4m3x2 ra, a;\n\t"
+        "cvt.rn.f16x2.e4m3x2 rb, b;\n\t"
+        "sub.rn.f16x2 ra, $2, ra;\n\t"
+        "sub.rn.f16x2 rb, $3, rb;\n\t"
+        "cvt.rn.satfinite.e4m3x2.f16x2 c, ra;\n\t"
+        "cvt.rn.satfinite.e4m3x2.f16x2 d, rb;\n\t"
+        "mov.b32 $1, {c, d};\n\t}",
+        "=r,=r,r,r",
+        False,
+    )
+    return tuple(Uint32(llvm.extractvalue(T.i32(), res, [i], loc=loc, ip=ip)) for i in range(2))
+
+
+@dsl_user_op
+def add_f16x2(a, b, *, loc=None, ip=None) -> Uint32:
+    return Uint32(
+        _asm(
+            T.i32(),
+            [Uint32(a).ir_value(loc=loc, ip=ip), Uint32(b).ir_value(loc=loc, ip=ip)],
+            "add.rn.f16x2 $0, $1, $2;",
+            "=r,r,r",
+            False,
+        )
+    )
+
+
+@dsl_user_op
+def sum_f16x2_to_f32(h, *, loc=None, ip=None) -> Float32:
+    """The sum of the two halves of an f16x2, in f32."""
+    return Float32(
+        _asm(
+            T.f32(),
+            [Uint32(h).ir_value(loc=loc, ip=ip)],
+            "{\n\t.reg .b16 lo, hi;\n\t.reg .f32 a, b;\n\t"
+            "mov.b32 {lo, hi}, $1;\n\tcvt.f32.f16 a, lo;\n\tcvt.f32.f16 b, hi;\n\t"
+            "add.f32 $0, a, b;\n\t}",
+            "=f,r",
+            False,
+        )
+    )
+
+
+@dsl_user_op
+def atomic_add_global_u32(gmem_addr, value, *, loc=None, ip=None) -> Int32:
+    """``atom.global.add.u32`` (relaxed, GPU scope); returns the old value."""
+    return Int32(
+        _asm(
+            T.i32(),
+            [Int64(gmem_addr).ir_value(loc=loc, ip=ip), Int32(value).ir_value(loc=loc, ip=ip)],
+            "atom.global.add.u32 $0, [$1], $2;",
+            "=r,l,r",
+            True,
+        )
+    )
+
+
+@dsl_user_op
+def fence_acq_rel_gpu(*, loc=None, ip=None) -> None:
+    _asm(None, [], "fence.acq_rel.gpu;", "", True)

@@ -46,7 +46,8 @@ def sparse_mla_q8kv8_prefill_fwd(
         out, max_logits, lse: optional contiguous output buffers ([s_q, h_q, d_v] bfloat16, [s_q, h_q]
             float32, [s_q, h_q] float32) that share no memory with each other or the inputs; written and
             returned when given.
-        precision: "default" or "accurate".
+        precision: "default" (P rounded to e4m3 for the PV product: ||out - ref|| / ||ref|| about 3e-2)
+            or "accurate" (P kept as two e4m3 terms: about 3e-3, for 1.15-1.26x the time).
 
     Returns:
         ``out`` (softmax-weighted sum of ``kv[idx, :d_v] * kv_scale``), ``max_logits`` (largest logit) and

@@ -1,7 +1,8 @@
 """The compiled kernel variants: build or load them, describe them, launch them.
 
-Variants are keyed by ``d_qk`` (512 and 576); the attention sink and ``topk_length`` are runtime
-flags of each variant, and every extent (s_q, s_kv, topk, heads) is dynamic. ``load_variants()``
+Variants are keyed by ``(d_qk, precision)``: d_qk 512 or 576, precision "default" (P rounded to
+one e4m3 term) or "accurate" (two terms); the attention sink and ``topk_length`` are runtime flags
+of each variant, and every extent (s_q, s_kv, topk, heads) is dynamic. ``load_variants()``
 (called when ``q8kv8`` is imported) compiles each variant for ``sm_90a`` with fake tensors, or
 loads it from the on-disk cache:
 
@@ -37,6 +38,7 @@ import torch
 
 TARGET_ARCH = "sm_90a"
 D_QK_VARIANTS = (512, 576)
+PRECISIONS = ("default", "accurate")
 D_V = 512
 EXPORTED_FUNCTION = "sparse_prefill"
 _LOG2_E = math.log2(math.e)
@@ -53,6 +55,7 @@ class Variant:
 
     name: str
     d_qk: int
+    precision: str
     function: object = field(repr=False)
     source: str  # "compiled" or "cache"
     seconds: float  # compile or load time
@@ -68,7 +71,7 @@ class CacheStats:
 
 
 cache_stats = CacheStats()
-_variants: dict[int, Variant] = {}
+_variants: dict[tuple[int, str], Variant] = {}
 _compile_lock = threading.Lock()
 
 
@@ -104,8 +107,9 @@ def _cache_key(dsl_version: str) -> str:
     return digest.hexdigest()[:24]
 
 
-def variant_name(d_qk: int) -> str:
-    return f"sparse_prefill_sm90_d{d_qk}"
+def variant_name(d_qk: int, precision: str = "default") -> str:
+    suffix = "" if precision == "default" else f"_{precision}"
+    return f"sparse_prefill_sm90_d{d_qk}{suffix}"
 
 
 def _compile(d_qk: int, dump_dir: Path, **kernel_options):
@@ -181,9 +185,9 @@ def _load_object(cute, object_path: Path, digest_path: Path):
         return None
 
 
-def _build_or_load(d_qk: int) -> Variant:
+def _build_or_load(d_qk: int, precision: str) -> Variant:
     cutlass, cute = _import_dsl()
-    name = variant_name(d_qk)
+    name = variant_name(d_qk, precision)
     entry = cache_dir() / _cache_key(cutlass.__version__)
     entry.mkdir(parents=True, exist_ok=True)
     object_path, digest_path, ptx_path = (entry / f"{name}{ext}" for ext in (".o", ".sha256", ".ptx"))
@@ -192,13 +196,15 @@ def _build_or_load(d_qk: int) -> Variant:
         function = _load_object(cute, object_path, digest_path)
         if function is not None:
             cache_stats.hits += 1
-            return Variant(name, d_qk, function, "cache", time.perf_counter() - start, object_path, ptx_path)
+            return Variant(
+                name, d_qk, precision, function, "cache", time.perf_counter() - start, object_path, ptx_path
+            )
         if object_path.exists():
             cache_stats.rebuilt_corrupt += 1
         cache_stats.misses += 1
         try:
             with tempfile.TemporaryDirectory(dir=entry) as dump_dir:
-                compiled = _compile(d_qk, Path(dump_dir))
+                compiled = _compile(d_qk, Path(dump_dir), precision=precision)
             tmp_object = entry / f".{name}.{os.getpid()}.o.tmp"
             compiled.export_to_c(object_file_path=str(tmp_object), function_name=EXPORTED_FUNCTION)
             _write_atomic(digest_path, _sha256(tmp_object).encode())
@@ -212,23 +218,26 @@ def _build_or_load(d_qk: int) -> Variant:
                 f"q8kv8: building kernel variant {name} for {TARGET_ARCH} failed: "
                 f"{type(exc).__name__}: {first_line}"
             ) from exc
-    return Variant(name, d_qk, function, "compiled", time.perf_counter() - start, object_path, ptx_path)
+    return Variant(
+        name, d_qk, precision, function, "compiled", time.perf_counter() - start, object_path, ptx_path
+    )
 
 
-def load_variants() -> dict[int, Variant]:
-    """Compile or load every variant (idempotent); returns them keyed by d_qk."""
+def load_variants() -> dict[tuple[int, str], Variant]:
+    """Compile or load every variant (idempotent); returns them keyed by (d_qk, precision)."""
     for d_qk in D_QK_VARIANTS:
-        if d_qk not in _variants:
-            _variants[d_qk] = _build_or_load(d_qk)
+        for precision in PRECISIONS:
+            if (d_qk, precision) not in _variants:
+                _variants[d_qk, precision] = _build_or_load(d_qk, precision)
     return dict(_variants)
 
 
-def shared_memory_bytes(d_qk: int) -> int:
-    """Dynamic shared memory per CTA of the d_qk variant."""
+def shared_memory_bytes(d_qk: int, precision: str = "default") -> int:
+    """Dynamic shared memory per CTA of the (d_qk, precision) variant."""
     _import_dsl()
     from cute_kernels.sm90.sparse_prefill import SparsePrefillSm90
 
-    return SparsePrefillSm90(d_qk).shared_memory_bytes()
+    return SparsePrefillSm90(d_qk, precision=precision).shared_memory_bytes()
 
 
 @dataclass
@@ -288,9 +297,8 @@ def launch_sparse_prefill(
 ) -> None:
     """Launch the kernel on validated tensors: q, out, max_logits, lse row-major with a head count that
     is a multiple of 64; kv and indices with a contiguous last dimension; one-element scales."""
-    if precision != "default":
-        raise NotImplementedError(f"precision={precision!r} is not available yet; use 'default'")
-    variant = _variants.get(q.shape[2]) or load_variants()[q.shape[2]]
+    key = (q.shape[2], precision)
+    variant = _variants.get(key) or load_variants()[key]
     if q.data_ptr() % 16:  # the Q tile is loaded by TMA
         q = q.clone()
     if kv.data_ptr() % 16 or kv.stride(0) % 16:  # rows are gathered with 16-byte copies

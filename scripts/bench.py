@@ -1,12 +1,13 @@
 """``make bench``: time q8kv8's sparse MLA prefill on an SM90 GPU; elsewhere, report the build.
 
 On an H100/H200 it times each shape (median of ``triton.testing.do_bench``, CUDA events otherwise)
-for the q8kv8 kernel and a plain-PyTorch baseline (gather + bf16 matmul + softmax, what one writes
+for the q8kv8 kernel in both precisions ("default", and "accurate" with its time relative to the
+default) and a plain-PyTorch baseline (gather + bf16 matmul + softmax, what one writes
 without a kernel), prints a table with TF/s (FLOPs = 2 * sum(valid topk) * h_q * (d_qk + 512)), the
 host overhead per call, and writes ``bench/results.json`` and ``bench/results.png``.
 Without an SM90 GPU it builds the kernel variants for sm_90a, prints a compile report and exits 2.
 
-    python scripts/bench.py [--shapes NAME,...] [--check] [--rep MS] [--no-baseline]
+    python scripts/bench.py [--shapes NAME,...] [--check] [--rep MS] [--no-baseline] [--no-accurate]
 """
 
 from __future__ import annotations
@@ -41,7 +42,7 @@ SHAPES = [
 
 def compile_report() -> list[dict]:
     rows = []
-    for d_qk, variant in sorted(kernels.load_variants().items()):
+    for (d_qk, precision), variant in sorted(kernels.load_variants().items()):
         report = kernels.ptxas_report(variant)
         rows.append(
             {
@@ -50,13 +51,13 @@ def compile_report() -> list[dict]:
                 "seconds": round(variant.seconds, 3),
                 "registers": None if report is None else report.registers,
                 "spill_bytes": None if report is None else report.spill_store_bytes + report.spill_load_bytes,
-                "shared_memory_bytes": kernels.shared_memory_bytes(d_qk),
+                "shared_memory_bytes": kernels.shared_memory_bytes(d_qk, precision),
             }
         )
-    print(f"{'variant':28s} {'from':9s} {'time s':>7s} {'regs':>5s} {'spills':>7s} {'smem B':>7s}")
+    print(f"{'variant':37s} {'from':9s} {'time s':>7s} {'regs':>5s} {'spills':>7s} {'smem B':>7s}")
     for r in rows:
         print(
-            f"{r['variant']:28s} {r['source']:9s} {r['seconds']:7.3f} {r['registers']!s:>5s} "
+            f"{r['variant']:37s} {r['source']:9s} {r['seconds']:7.3f} {r['registers']!s:>5s} "
             f"{r['spill_bytes']!s:>7s} {r['shared_memory_bytes']:7d}"
         )
     return rows
@@ -138,7 +139,7 @@ def time_ms(fn, rep_ms: int) -> float:
         return sorted(times)[len(times) // 2]
 
 
-def check(inputs: dict, outputs, rows: int = 64) -> float:
+def check(inputs: dict, outputs, rows: int = 32) -> float:
     """||out - ref|| / ||ref|| on the first ``rows`` query rows (float64 reference)."""
     sub = {
         k: (v[:rows] if k in ("q", "indices", "topk_length") and v is not None else v)
@@ -172,6 +173,7 @@ def main() -> int:
     )
     parser.add_argument("--rep", type=int, default=300, help="do_bench repetition time per arm, ms")
     parser.add_argument("--no-baseline", action="store_true", help="skip the PyTorch baseline arm")
+    parser.add_argument("--no-accurate", action="store_true", help='skip the precision="accurate" arm')
     parser.add_argument("--out", default=str(REPO / "bench"), help="folder for results.json / results.png")
     args = parser.parse_args()
 
@@ -183,8 +185,12 @@ def main() -> int:
     gpu = torch.cuda.get_device_name()
     wanted = [s for s in args.shapes.split(",") if s]
     results = []
-    header = f"{'shape':30s} {'eff topk':>8s} | {'q8kv8 ms':>9s} {'TF/s':>6s} | {'torch ms':>9s} {'TF/s':>6s}"
-    print(f"\n{gpu}, {datetime.date.today()}\n{header}" + (" | rel err" if args.check else ""))
+    header = (
+        f"{'shape':30s} {'eff topk':>8s} | {'q8kv8 ms':>9s} {'TF/s':>6s} | {'accurate':>9s} {'TF/s':>6s} "
+        f"{'x':>5s} | {'torch ms':>9s} {'TF/s':>6s}"
+    )
+    header += " | rel err (default, accurate)" if args.check else ""
+    print(f"\n{gpu}, {datetime.date.today()}\n{header}")
     for name, s_q, s_kv, h_q, d_qk, topk, tl_mode in SHAPES:
         if wanted and not any(w in name for w in wanted):
             continue
@@ -194,21 +200,32 @@ def main() -> int:
         flops = 2.0 * eff * h_q * (d_qk + 512)
         row = {"shape": name, "s_q": s_q, "s_kv": s_kv, "h_q": h_q, "d_qk": d_qk, "topk": topk}
         row.update(topk_length=tl_mode, sum_valid_topk=eff, flops=flops)
-        outputs = q8kv8.sparse_mla_q8kv8_prefill_fwd(**inputs)
-        if args.check:
-            row["rel_err"] = check(inputs, outputs)
-        ms = time_ms(lambda inputs=inputs: q8kv8.sparse_mla_q8kv8_prefill_fwd(**inputs), args.rep)
-        row["q8kv8"] = {"ms": ms, "tflops": flops / ms / 1e9}
+        for arm, precision in (("q8kv8", "default"), ("q8kv8_accurate", "accurate")):
+            if precision == "accurate" and args.no_accurate:
+                continue
+            outputs = q8kv8.sparse_mla_q8kv8_prefill_fwd(**inputs, precision=precision)
+            ms = time_ms(
+                lambda inputs=inputs, p=precision: q8kv8.sparse_mla_q8kv8_prefill_fwd(**inputs, precision=p),
+                args.rep,
+            )
+            row[arm] = {"ms": ms, "tflops": flops / ms / 1e9}
+            if args.check:
+                row[arm]["rel_err"] = check(inputs, outputs)
+        ms = row["q8kv8"]["ms"]
         if not args.no_baseline:
             base_ms = time_ms(lambda inputs=inputs: torch_baseline(inputs), max(args.rep // 3, 50))
             row["torch"] = {"ms": base_ms, "tflops": flops / base_ms / 1e9}
         results.append(row)
         base = row.get("torch", {"ms": math.nan, "tflops": math.nan})
+        acc = row.get("q8kv8_accurate", {"ms": math.nan, "tflops": math.nan, "rel_err": math.nan})
         line = (
             f"{name:30s} {eff / s_q:8.0f} | {ms:9.3f} {row['q8kv8']['tflops']:6.0f} | "
+            f"{acc['ms']:9.3f} {acc['tflops']:6.0f} {acc['ms'] / ms:5.2f} | "
             f"{base['ms']:9.3f} {base['tflops']:6.0f}"
         )
-        print(line + (f" | {row['rel_err']:.2e}" if args.check else ""), flush=True)
+        if args.check:
+            line += f" | {row['q8kv8']['rel_err']:.2e}, {acc.get('rel_err', math.nan):.2e}"
+        print(line, flush=True)
         del inputs, outputs
 
     overhead = host_overhead_us()
@@ -232,7 +249,7 @@ def plot(report: dict, path: Path) -> None:
         print("matplotlib not installed: no chart")
         return
     shapes = report["shapes"]
-    arms = [arm for arm in ("q8kv8", "torch") if any(arm in s for s in shapes)]
+    arms = [arm for arm in ("q8kv8", "q8kv8_accurate", "torch") if any(arm in s for s in shapes)]
     fig, ax = plt.subplots(figsize=(max(6, 1.6 * len(shapes)), 4))
     width = 0.8 / max(len(arms), 1)
     for i, arm in enumerate(arms):

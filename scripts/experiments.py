@@ -20,8 +20,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from bench import SHAPES, check, make_inputs, time_ms  # noqa: E402
 from q8kv8 import kernels  # noqa: E402
 
+# name: (kernel options, tile schedule)
 VARIANTS = {
     "default": {},
+    "f16exp": {"exp2_f16x2": True},
+    "accurate": {"precision": "accurate"},
     "gather_only": {"experiment": "gather_only"},
     "math_only": {"experiment": "math_only"},
 }
@@ -34,7 +37,7 @@ def build(d_qk: int, options: dict):
         ptx.write(compiled.__ptx__)
         ptx.flush()
         variant = kernels.Variant(
-            "experiment", d_qk, compiled, "compiled", 0.0, Path(ptx.name), Path(ptx.name)
+            "experiment", d_qk, "default", compiled, "compiled", 0.0, Path(ptx.name), Path(ptx.name)
         )
         report = kernels.ptxas_report(variant)
     return compiled, report
@@ -50,7 +53,8 @@ def main() -> None:
     shapes = [s for s in SHAPES if any(w in s[0] for w in args.shapes.split(","))]
     for d_qk in sorted({s[4] for s in shapes}):
         for name in args.variants.split(","):
-            compiled, report = build(d_qk, VARIANTS[name])
+            options = VARIANTS[name]
+            compiled, report = build(d_qk, options)
             serialised = report and "serialized" in report.text
             spills = report and report.spill_store_bytes + report.spill_load_bytes
             print(
@@ -58,7 +62,11 @@ def main() -> None:
             )
             if not gpu:
                 continue
-            kernels._variants[d_qk] = kernels.Variant(name, d_qk, compiled, "compiled", 0.0, Path(), None)
+            precision = options.get("precision", "default")
+            saved = kernels._variants.get((d_qk, precision))
+            kernels._variants[d_qk, precision] = kernels.Variant(
+                name, d_qk, precision, compiled, "compiled", 0.0, Path(), None
+            )
             for shape, s_q, s_kv, h_q, dq, topk, tl_mode in shapes:
                 if dq != d_qk:
                     continue
@@ -67,14 +75,19 @@ def main() -> None:
                 flops = 2.0 * (int(tl.long().sum()) if tl is not None else s_q * topk) * h_q * (d_qk + 512)
                 import q8kv8
 
-                outputs = q8kv8.sparse_mla_q8kv8_prefill_fwd(**inputs)
-                err = check(inputs, outputs, rows=16) if "experiment" not in VARIANTS[name] else float("nan")
-                ms = time_ms(lambda inputs=inputs: q8kv8.sparse_mla_q8kv8_prefill_fwd(**inputs), args.rep)
+                outputs = q8kv8.sparse_mla_q8kv8_prefill_fwd(**inputs, precision=precision)
+                err = check(inputs, outputs, rows=16) if "experiment" not in options else float("nan")
+                ms = time_ms(
+                    lambda inputs=inputs, p=precision: q8kv8.sparse_mla_q8kv8_prefill_fwd(
+                        **inputs, precision=p
+                    ),
+                    args.rep,
+                )
                 print(
                     f"    {shape:30s} {ms:8.3f} ms {flops / ms / 1e9:7.0f} TF/s  rel err {err:.2e}",
                     flush=True,
                 )
-            kernels._variants.pop(d_qk)
+            kernels._variants[d_qk, precision] = saved
 
 
 if __name__ == "__main__":

@@ -20,30 +20,38 @@ def variants():
     return kernels.load_variants()
 
 
+VARIANT_KEYS = [(d_qk, precision) for d_qk in (512, 576) for precision in ("default", "accurate")]
+
+
 def test_import_builds_every_variant(variants):
-    assert sorted(variants) == [512, 576]
-    for d_qk, variant in variants.items():
-        assert variant.name == kernels.variant_name(d_qk)
+    assert sorted(variants) == sorted(VARIANT_KEYS)
+    for (d_qk, precision), variant in variants.items():
+        assert variant.name == kernels.variant_name(d_qk, precision)
         assert variant.object_path.exists() and variant.ptx_path.exists()
 
 
-@pytest.mark.parametrize("d_qk", [512, 576])
-def test_ptx_uses_fp8_wgmma_tma_and_cp_async(variants, d_qk):
-    ptx = variants[d_qk].ptx_path.read_text()
+@pytest.mark.parametrize("d_qk, precision", VARIANT_KEYS)
+def test_ptx_uses_fp8_wgmma_tma_and_cp_async(variants, d_qk, precision):
+    ptx = variants[d_qk, precision].ptx_path.read_text()
     wgmma = re.findall(r"wgmma\.mma_async\.\S+", ptx)
     assert wgmma and set(wgmma) == {"wgmma.mma_async.sync.aligned.m64n64k32.f32.e4m3.e4m3"}
-    qk_steps, pv_steps = d_qk // 32, 16  # k-steps of S = Q.K^T, and of O^T (4 d tiles x 4 k-steps)
-    assert len(wgmma) >= qk_steps + pv_steps
+    # k-steps of S = Q.K^T, and of O^T (4 d tiles x 4 k-steps, once per e4m3 term of P)
+    qk_steps, pv_steps = d_qk // 32, 16 * (2 if precision == "accurate" else 1)
+    assert len(wgmma) == qk_steps + pv_steps
     assert len(re.findall(r"cp\.async\.bulk\.tensor", ptx)) == d_qk // 64  # the Q tile, by TMA
     assert len(re.findall(r"cp\.async\.cg\.shared\.global\.L2::cache_hint", ptx)) == d_qk // 64 * 4
     assert "ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16" in ptx
     assert re.search(rf"setmaxnreg\.dec\.sync\.aligned\.u32\s+{sparse_prefill.PRODUCER_REGS};", ptx)
     assert re.search(rf"setmaxnreg\.inc\.sync\.aligned\.u32\s+{sparse_prefill.CONSUMER_REGS};", ptx)
+    # "accurate": f16x2 exponentials, split into hi = e4m3(p) and lo = e4m3(p - hi)
+    accurate = precision == "accurate"
+    assert len(re.findall(r"ex2\.approx\.f16x2", ptx)) == (16 if accurate else 0)
+    assert len(re.findall(r"cvt\.rn\.f16x2\.e4m3x2", ptx)) == (16 if accurate else 0)
 
 
-@pytest.mark.parametrize("d_qk", [512, 576])
-def test_ptxas_reports_no_spills_and_no_wgmma_serialisation(variants, d_qk):
-    report = kernels.ptxas_report(variants[d_qk])
+@pytest.mark.parametrize("d_qk, precision", VARIANT_KEYS)
+def test_ptxas_reports_no_spills_and_no_wgmma_serialisation(variants, d_qk, precision):
+    report = kernels.ptxas_report(variants[d_qk, precision])
     if report is None:
         pytest.skip("ptxas is not on PATH")
     assert report.spill_store_bytes == 0 and report.spill_load_bytes == 0, report.text
@@ -68,14 +76,14 @@ def _import_in_subprocess(cache: Path) -> dict:
 
 def test_second_import_hits_the_disk_cache_and_damage_is_rebuilt(tmp_path):
     first = _import_in_subprocess(tmp_path)
-    assert (first["hits"], first["misses"]) == (0, 2)
+    assert (first["hits"], first["misses"]) == (0, 4)
     second = _import_in_subprocess(tmp_path)
-    assert (second["hits"], second["misses"]) == (2, 0)
+    assert (second["hits"], second["misses"]) == (4, 0)
     assert second["seconds"] < 1.0, "loading a cached variant should take well under a second"
 
     objects = sorted(tmp_path.rglob("*.o"))
-    assert len(objects) == 2
+    assert len(objects) == 4
     objects[0].write_bytes(objects[0].read_bytes()[:1000])  # truncate one cached object
     third = _import_in_subprocess(tmp_path)
-    assert (third["hits"], third["misses"], third["rebuilt"]) == (1, 1, 1)
+    assert (third["hits"], third["misses"], third["rebuilt"]) == (3, 1, 1)
     assert (tmp_path / objects[0].relative_to(tmp_path)).stat().st_size > 1000
