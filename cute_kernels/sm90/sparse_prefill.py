@@ -14,8 +14,12 @@ Warp roles (384 threads, ``setmaxregister``; launched with ``min_blocks_per_mp=1
   half c of d_v (256 columns) for O.
   1. S_c = Q . K_c^T: SS WGMMA m64n64k32 over d_qk (e4m3 x e4m3 -> f32).
   2. Logits are scaled by ``q_scale*kv_scale*sm_scale*log2(e)`` (exp2 domain), invalid slots
-     set to -inf, block row maxima exchanged between the consumers through shared memory
-     (named barrier 1), so both agree on the pair's running max m.
+     set to -inf, block row maxima published in shared memory. On a tile's first pair the
+     consumers exchange them (named barrier 1) to agree on the running max m. On later pairs
+     each consumer goes ahead with the m both already share (speculatively, no exchange); a
+     consumer whose block max exceeds m by more than the lazy threshold flags the pair, and
+     after the P barrier both redo it synchronously (new m from the published maxima, P
+     rewritten, O rescaled). Flags are pair numbers in a parity slot, so they need no reset.
   3. P_c = exp2(S - m) * 2^7, rounded to e4m3 and stored head-major as the K-major B operand of
      the PV product (named barrier 2 publishes both blocks' P). 2^7 is exact and keeps small
      probabilities normal in e4m3. The running max is *lazy*: it only moves when a block's max
@@ -133,6 +137,8 @@ class Consumer(NamedTuple):
     row_max_used: cute.Tensor  # per row r: max the stored P are relative to (exp2 domain)
     row_max_true: cute.Tensor  # per row r: exact running max (for max_logits)
     row_sum: cute.Tensor  # per row r: this thread's partial sum of 2^7 P
+    s_update: cute.Tensor  # smem [parity]: the last pair that needs the synchronous softmax
+    s_max_true: cute.Tensor  # smem [row, consumer]: exact maxima (epilogue)
     s_row_max: cute.Tensor  # smem [row, consumer, parity]: block row maxima
     s_alpha: cute.Tensor  # smem [row, consumer, parity]: O rescale factors
     s_row_sum: cute.Tensor  # smem [row, consumer]
@@ -182,7 +188,7 @@ class SparsePrefillSm90:
 
     def shared_memory_bytes(self) -> int:
         """Dynamic shared memory per CTA (the SharedStorage struct built in ``__call__``)."""
-        barriers_and_stats = 8 * (1 + 3 * NUM_STAGES) + 4 * B_H * (4 + 4 + 2 + 2)
+        barriers_and_stats = 8 * (1 + 3 * NUM_STAGES) + 4 * B_H * (4 + 4 + 2 + 2 + 2) + 4 * 2
         aligned = -(-barriers_and_stats // 1024) * 1024
         p_bytes = 2 * self.p_terms * B_H * PAIR  # [parity][term] P tiles
         return aligned + self.q_tile_bytes + NUM_STAGES * 2 * self.k_tile_bytes + p_bytes
@@ -240,6 +246,8 @@ class SparsePrefillSm90:
             row_max: cute.struct.MemRange[Float32, B_H * 2 * 2]  # [row, consumer, parity]
             alpha: cute.struct.MemRange[Float32, B_H * 2 * 2]  # [row, consumer, parity]
             row_sum: cute.struct.MemRange[Float32, B_H * 2]  # [row, consumer]
+            max_true: cute.struct.MemRange[Float32, B_H * 2]  # [row, consumer]
+            update: cute.struct.MemRange[Int32, 2]  # [parity]
             out_scale: cute.struct.MemRange[Float32, B_H * 2]  # [row, consumer]
             sQ: cute.struct.Align[cute.struct.MemRange[e4m3, cute.cosize(sQ_layout)], 1024]
             sK: cute.struct.Align[cute.struct.MemRange[e4m3, cute.cosize(sK_layout)], 1024]
@@ -345,6 +353,8 @@ class SparsePrefillSm90:
                 storage.alpha.get_tensor(cute.make_layout((B_H, 2, 2))),
                 storage.row_sum.get_tensor(cute.make_layout((B_H, 2))),
                 storage.out_scale.get_tensor(cute.make_layout((B_H, 2))),
+                storage.update.get_tensor(cute.make_layout(2)),
+                storage.max_true.get_tensor(cute.make_layout((B_H, 2))),
             )
             self.consume(
                 consumer,
@@ -466,8 +476,7 @@ class SparsePrefillSm90:
             (64, B_H),
             warpgroup.OperandSource.RMEM,
         )
-        # Both products always accumulate: S is zeroed before each block, O^T once below.
-        tiled_mma_qk.set(warpgroup.Field.ACCUMULATE, True)
+        # O^T always accumulates (zeroed once below); S overwrites on its first k-step.
         tiled_mma_pv.set(warpgroup.Field.ACCUMULATE, True)
         thr_mma_qk = tiled_mma_qk.get_slice(wtid)
         thr_mma_pv = tiled_mma_pv.get_slice(wtid)
@@ -493,7 +502,11 @@ class SparsePrefillSm90:
         row_max_true.fill(-Float32.inf)
         row_sum.fill(0.0)
 
-        s_row_max, s_alpha, s_row_sum, s_out_scale = smem_stats
+        s_row_max, s_alpha, s_row_sum, s_out_scale, s_update, s_max_true = smem_stats
+        if wtid == 0:  # before any reader: pair 0 always takes the synchronous path
+            if consumer == 0:
+                s_update[0] = -1
+                s_update[1] = -1
         c = Consumer(
             index=consumer,
             warp=wtid // 32,
@@ -512,6 +525,8 @@ class SparsePrefillSm90:
             row_max_used=row_max_used,
             row_max_true=row_max_true,
             row_sum=row_sum,
+            s_update=s_update,
+            s_max_true=s_max_true,
             s_row_max=s_row_max,
             s_alpha=s_alpha,
             s_row_sum=s_row_sum,
@@ -536,16 +551,19 @@ class SparsePrefillSm90:
                 self.issue_qk(c, pair)
                 valid_bits = self.block_valid_bits(c, pair)
                 warpgroup.wait_group(0)  # S(pair)
-                self.softmax_block_max(c, pair, valid_bits)
-                self.softmax_p(c, pair)
-                self.rescale_o(c, pair)
+                block_maxima = self.softmax_block_max(c, pair, valid_bits)
+                if pair == 0:
+                    self.softmax_p(c, pair)  # O is still 0: nothing to rescale
+                else:
+                    self.softmax_p_speculative(c, pair, block_maxima)
                 for mt in cutlass.range_constexpr(D_TILES_PER_CONSUMER):
                     if const_expr(mt >= 2):
                         warpgroup.wait_group(1)  # the PV that used this A buffer has finished
                     self.issue_pv(c, pair, mt, mt % 2)
                 cute.arch.mbarrier_arrive(mbar_kv_empty + pair % NUM_STAGES)  # both blocks of pair read
                 # Drained at the end of each iteration: WGMMAs in flight across the loop's back
-                # edge make ptxas serialise them (C7520).
+                # edge make ptxas serialise them (C7520, or C7513 when the next pair's QK is
+                # queued here: measured 24% slower).
                 warpgroup.wait_group(0)
 
         self.epilogue(c, mSink, mKVScale, mOut, mMaxLogits, mLse, flags)
@@ -558,10 +576,12 @@ class SparsePrefillSm90:
         stage = pair % NUM_STAGES
         tile = stage * 2 + c.index
         cute.arch.mbarrier_wait(c.mbar_kv_full + tile, (pair // NUM_STAGES) % 2)
-        c.acc_s.fill(0.0)
+        # The first k-step overwrites S (no zeroing pass). A skipped block's S is left as it
+        # was, but every one of its slots is masked to -inf.
         warpgroup.fence()
         if pair * 2 + c.index < c.work.num_blocks:
             for k in cutlass.range_constexpr(self.d_qk // 32):
+                c.tiled_mma_qk.set(warpgroup.Field.ACCUMULATE, k > 0)
                 cute.gemm(
                     c.tiled_mma_qk, c.acc_s, c.tSrQ[None, None, k], c.tSrK[None, None, k, tile], c.acc_s
                 )
@@ -586,7 +606,8 @@ class SparsePrefillSm90:
 
     @cute.jit
     def softmax_block_max(self, c: Consumer, pair, valid_bits):
-        """Set invalid slots of S to -inf and publish the block's row maxima (exp2 domain).
+        """Set invalid slots of S to -inf, publish the block's row maxima (exp2 domain) and return
+        them (this thread's rows r = 0, 1).
 
         S stays unscaled when the logit scale is positive (the scale is folded into the
         exponent later); a scale <= 0 (never a sensible dequantisation scale, but defined) is
@@ -603,6 +624,7 @@ class SparsePrefillSm90:
                         bits = valid_lo if j < 4 else valid_hi
                         bit = (bits >> Uint32(8 * (j % 4) + e)) & Uint32(1)
                         c.acc_s[i] = c.acc_s[i] if bit != 0 else -Float32.inf
+        block_maxima = []
         for r in cutlass.range_constexpr(2):
             block_max = -Float32.inf
             for j in cutlass.range_constexpr(8):
@@ -614,19 +636,57 @@ class SparsePrefillSm90:
                 block_max = block_max * c.scale_log2
             if c.quad_lane == 0:
                 c.s_row_max[c.warp * 16 + c.quad_row + 8 * r, c.index, pair % 2] = block_max
+            block_maxima.append(block_max)
+        return block_maxima
 
     @cute.jit
     def softmax_p(self, c: Consumer, pair):
-        """Agree on the running max with the other consumer, store P = e4m3(2^7 exp2(S - m)) as
-        the PV B operand and the O rescale factors alpha."""
+        """First pair of a tile: agree on the running max with the other consumer (named barrier
+        1), store P = e4m3(2^7 exp2(S - m)) as the PV B operand and the O rescale factors alpha."""
+        cute.arch.barrier(barrier_id=BAR_MAX_READY, number_of_threads=2 * THREADS_PER_WG)
+        self.exp_with_pair_max(c, pair)
+        cute.arch.fence_proxy("async.shared", space="cta")
+        cute.arch.barrier(barrier_id=BAR_P_READY, number_of_threads=2 * THREADS_PER_WG)
+
+    @cute.jit
+    def softmax_p_speculative(self, c: Consumer, pair, block_maxima):
+        """Later pairs: store P relative to the running max both consumers already share, with no
+        exchange first. Only if some row's block max exceeds it by more than the threshold
+        (rare after the first pair) does either consumer flag the pair; then both redo it the
+        synchronous way (new max from the published block maxima, P rewritten, O rescaled)."""
+        parity = pair % 2
+        logit_scale = c.scale_log2 if c.scale_log2 > 0.0 else Float32(1.0)
+        tile_addr = c.sP_base + parity * self.p_terms * (B_H * PAIR) + c.index * TILE_ROW_GROUP_BYTES
+        exceeds = False
+        block_sums = []
+        for r in cutlass.range_constexpr(2):
+            row = c.warp * 16 + c.quad_row + 8 * r
+            c.row_max_true[r] = cute.arch.fmax(c.row_max_true[r], block_maxima[r])
+            exceeds = exceeds | (block_maxima[r] > c.row_max_used[r] + RESCALE_THRESHOLD)
+            max_used = c.row_max_used[r]
+            bias = (max_used if max_used != -Float32.inf else Float32(0.0)) - P_SCALE_LOG2
+            block_sums.append(self.exp_and_store_p(c, r, row, logit_scale, bias, tile_addr))
+        if exceeds:
+            c.s_update[parity] = pair  # any thread: this pair needs the synchronous path
+        cute.arch.fence_proxy("async.shared", space="cta")
+        cute.arch.barrier(barrier_id=BAR_P_READY, number_of_threads=2 * THREADS_PER_WG)
+        if c.s_update[parity] == pair:
+            self.exp_with_pair_max(c, pair)
+            cute.arch.fence_proxy("async.shared", space="cta")
+            cute.arch.barrier(barrier_id=BAR_P_READY, number_of_threads=2 * THREADS_PER_WG)
+            self.rescale_o(c, pair)
+        else:
+            for r in cutlass.range_constexpr(2):
+                c.row_sum[r] = c.row_sum[r] + block_sums[r]
+
+    @cute.jit
+    def exp_with_pair_max(self, c: Consumer, pair):
+        """Both consumers' block maxima are published: move the lazy running max where the pair's
+        max exceeds it by more than the threshold (alpha = the O rescale factor), store P
+        relative to it and accumulate the row sums."""
         parity = pair % 2
         # S is still unscaled when the scale is positive (see softmax_block_max).
         logit_scale = c.scale_log2 if c.scale_log2 > 0.0 else Float32(1.0)
-        cute.arch.barrier(barrier_id=BAR_MAX_READY, number_of_threads=2 * THREADS_PER_WG)
-        # Slot order inside a 32-slot k-step (sigma): k = 4t + b holds slot
-        # [2t, 2t+1, 8+2t, 9+2t][b] and k + 16 holds slot + 16 -- the order that
-        # ldmatrix.trans + prmt give the V^T fragment. This thread's S columns
-        # 8j + 2t + e therefore land in two 4-byte words per 32-slot group.
         tile_addr = c.sP_base + parity * self.p_terms * (B_H * PAIR) + c.index * TILE_ROW_GROUP_BYTES
         for r in cutlass.range_constexpr(2):
             row = c.warp * 16 + c.quad_row + 8 * r
@@ -642,30 +702,37 @@ class SparsePrefillSm90:
             bias = (max_used if max_used != -Float32.inf else Float32(0.0)) - P_SCALE_LOG2
             if c.quad_lane == 0:
                 c.s_alpha[row, c.index, parity] = alpha
-            if const_expr(self.exp2_f16x2):
-                block_sum = self.exp2_and_store_p_f16x2(c, r, row, logit_scale, bias, tile_addr)
-            else:
-                block_sum = Float32(0.0)
-                for j in cutlass.range_constexpr(8):
-                    for e in cutlass.range_constexpr(2):
-                        i = e + 2 * r + 4 * j
-                        c.acc_s[i] = cute.math.exp2(c.acc_s[i] * logit_scale - bias, fastmath=True)
-                        block_sum += c.acc_s[i]
-                for kstep in cutlass.range_constexpr(2):
-                    for half in cutlass.range_constexpr(2):
-                        j0 = 4 * kstep + 2 * half
-                        word = ptx.pack_e4m3x4(
-                            c.acc_s[0 + 2 * r + 4 * j0],
-                            c.acc_s[1 + 2 * r + 4 * j0],
-                            c.acc_s[0 + 2 * r + 4 * (j0 + 1)],
-                            c.acc_s[1 + 2 * r + 4 * (j0 + 1)],
-                        )
-                        ptx.st_shared_u32(
-                            tile_addr + _swizzle64(row, 2 * kstep + half) + 4 * c.quad_lane, word
-                        )
+            block_sum = self.exp_and_store_p(c, r, row, logit_scale, bias, tile_addr)
             c.row_sum[r] = c.row_sum[r] * alpha + block_sum
-        cute.arch.fence_proxy("async.shared", space="cta")
-        cute.arch.barrier(barrier_id=BAR_P_READY, number_of_threads=2 * THREADS_PER_WG)
+
+    @cute.jit
+    def exp_and_store_p(self, c: Consumer, r, row, logit_scale, bias, tile_addr):
+        """Row ``r`` of this thread's S (left unchanged): p = 2^(S * scale - bias), stored as e4m3
+        P; returns the sum of the 16 p.
+
+        Slot order inside a 32-slot k-step (sigma): k = 4t + b holds slot
+        [2t, 2t+1, 8+2t, 9+2t][b] and k + 16 holds slot + 16 -- the order that ldmatrix.trans +
+        prmt give the V^T fragment. This thread's S columns 8j + 2t + e therefore land in two
+        4-byte words per 32-slot group."""
+        if const_expr(self.exp2_f16x2):
+            return self.exp2_and_store_p_f16x2(c, r, row, logit_scale, bias, tile_addr)
+        block_sum = Float32(0.0)
+        for kstep in cutlass.range_constexpr(2):
+            for half in cutlass.range_constexpr(2):
+                j0 = 4 * kstep + 2 * half
+                p = [
+                    cute.math.exp2(c.acc_s[i] * logit_scale - bias, fastmath=True)
+                    for i in (
+                        2 * r + 4 * j0,
+                        1 + 2 * r + 4 * j0,
+                        2 * r + 4 * (j0 + 1),
+                        1 + 2 * r + 4 * (j0 + 1),
+                    )
+                ]
+                block_sum += (p[0] + p[1]) + (p[2] + p[3])
+                word = ptx.pack_e4m3x4(p[0], p[1], p[2], p[3])
+                ptx.st_shared_u32(tile_addr + _swizzle64(row, 2 * kstep + half) + 4 * c.quad_lane, word)
+        return block_sum
 
     @cute.jit
     def exp2_and_store_p_f16x2(self, c: Consumer, r, row, logit_scale, bias, tile_addr):
@@ -764,6 +831,7 @@ class SparsePrefillSm90:
             total += cute.arch.shuffle_sync_bfly(total, offset=2)
             if c.quad_lane == 0:
                 c.s_row_sum[c.warp * 16 + c.quad_row + 8 * r, c.index] = total
+                c.s_max_true[c.warp * 16 + c.quad_row + 8 * r, c.index] = c.row_max_true[r]
         cute.arch.barrier(barrier_id=BAR_SUM_READY, number_of_threads=2 * THREADS_PER_WG)
         for r in cutlass.range_constexpr(2):
             row = c.warp * 16 + c.quad_row + 8 * r
@@ -781,7 +849,8 @@ class SparsePrefillSm90:
                 c.s_out_scale[row, c.index] = out_scale
                 if c.index == 0:
                     if scaled_sum > 0.0:
-                        mMaxLogits[out_row] = c.row_max_true[r] * LN_2
+                        true_max = cute.arch.fmax(c.s_max_true[row, 0], c.s_max_true[row, 1])
+                        mMaxLogits[out_row] = true_max * LN_2
                         log2_sum = cute.math.log2(scaled_sum, fastmath=True) - P_SCALE_LOG2
                         mLse[out_row] = (max_used + log2_sum) * LN_2
                     else:
