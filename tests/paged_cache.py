@@ -29,6 +29,22 @@ def empty_cache(layout: str, num_pages: int, page_size: int, extra_page_bytes: i
     return storage[:, : page_size * per_token].view(num_pages, page_size, 1, per_token)
 
 
+def to_device(cache: torch.Tensor, device) -> torch.Tensor:
+    """``cache`` on ``device`` with the same strides (moves the whole underlying buffer)."""
+    base = cache._base if cache._base is not None else cache
+    moved = base.to(device)
+    offset = cache.storage_offset() - base.storage_offset()
+    return moved.as_strided(cache.shape, cache.stride(), moved.storage_offset() + offset)
+
+
+def random_bytes_cache(layout: str, num_pages: int, page_size: int, generator, extra_page_bytes=0):
+    """A cache of uniformly random bytes: every e4m3, UE8M0, float32 and bf16 pattern, NaN and inf too."""
+    cache = empty_cache(layout, num_pages, page_size, extra_page_bytes)
+    base = cache._base
+    base.copy_(torch.randint(0, 256, base.shape, generator=generator, dtype=torch.uint8))
+    return cache
+
+
 def _page(cache: torch.Tensor, page: int) -> torch.Tensor:
     """The flat bytes of one page (a view)."""
     return cache[page].reshape(-1)

@@ -257,6 +257,19 @@ def test_gather_rejects_out_overlapping_the_cache():
         _gather(cache_u8=cache, out=out)
 
 
+def test_gather_requires_16_byte_alignment():
+    storage = torch.zeros(2 * 41992 + 16, dtype=torch.uint8)
+    shifted = storage[1 : 1 + 2 * 41984].view(2, 64, 1, 656)
+    with pytest.raises(ValueError, match="cache: expected a 16-byte aligned base and page stride"):
+        _gather(cache_u8=shifted)
+    odd_stride = storage[: 2 * 41992].view(2, 41992)[:, :41984].view(2, 64, 1, 656)  # 41992 = 16 * 2624 + 8
+    with pytest.raises(ValueError, match="got page stride 41992 bytes"):
+        _gather(cache_u8=odd_stride)
+    out = torch.zeros(10 * 576 + 1, dtype=torch.uint8)[1:].view(E4M3).view(10, 1, 576)
+    with pytest.raises(ValueError, match="out: expected a 16-byte aligned buffer"):
+        _gather(out=out)
+
+
 def test_paged_cache_pages_views_any_page_stride():
     cache = empty_cache("model1", 3, 64, extra_page_bytes=32)
     pages = serving.paged_cache_pages(cache, 64, "model1")
