@@ -440,3 +440,63 @@ def launch_paged_kv_gather(cache_pages, slot_words, out, page_size: int, layout:
     guard = torch.cuda.device(device_index) if device_index != torch.cuda.current_device() else _NO_GUARD
     with guard:
         variant.function(cache_pages, slot_words, out, page_size)
+
+
+# Query cast (cute_kernels/q_cast.py): bf16 Q -> e4m3 in a head-padded buffer. Variants by head dim,
+# built on first use and disk-cached like the gather.
+Q_CAST_FUNCTION = "cast_q_fp8"
+_q_cast_variants: dict[int, Variant] = {}
+
+
+def q_cast_variant_name(d: int) -> str:
+    return f"cast_q_fp8_sm90_d{d}"
+
+
+def _compile_q_cast(d: int, dump_dir: Path):
+    cutlass, cute = _import_dsl()
+    from cutlass import BFloat16, Float8E4M3FN, Float32
+
+    from cute_kernels.q_cast import CastQFp8Sm90
+
+    args = (
+        cute.runtime.make_fake_tensor(  # q [s_q, h, d]: row strides multiples of 8 elements (16 bytes)
+            BFloat16,
+            (cute.sym_int(), cute.sym_int(), d),
+            stride=(cute.sym_int64(divisibility=8), cute.sym_int64(divisibility=8), 1),
+            assumed_align=16,
+        ),
+        cute.runtime.make_fake_compact_tensor(Float32, (1,), assumed_align=4),  # q_scale
+        cute.runtime.make_fake_compact_tensor(  # out [s_q, h_pad, d], row-major
+            Float8E4M3FN, (cute.sym_int(), cute.sym_int(), d), stride_order=(2, 1, 0), assumed_align=16
+        ),
+        cute.runtime.make_fake_stream(use_tvm_ffi_env_stream=True),
+    )
+    return cute.compile(
+        CastQFp8Sm90(d),
+        *args,
+        options=f"--enable-tvm-ffi --gpu-arch {TARGET_ARCH} --keep-ptx --dump-dir {dump_dir}",
+    )
+
+
+def load_q_cast_variant(d: int) -> Variant:
+    """Build or load the query-cast kernel for head dim ``d`` (idempotent)."""
+    if d not in _q_cast_variants:
+        _q_cast_variants[d] = _build_or_load_named(
+            q_cast_variant_name(d),
+            d,
+            lambda dump_dir: _compile_q_cast(d, dump_dir),
+            Q_CAST_FUNCTION,
+            paged_kv_cache_stats,
+        )
+    return _q_cast_variants[d]
+
+
+def launch_cast_q_fp8(q, q_scale, out) -> None:
+    """Launch the query cast on validated tensors: ``q`` [s_q, h, d] bf16 (16-byte aligned, row strides
+    multiples of 8 elements, last dim contiguous), ``q_scale`` [1] float32, ``out`` [s_q, h_pad, d] e4m3
+    contiguous, 16-byte aligned, h_pad a multiple of 8 and >= h, s_q > 0."""
+    variant = _q_cast_variants.get(q.shape[2]) or load_q_cast_variant(q.shape[2])
+    device_index = out.device.index
+    guard = torch.cuda.device(device_index) if device_index != torch.cuda.current_device() else _NO_GUARD
+    with guard:
+        variant.function(q, q_scale, out)

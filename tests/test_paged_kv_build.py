@@ -1,6 +1,6 @@
-"""The paged KV gather kernel builds for sm_90a without a GPU, uses the instructions it is meant to use
-(16-byte loads and stores, explicit rounding), fits in registers, is cached on disk, and reads the
-same layout as the PyTorch side (CPU tests)."""
+"""The paged KV gather and query-cast kernels build for sm_90a without a GPU, use the instructions they
+are meant to use (16-byte loads and stores, explicit rounding), fit in registers, are cached on disk,
+and the gather reads the same layout as the PyTorch side (CPU tests)."""
 
 import os
 import subprocess
@@ -94,3 +94,16 @@ def test_second_load_hits_the_disk_cache(tmp_path):
     hits, misses, seconds = run()
     assert (hits, misses) == (4, 0) and seconds < 1.0
     assert len(list(tmp_path.rglob("paged_kv_gather_*.o"))) == 4
+
+
+@pytest.mark.parametrize("d", [512, 576])
+def test_q_cast_kernel_builds_without_spills(d):
+    variant = kernels.load_q_cast_variant(d)
+    ptx = variant.ptx_path.read_text()
+    assert f".reqntid {d // 16}, 8, 1" in ptx
+    assert "div.rn.f32" in ptx and "cvt.rn.satfinite.e4m3x2.f32" in ptx and ".ftz" not in ptx
+    assert ptx.count("ld.global.nc.v4.b32") == 2 and ptx.count("st.global.v4.b32") == 2  # data, zeros
+    report = kernels.ptxas_report(variant)
+    if report is None:
+        pytest.skip("ptxas is not on PATH")
+    assert report.spill_store_bytes == 0 and report.spill_load_bytes == 0 and report.stack_frame_bytes == 0

@@ -126,12 +126,30 @@ def test_gather_many_rows_and_pages(generator):
     assert (got[-1].view(torch.uint8) == 0).all()
 
 
-def test_cast_q_fp8_gpu_matches_cpu(generator):
-    q = (torch.randn(33, 70, 576, generator=generator) * 50).to(BF16)
-    for scale in (torch.tensor([0.3]), dynamic_q_scale(q)):
-        cpu = cast_q_fp8(q, scale)
-        gpu = cast_q_fp8(q.cuda(), scale.cuda())
-        assert torch.equal(gpu.cpu().view(torch.uint8), cpu.view(torch.uint8))
+@pytest.mark.parametrize("d", [512, 576])
+@pytest.mark.parametrize("h", [1, 64, 70, 128])
+def test_cast_q_fp8_kernel_matches_torch(generator, h, d):
+    q = (torch.randn(33, h, d, generator=generator) * 50).to(BF16)
+    q[0, 0, :4] = torch.tensor([math.inf, -math.inf, math.nan, 1e30])
+    for scale in (torch.tensor([0.3]), dynamic_q_scale(q[1:])):
+        want = cast_q_fp8(q, scale)  # PyTorch, on CPU
+        out = torch.full(want.shape, 0x7E, dtype=torch.uint8, device="cuda").view(E4M3)  # stale padding
+        got = cast_q_fp8(q.cuda(), scale.cuda(), out=out)
+        torch.cuda.synchronize()
+        assert got is out and same_bits(got.cpu(), want)
+        assert (got[:, h:].view(torch.uint8) == 0).all()
+
+
+def test_cast_q_fp8_kernel_strided_and_misaligned_q(generator):
+    big = (torch.randn(9, 130, 576, generator=generator) * 3).to(BF16)
+    want = cast_q_fp8(big[:, 3:73], 0.25)
+    strided = big.cuda()[:, 3:73]  # row strides 130 * 576 and 576: read in place
+    assert same_bits(cast_q_fp8(strided, 0.25).cpu(), want)
+    flat = torch.empty(big[:, 3:73].numel() + 1, dtype=BF16, device="cuda")
+    misaligned = flat[1:].view(9, 70, 576)
+    misaligned.copy_(big[:, 3:73])
+    assert same_bits(cast_q_fp8(misaligned, 0.25).cpu(), want)
+    assert cast_q_fp8(torch.zeros(0, 5, 576, dtype=BF16, device="cuda"), 1.0).shape == (0, 64, 576)
 
 
 # ------------------------------------------------------------------------------------------------
