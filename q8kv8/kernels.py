@@ -500,3 +500,12 @@ def launch_cast_q_fp8(q, q_scale, out) -> None:
     guard = torch.cuda.device(device_index) if device_index != torch.cuda.current_device() else _NO_GUARD
     with guard:
         variant.function(q, q_scale, out)
+
+
+def load_serving_variants() -> dict[str, Variant]:
+    """Build or load every kernel of the paged serving path (the four gathers and both query casts)."""
+    variants = {v.name: v for v in load_paged_kv_variants().values()}
+    for d in (512, 576):
+        variant = load_q_cast_variant(d)
+        variants[variant.name] = variant
+    return variants

@@ -6,8 +6,9 @@ reusable ``SparsePrefillWorkspace``) + ``sparse_mla_q8kv8_prefill_fwd`` + slicin
 off. The cache layouts are described in ``q8kv8.kv_layout`` and ``cute_kernels/paged_kv.py``.
 
 Nothing here syncs with the GPU: arguments are checked on shapes, dtypes, strides and devices
-only, so a forward can be captured in a CUDA graph once the kernels are built (the gather
-variants build on first use: call ``q8kv8.kernels.load_paged_kv_variants()`` before capturing).
+only, so a forward can be captured in a CUDA graph once the kernels are built (the gather and
+query-cast kernels build on first use, then come from the disk cache: call
+``q8kv8.kernels.load_serving_variants()`` or run one forward before capturing).
 """
 
 from __future__ import annotations
@@ -150,6 +151,8 @@ def gather_dequant_paged(
         out = torch.empty(shape, dtype=out_dtype, device=cache.device)
     if rows == 0:
         return out
+    if words.shape[0] == 0 or pages.shape[0] == 0:  # nothing to read: only zero rows
+        return out.zero_()
     from q8kv8 import kernels
 
     kernels.launch_paged_kv_gather(pages, words, out, page_size, layout.name)
