@@ -1,18 +1,29 @@
 """q8kv8: FP8 sparse MLA attention prefill for Hopper (SM90) GPUs, written in CuTe DSL, called from PyTorch.
 
 ``sparse_mla_q8kv8_prefill_fwd`` is a drop-in for SGLang's function of that name; ``padded_num_heads``,
-``pad_topk`` and ``topk_length_from_seqlens`` help callers lay out their inputs.
+``pad_topk`` and ``topk_length_from_seqlens`` help callers lay out their inputs. ``SparsePrefill``
+(``q8kv8.serving``) runs one layer on a paged FP8 KV cache (DeepSeek V3.2 / V4 layouts).
 """
 
 import os
 
 from q8kv8.api import sparse_mla_q8kv8_prefill_fwd
 from q8kv8.metadata import pad_topk, padded_num_heads, topk_length_from_seqlens
+from q8kv8.serving import (
+    SparsePrefill,
+    SparsePrefillWorkspace,
+    cast_q_fp8,
+    gather_dequant_requant_fp8_paged,
+)
 
 __version__ = "0.1.0"
 
 __all__ = [
+    "SparsePrefill",
+    "SparsePrefillWorkspace",
     "__version__",
+    "cast_q_fp8",
+    "gather_dequant_requant_fp8_paged",
     "pad_topk",
     "padded_num_heads",
     "sparse_mla_q8kv8_prefill_fwd",

@@ -327,3 +327,197 @@ def launch_sparse_prefill(
 
 
 _NO_GUARD = contextlib.nullcontext()
+
+
+# ------------------------------------------------------------------------------------------------
+# Paged KV gather (cute_kernels/paged_kv.py): paged FP8 cache -> contiguous e4m3 or bf16 rows.
+# Four variants (layout x output dtype), each built on first use (lazily, not at import) and
+# cached on disk next to the attention variants (same key, lock and integrity check).
+# ------------------------------------------------------------------------------------------------
+PAGED_KV_LAYOUTS = ("model1", "v32")
+PAGED_KV_FUNCTION = "paged_kv_gather"
+paged_kv_cache_stats = CacheStats()
+_paged_kv_variants: dict[tuple[str, bool], Variant] = {}
+
+
+def paged_kv_variant_name(layout: str, out_bf16: bool) -> str:
+    return f"paged_kv_gather_sm90_{layout}_{'bf16' if out_bf16 else 'e4m3'}"
+
+
+def _compile_paged_kv(layout: str, out_bf16: bool, dump_dir: Path):
+    """Trace and compile one gather variant with fake tensors (every extent and stride dynamic)."""
+    cutlass, cute = _import_dsl()
+    from cutlass import BFloat16, Float8E4M3FN, Int32, Uint8
+
+    from cute_kernels.paged_kv import PagedKvGatherSm90
+
+    kernel = PagedKvGatherSm90(layout, out_bf16)
+    args = (
+        cute.runtime.make_fake_tensor(  # cache [num_pages, page_bytes], page stride a multiple of 16
+            Uint8,
+            (cute.sym_int(), cute.sym_int()),
+            stride=(cute.sym_int64(divisibility=16), 1),
+            assumed_align=16,
+        ),
+        cute.runtime.make_fake_tensor(  # slots [num_tokens, 1 or 2 words]
+            Int32, (cute.sym_int(), cute.sym_int()), stride=(cute.sym_int64(), 1), assumed_align=4
+        ),
+        cute.runtime.make_fake_compact_tensor(  # out [rows, 1, d_qk], row-major
+            BFloat16 if out_bf16 else Float8E4M3FN,
+            (cute.sym_int(), 1, kernel.d_qk),
+            stride_order=(2, 1, 0),
+            assumed_align=16,
+        ),
+        Int32(1),  # page_size
+        cute.runtime.make_fake_stream(use_tvm_ffi_env_stream=True),
+    )
+    return cute.compile(
+        kernel, *args, options=f"--enable-tvm-ffi --gpu-arch {TARGET_ARCH} --keep-ptx --dump-dir {dump_dir}"
+    )
+
+
+def _build_or_load_named(name: str, d_qk: int, compile_fn, function_name: str, stats: CacheStats) -> Variant:
+    """``_build_or_load`` for any kernel: ``compile_fn(dump_dir)`` returns the JIT object."""
+    cutlass, cute = _import_dsl()
+    entry = cache_dir() / _cache_key(cutlass.__version__)
+    entry.mkdir(parents=True, exist_ok=True)
+    object_path, digest_path, ptx_path = (entry / f"{name}{ext}" for ext in (".o", ".sha256", ".ptx"))
+    start = time.perf_counter()
+    with _compile_lock, _file_lock(entry / ".lock"):
+        function = None
+        intact = object_path.exists() and digest_path.exists()
+        if intact and _sha256(object_path) == digest_path.read_text().strip():
+            with contextlib.suppress(Exception):
+                function = cute.runtime.load_module(str(object_path), enable_tvm_ffi=True)[function_name]
+        if function is not None:
+            stats.hits += 1
+            return Variant(
+                name, d_qk, "default", function, "cache", time.perf_counter() - start, object_path, ptx_path
+            )
+        if object_path.exists():
+            stats.rebuilt_corrupt += 1
+        stats.misses += 1
+        try:
+            with tempfile.TemporaryDirectory(dir=entry) as dump_dir:
+                compiled = compile_fn(Path(dump_dir))
+            tmp_object = entry / f".{name}.{os.getpid()}.o.tmp"
+            compiled.export_to_c(object_file_path=str(tmp_object), function_name=function_name)
+            _write_atomic(digest_path, _sha256(tmp_object).encode())
+            os.replace(tmp_object, object_path)
+            if compiled.__ptx__:
+                _write_atomic(ptx_path, compiled.__ptx__.encode())
+            function = cute.runtime.load_module(str(object_path), enable_tvm_ffi=True)[function_name]
+        except Exception as exc:
+            first_line = (str(exc).strip().splitlines() or [type(exc).__name__])[0][:300]
+            raise KernelCompileError(
+                f"q8kv8: building kernel {name} for {TARGET_ARCH} failed: {type(exc).__name__}: {first_line}"
+            ) from exc
+    return Variant(
+        name, d_qk, "default", function, "compiled", time.perf_counter() - start, object_path, ptx_path
+    )
+
+
+def load_paged_kv_variant(layout: str, out_bf16: bool) -> Variant:
+    """Build or load one gather variant (idempotent)."""
+    key = (layout, bool(out_bf16))
+    if key not in _paged_kv_variants:
+        if layout not in PAGED_KV_LAYOUTS:
+            raise ValueError(f"layout: expected one of {PAGED_KV_LAYOUTS}, got {layout!r}")
+        d_qk = {"model1": 512, "v32": 576}[layout]
+        _paged_kv_variants[key] = _build_or_load_named(
+            paged_kv_variant_name(layout, out_bf16),
+            d_qk,
+            lambda dump_dir: _compile_paged_kv(layout, out_bf16, dump_dir),
+            PAGED_KV_FUNCTION,
+            paged_kv_cache_stats,
+        )
+    return _paged_kv_variants[key]
+
+
+def load_paged_kv_variants() -> dict[tuple[str, bool], Variant]:
+    """Build or load all four gather variants, keyed by (layout, out_bf16)."""
+    for layout in PAGED_KV_LAYOUTS:
+        for out_bf16 in (False, True):
+            load_paged_kv_variant(layout, out_bf16)
+    return dict(_paged_kv_variants)
+
+
+def launch_paged_kv_gather(cache_pages, slot_words, out, page_size: int, layout: str) -> None:
+    """Launch the gather on validated tensors: ``cache_pages`` [num_pages, page_bytes] uint8 (base and
+    page stride 16-byte aligned), ``slot_words`` [num_tokens, 1 or 2] int32 (last dim contiguous),
+    ``out`` [rows, 1, d_qk] e4m3 or bf16, contiguous and 16-byte aligned, rows > 0."""
+    out_bf16 = out.dtype == torch.bfloat16
+    variant = _paged_kv_variants.get((layout, out_bf16)) or load_paged_kv_variant(layout, out_bf16)
+    device_index = out.device.index
+    guard = torch.cuda.device(device_index) if device_index != torch.cuda.current_device() else _NO_GUARD
+    with guard:
+        variant.function(cache_pages, slot_words, out, page_size)
+
+
+# Query cast (cute_kernels/q_cast.py): bf16 Q -> e4m3 in a head-padded buffer. Variants by head dim,
+# built on first use and disk-cached like the gather.
+Q_CAST_FUNCTION = "cast_q_fp8"
+_q_cast_variants: dict[int, Variant] = {}
+
+
+def q_cast_variant_name(d: int) -> str:
+    return f"cast_q_fp8_sm90_d{d}"
+
+
+def _compile_q_cast(d: int, dump_dir: Path):
+    cutlass, cute = _import_dsl()
+    from cutlass import BFloat16, Float8E4M3FN, Float32
+
+    from cute_kernels.q_cast import CastQFp8Sm90
+
+    args = (
+        cute.runtime.make_fake_tensor(  # q [s_q, h, d]: row strides multiples of 8 elements (16 bytes)
+            BFloat16,
+            (cute.sym_int(), cute.sym_int(), d),
+            stride=(cute.sym_int64(divisibility=8), cute.sym_int64(divisibility=8), 1),
+            assumed_align=16,
+        ),
+        cute.runtime.make_fake_compact_tensor(Float32, (1,), assumed_align=4),  # q_scale
+        cute.runtime.make_fake_compact_tensor(  # out [s_q, h_pad, d], row-major
+            Float8E4M3FN, (cute.sym_int(), cute.sym_int(), d), stride_order=(2, 1, 0), assumed_align=16
+        ),
+        cute.runtime.make_fake_stream(use_tvm_ffi_env_stream=True),
+    )
+    return cute.compile(
+        CastQFp8Sm90(d),
+        *args,
+        options=f"--enable-tvm-ffi --gpu-arch {TARGET_ARCH} --keep-ptx --dump-dir {dump_dir}",
+    )
+
+
+def load_q_cast_variant(d: int) -> Variant:
+    """Build or load the query-cast kernel for head dim ``d`` (idempotent)."""
+    if d not in _q_cast_variants:
+        _q_cast_variants[d] = _build_or_load_named(
+            q_cast_variant_name(d),
+            d,
+            lambda dump_dir: _compile_q_cast(d, dump_dir),
+            Q_CAST_FUNCTION,
+            paged_kv_cache_stats,
+        )
+    return _q_cast_variants[d]
+
+
+def launch_cast_q_fp8(q, q_scale, out) -> None:
+    """Launch the query cast on validated tensors: ``q`` [s_q, h, d] bf16 (16-byte aligned, row strides
+    multiples of 8 elements, last dim contiguous), ``q_scale`` [1] float32, ``out`` [s_q, h_pad, d] e4m3
+    contiguous, 16-byte aligned, h_pad a multiple of 8 and >= h, s_q > 0."""
+    variant = _q_cast_variants.get(q.shape[2]) or load_q_cast_variant(q.shape[2])
+    device_index = out.device.index
+    guard = torch.cuda.device(device_index) if device_index != torch.cuda.current_device() else _NO_GUARD
+    with guard:
+        variant.function(q, q_scale, out)
+
+
+def load_serving_variants() -> dict[str, Variant]:
+    """Build or load every kernel of the paged serving path (the four gathers and both query casts)."""
+    variants = {v.name: v for v in load_paged_kv_variants().values()}
+    for d in (512, 576):
+        variant = load_q_cast_variant(d)
+        variants[variant.name] = variant
+    return variants

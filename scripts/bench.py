@@ -7,7 +7,12 @@ without a kernel), prints a table with TF/s (FLOPs = 2 * sum(valid topk) * h_q *
 host overhead per call, and writes ``bench/results.json`` and ``bench/results.png``.
 Without an SM90 GPU it builds the kernel variants for sm_90a, prints a compile report and exits 2.
 
+Then the paged serving path (``scripts/bench_serving.py``): a layer call (Q cast + gather + kernel)
+next to the kernel alone and the gather's bandwidth; one layer shape by default, all of them with
+``--serving``, none with ``--no-serving``.
+
     python scripts/bench.py [--shapes NAME,...] [--check] [--rep MS] [--no-baseline] [--no-accurate]
+                            [--[no-]serving]
 """
 
 from __future__ import annotations
@@ -175,6 +180,9 @@ def main() -> int:
     parser.add_argument("--no-baseline", action="store_true", help="skip the PyTorch baseline arm")
     parser.add_argument("--no-accurate", action="store_true", help='skip the precision="accurate" arm')
     parser.add_argument("--out", default=str(REPO / "bench"), help="folder for results.json / results.png")
+    serving = parser.add_mutually_exclusive_group()
+    serving.add_argument("--serving", action="store_true", help="every serving layer shape (paged path)")
+    serving.add_argument("--no-serving", action="store_true", help="skip the serving section")
     args = parser.parse_args()
 
     build = compile_report()
@@ -232,6 +240,10 @@ def main() -> int:
     print(f"\nhost overhead per call (validation + launch, tiny shape): {overhead:.1f} us")
     report = {"gpu": gpu, "date": str(datetime.date.today()), "build": build, "shapes": results}
     report["host_overhead_us"] = overhead
+    if not args.no_serving:
+        import bench_serving
+
+        report["serving"] = bench_serving.run(time_ms, random_indices, args.rep, full=args.serving)
     out_dir = Path(args.out)
     out_dir.mkdir(parents=True, exist_ok=True)
     (out_dir / "results.json").write_text(json.dumps(report, indent=2))

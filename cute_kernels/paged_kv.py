@@ -1,0 +1,320 @@
+"""Paged FP8 KV cache -> contiguous KV workspace: gather, dequantise, requantise (or widen to bf16).
+
+``out[r] = convert(cache token slot slots[r])`` for ``r < num_tokens``, and ``out[r] = 0`` for the
+``extra_rows`` rows after them (a landing zone) and for any slot outside
+``[0, num_pages * page_size)`` (never read). ``out`` is ``[num_tokens + extra_rows, 1, d_qk]``,
+row-major, e4m3 (per-tensor scale 1.0) or bf16.
+
+Layouts (bytes from the start of page ``slot // page_size``, ``pos = slot % page_size``; page
+stride dynamic, a multiple of 16):
+
+- MODEL1 (DeepSeek V4, d_qk 512): nope e4m3 ``[448]`` at ``pos*576``, RoPE bf16 ``[64]`` at
+  ``pos*576 + 448``, UE8M0 scales ``[7]`` (+1 pad byte) at ``page_size*576 + pos*8``; scale t covers
+  nope values [64t, 64t+64).
+- V3.2 (d_qk 576): a 656-byte record at ``pos*656``: nope e4m3 ``[512]`` at +0, float32 scales
+  ``[4]`` at +512 (scale t covers nope values [128t, 128t+128)), RoPE bf16 ``[64]`` at +528.
+
+Conversion (bit-exact with ``q8kv8.reference.gather_dequant_paged_reference``):
+
+- nope: ``f32(e4m3) * f32(scale)`` (one ``mul.rn.f32``, no FMA, no flush-to-zero; a UE8M0 byte b
+  is the float32 2^(b-127): b = 0 is the subnormal 2^-127, b = 255 NaN), then rounded to nearest
+  even into e4m3 saturating at +-448 (``cvt.rn.satfinite``) or into bf16 (``cvt.rn``);
+- RoPE: bf16 -> f32 (exact) -> e4m3 (RN, saturating), or copied unchanged for a bf16 output.
+
+Algorithm: one thread per 16-byte output chunk, ``d_qk * out_bytes / 16`` threads per row (x:
+32/36 for e4m3, 64/72 for bf16) and 8 (e4m3) or 4 (bf16) rows per CTA (y), so a CTA is 256 or
+288 threads, whole warps. One pass over the bytes, every global access 16 bytes wide except the
+scale (4 B for V3.2, 1 B for MODEL1, shared by the row's threads through L1):
+
+- a nope chunk of an e4m3 row (16 values): one 16 B ``ld.global.nc`` + its scale, 16 products,
+  one 16 B store; of a bf16 row (8 values): one 8 B load, one 16 B store;
+- a RoPE chunk of an e4m3 row (16 values): two 16 B loads (32 bf16 bytes), one 16 B store; of a
+  bf16 row: a 16 B copy.
+
+The slot is read by every thread of its row (one L1 line); rows past ``num_tokens`` and invalid
+slots store zeros. ``slots`` is ``[num_tokens, words]`` int32 with any row stride: words = 1 for
+an int32 table, 2 for an int64 one seen as (low, high) words (a slot with a non-zero high word is
+invalid). Constraints: cache base and page stride 16-byte aligned, ``out`` 16-byte aligned and
+row-major, ``num_pages * page_size < 2^31``.
+"""
+
+from typing import NamedTuple
+
+import cutlass.cute as cute
+from cutlass import Int32, Int64, Uint32, const_expr
+from cutlass._mlir.dialects import llvm
+from cutlass.cutlass_dsl import T, dsl_user_op
+
+from cute_kernels.ptx import _asm
+
+CHUNK_BYTES = 16  # bytes per thread per row: one vector store
+ROWS_PER_CTA_E4M3 = 8  # rows per CTA for an e4m3 output (half as many for bf16): 256 or 288 threads
+
+
+class Layout(NamedTuple):
+    """Byte layout of one token (mirrors ``q8kv8.kv_layout``; a CPU test checks they agree)."""
+
+    d_nope: int
+    d_rope: int
+    scale_group: int  # nope values per scale
+    token_bytes: int  # stride between tokens' data inside a page
+    rope_offset: int  # RoPE offset inside the token's data
+    scale_offset: int  # V3.2: float32 scales inside the record; MODEL1: -1 (page scale region)
+    scale_record_bytes: int  # MODEL1: bytes per token in the scale region
+
+
+LAYOUTS = {
+    "model1": Layout(448, 64, 64, 576, 448, -1, 8),
+    "v32": Layout(512, 64, 128, 656, 528, 512, 0),
+}
+
+
+# ------------------------------------------------------------------------------------------
+# Inline PTX: loads, stores and the conversions (explicit rounding, no FMA, no FTZ)
+# ------------------------------------------------------------------------------------------
+@dsl_user_op
+def ld_global_nc_v4(gmem_addr, *, loc=None, ip=None):
+    """16-byte read-only global load: four 32-bit words."""
+    res = _asm(
+        llvm.StructType.get_literal([T.i32()] * 4),
+        [Int64(gmem_addr).ir_value(loc=loc, ip=ip)],
+        "ld.global.nc.v4.b32 {$0, $1, $2, $3}, [$4];",
+        "=r,=r,=r,=r,l",
+        True,
+    )
+    return tuple(Uint32(llvm.extractvalue(T.i32(), res, [i], loc=loc, ip=ip)) for i in range(4))
+
+
+@dsl_user_op
+def ld_global_nc_v2(gmem_addr, *, loc=None, ip=None):
+    """8-byte read-only global load: two 32-bit words."""
+    res = _asm(
+        llvm.StructType.get_literal([T.i32()] * 2),
+        [Int64(gmem_addr).ir_value(loc=loc, ip=ip)],
+        "ld.global.nc.v2.b32 {$0, $1}, [$2];",
+        "=r,=r,l",
+        True,
+    )
+    return tuple(Uint32(llvm.extractvalue(T.i32(), res, [i], loc=loc, ip=ip)) for i in range(2))
+
+
+@dsl_user_op
+def ld_global_nc_b32(gmem_addr, *, loc=None, ip=None) -> Uint32:
+    return Uint32(
+        _asm(T.i32(), [Int64(gmem_addr).ir_value(loc=loc, ip=ip)], "ld.global.nc.b32 $0, [$1];", "=r,l", True)
+    )
+
+
+@dsl_user_op
+def ld_global_nc_u8(gmem_addr, *, loc=None, ip=None) -> Uint32:
+    return Uint32(
+        _asm(T.i32(), [Int64(gmem_addr).ir_value(loc=loc, ip=ip)], "ld.global.nc.u8 $0, [$1];", "=r,l", True)
+    )
+
+
+@dsl_user_op
+def st_global_v4(gmem_addr, w0, w1, w2, w3, *, loc=None, ip=None) -> None:
+    _asm(
+        None,
+        [Int64(gmem_addr).ir_value(loc=loc, ip=ip)]
+        + [Uint32(w).ir_value(loc=loc, ip=ip) for w in (w0, w1, w2, w3)],
+        "st.global.v4.b32 [$0], {$1, $2, $3, $4};",
+        "l,r,r,r,r",
+        True,
+    )
+
+
+@dsl_user_op
+def e8m0_to_f32_bits(byte, *, loc=None, ip=None) -> Uint32:
+    """The float32 bits of the UE8M0 value 2^(byte - 127): byte 0 -> 2^-127 (subnormal), 255 -> NaN."""
+    return Uint32(
+        _asm(
+            T.i32(),
+            [Uint32(byte).ir_value(loc=loc, ip=ip)],
+            "{\n\t.reg .pred zero, nan;\n\t.reg .b32 bits;\n\t"
+            "shl.b32 bits, $1, 23;\n\t"
+            "setp.eq.u32 zero, $1, 0;\n\t"
+            "setp.eq.u32 nan, $1, 255;\n\t"
+            "selp.b32 bits, 0x00400000, bits, zero;\n\t"
+            "selp.b32 $0, 0x7fc00000, bits, nan;\n\t}",
+            "=r,r",
+            False,
+        )
+    )
+
+
+# Four e4m3 (one word, lowest byte first) -> four f32 products with the scale, in f0..f3.
+_DEQUANT_E4M3X4 = (
+    ".reg .b16 lo, hi;\n\t.reg .b32 h01, h23;\n\t.reg .f16 a0, a1, a2, a3;\n\t"
+    ".reg .f32 s, f0, f1, f2, f3;\n\t"
+    "mov.b32 {lo, hi}, $IN;\n\t"
+    "cvt.rn.f16x2.e4m3x2 h01, lo;\n\t"
+    "cvt.rn.f16x2.e4m3x2 h23, hi;\n\t"
+    "mov.b32 {a0, a1}, h01;\n\t"
+    "mov.b32 {a2, a3}, h23;\n\t"
+    "mov.b32 s, $SCALE;\n\t"
+    "cvt.f32.f16 f0, a0;\n\tcvt.f32.f16 f1, a1;\n\tcvt.f32.f16 f2, a2;\n\tcvt.f32.f16 f3, a3;\n\t"
+    "mul.rn.f32 f0, f0, s;\n\tmul.rn.f32 f1, f1, s;\n\tmul.rn.f32 f2, f2, s;\n\tmul.rn.f32 f3, f3, s;\n\t"
+)
+
+
+@dsl_user_op
+def requant_e4m3x4(word, scale_bits, *, loc=None, ip=None) -> Uint32:
+    """Four e4m3 times a float32 scale, each product rounded (RN, saturating) back to e4m3."""
+    return Uint32(
+        _asm(
+            T.i32(),
+            [Uint32(word).ir_value(loc=loc, ip=ip), Uint32(scale_bits).ir_value(loc=loc, ip=ip)],
+            "{\n\t" + _DEQUANT_E4M3X4.replace("$IN", "$1").replace("$SCALE", "$2") + ".reg .b16 o01, o23;\n\t"
+            "cvt.rn.satfinite.e4m3x2.f32 o01, f1, f0;\n\t"
+            "cvt.rn.satfinite.e4m3x2.f32 o23, f3, f2;\n\t"
+            "mov.b32 $0, {o01, o23};\n\t}",
+            "=r,r,r",
+            False,
+        )
+    )
+
+
+@dsl_user_op
+def dequant_e4m3x4_bf16(word, scale_bits, *, loc=None, ip=None):
+    """Four e4m3 times a float32 scale, rounded (RN) to bf16: two bf16x2 words, lowest first."""
+    res = _asm(
+        llvm.StructType.get_literal([T.i32()] * 2),
+        [Uint32(word).ir_value(loc=loc, ip=ip), Uint32(scale_bits).ir_value(loc=loc, ip=ip)],
+        "{\n\t"
+        + _DEQUANT_E4M3X4.replace("$IN", "$2").replace("$SCALE", "$3")
+        + "cvt.rn.bf16x2.f32 $0, f1, f0;\n\t"
+        "cvt.rn.bf16x2.f32 $1, f3, f2;\n\t}",
+        "=r,=r,r,r",
+        False,
+    )
+    return tuple(Uint32(llvm.extractvalue(T.i32(), res, [i], loc=loc, ip=ip)) for i in range(2))
+
+
+@dsl_user_op
+def bf16x4_to_e4m3x4(w01, w23, *, loc=None, ip=None) -> Uint32:
+    """Four bf16 (two words, lowest first) -> four e4m3 (RN, saturating) in one word."""
+    return Uint32(
+        _asm(
+            T.i32(),
+            [Uint32(w01).ir_value(loc=loc, ip=ip), Uint32(w23).ir_value(loc=loc, ip=ip)],
+            "{\n\t.reg .b32 t0, t1, t2, t3;\n\t.reg .f32 f0, f1, f2, f3;\n\t.reg .b16 o01, o23;\n\t"
+            "shl.b32 t0, $1, 16;\n\tand.b32 t1, $1, 0xffff0000;\n\t"
+            "shl.b32 t2, $2, 16;\n\tand.b32 t3, $2, 0xffff0000;\n\t"
+            "mov.b32 f0, t0;\n\tmov.b32 f1, t1;\n\tmov.b32 f2, t2;\n\tmov.b32 f3, t3;\n\t"
+            "cvt.rn.satfinite.e4m3x2.f32 o01, f1, f0;\n\t"
+            "cvt.rn.satfinite.e4m3x2.f32 o23, f3, f2;\n\t"
+            "mov.b32 $0, {o01, o23};\n\t}",
+            "=r,r,r",
+            False,
+        )
+    )
+
+
+# ------------------------------------------------------------------------------------------
+class PagedKvGatherSm90:
+    """Compile-time configuration: the cache layout ("model1" or "v32") and the output type."""
+
+    def __init__(self, layout: str, out_bf16: bool):
+        if layout not in LAYOUTS:
+            raise ValueError(f"layout must be one of {sorted(LAYOUTS)}, got {layout!r}")
+        self.layout_name = layout
+        self.layout = LAYOUTS[layout]
+        self.out_bf16 = out_bf16
+        self.d_qk = self.layout.d_nope + self.layout.d_rope
+        self.out_elem_bytes = 2 if out_bf16 else 1
+        self.out_row_bytes = self.d_qk * self.out_elem_bytes
+        self.values_per_chunk = CHUNK_BYTES // self.out_elem_bytes  # 16 (e4m3) or 8 (bf16)
+        self.chunks = self.out_row_bytes // CHUNK_BYTES  # threads per row
+        self.nope_chunks = self.layout.d_nope // self.values_per_chunk
+        self.rows_per_cta = ROWS_PER_CTA_E4M3 // self.out_elem_bytes  # whole warps: 256 or 288 threads
+        assert self.layout.scale_group % self.values_per_chunk == 0
+
+    @cute.jit
+    def __call__(
+        self,
+        mCache: cute.Tensor,  # [num_pages, page_bytes] uint8, page stride dynamic (multiple of 16)
+        mSlots: cute.Tensor,  # [num_tokens, words] int32: words 1 (int32 table) or 2 (int64, lo/hi)
+        mOut: cute.Tensor,  # [num_tokens + extra_rows, 1, d_qk] e4m3 or bf16, row-major
+        page_size: Int32,
+        stream,
+    ):
+        num_rows = cute.size(mOut, mode=[0])
+        grid = (num_rows + self.rows_per_cta - 1) // self.rows_per_cta
+        self.kernel(mCache, mSlots, mOut, page_size).launch(
+            grid=[grid, 1, 1], block=[self.chunks, self.rows_per_cta, 1], stream=stream
+        )
+
+    @cute.kernel
+    def kernel(self, mCache: cute.Tensor, mSlots: cute.Tensor, mOut: cute.Tensor, page_size: Int32):
+        chunk, row_in_cta, _ = cute.arch.thread_idx()
+        bid, _, _ = cute.arch.block_idx()
+        row = bid * self.rows_per_cta + row_in_cta
+        if row < cute.size(mOut, mode=[0]):
+            out_addr = mOut.iterator.toint() + Int64(row) * self.out_row_bytes + chunk * CHUNK_BYTES
+            slot = Int32(-1)
+            if row < cute.size(mSlots, mode=[0]):
+                slot = mSlots[row, 0]
+                if cute.size(mSlots, mode=[1]) > 1:  # an int64 table: slots >= 2^31 are invalid
+                    if mSlots[row, 1] != 0:
+                        slot = Int32(-1)
+            num_slots = cute.size(mCache, mode=[0]) * page_size
+            if (slot >= 0) & (slot < num_slots):
+                page = slot // page_size
+                pos = slot - page * page_size
+                page_addr = mCache.iterator.toint() + Int64(page) * Int64(mCache.stride[0])
+                token_addr = page_addr + Int64(pos * self.layout.token_bytes)
+                if chunk < self.nope_chunks:
+                    self.convert_nope(out_addr, page_addr, token_addr, pos, page_size, chunk)
+                else:
+                    self.convert_rope(out_addr, token_addr, chunk - self.nope_chunks)
+            else:
+                st_global_v4(out_addr, Uint32(0), Uint32(0), Uint32(0), Uint32(0))
+
+    @cute.jit
+    def scale_bits(self, page_addr, token_addr, pos, page_size, chunk):
+        """float32 bits of the scale of nope chunk ``chunk``."""
+        lay = self.layout
+        group = chunk // (lay.scale_group // self.values_per_chunk)
+        bits = Uint32(0)
+        if const_expr(lay.scale_offset >= 0):
+            bits = ld_global_nc_b32(token_addr + lay.scale_offset + group * 4)
+        else:
+            scale_addr = page_addr + Int64(page_size * lay.token_bytes + pos * lay.scale_record_bytes)
+            bits = e8m0_to_f32_bits(ld_global_nc_u8(scale_addr + group))
+        return bits
+
+    @cute.jit
+    def convert_nope(self, out_addr, page_addr, token_addr, pos, page_size, chunk):
+        scale = self.scale_bits(page_addr, token_addr, pos, page_size, chunk)
+        if const_expr(self.out_bf16):
+            w = ld_global_nc_v2(token_addr + chunk * 8)
+            lo = dequant_e4m3x4_bf16(w[0], scale)
+            hi = dequant_e4m3x4_bf16(w[1], scale)
+            st_global_v4(out_addr, lo[0], lo[1], hi[0], hi[1])
+        else:
+            w = ld_global_nc_v4(token_addr + chunk * CHUNK_BYTES)
+            st_global_v4(
+                out_addr,
+                requant_e4m3x4(w[0], scale),
+                requant_e4m3x4(w[1], scale),
+                requant_e4m3x4(w[2], scale),
+                requant_e4m3x4(w[3], scale),
+            )
+
+    @cute.jit
+    def convert_rope(self, out_addr, token_addr, rope_chunk):
+        rope_addr = token_addr + self.layout.rope_offset
+        if const_expr(self.out_bf16):
+            w = ld_global_nc_v4(rope_addr + rope_chunk * CHUNK_BYTES)
+            st_global_v4(out_addr, w[0], w[1], w[2], w[3])
+        else:
+            a = ld_global_nc_v4(rope_addr + rope_chunk * 2 * CHUNK_BYTES)
+            b = ld_global_nc_v4(rope_addr + rope_chunk * 2 * CHUNK_BYTES + CHUNK_BYTES)
+            st_global_v4(
+                out_addr,
+                bf16x4_to_e4m3x4(a[0], a[1]),
+                bf16x4_to_e4m3x4(a[2], a[3]),
+                bf16x4_to_e4m3x4(b[0], b[1]),
+                bf16x4_to_e4m3x4(b[2], b[3]),
+            )

@@ -1,0 +1,96 @@
+"""bf16 queries -> e4m3 in a head-padded buffer: ``out[t, h] = e4m3(q[t, h] / q_scale)``, zero heads.
+
+``q`` is ``[s_q, h, d]`` bfloat16 (any 16-byte multiple row strides, last dim contiguous), ``out``
+``[s_q, h_pad, d]`` e4m3 row-major with ``h_pad >= h`` a multiple of 8 (the wrapper uses multiples of
+64); heads ``h .. h_pad - 1`` are written as zeros. Each value is divided by the float32
+``q_scale[0]`` with ``div.rn.f32`` (IEEE, as PyTorch's float32 division) and rounded to nearest
+even into e4m3, saturating at +-448 (``cvt.rn.satfinite``): bit-exact with
+``q8kv8.serving.cast_q_fp8``'s PyTorch path.
+
+One thread per 16 output bytes (16 values: two 16-byte loads, one 16-byte store), ``d / 16``
+threads per head (x) and 8 heads per CTA (y); the grid is (token, head group of 8), so no thread
+divides by the head count. One pass: read 2 bytes, write 1 byte per value.
+"""
+
+import cutlass.cute as cute
+from cutlass import Int64, Uint32
+from cutlass.cutlass_dsl import T, dsl_user_op
+
+from cute_kernels.paged_kv import ld_global_nc_b32, ld_global_nc_v4, st_global_v4
+from cute_kernels.ptx import _asm
+
+HEADS_PER_CTA = 8
+CHUNK_VALUES = 16  # e4m3 values per thread: one 16-byte store
+
+
+@dsl_user_op
+def div_bf16x4_to_e4m3x4(w01, w23, divisor_bits, *, loc=None, ip=None) -> Uint32:
+    """Four bf16 (two words, lowest first) divided by a float32, rounded (RN, saturating) to e4m3."""
+    return Uint32(
+        _asm(
+            T.i32(),
+            [Uint32(w).ir_value(loc=loc, ip=ip) for w in (w01, w23, divisor_bits)],
+            "{\n\t.reg .b32 t0, t1, t2, t3;\n\t.reg .f32 s, f0, f1, f2, f3;\n\t.reg .b16 o01, o23;\n\t"
+            "shl.b32 t0, $1, 16;\n\tand.b32 t1, $1, 0xffff0000;\n\t"
+            "shl.b32 t2, $2, 16;\n\tand.b32 t3, $2, 0xffff0000;\n\t"
+            "mov.b32 f0, t0;\n\tmov.b32 f1, t1;\n\tmov.b32 f2, t2;\n\tmov.b32 f3, t3;\n\t"
+            "mov.b32 s, $3;\n\t"
+            "div.rn.f32 f0, f0, s;\n\tdiv.rn.f32 f1, f1, s;\n\t"
+            "div.rn.f32 f2, f2, s;\n\tdiv.rn.f32 f3, f3, s;\n\t"
+            "cvt.rn.satfinite.e4m3x2.f32 o01, f1, f0;\n\t"
+            "cvt.rn.satfinite.e4m3x2.f32 o23, f3, f2;\n\t"
+            "mov.b32 $0, {o01, o23};\n\t}",
+            "=r,r,r,r",
+            False,
+        )
+    )
+
+
+class CastQFp8Sm90:
+    """Compile-time configuration: the head dim ``d`` (a multiple of 16)."""
+
+    def __init__(self, d: int):
+        if d % CHUNK_VALUES:
+            raise ValueError(f"d must be a multiple of {CHUNK_VALUES}, got {d}")
+        self.d = d
+        self.chunks = d // CHUNK_VALUES
+
+    @cute.jit
+    def __call__(
+        self,
+        mQ: cute.Tensor,  # [s_q, h, d] bf16, row strides dynamic (multiples of 8 elements)
+        mScale: cute.Tensor,  # [1] f32
+        mOut: cute.Tensor,  # [s_q, h_pad, d] e4m3, row-major
+        stream,
+    ):
+        s_q = cute.size(mOut, mode=[0])
+        head_groups = cute.size(mOut, mode=[1]) // HEADS_PER_CTA
+        self.kernel(mQ, mScale, mOut).launch(
+            grid=[s_q, head_groups, 1], block=[self.chunks, HEADS_PER_CTA, 1], stream=stream
+        )
+
+    @cute.kernel
+    def kernel(self, mQ: cute.Tensor, mScale: cute.Tensor, mOut: cute.Tensor):
+        chunk, head_in_cta, _ = cute.arch.thread_idx()
+        token, head_group, _ = cute.arch.block_idx()
+        head = head_group * HEADS_PER_CTA + head_in_cta
+        h_pad = cute.size(mOut, mode=[1])
+        out_addr = mOut.iterator.toint() + (Int64(token) * h_pad + head) * self.d + chunk * CHUNK_VALUES
+        if head < cute.size(mQ, mode=[1]):
+            q_addr = (
+                mQ.iterator.toint()
+                + (Int64(token) * Int64(mQ.stride[0]) + Int64(head) * Int64(mQ.stride[1])) * 2
+                + chunk * CHUNK_VALUES * 2
+            )
+            divisor = ld_global_nc_b32(mScale.iterator.toint())
+            a = ld_global_nc_v4(q_addr)
+            b = ld_global_nc_v4(q_addr + 16)
+            st_global_v4(
+                out_addr,
+                div_bf16x4_to_e4m3x4(a[0], a[1], divisor),
+                div_bf16x4_to_e4m3x4(a[2], a[3], divisor),
+                div_bf16x4_to_e4m3x4(b[0], b[1], divisor),
+                div_bf16x4_to_e4m3x4(b[2], b[3], divisor),
+            )
+        else:
+            st_global_v4(out_addr, Uint32(0), Uint32(0), Uint32(0), Uint32(0))

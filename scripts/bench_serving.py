@@ -1,0 +1,188 @@
+"""The paged serving path on an SM90 GPU: one layer call (Q cast + gather + kernel) next to the kernel
+alone, and the gather kernel's bandwidth against a PyTorch copy of the same bytes.
+
+Layer shapes: s_q 4096 queries at the end of one request of ``context`` tokens (8k, 32k, 64k), h 64
+and 128, DeepSeek V3.2 cache layout (656 bytes per token, d_qk 576), pages of 64 tokens at random
+slots, topk 2048 distinct random rows per query (all valid). The bf16 backend's rows appear once
+``q8kv8.kernels.launch_sparse_prefill_bf16`` exists. Called by ``scripts/bench.py`` (a light subset
+by default, all shapes with ``--serving``); on its own:
+
+    python scripts/bench_serving.py [--light] [--rep MS]
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from q8kv8 import kernels, sparse_mla_q8kv8_prefill_fwd  # noqa: E402
+from q8kv8.serving import (  # noqa: E402
+    SparsePrefill,
+    cast_q_fp8,
+    dynamic_q_scale,
+    gather_dequant_paged,
+    topk_length_for,
+)
+
+PAGE_SIZE = 64
+TOPK = 2048
+S_Q = 4096
+D_QK = 576
+LAYER_SHAPES = [(context, h) for context in (8192, 32768, 65536) for h in (64, 128)]
+LIGHT_LAYER_SHAPES = [(65536, 128)]
+GATHER_TOKENS = 1 << 20
+V32_BYTES_PER_TOKEN = 656
+
+
+def make_v32_cache(num_slots: int, device, std: float = 0.1) -> torch.Tensor:
+    """``[num_pages, 64, 1, 656]`` uint8 holding normal(0, std) tokens quantised as V3.2 does."""
+    num_pages = -(-num_slots // PAGE_SIZE)
+    records = torch.empty(num_pages * PAGE_SIZE, V32_BYTES_PER_TOKEN, dtype=torch.uint8, device=device)
+    for start in range(0, records.shape[0], 1 << 18):  # bounded float32 temporaries
+        x = torch.randn(min(1 << 18, records.shape[0] - start), D_QK, device=device) * std
+        tiles = x[:, :512].reshape(-1, 4, 128)
+        scales = tiles.abs().amax(dim=-1).clamp_min(1e-4) / 448.0
+        nope = (tiles / scales[..., None]).clamp(-448, 448).to(torch.float8_e4m3fn)
+        chunk = records[start : start + x.shape[0]]
+        chunk[:, :512] = nope.view(torch.uint8).reshape(-1, 512)
+        chunk[:, 512:528] = scales.contiguous().view(torch.uint8)
+        chunk[:, 528:] = x[:, 512:].to(torch.bfloat16).contiguous().view(torch.uint8)
+    return records.view(num_pages, PAGE_SIZE, 1, V32_BYTES_PER_TOKEN)
+
+
+def layer_inputs(context: int, h: int, random_indices, device="cuda") -> dict:
+    torch.manual_seed(0)
+    num_slots = context + context // 4  # a cache with unused slots; the request's pages are random
+    cache = make_v32_cache(num_slots, device)
+    return {
+        "q": (torch.randn(S_Q, h, D_QK, device=device) * 0.5).to(torch.bfloat16),
+        "cache": cache,
+        "page_table": torch.randperm(cache.shape[0] * PAGE_SIZE, device=device)[:context].to(torch.int32),
+        "indices": random_indices(S_Q, context, TOPK, device),
+        "seqlens": torch.arange(context - S_Q + 1, context + 1, dtype=torch.int32, device=device),
+        "compress_ratio": 0,
+        "sm_scale": D_QK**-0.5,
+    }
+
+
+def bench_layer(context: int, h: int, time_ms, random_indices, rep_ms: int) -> dict:
+    inputs = layer_inputs(context, h, random_indices)
+    flops = 2.0 * S_Q * TOPK * h * (D_QK + 512)
+    row = {"context": context, "h": h, "s_q": S_Q, "topk": TOPK, "layout": "v32", "flops": flops}
+
+    prefill = SparsePrefill("fp8")
+    prefill.forward(**inputs)  # builds the kernels and the workspace
+    row["layer_fp8_ms"] = time_ms(lambda: prefill.forward(**inputs), rep_ms)
+
+    # The same work piece by piece, on the same buffers.
+    q, cache, page_table = inputs["q"], inputs["cache"], inputs["page_table"]
+    kv = prefill.workspace.get(context, torch.float8_e4m3fn)
+    q_scale = dynamic_q_scale(q)
+    q8 = cast_q_fp8(q, q_scale)
+    indices = inputs["indices"][:, None, :]
+    topk_length = topk_length_for(inputs["seqlens"], 0, TOPK)
+    one = torch.ones(1, dtype=torch.float32, device=q.device)
+    sm_scale = inputs["sm_scale"]
+    row["kernel_ms"] = time_ms(
+        lambda: sparse_mla_q8kv8_prefill_fwd(q8, kv, indices, sm_scale, q_scale, one, 512, None, topk_length),
+        rep_ms,
+    )
+    row["gather_ms"] = time_ms(
+        lambda: gather_dequant_paged(cache, page_table, PAGE_SIZE, "v32", torch.float8_e4m3fn, 0, kv), rep_ms
+    )
+    row["q_cast_ms"] = time_ms(lambda: cast_q_fp8(q, q_scale, q8), rep_ms)
+    gathered_bytes = context * (V32_BYTES_PER_TOKEN + 4 + D_QK)
+    row["gather_gbps"] = gathered_bytes / row["gather_ms"] / 1e6
+
+    if hasattr(kernels, "launch_sparse_prefill_bf16"):
+        prefill_bf16 = SparsePrefill("bf16")
+        prefill_bf16.forward(**inputs)
+        row["layer_bf16_ms"] = time_ms(lambda: prefill_bf16.forward(**inputs), rep_ms)
+    return row
+
+
+def bench_gather_bandwidth(time_ms, rep_ms: int, num_tokens: int | None = None) -> dict:
+    """Gather of ``num_tokens`` random slots (read 656 + 4 bytes, write 576 or 1152 per token) against
+    ``torch`` copying the same cache bytes (read and write 656 bytes per token)."""
+    num_tokens = GATHER_TOKENS if num_tokens is None else num_tokens
+    torch.manual_seed(0)
+    cache = make_v32_cache(num_tokens, "cuda")
+    result = {"tokens": num_tokens}
+    for order in ("random", "sequential"):
+        slots = torch.arange(num_tokens, device="cuda", dtype=torch.int32)
+        if order == "random":
+            slots = slots[torch.randperm(num_tokens, device="cuda")]
+        for name, dtype in (("e4m3", torch.float8_e4m3fn), ("bf16", torch.bfloat16)):
+            out = torch.empty(num_tokens, 1, D_QK, dtype=dtype, device="cuda")
+            ms = time_ms(
+                lambda slots=slots, dtype=dtype, out=out: gather_dequant_paged(
+                    cache, slots, PAGE_SIZE, "v32", dtype, 0, out
+                ),
+                rep_ms,
+            )
+            moved = num_tokens * (V32_BYTES_PER_TOKEN + 4 + D_QK * out.element_size())
+            result[f"gather_{order}_{name}"] = {"ms": ms, "gbps": moved / ms / 1e6}
+    source = cache.reshape(-1)[: num_tokens * V32_BYTES_PER_TOKEN]
+    target = torch.empty_like(source)
+    ms = time_ms(lambda: target.copy_(source), rep_ms)
+    result["torch_copy"] = {"ms": ms, "gbps": 2 * source.numel() / ms / 1e6}
+    return result
+
+
+def run(time_ms, random_indices, rep_ms: int = 300, full: bool = False) -> dict:
+    """Print and return the serving tables (``full``: every layer shape, else the light subset)."""
+    shapes = LAYER_SHAPES if full else LIGHT_LAYER_SHAPES
+    print(f"\nserving: V3.2 paged cache (page {PAGE_SIZE}), s_q {S_Q}, topk {TOPK}, d_qk {D_QK}; ms (TF/s)")
+    header = (
+        f"{'context':>7s} {'h':>4s} | {'kernel':>14s} | {'layer fp8':>14s} {'+%':>5s} | {'gather':>7s} "
+        f"{'GB/s':>6s} | {'q cast':>7s} | {'layer bf16':>14s}"
+    )
+    print(header)
+    rows = []
+    for context, h in shapes:
+        row = bench_layer(context, h, time_ms, random_indices, rep_ms)
+        rows.append(row)
+
+        def rate(ms, row=row):
+            return f"{ms:7.3f} ({row['flops'] / ms / 1e9:4.0f})"
+
+        bf16 = rate(row["layer_bf16_ms"]) if "layer_bf16_ms" in row else f"{'n/a':>14s}"
+        extra = 100 * (row["layer_fp8_ms"] / row["kernel_ms"] - 1)
+        print(
+            f"{context:7d} {h:4d} | {rate(row['kernel_ms'])} | {rate(row['layer_fp8_ms'])} {extra:5.1f} | "
+            f"{row['gather_ms']:7.3f} {row['gather_gbps']:6.0f} | {row['q_cast_ms']:7.3f} | {bf16}",
+            flush=True,
+        )
+        torch.cuda.empty_cache()
+    bandwidth = bench_gather_bandwidth(time_ms, rep_ms)
+    print(f"\ngather bandwidth, {bandwidth['tokens']} V3.2 tokens (read + written bytes):")
+    for key, value in bandwidth.items():
+        if isinstance(value, dict):
+            print(f"  {key:24s} {value['ms']:8.3f} ms {value['gbps']:7.0f} GB/s")
+    return {"layers": rows, "gather_bandwidth": bandwidth}
+
+
+def main() -> int:
+    from bench import random_indices, time_ms
+
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--light", action="store_true", help="only the 64k-context, h 128 layer shape")
+    parser.add_argument("--rep", type=int, default=300, help="do_bench repetition time per arm, ms")
+    args = parser.parse_args()
+    if not (torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)):
+        print("the serving benchmark needs an SM90 GPU")
+        return 2
+    run(time_ms, random_indices, args.rep, full=not args.light)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,227 @@
+"""Test helpers for the paged FP8 KV caches: build caches byte by byte, decode them independently.
+
+The byte offsets here are written out from the format descriptions (FlashMLA ``tests/quant.py``,
+``flash_mla_interface.py``), not taken from ``q8kv8.kv_layout``, so the tests check the package's
+layout tables rather than repeat them.
+"""
+
+import math
+import struct
+
+import torch
+
+# name: (d_nope, d_rope, values per scale, bytes per token in the [pages, page_size, 1, B] view)
+FORMATS = {"model1": (448, 64, 64, 584), "v32": (512, 64, 128, 656)}
+
+
+def page_bytes(layout: str, page_size: int) -> int:
+    """Bytes per page as the producers allocate them (MODEL1 pads pages to a multiple of 576)."""
+    raw = page_size * FORMATS[layout][3]
+    return -(-raw // 576) * 576 if layout == "model1" else raw
+
+
+def empty_cache(layout: str, num_pages: int, page_size: int, extra_page_bytes: int = 0) -> torch.Tensor:
+    """A zeroed uint8 cache viewed as [num_pages, page_size, 1, bytes_per_token] with a page stride of
+    ``page_bytes + extra_page_bytes`` (as FlashMLA's tests do for non-contiguous caches)."""
+    stride = page_bytes(layout, page_size) + extra_page_bytes
+    storage = torch.zeros(num_pages, stride, dtype=torch.uint8)
+    per_token = FORMATS[layout][3]
+    return storage[:, : page_size * per_token].view(num_pages, page_size, 1, per_token)
+
+
+def to_device(cache: torch.Tensor, device) -> torch.Tensor:
+    """``cache`` on ``device`` with the same strides (moves the whole underlying buffer)."""
+    base = cache._base if cache._base is not None else cache
+    moved = base.to(device)
+    offset = cache.storage_offset() - base.storage_offset()
+    return moved.as_strided(cache.shape, cache.stride(), moved.storage_offset() + offset)
+
+
+def random_bytes_cache(layout: str, num_pages: int, page_size: int, generator, extra_page_bytes=0):
+    """A cache of uniformly random bytes: every e4m3, UE8M0, float32 and bf16 pattern, NaN and inf too."""
+    cache = empty_cache(layout, num_pages, page_size, extra_page_bytes)
+    base = cache._base
+    base.copy_(torch.randint(0, 256, base.shape, generator=generator, dtype=torch.uint8))
+    return cache
+
+
+def _page(cache: torch.Tensor, page: int) -> torch.Tensor:
+    """The flat bytes of one page (a view)."""
+    return cache[page].reshape(-1)
+
+
+def write_token(cache, slot, page_size, layout, nope_bytes, scales, rope_bf16) -> None:
+    """Store one token: ``nope_bytes`` uint8 [d_nope] (e4m3 bit patterns), ``scales`` (MODEL1: uint8
+    UE8M0 bytes [7]; V3.2: float32 [4]), ``rope_bf16`` bfloat16 [64]."""
+    page, pos = divmod(slot, page_size)
+    flat = _page(cache, page)
+    rope = rope_bf16.contiguous().view(torch.uint8)
+    if layout == "model1":
+        flat[pos * 576 : pos * 576 + 448] = nope_bytes
+        flat[pos * 576 + 448 : pos * 576 + 576] = rope
+        flat[page_size * 576 + pos * 8 : page_size * 576 + pos * 8 + 7] = scales
+    else:
+        base = pos * 656
+        flat[base : base + 512] = nope_bytes
+        flat[base + 512 : base + 528] = scales.to(torch.float32).contiguous().view(torch.uint8)
+        flat[base + 528 : base + 656] = rope
+
+
+def fill_random(cache, page_size, layout, generator, *, scale_bytes=(120, 134), finite=True) -> None:
+    """Random tokens in every slot: e4m3 nope bytes (NaN patterns excluded when ``finite``), UE8M0
+    scale bytes in ``scale_bytes`` (MODEL1) or random positive float32 scales (V3.2), bf16 RoPE."""
+    d_nope, d_rope, group, _ = FORMATS[layout]
+    num_slots = cache.shape[0] * page_size
+    for slot in range(num_slots):
+        nope = torch.randint(0, 256, (d_nope,), generator=generator, dtype=torch.uint8)
+        if finite:
+            nope[(nope & 0x7F) == 0x7F] = 0x3C  # 0x7f / 0xff are NaN in e4m3fn
+        if layout == "model1":
+            scales = torch.randint(scale_bytes[0], scale_bytes[1], (d_nope // group,), generator=generator)
+            scales = scales.to(torch.uint8)
+        else:
+            scales = torch.rand(d_nope // group, generator=generator) * 0.02 + 1e-3
+        rope = (torch.randn(d_rope, generator=generator) * 3).to(torch.bfloat16)
+        write_token(cache, slot, page_size, layout, nope, scales, rope)
+
+
+def fill_quantized(cache, page_size, layout, generator, std=1.0) -> None:
+    """Every slot holds normal(0, std) values quantised the producers' way (FlashMLA ``quantize_k_cache``):
+    per scale group, scale = max|x| / 448 (a power of two rounded up for MODEL1's UE8M0, the exact
+    float32 quotient for V3.2), nope = e4m3(x / scale), RoPE = bf16(x)."""
+    d_nope, d_rope, group, _ = FORMATS[layout]
+    for slot in range(cache.shape[0] * page_size):
+        x = torch.randn(d_nope + d_rope, generator=generator) * std
+        tiles = x[:d_nope].view(-1, group)
+        scales = tiles.abs().amax(dim=1).clamp_min(1e-4) / 448.0
+        if layout == "model1":
+            exponents = torch.ceil(torch.log2(scales))
+            scales, scale_field = torch.exp2(exponents), (exponents + 127).to(torch.uint8)
+        else:
+            scale_field = scales
+        nope = (tiles / scales[:, None]).clamp(-448, 448).to(torch.float8_e4m3fn).view(torch.uint8).flatten()
+        write_token(cache, slot, page_size, layout, nope, scale_field, x[d_nope:].to(torch.bfloat16))
+
+
+def decode_token_f64(cache, slot, page_size, layout) -> list[float]:
+    """The exact (float64) dequantised values of one token: nope * scale, then RoPE."""
+    d_nope, d_rope, group, _ = FORMATS[layout]
+    page, pos = divmod(slot, page_size)
+    flat = _page(cache, page)
+    if layout == "model1":
+        nope = flat[pos * 576 : pos * 576 + 448]
+        rope = flat[pos * 576 + 448 : pos * 576 + 576]
+        scale_bytes = flat[page_size * 576 + pos * 8 : page_size * 576 + pos * 8 + 7].tolist()
+        scales = [math.nan if b == 255 else math.ldexp(1.0, b - 127) for b in scale_bytes]
+    else:
+        nope = flat[pos * 656 : pos * 656 + 512]
+        scales = list(struct.unpack("<4f", bytes(flat[pos * 656 + 512 : pos * 656 + 528].tolist())))
+        rope = flat[pos * 656 + 528 : pos * 656 + 656]
+    nope_values = nope.contiguous().view(torch.float8_e4m3fn).double().tolist()
+    rope_values = rope.contiguous().view(torch.bfloat16).double().tolist()
+    return [v * scales[i // group] for i, v in enumerate(nope_values)] + rope_values
+
+
+def expected_rows(cache, slots, page_size, layout, out_dtype, extra_rows=0) -> torch.Tensor:
+    """What the gather must produce, computed token by token from ``decode_token_f64``: the float32
+    product (the exact product rounded once to float32), then e4m3 (RN, saturating) or bf16."""
+    d_nope, d_rope, _, _ = FORMATS[layout]
+    num_slots = cache.shape[0] * page_size
+    rows = torch.zeros(len(slots) + extra_rows, 1, d_nope + d_rope, dtype=out_dtype)
+    for r, slot in enumerate(slots):
+        if not 0 <= slot < num_slots:
+            continue
+        values = torch.tensor(decode_token_f64(cache, slot, page_size, layout), dtype=torch.float64).float()
+        if out_dtype == torch.float8_e4m3fn:
+            rows[r, 0] = values.clamp(-448.0, 448.0).to(out_dtype)
+        else:
+            rows[r, 0] = values.to(out_dtype)
+    return rows
+
+
+def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Bitwise equality, except that any NaN matches any NaN."""
+    if a.shape != b.shape or a.dtype != b.dtype:
+        return False
+    nan_a, nan_b = torch.isnan(a.float()), torch.isnan(b.float())
+    if not torch.equal(nan_a, nan_b):
+        return False
+    int_type = torch.uint8 if a.element_size() == 1 else torch.int16
+    return bool(((a.view(int_type) == b.view(int_type)) | nan_a).all())
+
+
+# ------------------------------------------------------------------------------------------------
+# A synthetic serving batch for SparsePrefill.forward, and its float64 ground truth
+# ------------------------------------------------------------------------------------------------
+# compress ratio: (kv_len, extend_len) per request; the second request of each is a fresh prefill.
+BATCH_SHAPES = {0: ((90, 9), (37, 37)), 4: ((90, 9), (45, 45)), 128: ((300, 12), (140, 140))}
+
+
+def make_batch(layout, page_size, compress_ratio, h, topk, generator, *, garbage_tail=True) -> dict:
+    """Two requests whose attended rows (tokens, or compressed rows for ratio r) sit at random slots
+    of a random paged cache; indices are request-local picks plus the request's first row, left-packed,
+    the rest -1 or (``garbage_tail``) random in-range rows that ``topk_length`` must hide."""
+    requests = BATCH_SHAPES[compress_ratio]
+    rows_per_request = [kv_len // compress_ratio if compress_ratio else kv_len for kv_len, _ in requests]
+    num_rows = sum(rows_per_request)
+    num_pages = -(-(num_rows + page_size // 2) // page_size) + 1  # some slots stay unused
+    cache = empty_cache(layout, num_pages, page_size, extra_page_bytes=64)
+    fill_quantized(cache, page_size, layout, generator)
+    slots = torch.randperm(num_pages * page_size, generator=generator)[:num_rows]
+    indices, seqlens, n_valid, first_row = [], [], [], 0
+    for (kv_len, extend_len), rows in zip(requests, rows_per_request, strict=True):
+        for position in range(kv_len - extend_len, kv_len):
+            visible = (position + 1) // compress_ratio if compress_ratio else position + 1
+            count = min(visible, topk)
+            picks = torch.randperm(visible, generator=generator)[:count] + first_row
+            tail = torch.full((topk - count,), -1, dtype=torch.int64)
+            if garbage_tail and num_rows:
+                tail = torch.randint(0, num_rows, (topk - count,), generator=generator)
+            indices.append(torch.cat([picks, tail]))
+            seqlens.append(position + 1)
+            n_valid.append(count)
+        first_row += rows
+    s_q = len(seqlens)
+    d_qk = FORMATS[layout][0] + FORMATS[layout][1]
+    return {
+        "q": (torch.randn(s_q, h, d_qk, generator=generator) * 0.5).to(torch.bfloat16),
+        "cache": cache,
+        "page_table": slots.to(torch.int32),
+        "indices": torch.stack(indices).to(torch.int32),
+        "seqlens": torch.tensor(seqlens, dtype=torch.int32),
+        "compress_ratio": compress_ratio,
+        "page_size": page_size,
+        "n_valid": torch.tensor(n_valid),
+    }
+
+
+def e4m3_round(x: torch.Tensor) -> torch.Tensor:
+    return x.float().clamp(-448.0, 448.0).to(torch.float8_e4m3fn).double()
+
+
+def ground_truth(batch, layout, sm_scale, attn_sink=None, kv_format="f64", quantize_q=False):
+    """Float64 attention of every query over the rows it may see (its first ``n_valid`` indices).
+
+    ``kv_format``: "f64" (exact dequantised cache), "e4m3" or "bf16" (rounded as the gather's output
+    is). ``quantize_q``: q rounded to e4m3 with the power-of-two scale ``dynamic_q_scale`` picks."""
+    from q8kv8.reference import sparse_mla_prefill_reference
+
+    slots = batch["page_table"].tolist()
+    page_size = batch["page_size"]
+    kv = torch.tensor(
+        [decode_token_f64(batch["cache"], s, page_size, layout) for s in slots], dtype=torch.float64
+    )
+    kv = kv.reshape(len(slots), 1, -1)
+    if kv_format == "e4m3":
+        kv = e4m3_round(kv.float())
+    elif kv_format == "bf16":
+        kv = kv.float().to(torch.bfloat16).double()
+    q = batch["q"].double()
+    if quantize_q:
+        amax = q.abs().max().item()
+        scale = 2.0 ** math.ceil(math.log2(max(amax / 448.0, 2.0**-126)))
+        q = e4m3_round(q / scale) * scale
+    topk = batch["indices"].shape[1]
+    slot = torch.arange(topk)
+    indices = torch.where(slot[None, :] < batch["n_valid"][:, None], batch["indices"].long(), -1)
+    return sparse_mla_prefill_reference(q, kv, indices[:, None, :], sm_scale, 1.0, 1.0, 512, attn_sink)

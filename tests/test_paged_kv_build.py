@@ -1,0 +1,109 @@
+"""The paged KV gather and query-cast kernels build for sm_90a without a GPU, use the instructions they
+are meant to use (16-byte loads and stores, explicit rounding), fit in registers, are cached on disk,
+and the gather reads the same layout as the PyTorch side (CPU tests)."""
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from cute_kernels import paged_kv
+from q8kv8 import kernels, kv_layout
+
+REPO = Path(__file__).resolve().parent.parent
+VARIANTS = [(layout, out_bf16) for layout in ("model1", "v32") for out_bf16 in (False, True)]
+
+
+@pytest.fixture(scope="module")
+def variants():
+    return kernels.load_paged_kv_variants()
+
+
+def test_kernel_layout_table_matches_kv_layout():
+    for name, kernel_layout in paged_kv.LAYOUTS.items():
+        layout = kv_layout.LAYOUTS[name]
+        assert (kernel_layout.d_nope, kernel_layout.d_rope, kernel_layout.scale_group) == (
+            layout.d_nope,
+            layout.d_rope,
+            layout.scale_group,
+        )
+        assert (kernel_layout.token_bytes, kernel_layout.rope_offset) == (
+            layout.token_bytes,
+            layout.rope_offset,
+        )
+        if layout.scale_offset is None:
+            assert kernel_layout.scale_offset == -1
+            assert kernel_layout.scale_record_bytes == layout.bytes_per_token - layout.token_bytes
+        else:
+            assert kernel_layout.scale_offset == layout.scale_offset
+
+
+def test_every_variant_builds(variants):
+    assert sorted(variants) == sorted(VARIANTS)
+    for (layout, out_bf16), variant in variants.items():
+        assert variant.name == kernels.paged_kv_variant_name(layout, out_bf16)
+        assert variant.object_path.exists() and variant.ptx_path.exists()
+
+
+@pytest.mark.parametrize(("layout", "out_bf16"), VARIANTS)
+def test_ptx_uses_wide_accesses_and_explicit_rounding(variants, layout, out_bf16):
+    ptx = variants[(layout, out_bf16)].ptx_path.read_text()
+    out_bytes = 2 if out_bf16 else 1
+    row_threads = (512 if layout == "model1" else 576) * out_bytes // 16  # one 16-byte chunk each
+    assert f".reqntid {row_threads}, {8 // out_bytes}, 1" in ptx  # 256 or 288 threads: whole warps
+    assert "ld.global.nc.v4.b32" in ptx and "st.global.v4.b32" in ptx
+    assert "cvt.rn.f16x2.e4m3x2" in ptx and "mul.rn.f32" in ptx
+    assert "fma" not in ptx and ".ftz" not in ptx  # no contraction, no flush-to-zero
+    if out_bf16:
+        assert "cvt.rn.bf16x2.f32" in ptx and "ld.global.nc.v2.b32" in ptx and "e4m3x2.f32" not in ptx
+    else:
+        assert "cvt.rn.satfinite.e4m3x2.f32" in ptx and "bf16x2" not in ptx
+    if layout == "model1":
+        assert "ld.global.nc.u8" in ptx and "0x7fc00000" in ptx  # UE8M0 scales, byte 255 -> NaN
+    else:
+        assert "ld.global.nc.b32" in ptx  # the float32 scale
+
+
+@pytest.mark.parametrize(("layout", "out_bf16"), VARIANTS)
+def test_ptxas_reports_no_spills(variants, layout, out_bf16):
+    report = kernels.ptxas_report(variants[(layout, out_bf16)])
+    if report is None:
+        pytest.skip("ptxas is not on PATH")
+    assert report.spill_store_bytes == 0 and report.spill_load_bytes == 0, report.text
+    assert report.stack_frame_bytes == 0, report.text
+    assert report.registers <= 64, report.text
+
+
+def test_second_load_hits_the_disk_cache(tmp_path):
+    code = (
+        "import q8kv8.kernels as k; k.load_paged_kv_variants(); s = k.paged_kv_cache_stats;"
+        "print(s.hits, s.misses, max(v.seconds for v in k._paged_kv_variants.values()))"
+    )
+    env = dict(os.environ, Q8KV8_CACHE_DIR=str(tmp_path), Q8KV8_COMPILE_AT_IMPORT="0")
+
+    def run():
+        result = subprocess.run(
+            [sys.executable, "-c", code], env=env, cwd=REPO, capture_output=True, text=True, check=True
+        )
+        hits, misses, seconds = result.stdout.split()
+        return int(hits), int(misses), float(seconds)
+
+    assert run()[:2] == (0, 4)
+    hits, misses, seconds = run()
+    assert (hits, misses) == (4, 0) and seconds < 1.0
+    assert len(list(tmp_path.rglob("paged_kv_gather_*.o"))) == 4
+
+
+@pytest.mark.parametrize("d", [512, 576])
+def test_q_cast_kernel_builds_without_spills(d):
+    variant = kernels.load_q_cast_variant(d)
+    ptx = variant.ptx_path.read_text()
+    assert f".reqntid {d // 16}, 8, 1" in ptx
+    assert "div.rn.f32" in ptx and "cvt.rn.satfinite.e4m3x2.f32" in ptx and ".ftz" not in ptx
+    assert ptx.count("ld.global.nc.v4.b32") == 2 and ptx.count("st.global.v4.b32") == 2  # data, zeros
+    report = kernels.ptxas_report(variant)
+    if report is None:
+        pytest.skip("ptxas is not on PATH")
+    assert report.spill_store_bytes == 0 and report.spill_load_bytes == 0 and report.stack_frame_bytes == 0

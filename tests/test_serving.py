@@ -1,0 +1,576 @@
+"""The paged serving path on CPU: the gather's torch reference (hand-computed bytes, random page
+tables), the query cast and padding, the workspace, backend selection, argument checks, and the whole
+``SparsePrefill.forward`` pipeline with the PyTorch stand-ins for the GPU kernels against a float64
+ground truth computed straight from the cache bytes (``tests/paged_cache.py``).
+"""
+
+import math
+
+import pytest
+import torch
+from paged_cache import (
+    BATCH_SHAPES,
+    empty_cache,
+    expected_rows,
+    fill_random,
+    ground_truth,
+    make_batch,
+    same_bits,
+)
+
+from q8kv8 import kv_layout, serving
+from q8kv8.reference import sparse_mla_prefill_reference
+from q8kv8.serving import (
+    SparsePrefill,
+    SparsePrefillWorkspace,
+    cast_q_fp8,
+    dynamic_q_scale,
+    gather_dequant_paged_reference,
+    gather_dequant_requant_fp8_paged,
+    pad_attn_sink,
+    reference_kernels,
+)
+
+E4M3, BF16 = torch.float8_e4m3fn, torch.bfloat16
+
+
+def e4m3_byte(value: float) -> int:
+    return torch.tensor([value]).to(E4M3).view(torch.uint8).item()
+
+
+def values(rows: torch.Tensor) -> torch.Tensor:
+    return rows.float()
+
+
+# ------------------------------------------------------------------------------------------------
+# Layout table
+# ------------------------------------------------------------------------------------------------
+def test_layout_sizes():
+    assert (kv_layout.MODEL1.d_qk, kv_layout.V32.d_qk) == (512, 576)
+    assert (kv_layout.MODEL1.bytes_per_token, kv_layout.V32.bytes_per_token) == (584, 656)
+    assert kv_layout.MODEL1.padded_page_bytes(64) == 65 * 576 == 37440
+    assert kv_layout.MODEL1.padded_page_bytes(256) == 260 * 576
+    assert kv_layout.MODEL1.scale_region_offset(64) == 64 * 576
+    assert kv_layout.V32.padded_page_bytes(64) == 64 * 656
+    assert kv_layout.get_layout("v32") is kv_layout.V32
+    with pytest.raises(ValueError, match="layout: expected one of"):
+        kv_layout.get_layout("v4")
+
+
+# ------------------------------------------------------------------------------------------------
+# Gather reference: hand-computed bytes
+# ------------------------------------------------------------------------------------------------
+def test_model1_hand_computed_token():
+    """Slot 3 = page 1, position 1 of a page_size-2 cache: nope at 576, RoPE at 1024, scales at 1160."""
+    cache = empty_cache("model1", num_pages=2, page_size=2)
+    assert cache.stride(0) == 3 * 576  # 2 * 584 = 1168 bytes padded to 1728
+    page = cache[1].reshape(-1)
+    page[576 : 576 + 448] = e4m3_byte(1.125)
+    page[576] = e4m3_byte(-1.5)
+    rope = torch.ones(64, dtype=BF16)
+    rope[:5] = torch.tensor([1000.0, -1e6, 0.3, 0.0, -0.0])
+    page[1024:1152] = rope.view(torch.uint8)
+    page[1160:1167] = torch.tensor(
+        [127, 128, 126, 135, 136, 0, 118], dtype=torch.uint8
+    )  # 1, 2, .5, 2^8, 2^9, 2^-127, 2^-9
+
+    slots = torch.tensor([3, 0, -1, 4], dtype=torch.int32)  # 4 = num_pages * page_size: out of range
+    fp8 = gather_dequant_paged_reference(cache, slots, 2, "model1", E4M3, extra_rows=2)
+    assert fp8.shape == (6, 1, 512) and fp8.dtype == E4M3
+    row = values(fp8[0, 0])
+    nope = torch.tensor([1.125, 2.25, 0.5625, 288.0, 448.0, 0.0, 2.0**-9]).repeat_interleave(64)
+    nope[0] = -1.5
+    assert torch.equal(row[:448], nope)  # 576 saturates to 448, 1.125 * 2^-127 flushes, 1.125 * 2^-9 rounds
+    assert torch.equal(row[448:453], torch.tensor([448.0, -448.0, 0.3125, 0.0, 0.0]))
+    assert row[451].item() == 0.0 and math.copysign(1.0, row[452].item()) == -1.0  # -0 stays -0
+    assert torch.equal(row[453:], torch.ones(59))
+    assert (fp8[1:].view(torch.uint8) == 0).all()  # slot 0 holds zero bytes; invalid and extra rows zero
+
+    bf16 = gather_dequant_paged_reference(cache, slots, 2, "model1", BF16, extra_rows=2)
+    row = values(bf16[0, 0])
+    nope = torch.tensor([1.125, 2.25, 0.5625, 288.0, 576.0, 1.125 * 2.0**-127, 1.125 * 2.0**-9])
+    nope = nope.repeat_interleave(64)
+    nope[0] = -1.5
+    assert torch.equal(row[:448], nope)
+    assert torch.equal(bf16[0, 0, 448:], rope)
+    assert (bf16[1:].view(torch.int16) == 0).all()
+
+
+def test_v32_hand_computed_token():
+    """Slot 2 = page 1, position 0: a 656-byte record: nope, 4 float32 scales at 512, RoPE at 528."""
+    cache = empty_cache("v32", num_pages=2, page_size=2)
+    page = cache[1].reshape(-1)
+    page[:512] = e4m3_byte(1.125)
+    page[0] = e4m3_byte(-1.5)
+    page[512:528] = torch.tensor([1.5, 2.0**-7, 1000.0, 3.0]).view(torch.uint8)
+    rope = torch.linspace(-2, 2, 64).to(BF16)
+    page[528:656] = rope.view(torch.uint8)
+
+    fp8 = gather_dequant_paged_reference(cache, torch.tensor([2, 1]), 2, "v32", E4M3)
+    row = values(fp8[0, 0])
+    # 1.6875 and 3.375 are ties between e4m3 neighbours: even mantissas win (1.75, 3.5); 1.125 * 2^-7
+    # = 4.5 * 2^-9 is a tie between subnormals: 4 * 2^-9; 1125 saturates.
+    nope = torch.tensor([1.75, 2.0**-7, 448.0, 3.5]).repeat_interleave(128)
+    nope[0] = -2.25
+    assert torch.equal(row[:512], nope)
+    assert torch.equal(row[512:], rope.float().to(E4M3).float())
+    assert (fp8[1].view(torch.uint8) == 0).all()
+
+    bf16 = gather_dequant_paged_reference(cache, torch.tensor([2]), 2, "v32", BF16)
+    nope = torch.tensor([1.6875, 1.125 * 2.0**-7, 1128.0, 3.375]).repeat_interleave(128)  # bf16(1125) = 1128
+    nope[0] = -2.25
+    assert torch.equal(values(bf16[0, 0, :512]), nope)
+    assert torch.equal(bf16[0, 0, 512:], rope)
+
+
+def test_model1_scale_byte_255_is_nan_and_254_saturates():
+    cache = empty_cache("model1", num_pages=1, page_size=4)
+    page = cache[0].reshape(-1)
+    page[: 4 * 576] = e4m3_byte(1.0)
+    page[4 * 576 : 4 * 576 + 7] = torch.tensor([254, 255, 127, 127, 127, 127, 127], dtype=torch.uint8)
+    row = values(gather_dequant_paged_reference(cache, torch.tensor([0]), 4, "model1")[0, 0])
+    assert (row[:64] == 448.0).all() and torch.isnan(row[64:128]).all() and (row[128:448] == 1.0).all()
+    row = values(gather_dequant_paged_reference(cache, torch.tensor([0]), 4, "model1", BF16)[0, 0])
+    assert (row[:64] == 2.0**127).all() and torch.isnan(row[64:128]).all()
+
+
+# ------------------------------------------------------------------------------------------------
+# Gather reference: random caches and page tables against the independent decoder
+# ------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("slot_dtype", [torch.int32, torch.int64])
+@pytest.mark.parametrize("out_dtype", [E4M3, BF16], ids=["e4m3", "bf16"])
+@pytest.mark.parametrize("extra_rows", [0, 5])
+@pytest.mark.parametrize("page_size", [64, 256])
+@pytest.mark.parametrize("layout", ["model1", "v32"])
+def test_reference_matches_decoder_on_random_page_tables(
+    generator, layout, page_size, extra_rows, out_dtype, slot_dtype
+):
+    cache = empty_cache(layout, num_pages=3, page_size=page_size, extra_page_bytes=48)
+    fill_random(cache, page_size, layout, generator, scale_bytes=(100, 160))
+    num_slots = 3 * page_size
+    slots = torch.randint(0, num_slots, (70,), generator=generator)
+    slots[::9] = slots[1::9][: len(slots[::9])]  # duplicates
+    slots[5], slots[17], slots[30] = -1, num_slots, -(2**31)
+    got = gather_dequant_paged_reference(
+        cache, slots.to(slot_dtype), page_size, layout, out_dtype, extra_rows
+    )
+    assert got.shape == (70 + extra_rows, 1, 512 if layout == "model1" else 576)
+    assert same_bits(got, expected_rows(cache, slots.tolist(), page_size, layout, out_dtype, extra_rows))
+    assert not torch.isnan(got.float()).any()
+
+
+@pytest.mark.parametrize("layout", ["model1", "v32"])
+def test_reference_is_nan_free_over_every_finite_byte(generator, layout):
+    """Every finite e4m3 nope byte, every finite UE8M0 scale byte (0..254), huge float32 scales and RoPE
+    values: the e4m3 output saturates instead of overflowing to NaN."""
+    cache = empty_cache(layout, num_pages=2, page_size=64)
+    fill_random(cache, 64, layout, generator, scale_bytes=(0, 255))
+    if layout == "v32":
+        for slot in range(0, 128, 3):
+            page, pos = divmod(slot, 64)
+            cache[page].reshape(-1)[pos * 656 + 512 : pos * 656 + 528] = torch.tensor(
+                [3e38, 1e-40, 7.0, 1e30]
+            ).view(torch.uint8)
+    got = gather_dequant_paged_reference(cache, torch.arange(128), 64, layout)
+    assert not torch.isnan(got.float()).any()
+    assert got.float().abs().max() == 448.0
+    assert same_bits(got, expected_rows(cache, list(range(128)), 64, layout, E4M3))
+
+
+def test_int64_slots_beyond_int32_are_invalid():
+    cache = empty_cache("v32", num_pages=1, page_size=4)
+    fill_random(cache, 4, "v32", torch.Generator().manual_seed(1))
+    slots = torch.tensor([2**32 + 1, 1, 2**31, -(2**40)], dtype=torch.int64)
+    got = gather_dequant_paged_reference(cache, slots, 4, "v32")
+    assert (got[[0, 2, 3]].view(torch.uint8) == 0).all()
+    assert same_bits(got[1:2], expected_rows(cache, [1], 4, "v32", E4M3))
+
+
+def test_float8_view_of_the_cache_and_empty_tables():
+    cache = empty_cache("model1", num_pages=2, page_size=64)
+    fill_random(cache, 64, "model1", torch.Generator().manual_seed(2))
+    slots = torch.tensor([5, 70, 127])
+    assert torch.equal(
+        gather_dequant_paged_reference(cache.view(E4M3), slots, 64, "model1").view(torch.uint8),
+        gather_dequant_paged_reference(cache, slots, 64, "model1").view(torch.uint8),
+    )
+    empty = gather_dequant_paged_reference(
+        cache, torch.zeros(0, dtype=torch.int32), 64, "model1", extra_rows=3
+    )
+    assert empty.shape == (3, 1, 512) and (empty.view(torch.uint8) == 0).all()
+
+
+# ------------------------------------------------------------------------------------------------
+# Argument checks of the gather (they run before the device check, so they work on CPU)
+# ------------------------------------------------------------------------------------------------
+def _gather(**overrides):
+    args = {
+        "cache_u8": empty_cache("v32", 2, 64),
+        "slot_ids": torch.arange(10, dtype=torch.int32),
+        "page_size": 64,
+        "layout": "v32",
+        "extra_rows": 0,
+        "out": None,
+    }
+    args.update(overrides)
+    return gather_dequant_requant_fp8_paged(**args)
+
+
+@pytest.mark.parametrize(
+    ("overrides", "error", "match"),
+    [
+        (
+            {"cache_u8": torch.zeros(2, 64 * 656, dtype=torch.int8)},
+            TypeError,
+            "cache: expected dtype torch.uint8",
+        ),
+        ({"cache_u8": torch.zeros(64 * 656, dtype=torch.uint8)}, ValueError, "at least 2 dims"),
+        (
+            {"cache_u8": torch.zeros(2, 64 * 656 - 1, dtype=torch.uint8)},
+            ValueError,
+            "pages of at least 41984",
+        ),
+        ({"cache_u8": torch.zeros(2, 656, 64, dtype=torch.uint8).transpose(1, 2)}, ValueError, "contiguous"),
+        ({"page_size": 0}, ValueError, "page_size: expected an integer >= 1"),
+        ({"page_size": 64.0}, TypeError, "page_size: expected a Python int"),
+        ({"page_size": 65}, ValueError, "pages of at least"),
+        ({"layout": "model2"}, ValueError, "layout: expected one of"),
+        ({"layout": "model1", "page_size": 72}, ValueError, "pages of at least 42048"),
+        ({"slot_ids": torch.arange(10.0)}, TypeError, "slot_ids: expected dtype torch.int32 or torch.int64"),
+        ({"slot_ids": torch.zeros(2, 5, dtype=torch.int32)}, ValueError, "slot_ids: expected a 1-D tensor"),
+        ({"extra_rows": -1}, ValueError, "extra_rows: expected an integer >= 0"),
+        ({"out": torch.zeros(10, 1, 576, dtype=BF16)}, TypeError, "out: expected dtype torch.float8_e4m3fn"),
+        ({"out": torch.zeros(11, 1, 576, dtype=E4M3)}, ValueError, r"out: expected shape \[10, 1, 576\]"),
+        ({"out": torch.zeros(10, 1, 1152, dtype=E4M3)[..., ::2]}, ValueError, "out: expected a contiguous"),
+        ({}, ValueError, "cache: expected a CUDA tensor, got device cpu"),
+    ],
+)
+def test_gather_argument_errors(overrides, error, match):
+    with pytest.raises(error, match=match):
+        _gather(**overrides)
+
+
+def test_gather_rejects_out_overlapping_the_cache():
+    cache = empty_cache("v32", 2, 64)
+    out = cache.reshape(-1)[: 10 * 576].view(E4M3).view(10, 1, 576)
+    with pytest.raises(ValueError, match="out: expected memory of its own"):
+        _gather(cache_u8=cache, out=out)
+
+
+def test_gather_requires_16_byte_alignment():
+    storage = torch.zeros(2 * 41992 + 16, dtype=torch.uint8)
+    shifted = storage[1 : 1 + 2 * 41984].view(2, 64, 1, 656)
+    with pytest.raises(ValueError, match="cache: expected a 16-byte aligned base and page stride"):
+        _gather(cache_u8=shifted)
+    odd_stride = storage[: 2 * 41992].view(2, 41992)[:, :41984].view(2, 64, 1, 656)  # 41992 = 16 * 2624 + 8
+    with pytest.raises(ValueError, match="got page stride 41992 bytes"):
+        _gather(cache_u8=odd_stride)
+    out = torch.zeros(10 * 576 + 1, dtype=torch.uint8)[1:].view(E4M3).view(10, 1, 576)
+    with pytest.raises(ValueError, match="out: expected a 16-byte aligned buffer"):
+        _gather(out=out)
+
+
+def test_paged_cache_pages_views_any_page_stride():
+    cache = empty_cache("model1", 3, 64, extra_page_bytes=32)
+    pages = serving.paged_cache_pages(cache, 64, "model1")
+    assert pages.shape == (3, 64 * 584) and pages.stride() == (37440 + 32, 1)
+    assert pages.data_ptr() == cache.data_ptr()
+    one = serving.paged_cache_pages(cache[:1], 64, "model1")
+    assert one.stride(0) % 16 == 0
+
+
+# ------------------------------------------------------------------------------------------------
+# Query side
+# ------------------------------------------------------------------------------------------------
+def expected_q_fp8(q: torch.Tensor, scale: float) -> torch.Tensor:
+    """e4m3(float32(q / scale)), computed in float64 then rounded once to float32."""
+    return (q.double() / scale).float().clamp(-448.0, 448.0).to(E4M3)
+
+
+@pytest.mark.parametrize("h", [1, 64, 70])
+def test_cast_q_fp8_rounds_saturates_and_pads(generator, h):
+    q = (torch.randn(5, h, 576, generator=generator) * 40).to(BF16)
+    q[0, 0, :3] = torch.tensor([1e5, -1e5, 0.0])
+    scale = torch.tensor([0.37])
+    out = cast_q_fp8(q, scale)
+    assert out.shape == (5, -(-h // 64) * 64, 576) and out.dtype == E4M3
+    assert torch.equal(out[:, :h].view(torch.uint8), expected_q_fp8(q, 0.37).view(torch.uint8))
+    assert (out[:, h:].view(torch.uint8) == 0).all()
+    assert values(out[0, 0, :2]).tolist() == [448.0, -448.0]
+
+
+def test_cast_q_fp8_reuses_out_and_rezeroes_padding(generator, monkeypatch):
+    monkeypatch.setattr(serving, "_CAST_CHUNK_ELEMENTS", 3 * 10 * 512)  # several row chunks
+    q = torch.randn(7, 10, 512, generator=generator).to(BF16)
+    out = torch.full((7, 64, 512), 0x7E, dtype=torch.uint8).view(E4M3)
+    assert cast_q_fp8(q, 0.5, out=out) is out
+    assert torch.equal(out[:, :10].view(torch.uint8), expected_q_fp8(q, 0.5).view(torch.uint8))
+    assert (out[:, 10:].view(torch.uint8) == 0).all()
+    with pytest.raises(ValueError, match="out: expected shape"):
+        cast_q_fp8(q, 0.5, out=torch.empty(7, 10, 512, dtype=E4M3))
+    with pytest.raises(ValueError, match="q_scale: expected a positive number"):
+        cast_q_fp8(q, 0.0)
+    with pytest.raises(TypeError, match="q: expected a torch.bfloat16 tensor"):
+        cast_q_fp8(q.float(), 1.0)
+
+
+def test_dynamic_q_scale_is_the_smallest_sufficient_power_of_two(generator):
+    q = (torch.randn(3, 4, 512, generator=generator) * 30).to(BF16)
+    scale = dynamic_q_scale(q)
+    assert scale.shape == (1,) and scale.dtype == torch.float32
+    amax = q.float().abs().max().item()
+    assert math.log2(scale.item()).is_integer()
+    assert scale.item() >= amax / 448 > scale.item() / 2
+    cast = cast_q_fp8(q, scale)
+    assert not torch.isnan(cast.float()).any() and cast.float().abs().max() <= 448
+    assert dynamic_q_scale(torch.zeros(2, 3, 512, dtype=BF16)).item() == torch.finfo(torch.float32).tiny
+
+
+def test_pad_attn_sink():
+    sink = torch.tensor([0.5, -1.0, 2.0])
+    padded = pad_attn_sink(sink, 64)
+    assert torch.equal(padded[:3], sink) and (padded[3:] == -math.inf).all()
+    out = torch.zeros(64)
+    assert pad_attn_sink(sink, 64, out) is out and torch.equal(out, padded)
+
+
+@pytest.mark.parametrize("h", [3, 64, 100])
+def test_padded_heads_do_not_change_real_heads(generator, h):
+    """The float64 reference on the padded Q (zero heads) and sink (-inf) equals the unpadded call."""
+    q = torch.randn(6, h, 576, generator=generator).to(BF16)
+    kv = (torch.randn(300, 1, 576, generator=generator)).to(E4M3)
+    indices = torch.randint(-1, 300, (6, 1, 128), generator=generator, dtype=torch.int32)
+    sink = torch.randn(h, generator=generator)
+    topk_length = torch.tensor([0, 5, 128, 64, 1, 100], dtype=torch.int32)
+    scale = dynamic_q_scale(q)
+    q8 = cast_q_fp8(q, scale)
+    padded = sparse_mla_prefill_reference(
+        q8, kv, indices, 0.04, scale, 1.0, 512, pad_attn_sink(sink, q8.shape[1]), topk_length
+    )
+    plain = sparse_mla_prefill_reference(q8[:, :h], kv, indices, 0.04, scale, 1.0, 512, sink, topk_length)
+    for a, b in zip(padded, plain, strict=True):
+        assert torch.allclose(a[:, :h], b, rtol=1e-12, atol=1e-12, equal_nan=True)
+
+
+# ------------------------------------------------------------------------------------------------
+# Workspace
+# ------------------------------------------------------------------------------------------------
+def test_workspace_reallocates_only_when_needed():
+    ws = SparsePrefillWorkspace("cpu")
+    big = ws.get(100, E4M3)
+    assert big.shape == (100, 1, 576) and ws.allocations == 1
+    small = ws.get(40, E4M3)
+    assert small.data_ptr() == big.data_ptr() and small.shape == (40, 1, 576) and ws.allocations == 1
+    assert ws.get(100, E4M3, d_qk=512).data_ptr() == big.data_ptr() and ws.allocations == 1
+    other = ws.get(40, BF16)  # dtype change: a new buffer
+    assert other.dtype == BF16 and ws.allocations == 2
+    assert ws.get(40, BF16).data_ptr() == other.data_ptr() and ws.allocations == 2
+    grown = ws.get(41, BF16)  # does not fit
+    assert ws.allocations == 3 and ws.get(10, BF16).data_ptr() == grown.data_ptr()
+    assert ws.capacity_bytes == 41 * 576 * 2
+    ws.reserve(500, E4M3)
+    assert ws.allocations == 4 and ws.get(499, E4M3).data_ptr() == ws.get(3, E4M3).data_ptr()
+    assert ws.get(0, E4M3).shape == (0, 1, 576)
+    with pytest.raises(TypeError, match="out_dtype"):
+        ws.get(4, torch.float16)
+
+
+# ------------------------------------------------------------------------------------------------
+# Backend selection and the bf16 kernel hook
+# ------------------------------------------------------------------------------------------------
+def test_backend_resolution(monkeypatch):
+    monkeypatch.delenv(serving.BACKEND_ENV, raising=False)
+    assert SparsePrefill().backend == "fp8"
+    assert SparsePrefill("bf16").backend == "bf16"
+    with pytest.raises(ValueError, match=r"backend: expected one of \('auto', 'bf16', 'fp8'\), got 'fp16'"):
+        SparsePrefill("fp16")
+    monkeypatch.setenv(serving.BACKEND_ENV, "bf16")
+    assert SparsePrefill("fp8").backend == "bf16"
+    monkeypatch.setenv(serving.BACKEND_ENV, "auto")
+    assert SparsePrefill("bf16").backend == "fp8"
+    monkeypatch.setenv(serving.BACKEND_ENV, "BF16")
+    with pytest.raises(ValueError, match=r"\$Q8KV8_PREFILL_BACKEND: expected one of"):
+        SparsePrefill()
+
+
+def test_bf16_backend_without_its_kernel_raises_not_implemented(fake_kernels):
+    fake_kernels(lambda *args: None)  # a kernels module without launch_sparse_prefill_bf16
+    q = torch.zeros(2, 64, 576, dtype=BF16)
+    kv = torch.zeros(3, 1, 576, dtype=BF16)
+    with pytest.raises(NotImplementedError, match="launch_sparse_prefill_bf16 is missing"):
+        serving.cuda_kernels().attention_bf16(
+            q, kv, torch.zeros(2, 1, 128, dtype=torch.int32), 0.1, None, None
+        )
+
+
+def test_bf16_kernel_hook_receives_the_documented_arguments(fake_kernels):
+    module = fake_kernels(lambda *args: None)
+    calls = []
+
+    def launch_sparse_prefill_bf16(q, kv, indices, topk_length, attn_sink, sm_scale, out, max_logits, lse):
+        calls.append(locals())
+        out.fill_(1.0)
+        max_logits.fill_(2.0)
+        lse.fill_(3.0)
+
+    module.launch_sparse_prefill_bf16 = launch_sparse_prefill_bf16
+    q, kv = torch.zeros(2, 64, 576, dtype=BF16), torch.zeros(3, 1, 576, dtype=BF16)
+    indices, topk_length = torch.zeros(2, 1, 128, dtype=torch.int32), torch.ones(2, dtype=torch.int32)
+    out, max_logits, lse = serving.cuda_kernels().attention_bf16(q, kv, indices, 0.25, None, topk_length)
+    (call,) = calls
+    assert call["q"] is q and call["kv"] is kv and call["indices"] is indices
+    assert call["topk_length"] is topk_length and call["attn_sink"] is None and call["sm_scale"] == 0.25
+    assert out.shape == (2, 64, 512) and out.dtype == BF16 and (out == 1).all()
+    assert max_logits.shape == lse.shape == (2, 64) and (max_logits == 2).all() and (lse == 3).all()
+
+
+# ------------------------------------------------------------------------------------------------
+# The whole pipeline with the PyTorch kernels, against the float64 ground truth
+# ------------------------------------------------------------------------------------------------
+SM_SCALE = 0.06
+
+
+def run_pipeline(batch, backend, h_sink=None, extra_rows=0, **kwargs):
+    prefill = SparsePrefill(
+        backend, extra_rows=extra_rows, kernels=reference_kernels(), workspace=SparsePrefillWorkspace("cpu")
+    )
+    out = prefill.forward(
+        batch["q"],
+        batch["cache"],
+        kwargs.get("page_table", batch["page_table"]),
+        kwargs.get("indices", batch["indices"]),
+        batch["seqlens"],
+        batch["compress_ratio"],
+        SM_SCALE,
+        h_sink,
+    )
+    return prefill, out
+
+
+def assert_close_to_truth(got, truth, out_tol, stat_tol):
+    out, max_logits, lse = got
+    ref_out, ref_max, ref_lse = truth
+    assert out.dtype == BF16 and max_logits.dtype == lse.dtype == torch.float32
+    empty = torch.isinf(ref_lse) & (ref_lse > 0)
+    assert torch.equal(torch.isinf(lse) & (lse > 0), empty), "rows without a valid slot differ"
+    assert (out[empty] == 0).all() and (max_logits[empty] == -math.inf).all()
+    rel = ((out.double() - ref_out).norm() / ref_out.norm()).item()
+    assert rel <= out_tol, f"||out - ref|| / ||ref|| = {rel:.3e}"
+    full = ~empty
+    for name, a, b in (("max_logits", max_logits, ref_max), ("lse", lse, ref_lse)):
+        err = ((a.double()[full] - b[full]).abs() / b[full].abs().clamp(min=1.0)).max().item()
+        assert err <= stat_tol, f"{name}: max relative error {err:.3e}"
+
+
+@pytest.mark.parametrize("backend", ["fp8", "bf16"])
+@pytest.mark.parametrize("compress_ratio", [0, 4, 128])
+@pytest.mark.parametrize("layout", ["model1", "v32"])
+def test_pipeline_matches_float64_ground_truth(generator, layout, compress_ratio, backend):
+    batch = make_batch(layout, 64, compress_ratio, h=20, topk=16, generator=generator)
+    sink = torch.randn(20, generator=generator)
+    prefill, got = run_pipeline(batch, backend, sink)
+    assert got[0].shape == (batch["q"].shape[0], 20, 512)
+    # Same rounding as the pipeline (q and kv in e4m3, or kv in bf16): only output rounding remains.
+    same = ground_truth(
+        batch,
+        layout,
+        SM_SCALE,
+        sink,
+        kv_format="e4m3" if backend == "fp8" else "bf16",
+        quantize_q=backend == "fp8",
+    )
+    assert_close_to_truth(got, same, out_tol=4e-3, stat_tol=1e-6)
+    # The exact dequantised cache and bf16 q: the FP8 rounding of q and kv is the difference.
+    exact = ground_truth(batch, layout, SM_SCALE, sink)
+    fp8 = backend == "fp8"
+    assert_close_to_truth(got, exact, out_tol=6e-2 if fp8 else 5e-3, stat_tol=0.15 if fp8 else 1e-2)
+    assert (batch["n_valid"] == 0).any() == (compress_ratio > 0)  # queries that see no row yet
+
+
+@pytest.mark.parametrize("h", [64, 128])
+def test_pipeline_unpadded_heads_int64_table_3d_indices_and_landing_rows(generator, h):
+    batch = make_batch("v32", 64, 4, h=h, topk=200, generator=generator, garbage_tail=False)
+    indices = batch["indices"][:, None, :]
+    prefill, got = run_pipeline(
+        batch, "fp8", extra_rows=7, page_table=batch["page_table"].long(), indices=indices
+    )
+    same = ground_truth(batch, "v32", SM_SCALE, kv_format="e4m3", quantize_q=True)
+    assert_close_to_truth(got, same, out_tol=4e-3, stat_tol=1e-6)
+    num_rows = batch["page_table"].shape[0]
+    workspace = prefill.workspace.get(num_rows + 7, E4M3)
+    assert (workspace[num_rows:].view(torch.uint8) == 0).all()  # the landing zone is zero
+    assert same_bits(
+        workspace[:num_rows], expected_rows(batch["cache"], batch["page_table"].tolist(), 64, "v32", E4M3)
+    )
+
+
+def test_pipeline_reuses_its_buffers(generator):
+    batch = make_batch("model1", 64, 0, h=8, topk=16, generator=generator)
+    prefill = SparsePrefill("fp8", kernels=reference_kernels(), workspace=SparsePrefillWorkspace("cpu"))
+    args = (batch["q"], batch["cache"], batch["page_table"], batch["indices"], batch["seqlens"], 0, SM_SCALE)
+    first = prefill.forward(*args)
+    pointer, allocations = prefill.workspace.get(1, E4M3, 512).data_ptr(), prefill.workspace.allocations
+    half = batch["q"].shape[0] // 2
+    smaller = (batch["q"][:half], *args[1:3], batch["indices"][:half], batch["seqlens"][:half], 0, SM_SCALE)
+    second = prefill.forward(*smaller)
+    assert prefill.workspace.allocations == allocations
+    assert prefill.workspace.get(1, E4M3, 512).data_ptr() == pointer
+    assert torch.equal(second[0], first[0][:half]) and torch.equal(second[2], first[2][:half])
+
+
+def test_topk_length_per_compress_ratio():
+    seqlens = torch.tensor([0, 1, 3, 4, 127, 128, 129, 255, 256, 5000])
+    assert serving.topk_length_for(seqlens, 0, 2048).tolist() == [0, 1, 3, 4, 127, 128, 129, 255, 256, 2048]
+    assert serving.topk_length_for(seqlens, 4, 512).tolist() == [0, 0, 0, 1, 31, 32, 32, 63, 64, 512]
+    assert serving.topk_length_for(seqlens, 128, 2048).tolist() == [0, 0, 0, 0, 0, 1, 1, 1, 2, 39]
+    assert serving.topk_length_for(seqlens, 4, 512).dtype == torch.int32
+    with pytest.raises(ValueError, match=r"compress_ratio: expected one of \(0, 4, 128\)"):
+        serving.topk_length_for(seqlens, 64, 2048)
+
+
+@pytest.mark.parametrize(
+    ("change", "error", "match"),
+    [
+        (
+            {"q": torch.zeros(4, 8, 512, dtype=BF16)},
+            ValueError,
+            r"q: expected d_qk = 576 \(the v32 cache's\)",
+        ),
+        ({"q": torch.zeros(4, 8, 576)}, TypeError, "q: expected dtype torch.bfloat16"),
+        ({"cache": torch.zeros(2, 64, 1, 600, dtype=torch.uint8)}, ValueError, "bytes_per_token in"),
+        ({"page_table": torch.zeros(5)}, TypeError, "page_table: expected a 1-D int32 or int64"),
+        (
+            {"indices": torch.zeros(4, 128, dtype=torch.int64)},
+            TypeError,
+            "indices: expected dtype torch.int32",
+        ),
+        ({"indices": torch.zeros(4, 2, 128, dtype=torch.int32)}, ValueError, "indices: expected shape"),
+        (
+            {"seqlens": torch.zeros(5, dtype=torch.int32)},
+            ValueError,
+            r"seqlens: expected shape \[s_q\] = \[4\]",
+        ),
+        ({"seqlens": torch.zeros(4)}, TypeError, "seqlens: expected an integer tensor"),
+        ({"compress_ratio": 2}, ValueError, "compress_ratio: expected one of"),
+        ({"sm_scale": math.nan}, ValueError, "sm_scale: expected a finite Python number"),
+        ({"attn_sink": torch.zeros(9)}, ValueError, r"attn_sink: expected shape \[h\] = \[8\]"),
+    ],
+)
+def test_forward_argument_errors(change, error, match):
+    args = {
+        "q": torch.zeros(4, 8, 576, dtype=BF16),
+        "cache": empty_cache("v32", 2, 64),
+        "page_table": torch.arange(10, dtype=torch.int32),
+        "indices": torch.zeros(4, 128, dtype=torch.int32),
+        "seqlens": torch.ones(4, dtype=torch.int32),
+        "compress_ratio": 0,
+        "sm_scale": 0.1,
+        "attn_sink": None,
+    }
+    args.update(change)
+    with pytest.raises(error, match=match):
+        SparsePrefill("fp8", kernels=reference_kernels()).forward(**args)
+
+
+def test_batch_shapes_cover_every_ratio():
+    assert sorted(BATCH_SHAPES) == sorted(serving.COMPRESS_RATIOS)

@@ -1,0 +1,246 @@
+"""The paged serving path on an H100/H200 (``gpu`` marker; skipped elsewhere).
+
+- The CuTe DSL gather is bit-exact with its PyTorch reference (any NaN matches any NaN: the kernel
+  writes canonical NaNs) for both layouts, both output types, page sizes 64 and 256, int32 and int64
+  page tables, extra rows, reused outputs, caches of random bytes (every bit pattern) and of
+  producer-quantised values.
+- ``SparsePrefill.forward`` matches the float64 ground truth decoded from the cache bytes for every
+  compress ratio, with the tolerances of ``test_kernel_gpu.py`` (the kernel rounds P to e4m3), can be
+  captured in a CUDA graph and keeps its workspace pointer.
+- The bf16 backend runs once ``q8kv8.kernels.launch_sparse_prefill_bf16`` exists (skipped before).
+"""
+
+import math
+
+import pytest
+import torch
+from paged_cache import (
+    expected_rows,
+    fill_quantized,
+    ground_truth,
+    make_batch,
+    random_bytes_cache,
+    same_bits,
+    to_device,
+)
+
+from q8kv8 import kernels
+from q8kv8.serving import (
+    SparsePrefill,
+    cast_q_fp8,
+    dynamic_q_scale,
+    gather_dequant_paged,
+    gather_dequant_paged_reference,
+    gather_dequant_requant_fp8_paged,
+)
+
+pytestmark = pytest.mark.gpu
+
+E4M3, BF16 = torch.float8_e4m3fn, torch.bfloat16
+OUT_TOLERANCE = 4e-2  # the kernel rounds P to e4m3 (test_kernel_gpu.py)
+STAT_TOLERANCE = 1e-2
+SM_SCALE = 0.06
+
+
+def gpu_gather(cache, slots, page_size, layout, out_dtype, extra_rows=0, out=None):
+    result = gather_dequant_paged(cache, slots, page_size, layout, out_dtype, extra_rows, out)
+    torch.cuda.synchronize()
+    return result
+
+
+# ------------------------------------------------------------------------------------------------
+# Gather: bit-exact with the reference
+# ------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("slot_dtype", [torch.int32, torch.int64])
+@pytest.mark.parametrize("out_dtype", [E4M3, BF16], ids=["e4m3", "bf16"])
+@pytest.mark.parametrize("extra_rows", [0, 5])
+@pytest.mark.parametrize("page_size", [64, 256])
+@pytest.mark.parametrize("layout", ["model1", "v32"])
+def test_gather_bit_exact_on_random_bytes(generator, layout, page_size, extra_rows, out_dtype, slot_dtype):
+    cache = random_bytes_cache(layout, 6, page_size, generator, extra_page_bytes=48)
+    num_slots = 6 * page_size
+    slots = torch.randint(0, num_slots, (3000,), generator=generator)
+    slots[::7] = slots[3::7][: len(slots[::7])]  # duplicates
+    slots[::97] = -1
+    slots[5], slots[11] = num_slots, -(2**31)
+    want = gather_dequant_paged_reference(
+        cache, slots.to(slot_dtype), page_size, layout, out_dtype, extra_rows
+    )
+    got = gpu_gather(
+        to_device(cache, "cuda"), slots.to(slot_dtype).cuda(), page_size, layout, out_dtype, extra_rows
+    )
+    assert got.shape == want.shape and got.dtype == out_dtype and got.is_contiguous()
+    assert same_bits(got.cpu(), want)
+
+
+@pytest.mark.parametrize("out_dtype", [E4M3, BF16], ids=["e4m3", "bf16"])
+@pytest.mark.parametrize("layout", ["model1", "v32"])
+def test_gather_bit_exact_on_quantized_cache(generator, layout, out_dtype):
+    cache = random_bytes_cache(layout, 4, 64, generator)
+    fill_quantized(cache, 64, layout, generator, std=3.0)
+    slots = torch.randperm(256, generator=generator).to(torch.int32)
+    want = gather_dequant_paged_reference(cache, slots, 64, layout, out_dtype)
+    got = gpu_gather(to_device(cache, "cuda"), slots.cuda(), 64, layout, out_dtype).cpu()
+    assert torch.equal(got.view(torch.uint8), want.view(torch.uint8))
+    assert not torch.isnan(got.float()).any()
+    assert same_bits(want, expected_rows(cache, slots.tolist(), 64, layout, out_dtype))
+
+
+@pytest.mark.parametrize("layout", ["model1", "v32"])
+def test_gather_reuses_out_and_rezeroes_extra_rows(generator, layout):
+    cache = random_bytes_cache(layout, 3, 64, generator)
+    slots = torch.randint(-2, 200, (100,), generator=generator)
+    d_qk = 512 if layout == "model1" else 576
+    out = torch.full((107, 1, d_qk), 0x7E, dtype=torch.uint8, device="cuda").view(E4M3)
+    for _ in range(2):  # the second call finds the first one's rows in place
+        got = gather_dequant_requant_fp8_paged(to_device(cache, "cuda"), slots.cuda(), 64, layout, 7, out)
+        torch.cuda.synchronize()
+        assert got is out
+        assert (out[100:].view(torch.uint8) == 0).all()
+        assert same_bits(out.cpu(), gather_dequant_paged_reference(cache, slots, 64, layout, E4M3, 7))
+        out[100:].view(torch.uint8).fill_(0x7E)
+
+
+def test_gather_float8_view_int64_high_words_and_empty_tables(generator):
+    cpu_cache = random_bytes_cache("v32", 2, 64, generator)
+    cache = to_device(cpu_cache, "cuda")
+    slots = torch.tensor([2**32 + 1, 1, 2**31, -(2**40), 127], dtype=torch.int64)
+    got = gpu_gather(cache.view(E4M3), slots.cuda(), 64, "v32", E4M3).cpu()
+    assert (got[[0, 2, 3]].view(torch.uint8) == 0).all()
+    assert same_bits(got, gather_dequant_paged_reference(cpu_cache, slots, 64, "v32"))
+    empty = torch.zeros(0, dtype=torch.int32, device="cuda")
+    assert gpu_gather(cache, empty, 64, "v32", E4M3).shape == (0, 1, 576)
+    landing = gpu_gather(cache, empty, 64, "v32", BF16, extra_rows=3)
+    assert landing.shape == (3, 1, 576) and (landing.view(torch.int16) == 0).all()
+
+
+def test_gather_many_rows_and_pages(generator):
+    """200k rows (25k CTAs) from 4096 pages of 64 tokens, compared in chunks."""
+    cache = torch.randint(0, 256, (4096, 64 * 656), generator=generator, dtype=torch.uint8)
+    cache = cache.view(4096, 64, 1, 656)
+    slots = torch.randint(0, 4096 * 64, (200_000,), generator=generator, dtype=torch.int32)
+    got = gpu_gather(cache.cuda(), slots.cuda(), 64, "v32", E4M3, extra_rows=1).cpu()
+    for start in range(0, 200_000, 25_000):
+        chunk = slots[start : start + 25_000]
+        assert same_bits(got[start : start + 25_000], gather_dequant_paged_reference(cache, chunk, 64, "v32"))
+    assert (got[-1].view(torch.uint8) == 0).all()
+
+
+@pytest.mark.parametrize("d", [512, 576])
+@pytest.mark.parametrize("h", [1, 64, 70, 128])
+def test_cast_q_fp8_kernel_matches_torch(generator, h, d):
+    q = (torch.randn(33, h, d, generator=generator) * 50).to(BF16)
+    q[0, 0, :4] = torch.tensor([math.inf, -math.inf, math.nan, 1e30])
+    for scale in (torch.tensor([0.3]), dynamic_q_scale(q[1:])):
+        want = cast_q_fp8(q, scale)  # PyTorch, on CPU
+        out = torch.full(want.shape, 0x7E, dtype=torch.uint8, device="cuda").view(E4M3)  # stale padding
+        got = cast_q_fp8(q.cuda(), scale.cuda(), out=out)
+        torch.cuda.synchronize()
+        assert got is out and same_bits(got.cpu(), want)
+        assert (got[:, h:].view(torch.uint8) == 0).all()
+
+
+def test_cast_q_fp8_kernel_strided_and_misaligned_q(generator):
+    big = (torch.randn(9, 130, 576, generator=generator) * 3).to(BF16)
+    want = cast_q_fp8(big[:, 3:73], 0.25)
+    strided = big.cuda()[:, 3:73]  # row strides 130 * 576 and 576: read in place
+    assert same_bits(cast_q_fp8(strided, 0.25).cpu(), want)
+    flat = torch.empty(big[:, 3:73].numel() + 1, dtype=BF16, device="cuda")
+    misaligned = flat[1:].view(9, 70, 576)
+    misaligned.copy_(big[:, 3:73])
+    assert same_bits(cast_q_fp8(misaligned, 0.25).cpu(), want)
+    assert cast_q_fp8(torch.zeros(0, 5, 576, dtype=BF16, device="cuda"), 1.0).shape == (0, 64, 576)
+
+
+# ------------------------------------------------------------------------------------------------
+# SparsePrefill.forward on the GPU
+# ------------------------------------------------------------------------------------------------
+def cuda_batch(batch: dict) -> dict:
+    moved = dict(batch)
+    for name in ("q", "page_table", "indices", "seqlens"):
+        moved[name] = batch[name].cuda()
+    moved["cache"] = to_device(batch["cache"], "cuda")
+    return moved
+
+
+def forward(prefill, batch, sink=None):
+    result = prefill.forward(
+        batch["q"],
+        batch["cache"],
+        batch["page_table"],
+        batch["indices"],
+        batch["seqlens"],
+        batch["compress_ratio"],
+        SM_SCALE,
+        sink,
+    )
+    torch.cuda.synchronize()
+    return result
+
+
+def assert_matches(got, truth, out_tol=OUT_TOLERANCE, stat_tol=STAT_TOLERANCE):
+    out, max_logits, lse = (t.cpu() for t in got)
+    ref_out, ref_max, ref_lse = truth
+    assert not torch.isnan(out).any() and not torch.isnan(lse).any()
+    empty = torch.isinf(ref_lse) & (ref_lse > 0)
+    assert torch.equal(torch.isinf(lse) & (lse > 0), empty), "rows without a valid slot differ"
+    assert (out[empty] == 0).all() and (max_logits[empty] == -math.inf).all()
+    rel = ((out.double() - ref_out).norm() / ref_out.norm()).item()
+    assert rel <= out_tol, f"||out - ref|| / ||ref|| = {rel:.3e}"
+    full = ~empty
+    for name, a, b in (("max_logits", max_logits, ref_max), ("lse", lse, ref_lse)):
+        err = ((a.double()[full] - b[full]).abs() / b[full].abs().clamp(min=1.0)).max().item()
+        assert err <= stat_tol, f"{name}: max relative error {err:.3e}"
+
+
+@pytest.mark.parametrize("h", [20, 64, 128])
+@pytest.mark.parametrize("compress_ratio", [0, 4, 128])
+@pytest.mark.parametrize("layout", ["model1", "v32"])
+def test_forward_fp8_matches_float64_ground_truth(generator, layout, compress_ratio, h):
+    batch = make_batch(layout, 64, compress_ratio, h=h, topk=16, generator=generator)
+    sink = torch.randn(h, generator=generator) if h != 64 else None
+    got = forward(SparsePrefill("fp8"), cuda_batch(batch), None if sink is None else sink.cuda())
+    assert got[0].shape == (batch["q"].shape[0], h, 512)
+    assert_matches(got, ground_truth(batch, layout, SM_SCALE, sink, kv_format="e4m3", quantize_q=True))
+    assert_matches(got, ground_truth(batch, layout, SM_SCALE, sink), out_tol=8e-2, stat_tol=0.15)
+
+
+@pytest.mark.parametrize("compress_ratio", [0, 4, 128])
+@pytest.mark.parametrize("layout", ["model1", "v32"])
+def test_forward_bf16_matches_float64_ground_truth(generator, layout, compress_ratio):
+    if not hasattr(kernels, "launch_sparse_prefill_bf16"):
+        pytest.skip(
+            "the bf16 attention kernel (q8kv8.kernels.launch_sparse_prefill_bf16) is not available yet"
+        )
+    batch = make_batch(layout, 64, compress_ratio, h=20, topk=16, generator=generator)
+    sink = torch.randn(20, generator=generator)
+    got = forward(SparsePrefill("bf16"), cuda_batch(batch), sink.cuda())
+    assert_matches(got, ground_truth(batch, layout, SM_SCALE, sink, kv_format="bf16"), 2e-2, 1e-2)
+    assert_matches(got, ground_truth(batch, layout, SM_SCALE, sink), 2e-2, 1e-2)
+
+
+def test_forward_keeps_its_workspace_and_replays_in_a_cuda_graph(generator):
+    batch = cuda_batch(make_batch("v32", 64, 4, h=80, topk=200, generator=generator))
+    sink = torch.randn(80, generator=generator).cuda()
+    prefill = SparsePrefill("fp8", extra_rows=3)
+    eager = [t.clone() for t in forward(prefill, batch, sink)]
+    pointer = prefill.workspace.get(1, E4M3).data_ptr()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = prefill.forward(
+            batch["q"],
+            batch["cache"],
+            batch["page_table"],
+            batch["indices"],
+            batch["seqlens"],
+            4,
+            SM_SCALE,
+            sink,
+        )
+    for tensor in captured:
+        tensor.fill_(math.nan)
+    graph.replay()
+    torch.cuda.synchronize()
+    for a, b in zip(eager, captured, strict=True):
+        assert torch.equal(a, b)
+    assert prefill.workspace.get(1, E4M3).data_ptr() == pointer and prefill.workspace.allocations == 1
