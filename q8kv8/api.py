@@ -6,11 +6,12 @@ unless ``Q8KV8_CHECK_RANGES=1``, so a call can be captured in a CUDA graph.
 """
 
 import math
+import sys
 
 import torch
 
 from q8kv8.contract import check_inputs, check_ranges_enabled, check_topk_length_range
-from q8kv8.metadata import padded_num_heads
+from q8kv8.metadata import HEAD_ALIGNMENT, padded_num_heads
 
 
 def sparse_mla_q8kv8_prefill_fwd(
@@ -86,7 +87,7 @@ def sparse_mla_q8kv8_prefill_fwd(
         lse.fill_(math.inf)
         return out, max_logits, lse
 
-    h_kernel = padded_num_heads(h_q)
+    h_kernel = h_q if h_q % HEAD_ALIGNMENT == 0 else padded_num_heads(h_q)
     if h_kernel == h_q:
         kernel_q, kernel_sink = q, attn_sink
         kernel_out, kernel_max_logits, kernel_lse = out, max_logits, lse
@@ -97,8 +98,7 @@ def sparse_mla_q8kv8_prefill_fwd(
         kernel_max_logits = torch.empty((s_q, h_kernel), dtype=torch.float32, device=device)
         kernel_lse = torch.empty((s_q, h_kernel), dtype=torch.float32, device=device)
 
-    from q8kv8 import kernels
-
+    kernels = sys.modules.get("q8kv8.kernels") or _import_kernels()
     kernels.launch_sparse_prefill(
         kernel_q.contiguous(),
         kv,
@@ -125,3 +125,11 @@ def _pad_dim(tensor: torch.Tensor, dim: int, size: int, value: float) -> torch.T
     padding_shape = list(tensor.shape)
     padding_shape[dim] = size - tensor.shape[dim]
     return torch.cat([tensor, tensor.new_full(padding_shape, value)], dim=dim)
+
+
+def _import_kernels():
+    """``q8kv8.kernels``, imported on the first call when ``q8kv8`` did not import it (it usually has: a
+    lookup in ``sys.modules`` is the per-call path)."""
+    from q8kv8 import kernels
+
+    return kernels
