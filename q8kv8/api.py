@@ -9,7 +9,9 @@ import math
 import sys
 
 import torch
+from torch.compiler import is_compiling
 
+from q8kv8 import ops
 from q8kv8.contract import check_inputs, check_ranges_enabled, check_topk_length_range
 from q8kv8.metadata import HEAD_ALIGNMENT, padded_num_heads
 
@@ -53,7 +55,27 @@ def sparse_mla_q8kv8_prefill_fwd(
         ``out`` (softmax-weighted sum of ``kv[idx, :d_v] * kv_scale``), ``max_logits`` (largest logit) and
         ``lse`` (natural-log log-sum-exp of the logits ``q . kv[idx] * q_scale * kv_scale * sm_scale``).
         A row with no valid slot gets out 0, max_logits -inf and lse +inf.
+
+    Under ``torch.compile`` this is one call of the custom op ``torch.ops.q8kv8.sparse_mla_q8kv8_prefill``
+    (or of ``sparse_mla_q8kv8_prefill_out`` when buffers are given; see ``q8kv8.ops``); the op runs this
+    function eagerly, checks included.
     """
+    if is_compiling():
+        return ops.call_traced(
+            q,
+            kv,
+            indices,
+            sm_scale,
+            q_scale,
+            kv_scale,
+            d_v,
+            attn_sink,
+            topk_length,
+            out,
+            max_logits,
+            lse,
+            precision,
+        )
     problem = check_inputs(
         q,
         kv,
