@@ -30,6 +30,7 @@ import subprocess
 import tempfile
 import threading
 import time
+import traceback
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -44,7 +45,10 @@ _PACKAGE_ROOT = Path(__file__).resolve().parent.parent
 
 
 class KernelCompileError(RuntimeError):
-    """A kernel variant failed to compile or load; the message names the variant."""
+    """A kernel variant failed to compile or load; the one-line message names the variant, and
+    ``log_path`` the file with the full report (the DSL's own error, often pages of MLIR)."""
+
+    log_path: Path | None = None
 
 
 @dataclass
@@ -207,11 +211,17 @@ def _build_or_load(d_qk: int) -> Variant:
                 _write_atomic(ptx_path, compiled.__ptx__.encode())
             function = cute.runtime.load_module(str(object_path), enable_tvm_ffi=True)[EXPORTED_FUNCTION]
         except Exception as exc:
+            # One line naming the variant; the DSL's full report (often pages of MLIR) goes to a file
+            # next to the cache entry, not into the traceback.
+            log_path = entry / f"{name}.error.txt"
+            _write_atomic(log_path, "".join(traceback.format_exception(exc)).encode())
             first_line = (str(exc).strip().splitlines() or [type(exc).__name__])[0][:300]
-            raise KernelCompileError(
+            error = KernelCompileError(
                 f"q8kv8: building kernel variant {name} for {TARGET_ARCH} failed: "
-                f"{type(exc).__name__}: {first_line}"
-            ) from exc
+                f"{type(exc).__name__}: {first_line} (full report: {log_path})"
+            )
+            error.log_path = log_path
+            raise error from None
     return Variant(name, d_qk, function, "compiled", time.perf_counter() - start, object_path, ptx_path)
 
 
