@@ -6,7 +6,7 @@ only ``check_topk_length_range``, run when ``Q8KV8_CHECK_RANGES=1``, does (and s
 
 On the hot path of every call: each tensor is read once into a signature (type, shape, strides, dtype,
 device, data pointer), the checks read only the signatures, and a valid call's result is memoised under
-them, so a repeated call costs the signatures and one dict lookup (``scripts/host_overhead_cpu.py``).
+them, so a repeated call costs the signatures and one comparison (``scripts/host_overhead_cpu.py``).
 """
 
 import math
@@ -38,9 +38,11 @@ class Problem(NamedTuple):
     device: torch.device
 
 
-_MEMO_ENTRIES = 256
-_memo: dict[tuple, Problem] = {}
-"""``check_inputs``'s verdicts on valid calls, keyed by everything the checks read."""
+_MEMO_ENTRIES = 256  # first-level keys (q's data pointers) before the memo is emptied
+_MEMO_ENTRIES_PER_Q = 8  # signatures remembered per q data pointer, newest first
+_memo: dict[int | None, list[tuple[tuple, Problem]]] = {}
+"""``check_inputs``'s verdicts on valid calls: ``(signature key, problem)`` pairs, found through q's data
+pointer (an int: no hashing of the whole key) and then compared whole."""
 
 FP8 = torch.float8_e4m3fn
 # Fields of a tensor's signature (``_signature``).
@@ -88,20 +90,24 @@ def check_inputs(
         None if lse is None else _signature(lse),
         precision,
     )
-    # The scalars' types join the key (1 and 1.0 and True are equal keys); the device check and the
-    # capability lookup do too, so that replacing them (as tests do) is never answered from the memo.
-    key = (signatures, type(sm_scale), type(d_v), type(precision), check_device, _device_capability)
-    try:
-        problem = _memo.get(key)
-        memoisable = True
-    except TypeError:  # an unhashable argument: checked, never memoised
-        problem, memoisable = None, False
-    if problem is None:
-        problem = _check_signatures(*signatures)
-        if memoisable:
-            if len(_memo) >= _MEMO_ENTRIES:
-                _memo.clear()
-            _memo[key] = problem
+    # The scalars' types join the key (1 and 1.0 and True are equal), first: a memoised (valid) call's
+    # scalars are then only ever compared with values of their own types. The device check and the
+    # capability lookup join it too, so that replacing them (as tests do) is never answered from the memo.
+    key = (type(sm_scale), type(d_v), type(precision), check_device, _device_capability, signatures)
+    q_data_ptr = signatures[0][DATA_PTR]
+    entries = _memo.get(q_data_ptr)
+    if entries is not None:
+        for entry_key, problem in entries:
+            if entry_key == key:
+                return problem
+    problem = _check_signatures(*signatures)
+    if entries is None:
+        if len(_memo) >= _MEMO_ENTRIES:
+            _memo.clear()
+        _memo[q_data_ptr] = [(key, problem)]
+    else:
+        entries.insert(0, (key, problem))
+        del entries[_MEMO_ENTRIES_PER_Q:]
     return problem
 
 

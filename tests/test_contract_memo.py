@@ -111,9 +111,17 @@ def test_unhashable_arguments_are_checked_without_the_memo(args, device_checks):
 
 def test_the_memo_is_bounded(args, device_checks, monkeypatch):
     monkeypatch.setattr(contract, "_MEMO_ENTRIES", 3)
-    for _ in range(7):
-        check_inputs(**args | {"out": torch.empty_like(args["out"])})
+    monkeypatch.setattr(contract, "_MEMO_ENTRIES_PER_Q", 2)
+    alive = []  # so that every call's tensors have addresses of their own
+    for _ in range(7):  # new q tensors: new first-level keys
+        alive.append(args["q"].clone())
+        check_inputs(**args | {"q": alive[-1]})
         assert 1 <= len(contract._memo) <= 3
+    for _ in range(5):  # one q, new buffers: entries under one key
+        alive.append(torch.empty_like(args["out"]))
+        check_inputs(**args | {"out": alive[-1]})
+        assert len(contract._memo[args["q"].data_ptr()]) <= 2
+    assert len(device_checks) == 12
 
 
 @pytest.mark.parametrize(
@@ -144,3 +152,10 @@ def test_signature_contiguity_and_span_match_torch(make):
         assert span == (start, start + (int(offsets.max()) + 1) * tensor.element_size())
         if tensor.is_contiguous():
             assert span == (start, start + tensor.nbytes)
+
+
+def test_a_tensor_scalar_is_never_compared_with_memoised_values(args, device_checks):
+    check_inputs(**args)  # memoised, with a float sm_scale
+    for sm_scale in (torch.tensor(0.1), torch.tensor([0.1, 0.2])):  # == with a float: a tensor, or an error
+        with pytest.raises(TypeError, match="^sm_scale: expected a Python real number, got Tensor$"):
+            check_inputs(**args | {"sm_scale": sm_scale})
