@@ -2,9 +2,13 @@
 
 ``sparse_mla_q8kv8_prefill_fwd`` is a drop-in for SGLang's function of that name; ``padded_num_heads``,
 ``pad_topk`` and ``topk_length_from_seqlens`` help callers lay out their inputs. ``SparsePrefill``
-(``q8kv8.serving``) runs one layer on a paged FP8 KV cache (DeepSeek V3.2 / V4 layouts).
+(``q8kv8.serving``) runs one layer on a paged FP8 KV cache (DeepSeek V3.2 / V4 layouts). Under
+``torch.compile`` the call is the custom op ``torch.ops.q8kv8.sparse_mla_q8kv8_prefill`` (``q8kv8.ops``).
+``q8kv8.info()`` reports versions, GPU, kernel variants and cache; ``python -m q8kv8.compile`` pre-builds the
+kernels.
 """
 
+import importlib
 import os
 
 from q8kv8.api import sparse_mla_q8kv8_prefill_fwd
@@ -24,11 +28,21 @@ __all__ = [
     "__version__",
     "cast_q_fp8",
     "gather_dequant_requant_fp8_paged",
+    "info",
     "pad_topk",
     "padded_num_heads",
     "sparse_mla_q8kv8_prefill_fwd",
     "topk_length_from_seqlens",
 ]
+
+
+def __getattr__(name: str):
+    # q8kv8.info is imported on first use (so that `python -m q8kv8.info` runs it fresh); the module is
+    # callable: q8kv8.info() is q8kv8.info.info().
+    if name == "info":
+        return importlib.import_module("q8kv8.info")
+    raise AttributeError(f"module 'q8kv8' has no attribute {name!r}")
+
 
 # Compile (or load from the disk cache) every kernel variant now, so the first call pays no compile.
 # Works without a GPU (the target is sm_90a); Q8KV8_COMPILE_AT_IMPORT=0 defers it to the first call.

@@ -6,11 +6,14 @@ unless ``Q8KV8_CHECK_RANGES=1``, so a call can be captured in a CUDA graph.
 """
 
 import math
+import sys
 
 import torch
+from torch.compiler import is_compiling
 
+from q8kv8 import ops
 from q8kv8.contract import check_inputs, check_ranges_enabled, check_topk_length_range
-from q8kv8.metadata import padded_num_heads
+from q8kv8.metadata import HEAD_ALIGNMENT, padded_num_heads
 
 
 def sparse_mla_q8kv8_prefill_fwd(
@@ -53,7 +56,27 @@ def sparse_mla_q8kv8_prefill_fwd(
         ``out`` (softmax-weighted sum of ``kv[idx, :d_v] * kv_scale``), ``max_logits`` (largest logit) and
         ``lse`` (natural-log log-sum-exp of the logits ``q . kv[idx] * q_scale * kv_scale * sm_scale``).
         A row with no valid slot gets out 0, max_logits -inf and lse +inf.
+
+    Under ``torch.compile`` this is one call of the custom op ``torch.ops.q8kv8.sparse_mla_q8kv8_prefill``
+    (or of ``sparse_mla_q8kv8_prefill_out`` when buffers are given; see ``q8kv8.ops``); the op runs this
+    function eagerly, checks included.
     """
+    if is_compiling():
+        return ops.call_traced(
+            q,
+            kv,
+            indices,
+            sm_scale,
+            q_scale,
+            kv_scale,
+            d_v,
+            attn_sink,
+            topk_length,
+            out,
+            max_logits,
+            lse,
+            precision,
+        )
     problem = check_inputs(
         q,
         kv,
@@ -87,7 +110,7 @@ def sparse_mla_q8kv8_prefill_fwd(
         lse.fill_(math.inf)
         return out, max_logits, lse
 
-    h_kernel = padded_num_heads(h_q)
+    h_kernel = h_q if h_q % HEAD_ALIGNMENT == 0 else padded_num_heads(h_q)
     if h_kernel == h_q:
         kernel_q, kernel_sink = q, attn_sink
         kernel_out, kernel_max_logits, kernel_lse = out, max_logits, lse
@@ -98,8 +121,7 @@ def sparse_mla_q8kv8_prefill_fwd(
         kernel_max_logits = torch.empty((s_q, h_kernel), dtype=torch.float32, device=device)
         kernel_lse = torch.empty((s_q, h_kernel), dtype=torch.float32, device=device)
 
-    from q8kv8 import kernels
-
+    kernels = sys.modules.get("q8kv8.kernels") or _import_kernels()
     kernels.launch_sparse_prefill(
         kernel_q.contiguous(),
         kv,
@@ -126,3 +148,11 @@ def _pad_dim(tensor: torch.Tensor, dim: int, size: int, value: float) -> torch.T
     padding_shape = list(tensor.shape)
     padding_shape[dim] = size - tensor.shape[dim]
     return torch.cat([tensor, tensor.new_full(padding_shape, value)], dim=dim)
+
+
+def _import_kernels():
+    """``q8kv8.kernels``, imported on the first call when ``q8kv8`` did not import it (it usually has: a
+    lookup in ``sys.modules`` is the per-call path)."""
+    from q8kv8 import kernels
+
+    return kernels

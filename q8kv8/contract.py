@@ -3,6 +3,10 @@
 ``check_inputs`` checks types, shapes, dtypes, strides and buffer aliasing first and devices last, so every
 shape or dtype violation is reported the same way on a machine without a GPU. It reads no tensor values;
 only ``check_topk_length_range``, run when ``Q8KV8_CHECK_RANGES=1``, does (and syncs).
+
+On the hot path of every call: each tensor is read once into a signature (type, shape, strides, dtype,
+device, data pointer), the checks read only the signatures, and a valid call's result is memoised under
+them, so a repeated call costs the signatures and one comparison (``scripts/host_overhead_cpu.py``).
 """
 
 import math
@@ -34,6 +38,17 @@ class Problem(NamedTuple):
     device: torch.device
 
 
+_MEMO_ENTRIES = 256  # first-level keys (q's data pointers) before the memo is emptied
+_MEMO_ENTRIES_PER_Q = 8  # signatures remembered per q data pointer, newest first
+_memo: dict[int | None, list[tuple[tuple, Problem]]] = {}
+"""``check_inputs``'s verdicts on valid calls: ``(signature key, problem)`` pairs, found through q's data
+pointer (an int: no hashing of the whole key) and then compared whole."""
+
+FP8 = torch.float8_e4m3fn
+# Fields of a tensor's signature (``_signature``).
+TYPE, SHAPE, STRIDES, DTYPE, DEVICE, DATA_PTR = range(6)
+
+
 def check_inputs(
     q,
     kv,
@@ -53,29 +68,96 @@ def check_inputs(
 
     Raises TypeError for a wrong type or dtype and ValueError for anything else; the message names the
     argument, what was expected and what was got.
-    """
-    for name, tensor, layout in (
-        ("q", q, "[s_q, h_q, d_qk]"),
-        ("kv", kv, "[s_kv, h_kv, d_qk]"),
-        ("indices", indices, "[s_q, 1, topk]"),
-    ):
-        if type(tensor) is not torch.Tensor:
-            _require_tensor(name, tensor)
-        if tensor.dim() != 3:
-            raise ValueError(f"{name}: expected a 3-D tensor {layout}, got shape {list(tensor.shape)}")
-    if q.dtype != torch.float8_e4m3fn or kv.dtype != torch.float8_e4m3fn or indices.dtype != torch.int32:
-        _require_dtype("q", q, torch.float8_e4m3fn)
-        _require_dtype("kv", kv, torch.float8_e4m3fn)
-        _require_dtype("indices", indices, torch.int32)
-    for name, tensor in (("q", q), ("kv", kv), ("indices", indices)):
-        if tensor.stride(-1) != 1:
-            raise ValueError(
-                f"{name}: expected a contiguous last dimension (stride 1), got stride {tensor.stride(-1)}"
-            )
 
-    s_q, h_q, d_qk = q.shape
-    s_kv, h_kv, kv_d_qk = kv.shape
-    topk = indices.shape[2]
+    The checks read each tensor once, into its signature (type, shape, strides, dtype, device, data
+    pointer), and then only the signatures, the scalar arguments and the device check in use. The verdict
+    is therefore a function of those: a valid call's is memoised under them, and a later call with the
+    same ones (a serving loop over the same buffers, a benchmark, the layers of one step) returns the
+    memoised problem without re-running the checks. Invalid calls are never memoised.
+    """
+    signatures = (
+        _signature(q),
+        _signature(kv),
+        _signature(indices),
+        sm_scale,
+        _signature(q_scale),
+        _signature(kv_scale),
+        d_v,
+        None if attn_sink is None else _signature(attn_sink),
+        None if topk_length is None else _signature(topk_length),
+        None if out is None else _signature(out),
+        None if max_logits is None else _signature(max_logits),
+        None if lse is None else _signature(lse),
+        precision,
+    )
+    # The scalars' types join the key (1 and 1.0 and True are equal), first: a memoised (valid) call's
+    # scalars are then only ever compared with values of their own types. The device check and the
+    # capability lookup join it too, so that replacing them (as tests do) is never answered from the memo.
+    key = (type(sm_scale), type(d_v), type(precision), check_device, _device_capability, signatures)
+    q_data_ptr = signatures[0][DATA_PTR]
+    entries = _memo.get(q_data_ptr)
+    if entries is not None:
+        for entry_key, problem in entries:
+            if entry_key == key:
+                return problem
+    problem = _check_signatures(*signatures)
+    if entries is None:
+        if len(_memo) >= _MEMO_ENTRIES:
+            _memo.clear()
+        _memo[q_data_ptr] = [(key, problem)]
+    else:
+        entries.insert(0, (key, problem))
+        del entries[_MEMO_ENTRIES_PER_Q:]
+    return problem
+
+
+def _signature(value) -> tuple:
+    """``(type, shape, strides, dtype, device, data pointer)`` of a tensor: all that the checks read of
+    it; ``(type, None, ...)`` for anything else."""
+    try:
+        return (type(value), value.shape, value.stride(), value.dtype, value.device, value.data_ptr())
+    except Exception:
+        if isinstance(value, torch.Tensor):
+            raise  # a tensor without strides or storage: torch's own error says so
+        return (type(value), None, None, None, None, None)
+
+
+def _check_signatures(
+    q, kv, indices, sm_scale, q_scale, kv_scale, d_v, attn_sink, topk_length, out, max_logits, lse, precision
+) -> Problem:
+    """The checks of ``check_inputs`` on the tensors' signatures (None for an absent optional tensor)."""
+    # Each group of checks: one test that valid arguments pass, then the checks one by one, in order, for
+    # the message.
+    if not (
+        q[TYPE] is kv[TYPE] is indices[TYPE] is torch.Tensor
+        and len(q[SHAPE]) == len(kv[SHAPE]) == len(indices[SHAPE]) == 3
+    ):
+        for name, signature, layout in (
+            ("q", q, "[s_q, h_q, d_qk]"),
+            ("kv", kv, "[s_kv, h_kv, d_qk]"),
+            ("indices", indices, "[s_q, 1, topk]"),
+        ):
+            _require_tensor(name, signature)
+            if len(signature[SHAPE]) != 3:
+                raise ValueError(
+                    f"{name}: expected a 3-D tensor {layout}, got shape {list(signature[SHAPE])}"
+                )
+    if q[DTYPE] != FP8 or kv[DTYPE] != FP8 or indices[DTYPE] != torch.int32:
+        _require_dtype("q", q, FP8)
+        _require_dtype("kv", kv, FP8)
+        _require_dtype("indices", indices, torch.int32)
+    if q[STRIDES][-1] != 1 or kv[STRIDES][-1] != 1 or indices[STRIDES][-1] != 1:
+        for name, signature in (("q", q), ("kv", kv), ("indices", indices)):
+            last_stride = signature[STRIDES][-1]
+            if last_stride != 1:
+                raise ValueError(
+                    f"{name}: expected a contiguous last dimension (stride 1), got stride {last_stride}"
+                )
+
+    s_q, h_q, d_qk = q[SHAPE]
+    s_kv, h_kv, kv_d_qk = kv[SHAPE]
+    indices_shape = indices[SHAPE]
+    topk = indices_shape[2]
     if h_q < 1:
         raise ValueError(f"q: expected at least 1 head (q.shape[1]), got {h_q}")
     if h_kv != 1:
@@ -90,9 +172,9 @@ def check_inputs(
         or d_v != 512
     ):
         raise ValueError(f"d_v: expected the integer {SUPPORTED_D_V}, got {d_v!r}")
-    if tuple(indices.shape[:2]) != (s_q, 1):
+    if indices_shape[0] != s_q or indices_shape[1] != 1:
         raise ValueError(
-            f"indices: expected shape [s_q, 1, topk] with s_q = {s_q}, got {list(indices.shape)}"
+            f"indices: expected shape [s_q, 1, topk] with s_q = {s_q}, got {list(indices_shape)}"
         )
     if topk <= 0 or topk % TOPK_ALIGNMENT != 0:
         raise ValueError(
@@ -104,14 +186,18 @@ def check_inputs(
         raise TypeError(f"sm_scale: expected a Python real number, got {type(sm_scale).__name__}")
     if not math.isfinite(sm_scale):
         raise ValueError(f"sm_scale: expected a finite number, got {sm_scale}")
-    for name, scale in (("q_scale", q_scale), ("kv_scale", kv_scale)):
-        if type(scale) is not torch.Tensor or scale.dtype != torch.float32:
-            _require_tensor(name, scale)
-            _require_dtype(name, scale, torch.float32)
-        if scale.numel() != 1:
-            raise ValueError(
-                f"{name}: expected a tensor with exactly one element, got shape {list(scale.shape)}"
-            )
+    if not (
+        q_scale[TYPE] is kv_scale[TYPE] is torch.Tensor
+        and q_scale[DTYPE] == kv_scale[DTYPE] == torch.float32
+        and math.prod(q_scale[SHAPE]) == math.prod(kv_scale[SHAPE]) == 1
+    ):
+        for name, signature in (("q_scale", q_scale), ("kv_scale", kv_scale)):
+            _require_tensor(name, signature)
+            _require_dtype(name, signature, torch.float32)
+            if math.prod(signature[SHAPE]) != 1:
+                raise ValueError(
+                    f"{name}: expected a tensor with exactly one element, got shape {list(signature[SHAPE])}"
+                )
     if precision not in PRECISIONS:
         raise ValueError(f"precision: expected one of {PRECISIONS}, got {precision!r}")
 
@@ -130,48 +216,53 @@ def check_inputs(
     if topk_length is not None:
         inputs["topk_length"] = topk_length
     outputs = {}
-    for name, buffer, dtype, shape, layout in (
-        ("out", out, torch.bfloat16, (s_q, h_q, d_v), "[s_q, h_q, d_v]"),
-        ("max_logits", max_logits, torch.float32, (s_q, h_q), "[s_q, h_q]"),
-        ("lse", lse, torch.float32, (s_q, h_q), "[s_q, h_q]"),
+    for name, signature, dtype, shape, row_major, layout in (
+        ("out", out, torch.bfloat16, (s_q, h_q, d_v), (h_q * d_v, d_v, 1), "[s_q, h_q, d_v]"),
+        ("max_logits", max_logits, torch.float32, (s_q, h_q), (h_q, 1), "[s_q, h_q]"),
+        ("lse", lse, torch.float32, (s_q, h_q), (h_q, 1), "[s_q, h_q]"),
     ):
-        if buffer is None:
+        if signature is None:
             continue
-        if type(buffer) is not torch.Tensor or buffer.dtype != dtype or buffer.shape != shape:
-            _require_tensor(name, buffer)
-            _require_dtype(name, buffer, dtype)
-            _require_shape(name, buffer, shape, layout)
-        if not buffer.is_contiguous():
-            raise ValueError(f"{name}: expected a contiguous tensor, got strides {list(buffer.stride())}")
-        outputs[name] = buffer
+        if signature[TYPE] is not torch.Tensor or signature[DTYPE] != dtype or signature[SHAPE] != shape:
+            _require_tensor(name, signature)
+            _require_dtype(name, signature, dtype)
+            _require_shape(name, signature, shape, layout)
+        strides = signature[STRIDES]
+        if strides != row_major and not _is_contiguous(shape, strides):
+            raise ValueError(f"{name}: expected a contiguous tensor, got strides {list(strides)}")
+        outputs[name] = signature
     if outputs:
         _check_no_overlap(outputs, inputs)
 
-    devices = {name: t.device for name, t in inputs.items()}
-    for name, buffer in outputs.items():
-        devices[name] = buffer.device
+    devices = {name: signature[DEVICE] for name, signature in inputs.items()}
+    for name, signature in outputs.items():
+        devices[name] = signature[DEVICE]
     check_device(devices)
-    return Problem(s_q=s_q, h_q=h_q, s_kv=s_kv, d_qk=d_qk, d_v=int(d_v), topk=topk, device=q.device)
+    return Problem(s_q, h_q, s_kv, d_qk, int(d_v), topk, q[DEVICE])
 
 
 def check_device(named_devices: Mapping[str, torch.device]) -> None:
     """Require every named device (``q``'s among them) to be a CUDA device, ``q``'s one, and an SM90 GPU."""
     device = named_devices["q"]
-    if any(other != device for other in named_devices.values()) or device.type != "cuda":
-        for name, other in named_devices.items():
-            if other.type != "cuda":
-                raise ValueError(f"{name}: expected a CUDA tensor, got device {other}")
-        for name, other in named_devices.items():
-            if other != device:
+    for other in named_devices.values():
+        if other != device:
+            break
+    else:
+        if device.type == "cuda":
+            capability = _device_capability(device)
+            if capability != SM90:
+                major, minor = capability
                 raise ValueError(
-                    f"{name}: expected a tensor on {device} (the device of q), got device {other}"
+                    f"q: expected a GPU of compute capability 9.0 (Hopper: H100, H200), "
+                    f"got {_device_name(device)} on {device} with compute capability {major}.{minor}"
                 )
-    capability = _device_capability(device)
-    if capability != SM90:
-        raise ValueError(
-            f"q: expected a GPU of compute capability 9.0 (Hopper: H100, H200), "
-            f"got {_device_name(device)} on {device} with compute capability {capability[0]}.{capability[1]}"
-        )
+            return
+    for name, other in named_devices.items():
+        if other.type != "cuda":
+            raise ValueError(f"{name}: expected a CUDA tensor, got device {other}")
+    for name, other in named_devices.items():
+        if other != device:
+            raise ValueError(f"{name}: expected a tensor on {device} (the device of q), got device {other}")
 
 
 _capabilities: dict[int, tuple[int, int]] = {}
@@ -189,8 +280,20 @@ def _device_name(device: torch.device) -> str:
 
 
 def check_ranges_enabled() -> bool:
-    """Whether ``Q8KV8_CHECK_RANGES=1`` asks for the eager (syncing) value checks."""
+    """Whether ``Q8KV8_CHECK_RANGES=1`` asks for the eager (syncing) value checks. Read on every call."""
+    if _ENCODED_ONE is not None:
+        try:  # CPython's os.environ keeps the encoded variables in a dict: no KeyError raised when unset
+            return os.environ._data.get(_ENCODED_CHECK_RANGES_ENV) == _ENCODED_ONE
+        except AttributeError:
+            pass
     return os.environ.get(CHECK_RANGES_ENV) == "1"
+
+
+try:
+    _ENCODED_CHECK_RANGES_ENV = os.environ.encodekey(CHECK_RANGES_ENV)
+    _ENCODED_ONE = os.environ.encodevalue("1")
+except AttributeError:  # not CPython's os._Environ: check_ranges_enabled takes os.environ.get
+    _ENCODED_CHECK_RANGES_ENV = _ENCODED_ONE = None
 
 
 def check_topk_length_range(topk_length: torch.Tensor | None, topk: int) -> None:
@@ -205,57 +308,96 @@ def check_topk_length_range(topk_length: torch.Tensor | None, topk: int) -> None
         )
 
 
-def _require_tensor(name: str, value) -> None:
-    if not isinstance(value, torch.Tensor):
-        raise TypeError(f"{name}: expected a torch.Tensor, got {type(value).__name__}")
+def _require_tensor(name: str, signature: tuple) -> None:
+    if not issubclass(signature[TYPE], torch.Tensor):
+        raise TypeError(f"{name}: expected a torch.Tensor, got {signature[TYPE].__name__}")
 
 
-def _require_dtype(name: str, tensor: torch.Tensor, dtype: torch.dtype) -> None:
-    if tensor.dtype != dtype:
-        raise TypeError(f"{name}: expected dtype {dtype}, got {tensor.dtype}")
+def _require_dtype(name: str, signature: tuple, dtype: torch.dtype) -> None:
+    if signature[DTYPE] != dtype:
+        raise TypeError(f"{name}: expected dtype {dtype}, got {signature[DTYPE]}")
 
 
-def _require_shape(name: str, tensor: torch.Tensor, shape: tuple[int, ...], layout: str) -> None:
-    if tuple(tensor.shape) != shape:
-        raise ValueError(f"{name}: expected shape {layout} = {list(shape)}, got {list(tensor.shape)}")
+def _require_shape(name: str, signature: tuple, shape: tuple[int, ...], layout: str) -> None:
+    if tuple(signature[SHAPE]) != shape:
+        raise ValueError(f"{name}: expected shape {layout} = {list(shape)}, got {list(signature[SHAPE])}")
 
 
-def _byte_range(tensor: torch.Tensor) -> tuple[int, int]:
-    """The half-open byte interval spanned by ``tensor``'s elements (a superset for strided tensors)."""
-    start = tensor.data_ptr()
-    if tensor.is_contiguous():
-        return start, start + tensor.nbytes
-    last = sum((size - 1) * stride for size, stride in zip(tensor.shape, tensor.stride(), strict=True))
-    return start, start + (last + 1) * tensor.element_size()
+def _is_contiguous(shape: tuple[int, ...], strides: tuple[int, ...]) -> bool:
+    """``Tensor.is_contiguous()`` from a shape and strides (size-1 dims may have any stride)."""
+    if 0 in shape:
+        return True
+    expected = 1
+    for size, stride in zip(reversed(shape), reversed(strides), strict=True):
+        if size != 1:
+            if stride != expected:
+                return False
+            expected *= size
+    return True
 
 
-def _span(tensor: torch.Tensor) -> tuple[int, int, torch.device] | None:
-    """``(start, end, device)`` of the bytes ``tensor`` may touch; None for an empty tensor."""
-    return (*_byte_range(tensor), tensor.device) if tensor.nbytes else None
-
-
-def _spans_meet(a: tuple[int, int, torch.device], b: tuple[int, int, torch.device]) -> bool:
-    return a[0] < b[1] and b[0] < a[1] and a[2] == b[2]
+def _span(signature: tuple) -> tuple[int, int] | None:
+    """The half-open byte interval ``(start, end)`` that a tensor's elements may touch, from its signature
+    (exactly its bytes when it is contiguous, a superset when strided); None for an empty tensor."""
+    _, shape, strides, dtype, _, start = signature
+    if 0 in shape:
+        return None
+    # The offset of the last element, in elements: sum((size - 1) * stride), spelt out for this
+    # function's ranks (a generator expression costs twice as much).
+    rank = len(shape)
+    if rank == 3:
+        (size_0, size_1, size_2), (stride_0, stride_1, stride_2) = shape, strides
+        last = (size_0 - 1) * stride_0 + (size_1 - 1) * stride_1 + (size_2 - 1) * stride_2
+    elif rank == 2:
+        (size_0, size_1), (stride_0, stride_1) = shape, strides
+        last = (size_0 - 1) * stride_0 + (size_1 - 1) * stride_1
+    elif rank == 1:
+        last = (shape[0] - 1) * strides[0]
+    else:
+        last = sum((size - 1) * stride for size, stride in zip(shape, strides, strict=True))
+    return start, start + (last + 1) * dtype.itemsize
 
 
 def _overlaps(a: torch.Tensor, b: torch.Tensor) -> bool:
     """Conservatively, whether ``a`` and ``b`` may share memory: their byte intervals on one device meet
-    (empty tensors never overlap). The same test ``_check_no_overlap`` applies."""
-    span_a, span_b = _span(a), _span(b)
-    return span_a is not None and span_b is not None and _spans_meet(span_a, span_b)
+    (empty tensors never overlap). The test ``_check_no_overlap`` applies."""
+    signature_a, signature_b = _signature(a), _signature(b)
+    span_a, span_b = _span(signature_a), _span(signature_b)
+    return (
+        span_a is not None
+        and span_b is not None
+        and span_a[0] < span_b[1]
+        and span_b[0] < span_a[1]
+        and signature_a[DEVICE] == signature_b[DEVICE]
+    )
 
 
-def _check_no_overlap(outputs: dict[str, torch.Tensor], inputs: dict[str, torch.Tensor]) -> None:
-    """Raise ValueError when an output buffer may share memory with an earlier output or an input.
+def _check_no_overlap(outputs: dict[str, tuple], inputs: dict[str, tuple]) -> None:
+    """Raise ValueError when an output buffer may share memory with an earlier output or an input (by
+    their signatures): one byte interval per tensor (``_span``) on one device, the test of ``_overlaps``.
 
-    On the hot path of every call that passes buffers: one byte interval per tensor."""
-    input_spans = [(name, span) for name, tensor in inputs.items() if (span := _span(tensor))]
-    output_spans: list[tuple[str, tuple[int, int, torch.device]]] = []
-    for name, buffer in outputs.items():
-        span = _span(buffer)
-        if span is None:
-            continue
-        for other, other_span in output_spans + input_spans:
-            if _spans_meet(span, other_span):
+    A sweep over the intervals sorted by start finds whether any output's interval meets another one;
+    only then are they compared in argument order, devices included, for the message."""
+    input_spans = [
+        (*span, False, name, signature[DEVICE])
+        for name, signature in inputs.items()
+        if (span := _span(signature))
+    ]
+    output_spans = [
+        (*span, True, name, signature[DEVICE])
+        for name, signature in outputs.items()
+        if (span := _span(signature))
+    ]
+    max_end = max_output_end = 0  # over the intervals swept so far, and over the outputs among them
+    for start, end, is_output, _, _ in sorted(input_spans + output_spans):
+        if start < (max_end if is_output else max_output_end):
+            break
+        max_end = max(max_end, end)
+        if is_output:
+            max_output_end = max(max_output_end, end)
+    else:
+        return
+    for index, (start, end, _, name, device) in enumerate(output_spans):
+        for other_start, other_end, _, other, other_device in output_spans[:index] + input_spans:
+            if start < other_end and other_start < end and device == other_device:
                 raise ValueError(f"{name}: expected memory of its own, got memory overlapping {other}")
-        output_spans.append((name, span))

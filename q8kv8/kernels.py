@@ -31,6 +31,7 @@ import subprocess
 import tempfile
 import threading
 import time
+import traceback
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -46,7 +47,10 @@ _PACKAGE_ROOT = Path(__file__).resolve().parent.parent
 
 
 class KernelCompileError(RuntimeError):
-    """A kernel variant failed to compile or load; the message names the variant."""
+    """A kernel variant failed to compile or load; the one-line message names the variant, and
+    ``log_path`` the file with the full report (the DSL's own error, often pages of MLIR)."""
+
+    log_path: Path | None = None
 
 
 @dataclass
@@ -213,11 +217,17 @@ def _build_or_load(d_qk: int, precision: str) -> Variant:
                 _write_atomic(ptx_path, compiled.__ptx__.encode())
             function = cute.runtime.load_module(str(object_path), enable_tvm_ffi=True)[EXPORTED_FUNCTION]
         except Exception as exc:
+            # One line naming the variant; the DSL's full report (often pages of MLIR) goes to a file
+            # next to the cache entry, not into the traceback.
+            log_path = entry / f"{name}.error.txt"
+            _write_atomic(log_path, "".join(traceback.format_exception(exc)).encode())
             first_line = (str(exc).strip().splitlines() or [type(exc).__name__])[0][:300]
-            raise KernelCompileError(
+            error = KernelCompileError(
                 f"q8kv8: building kernel variant {name} for {TARGET_ARCH} failed: "
-                f"{type(exc).__name__}: {first_line}"
-            ) from exc
+                f"{type(exc).__name__}: {first_line} (full report: {log_path})"
+            )
+            error.log_path = log_path
+            raise error from None
     return Variant(
         name, d_qk, precision, function, "compiled", time.perf_counter() - start, object_path, ptx_path
     )
@@ -279,17 +289,22 @@ def ptxas_report(variant: Variant) -> PtxasReport | None:
     )
 
 
-_dummy_tensors: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}
+_dummy_tensors: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
 
 
-def _dummies(device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-    """Placeholders passed for an absent topk_length / attn_sink (the kernel's flags say absent)."""
-    if device not in _dummy_tensors:
-        _dummy_tensors[device] = (
-            torch.zeros(1, dtype=torch.int32, device=device),
-            torch.zeros(1, dtype=torch.float32, device=device),
+def _dummies(like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Placeholders passed for an absent topk_length / attn_sink (the kernel's flags say absent), on the
+    device of ``like``; made once per device (keyed by ``like.get_device()``)."""
+    dummies = _dummy_tensors.get(like.get_device())
+    if dummies is None:
+        dummies = _dummy_tensors[like.get_device()] = (
+            torch.zeros(1, dtype=torch.int32, device=like.device),
+            torch.zeros(1, dtype=torch.float32, device=like.device),
         )
-    return _dummy_tensors[device]
+    return dummies
+
+
+_gpu_count: int | None = None  # visible GPUs, counted on the first launch
 
 
 def launch_sparse_prefill(
@@ -297,31 +312,38 @@ def launch_sparse_prefill(
 ) -> None:
     """Launch the kernel on validated tensors: q, out, max_logits, lse row-major with a head count that
     is a multiple of 64; kv and indices with a contiguous last dimension; one-element scales."""
+    global _gpu_count
     key = (q.shape[2], precision)
     variant = _variants.get(key) or load_variants()[key]
     if q.data_ptr() % 16:  # the Q tile is loaded by TMA
         q = q.clone()
-    if kv.data_ptr() % 16 or kv.stride(0) % 16:  # rows are gathered with 16-byte copies
+    if kv.data_ptr() % 16 or kv.stride()[0] % 16:  # rows are gathered with 16-byte copies
         kv = kv.clone(memory_format=torch.contiguous_format)
     kernel_out = out if out.data_ptr() % 4 == 0 else torch.empty_like(out)
-    no_topk_length, no_sink = _dummies(q.device)
-    device_index = q.device.index
-    guard = torch.cuda.device(device_index) if device_index != torch.cuda.current_device() else _NO_GUARD
-    with guard:
-        variant.function(
-            q,
-            kv,
-            indices,
-            no_topk_length if topk_length is None else topk_length,
-            no_sink if attn_sink is None else attn_sink,
-            q_scale if q_scale.dim() == 1 else q_scale.reshape(1),
-            kv_scale if kv_scale.dim() == 1 else kv_scale.reshape(1),
-            kernel_out,
-            max_logits,
-            lse,
-            sm_scale * _LOG2_E,
-            (topk_length is not None) | ((attn_sink is not None) << 1),
-        )
+    no_topk_length, no_sink = _dummies(q)
+    if _gpu_count is None:
+        _gpu_count = torch.cuda.device_count()
+    args = (
+        q,
+        kv,
+        indices,
+        no_topk_length if topk_length is None else topk_length,
+        no_sink if attn_sink is None else attn_sink,
+        q_scale if q_scale.dim() == 1 else q_scale.reshape(1),
+        kv_scale if kv_scale.dim() == 1 else kv_scale.reshape(1),
+        kernel_out,
+        max_logits,
+        lse,
+        sm_scale * _LOG2_E,
+        (topk_length is not None) | ((attn_sink is not None) << 1),
+    )
+    # The kernel launches on the current device: make it q's when it is not (only possible with several
+    # GPUs, so with one the current device is not even queried).
+    if _gpu_count > 1 and q.get_device() != torch.cuda.current_device():
+        with torch.cuda.device(q.get_device()):
+            variant.function(*args)
+    else:
+        variant.function(*args)
     if kernel_out is not out:
         out.copy_(kernel_out)
 

@@ -268,3 +268,27 @@ def test_cuda_graph_replays_repeatedly(make_inputs):
         run_kernel(inputs)  # eager launches between replays, on the same stream
         torch.cuda.synchronize()
         assert torch.equal(out, eager[0]) and torch.equal(max_logits, eager[1]) and torch.equal(lse, eager[2])
+
+
+def test_side_stream_ordered_by_events(make_inputs, randn_fp8):
+    """A call on a non-default stream, ordered only by events: it waits for an event recorded after its
+    input is written on the main stream, and the main stream reads its outputs after waiting for an event
+    recorded after it (no device-wide sync before the comparison)."""
+    inputs = make_inputs(16, 64, 2000, 576, 256, device="cuda", with_sink=True, with_topk_length=True)
+    q_later = randn_fp8(16, 64, 576, device="cuda")
+    expected = run_kernel(dict(inputs, q=q_later))
+    out, max_logits, lse = (torch.full_like(t, math.nan) for t in expected)
+    main, side = torch.cuda.current_stream(), torch.cuda.Stream()
+    side.wait_stream(main)  # the buffers' fill
+    written, done = torch.cuda.Event(), torch.cuda.Event()
+    torch.cuda._sleep(100_000_000)  # on main: the write below lands tens of ms later
+    inputs["q"].copy_(q_later)
+    written.record(main)
+    side.wait_event(written)
+    with torch.cuda.stream(side):
+        got = sparse_mla_q8kv8_prefill_fwd(**inputs, out=out, max_logits=max_logits, lse=lse)
+        done.record(side)
+    assert not done.query(), "the call should be queued on the side stream behind the event"
+    main.wait_event(done)
+    for a, b in zip(expected, got, strict=True):  # read on the main stream
+        assert torch.equal(a, b)

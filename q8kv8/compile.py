@@ -1,0 +1,36 @@
+"""``python -m q8kv8.compile``: build every kernel variant ahead of time, into the disk cache.
+
+Run it once per machine (or in a container build) so that no process pays the compile: it builds each
+variant for sm_90a (no GPU needed) or loads it when the cache already holds it, and prints, for each,
+its name, where it came from (``compiled`` or ``cache``) and the seconds it took, then the cache
+location. The cache is ``$Q8KV8_CACHE_DIR`` (default ``~/.cache/q8kv8``); see ``q8kv8.kernels``.
+
+Exits with status 1, printing the one-line ``KernelCompileError``, when a variant fails to build.
+"""
+
+import argparse
+import sys
+
+
+def main(argv: list[str] | None = None) -> int:
+    argparse.ArgumentParser(
+        prog="python -m q8kv8.compile",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    ).parse_args(argv)
+    from q8kv8 import kernels
+
+    try:
+        variants = kernels.load_variants()
+    except kernels.KernelCompileError as error:
+        print(error, file=sys.stderr)
+        return 1
+    print(f"{'variant':32s} {'from':9s} {'seconds':>8s}")
+    for variant in variants.values():
+        print(f"{variant.name:32s} {variant.source:9s} {variant.seconds:8.3f}")
+    print(f"cache: {kernels.cache_dir()}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

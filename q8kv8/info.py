@@ -1,0 +1,124 @@
+"""``python -m q8kv8.info`` and ``q8kv8.info()``: what this installation runs with.
+
+Versions (q8kv8, torch and its CUDA, the CuTe DSL, TVM-FFI, cuda-python, ptxas), the GPU and its arch
+(or "none"), the kernel variants (where each came from, registers per thread from ``ptxas -v``,
+shared memory per CTA) and the disk cache (location, this process's hits and misses).
+
+``info()`` returns a dict; ``python -m q8kv8.info`` prints it as a table. The module is callable, so
+``q8kv8.info()`` is ``q8kv8.info.info()``.
+"""
+
+import importlib.metadata
+import re
+import shutil
+import subprocess
+import sys
+import types
+
+import torch
+
+
+def info() -> dict:
+    """Versions, GPU, kernel variants and cache of this installation (builds or loads the variants)."""
+    import q8kv8
+    from q8kv8 import kernels
+
+    variants = kernels.load_variants()
+    gpu, arch = "none", "none"
+    if torch.cuda.is_available():
+        major, minor = torch.cuda.get_device_capability()
+        gpu, arch = torch.cuda.get_device_name(), f"sm_{major}{minor}"
+    return {
+        "versions": {
+            "q8kv8": q8kv8.__version__,
+            "torch": torch.__version__,
+            "cuda (torch build)": torch.version.cuda or "none",
+            "nvidia-cutlass-dsl": _distribution_version("nvidia-cutlass-dsl"),
+            "apache-tvm-ffi": _distribution_version("apache-tvm-ffi"),
+            "cuda-python": _distribution_version("cuda-python"),
+            "ptxas": _ptxas_version(),
+        },
+        "gpu": gpu,
+        "arch": arch,
+        "target_arch": kernels.TARGET_ARCH,
+        "variants": [_describe(kernels, variant) for variant in variants.values()],
+        "cache": {
+            "dir": str(kernels.cache_dir()),
+            "hits": kernels.cache_stats.hits,
+            "misses": kernels.cache_stats.misses,
+            "rebuilt_corrupt": kernels.cache_stats.rebuilt_corrupt,
+        },
+    }
+
+
+def _describe(kernels, variant) -> dict:
+    report = kernels.ptxas_report(variant)
+    return {
+        "name": variant.name,
+        "d_qk": variant.d_qk,
+        "precision": variant.precision,
+        "source": variant.source,
+        "seconds": variant.seconds,
+        "registers": None if report is None else report.registers,
+        "spill_bytes": None if report is None else report.spill_store_bytes + report.spill_load_bytes,
+        "shared_memory_bytes": kernels.shared_memory_bytes(variant.d_qk, variant.precision),
+        "object": str(variant.object_path),
+    }
+
+
+def _distribution_version(name: str) -> str:
+    try:
+        return importlib.metadata.version(name)
+    except importlib.metadata.PackageNotFoundError:
+        return "not installed"
+
+
+def _ptxas_version() -> str:
+    ptxas = shutil.which("ptxas")
+    if ptxas is None:
+        return "not on PATH"
+    text = subprocess.run([ptxas, "--version"], capture_output=True, text=True).stdout
+    match = re.search(r"release ([\d.]+)", text)
+    return match.group(1) if match else "unknown"
+
+
+def main() -> int:
+    report = info()
+    width = max(len(name) for name in report["versions"])
+    for name, version in report["versions"].items():
+        print(f"{name:{width}s}  {version}")
+    gpu = report["gpu"] if report["gpu"] == "none" else f"{report['gpu']} ({report['arch']})"
+    print(f"{'gpu':{width}s}  {gpu}; kernels built for {report['target_arch']}")
+    cache = report["cache"]
+    print(
+        f"{'cache':{width}s}  {cache['dir']} (this process: {cache['hits']} hits, {cache['misses']} misses, "
+        f"{cache['rebuilt_corrupt']} rebuilt)"
+    )
+    header = (
+        f"{'variant':32s} {'d_qk':>5s} {'from':9s} {'seconds':>8s} {'regs':>5s} {'spills':>7s} {'smem B':>8s}"
+    )
+    print(f"\n{header}")
+    for variant in report["variants"]:
+        print(
+            f"{variant['name']:32s} {variant['d_qk']:5d} {variant['source']:9s} {variant['seconds']:8.3f} "
+            f"{_or_na(variant['registers']):>5s} {_or_na(variant['spill_bytes']):>7s} "
+            f"{variant['shared_memory_bytes']:8d}"
+        )
+    return 0
+
+
+def _or_na(value) -> str:
+    return "n/a" if value is None else str(value)
+
+
+class _CallableModule(types.ModuleType):
+    """Makes ``q8kv8.info()`` call ``info()`` although ``q8kv8.info`` is this module."""
+
+    def __call__(self) -> dict:
+        return info()
+
+
+sys.modules[__name__].__class__ = _CallableModule
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,107 @@
+"""Host time of one call measured without a GPU: the Python the GPU host runs around the kernel.
+
+CPU tensors stand in for CUDA ones. The device check runs for real on stand-in ``cuda:0`` devices (the
+capability cached as (9, 0), as after the first call on an H100/H200), the kernel is a no-op function,
+so the rows below are the package's own host time; the GPU host adds the TVM-FFI call (5.4 us there).
+A "memo miss" row is a call whose argument signature the contract has not seen (new shapes, new buffers):
+the memo is emptied before each call. Thread CPU time, the best of several repeats, so that other load on
+the machine counts least. The script also runs from an older checkout (copy it there) for a before/after.
+
+    python scripts/host_overhead_cpu.py
+"""
+
+import os
+import sys
+import time
+import types
+from pathlib import Path
+
+os.environ.setdefault("Q8KV8_COMPILE_AT_IMPORT", "0")  # nothing here needs the compiled kernels
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+import torch  # noqa: E402
+
+import q8kv8  # noqa: E402
+from q8kv8 import contract, kernels  # noqa: E402
+
+S_Q, H_Q, S_KV, D_QK, TOPK = 1, 64, 256, 576, 128
+
+
+def per_call_us(fn, calls: int = 2000, repeats: int = 15) -> float:
+    for _ in range(200):
+        fn()
+    best = float("inf")
+    for _ in range(repeats):
+        start = time.thread_time()
+        for _ in range(calls):
+            fn()
+        best = min(best, (time.thread_time() - start) / calls)
+    return best * 1e6
+
+
+class _EveryKey(dict):
+    """A variant registry that hands out one fake variant whatever the key."""
+
+    def __init__(self, variant):
+        super().__init__()
+        self.variant = variant
+
+    def get(self, key, default=None):
+        return self.variant
+
+
+def main() -> None:
+    fp8 = torch.float8_e4m3fn
+    inputs = {
+        "q": torch.zeros(S_Q, H_Q, D_QK, dtype=fp8),
+        "kv": torch.zeros(S_KV, 1, D_QK, dtype=fp8),
+        "indices": torch.zeros(S_Q, 1, TOPK, dtype=torch.int32),
+        "sm_scale": D_QK**-0.5,
+        "q_scale": torch.ones(1),
+        "kv_scale": torch.ones(1),
+    }
+    buffers = {
+        "out": torch.empty(S_Q, H_Q, 512, dtype=torch.bfloat16),
+        "max_logits": torch.empty(S_Q, H_Q),
+        "lse": torch.empty(S_Q, H_Q),
+    }
+    check_args = (*inputs.values(), 512, None, None, *buffers.values(), "default")
+    check_args_no_buffers = (*inputs.values(), 512, None, None, None, None, None, "default")
+
+    # The real device check, on stand-in CUDA devices of a cached SM90 capability.
+    contract._capabilities[0] = (9, 0)
+    real_check_device = contract.check_device
+    cuda0 = torch.device("cuda:0")
+    contract.check_device = lambda named: real_check_device(dict.fromkeys(named, cuda0))
+
+    # The kernel: a no-op function in place of the compiled one; q8kv8.kernels' launch wrapper runs.
+    torch.cuda.current_device = lambda: None  # CPU tensors have device index None (one GPU: never switch)
+    variant = types.SimpleNamespace(function=lambda *args: None, name="no-op", d_qk=D_QK)
+    kernels._variants = _EveryKey(variant)
+    launch_args = (
+        inputs["q"], inputs["kv"], inputs["indices"], None, None, inputs["q_scale"], inputs["kv_scale"],
+        inputs["sm_scale"], *buffers.values(), "default",
+    )  # fmt: skip
+
+    memo = getattr(contract, "_memo", {})
+
+    def memo_miss(args):
+        memo.clear()
+        contract.check_inputs(*args)
+
+    rows = {
+        "contract.check_inputs, buffers given": lambda: contract.check_inputs(*check_args),
+        "contract.check_inputs, buffers given, memo miss": lambda: memo_miss(check_args),
+        "contract.check_inputs, no buffers": lambda: contract.check_inputs(*check_args_no_buffers),
+        "contract.check_inputs, no buffers, memo miss": lambda: memo_miss(check_args_no_buffers),
+        "kernels.launch_sparse_prefill (no-op kernel)": lambda: kernels.launch_sparse_prefill(*launch_args),
+        "full call, buffers given (no-op kernel)": lambda: q8kv8.sparse_mla_q8kv8_prefill_fwd(
+            **inputs, **buffers
+        ),
+    }
+    for name, fn in rows.items():
+        print(f"{name:48s} {per_call_us(fn):6.2f} us")
+
+
+if __name__ == "__main__":
+    main()

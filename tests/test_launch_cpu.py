@@ -1,0 +1,149 @@
+"""The launch wrapper ``kernels.launch_sparse_prefill`` on CPU: what reaches the compiled function.
+
+The compiled function is replaced by a recorder (every variant key gets it), so these run without a GPU
+or a compiled kernel: placeholders and flags for absent options, the scale folded with log2(e),
+re-alignment copies, and the device switch that only several GPUs need.
+"""
+
+import contextlib
+import math
+import types
+
+import pytest
+import torch
+
+from q8kv8 import kernels
+
+S_Q, H, S_KV, D_QK, D_V, TOPK = 3, 64, 40, 576, 512, 128
+FUNCTION_PARAMETERS = (
+    "q",
+    "kv",
+    "indices",
+    "topk_length",
+    "attn_sink",
+    "q_scale",
+    "kv_scale",
+    "out",
+    "max_logits",
+    "lse",
+    "scale_log2",
+    "flags",
+)
+
+
+class EveryKey(dict):
+    """A variant registry that hands out one variant whatever the key (d_qk, or d_qk and precision)."""
+
+    def __init__(self, variant):
+        super().__init__()
+        self.variant = variant
+
+    def get(self, key, default=None):
+        return self.variant
+
+    def __getitem__(self, key):
+        return self.variant
+
+
+@pytest.fixture
+def calls(monkeypatch) -> list[dict]:
+    recorded = []
+
+    def function(*args):
+        recorded.append(dict(zip(FUNCTION_PARAMETERS, args, strict=True)))
+
+    variant = types.SimpleNamespace(function=function, name="recorder", d_qk=D_QK)
+    monkeypatch.setattr(kernels, "_variants", EveryKey(variant))
+    monkeypatch.setattr(kernels, "_gpu_count", 1)
+    return recorded
+
+
+def launch_args(**changes) -> dict:
+    args = {
+        "q": torch.zeros(S_Q, H, D_QK, dtype=torch.float8_e4m3fn),
+        "kv": torch.zeros(S_KV, 1, D_QK, dtype=torch.float8_e4m3fn),
+        "indices": torch.zeros(S_Q, 1, TOPK, dtype=torch.int32),
+        "topk_length": None,
+        "attn_sink": None,
+        "q_scale": torch.ones(1),
+        "kv_scale": torch.ones(1),
+        "sm_scale": 0.125,
+        "out": torch.empty(S_Q, H, D_V, dtype=torch.bfloat16),
+        "max_logits": torch.empty(S_Q, H),
+        "lse": torch.empty(S_Q, H),
+        "precision": "default",
+    }
+    return args | changes
+
+
+def test_absent_options_get_placeholders_and_flags_0(calls):
+    args = launch_args()
+    kernels.launch_sparse_prefill(*args.values())
+    [call] = calls
+    assert call["flags"] == 0
+    assert call["topk_length"].dtype == torch.int32 and call["topk_length"].shape == (1,)
+    assert call["attn_sink"].dtype == torch.float32 and call["attn_sink"].shape == (1,)
+    assert call["scale_log2"] == pytest.approx(0.125 * math.log2(math.e), rel=1e-15)
+    for name in ("q", "kv", "indices", "q_scale", "kv_scale", "out", "max_logits", "lse"):
+        assert call[name] is args[name], name  # aligned, valid tensors pass untouched (no copies)
+
+
+def test_given_options_are_passed_and_flagged(calls):
+    topk_length, sink = torch.zeros(S_Q, dtype=torch.int32), torch.zeros(H)
+    kernels.launch_sparse_prefill(*launch_args(topk_length=topk_length, attn_sink=sink).values())
+    kernels.launch_sparse_prefill(*launch_args(attn_sink=sink).values())
+    assert calls[0]["topk_length"] is topk_length and calls[0]["attn_sink"] is sink
+    assert [call["flags"] for call in calls] == [3, 2]
+
+
+def test_zero_dim_scales_are_passed_as_one_element_vectors(calls):
+    kernels.launch_sparse_prefill(
+        *launch_args(q_scale=torch.tensor(0.5), kv_scale=torch.tensor(2.0)).values()
+    )
+    [call] = calls
+    assert call["q_scale"].shape == (1,) and call["q_scale"].item() == 0.5
+    assert call["kv_scale"].shape == (1,) and call["kv_scale"].item() == 2.0
+
+
+def test_misaligned_tensors_are_copied_to_aligned_ones(calls):
+    q_bytes = torch.arange(S_Q * H * D_QK + 1, dtype=torch.int32).to(torch.uint8)
+    q = q_bytes[1:].view(torch.float8_e4m3fn).view(S_Q, H, D_QK)  # 1 byte off 16
+    kv_rows = torch.arange(S_KV * (D_QK + 8), dtype=torch.int32).to(torch.uint8).view(S_KV, 1, D_QK + 8)
+    kv = kv_rows[:, :, :D_QK].view(torch.float8_e4m3fn)  # row stride 584 bytes: not a multiple of 16
+    out_bytes = torch.zeros(S_Q * H * D_V + 1, dtype=torch.bfloat16)
+    out = out_bytes[1:].view(S_Q, H, D_V)  # 2 bytes off 4
+    assert q.data_ptr() % 16 and kv.stride(0) % 16 and out.data_ptr() % 4
+
+    def fill_out(*args):
+        call = dict(zip(FUNCTION_PARAMETERS, args, strict=True))
+        calls.append(call)
+        call["out"].fill_(7.0)
+
+    kernels._variants.variant.function = fill_out
+    kernels.launch_sparse_prefill(*launch_args(q=q, kv=kv, out=out).values())
+    [call] = calls
+    assert call["q"].data_ptr() % 16 == 0 and torch.equal(call["q"].view(torch.uint8), q.view(torch.uint8))
+    assert call["kv"].data_ptr() % 16 == 0 and call["kv"].stride(0) % 16 == 0
+    assert torch.equal(call["kv"].view(torch.uint8), kv.view(torch.uint8))
+    assert call["out"] is not out and call["out"].data_ptr() % 4 == 0
+    assert (out == 7.0).all()  # written back into the caller's buffer
+
+
+@pytest.mark.parametrize(("gpu_count", "current", "switches"), [(1, 5, False), (2, -1, False), (2, 5, True)])
+def test_the_device_is_switched_only_when_another_is_current(
+    calls, monkeypatch, gpu_count, current, switches
+):
+    entered = []
+
+    @contextlib.contextmanager
+    def device(index):
+        entered.append(index)
+        yield
+
+    monkeypatch.setattr(kernels, "_gpu_count", gpu_count)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: current)
+    monkeypatch.setattr(torch.cuda, "device", device)
+    args = launch_args()
+    kernels.launch_sparse_prefill(*args.values())  # CPU tensors: q.get_device() is -1
+    assert entered == ([args["q"].get_device()] if switches else [])
+    assert len(calls) == 1

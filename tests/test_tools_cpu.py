@@ -1,0 +1,123 @@
+"""``python -m q8kv8.compile``, ``python -m q8kv8.info`` / ``q8kv8.info()`` and build failures (CPU).
+
+The commands run in subprocesses on the test session's kernel cache (filled when ``q8kv8`` was imported),
+so they load the variants rather than compile them again.
+"""
+
+import os
+import re
+import subprocess
+import sys
+import traceback
+from pathlib import Path
+
+import pytest
+import torch
+
+import q8kv8
+from q8kv8 import compile as compile_command
+from q8kv8 import kernels
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def run_module(module: str) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", module], cwd=REPO, env=dict(os.environ), capture_output=True, text=True
+    )
+
+
+@pytest.fixture(scope="module")
+def variants() -> dict:
+    return kernels.load_variants()
+
+
+def test_python_m_compile_lists_every_variant_and_the_cache(variants):
+    result = run_module("q8kv8.compile")
+    assert result.returncode == 0, result.stderr
+    lines = result.stdout.splitlines()
+    for variant in variants.values():
+        [line] = [line for line in lines if line.split()[0] == variant.name]
+        _, source, seconds = line.split()
+        assert source == "cache" and float(seconds) < 5.0  # the session's import filled the cache
+    assert lines[-1] == f"cache: {kernels.cache_dir()}"
+
+
+def test_compile_main_prints_what_this_process_built(variants, capsys):
+    assert compile_command.main([]) == 0
+    out = capsys.readouterr().out
+    for variant in variants.values():
+        assert re.search(rf"^{variant.name}\s+{variant.source}\s+\d+\.\d{{3}}$", out, re.MULTILINE)
+    assert f"cache: {kernels.cache_dir()}" in out
+
+
+def test_compile_main_reports_a_failure_in_one_line(monkeypatch, capsys):
+    def fail():
+        raise kernels.KernelCompileError("q8kv8: building kernel variant v for sm_90a failed: E: boom")
+
+    monkeypatch.setattr(kernels, "load_variants", fail)
+    assert compile_command.main([]) == 1
+    captured = capsys.readouterr()
+    assert captured.err == "q8kv8: building kernel variant v for sm_90a failed: E: boom\n"
+
+
+def test_dsl_compile_failure_is_one_line_naming_the_variant(tmp_path, monkeypatch):
+    mlir = "\n".join(
+        f'  %{i} = "cute.gemm"(%a, %b) : (!cute.tensor<...>) -> () loc(#loc{i})' for i in range(3000)
+    )
+
+    def compile_fails(*args, **kwargs):
+        raise RuntimeError(f"MLIR verification failed: operand #0 must be ...\n{mlir}")
+
+    monkeypatch.setenv("Q8KV8_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(kernels, "_variants", {})
+    monkeypatch.setattr(kernels, "cache_stats", kernels.CacheStats())
+    monkeypatch.setattr(kernels, "_compile", compile_fails)
+    with pytest.raises(kernels.KernelCompileError) as caught:
+        kernels.load_variants()
+
+    error = caught.value
+    message = str(error)
+    assert "\n" not in message and len(message) < 600
+    assert re.match(
+        r"q8kv8: building kernel variant sparse_prefill_sm90_d\d+\S* for sm_90a failed: ", message
+    )
+    assert "RuntimeError: MLIR verification failed: operand #0 must be ..." in message
+    assert error.__cause__ is None and error.__suppress_context__  # the MLIR stays out of the traceback
+    printed = "".join(traceback.format_exception(error))
+    assert "cute.gemm" not in printed and len(printed) < 4000
+    assert str(error.log_path) in message and "cute.gemm" in error.log_path.read_text()  # kept for debugging
+
+
+def test_info_reports_versions_gpu_variants_and_cache(variants):
+    report = q8kv8.info()  # the module is callable
+    assert report == q8kv8.info.info()
+    assert report["versions"]["q8kv8"] == q8kv8.__version__
+    assert report["versions"]["torch"] == torch.__version__
+    for name in ("nvidia-cutlass-dsl", "apache-tvm-ffi", "cuda (torch build)", "ptxas"):
+        assert report["versions"][name]
+    if torch.cuda.is_available():
+        assert report["gpu"] == torch.cuda.get_device_name() and report["arch"].startswith("sm_")
+    else:
+        assert report["gpu"] == report["arch"] == "none"
+    assert [v["name"] for v in report["variants"]] == [v.name for v in variants.values()]
+    for described in report["variants"]:
+        assert described["shared_memory_bytes"] == kernels.shared_memory_bytes(
+            described["d_qk"], described["precision"]
+        )
+        assert described["shared_memory_bytes"] <= 227 * 1024  # fits an SM90 CTA
+        assert described["registers"] is None or 0 < described["registers"] <= 168
+    assert report["cache"]["dir"] == str(kernels.cache_dir())
+    assert report["cache"]["hits"] + report["cache"]["misses"] >= len(variants)
+
+
+def test_python_m_info_prints_a_table(variants):
+    result = run_module("q8kv8.info")
+    assert result.returncode == 0, result.stderr
+    assert "RuntimeWarning" not in result.stderr
+    out = result.stdout
+    assert re.search(rf"^q8kv8\s+{re.escape(q8kv8.__version__)}$", out, re.MULTILINE)
+    assert re.search(r"^gpu\s+\S", out, re.MULTILINE)
+    assert re.search(rf"^cache\s+{re.escape(str(kernels.cache_dir()))} \(this process: ", out, re.MULTILINE)
+    for variant in variants.values():
+        assert re.search(rf"^{variant.name}\s+{variant.d_qk}\s+(cache|compiled)\s", out, re.MULTILINE)
