@@ -515,11 +515,13 @@ def launch_cast_q_fp8(q, q_scale, out) -> None:
 
 
 def load_serving_variants() -> dict[str, Variant]:
-    """Build or load every kernel of the paged serving path (the four gathers and both query casts)."""
+    """Build or load every kernel of the paged serving path (the four gathers, both query casts and
+    both bf16 attention variants)."""
     variants = {v.name: v for v in load_paged_kv_variants().values()}
     for d in (512, 576):
         variant = load_q_cast_variant(d)
         variants[variant.name] = variant
+    variants.update({v.name: v for v in load_bf16_variants().values()})
     return variants
 
 
