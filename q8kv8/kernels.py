@@ -606,7 +606,9 @@ def bf16_shared_memory_bytes(d_qk: int) -> int:
     return SparsePrefillBf16Sm90(d_qk).shared_memory_bytes()
 
 
-def launch_sparse_prefill_bf16(q, kv, indices, topk_length, attn_sink, sm_scale, out, max_logits, lse) -> None:
+def launch_sparse_prefill_bf16(
+    q, kv, indices, topk_length, attn_sink, sm_scale, out, max_logits, lse
+) -> None:
     """Launch the bf16 kernel on validated tensors (the hook ``serving._cuda_attention_bf16`` calls):
     q [s_q, h, d_qk] bf16 row-major with h a multiple of 64, kv [s_kv, 1, d_qk] bf16 (last dim
     contiguous), indices [s_q, 1, topk] int32 (last dim contiguous, topk a multiple of 128),
