@@ -537,9 +537,126 @@ def launch_cast_q_fp8(q, q_scale, out) -> None:
 
 
 def load_serving_variants() -> dict[str, Variant]:
-    """Build or load every kernel of the paged serving path (the four gathers and both query casts)."""
+    """Build or load every kernel of the paged serving path (the four gathers, both query casts and
+    both bf16 attention variants)."""
     variants = {v.name: v for v in load_paged_kv_variants().values()}
     for d in (512, 576):
         variant = load_q_cast_variant(d)
         variants[variant.name] = variant
+    variants.update({v.name: v for v in load_bf16_variants().values()})
     return variants
+
+
+# ------------------------------------------------------------------------------------------------
+# BF16 attention (cute_kernels/sm90/sparse_prefill_bf16.py): the bf16 instantiation of the sparse
+# prefill kernel, variants by d_qk (512, 576), built on first use (or by load_bf16_variants()) and
+# disk-cached next to the FP8 variants (same key, lock and integrity check).
+# ------------------------------------------------------------------------------------------------
+BF16_FUNCTION = "sparse_prefill_bf16"
+bf16_cache_stats = CacheStats()
+_bf16_variants: dict[int, Variant] = {}
+
+
+def bf16_variant_name(d_qk: int) -> str:
+    return f"sparse_prefill_bf16_sm90_d{d_qk}"
+
+
+def _compile_bf16(d_qk: int, dump_dir: Path):
+    """Trace and compile one bf16 attention variant with fake tensors (dynamic extents)."""
+    cutlass, cute = _import_dsl()
+    from cutlass import BFloat16, Float32, Int32
+
+    from cute_kernels.sm90.sparse_prefill_bf16 import SparsePrefillBf16Sm90
+
+    fake = cute.runtime.make_fake_compact_tensor
+    s_q, heads, s_kv, topk = cute.sym_int(), cute.sym_int(), cute.sym_int(), cute.sym_int()
+    row_major = (2, 1, 0)
+    args = (
+        fake(BFloat16, (s_q, heads, d_qk), stride_order=row_major, assumed_align=16),  # q
+        cute.runtime.make_fake_tensor(  # kv [s_kv, 1, d_qk]: any row stride of 8 elements (16 bytes)
+            BFloat16,
+            (s_kv, 1, d_qk),
+            stride=(cute.sym_int64(divisibility=8), cute.sym_int64(), 1),
+            assumed_align=16,
+        ),
+        cute.runtime.make_fake_tensor(  # indices [s_q, 1, topk]: any row stride
+            Int32, (s_q, 1, topk), stride=(cute.sym_int64(), cute.sym_int64(), 1), assumed_align=4
+        ),
+        fake(Int32, (cute.sym_int(),), assumed_align=4),  # topk_length
+        fake(Float32, (cute.sym_int(),), assumed_align=4),  # attn_sink
+        fake(BFloat16, (s_q, heads, D_V), stride_order=row_major, assumed_align=4),  # out
+        fake(Float32, (s_q, heads), stride_order=(1, 0), assumed_align=4),  # max_logits
+        fake(Float32, (s_q, heads), stride_order=(1, 0), assumed_align=4),  # lse
+        Float32(1.0),  # sm_scale * log2(e)
+        Int32(0),  # flags
+        cute.runtime.make_fake_stream(use_tvm_ffi_env_stream=True),
+    )
+    return cute.compile(
+        SparsePrefillBf16Sm90(d_qk),
+        *args,
+        options=f"--enable-tvm-ffi --gpu-arch {TARGET_ARCH} --keep-ptx --dump-dir {dump_dir}",
+    )
+
+
+def load_bf16_variant(d_qk: int) -> Variant:
+    """Build or load the bf16 attention kernel for ``d_qk`` (idempotent)."""
+    if d_qk not in _bf16_variants:
+        if d_qk not in D_QK_VARIANTS:
+            raise ValueError(f"d_qk: expected one of {D_QK_VARIANTS}, got {d_qk}")
+        _bf16_variants[d_qk] = _build_or_load_named(
+            bf16_variant_name(d_qk),
+            d_qk,
+            lambda dump_dir: _compile_bf16(d_qk, dump_dir),
+            BF16_FUNCTION,
+            bf16_cache_stats,
+        )
+    return _bf16_variants[d_qk]
+
+
+def load_bf16_variants() -> dict[int, Variant]:
+    """Build or load both bf16 attention variants, keyed by d_qk."""
+    for d_qk in D_QK_VARIANTS:
+        load_bf16_variant(d_qk)
+    return dict(_bf16_variants)
+
+
+def bf16_shared_memory_bytes(d_qk: int) -> int:
+    """Dynamic shared memory per CTA of the bf16 variant for ``d_qk``."""
+    _import_dsl()
+    from cute_kernels.sm90.sparse_prefill_bf16 import SparsePrefillBf16Sm90
+
+    return SparsePrefillBf16Sm90(d_qk).shared_memory_bytes()
+
+
+def launch_sparse_prefill_bf16(
+    q, kv, indices, topk_length, attn_sink, sm_scale, out, max_logits, lse
+) -> None:
+    """Launch the bf16 kernel on validated tensors (the hook ``serving._cuda_attention_bf16`` calls):
+    q [s_q, h, d_qk] bf16 row-major with h a multiple of 64, kv [s_kv, 1, d_qk] bf16 (last dim
+    contiguous), indices [s_q, 1, topk] int32 (last dim contiguous, topk a multiple of 128),
+    topk_length [s_q] int32 or None, attn_sink [h] float32 or None, out [s_q, h, 512] bf16, max_logits
+    and lse [s_q, h] float32, all row-major. Launches on the current stream; no host sync."""
+    variant = _bf16_variants.get(q.shape[2]) or load_bf16_variant(q.shape[2])
+    if q.data_ptr() % 16 or not q.is_contiguous():  # the Q tile is loaded by TMA
+        q = q.contiguous() if not q.is_contiguous() else q.clone()
+    if kv.data_ptr() % 16 or kv.stride(0) % 8 or kv.stride(2) != 1:  # rows gathered in 16-byte copies
+        kv = kv.clone(memory_format=torch.contiguous_format)
+    kernel_out = out if out.data_ptr() % 4 == 0 else torch.empty_like(out)
+    no_topk_length, no_sink = _dummies(q.device)
+    device_index = q.device.index
+    guard = torch.cuda.device(device_index) if device_index != torch.cuda.current_device() else _NO_GUARD
+    with guard:
+        variant.function(
+            q,
+            kv,
+            indices,
+            no_topk_length if topk_length is None else topk_length,
+            no_sink if attn_sink is None else attn_sink,
+            kernel_out,
+            max_logits,
+            lse,
+            sm_scale * _LOG2_E,
+            (topk_length is not None) | ((attn_sink is not None) << 1),
+        )
+    if kernel_out is not out:
+        out.copy_(kernel_out)

@@ -3,9 +3,9 @@ alone, and the gather kernel's bandwidth against a PyTorch copy of the same byte
 
 Layer shapes: s_q 4096 queries at the end of one request of ``context`` tokens (8k, 32k, 64k), h 64
 and 128, DeepSeek V3.2 cache layout (656 bytes per token, d_qk 576), pages of 64 tokens at random
-slots, topk 2048 distinct random rows per query (all valid). The bf16 backend's rows appear once
-``q8kv8.kernels.launch_sparse_prefill_bf16`` exists. Called by ``scripts/bench.py`` (a light subset
-by default, all shapes with ``--serving``); on its own:
+slots, topk 2048 distinct random rows per query (all valid). The bf16 backend's columns (layer
+call and kernel alone) appear when ``q8kv8.kernels.launch_sparse_prefill_bf16`` exists. Called by
+``scripts/bench.py`` (a light subset by default, all shapes with ``--serving``); on its own:
 
     python scripts/bench_serving.py [--light] [--rep MS]
 """
@@ -104,6 +104,17 @@ def bench_layer(context: int, h: int, time_ms, random_indices, rep_ms: int) -> d
         prefill_bf16 = SparsePrefill("bf16")
         prefill_bf16.forward(**inputs)
         row["layer_bf16_ms"] = time_ms(lambda: prefill_bf16.forward(**inputs), rep_ms)
+        # The bf16 kernel alone, on the rows the layer call gathered (h is a multiple of 64: no padding).
+        kv16 = prefill_bf16.workspace.get(context, torch.bfloat16)
+        out16 = torch.empty(S_Q, h, 512, dtype=torch.bfloat16, device=q.device)
+        max16 = torch.empty(S_Q, h, dtype=torch.float32, device=q.device)
+        lse16 = torch.empty_like(max16)
+        row["kernel_bf16_ms"] = time_ms(
+            lambda: kernels.launch_sparse_prefill_bf16(
+                q, kv16, indices, topk_length, None, sm_scale, out16, max16, lse16
+            ),
+            rep_ms,
+        )
     return row
 
 
@@ -141,7 +152,7 @@ def run(time_ms, random_indices, rep_ms: int = 300, full: bool = False) -> dict:
     print(f"\nserving: V3.2 paged cache (page {PAGE_SIZE}), s_q {S_Q}, topk {TOPK}, d_qk {D_QK}; ms (TF/s)")
     header = (
         f"{'context':>7s} {'h':>4s} | {'kernel':>14s} | {'layer fp8':>14s} {'+%':>5s} | {'gather':>7s} "
-        f"{'GB/s':>6s} | {'q cast':>7s} | {'layer bf16':>14s}"
+        f"{'GB/s':>6s} | {'q cast':>7s} | {'layer bf16':>14s} | {'kernel bf16':>14s}"
     )
     print(header)
     rows = []
@@ -153,10 +164,12 @@ def run(time_ms, random_indices, rep_ms: int = 300, full: bool = False) -> dict:
             return f"{ms:7.3f} ({row['flops'] / ms / 1e9:4.0f})"
 
         bf16 = rate(row["layer_bf16_ms"]) if "layer_bf16_ms" in row else f"{'n/a':>14s}"
+        kernel_bf16 = rate(row["kernel_bf16_ms"]) if "kernel_bf16_ms" in row else f"{'n/a':>14s}"
         extra = 100 * (row["layer_fp8_ms"] / row["kernel_ms"] - 1)
         print(
             f"{context:7d} {h:4d} | {rate(row['kernel_ms'])} | {rate(row['layer_fp8_ms'])} {extra:5.1f} | "
-            f"{row['gather_ms']:7.3f} {row['gather_gbps']:6.0f} | {row['q_cast_ms']:7.3f} | {bf16}",
+            f"{row['gather_ms']:7.3f} {row['gather_gbps']:6.0f} | {row['q_cast_ms']:7.3f} | {bf16} | "
+            f"{kernel_bf16}",
             flush=True,
         )
         torch.cuda.empty_cache()

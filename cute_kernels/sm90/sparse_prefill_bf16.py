@@ -1,0 +1,708 @@
+"""SM90 BF16 sparse MLA prefill: out = softmax(q . kv[idx]^T) . kv[idx, :512], TMA + WGMMA bf16.
+
+The bf16 instantiation of the FP8 kernel in ``sparse_prefill.py`` (same semantics with
+q_scale = kv_scale = 1). One CTA per (query token, group of B_H = 64 heads): the Q tile is
+[64, d_qk] bf16, the CTA walks the token's ``topk`` gathered KV rows in blocks of B_TOPK = 32
+rows, two blocks (a *pair*, 64 rows) at a time, so ``topk % 128 == 0`` (the wrapper's contract,
+shared with the FP8 kernel; 64 would do).
+
+Shared memory (the binding limit: 227 KiB): Q [64, d_qk] (64 / 72 KiB), a ring of NUM_SLOTS
+gathered 32-row blocks (32 / 36 KiB each: 4 slots at d_qk 512, 3 at 576), P of a pair in bf16
+[64 heads, 64 slots] double-buffered by pair parity (16 KiB), barriers and row statistics.
+Every tile (Q, K blocks, P) is K-major with the 128-byte swizzle (rows of 64 bf16, 8-row atoms,
+16-byte chunk ^= row % 8), one [rows x 128 B] column tile after another.
+
+Warp roles (384 threads, ``setmaxregister``; launched with ``min_blocks_per_mp=1``):
+
+- WG0, the producer (PRODUCER_REGS). One thread issues the Q tile's TMA. Block b of the token
+  goes to ring slot b % NUM_SLOTS: after that slot's ``kv_empty`` barrier, the four warps gather
+  its 32 rows (warp w: rows 8w..8w+7; lane: 16-byte chunk lane % 8 of rows lane // 8 and
+  lane // 8 + 4, one 128-byte column tile per instruction) with 16-byte ``cp.async`` (L2
+  evict-last) straight into the swizzled tile, then arrive on the slot's ``kv_full`` barrier
+  (``cp.async.mbarrier.arrive.noinc``, 128 arrivals). A slot that is not valid (index outside
+  [0, s_kv), or slot >= topk_length) is zero-filled (src-size 0) and never read.
+- WG1 / WG2, the consumers c = 0 / 1 (CONSUMER_REGS). Consumer c owns block 2p + c of pair p
+  for S and half c of d_v (256 columns) for O.
+  1. S_c = Q . K_c^T: SS WGMMA m64n32k16 over d_qk (bf16 x bf16 -> f32), 16 f32 per thread.
+  2. Softmax exactly like the FP8 kernel (exp2 domain, logit scale sm_scale*log2(e) folded into
+     the exponent): invalid slots -inf, block row maxima published in shared memory; on the
+     first pair both consumers agree on the running max (named barrier 1); later pairs go
+     ahead speculatively with the max both share and only redo the pair synchronously when a
+     block max passes the lazy threshold (RESCALE_THRESHOLD, log2 units). P = exp2(S - m) is
+     stored unscaled in bf16 into this consumer's 32 columns of the pair's P tile (named
+     barrier 2 publishes both halves). The row sums accumulate the unrounded f32 p.
+  3. O_c[h, d] += P[h, slot] . V[slot, d]: SS WGMMA m64n256k16, 4 k-steps (16 slots each, two
+     per block). A = P (K-major), B = V read MN-major straight from the gathered K-major
+     rows: a [32 slots x 64 d] column tile of a block is exactly the MN-major 128-byte-swizzled
+     B atom layout (d contiguous, 8-slot groups 1024 B apart), so V needs no transposed copy.
+     O is 64 x 256 f32 = 128 registers per thread, not transposed: the rows a thread owns are
+     the rows of its S, so the O rescale of a synchronous redo needs no exchange.
+  After the PV group completes, every consumer thread arrives on both blocks' ``kv_empty``
+  barriers (256 arrivals), so a slot is refilled only after both consumers' PV read it.
+  Schedule per consumer: QK(p), softmax(p), PV(p), in turn (no WGMMA in flight across the loop's
+  back edge, branches around WGMMAs depend only on warp-uniform values: ptxas does not
+  serialise them). A block past topk_length (the second block of the last pair) is zero-filled
+  and fully masked.
+- Epilogue: row sums exchanged (named barrier 3); out = O / (sum + exp(sink - m)) in bf16;
+  max_logits = true max * ln2, lse = (m + log2(sum)) * ln2. A row with no valid slot writes
+  out = 0, max_logits = -inf, lse = +inf.
+
+Barriers: mbarriers ``q_full``; ``kv_full[slot]`` (128 producer arrivals, cp.async noinc) and
+``kv_empty[slot]`` (256 consumer arrivals), block b uses phase (b // NUM_SLOTS) % 2. Shared
+buffers both consumers write per pair (row maxima, P, the redo flag) are double-buffered by pair
+parity.
+
+Constraints: h % 64 == 0 (the wrapper pads heads), topk % 128 == 0, d_qk in {512, 576},
+d_v = 512, q/out/max_logits/lse row-major, q 16-byte aligned, kv rows 16-byte aligned.
+``topk_length`` values are clamped to [0, topk]; only ceil(topk_length / 64) pairs are visited and
+only the rows below topk_length are read.
+"""
+
+import math
+from typing import NamedTuple
+
+import cutlass
+import cutlass.cute as cute
+import cutlass.utils.hopper_helpers as sm90_utils
+from cutlass import Float32, Int32, Int64, Uint32, const_expr
+from cutlass.cute.nvgpu import OperandMajorMode, cpasync, warpgroup
+
+from cute_kernels import ptx
+
+B_H = 64  # heads per CTA: one WGMMA M tile
+B_TOPK = 32  # gathered KV rows per block: the N tile of S, two k-steps of the PV product
+PAIR = 2 * B_TOPK  # rows per loop iteration (one block per consumer)
+D_V = 512  # value width: the first 512 columns of each KV row
+D_V_PER_CONSUMER = 256  # the N tile of O per consumer
+ELEM_BYTES = 2
+SW128_ROW_BYTES = 128  # bytes per row of one 128-byte-swizzled column tile (64 bf16)
+SW128_COLS = SW128_ROW_BYTES // ELEM_BYTES
+COL_TILE_BYTES = B_TOPK * SW128_ROW_BYTES  # one [32 rows x 128 B] column tile of a block
+P_TILE_BYTES = B_H * PAIR * ELEM_BYTES  # P of one pair: [64 heads x 64 slots] bf16
+RESCALE_THRESHOLD = 8.0  # log2 units: the running max moves only past this (P <= 2^8 in bf16)
+MAX_SMEM_BYTES = 232448  # SM90 opt-in dynamic shared memory per block
+
+THREADS_PER_WG = 128
+NUM_THREADS = 3 * THREADS_PER_WG
+PRODUCER_REGS = 40
+CONSUMER_REGS = 232
+
+# Named barrier ids (0 is __syncthreads).
+BAR_MAX_READY = 1  # both consumers published their block's row maxima
+BAR_P_READY = 2  # both consumers stored their half of P
+BAR_SUM_READY = 3  # both consumers published their row sums (epilogue)
+
+LOG2_E = math.log2(math.e)
+LN_2 = math.log(2.0)
+
+
+def num_slots_for(d_qk: int) -> int:
+    """Ring slots (32-row blocks) that fit next to Q, P and the statistics: 4 at 512, 3 at 576."""
+    return 4 if d_qk == 512 else 3
+
+
+def _swizzle128(row, chunk16):
+    """Byte offset of 16-byte chunk ``chunk16`` (0..7) of ``row`` inside a [rows x 128 B] column
+    tile with the WGMMA 128-byte swizzle (Swizzle<3,4,3>: chunk ^= row & 7)."""
+    return row * SW128_ROW_BYTES + ((chunk16 ^ (row & 7)) << 4)
+
+
+class CtaWork(NamedTuple):
+    """What one CTA computes (trace-time bundle of runtime values)."""
+
+    bid: Int32  # CTA index: row tile [64 * bid, 64 * bid + 64) of the (token, head) rows
+    token: Int32
+    head_group: Int32
+    valid_len: Int32  # topk_length clamped to [0, topk] (topk when not given)
+    num_blocks: Int32  # ceil(valid_len / 32)
+    num_pairs: Int32  # ceil(valid_len / 64)
+
+
+class Consumer(NamedTuple):
+    """One consumer warpgroup's view of the CTA (trace-time bundle)."""
+
+    index: Int32  # c: block of each pair for S, half of d_v for O (warp-uniform)
+    warp: Int32  # warp inside the warpgroup: rows 16*warp.. of every M tile
+    lane: Int32
+    quad_row: Int32  # g: C-fragment row inside the warp's 16 rows
+    quad_lane: Int32  # t: C-fragment column pair 2t, 2t+1
+    work: CtaWork
+    tiled_mma_qk: cute.TiledMma
+    tiled_mma_pv: cute.TiledMma
+    tSrQ: cute.Tensor  # Q descriptors (MMA, 1, d_qk/16)
+    tSrK: cute.Tensor  # K descriptors (MMA, 1, d_qk/16, slot)
+    tOrP: cute.Tensor  # P descriptors (MMA, 1, 4 k-steps, parity)
+    tOrV: cute.Tensor  # V descriptors (MMA, 1, 2 k-steps, slot, consumer)
+    acc_s: cute.Tensor  # S of this consumer's block (16 f32)
+    acc_o: cute.Tensor  # O[64 heads, 256 d] of this consumer's half (128 f32)
+    row_max_used: cute.Tensor  # per row r: max the stored P are relative to (exp2 domain)
+    row_max_true: cute.Tensor  # per row r: exact running max (for max_logits)
+    row_sum: cute.Tensor  # per row r: this thread's partial sum of P
+    s_update: cute.Tensor  # smem [parity]: the last pair that needs the synchronous softmax
+    s_max_true: cute.Tensor  # smem [row, consumer]: exact maxima (epilogue)
+    s_row_max: cute.Tensor  # smem [row, consumer, parity]: block row maxima
+    s_row_sum: cute.Tensor  # smem [row, consumer]
+    sP_base: Int32  # shared-memory byte address of the P tiles
+    mbar_kv_full: cute.Pointer
+    mIdx: cute.Tensor
+    s_kv: Int32
+    scale_log2: Float32  # sm_scale * log2(e)
+
+
+class SparsePrefillBf16Sm90:
+    """Compile-time configuration of the bf16 kernel: ``d_qk`` (512 or 576)."""
+
+    def __init__(self, d_qk: int):
+        if d_qk not in (512, 576):
+            raise ValueError(f"d_qk must be 512 or 576, got {d_qk}")
+        self.d_qk = d_qk
+        self.num_slots = num_slots_for(d_qk)
+        self.k_tile_bytes = B_TOPK * d_qk * ELEM_BYTES  # one gathered block in shared memory
+        self.q_tile_bytes = B_H * d_qk * ELEM_BYTES
+
+    def shared_memory_bytes(self) -> int:
+        """Dynamic shared memory per CTA (the SharedStorage struct built in ``__call__``)."""
+        barriers_and_stats = 8 * (1 + 2 * self.num_slots) + 4 * B_H * (4 + 2 + 2) + 4 * 2
+        aligned = -(-barriers_and_stats // 1024) * 1024
+        return aligned + self.q_tile_bytes + self.num_slots * self.k_tile_bytes + 2 * P_TILE_BYTES
+
+    # ------------------------------------------------------------------------------------
+    # Host side: layouts, TMA atom, shared storage, launch
+    # ------------------------------------------------------------------------------------
+    @cute.jit
+    def __call__(
+        self,
+        mQ: cute.Tensor,  # [s_q, h, d_qk] bf16, row-major
+        mKV: cute.Tensor,  # [s_kv, 1, d_qk] bf16, row stride dynamic (multiple of 8 elements)
+        mIdx: cute.Tensor,  # [s_q, 1, topk] int32, row stride dynamic
+        mTopkLen: cute.Tensor,  # [s_q] int32 (read when flags & 1)
+        mSink: cute.Tensor,  # [h] f32 (read when flags & 2)
+        mOut: cute.Tensor,  # [s_q, h, 512] bf16, row-major
+        mMaxLogits: cute.Tensor,  # [s_q, h] f32, row-major
+        mLse: cute.Tensor,  # [s_q, h] f32, row-major
+        sm_scale_log2: Float32,  # sm_scale * log2(e)
+        flags: Int32,  # bit 0: topk_length given, bit 1: attn_sink given
+        stream,
+    ):
+        bf16 = mQ.element_type
+        rows = cute.size(mQ, mode=[0]) * cute.size(mQ, mode=[1])
+        mQ_rows = cute.make_tensor(mQ.iterator, cute.make_layout((rows, self.d_qk), stride=(self.d_qk, 1)))
+        mKV_rows = cute.make_tensor(
+            mKV.iterator, cute.make_layout((cute.size(mKV, mode=[0]), self.d_qk), stride=(mKV.stride[0], 1))
+        )
+        mIdx_rows = cute.make_tensor(
+            mIdx.iterator,
+            cute.make_layout(
+                (cute.size(mIdx, mode=[0]), cute.size(mIdx, mode=[2])), stride=(mIdx.stride[0], 1)
+            ),
+        )
+        mMaxLogits_rows = cute.make_tensor(mMaxLogits.iterator, cute.make_layout(rows))
+        mLse_rows = cute.make_tensor(mLse.iterator, cute.make_layout(rows))
+
+        smem_atom = warpgroup.make_smem_layout_atom(warpgroup.SmemLayoutAtomKind.K_SW128, bf16)
+        sQ_layout = cute.tile_to_shape(smem_atom, (B_H, self.d_qk), (0, 1))
+        sK_layout = cute.tile_to_shape(smem_atom, (B_TOPK, self.d_qk, self.num_slots), (0, 1, 2))
+        sP_layout = cute.tile_to_shape(smem_atom, (B_H, PAIR, 2), (0, 1, 2))
+        # V as the MN-major B operand of PV, viewing the same gathered tiles: (d, slot, ring slot,
+        # consumer) with d = (64 inside a column tile, 4 column tiles), slot = (8 rows of an
+        # atom, 4 atoms); the consumer's half starts 4 column tiles further.
+        sV_outer = cute.make_layout(
+            ((SW128_COLS, 4), (8, B_TOPK // 8), self.num_slots, 2),
+            stride=(
+                (1, COL_TILE_BYTES // ELEM_BYTES),
+                (SW128_COLS, 8 * SW128_COLS),
+                B_TOPK * self.d_qk,
+                4 * COL_TILE_BYTES // ELEM_BYTES,
+            ),
+        )
+
+        tma_atom_q, tma_tensor_q = cpasync.make_tiled_tma_atom(
+            cpasync.CopyBulkTensorTileG2SOp(), mQ_rows, sQ_layout, (B_H, self.d_qk)
+        )
+
+        @cute.struct
+        class SharedStorage:
+            mbar_q: cute.struct.MemRange[Int64, 1]
+            mbar_kv_full: cute.struct.MemRange[Int64, self.num_slots]
+            mbar_kv_empty: cute.struct.MemRange[Int64, self.num_slots]
+            row_max: cute.struct.MemRange[Float32, B_H * 2 * 2]  # [row, consumer, parity]
+            row_sum: cute.struct.MemRange[Float32, B_H * 2]  # [row, consumer]
+            max_true: cute.struct.MemRange[Float32, B_H * 2]  # [row, consumer]
+            update: cute.struct.MemRange[Int32, 2]  # [parity]
+            sQ: cute.struct.Align[cute.struct.MemRange[bf16, cute.cosize(sQ_layout)], 1024]
+            sK: cute.struct.Align[cute.struct.MemRange[bf16, cute.cosize(sK_layout)], 1024]
+            sP: cute.struct.Align[cute.struct.MemRange[bf16, cute.cosize(sP_layout)], 1024]
+
+        self.kernel(
+            tma_atom_q,
+            tma_tensor_q,
+            mKV_rows,
+            mIdx_rows,
+            mTopkLen,
+            mSink,
+            mOut,
+            mMaxLogits_rows,
+            mLse_rows,
+            sm_scale_log2,
+            flags,
+            sQ_layout,
+            sK_layout,
+            sP_layout,
+            sV_outer,
+            SharedStorage,
+        ).launch(
+            grid=[rows // B_H, 1, 1],
+            block=[NUM_THREADS, 1, 1],
+            stream=stream,
+            min_blocks_per_mp=1,
+        )
+
+    # ------------------------------------------------------------------------------------
+    # Device side
+    # ------------------------------------------------------------------------------------
+    @cute.kernel
+    def kernel(
+        self,
+        tma_atom_q: cute.CopyAtom,
+        mQ_tma: cute.Tensor,
+        mKV: cute.Tensor,
+        mIdx: cute.Tensor,
+        mTopkLen: cute.Tensor,
+        mSink: cute.Tensor,
+        mOut: cute.Tensor,
+        mMaxLogits: cute.Tensor,
+        mLse: cute.Tensor,
+        sm_scale_log2: Float32,
+        flags: Int32,
+        sQ_layout: cute.ComposedLayout,
+        sK_layout: cute.ComposedLayout,
+        sP_layout: cute.ComposedLayout,
+        sV_outer: cute.Layout,
+        SharedStorage: cutlass.Constexpr,
+    ):
+        warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
+        bid, _, _ = cute.arch.block_idx()
+
+        smem = cutlass.utils.SmemAllocator()
+        storage = smem.allocate(SharedStorage)
+        mbar_q = storage.mbar_q.data_ptr()
+        mbar_kv_full = storage.mbar_kv_full.data_ptr()
+        mbar_kv_empty = storage.mbar_kv_empty.data_ptr()
+        sQ = storage.sQ.get_tensor(sQ_layout.outer, swizzle=sQ_layout.inner)
+        sK = storage.sK.get_tensor(sK_layout.outer, swizzle=sK_layout.inner)
+        sV = storage.sK.get_tensor(sV_outer, swizzle=sK_layout.inner)
+        sP = storage.sP.get_tensor(sP_layout.outer, swizzle=sP_layout.inner)
+
+        if warp_idx == 0:
+            cpasync.prefetch_descriptor(tma_atom_q)
+            with cute.arch.elect_one():
+                cute.arch.mbarrier_init(mbar_q, 1)
+                for i in cutlass.range_constexpr(self.num_slots):
+                    cute.arch.mbarrier_init(mbar_kv_full + i, THREADS_PER_WG)
+                    cute.arch.mbarrier_init(mbar_kv_empty + i, 2 * THREADS_PER_WG)
+            cute.arch.mbarrier_init_fence()
+        cute.arch.sync_threads()
+
+        topk = cute.size(mIdx, mode=[1])
+        num_head_groups = cute.size(mOut, mode=[1]) // B_H
+        token = bid // num_head_groups
+        valid_len = topk
+        if (flags & 1) != 0:
+            valid_len = cutlass.min(cutlass.max(mTopkLen[token], 0), topk)
+        valid_len = cute.arch.make_warp_uniform(valid_len)
+        work = CtaWork(
+            bid=bid,
+            token=token,
+            head_group=bid - token * num_head_groups,
+            valid_len=valid_len,
+            num_blocks=(valid_len + B_TOPK - 1) // B_TOPK,
+            num_pairs=(valid_len + PAIR - 1) // PAIR,
+        )
+
+        if warp_idx < 4:
+            cute.arch.setmaxregister_decrease(PRODUCER_REGS)
+            self.produce(tma_atom_q, mQ_tma, sQ, sK, mKV, mIdx, mbar_q, mbar_kv_full, mbar_kv_empty, work)
+        else:
+            cute.arch.setmaxregister_increase(CONSUMER_REGS)
+            consumer = warp_idx // 4 - 1  # warp-uniform, so branches on it are not divergent
+            smem_stats = (
+                storage.row_max.get_tensor(cute.make_layout((B_H, 2, 2))),
+                storage.row_sum.get_tensor(cute.make_layout((B_H, 2))),
+                storage.update.get_tensor(cute.make_layout(2)),
+                storage.max_true.get_tensor(cute.make_layout((B_H, 2))),
+            )
+            self.consume(
+                consumer,
+                sQ,
+                sK,
+                sV,
+                sP,
+                smem_stats,
+                mIdx,
+                mKV,
+                mSink,
+                mOut,
+                mMaxLogits,
+                mLse,
+                mbar_q,
+                mbar_kv_full,
+                mbar_kv_empty,
+                sm_scale_log2,
+                flags,
+                work,
+            )
+
+    # ------------------------------------------------------------------------------------
+    @cute.jit
+    def produce(self, tma_atom_q, mQ_tma, sQ, sK, mKV, mIdx, mbar_q, mbar_kv_full, mbar_kv_empty, work):
+        """WG0: Q by TMA (one thread), then the block-by-block row gather into the ring."""
+        warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
+        lane = cute.arch.lane_idx()
+        if warp_idx == 0:
+            gQ = cute.local_tile(mQ_tma, (B_H, self.d_qk), (work.bid, 0))
+            tQsQ, tQgQ = cpasync.tma_partition(
+                tma_atom_q, 0, cute.make_layout(1), cute.group_modes(sQ, 0, 2), cute.group_modes(gQ, 0, 2)
+            )
+            with cute.arch.elect_one():
+                cute.arch.mbarrier_arrive_and_expect_tx(mbar_q, self.q_tile_bytes)
+            cute.copy(tma_atom_q, tQgQ, tQsQ, tma_bar_ptr=mbar_q)
+
+        s_kv = cute.size(mKV, mode=[0])
+        kv_row_stride = Int64(mKV.stride[0]) * ELEM_BYTES
+        kv_base = mKV.iterator.toint()
+        sK_base = sK.iterator.toint()
+        chunk16 = lane % 8  # 16-byte chunk of a 128-byte column tile this lane copies
+        row0 = warp_idx * 8 + lane // 8  # this lane copies rows row0 and row0 + 4 of each block
+
+        for block in cutlass.range(2 * work.num_pairs, unroll=1):
+            ring = block % self.num_slots
+            phase = (block // self.num_slots) % 2
+            slot_a = block * B_TOPK + row0
+            slot_b = slot_a + 4
+            kv_a = mIdx[work.token, slot_a]
+            kv_b = mIdx[work.token, slot_b]
+            valid_a = Int32(0)
+            if (kv_a >= 0) & (kv_a < s_kv) & (slot_a < work.valid_len):
+                valid_a = Int32(1)
+            valid_b = Int32(0)
+            if (kv_b >= 0) & (kv_b < s_kv) & (slot_b < work.valid_len):
+                valid_b = Int32(1)
+            cute.arch.mbarrier_wait(mbar_kv_empty + ring, phase ^ 1)
+            tile_base = sK_base + ring * self.k_tile_bytes
+            g_a = kv_base + Int64(kv_a * valid_a) * kv_row_stride + chunk16 * 16
+            g_b = kv_base + Int64(kv_b * valid_b) * kv_row_stride + chunk16 * 16
+            s_a = tile_base + _swizzle128(row0, chunk16)
+            s_b = tile_base + _swizzle128(row0 + 4, chunk16)
+            for col_tile in cutlass.range_constexpr(self.d_qk // SW128_COLS):
+                ptx.cp_async_16_zfill(
+                    s_a + col_tile * COL_TILE_BYTES, g_a + col_tile * SW128_ROW_BYTES, valid_a * 16
+                )
+                ptx.cp_async_16_zfill(
+                    s_b + col_tile * COL_TILE_BYTES, g_b + col_tile * SW128_ROW_BYTES, valid_b * 16
+                )
+            cute.arch.cp_async_mbarrier_arrive_noinc(mbar_kv_full + ring)
+        ptx.cp_async_wait_all()
+
+    # ------------------------------------------------------------------------------------
+    @cute.jit
+    def consume(
+        self,
+        consumer,
+        sQ,
+        sK,
+        sV,
+        sP,
+        smem_stats,
+        mIdx,
+        mKV,
+        mSink,
+        mOut,
+        mMaxLogits,
+        mLse,
+        mbar_q,
+        mbar_kv_full,
+        mbar_kv_empty,
+        sm_scale_log2,
+        flags,
+        work,
+    ):
+        """WG1/WG2: S for block c of each pair, softmax, O for half c of d_v, epilogue."""
+        bf16 = sQ.element_type
+        wtid = cute.arch.thread_idx()[0] % THREADS_PER_WG  # thread index inside the warpgroup
+        lane = cute.arch.lane_idx()
+
+        tiled_mma_qk = sm90_utils.make_trivial_tiled_mma(
+            bf16, bf16, OperandMajorMode.K, OperandMajorMode.K, Float32, (1, 1, 1), (B_H, B_TOPK)
+        )
+        tiled_mma_pv = sm90_utils.make_trivial_tiled_mma(
+            bf16, bf16, OperandMajorMode.K, OperandMajorMode.MN, Float32, (1, 1, 1), (B_H, D_V_PER_CONSUMER)
+        )
+        # Both always accumulate: O is zeroed once below, S before each block (16 registers).
+        tiled_mma_qk.set(warpgroup.Field.ACCUMULATE, True)
+        tiled_mma_pv.set(warpgroup.Field.ACCUMULATE, True)
+        thr_mma_qk = tiled_mma_qk.get_slice(wtid)
+        thr_mma_pv = tiled_mma_pv.get_slice(wtid)
+        tSrQ = tiled_mma_qk.make_fragment_A(thr_mma_qk.partition_A(sQ))
+        tSrK = tiled_mma_qk.make_fragment_B(thr_mma_qk.partition_B(sK))
+        tOrP = tiled_mma_pv.make_fragment_A(thr_mma_pv.partition_A(sP))
+        tOrV = tiled_mma_pv.make_fragment_B(thr_mma_pv.partition_B(sV))
+        acc_s = cute.make_rmem_tensor(thr_mma_qk.partition_shape_C((B_H, B_TOPK)), Float32)
+        acc_o = cute.make_rmem_tensor(thr_mma_pv.partition_shape_C((B_H, D_V_PER_CONSUMER)), Float32)
+        acc_o.fill(0.0)
+
+        # Per-row softmax state for rows 16*warp + quad_row + 8r, r = 0, 1 (exp2 domain).
+        row_max_used = cute.make_rmem_tensor((2,), Float32)
+        row_max_true = cute.make_rmem_tensor((2,), Float32)
+        row_sum = cute.make_rmem_tensor((2,), Float32)
+        row_max_used.fill(-Float32.inf)
+        row_max_true.fill(-Float32.inf)
+        row_sum.fill(0.0)
+
+        s_row_max, s_row_sum, s_update, s_max_true = smem_stats
+        if wtid == 0:  # before any reader: pair 0 always takes the synchronous path
+            if consumer == 0:
+                s_update[0] = -1
+                s_update[1] = -1
+        c = Consumer(
+            index=consumer,
+            warp=wtid // 32,
+            lane=lane,
+            quad_row=lane // 4,
+            quad_lane=lane % 4,
+            work=work,
+            tiled_mma_qk=tiled_mma_qk,
+            tiled_mma_pv=tiled_mma_pv,
+            tSrQ=tSrQ,
+            tSrK=tSrK,
+            tOrP=tOrP,
+            tOrV=tOrV,
+            acc_s=acc_s,
+            acc_o=acc_o,
+            row_max_used=row_max_used,
+            row_max_true=row_max_true,
+            row_sum=row_sum,
+            s_update=s_update,
+            s_max_true=s_max_true,
+            s_row_max=s_row_max,
+            s_row_sum=s_row_sum,
+            sP_base=sP.iterator.toint(),
+            mbar_kv_full=mbar_kv_full,
+            mIdx=mIdx,
+            s_kv=cute.size(mKV, mode=[0]),
+            scale_log2=sm_scale_log2,
+        )
+
+        cute.arch.mbarrier_wait(mbar_q, 0)
+        if work.num_pairs > 0:
+            for pair in cutlass.range(work.num_pairs, unroll=1):
+                self.issue_qk(c, pair)
+                valid_bits = self.block_valid_bits(c, pair)
+                warpgroup.wait_group(0)  # S(pair)
+                block_maxima = self.softmax_block_max(c, pair, valid_bits)
+                if pair == 0:
+                    self.softmax_p(c, pair)  # O is still 0: nothing to rescale
+                else:
+                    self.softmax_p_speculative(c, pair, block_maxima)
+                self.issue_pv(c, pair)
+                # Drained every iteration: no WGMMA in flight across the loop's back edge (C7520).
+                warpgroup.wait_group(0)
+                for b in cutlass.range_constexpr(2):  # both consumers' PV read both blocks
+                    cute.arch.mbarrier_arrive(mbar_kv_empty + (2 * pair + b) % self.num_slots)
+
+        self.epilogue(c, mSink, mOut, mMaxLogits, mLse, flags)
+
+    # ------------------------------------------------------------------------------------
+    @cute.jit
+    def issue_qk(self, c: Consumer, pair):
+        """Queue S = Q . K_c^T for block 2 pair + c (one WGMMA group). A block past topk_length is
+        zero-filled and fully masked; its product is not skipped (a branch around the WGMMAs makes
+        ptxas inject warpgroup.arrive, C7519)."""
+        block = 2 * pair + c.index
+        ring = block % self.num_slots
+        cute.arch.mbarrier_wait(c.mbar_kv_full + ring, (block // self.num_slots) % 2)
+        c.acc_s.fill(0.0)
+        warpgroup.fence()
+        for k in cutlass.range_constexpr(self.d_qk // 16):
+            cute.gemm(c.tiled_mma_qk, c.acc_s, c.tSrQ[None, None, k], c.tSrK[None, None, k, ring], c.acc_s)
+        warpgroup.commit_group()
+
+    @cute.jit
+    def block_valid_bits(self, c: Consumer, pair):
+        """Validity of the 32 slots of block c of ``pair``: one bit per slot, shifted so bit 8j + e
+        is the slot of this thread's S column 8j + 2t + e, and whether every slot is valid
+        (warp-uniform)."""
+        slot = pair * PAIR + c.index * B_TOPK + c.lane
+        idx = c.mIdx[c.work.token, slot]
+        ok = (idx >= 0) & (idx < c.s_kv) & (slot < c.work.valid_len)
+        return (
+            Uint32(cute.arch.vote_ballot_sync(ok)) >> Uint32(2 * c.quad_lane),
+            cute.arch.vote_all_sync(ok),
+        )
+
+    @cute.jit
+    def softmax_block_max(self, c: Consumer, pair, valid_bits):
+        """Set invalid slots of S to -inf, publish the block's row maxima (exp2 domain) and return
+        them (this thread's rows r = 0, 1). S stays unscaled when the logit scale is positive
+        (the scale is folded into the exponent); a scale <= 0 is applied here first."""
+        valid, all_valid = valid_bits
+        if c.scale_log2 <= 0.0:
+            for i in cutlass.range_constexpr(cute.size(c.acc_s)):
+                c.acc_s[i] = c.acc_s[i] * c.scale_log2
+        if not all_valid:
+            for r in cutlass.range_constexpr(2):
+                for j in cutlass.range_constexpr(B_TOPK // 8):
+                    for e in cutlass.range_constexpr(2):
+                        i = e + 2 * r + 4 * j
+                        bit = (valid >> Uint32(8 * j + e)) & Uint32(1)
+                        c.acc_s[i] = c.acc_s[i] if bit != 0 else -Float32.inf
+        block_maxima = []
+        for r in cutlass.range_constexpr(2):
+            block_max = -Float32.inf
+            for j in cutlass.range_constexpr(B_TOPK // 8):
+                for e in cutlass.range_constexpr(2):
+                    block_max = cute.arch.fmax(block_max, c.acc_s[e + 2 * r + 4 * j])
+            block_max = cute.arch.fmax(block_max, cute.arch.shuffle_sync_bfly(block_max, offset=1))
+            block_max = cute.arch.fmax(block_max, cute.arch.shuffle_sync_bfly(block_max, offset=2))
+            if c.scale_log2 > 0.0:
+                block_max = block_max * c.scale_log2
+            if c.quad_lane == 0:
+                c.s_row_max[c.warp * 16 + c.quad_row + 8 * r, c.index, pair % 2] = block_max
+            block_maxima.append(block_max)
+        return block_maxima
+
+    @cute.jit
+    def softmax_p(self, c: Consumer, pair):
+        """First pair: agree on the running max with the other consumer (named barrier 1), store P
+        (named barrier 2 publishes both halves)."""
+        cute.arch.barrier(barrier_id=BAR_MAX_READY, number_of_threads=2 * THREADS_PER_WG)
+        self.exp_with_pair_max(c, pair, False)
+        cute.arch.fence_proxy("async.shared", space="cta")
+        cute.arch.barrier(barrier_id=BAR_P_READY, number_of_threads=2 * THREADS_PER_WG)
+
+    @cute.jit
+    def softmax_p_speculative(self, c: Consumer, pair, block_maxima):
+        """Later pairs: store P relative to the running max both consumers already share, with no
+        exchange first; if some row's block max exceeds it by more than the threshold, the pair
+        is flagged and both consumers redo it synchronously (new max, P rewritten, O rescaled)."""
+        parity = pair % 2
+        logit_scale = c.scale_log2 if c.scale_log2 > 0.0 else Float32(1.0)
+        tile_addr = c.sP_base + parity * P_TILE_BYTES
+        exceeds = False
+        block_sums = []
+        for r in cutlass.range_constexpr(2):
+            row = c.warp * 16 + c.quad_row + 8 * r
+            c.row_max_true[r] = cute.arch.fmax(c.row_max_true[r], block_maxima[r])
+            exceeds = exceeds | (block_maxima[r] > c.row_max_used[r] + RESCALE_THRESHOLD)
+            max_used = c.row_max_used[r]
+            bias = max_used if max_used != -Float32.inf else Float32(0.0)
+            block_sums.append(self.exp_and_store_p(c, r, row, logit_scale, bias, tile_addr))
+        if exceeds:
+            c.s_update[parity] = pair  # any thread: this pair needs the synchronous path
+        cute.arch.fence_proxy("async.shared", space="cta")
+        cute.arch.barrier(barrier_id=BAR_P_READY, number_of_threads=2 * THREADS_PER_WG)
+        if c.s_update[parity] == pair:
+            self.exp_with_pair_max(c, pair, True)
+            cute.arch.fence_proxy("async.shared", space="cta")
+            cute.arch.barrier(barrier_id=BAR_P_READY, number_of_threads=2 * THREADS_PER_WG)
+        else:
+            for r in cutlass.range_constexpr(2):
+                c.row_sum[r] = c.row_sum[r] + block_sums[r]
+
+    @cute.jit
+    def exp_with_pair_max(self, c: Consumer, pair, rescale: cutlass.Constexpr):
+        """Both consumers' block maxima are published: move the lazy running max where the pair's
+        max exceeds it by more than the threshold, store P relative to it, accumulate the row
+        sums and (``rescale``) multiply this thread's O rows by alpha."""
+        parity = pair % 2
+        logit_scale = c.scale_log2 if c.scale_log2 > 0.0 else Float32(1.0)
+        tile_addr = c.sP_base + parity * P_TILE_BYTES
+        for r in cutlass.range_constexpr(2):
+            row = c.warp * 16 + c.quad_row + 8 * r
+            pair_max = cute.arch.fmax(c.s_row_max[row, 0, parity], c.s_row_max[row, 1, parity])
+            c.row_max_true[r] = cute.arch.fmax(c.row_max_true[r], pair_max)
+            alpha = Float32(1.0)
+            if pair_max > c.row_max_used[r] + RESCALE_THRESHOLD:
+                alpha = cute.math.exp2(c.row_max_used[r] - pair_max, fastmath=True)
+                c.row_max_used[r] = pair_max
+            max_used = c.row_max_used[r]
+            bias = max_used if max_used != -Float32.inf else Float32(0.0)
+            block_sum = self.exp_and_store_p(c, r, row, logit_scale, bias, tile_addr)
+            c.row_sum[r] = c.row_sum[r] * alpha + block_sum
+            if const_expr(rescale):
+                for j in cutlass.range_constexpr(D_V_PER_CONSUMER // 8):
+                    for e in cutlass.range_constexpr(2):
+                        c.acc_o[e + 2 * r + 4 * j] = c.acc_o[e + 2 * r + 4 * j] * alpha
+
+    @cute.jit
+    def exp_and_store_p(self, c: Consumer, r, row, logit_scale, bias, tile_addr):
+        """Row ``r`` of this thread's S (left unchanged): p = 2^(S * scale - bias), stored as bf16 P
+        (columns 32c + 8j + 2t, +1: one 32-bit word per j in the 128-byte-swizzled P tile);
+        returns the sum of the 8 p."""
+        block_sum = Float32(0.0)
+        for j in cutlass.range_constexpr(B_TOPK // 8):
+            p0 = cute.math.exp2(c.acc_s[2 * r + 4 * j] * logit_scale - bias, fastmath=True)
+            p1 = cute.math.exp2(c.acc_s[1 + 2 * r + 4 * j] * logit_scale - bias, fastmath=True)
+            block_sum += p0 + p1
+            addr = tile_addr + _swizzle128(row, c.index * (B_TOPK // 8) + j) + 4 * c.quad_lane
+            ptx.st_shared_u32(addr, ptx.pack_bf16x2(p0, p1))
+        return block_sum
+
+    @cute.jit
+    def issue_pv(self, c: Consumer, pair):
+        """Queue O += P . V for the pair's 64 slots (4 k-steps of m64n256k16, one WGMMA group)."""
+        # The other consumer's block is read too: wait on its barrier (a no-op wait by now) so
+        # its cp.async writes are visible to this thread.
+        other = 2 * pair + 1 - c.index
+        cute.arch.mbarrier_wait(c.mbar_kv_full + other % self.num_slots, (other // self.num_slots) % 2)
+        warpgroup.fence()
+        for ks in cutlass.range_constexpr(PAIR // 16):
+            ring = (2 * pair + ks // 2) % self.num_slots
+            cute.gemm(
+                c.tiled_mma_pv,
+                c.acc_o,
+                c.tOrP[None, None, ks, pair % 2],
+                c.tOrV[None, None, ks % 2, ring, c.index],
+                c.acc_o,
+            )
+        warpgroup.commit_group()
+
+    @cute.jit
+    def epilogue(self, c: Consumer, mSink, mOut, mMaxLogits, mLse, flags):
+        """Normalise O, apply the sink, write out (bf16), max_logits and lse."""
+        for r in cutlass.range_constexpr(2):
+            total = c.row_sum[r]
+            total += cute.arch.shuffle_sync_bfly(total, offset=1)
+            total += cute.arch.shuffle_sync_bfly(total, offset=2)
+            if c.quad_lane == 0:
+                c.s_row_sum[c.warp * 16 + c.quad_row + 8 * r, c.index] = total
+                c.s_max_true[c.warp * 16 + c.quad_row + 8 * r, c.index] = c.row_max_true[r]
+        cute.arch.barrier(barrier_id=BAR_SUM_READY, number_of_threads=2 * THREADS_PER_WG)
+        out_base = mOut.iterator.toint()
+        for r in cutlass.range_constexpr(2):
+            row = c.warp * 16 + c.quad_row + 8 * r
+            out_row = c.work.bid * B_H + row
+            row_total = c.s_row_sum[row, 0] + c.s_row_sum[row, 1]
+            max_used = c.row_max_used[r]
+            denom = row_total
+            if (flags & 2) != 0:
+                sink_log2 = mSink[c.work.head_group * B_H + row] * LOG2_E
+                denom += cute.math.exp2(sink_log2 - max_used, fastmath=True)
+            out_scale = Float32(0.0)
+            if row_total > 0.0:
+                out_scale = Float32(1.0) / denom
+            if c.quad_lane == 0:
+                if c.index == 0:
+                    if row_total > 0.0:
+                        true_max = cute.arch.fmax(c.s_max_true[row, 0], c.s_max_true[row, 1])
+                        mMaxLogits[out_row] = true_max * LN_2
+                        mLse[out_row] = (max_used + cute.math.log2(row_total, fastmath=True)) * LN_2
+                    else:
+                        mMaxLogits[out_row] = -Float32.inf
+                        mLse[out_row] = Float32.inf
+            row_addr = out_base + Int64(out_row) * (D_V * ELEM_BYTES)
+            for j in cutlass.range_constexpr(D_V_PER_CONSUMER // 8):
+                d = c.index * D_V_PER_CONSUMER + 8 * j + 2 * c.quad_lane
+                word = ptx.pack_bf16x2(
+                    c.acc_o[2 * r + 4 * j] * out_scale, c.acc_o[1 + 2 * r + 4 * j] * out_scale
+                )
+                ptx.st_global_u32(row_addr + d * ELEM_BYTES, word)
