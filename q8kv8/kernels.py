@@ -642,7 +642,7 @@ def launch_sparse_prefill_bf16(
     if kv.data_ptr() % 16 or kv.stride(0) % 8 or kv.stride(2) != 1:  # rows gathered in 16-byte copies
         kv = kv.clone(memory_format=torch.contiguous_format)
     kernel_out = out if out.data_ptr() % 4 == 0 else torch.empty_like(out)
-    no_topk_length, no_sink = _dummies(q.device)
+    no_topk_length, no_sink = _dummies(q)
     device_index = q.device.index
     guard = torch.cuda.device(device_index) if device_index != torch.cuda.current_device() else _NO_GUARD
     with guard:

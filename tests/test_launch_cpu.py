@@ -147,3 +147,26 @@ def test_the_device_is_switched_only_when_another_is_current(
     kernels.launch_sparse_prefill(*args.values())  # CPU tensors: q.get_device() is -1
     assert entered == ([args["q"].get_device()] if switches else [])
     assert len(calls) == 1
+
+
+def test_bf16_launcher_passes_placeholders_and_flags(monkeypatch):
+    """The bf16 kernel's launcher (serving path) on CPU: placeholders for absent options, the scale
+    folded with log2(e), flags."""
+    recorded = []
+    variant = types.SimpleNamespace(function=lambda *args: recorded.append(args), name="recorder")
+    monkeypatch.setattr(kernels, "_bf16_variants", EveryKey(variant))
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: None)  # CPU tensors: no device switch
+    q = torch.zeros(S_Q, H, D_QK, dtype=torch.bfloat16)
+    kv = torch.zeros(S_KV, 1, D_QK, dtype=torch.bfloat16)
+    indices = torch.zeros(S_Q, 1, TOPK, dtype=torch.int32)
+    out = torch.empty(S_Q, H, D_V, dtype=torch.bfloat16)
+    max_logits, lse = torch.empty(S_Q, H), torch.empty(S_Q, H)
+    kernels.launch_sparse_prefill_bf16(q, kv, indices, None, None, 0.125, out, max_logits, lse)
+    topk_length = torch.full((S_Q,), 7, dtype=torch.int32)
+    sink = torch.zeros(H)
+    kernels.launch_sparse_prefill_bf16(q, kv, indices, topk_length, sink, 0.125, out, max_logits, lse)
+    (first, second) = recorded
+    assert first[3] is not topk_length and first[4] is not sink and first[-1] == 0
+    assert second[3] is topk_length and second[4] is sink and second[-1] == 3
+    assert first[5] is out and first[6] is max_logits and first[7] is lse
+    assert math.isclose(first[-2], 0.125 * math.log2(math.e))
