@@ -292,3 +292,30 @@ def test_side_stream_ordered_by_events(make_inputs, randn_fp8):
     main.wait_event(done)
     for a, b in zip(expected, got, strict=True):  # read on the main stream
         assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("precision", ["default", "accurate"])
+@pytest.mark.parametrize("d_qk", [512, 576])
+def test_large_logits_move_the_lazy_max(make_inputs, randn_fp8, d_qk, precision):
+    """Logits with a std of ~8: the running max passes the lazy threshold on many later pairs, so the
+    speculative softmax's synchronous redo (and the O rescale) runs often."""
+    inputs = make_inputs(24, 128, 8192, d_qk, 2048, device="cuda", with_sink=True, invalid_fraction=0.1)
+    inputs["q"] = randn_fp8(24, 128, d_qk, device="cuda", scale=8.0)
+    tolerance = ACCURATE_OUT_TOLERANCE if precision == "accurate" else OUT_TOLERANCE
+    assert_matches_reference(run_kernel(inputs, precision=precision), inputs, out_tolerance=tolerance)
+
+
+@pytest.mark.parametrize("d_qk", [512, 576])
+def test_increasing_logits_rescale_every_pair(make_inputs, d_qk):
+    """Logits that grow along the slots: every pair's max passes the running max (redo every pair)."""
+    inputs = make_inputs(8, 64, 2048, d_qk, 1024, device="cuda", invalid_fraction=0.0)
+    q = inputs["q"].float()
+    q[:] = q[0:1, 0:1]  # every row the same query
+    direction = q[0, 0] / q[0, 0].norm()
+    kv = inputs["kv"].float()
+    kv = kv - (kv[:, 0] @ direction)[:, None, None] * direction  # orthogonal to q
+    ramp = torch.linspace(-30, 30, 2048, device="cuda")[:, None, None]
+    kv = kv + ramp * direction * d_qk**0.5 / q[0, 0].norm()
+    inputs["q"], inputs["kv"] = q.to(torch.float8_e4m3fn), kv.to(torch.float8_e4m3fn)
+    inputs["indices"] = torch.arange(1024, dtype=torch.int32, device="cuda").repeat(8, 1, 1) * 2
+    assert_matches_reference(run_kernel(inputs), inputs)
