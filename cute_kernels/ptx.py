@@ -5,6 +5,8 @@ Each helper wraps one or two PTX instructions whose operands the kernels compute
 the address arithmetic stays explicit and testable instead of hidden in layout algebra.
 """
 
+import struct
+
 from cutlass import Float32, Int32, Int64, Uint32
 from cutlass._mlir.dialects import llvm
 from cutlass.cutlass_dsl import T, dsl_user_op
@@ -239,3 +241,34 @@ def atomic_add_global_u32(gmem_addr, value, *, loc=None, ip=None) -> Int32:
 @dsl_user_op
 def fence_acq_rel_gpu(*, loc=None, ip=None) -> None:
     _asm(None, [], "fence.acq_rel.gpu;", "", True)
+
+
+# 2^f on [-0.5, 0.5] by its Taylor polynomial (relative error < 7e-4: far below e4m3's 2^-4 spacing).
+_EXP2_POLY = (1.0, 0.6931471805599453, 0.2402265069591007, 0.05550410866482158)
+
+
+@dsl_user_op
+def exp2_poly(x, *, loc=None, ip=None) -> Float32:
+    """``2^x`` on the FMA and integer pipes instead of the MUFU (FA4's trick): x is clamped to
+    >= -127, j = round(x) by the 1.5 * 2^23 magic-number add, 2^(x - j) by a cubic, and j added to
+    the exponent bits. ``-inf`` (and x <= -127) gives exactly +0; no result is negative."""
+    c0, c1, c2, c3 = (f"0f{int.from_bytes(struct.pack('>f', c), 'big'):08X}" for c in _EXP2_POLY)
+    return Float32(
+        _asm(
+            T.f32(),
+            [Float32(x).ir_value(loc=loc, ip=ip)],
+            "{\n\t.reg .f32 xc, t, j, f, p;\n\t.reg .b32 tb, pb;\n\t"
+            "max.f32 xc, $1, 0fC2FE0000;\n\t"  # -127
+            "add.rn.f32 t, xc, 0f4B400000;\n\t"  # 1.5 * 2^23: t's low bits hold round(x)
+            "sub.rn.f32 j, t, 0f4B400000;\n\t"
+            "sub.rn.f32 f, xc, j;\n\t"
+            f"fma.rn.f32 p, f, {c3}, {c2};\n\t"
+            f"fma.rn.f32 p, p, f, {c1};\n\t"
+            f"fma.rn.f32 p, p, f, {c0};\n\t"
+            "mov.b32 tb, t;\n\tmov.b32 pb, p;\n\t"
+            "shl.b32 tb, tb, 23;\n\tadd.s32 pb, pb, tb;\n\t"
+            "mov.b32 $0, pb;\n\t}",
+            "=f,f",
+            False,
+        )
+    )

@@ -25,6 +25,8 @@ VARIANTS = {
     "default": {},
     "f16exp": {"exp2_f16x2": True},
     "accurate": {"precision": "accurate"},
+    "poly1": {"exp2_poly_groups": 1},  # a quarter of the exponentials on the FMA pipe
+    "poly2": {"exp2_poly_groups": 2},
     "gather_only": {"experiment": "gather_only"},
     "math_only": {"experiment": "math_only"},
 }

@@ -160,6 +160,7 @@ class SparsePrefillSm90:
         precision: str = "default",
         exp2_f16x2: bool | None = None,
         experiment: str | None = None,
+        exp2_poly_groups: int = 0,
     ):
         """``precision``: "default" rounds P to one e4m3 term; "accurate" splits it into two
         (hi = e4m3(p), lo = e4m3(p - hi)) and runs the PV product once per term.
@@ -167,13 +168,18 @@ class SparsePrefillSm90:
         "accurate", whose split needs f16 values; SM90 runs an f16x2 ex2 as two MUFU ops, so it
         does not halve the MUFU work, and measured 0.3-1% slower in the default mode).
         ``experiment`` (timing studies only, wrong results): "gather_only" skips all math,
-        "math_only" skips the gather."""
+        "math_only" skips the gather. ``exp2_poly_groups`` (0-4, f32 exponentials only): how many
+        of each row's four groups of 4 exponentials run as a cubic on the FMA pipe
+        (``ptx.exp2_poly``) instead of the MUFU, to share the exponential work between pipes
+        (an experiment: not measured yet)."""
         if d_qk not in (512, 576):
             raise ValueError(f"d_qk must be 512 or 576, got {d_qk}")
         if precision not in ("default", "accurate"):
             raise ValueError(f"precision must be 'default' or 'accurate', got {precision!r}")
         if exp2_f16x2 is None:
             exp2_f16x2 = precision == "accurate"
+        if not 0 <= exp2_poly_groups <= 4 or (exp2_poly_groups and exp2_f16x2):
+            raise ValueError("exp2_poly_groups must be 0-4, and 0 with f16x2 exponentials")
         if precision == "accurate" and not exp2_f16x2:
             raise ValueError("precision='accurate' needs exp2_f16x2")
         if experiment not in (None, "gather_only", "math_only"):
@@ -183,6 +189,7 @@ class SparsePrefillSm90:
         self.p_terms = 2 if precision == "accurate" else 1  # e4m3 terms P is stored as
         self.exp2_f16x2 = exp2_f16x2
         self.experiment = experiment
+        self.exp2_poly_groups = exp2_poly_groups
         self.k_tile_bytes = B_TOPK * d_qk  # one gathered block in shared memory
         self.q_tile_bytes = B_H * d_qk
 
@@ -720,15 +727,11 @@ class SparsePrefillSm90:
         for kstep in cutlass.range_constexpr(2):
             for half in cutlass.range_constexpr(2):
                 j0 = 4 * kstep + 2 * half
-                p = [
-                    cute.math.exp2(c.acc_s[i] * logit_scale - bias, fastmath=True)
-                    for i in (
-                        2 * r + 4 * j0,
-                        1 + 2 * r + 4 * j0,
-                        2 * r + 4 * (j0 + 1),
-                        1 + 2 * r + 4 * (j0 + 1),
-                    )
-                ]
+                columns = (2 * r + 4 * j0, 1 + 2 * r + 4 * j0, 2 * r + 4 * j0 + 4, 1 + 2 * r + 4 * j0 + 4)
+                if const_expr(2 * kstep + half >= 4 - self.exp2_poly_groups):
+                    p = [ptx.exp2_poly(c.acc_s[i] * logit_scale - bias) for i in columns]
+                else:
+                    p = [cute.math.exp2(c.acc_s[i] * logit_scale - bias, fastmath=True) for i in columns]
                 block_sum += (p[0] + p[1]) + (p[2] + p[3])
                 word = ptx.pack_e4m3x4(p[0], p[1], p[2], p[3])
                 ptx.st_shared_u32(tile_addr + _swizzle64(row, 2 * kstep + half) + 4 * c.quad_lane, word)
