@@ -439,22 +439,15 @@ def _cuda_attention_fp8(q, kv, indices, sm_scale, q_scale, kv_scale, attn_sink, 
 
 
 def _cuda_attention_bf16(q, kv, indices, sm_scale, attn_sink, topk_length):
-    """The bf16 kernel, through ``q8kv8.kernels.launch_sparse_prefill_bf16`` once it exists.
-
-    Expected contract (mirrors ``launch_sparse_prefill``): ``launch_sparse_prefill_bf16(q, kv, indices,
-    topk_length, attn_sink, sm_scale, out, max_logits, lse)`` with q [s_q, h, d_qk] bf16 row-major, h a
-    multiple of 64, kv [s_kv, 1, d_qk] bf16, indices [s_q, 1, topk] int32 (topk a multiple of 128),
-    topk_length [s_q] int32 or None, attn_sink [h] float32 or None, out [s_q, h, 512] bf16 and
-    max_logits, lse [s_q, h] float32.
+    """The bf16 kernel (``cute_kernels/sm90/sparse_prefill_bf16.py``) through
+    ``q8kv8.kernels.launch_sparse_prefill_bf16(q, kv, indices, topk_length, attn_sink, sm_scale, out,
+    max_logits, lse)``: q [s_q, h, d_qk] bf16 row-major with h a multiple of 64, kv [s_kv, 1, d_qk] bf16,
+    indices [s_q, 1, topk] int32 (topk a multiple of 128), topk_length [s_q] int32 or None, attn_sink
+    [h] float32 or None, out [s_q, h, 512] bf16, max_logits and lse [s_q, h] float32.
     """
     from q8kv8 import kernels
 
-    launch = getattr(kernels, "launch_sparse_prefill_bf16", None)
-    if launch is None:
-        raise NotImplementedError(
-            "SparsePrefill backend 'bf16': the bf16 attention kernel is not available yet "
-            "(q8kv8.kernels.launch_sparse_prefill_bf16 is missing); use backend 'fp8'"
-        )
+    launch = kernels.launch_sparse_prefill_bf16
     s_q, h, _ = q.shape
     out = torch.empty((s_q, h, 512), dtype=torch.bfloat16, device=q.device)
     max_logits = torch.empty((s_q, h), dtype=torch.float32, device=q.device)

@@ -393,16 +393,6 @@ def test_backend_resolution(monkeypatch):
         SparsePrefill()
 
 
-def test_bf16_backend_without_its_kernel_raises_not_implemented(fake_kernels):
-    fake_kernels(lambda *args: None)  # a kernels module without launch_sparse_prefill_bf16
-    q = torch.zeros(2, 64, 576, dtype=BF16)
-    kv = torch.zeros(3, 1, 576, dtype=BF16)
-    with pytest.raises(NotImplementedError, match="launch_sparse_prefill_bf16 is missing"):
-        serving.cuda_kernels().attention_bf16(
-            q, kv, torch.zeros(2, 1, 128, dtype=torch.int32), 0.1, None, None
-        )
-
-
 def test_bf16_kernel_hook_receives_the_documented_arguments(fake_kernels):
     module = fake_kernels(lambda *args: None)
     calls = []

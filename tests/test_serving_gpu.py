@@ -24,7 +24,6 @@ from paged_cache import (
     to_device,
 )
 
-from q8kv8 import kernels
 from q8kv8.serving import (
     SparsePrefill,
     cast_q_fp8,
@@ -208,10 +207,6 @@ def test_forward_fp8_matches_float64_ground_truth(generator, layout, compress_ra
 @pytest.mark.parametrize("compress_ratio", [0, 4, 128])
 @pytest.mark.parametrize("layout", ["model1", "v32"])
 def test_forward_bf16_matches_float64_ground_truth(generator, layout, compress_ratio):
-    if not hasattr(kernels, "launch_sparse_prefill_bf16"):
-        pytest.skip(
-            "the bf16 attention kernel (q8kv8.kernels.launch_sparse_prefill_bf16) is not available yet"
-        )
     batch = make_batch(layout, 64, compress_ratio, h=20, topk=16, generator=generator)
     sink = torch.randn(20, generator=generator)
     got = forward(SparsePrefill("bf16"), cuda_batch(batch), sink.cuda())
