@@ -224,25 +224,6 @@ def sum_f16x2_to_f32(h, *, loc=None, ip=None) -> Float32:
     )
 
 
-@dsl_user_op
-def atomic_add_global_u32(gmem_addr, value, *, loc=None, ip=None) -> Int32:
-    """``atom.global.add.u32`` (relaxed, GPU scope); returns the old value."""
-    return Int32(
-        _asm(
-            T.i32(),
-            [Int64(gmem_addr).ir_value(loc=loc, ip=ip), Int32(value).ir_value(loc=loc, ip=ip)],
-            "atom.global.add.u32 $0, [$1], $2;",
-            "=r,l,r",
-            True,
-        )
-    )
-
-
-@dsl_user_op
-def fence_acq_rel_gpu(*, loc=None, ip=None) -> None:
-    _asm(None, [], "fence.acq_rel.gpu;", "", True)
-
-
 # 2^f on [-0.5, 0.5] by its Taylor polynomial (relative error < 7e-4: far below e4m3's 2^-4 spacing).
 _EXP2_POLY = (1.0, 0.6931471805599453, 0.2402265069591007, 0.05550410866482158)
 

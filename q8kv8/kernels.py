@@ -177,45 +177,48 @@ def _file_lock(path: Path):
             fcntl.flock(handle, fcntl.LOCK_UN)
 
 
-def _load_object(cute, object_path: Path, digest_path: Path):
+def _load_object(cute, object_path: Path, digest_path: Path, function_name: str):
     """The exported function from a cache entry, or None when the entry is missing or damaged."""
     if not (object_path.exists() and digest_path.exists()):
         return None
     if _sha256(object_path) != digest_path.read_text().strip():
         return None
     try:
-        return cute.runtime.load_module(str(object_path), enable_tvm_ffi=True)[EXPORTED_FUNCTION]
+        return cute.runtime.load_module(str(object_path), enable_tvm_ffi=True)[function_name]
     except Exception:
         return None
 
 
-def _build_or_load(d_qk: int, precision: str) -> Variant:
+def _build_or_load_named(
+    name: str, d_qk: int, compile_fn, function_name: str, stats: CacheStats, precision: str = "default"
+) -> Variant:
+    """Load kernel ``name`` from the disk cache, or build it (``compile_fn(dump_dir)`` returns the JIT
+    object) and cache it; every kernel family of the package goes through here."""
     cutlass, cute = _import_dsl()
-    name = variant_name(d_qk, precision)
     entry = cache_dir() / _cache_key(cutlass.__version__)
     entry.mkdir(parents=True, exist_ok=True)
     object_path, digest_path, ptx_path = (entry / f"{name}{ext}" for ext in (".o", ".sha256", ".ptx"))
     start = time.perf_counter()
     with _compile_lock, _file_lock(entry / ".lock"):
-        function = _load_object(cute, object_path, digest_path)
+        function = _load_object(cute, object_path, digest_path, function_name)
         if function is not None:
-            cache_stats.hits += 1
+            stats.hits += 1
             return Variant(
                 name, d_qk, precision, function, "cache", time.perf_counter() - start, object_path, ptx_path
             )
         if object_path.exists():
-            cache_stats.rebuilt_corrupt += 1
-        cache_stats.misses += 1
+            stats.rebuilt_corrupt += 1
+        stats.misses += 1
         try:
             with tempfile.TemporaryDirectory(dir=entry) as dump_dir:
-                compiled = _compile(d_qk, Path(dump_dir), precision=precision)
+                compiled = compile_fn(Path(dump_dir))
             tmp_object = entry / f".{name}.{os.getpid()}.o.tmp"
-            compiled.export_to_c(object_file_path=str(tmp_object), function_name=EXPORTED_FUNCTION)
+            compiled.export_to_c(object_file_path=str(tmp_object), function_name=function_name)
             _write_atomic(digest_path, _sha256(tmp_object).encode())
             os.replace(tmp_object, object_path)
             if compiled.__ptx__:
                 _write_atomic(ptx_path, compiled.__ptx__.encode())
-            function = cute.runtime.load_module(str(object_path), enable_tvm_ffi=True)[EXPORTED_FUNCTION]
+            function = cute.runtime.load_module(str(object_path), enable_tvm_ffi=True)[function_name]
         except Exception as exc:
             # One line naming the variant; the DSL's full report (often pages of MLIR) goes to a file
             # next to the cache entry, not into the traceback.
@@ -230,6 +233,17 @@ def _build_or_load(d_qk: int, precision: str) -> Variant:
             raise error from None
     return Variant(
         name, d_qk, precision, function, "compiled", time.perf_counter() - start, object_path, ptx_path
+    )
+
+
+def _build_or_load(d_qk: int, precision: str) -> Variant:
+    return _build_or_load_named(
+        variant_name(d_qk, precision),
+        d_qk,
+        lambda dump_dir: _compile(d_qk, dump_dir, precision=precision),
+        EXPORTED_FUNCTION,
+        cache_stats,
+        precision,
     )
 
 
@@ -395,47 +409,6 @@ def _compile_paged_kv(layout: str, out_bf16: bool, dump_dir: Path):
     )
     return cute.compile(
         kernel, *args, options=f"--enable-tvm-ffi --gpu-arch {TARGET_ARCH} --keep-ptx --dump-dir {dump_dir}"
-    )
-
-
-def _build_or_load_named(name: str, d_qk: int, compile_fn, function_name: str, stats: CacheStats) -> Variant:
-    """``_build_or_load`` for any kernel: ``compile_fn(dump_dir)`` returns the JIT object."""
-    cutlass, cute = _import_dsl()
-    entry = cache_dir() / _cache_key(cutlass.__version__)
-    entry.mkdir(parents=True, exist_ok=True)
-    object_path, digest_path, ptx_path = (entry / f"{name}{ext}" for ext in (".o", ".sha256", ".ptx"))
-    start = time.perf_counter()
-    with _compile_lock, _file_lock(entry / ".lock"):
-        function = None
-        intact = object_path.exists() and digest_path.exists()
-        if intact and _sha256(object_path) == digest_path.read_text().strip():
-            with contextlib.suppress(Exception):
-                function = cute.runtime.load_module(str(object_path), enable_tvm_ffi=True)[function_name]
-        if function is not None:
-            stats.hits += 1
-            return Variant(
-                name, d_qk, "default", function, "cache", time.perf_counter() - start, object_path, ptx_path
-            )
-        if object_path.exists():
-            stats.rebuilt_corrupt += 1
-        stats.misses += 1
-        try:
-            with tempfile.TemporaryDirectory(dir=entry) as dump_dir:
-                compiled = compile_fn(Path(dump_dir))
-            tmp_object = entry / f".{name}.{os.getpid()}.o.tmp"
-            compiled.export_to_c(object_file_path=str(tmp_object), function_name=function_name)
-            _write_atomic(digest_path, _sha256(tmp_object).encode())
-            os.replace(tmp_object, object_path)
-            if compiled.__ptx__:
-                _write_atomic(ptx_path, compiled.__ptx__.encode())
-            function = cute.runtime.load_module(str(object_path), enable_tvm_ffi=True)[function_name]
-        except Exception as exc:
-            first_line = (str(exc).strip().splitlines() or [type(exc).__name__])[0][:300]
-            raise KernelCompileError(
-                f"q8kv8: building kernel {name} for {TARGET_ARCH} failed: {type(exc).__name__}: {first_line}"
-            ) from exc
-    return Variant(
-        name, d_qk, "default", function, "compiled", time.perf_counter() - start, object_path, ptx_path
     )
 
 

@@ -11,6 +11,7 @@ import math
 
 import pytest
 import torch
+from reference_checks import assert_outputs_match
 
 from q8kv8 import kernels, serving
 from q8kv8.reference import sparse_mla_prefill_reference
@@ -81,25 +82,7 @@ def reference(inputs):
 
 
 def assert_matches_reference(outputs, inputs, out_tolerance=OUT_TOLERANCE):
-    out, max_logits, lse = outputs
-    ref_out, ref_max, ref_lse = reference(inputs)
-    assert not torch.isnan(out).any(), "NaN in out"
-    assert not torch.isnan(max_logits).any() and not torch.isnan(lse).any(), "NaN in max_logits/lse"
-    empty = torch.isinf(ref_lse) & (ref_lse > 0)
-    assert torch.equal(torch.isinf(lse) & (lse > 0), empty), "sentinel rows differ"
-    assert (out[empty] == 0).all(), "out of an empty row is not exactly 0"
-    assert (max_logits[empty] == -math.inf).all(), "max_logits of an empty row is not -inf"
-    rel = 0.0
-    ref_norm = ref_out.norm()
-    if ref_norm > 0:
-        rel = ((out.double() - ref_out).norm() / ref_norm).item()
-        assert rel <= out_tolerance, f"||out - ref|| / ||ref|| = {rel:.3e}"
-    full = ~empty
-    for name, got, want in (("max_logits", max_logits, ref_max), ("lse", lse, ref_lse)):
-        err = (got.double()[full] - want[full]).abs() / want[full].abs().clamp(min=1.0)
-        if err.numel():
-            assert err.max().item() <= STAT_TOLERANCE, f"{name}: max relative error {err.max().item():.3e}"
-    return rel
+    return assert_outputs_match(outputs, reference(inputs), out_tolerance, STAT_TOLERANCE)
 
 
 @pytest.mark.parametrize("s_kv_kind", ["below_topk", "64k"])

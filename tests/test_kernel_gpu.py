@@ -10,6 +10,7 @@ import math
 
 import pytest
 import torch
+from reference_checks import assert_outputs_match
 
 from q8kv8 import sparse_mla_q8kv8_prefill_fwd, topk_length_from_seqlens
 from q8kv8.reference import sparse_mla_prefill_reference
@@ -39,27 +40,8 @@ def assert_matches_reference(outputs, inputs, rows=None, out_tolerance=OUT_TOLER
         if inputs.get("topk_length") is not None:
             ref_inputs["topk_length"] = inputs["topk_length"][rows]
         out, max_logits, lse = out[rows], max_logits[rows], lse[rows]
-    ref_out, ref_max, ref_lse = sparse_mla_prefill_reference(**ref_inputs, chunk_rows=32)
-
-    assert not torch.isnan(out).any(), "NaN in out"
-    assert not torch.isnan(max_logits).any() and not torch.isnan(lse).any(), "NaN in max_logits/lse"
-    empty = torch.isinf(ref_lse) & (ref_lse > 0)  # rows with no valid slot
-    assert torch.equal(torch.isinf(lse) & (lse > 0), empty), "sentinel rows differ"
-    assert (out[empty] == 0).all(), "out of an empty row is not exactly 0"
-    assert (max_logits[empty] == -math.inf).all(), "max_logits of an empty row is not -inf"
-
-    out64 = out.double()
-    ref_norm = ref_out.norm()
-    rel = 0.0
-    if ref_norm > 0:
-        rel = ((out64 - ref_out).norm() / ref_norm).item()
-        assert rel <= out_tolerance, f"||out - ref|| / ||ref|| = {rel:.3e}"
-    full = ~empty
-    for name, got, want in (("max_logits", max_logits, ref_max), ("lse", lse, ref_lse)):
-        err = (got.double()[full] - want[full]).abs() / want[full].abs().clamp(min=1.0)
-        if err.numel():
-            assert err.max().item() <= STAT_TOLERANCE, f"{name}: max relative error {err.max().item():.3e}"
-    return rel
+    reference = sparse_mla_prefill_reference(**ref_inputs, chunk_rows=32)
+    return assert_outputs_match((out, max_logits, lse), reference, out_tolerance, STAT_TOLERANCE)
 
 
 @pytest.mark.parametrize("s_kv_kind", ["below_topk", "64k"])
