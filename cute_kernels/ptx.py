@@ -116,6 +116,15 @@ def pack_bf16x2(lo, hi, *, loc=None, ip=None) -> Uint32:
 
 
 @dsl_user_op
+def zero_f32(*, loc=None, ip=None) -> Float32:
+    """0.0 from a volatile ``mov``: a constant the compiler cannot hoist. Accumulators zeroed from
+    it are defined where this runs (after ``setmaxregister``), not in the kernel's prologue,
+    where LLVM otherwise hoists constant zeros and ptxas then spills them under the prologue's
+    register limit."""
+    return Float32(_asm(T.f32(), [], "mov.b32 $0, 0f00000000;", "=f", True))
+
+
+@dsl_user_op
 def st_shared_u32(smem_addr, value, *, loc=None, ip=None) -> None:
     _asm(
         None,

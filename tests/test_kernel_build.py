@@ -35,8 +35,9 @@ def test_ptx_uses_fp8_wgmma_tma_and_cp_async(variants, d_qk, precision):
     ptx = variants[d_qk, precision].ptx_path.read_text()
     wgmma = re.findall(r"wgmma\.mma_async\.\S+", ptx)
     assert wgmma and set(wgmma) == {"wgmma.mma_async.sync.aligned.m64n64k32.f32.e4m3.e4m3"}
-    # k-steps of S = Q.K^T, and of O^T (4 d tiles x 4 k-steps, once per e4m3 term of P)
-    qk_steps, pv_steps = d_qk // 32, 16 * (2 if precision == "accurate" else 1)
+    # k-steps of S = Q.K^T, and of O^T (4 d tiles x 2 k-steps per block, once per e4m3 term of
+    # P) on the three PV paths: two blocks (the common one), the other's block only, own only
+    qk_steps, pv_steps = d_qk // 32, (16 + 8 + 8) * (2 if precision == "accurate" else 1)
     assert len(wgmma) == qk_steps + pv_steps
     assert len(re.findall(r"cp\.async\.bulk\.tensor", ptx)) == d_qk // 64  # the Q tile, by TMA
     assert len(re.findall(r"cp\.async\.cg\.shared\.global\.L2::cache_hint", ptx)) == d_qk // 64 * 4
@@ -44,7 +45,7 @@ def test_ptx_uses_fp8_wgmma_tma_and_cp_async(variants, d_qk, precision):
     assert re.search(rf"setmaxnreg\.dec\.sync\.aligned\.u32\s+{sparse_prefill.PRODUCER_REGS};", ptx)
     assert re.search(rf"setmaxnreg\.inc\.sync\.aligned\.u32\s+{sparse_prefill.CONSUMER_REGS};", ptx)
     # "accurate": f16x2 exponentials, split into hi = e4m3(p) and lo = e4m3(p - hi); 16 per copy
-    # of the softmax (first pair, speculative, synchronous redo)
+    # of the softmax
     accurate = precision == "accurate"
     for pattern in (r"ex2\.approx\.f16x2", r"cvt\.rn\.f16x2\.e4m3x2"):
         count = len(re.findall(pattern, ptx))

@@ -1,8 +1,8 @@
 """SM90 FP8 sparse MLA prefill: out = softmax(q . kv[idx]^T) . kv[idx, :512], TMA + WGMMA e4m3.
 
 One CTA per (query token, group of B_H = 64 heads): the Q tile is [64, d_qk], the CTA walks the
-token's ``topk`` gathered KV rows in blocks of B_TOPK = 64 rows, two blocks (a *pair*) at a
-time, so ``topk % 128 == 0``.
+token's ``topk`` gathered KV rows in blocks of B_TOPK = 64 rows, gathered two blocks (a *pair*)
+at a time, so ``topk % 128 == 0``.
 
 Warp roles (384 threads, ``setmaxregister``; launched with ``min_blocks_per_mp=1``):
 
@@ -10,51 +10,51 @@ Warp roles (384 threads, ``setmaxregister``; launched with ``min_blocks_per_mp=1
   pair's first block and warps 2-3 its second: 16-byte ``cp.async`` copies straight from the
   gathered rows into the K-major, 64-byte-swizzled tile (L2 evict-last). A slot that is not
   valid (index outside [0, s_kv), or slot >= topk_length) is zero-filled and never read.
-- WG1 / WG2, the consumers c = 0 / 1. Consumer c owns block c of every pair for S = Q.K^T and
-  half c of d_v (256 columns) for O.
-  1. S_c = Q . K_c^T: SS WGMMA m64n64k32 over d_qk (e4m3 x e4m3 -> f32).
-  2. Logits are scaled by ``q_scale*kv_scale*sm_scale*log2(e)`` (exp2 domain), invalid slots
-     set to -inf, block row maxima published in shared memory. On a tile's first pair the
-     consumers exchange them (named barrier 1) to agree on the running max m. On later pairs
-     each consumer goes ahead with the m both already share (speculatively, no exchange); a
-     consumer whose block max exceeds m by more than the lazy threshold flags the pair, and
-     after the P barrier both redo it synchronously (new m from the published maxima, P
-     rewritten, O rescaled). Flags are pair numbers in a parity slot, so they need no reset.
-  3. P_c = exp2(S - m) * 2^7, rounded to e4m3 and stored head-major as the K-major B operand of
-     the PV product (named barrier 2 publishes both blocks' P). 2^7 is exact and keeps small
-     probabilities normal in e4m3. The running max is *lazy*: it only moves when a block's max
-     exceeds it by more than RESCALE_THRESHOLD (log2 units), so most pairs need no rescale of
-     O, and stored P stay below 2^(7 + 1.75) < 448, the e4m3 maximum.
+- WG1 / WG2, the consumers c = 0 / 1. The KV blocks of a tile alternate between them: consumer
+  c *owns* blocks b = c, c + 2, c + 4, ... (it computes their S and P), and it computes O^T for
+  half c of d_v (256 columns) over *every* block. One step of consumer c handles its own block
+  b = 2i + c and the other consumer's block b - 1:
+  1. S_b = Q . K_b^T: SS WGMMA m64n64k32 over d_qk (e4m3 x e4m3 -> f32).
+  2. Softmax of block b. Logits are in the exp2 domain (``q_scale*kv_scale*sm_scale*log2(e)``
+     folded into the exponent's FMA), invalid slots are -inf. The running max is *lazy* and is
+     one sequence m_0 <= m_1 <= ... over the tile's blocks: m_b = m_{b-1}, unless block b's
+     row max exceeds it by more than RESCALE_THRESHOLD (log2 units), then m_b is that max and
+     alpha_b = 2^(m_{b-1} - m_b) is the factor O must be rescaled by. m_{b-1} comes from the
+     other consumer (its block b - 1): the softmaxes of the two consumers form a chain, which
+     is what staggers them, so that one consumer's softmax runs while the other's WGMMAs keep
+     the tensor cores busy. P_b = e4m3(2^(S - m_b) * 2^7) is stored head-major as the K-major B
+     operand of the PV product, with m_b, alpha_b and a "moved" flag, and published by the
+     mbarrier ``p_full[b % 4]``. 2^7 is exact and keeps small probabilities normal in e4m3; the
+     stored P stay below 2^(7 + 1.75) < 448, the e4m3 maximum.
      ``precision="accurate"``: the exponentials are taken in f16x2 and P is stored as two e4m3
-     terms, hi = e4m3(p) and lo = e4m3(p - hi) (the difference is exact in f16), in two P
-     tiles; step 4 runs once per term with the same V^T fragments, so O accumulates P with
-     about 8 significant bits instead of 4 (measured: out error 2e-3..3e-3 instead of 3e-2,
-     for 1.15-1.26x the time).
-  4. The PV product is computed transposed, O^T[d, h] += V^T[d, slot] . P^T[slot, h], with
-     A = V^T taken from registers (RS WGMMA): ``ldmatrix.trans`` reads the gathered rows as
-     they are (no transposed copy of V in shared memory), and two byte permutes turn each pair
-     of 8x8 b16 matrices into the e4m3 A fragment. The slot order this produces inside each
-     32-slot k-step (sigma below) is the order in which P is stored, so the product is exact;
-     the d order it produces (A row g <-> d 2g, row g+8 <-> d 2g+1) is undone in the epilogue,
-     where each thread then owns two adjacent d columns (one 32-bit bf16x2 store).
-  Schedule per consumer: QK(p), softmax(p), PV(p) in turn, two V^T
-  A-fragment buffers alternating over the four d tiles, the pair's stage released right after
-  its last V^T load, so the producer has a whole iteration to gather pair p + 2 (measured: the
-  gather alone needs about half the kernel's time, the math alone 94%). Queueing PV(p-1)
-  around the softmax of pair p instead releases stages later and measured 25% slower
-  (docs/perf-notes.md). A block past topk_length (the second block of the last pair) is zero-filled, its S
-  product skipped (fully masked) and its PV k-steps multiply zeros. Branches that hold WGMMAs
-  depend only on warp-uniform values (the consumer index comes from the warp index) and no
-  WGMMA is in flight across a loop's back edge, so ptxas does not serialise them (C7520).
-  The softmax masks only blocks that hold an invalid slot, and folds the logit scale into
-  the exponent's FMA.
-- Epilogue: row sums are exchanged (named barrier 3); out = O / (sum + 2^7 exp(sink - m))
-  * kv_scale in bf16; max_logits = true max * ln2, lse = (m + log2(sum) - 7) * ln2. A row with
-  no valid slot writes out = 0, max_logits = -inf, lse = +inf.
+     terms, hi = e4m3(p) and lo = e4m3(p - hi) (the difference is exact in f16); step 3 runs
+     once per term with the same V^T fragments, so O accumulates P with about 8 significant
+     bits instead of 4 (out error 2e-3..3e-3 instead of 3e-2).
+  3. O^T += V^T . P^T over blocks b - 1 and b (4 k-steps of 32 slots), computed transposed,
+     O^T[d, h] += V^T[d, slot] . P^T[slot, h], with A = V^T taken from registers (RS WGMMA):
+     ``ldmatrix.trans`` reads the gathered rows as they are (no transposed copy of V in shared
+     memory), and two byte permutes turn each pair of 8x8 b16 matrices into the e4m3 A
+     fragment. The slot order this produces inside each 32-slot k-step (sigma below) is the
+     order in which P is stored, so the product is exact; the d order it produces (A row g <->
+     d 2g, row g+8 <-> d 2g+1) is undone in the epilogue, where each thread then owns two
+     adjacent d columns (one 32-bit bf16x2 store). O is rescaled by alpha_{b-1} first; when
+     alpha_b moved too (rare), block b - 1's product is drained before O is rescaled by
+     alpha_b and block b's product is queued. A block's KV tile is released (``kv_empty``,
+     both consumers) right after its last V^T load.
+  The last step of a consumer that does not own the tile's last block only accumulates that
+  block. No WGMMA is in flight across a loop's back edge, and branches that hold WGMMAs depend
+  only on warp-uniform values (the consumer index comes from the warp index), so ptxas does
+  not serialise them (C7520).
+- Epilogue: row sums (each consumer's, of its own blocks) are brought to the final max and
+  exchanged (named barrier 3); out = O / (sum + 2^7 exp(sink - m)) * kv_scale in bf16;
+  max_logits = true max * ln2, lse = (m + log2(sum) - 7) * ln2. A row with no valid slot writes
+  out = 0, max_logits = -inf, lse = +inf.
 
-Barriers: mbarriers ``q_full``; ``kv_full[stage][block]`` (64 producer threads, cp.async
-arrive.noinc); ``kv_empty[stage]`` (256 consumer threads). Shared buffers that both consumers
-write per pair (row maxima, P) are double-buffered by pair parity.
+Barriers: mbarriers ``q_full``; ``kv_full[tile]`` (64 producer threads, cp.async arrive.noinc)
+and ``kv_empty[tile]`` (256 consumer threads) for the four block tiles (two pairs);
+``p_full[b % 4]`` (the 128 threads of block b's owner). Block b uses KV tile b % 4, P buffer
+b % 4 and phase (b // 4) % 2 of all three; a buffer is rewritten four blocks later, which the
+softmax chain orders after every read of it.
 
 Constraints: h % 64 == 0 (the wrapper pads heads), topk % 128 == 0, d_qk in {512, 576},
 d_v = 512, q/out/max_logits/lse row-major, kv rows 16-byte aligned. ``topk_length`` values
@@ -68,17 +68,18 @@ from typing import NamedTuple
 import cutlass
 import cutlass.cute as cute
 import cutlass.utils.hopper_helpers as sm90_utils
-from cutlass import Float32, Int32, Int64, Uint32, const_expr
+from cutlass import Float8E4M3FN, Float32, Int32, Int64, Uint32, const_expr
 from cutlass.cute.nvgpu import OperandMajorMode, cpasync, warpgroup
 
 from cute_kernels import ptx
 
 B_H = 64  # heads per CTA: one WGMMA M tile
 B_TOPK = 64  # gathered KV rows per block: the N tile of S and two k-steps of the PV product
-PAIR = 2 * B_TOPK  # rows per loop iteration (one block per consumer)
+PAIR = 2 * B_TOPK  # rows per gathered pair (two blocks, one per producer half)
 D_V = 512  # value width: the first 512 columns of each KV row
 D_TILES_PER_CONSUMER = 4  # 64-wide d tiles of O^T per consumer (256 of d_v)
 NUM_STAGES = 2  # pairs of KV blocks in flight
+NUM_KV_TILES = 2 * NUM_STAGES  # block tiles; block b uses tile b % 4 (and P buffer b % 4)
 P_SCALE_LOG2 = 7  # P is stored as e4m3(p * 2^7); undone in the epilogue
 RESCALE_THRESHOLD = 1.75  # log2 units; 2^(P_SCALE_LOG2 + RESCALE_THRESHOLD) = 430 < 448
 SW64_TILE_COLS = 64  # bytes per row of one 64-byte-swizzled column tile
@@ -90,8 +91,6 @@ PRODUCER_REGS = 24
 CONSUMER_REGS = 240
 
 # Named barrier ids (0 is __syncthreads).
-BAR_MAX_READY = 1  # both consumers published their block's row maxima
-BAR_P_READY = 2  # both consumers stored P and alpha
 BAR_SUM_READY = 3  # both consumers published their row sums (epilogue)
 BAR_SCALE_READY = 4  # per consumer (4 + c): output scales ready (epilogue)
 
@@ -120,32 +119,35 @@ class Consumer(NamedTuple):
     """One consumer warpgroup's view of the CTA (trace-time bundle): who it is, its MMAs and
     fragments, its running softmax state and the shared buffers it exchanges through."""
 
-    index: Int32  # c: block of each pair for S, half of d_v for O (warp-uniform)
+    index: Int32  # c: owner of blocks c, c + 2, ... (S, P); half c of d_v for O (warp-uniform)
     warp: Int32  # warp inside the warpgroup: rows 16*warp.. of every M tile
     lane: Int32
     quad_row: Int32  # g: C-fragment row inside the warp's 16 rows
     quad_lane: Int32  # t: C-fragment column pair 2t, 2t+1
     work: CtaWork
-    tiled_mma_qk: cute.TiledMma
+    tiled_mma_qk: cute.TiledMma  # S += Q . K^T
+    tiled_mma_qk_first: cute.TiledMma  # S = Q . K^T (first k-step)
     tiled_mma_pv: cute.TiledMma
     tSrQ: cute.Tensor  # Q descriptors (MMA, 1, d_qk/32)
-    tSrK: cute.Tensor  # K descriptors (MMA, 1, d_qk/32, stage*2 + block)
-    tOrP: cute.Tensor  # P^T descriptors (MMA, 1, 4 k-steps, parity * p_terms + term)
+    tSrK: cute.Tensor  # K descriptors (MMA, 1, d_qk/32, tile)
+    tOrP: cute.Tensor  # P^T descriptors (MMA, 1, 2 k-steps, buffer * p_terms + term)
     acc_s: cute.Tensor  # S of this consumer's block (32 f32)
     acc_o: list  # O^T, one 64x64 accumulator per d tile (4 x 32 f32)
-    frag_v: list  # two V^T A-fragment buffers (4 k-steps each, 16 registers)
-    row_max_used: cute.Tensor  # per row r: max the stored P are relative to (exp2 domain)
-    row_max_true: cute.Tensor  # per row r: exact running max (for max_logits)
-    row_sum: cute.Tensor  # per row r: this thread's partial sum of 2^7 P
-    s_update: cute.Tensor  # smem [parity]: the last pair that needs the synchronous softmax
+    thr_mma_pv: cute.ThrMma  # this thread's slice of the PV MMA (V^T fragment shapes)
+    row_max_own: cute.Tensor  # per row r: m of this consumer's latest own block (row_sum's base)
+    row_max_true: cute.Tensor  # per row r: exact max over own blocks (for max_logits)
+    row_sum: cute.Tensor  # per row r: this thread's partial sum of 2^7 P over own blocks
+    s_max_used: cute.Tensor  # smem [buffer, row]: m_b, the max P_b is relative to (exp2 domain)
+    s_alpha: cute.Tensor  # smem [buffer, row]: alpha_b = 2^(m_{b-1} - m_b)
+    s_moved: cute.Tensor  # smem [buffer]: b when m_b != m_{b-1} for some row
     s_max_true: cute.Tensor  # smem [row, consumer]: exact maxima (epilogue)
-    s_row_max: cute.Tensor  # smem [row, consumer, parity]: block row maxima
-    s_alpha: cute.Tensor  # smem [row, consumer, parity]: O rescale factors
     s_row_sum: cute.Tensor  # smem [row, consumer]
     s_out_scale: cute.Tensor  # smem [row, consumer]
     sK_base: Int32  # shared-memory byte address of the gathered KV tiles
     sP_base: Int32  # shared-memory byte address of the P tiles
     mbar_kv_full: cute.Pointer
+    mbar_kv_empty: cute.Pointer
+    mbar_p_full: cute.Pointer
     mIdx: cute.Tensor
     s_kv: Int32
     scale_log2: Float32  # q_scale * kv_scale * sm_scale * log2(e)
@@ -171,7 +173,7 @@ class SparsePrefillSm90:
         "math_only" skips the gather. ``exp2_poly_groups`` (0-4, f32 exponentials only): how many
         of each row's four groups of 4 exponentials run as a cubic on the FMA pipe
         (``ptx.exp2_poly``) instead of the MUFU, to share the exponential work between pipes
-        (an experiment: not measured yet)."""
+        (an experiment: measured 1.5-4% slower with one or two groups, docs/perf-notes.md)."""
         if d_qk not in (512, 576):
             raise ValueError(f"d_qk must be 512 or 576, got {d_qk}")
         if precision not in ("default", "accurate"):
@@ -195,9 +197,11 @@ class SparsePrefillSm90:
 
     def shared_memory_bytes(self) -> int:
         """Dynamic shared memory per CTA (the SharedStorage struct built in ``__call__``)."""
-        barriers_and_stats = 8 * (1 + 3 * NUM_STAGES) + 4 * B_H * (4 + 4 + 2 + 2 + 2) + 4 * 2
+        barriers_and_stats = (
+            8 * (1 + 3 * NUM_KV_TILES) + 4 * B_H * (2 * NUM_KV_TILES + 3 * 2) + 4 * NUM_KV_TILES
+        )
         aligned = -(-barriers_and_stats // 1024) * 1024
-        p_bytes = 2 * self.p_terms * B_H * PAIR  # [parity][term] P tiles
+        p_bytes = NUM_KV_TILES * self.p_terms * B_H * B_TOPK  # [buffer][term] P tiles
         return aligned + self.q_tile_bytes + NUM_STAGES * 2 * self.k_tile_bytes + p_bytes
 
     # ------------------------------------------------------------------------------------
@@ -239,7 +243,7 @@ class SparsePrefillSm90:
         smem_atom = warpgroup.make_smem_layout_atom(warpgroup.SmemLayoutAtomKind.K_SW64, e4m3)
         sQ_layout = cute.tile_to_shape(smem_atom, (B_H, self.d_qk), (0, 1))
         sK_layout = cute.tile_to_shape(smem_atom, (B_TOPK, self.d_qk, NUM_STAGES * 2), (0, 1, 2))
-        sP_layout = cute.tile_to_shape(smem_atom, (B_H, PAIR, 2 * self.p_terms), (0, 1, 2))
+        sP_layout = cute.tile_to_shape(smem_atom, (B_H, B_TOPK, NUM_KV_TILES * self.p_terms), (0, 1, 2))
 
         tma_atom_q, tma_tensor_q = cpasync.make_tiled_tma_atom(
             cpasync.CopyBulkTensorTileG2SOp(), mQ_rows, sQ_layout, (B_H, self.d_qk)
@@ -248,13 +252,14 @@ class SparsePrefillSm90:
         @cute.struct
         class SharedStorage:
             mbar_q: cute.struct.MemRange[Int64, 1]
-            mbar_kv_full: cute.struct.MemRange[Int64, NUM_STAGES * 2]
-            mbar_kv_empty: cute.struct.MemRange[Int64, NUM_STAGES]
-            row_max: cute.struct.MemRange[Float32, B_H * 2 * 2]  # [row, consumer, parity]
-            alpha: cute.struct.MemRange[Float32, B_H * 2 * 2]  # [row, consumer, parity]
+            mbar_kv_full: cute.struct.MemRange[Int64, NUM_KV_TILES]
+            mbar_kv_empty: cute.struct.MemRange[Int64, NUM_KV_TILES]
+            mbar_p_full: cute.struct.MemRange[Int64, NUM_KV_TILES]
+            max_used: cute.struct.MemRange[Float32, NUM_KV_TILES * B_H]  # [buffer, row]
+            alpha: cute.struct.MemRange[Float32, NUM_KV_TILES * B_H]  # [buffer, row]
             row_sum: cute.struct.MemRange[Float32, B_H * 2]  # [row, consumer]
             max_true: cute.struct.MemRange[Float32, B_H * 2]  # [row, consumer]
-            update: cute.struct.MemRange[Int32, 2]  # [parity]
+            moved: cute.struct.MemRange[Int32, NUM_KV_TILES]  # [buffer]
             out_scale: cute.struct.MemRange[Float32, B_H * 2]  # [row, consumer]
             sQ: cute.struct.Align[cute.struct.MemRange[e4m3, cute.cosize(sQ_layout)], 1024]
             sK: cute.struct.Align[cute.struct.MemRange[e4m3, cute.cosize(sK_layout)], 1024]
@@ -318,6 +323,8 @@ class SparsePrefillSm90:
         mbar_q = storage.mbar_q.data_ptr()
         mbar_kv_full = storage.mbar_kv_full.data_ptr()
         mbar_kv_empty = storage.mbar_kv_empty.data_ptr()
+        mbar_p_full = storage.mbar_p_full.data_ptr()
+        s_moved = storage.moved.get_tensor(cute.make_layout(NUM_KV_TILES))
         sQ = storage.sQ.get_tensor(sQ_layout.outer, swizzle=sQ_layout.inner)
         sK = storage.sK.get_tensor(sK_layout.outer, swizzle=sK_layout.inner)
         sP = storage.sP.get_tensor(sP_layout.outer, swizzle=sP_layout.inner)
@@ -326,10 +333,11 @@ class SparsePrefillSm90:
             cpasync.prefetch_descriptor(tma_atom_q)
             with cute.arch.elect_one():
                 cute.arch.mbarrier_init(mbar_q, 1)
-                for i in cutlass.range_constexpr(NUM_STAGES * 2):
+                for i in cutlass.range_constexpr(NUM_KV_TILES):
                     cute.arch.mbarrier_init(mbar_kv_full + i, 2 * 32)
-                for i in cutlass.range_constexpr(NUM_STAGES):
                     cute.arch.mbarrier_init(mbar_kv_empty + i, 2 * THREADS_PER_WG)
+                    cute.arch.mbarrier_init(mbar_p_full + i, THREADS_PER_WG)
+                    s_moved[i] = -1  # no block has moved the max yet
             cute.arch.mbarrier_init_fence()
         cute.arch.sync_threads()
 
@@ -356,11 +364,11 @@ class SparsePrefillSm90:
             cute.arch.setmaxregister_increase(CONSUMER_REGS)
             consumer = warp_idx // 4 - 1  # warp-uniform, so branches on it are not divergent
             smem_stats = (
-                storage.row_max.get_tensor(cute.make_layout((B_H, 2, 2))),
-                storage.alpha.get_tensor(cute.make_layout((B_H, 2, 2))),
+                storage.max_used.get_tensor(cute.make_layout((NUM_KV_TILES, B_H), stride=(B_H, 1))),
+                storage.alpha.get_tensor(cute.make_layout((NUM_KV_TILES, B_H), stride=(B_H, 1))),
+                s_moved,
                 storage.row_sum.get_tensor(cute.make_layout((B_H, 2))),
                 storage.out_scale.get_tensor(cute.make_layout((B_H, 2))),
-                storage.update.get_tensor(cute.make_layout(2)),
                 storage.max_true.get_tensor(cute.make_layout((B_H, 2))),
             )
             self.consume(
@@ -380,6 +388,7 @@ class SparsePrefillSm90:
                 mbar_q,
                 mbar_kv_full,
                 mbar_kv_empty,
+                mbar_p_full,
                 sm_scale_log2,
                 flags,
                 work,
@@ -413,8 +422,9 @@ class SparsePrefillSm90:
             stage = pair % NUM_STAGES
             phase = (pair // NUM_STAGES) % 2
             full_barrier = mbar_kv_full + stage * 2 + block_in_pair
+            empty_barrier = mbar_kv_empty + stage * 2 + block_in_pair
             if const_expr(self.experiment == "math_only"):
-                cute.arch.mbarrier_wait(mbar_kv_empty + stage, phase ^ 1)
+                cute.arch.mbarrier_wait(empty_barrier, phase ^ 1)
                 cute.arch.mbarrier_arrive(full_barrier)
             else:
                 slot = pair * PAIR + warp_idx * 32 + lane
@@ -422,7 +432,7 @@ class SparsePrefillSm90:
                 is_valid = Int32(0)
                 if (kv_row >= 0) & (kv_row < s_kv) & (slot < work.valid_len):
                     is_valid = Int32(1)
-                cute.arch.mbarrier_wait(mbar_kv_empty + stage, phase ^ 1)
+                cute.arch.mbarrier_wait(empty_barrier, phase ^ 1)
                 tile_base = sK_base + (stage * 2 + block_in_pair) * self.k_tile_bytes
                 for group in cutlass.range_constexpr(4):
                     src_lane = group * 8 + lane_row
@@ -461,18 +471,26 @@ class SparsePrefillSm90:
         mbar_q,
         mbar_kv_full,
         mbar_kv_empty,
+        mbar_p_full,
         sm_scale_log2,
         flags,
         work,
     ):
-        """WG1/WG2: S for block c of each pair, softmax, O^T for half c of d_v, epilogue."""
+        """WG1/WG2: S and P of own blocks c, c + 2, ..., O^T for half c of d_v over every block."""
         e4m3 = sQ.element_type
         wtid = cute.arch.thread_idx()[0] % THREADS_PER_WG  # thread index inside the warpgroup
         lane = cute.arch.lane_idx()
 
-        tiled_mma_qk = sm90_utils.make_trivial_tiled_mma(
-            e4m3, e4m3, OperandMajorMode.K, OperandMajorMode.K, Float32, (1, 1, 1), (B_H, B_TOPK)
-        )
+        # S: the first k-step overwrites (no zeroing pass), the others accumulate. Two MMA
+        # objects with fixed flags: a flag set inside a staged branch would escape it.
+        tiled_mma_qk, tiled_mma_qk_first = [
+            sm90_utils.make_trivial_tiled_mma(
+                e4m3, e4m3, OperandMajorMode.K, OperandMajorMode.K, Float32, (1, 1, 1), (B_H, B_TOPK)
+            )
+            for _ in range(2)
+        ]
+        tiled_mma_qk.set(warpgroup.Field.ACCUMULATE, True)
+        tiled_mma_qk_first.set(warpgroup.Field.ACCUMULATE, False)
         tiled_mma_pv = sm90_utils.make_trivial_tiled_mma(
             e4m3,
             e4m3,
@@ -483,37 +501,31 @@ class SparsePrefillSm90:
             (64, B_H),
             warpgroup.OperandSource.RMEM,
         )
-        # O^T always accumulates (zeroed once below); S overwrites on its first k-step.
+        # O^T always accumulates (zeroed once below).
         tiled_mma_pv.set(warpgroup.Field.ACCUMULATE, True)
         thr_mma_qk = tiled_mma_qk.get_slice(wtid)
         thr_mma_pv = tiled_mma_pv.get_slice(wtid)
         tSrQ = tiled_mma_qk.make_fragment_A(thr_mma_qk.partition_A(sQ))  # (MMA, 1, d_qk/32)
-        tSrK = tiled_mma_qk.make_fragment_B(thr_mma_qk.partition_B(sK))  # (MMA, 1, d_qk/32, tiles)
-        tOrP = tiled_mma_pv.make_fragment_B(thr_mma_pv.partition_B(sP))  # (MMA, 1, 4, parity*terms+term)
+        tSrK = tiled_mma_qk.make_fragment_B(thr_mma_qk.partition_B(sK))  # (MMA, 1, d_qk/32, tile)
+        tOrP = tiled_mma_pv.make_fragment_B(thr_mma_pv.partition_B(sP))  # (MMA, 1, 2, buffer*terms+term)
         acc_s = cute.make_rmem_tensor(thr_mma_qk.partition_shape_C((B_H, B_TOPK)), Float32)
         acc_o = [
             cute.make_rmem_tensor(thr_mma_pv.partition_shape_C((64, B_H)), Float32)
             for _ in range(D_TILES_PER_CONSUMER)
         ]
+        zero = ptx.zero_f32()  # not hoisted into the prologue (see ptx.zero_f32)
         for mt in cutlass.range_constexpr(D_TILES_PER_CONSUMER):
-            acc_o[mt].fill(0.0)
-        # Two A-fragment buffers (V^T, 4 k-steps = one pair): the PV of one d tile is loaded
-        # while the PV of the previous one runs.
-        frag_v = [cute.make_rmem_tensor(thr_mma_pv.partition_shape_A((64, PAIR)), e4m3) for _ in range(2)]
+            acc_o[mt].fill(zero)
 
         # Per-row softmax state for rows 16*cwarp + quad_row + 8r, r = 0, 1 (exp2 domain).
-        row_max_used = cute.make_rmem_tensor((2,), Float32)  # max the stored P are relative to
-        row_max_true = cute.make_rmem_tensor((2,), Float32)  # exact running max (max_logits)
-        row_sum = cute.make_rmem_tensor((2,), Float32)  # this thread's partial sums of 2^7 P
-        row_max_used.fill(-Float32.inf)
+        row_max_own = cute.make_rmem_tensor((2,), Float32)
+        row_max_true = cute.make_rmem_tensor((2,), Float32)
+        row_sum = cute.make_rmem_tensor((2,), Float32)
+        row_max_own.fill(-Float32.inf)
         row_max_true.fill(-Float32.inf)
         row_sum.fill(0.0)
 
-        s_row_max, s_alpha, s_row_sum, s_out_scale, s_update, s_max_true = smem_stats
-        if wtid == 0:  # before any reader: pair 0 always takes the synchronous path
-            if consumer == 0:
-                s_update[0] = -1
-                s_update[1] = -1
+        s_max_used, s_alpha, s_moved, s_row_sum, s_out_scale, s_max_true = smem_stats
         c = Consumer(
             index=consumer,
             warp=wtid // 32,
@@ -522,84 +534,76 @@ class SparsePrefillSm90:
             quad_lane=lane % 4,
             work=work,
             tiled_mma_qk=tiled_mma_qk,
+            tiled_mma_qk_first=tiled_mma_qk_first,
             tiled_mma_pv=tiled_mma_pv,
             tSrQ=tSrQ,
             tSrK=tSrK,
             tOrP=tOrP,
             acc_s=acc_s,
             acc_o=acc_o,
-            frag_v=frag_v,
-            row_max_used=row_max_used,
+            thr_mma_pv=thr_mma_pv,
+            row_max_own=row_max_own,
             row_max_true=row_max_true,
             row_sum=row_sum,
-            s_update=s_update,
-            s_max_true=s_max_true,
-            s_row_max=s_row_max,
+            s_max_used=s_max_used,
             s_alpha=s_alpha,
+            s_moved=s_moved,
+            s_max_true=s_max_true,
             s_row_sum=s_row_sum,
             s_out_scale=s_out_scale,
             sK_base=sK.iterator.toint(),
             sP_base=sP.iterator.toint(),
             mbar_kv_full=mbar_kv_full,
+            mbar_kv_empty=mbar_kv_empty,
+            mbar_p_full=mbar_p_full,
             mIdx=mIdx,
             s_kv=cute.size(mKV, mode=[0]),
             scale_log2=mQScale[0] * mKVScale[0] * sm_scale_log2,
         )
 
+        num_blocks = work.num_blocks
         cute.arch.mbarrier_wait(mbar_q, 0)
         if const_expr(self.experiment == "gather_only"):
-            for pair in cutlass.range(work.num_pairs, unroll=1):
-                stage = pair % NUM_STAGES
-                for block in cutlass.range_constexpr(2):
-                    cute.arch.mbarrier_wait(mbar_kv_full + stage * 2 + block, (pair // NUM_STAGES) % 2)
-                cute.arch.mbarrier_arrive(mbar_kv_empty + stage)
-        elif work.num_pairs > 0:
-            for pair in cutlass.range(work.num_pairs, unroll=1):
-                self.issue_qk(c, pair)
-                valid_bits = self.block_valid_bits(c, pair)
-                warpgroup.wait_group(0)  # S(pair)
-                block_maxima = self.softmax_block_max(c, pair, valid_bits)
-                if pair == 0:
-                    self.softmax_p(c, pair)  # O is still 0: nothing to rescale
-                else:
-                    self.softmax_p_speculative(c, pair, block_maxima)
-                for mt in cutlass.range_constexpr(D_TILES_PER_CONSUMER):
-                    if const_expr(mt >= 2):
-                        warpgroup.wait_group(1)  # the PV that used this A buffer has finished
-                    self.issue_pv(c, pair, mt, mt % 2)
-                cute.arch.mbarrier_arrive(mbar_kv_empty + pair % NUM_STAGES)  # both blocks of pair read
-                # Drained at the end of each iteration: WGMMAs in flight across the loop's back
-                # edge make ptxas serialise them (C7520, or C7513 when the next pair's QK is
-                # queued here: measured 24% slower).
+            for block in cutlass.range(num_blocks, unroll=1):
+                cute.arch.mbarrier_wait(mbar_kv_full + block % NUM_KV_TILES, (block // NUM_KV_TILES) % 2)
+                cute.arch.mbarrier_arrive(mbar_kv_empty + block % NUM_KV_TILES)
+        elif num_blocks > 0:
+            # Step i: own block 2i + c (when it exists) and the other consumer's block 2i + c - 1
+            # (when it exists): (num_blocks - c) // 2 + 1 steps cover every block once.
+            num_steps = (num_blocks - consumer) // 2 + 1
+            for step in cutlass.range(num_steps, unroll=1):
+                own = 2 * step + consumer
+                if own < num_blocks:
+                    self.issue_qk(c, own)
+                    valid_bits = self.block_valid_bits(c, own)
+                    warpgroup.wait_group(0)  # S(own)
+                    block_maxima = self.block_max(c, valid_bits)
+                    self.softmax_own(c, own, block_maxima)
+                self.accumulate_pv(c, own - 1, own)
+                # Drained at the end of each step: WGMMAs in flight across the loop's back edge
+                # make ptxas serialise them (C7520/C7513).
                 warpgroup.wait_group(0)
 
         self.epilogue(c, mSink, mKVScale, mOut, mMaxLogits, mLse, flags)
 
     # ------------------------------------------------------------------------------------
     @cute.jit
-    def issue_qk(self, c: Consumer, pair):
-        """Queue S = Q . K_c^T for block c of ``pair`` (one WGMMA group; empty for a block past
-        topk_length, whose S is then fully masked)."""
-        stage = pair % NUM_STAGES
-        tile = stage * 2 + c.index
-        cute.arch.mbarrier_wait(c.mbar_kv_full + tile, (pair // NUM_STAGES) % 2)
-        # The first k-step overwrites S (no zeroing pass). A skipped block's S is left as it
-        # was, but every one of its slots is masked to -inf.
+    def issue_qk(self, c: Consumer, block):
+        """Queue S = Q . K_block^T (one WGMMA group)."""
+        tile = block % NUM_KV_TILES
+        cute.arch.mbarrier_wait(c.mbar_kv_full + tile, (block // NUM_KV_TILES) % 2)
         warpgroup.fence()
-        if pair * 2 + c.index < c.work.num_blocks:
-            for k in cutlass.range_constexpr(self.d_qk // 32):
-                c.tiled_mma_qk.set(warpgroup.Field.ACCUMULATE, k > 0)
-                cute.gemm(
-                    c.tiled_mma_qk, c.acc_s, c.tSrQ[None, None, k], c.tSrK[None, None, k, tile], c.acc_s
-                )
+        for k in cutlass.range_constexpr(self.d_qk // 32):
+            mma = c.tiled_mma_qk if k > 0 else c.tiled_mma_qk_first  # the first k-step overwrites S
+            cute.gemm(mma, c.acc_s, c.tSrQ[None, None, k], c.tSrK[None, None, k, tile], c.acc_s)
         warpgroup.commit_group()
 
     @cute.jit
-    def block_valid_bits(self, c: Consumer, pair):
-        """Validity of the 64 slots of block c of ``pair``: one bit per slot, shifted so bit
-        8j + e is the slot of this thread's S column 8j + 2t + e (j < 4: low word), and whether
-        every slot is valid (warp-uniform)."""
-        slot0 = pair * PAIR + c.index * B_TOPK
+    def block_valid_bits(self, c: Consumer, block):
+        """Validity of the 64 slots of ``block``: one bit per slot, shifted so bit 8j + e is the
+        slot of this thread's S column 8j + 2t + e (j < 4: low word), and whether every slot is
+        valid (warp-uniform)."""
+        slot0 = block * B_TOPK
         idx_lo = c.mIdx[c.work.token, slot0 + c.lane]
         idx_hi = c.mIdx[c.work.token, slot0 + 32 + c.lane]
         ok_lo = (idx_lo >= 0) & (idx_lo < c.s_kv) & (slot0 + c.lane < c.work.valid_len)
@@ -612,9 +616,9 @@ class SparsePrefillSm90:
         )
 
     @cute.jit
-    def softmax_block_max(self, c: Consumer, pair, valid_bits):
-        """Set invalid slots of S to -inf, publish the block's row maxima (exp2 domain) and return
-        them (this thread's rows r = 0, 1).
+    def block_max(self, c: Consumer, valid_bits):
+        """Set invalid slots of S to -inf and return the block's row maxima (exp2 domain) for
+        this thread's rows r = 0, 1.
 
         S stays unscaled when the logit scale is positive (the scale is folded into the
         exponent later); a scale <= 0 (never a sensible dequantisation scale, but defined) is
@@ -641,76 +645,48 @@ class SparsePrefillSm90:
             block_max = cute.arch.fmax(block_max, cute.arch.shuffle_sync_bfly(block_max, offset=2))
             if c.scale_log2 > 0.0:
                 block_max = block_max * c.scale_log2
-            if c.quad_lane == 0:
-                c.s_row_max[c.warp * 16 + c.quad_row + 8 * r, c.index, pair % 2] = block_max
             block_maxima.append(block_max)
         return block_maxima
 
     @cute.jit
-    def softmax_p(self, c: Consumer, pair):
-        """First pair of a tile: agree on the running max with the other consumer (named barrier
-        1), store P = e4m3(2^7 exp2(S - m)) as the PV B operand and the O rescale factors alpha."""
-        cute.arch.barrier(barrier_id=BAR_MAX_READY, number_of_threads=2 * THREADS_PER_WG)
-        self.exp_with_pair_max(c, pair)
-        cute.arch.fence_proxy("async.shared", space="cta")
-        cute.arch.barrier(barrier_id=BAR_P_READY, number_of_threads=2 * THREADS_PER_WG)
-
-    @cute.jit
-    def softmax_p_speculative(self, c: Consumer, pair, block_maxima):
-        """Later pairs: store P relative to the running max both consumers already share, with no
-        exchange first. Only if some row's block max exceeds it by more than the threshold
-        (rare after the first pair) does either consumer flag the pair; then both redo it the
-        synchronous way (new max from the published block maxima, P rewritten, O rescaled)."""
-        parity = pair % 2
+    def softmax_own(self, c: Consumer, block, block_maxima):
+        """Softmax of an own block: m_block from m_{block-1} (published by the other consumer)
+        and the block's maxima, then P = e4m3(2^7 exp2(S - m_block)) with m_block, alpha_block
+        and the moved flag, published by ``p_full``; accumulates this consumer's row sums."""
+        buffer = block % NUM_KV_TILES
+        # S is still unscaled when the scale is positive (see block_max).
         logit_scale = c.scale_log2 if c.scale_log2 > 0.0 else Float32(1.0)
-        tile_addr = c.sP_base + parity * self.p_terms * (B_H * PAIR) + c.index * TILE_ROW_GROUP_BYTES
-        exceeds = False
-        block_sums = []
+        tile_addr = c.sP_base + buffer * self.p_terms * (B_H * B_TOPK)
+        prev_buffer = (block + NUM_KV_TILES - 1) % NUM_KV_TILES
+        if block > 0:
+            cute.arch.mbarrier_wait(c.mbar_p_full + prev_buffer, ((block - 1) // NUM_KV_TILES) % 2)
+        moved = False
         for r in cutlass.range_constexpr(2):
             row = c.warp * 16 + c.quad_row + 8 * r
+            max_prev = -Float32.inf
+            if block > 0:
+                max_prev = c.s_max_used[prev_buffer, row]
             c.row_max_true[r] = cute.arch.fmax(c.row_max_true[r], block_maxima[r])
-            exceeds = exceeds | (block_maxima[r] > c.row_max_used[r] + RESCALE_THRESHOLD)
-            max_used = c.row_max_used[r]
-            bias = (max_used if max_used != -Float32.inf else Float32(0.0)) - P_SCALE_LOG2
-            block_sums.append(self.exp_and_store_p(c, r, row, logit_scale, bias, tile_addr))
-        if exceeds:
-            c.s_update[parity] = pair  # any thread: this pair needs the synchronous path
-        cute.arch.fence_proxy("async.shared", space="cta")
-        cute.arch.barrier(barrier_id=BAR_P_READY, number_of_threads=2 * THREADS_PER_WG)
-        if c.s_update[parity] == pair:
-            self.exp_with_pair_max(c, pair)
-            cute.arch.fence_proxy("async.shared", space="cta")
-            cute.arch.barrier(barrier_id=BAR_P_READY, number_of_threads=2 * THREADS_PER_WG)
-            self.rescale_o(c, pair)
-        else:
-            for r in cutlass.range_constexpr(2):
-                c.row_sum[r] = c.row_sum[r] + block_sums[r]
-
-    @cute.jit
-    def exp_with_pair_max(self, c: Consumer, pair):
-        """Both consumers' block maxima are published: move the lazy running max where the pair's
-        max exceeds it by more than the threshold (alpha = the O rescale factor), store P
-        relative to it and accumulate the row sums."""
-        parity = pair % 2
-        # S is still unscaled when the scale is positive (see softmax_block_max).
-        logit_scale = c.scale_log2 if c.scale_log2 > 0.0 else Float32(1.0)
-        tile_addr = c.sP_base + parity * self.p_terms * (B_H * PAIR) + c.index * TILE_ROW_GROUP_BYTES
-        for r in cutlass.range_constexpr(2):
-            row = c.warp * 16 + c.quad_row + 8 * r
-            pair_max = cute.arch.fmax(c.s_row_max[row, 0, parity], c.s_row_max[row, 1, parity])
-            c.row_max_true[r] = cute.arch.fmax(c.row_max_true[r], pair_max)
-            # Lazy max: move only when the pair's max exceeds it by more than the threshold.
+            # Lazy max: move only when the block's max exceeds it by more than the threshold.
+            max_used = max_prev
             alpha = Float32(1.0)
-            if pair_max > c.row_max_used[r] + RESCALE_THRESHOLD:
-                alpha = cute.math.exp2(c.row_max_used[r] - pair_max, fastmath=True)
-                c.row_max_used[r] = pair_max
-            # Exponent offset: 2^7 folded in; a row with no valid slot so far (max -inf) uses 0.
-            max_used = c.row_max_used[r]
-            bias = (max_used if max_used != -Float32.inf else Float32(0.0)) - P_SCALE_LOG2
+            if block_maxima[r] > max_prev + RESCALE_THRESHOLD:
+                alpha = cute.math.exp2(max_prev - block_maxima[r], fastmath=True)
+                max_used = block_maxima[r]
+            moved = moved | (block_maxima[r] > max_prev + RESCALE_THRESHOLD)
+            if max_used != c.row_max_own[r]:  # bring this consumer's sum to the new max
+                c.row_sum[r] = c.row_sum[r] * cute.math.exp2(c.row_max_own[r] - max_used, fastmath=True)
+                c.row_max_own[r] = max_used
             if c.quad_lane == 0:
-                c.s_alpha[row, c.index, parity] = alpha
-            block_sum = self.exp_and_store_p(c, r, row, logit_scale, bias, tile_addr)
-            c.row_sum[r] = c.row_sum[r] * alpha + block_sum
+                c.s_max_used[buffer, row] = max_used
+                c.s_alpha[buffer, row] = alpha
+            # Exponent offset: 2^7 folded in; a row with no valid slot so far (max -inf) uses 0.
+            bias = (max_used if max_used != -Float32.inf else Float32(0.0)) - P_SCALE_LOG2
+            c.row_sum[r] = c.row_sum[r] + self.exp_and_store_p(c, r, row, logit_scale, bias, tile_addr)
+        if moved:
+            c.s_moved[buffer] = block  # any thread: some row's max moved at this block
+        cute.arch.fence_proxy("async.shared", space="cta")
+        cute.arch.mbarrier_arrive(c.mbar_p_full + buffer)
 
     @cute.jit
     def exp_and_store_p(self, c: Consumer, r, row, logit_scale, bias, tile_addr):
@@ -761,17 +737,18 @@ class SparsePrefillSm90:
                 else:
                     hi, lo = ptx.split_e4m3x4_from_f16x2(p[j0], p[j0 + 1])
                     ptx.st_shared_u32(addr, hi)
-                    ptx.st_shared_u32(addr + B_H * PAIR, lo)
+                    ptx.st_shared_u32(addr + B_H * B_TOPK, lo)  # the lo term's buffer follows
         return block_sum
 
     @cute.jit
-    def rescale_o(self, c: Consumer, pair):
-        """O^T *= alpha per head (column 8j + 2t + e); skipped when the warp's alphas are all 1."""
+    def rescale_o(self, c: Consumer, buffer):
+        """O^T *= alpha of P buffer ``buffer`` per head (column 8j + 2t + e); skipped when the
+        warp's alphas are all 1."""
         alpha_cols = cute.make_rmem_tensor((16,), Float32)
         needed = False
         for j in cutlass.range_constexpr(8):
             for e in cutlass.range_constexpr(2):
-                alpha_cols[2 * j + e] = c.s_alpha[8 * j + 2 * c.quad_lane + e, c.index, pair % 2]
+                alpha_cols[2 * j + e] = c.s_alpha[buffer, 8 * j + 2 * c.quad_lane + e]
                 needed = needed | (alpha_cols[2 * j + e] != 1.0)
         if cute.arch.make_warp_uniform(Int32(cute.arch.vote_any_sync(needed))) != 0:
             for mt in cutlass.range_constexpr(D_TILES_PER_CONSUMER):
@@ -782,42 +759,86 @@ class SparsePrefillSm90:
                             c.acc_o[mt][i] = c.acc_o[mt][i] * alpha_cols[2 * j + e]
 
     @cute.jit
-    def issue_pv(self, c: Consumer, pair, mt, buf):
-        """Load the V^T A fragment of d tile ``mt`` (of this consumer's half) for ``pair`` into
-        A buffer ``buf`` with ldmatrix.trans + prmt and queue its 4 k-steps (one WGMMA group)."""
-        stage = pair % NUM_STAGES
-        # The other consumer's block is read too: wait on its barrier (a no-op wait by now)
-        # so its cp.async writes are visible to this thread.
-        cute.arch.mbarrier_wait(c.mbar_kv_full + stage * 2 + (1 - c.index), (pair // NUM_STAGES) % 2)
-        frag = c.frag_v[buf]
+    def accumulate_pv(self, c: Consumer, prev, own):
+        """O^T += V^T . P^T over block ``prev`` (the other consumer's; none when < 0) and block
+        ``own`` (none when past the tile's last block), each after its O rescale."""
+        has_prev = prev >= 0
+        has_own = own < c.work.num_blocks
+        split = Int32(0)
+        if has_prev:
+            prev_buffer = prev % NUM_KV_TILES
+            phase = (prev // NUM_KV_TILES) % 2
+            cute.arch.mbarrier_wait(c.mbar_p_full + prev_buffer, phase)  # P, m, alpha of prev
+            cute.arch.mbarrier_wait(c.mbar_kv_full + prev_buffer, phase)  # its cp.async writes
+            if c.s_moved[prev_buffer] == prev:
+                warpgroup.wait_group(0)  # nothing in flight; tells ptxas O is settled (else C7515)
+                self.rescale_o(c, prev_buffer)
+            if has_own:
+                # Own P is this warpgroup's: wait for all of it (and the moved flag).
+                cute.arch.mbarrier_wait(c.mbar_p_full + own % NUM_KV_TILES, (own // NUM_KV_TILES) % 2)
+                split = cute.arch.make_warp_uniform(Int32(c.s_moved[own % NUM_KV_TILES] == own))
+        if has_prev & has_own & (split == 0):
+            for mt in cutlass.range_constexpr(D_TILES_PER_CONSUMER):
+                if const_expr(mt >= 2):
+                    warpgroup.wait_group(1)  # the PV that used this A buffer has finished
+                self.issue_pv(c, mt, mt % 2, (prev, own))
+            cute.arch.mbarrier_arrive(c.mbar_kv_empty + prev % NUM_KV_TILES)
+            cute.arch.mbarrier_arrive(c.mbar_kv_empty + own % NUM_KV_TILES)
+        else:
+            if has_prev:
+                for mt in cutlass.range_constexpr(D_TILES_PER_CONSUMER):
+                    if const_expr(mt >= 2):
+                        warpgroup.wait_group(1)
+                    self.issue_pv(c, mt, mt % 2, (prev,))
+                cute.arch.mbarrier_arrive(c.mbar_kv_empty + prev % NUM_KV_TILES)
+                warpgroup.wait_group(0)  # drained inside this branch (else ptxas serialises: C7512)
+            if has_own:
+                if split != 0:  # own block moved the max: rescale between the two products
+                    self.rescale_o(c, own % NUM_KV_TILES)
+                for mt in cutlass.range_constexpr(D_TILES_PER_CONSUMER):
+                    if const_expr(mt >= 2):
+                        warpgroup.wait_group(1)
+                    self.issue_pv(c, mt, mt % 2, (own,))
+                cute.arch.mbarrier_arrive(c.mbar_kv_empty + own % NUM_KV_TILES)
+
+    @cute.jit
+    def issue_pv(self, c: Consumer, mt, buf, blocks):
+        """Load the V^T A fragment of d tile ``mt`` (of this consumer's half) for ``blocks`` (one
+        or two, 2 k-steps each) into A buffer ``buf`` with ldmatrix.trans + prmt and queue
+        their k-steps (one WGMMA group)."""
+        # A fresh fragment per call (not a buffer carried through the loop: the single-block calls
+        # would carry the unused half, live, through every step).
+        frag = cute.make_rmem_tensor(c.thr_mma_pv.partition_shape_A((64, B_TOPK * len(blocks))), Float8E4M3FN)
         words = cute.recast_tensor(frag, Uint32)
         d_tile = c.index * D_TILES_PER_CONSUMER + mt  # 64-column tile of d (0..7)
-        tile_base = c.sK_base + stage * 2 * self.k_tile_bytes + d_tile * TILE_ROW_GROUP_BYTES
-        for ks in cutlass.range_constexpr(4):
-            self.load_v_fragment(words, ks, tile_base, c.warp, c.lane)
+        for i, block in enumerate(blocks):
+            tile_base = c.sK_base + (block % NUM_KV_TILES) * self.k_tile_bytes + d_tile * TILE_ROW_GROUP_BYTES
+            for half in cutlass.range_constexpr(2):
+                self.load_v_fragment(words, 2 * i + half, tile_base, half, c.warp, c.lane)
         warpgroup.fence()
-        for ks in cutlass.range_constexpr(4):
-            for term in cutlass.range_constexpr(self.p_terms):
-                cute.gemm(
-                    c.tiled_mma_pv,
-                    c.acc_o[mt],
-                    frag[None, None, ks],
-                    c.tOrP[None, None, ks, (pair % 2) * self.p_terms + term],
-                    c.acc_o[mt],
-                )
+        for i, block in enumerate(blocks):
+            for half in cutlass.range_constexpr(2):
+                for term in cutlass.range_constexpr(self.p_terms):
+                    cute.gemm(
+                        c.tiled_mma_pv,
+                        c.acc_o[mt],
+                        frag[None, None, 2 * i + half],
+                        c.tOrP[None, None, half, (block % NUM_KV_TILES) * self.p_terms + term],
+                        c.acc_o[mt],
+                    )
         warpgroup.commit_group()
 
     @cute.jit
-    def load_v_fragment(self, words, ks, tile_base, warp, lane):
-        """k-step ``ks`` (32 slots) of the V^T A fragment: one ldmatrix.x4.trans + 4 prmt.
+    def load_v_fragment(self, words, ks, tile_base, half, warp, lane):
+        """k-step ``ks`` of the V^T A fragment, slots 32 * ``half`` .. + 31 of the block tile at
+        ``tile_base`` (one d tile): one ldmatrix.x4.trans + 4 prmt.
 
-        Lane L addresses row (slot) L of the four 8x8 b16 matrices (slots 32*(ks%2) + 8i + L%8,
-        the 16 d bytes of this warp). Thread (g, t) receives, per matrix, bytes
+        Lane L addresses row (slot) L of the four 8x8 b16 matrices (slots 32*half + 8i + L%8, the
+        16 d bytes of this warp). Thread (g, t) receives, per matrix, bytes
         [V[2t][2g], V[2t][2g+1], V[2t+1][2g], V[2t+1][2g+1]]; the permutes gather the e4m3 A
         registers a0 = (d 2g, slots 2t, 2t+1, 8+2t, 9+2t), a1 = the same for d 2g+1, and a2, a3 for
         slots + 16."""
-        slot = (ks % 2) * 32 + lane
-        addr = tile_base + (ks // 2) * self.k_tile_bytes + _swizzle64(slot, warp)
+        addr = tile_base + _swizzle64(half * 32 + lane, warp)
         m0, m1, m2, m3 = ptx.ldmatrix_x4_trans(addr)
         words[4 * ks + 0] = ptx.prmt(m0, m1, 0x6420)
         words[4 * ks + 1] = ptx.prmt(m0, m1, 0x7531)
@@ -828,19 +849,29 @@ class SparsePrefillSm90:
     def epilogue(self, c: Consumer, mSink, mKVScale, mOut, mMaxLogits, mLse, flags):
         """Normalise O, apply kv_scale and the sink, write out (bf16), max_logits and lse."""
         kv_scale = mKVScale[0]
+        # O (both halves) is relative to the last block's max; bring this consumer's sums there.
+        # The last block's P_full was waited on by both consumers in their last step.
+        last_buffer = (c.work.num_blocks + NUM_KV_TILES - 1) % NUM_KV_TILES
+        max_final = cute.make_rmem_tensor((2,), Float32)
         for r in cutlass.range_constexpr(2):
+            row = c.warp * 16 + c.quad_row + 8 * r
+            max_final[r] = -Float32.inf
+            if c.work.num_blocks > 0:
+                max_final[r] = c.s_max_used[last_buffer, row]
             total = c.row_sum[r]
+            if c.row_max_own[r] != max_final[r]:
+                total = total * cute.math.exp2(c.row_max_own[r] - max_final[r], fastmath=True)
             total += cute.arch.shuffle_sync_bfly(total, offset=1)
             total += cute.arch.shuffle_sync_bfly(total, offset=2)
             if c.quad_lane == 0:
-                c.s_row_sum[c.warp * 16 + c.quad_row + 8 * r, c.index] = total
-                c.s_max_true[c.warp * 16 + c.quad_row + 8 * r, c.index] = c.row_max_true[r]
+                c.s_row_sum[row, c.index] = total
+                c.s_max_true[row, c.index] = c.row_max_true[r]
         cute.arch.barrier(barrier_id=BAR_SUM_READY, number_of_threads=2 * THREADS_PER_WG)
         for r in cutlass.range_constexpr(2):
             row = c.warp * 16 + c.quad_row + 8 * r
             out_row = c.work.bid * B_H + row
             scaled_sum = c.s_row_sum[row, 0] + c.s_row_sum[row, 1]  # sum of 2^7 P over all slots
-            max_used = c.row_max_used[r]
+            max_used = max_final[r]
             denom = scaled_sum
             if (flags & 2) != 0:
                 sink_log2 = mSink[c.work.head_group * B_H + row] * LOG2_E
