@@ -22,9 +22,11 @@ Warp roles (384 threads, ``setmaxregister``; launched with ``min_blocks_per_mp=1
      alpha_b = 2^(m_{b-1} - m_b) is the factor O must be rescaled by. m_{b-1} comes from the
      other consumer (its block b - 1): the softmaxes of the two consumers form a chain, which
      is what staggers them, so that one consumer's softmax runs while the other's WGMMAs keep
-     the tensor cores busy. P_b = e4m3(2^(S - m_b) * 2^7) is stored head-major as the K-major B
-     operand of the PV product, with m_b, alpha_b and a "moved" flag, and published by the
-     mbarrier ``p_full[b % 4]``. 2^7 is exact and keeps small probabilities normal in e4m3; the
+     the tensor cores busy (starting both softmaxes together, from a joint max of blocks 0 and
+     1, keeps them in step for the whole tile: measured 4-5% slower).
+     P_b = e4m3(2^(S - m_b) * 2^7) is stored head-major as the K-major B operand of the PV
+     product, with m_b, alpha_b and a "moved" flag, and published by the mbarrier
+     ``p_full[b % 4]``. 2^7 is exact and keeps small probabilities normal in e4m3; the
      stored P stay below 2^(7 + 1.75) < 448, the e4m3 maximum.
      ``precision="accurate"``: the exponentials are taken in f16x2 and P is stored as two e4m3
      terms, hi = e4m3(p) and lo = e4m3(p - hi) (the difference is exact in f16); step 3 runs
@@ -96,6 +98,16 @@ BAR_SCALE_READY = 4  # per consumer (4 + c): output scales ready (epilogue)
 
 LOG2_E = math.log2(math.e)
 LN_2 = math.log(2.0)
+
+
+def consumer_steps(num_blocks, consumer):
+    """Loop steps of consumer ``consumer`` (0 or 1) over a tile of ``num_blocks`` >= 1 blocks.
+
+    Step i handles the consumer's own block 2i + consumer when it is < num_blocks (S, softmax,
+    P) and accumulates O over blocks 2i + consumer - 1 and 2i + consumer, those in
+    [0, num_blocks): every block exactly once, in order. Works on Python ints and DSL Int32
+    (both operands are >= 0, so the division rounds the same way)."""
+    return (num_blocks - consumer) // 2 + 1
 
 
 def _swizzle64(row, chunk16):
@@ -569,9 +581,8 @@ class SparsePrefillSm90:
                 cute.arch.mbarrier_arrive(mbar_kv_empty + block % NUM_KV_TILES)
         elif num_blocks > 0:
             # Step i: own block 2i + c (when it exists) and the other consumer's block 2i + c - 1
-            # (when it exists): (num_blocks - c) // 2 + 1 steps cover every block once.
-            num_steps = (num_blocks - consumer) // 2 + 1
-            for step in cutlass.range(num_steps, unroll=1):
+            # (when it exists); see consumer_steps.
+            for step in cutlass.range(consumer_steps(num_blocks, consumer), unroll=1):
                 own = 2 * step + consumer
                 if own < num_blocks:
                     self.issue_qk(c, own)
