@@ -121,19 +121,36 @@ def _compile(d_qk: int, dump_dir: Path, **kernel_options):
 
     ``dump_dir`` receives the DSL's own copy of the PTX (``--keep-ptx`` writes one)."""
     cutlass, cute = _import_dsl()
-    from cutlass import BFloat16, Float8E4M3FN, Float32, Int32
+    from cutlass import Float8E4M3FN
 
     from cute_kernels.sm90.sparse_prefill import SparsePrefillSm90
+
+    return _compile_kernel(
+        SparsePrefillSm90(d_qk, **kernel_options),
+        _fake_attention_args(cute, Float8E4M3FN, d_qk, with_scales=True),
+        dump_dir,
+    )
+
+
+def _fake_attention_args(cute, element_type, d_qk: int, with_scales: bool) -> tuple:
+    """The launch arguments of an attention kernel (FP8 or bf16) as fake tensors with dynamic extents:
+    q, kv, indices, topk_length, attn_sink, [q_scale, kv_scale,] out, max_logits, lse, the logit scale,
+    the flags and the stream."""
+    from cutlass import BFloat16, Float32, Int32
 
     fake = cute.runtime.make_fake_compact_tensor
     s_q, heads, s_kv, topk = cute.sym_int(), cute.sym_int(), cute.sym_int(), cute.sym_int()
     row_major = (2, 1, 0)
-    args = (
-        fake(Float8E4M3FN, (s_q, heads, d_qk), stride_order=row_major, assumed_align=16),  # q
-        cute.runtime.make_fake_tensor(  # kv [s_kv, 1, d_qk]: any 16-byte multiple row stride
-            Float8E4M3FN,
+    kv_stride_elements = 16 * 8 // element_type.width  # kv rows: any 16-byte multiple row stride
+    scales = (
+        (fake(Float32, (1,), assumed_align=4), fake(Float32, (1,), assumed_align=4)) if with_scales else ()
+    )
+    return (
+        fake(element_type, (s_q, heads, d_qk), stride_order=row_major, assumed_align=16),  # q
+        cute.runtime.make_fake_tensor(  # kv [s_kv, 1, d_qk]
+            element_type,
             (s_kv, 1, d_qk),
-            stride=(cute.sym_int64(divisibility=16), cute.sym_int64(), 1),
+            stride=(cute.sym_int64(divisibility=kv_stride_elements), cute.sym_int64(), 1),
             assumed_align=16,
         ),
         cute.runtime.make_fake_tensor(  # indices [s_q, 1, topk]: any row stride
@@ -141,8 +158,7 @@ def _compile(d_qk: int, dump_dir: Path, **kernel_options):
         ),
         fake(Int32, (cute.sym_int(),), assumed_align=4),  # topk_length
         fake(Float32, (cute.sym_int(),), assumed_align=4),  # attn_sink
-        fake(Float32, (1,), assumed_align=4),  # q_scale
-        fake(Float32, (1,), assumed_align=4),  # kv_scale
+        *scales,  # q_scale, kv_scale (FP8 only)
         fake(BFloat16, (s_q, heads, D_V), stride_order=row_major, assumed_align=4),  # out
         fake(Float32, (s_q, heads), stride_order=(1, 0), assumed_align=4),  # max_logits
         fake(Float32, (s_q, heads), stride_order=(1, 0), assumed_align=4),  # lse
@@ -150,10 +166,14 @@ def _compile(d_qk: int, dump_dir: Path, **kernel_options):
         Int32(0),  # flags
         cute.runtime.make_fake_stream(use_tvm_ffi_env_stream=True),
     )
+
+
+def _compile_kernel(kernel, args: tuple, dump_dir: Path):
+    """``cute.compile`` for TVM-FFI calls on sm_90a, keeping the PTX (the DSL writes its own copy into
+    ``dump_dir``)."""
+    _, cute = _import_dsl()
     return cute.compile(
-        SparsePrefillSm90(d_qk, **kernel_options),
-        *args,
-        options=f"--enable-tvm-ffi --gpu-arch {TARGET_ARCH} --keep-ptx --dump-dir {dump_dir}",
+        kernel, *args, options=f"--enable-tvm-ffi --gpu-arch {TARGET_ARCH} --keep-ptx --dump-dir {dump_dir}"
     )
 
 
@@ -321,12 +341,24 @@ def _dummies(like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 _gpu_count: int | None = None  # visible GPUs, counted on the first launch
 
 
+def _call_on_device_of(tensor: torch.Tensor, function, *args) -> None:
+    """``function(*args)`` with ``tensor``'s GPU current (kernels launch on the current device). With one
+    visible GPU the current device is not even queried: no host time on the common path."""
+    global _gpu_count
+    if _gpu_count is None:
+        _gpu_count = torch.cuda.device_count()
+    if _gpu_count > 1 and tensor.get_device() != torch.cuda.current_device():
+        with torch.cuda.device(tensor.get_device()):
+            function(*args)
+    else:
+        function(*args)
+
+
 def launch_sparse_prefill(
     q, kv, indices, topk_length, attn_sink, q_scale, kv_scale, sm_scale, out, max_logits, lse, precision
 ) -> None:
     """Launch the kernel on validated tensors: q, out, max_logits, lse row-major with a head count that
     is a multiple of 64; kv and indices with a contiguous last dimension; one-element scales."""
-    global _gpu_count
     key = (q.shape[2], precision)
     variant = _variants.get(key) or load_variants()[key]
     if q.data_ptr() % 16:  # the Q tile is loaded by TMA
@@ -335,9 +367,9 @@ def launch_sparse_prefill(
         kv = kv.clone(memory_format=torch.contiguous_format)
     kernel_out = out if out.data_ptr() % 4 == 0 else torch.empty_like(out)
     no_topk_length, no_sink = _dummies(q)
-    if _gpu_count is None:
-        _gpu_count = torch.cuda.device_count()
-    args = (
+    _call_on_device_of(
+        q,
+        variant.function,
         q,
         kv,
         indices,
@@ -351,18 +383,8 @@ def launch_sparse_prefill(
         sm_scale * _LOG2_E,
         (topk_length is not None) | ((attn_sink is not None) << 1),
     )
-    # The kernel launches on the current device: make it q's when it is not (only possible with several
-    # GPUs, so with one the current device is not even queried).
-    if _gpu_count > 1 and q.get_device() != torch.cuda.current_device():
-        with torch.cuda.device(q.get_device()):
-            variant.function(*args)
-    else:
-        variant.function(*args)
     if kernel_out is not out:
         out.copy_(kernel_out)
-
-
-_NO_GUARD = contextlib.nullcontext()
 
 
 # ------------------------------------------------------------------------------------------------
@@ -407,9 +429,7 @@ def _compile_paged_kv(layout: str, out_bf16: bool, dump_dir: Path):
         Int32(1),  # page_size
         cute.runtime.make_fake_stream(use_tvm_ffi_env_stream=True),
     )
-    return cute.compile(
-        kernel, *args, options=f"--enable-tvm-ffi --gpu-arch {TARGET_ARCH} --keep-ptx --dump-dir {dump_dir}"
-    )
+    return _compile_kernel(kernel, args, dump_dir)
 
 
 def load_paged_kv_variant(layout: str, out_bf16: bool) -> Variant:
@@ -443,10 +463,7 @@ def launch_paged_kv_gather(cache_pages, slot_words, out, page_size: int, layout:
     ``out`` [rows, 1, d_qk] e4m3 or bf16, contiguous and 16-byte aligned, rows > 0."""
     out_bf16 = out.dtype == torch.bfloat16
     variant = _paged_kv_variants.get((layout, out_bf16)) or load_paged_kv_variant(layout, out_bf16)
-    device_index = out.device.index
-    guard = torch.cuda.device(device_index) if device_index != torch.cuda.current_device() else _NO_GUARD
-    with guard:
-        variant.function(cache_pages, slot_words, out, page_size)
+    _call_on_device_of(out, variant.function, cache_pages, slot_words, out, page_size)
 
 
 # Query cast (cute_kernels/q_cast.py): bf16 Q -> e4m3 in a head-padded buffer. Variants by head dim,
@@ -478,11 +495,7 @@ def _compile_q_cast(d: int, dump_dir: Path):
         ),
         cute.runtime.make_fake_stream(use_tvm_ffi_env_stream=True),
     )
-    return cute.compile(
-        CastQFp8Sm90(d),
-        *args,
-        options=f"--enable-tvm-ffi --gpu-arch {TARGET_ARCH} --keep-ptx --dump-dir {dump_dir}",
-    )
+    return _compile_kernel(CastQFp8Sm90(d), args, dump_dir)
 
 
 def load_q_cast_variant(d: int) -> Variant:
@@ -503,10 +516,7 @@ def launch_cast_q_fp8(q, q_scale, out) -> None:
     multiples of 8 elements, last dim contiguous), ``q_scale`` [1] float32, ``out`` [s_q, h_pad, d] e4m3
     contiguous, 16-byte aligned, h_pad a multiple of 8 and >= h, s_q > 0."""
     variant = _q_cast_variants.get(q.shape[2]) or load_q_cast_variant(q.shape[2])
-    device_index = out.device.index
-    guard = torch.cuda.device(device_index) if device_index != torch.cuda.current_device() else _NO_GUARD
-    with guard:
-        variant.function(q, q_scale, out)
+    _call_on_device_of(out, variant.function, q, q_scale, out)
 
 
 def load_serving_variants() -> dict[str, Variant]:
@@ -537,37 +547,12 @@ def bf16_variant_name(d_qk: int) -> str:
 def _compile_bf16(d_qk: int, dump_dir: Path):
     """Trace and compile one bf16 attention variant with fake tensors (dynamic extents)."""
     cutlass, cute = _import_dsl()
-    from cutlass import BFloat16, Float32, Int32
+    from cutlass import BFloat16
 
     from cute_kernels.sm90.sparse_prefill_bf16 import SparsePrefillBf16Sm90
 
-    fake = cute.runtime.make_fake_compact_tensor
-    s_q, heads, s_kv, topk = cute.sym_int(), cute.sym_int(), cute.sym_int(), cute.sym_int()
-    row_major = (2, 1, 0)
-    args = (
-        fake(BFloat16, (s_q, heads, d_qk), stride_order=row_major, assumed_align=16),  # q
-        cute.runtime.make_fake_tensor(  # kv [s_kv, 1, d_qk]: any row stride of 8 elements (16 bytes)
-            BFloat16,
-            (s_kv, 1, d_qk),
-            stride=(cute.sym_int64(divisibility=8), cute.sym_int64(), 1),
-            assumed_align=16,
-        ),
-        cute.runtime.make_fake_tensor(  # indices [s_q, 1, topk]: any row stride
-            Int32, (s_q, 1, topk), stride=(cute.sym_int64(), cute.sym_int64(), 1), assumed_align=4
-        ),
-        fake(Int32, (cute.sym_int(),), assumed_align=4),  # topk_length
-        fake(Float32, (cute.sym_int(),), assumed_align=4),  # attn_sink
-        fake(BFloat16, (s_q, heads, D_V), stride_order=row_major, assumed_align=4),  # out
-        fake(Float32, (s_q, heads), stride_order=(1, 0), assumed_align=4),  # max_logits
-        fake(Float32, (s_q, heads), stride_order=(1, 0), assumed_align=4),  # lse
-        Float32(1.0),  # sm_scale * log2(e)
-        Int32(0),  # flags
-        cute.runtime.make_fake_stream(use_tvm_ffi_env_stream=True),
-    )
-    return cute.compile(
-        SparsePrefillBf16Sm90(d_qk),
-        *args,
-        options=f"--enable-tvm-ffi --gpu-arch {TARGET_ARCH} --keep-ptx --dump-dir {dump_dir}",
+    return _compile_kernel(
+        SparsePrefillBf16Sm90(d_qk), _fake_attention_args(cute, BFloat16, d_qk, with_scales=False), dump_dir
     )
 
 
@@ -616,20 +601,19 @@ def launch_sparse_prefill_bf16(
         kv = kv.clone(memory_format=torch.contiguous_format)
     kernel_out = out if out.data_ptr() % 4 == 0 else torch.empty_like(out)
     no_topk_length, no_sink = _dummies(q)
-    device_index = q.device.index
-    guard = torch.cuda.device(device_index) if device_index != torch.cuda.current_device() else _NO_GUARD
-    with guard:
-        variant.function(
-            q,
-            kv,
-            indices,
-            no_topk_length if topk_length is None else topk_length,
-            no_sink if attn_sink is None else attn_sink,
-            kernel_out,
-            max_logits,
-            lse,
-            sm_scale * _LOG2_E,
-            (topk_length is not None) | ((attn_sink is not None) << 1),
-        )
+    _call_on_device_of(
+        q,
+        variant.function,
+        q,
+        kv,
+        indices,
+        no_topk_length if topk_length is None else topk_length,
+        no_sink if attn_sink is None else attn_sink,
+        kernel_out,
+        max_logits,
+        lse,
+        sm_scale * _LOG2_E,
+        (topk_length is not None) | ((attn_sink is not None) << 1),
+    )
     if kernel_out is not out:
         out.copy_(kernel_out)

@@ -25,6 +25,19 @@ FUNCTIONAL_OP = "q8kv8::sparse_mla_q8kv8_prefill"
 OUT_OP = "q8kv8::sparse_mla_q8kv8_prefill_out"
 
 
+def output_buffers(q, h, d_v, out=None, max_logits=None, lse=None):
+    """``(out, max_logits, lse)`` for q.shape[0] rows of ``h`` heads on q's device, new where not given:
+    [s_q, h, d_v] bfloat16, [s_q, h] float32, [s_q, h] float32."""
+    s_q = q.shape[0]
+    if out is None:
+        out = q.new_empty((s_q, h, d_v), dtype=torch.bfloat16)
+    if max_logits is None:
+        max_logits = q.new_empty((s_q, h), dtype=torch.float32)
+    if lse is None:
+        lse = q.new_empty((s_q, h), dtype=torch.float32)
+    return out, max_logits, lse
+
+
 @torch.library.custom_op(FUNCTIONAL_OP, mutates_args=())
 def sparse_mla_q8kv8_prefill(
     q: torch.Tensor,
@@ -59,12 +72,7 @@ def _(
     topk_length=None,
     precision="default",
 ):
-    s_q, h_q = q.shape[0], q.shape[1]
-    return (
-        q.new_empty((s_q, h_q, d_v), dtype=torch.bfloat16),
-        q.new_empty((s_q, h_q), dtype=torch.float32),
-        q.new_empty((s_q, h_q), dtype=torch.float32),
-    )
+    return output_buffers(q, q.shape[1], d_v)
 
 
 @torch.library.custom_op(OUT_OP, mutates_args=("out", "max_logits", "lse"))
@@ -119,13 +127,7 @@ def call_traced(
         return ops.sparse_mla_q8kv8_prefill.default(
             q, kv, indices, sm_scale, q_scale, kv_scale, d_v, attn_sink, topk_length, precision
         )
-    s_q, h_q = q.shape[0], q.shape[1]
-    if out is None:
-        out = q.new_empty((s_q, h_q, d_v), dtype=torch.bfloat16)
-    if max_logits is None:
-        max_logits = q.new_empty((s_q, h_q), dtype=torch.float32)
-    if lse is None:
-        lse = q.new_empty((s_q, h_q), dtype=torch.float32)
+    out, max_logits, lse = output_buffers(q, q.shape[1], d_v, out, max_logits, lse)
     ops.sparse_mla_q8kv8_prefill_out.default(
         q,
         kv,

@@ -44,13 +44,8 @@ def make_inputs(
     return inputs
 
 
-def run_kernel(inputs, out=None, max_logits=None, lse=None):
-    s_q, h, _ = inputs["q"].shape
-    device = inputs["q"].device
-    if out is None:
-        out = torch.empty(s_q, h, 512, dtype=BF16, device=device)
-        max_logits = torch.empty(s_q, h, dtype=torch.float32, device=device)
-        lse = torch.empty(s_q, h, dtype=torch.float32, device=device)
+def launch(inputs, out, max_logits, lse):
+    """Queue the kernel on the current stream (no sync: usable under graph capture)."""
     kernels.launch_sparse_prefill_bf16(
         inputs["q"],
         inputs["kv"],
@@ -62,6 +57,16 @@ def run_kernel(inputs, out=None, max_logits=None, lse=None):
         max_logits,
         lse,
     )
+
+
+def run_kernel(inputs, out=None, max_logits=None, lse=None):
+    s_q, h, _ = inputs["q"].shape
+    device = inputs["q"].device
+    if out is None:
+        out = torch.empty(s_q, h, 512, dtype=BF16, device=device)
+        max_logits = torch.empty(s_q, h, dtype=torch.float32, device=device)
+        lse = torch.empty(s_q, h, dtype=torch.float32, device=device)
+    launch(inputs, out, max_logits, lse)
     torch.cuda.synchronize()
     return out, max_logits, lse
 
@@ -205,17 +210,7 @@ def test_cuda_graph_replay(generator):
     run_kernel(inputs, out, max_logits, lse)  # warm-up outside capture
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        kernels.launch_sparse_prefill_bf16(
-            inputs["q"],
-            inputs["kv"],
-            inputs["indices"],
-            inputs["topk_length"],
-            inputs["attn_sink"],
-            float(inputs["sm_scale"]),
-            out,
-            max_logits,
-            lse,
-        )
+        launch(inputs, out, max_logits, lse)
     for _ in range(3):
         for buffer in (out, max_logits, lse):
             buffer.fill_(math.nan)
@@ -235,17 +230,7 @@ def test_runs_on_callers_stream(generator):
     with torch.cuda.stream(side):
         torch.cuda._sleep(100_000_000)
         inputs["q"].copy_(q_later)
-        kernels.launch_sparse_prefill_bf16(
-            inputs["q"],
-            inputs["kv"],
-            inputs["indices"],
-            inputs["topk_length"],
-            None,
-            float(inputs["sm_scale"]),
-            out,
-            max_logits,
-            lse,
-        )
+        launch(inputs, out, max_logits, lse)  # no attn_sink in these inputs
     torch.cuda.synchronize()
     for a, b in zip(expected, (out, max_logits, lse), strict=True):
         assert torch.equal(a, b)

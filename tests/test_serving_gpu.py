@@ -23,6 +23,7 @@ from paged_cache import (
     same_bits,
     to_device,
 )
+from reference_checks import assert_outputs_match
 
 from q8kv8.serving import (
     SparsePrefill,
@@ -178,18 +179,7 @@ def forward(prefill, batch, sink=None):
 
 
 def assert_matches(got, truth, out_tol=OUT_TOLERANCE, stat_tol=STAT_TOLERANCE):
-    out, max_logits, lse = (t.cpu() for t in got)
-    ref_out, ref_max, ref_lse = truth
-    assert not torch.isnan(out).any() and not torch.isnan(lse).any()
-    empty = torch.isinf(ref_lse) & (ref_lse > 0)
-    assert torch.equal(torch.isinf(lse) & (lse > 0), empty), "rows without a valid slot differ"
-    assert (out[empty] == 0).all() and (max_logits[empty] == -math.inf).all()
-    rel = ((out.double() - ref_out).norm() / ref_out.norm()).item()
-    assert rel <= out_tol, f"||out - ref|| / ||ref|| = {rel:.3e}"
-    full = ~empty
-    for name, a, b in (("max_logits", max_logits, ref_max), ("lse", lse, ref_lse)):
-        err = ((a.double()[full] - b[full]).abs() / b[full].abs().clamp(min=1.0)).max().item()
-        assert err <= stat_tol, f"{name}: max relative error {err:.3e}"
+    assert_outputs_match(tuple(t.cpu() for t in got), truth, out_tol, stat_tol)
 
 
 @pytest.mark.parametrize("h", [20, 64, 128])

@@ -68,6 +68,7 @@ from cutlass import Float32, Int32, Int64, Uint32, const_expr
 from cutlass.cute.nvgpu import OperandMajorMode, cpasync, warpgroup
 
 from cute_kernels import ptx
+from cute_kernels.sm90.row_views import make_row_views
 
 B_H = 64  # heads per CTA: one WGMMA M tile
 B_TOPK = 32  # gathered KV rows per block: the N tile of S, two k-steps of the PV product
@@ -185,19 +186,7 @@ class SparsePrefillBf16Sm90:
         stream,
     ):
         bf16 = mQ.element_type
-        rows = cute.size(mQ, mode=[0]) * cute.size(mQ, mode=[1])
-        mQ_rows = cute.make_tensor(mQ.iterator, cute.make_layout((rows, self.d_qk), stride=(self.d_qk, 1)))
-        mKV_rows = cute.make_tensor(
-            mKV.iterator, cute.make_layout((cute.size(mKV, mode=[0]), self.d_qk), stride=(mKV.stride[0], 1))
-        )
-        mIdx_rows = cute.make_tensor(
-            mIdx.iterator,
-            cute.make_layout(
-                (cute.size(mIdx, mode=[0]), cute.size(mIdx, mode=[2])), stride=(mIdx.stride[0], 1)
-            ),
-        )
-        mMaxLogits_rows = cute.make_tensor(mMaxLogits.iterator, cute.make_layout(rows))
-        mLse_rows = cute.make_tensor(mLse.iterator, cute.make_layout(rows))
+        views = make_row_views(mQ, mKV, mIdx, mMaxLogits, mLse, self.d_qk)
 
         smem_atom = warpgroup.make_smem_layout_atom(warpgroup.SmemLayoutAtomKind.K_SW128, bf16)
         sQ_layout = cute.tile_to_shape(smem_atom, (B_H, self.d_qk), (0, 1))
@@ -217,7 +206,7 @@ class SparsePrefillBf16Sm90:
         )
 
         tma_atom_q, tma_tensor_q = cpasync.make_tiled_tma_atom(
-            cpasync.CopyBulkTensorTileG2SOp(), mQ_rows, sQ_layout, (B_H, self.d_qk)
+            cpasync.CopyBulkTensorTileG2SOp(), views.q, sQ_layout, (B_H, self.d_qk)
         )
 
         @cute.struct
@@ -236,13 +225,13 @@ class SparsePrefillBf16Sm90:
         self.kernel(
             tma_atom_q,
             tma_tensor_q,
-            mKV_rows,
-            mIdx_rows,
+            views.kv,
+            views.indices,
             mTopkLen,
             mSink,
             mOut,
-            mMaxLogits_rows,
-            mLse_rows,
+            views.max_logits,
+            views.lse,
             sm_scale_log2,
             flags,
             sQ_layout,
@@ -251,7 +240,7 @@ class SparsePrefillBf16Sm90:
             sV_outer,
             SharedStorage,
         ).launch(
-            grid=[rows // B_H, 1, 1],
+            grid=[views.rows // B_H, 1, 1],
             block=[NUM_THREADS, 1, 1],
             stream=stream,
             min_blocks_per_mp=1,
