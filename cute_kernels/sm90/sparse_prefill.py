@@ -785,34 +785,34 @@ class SparsePrefillSm90:
                 cute.arch.mbarrier_wait(c.mbar_p_full + own % NUM_KV_TILES, (own // NUM_KV_TILES) % 2)
                 split = cute.arch.make_warp_uniform(Int32(c.s_moved[own % NUM_KV_TILES] == own))
         if has_prev & has_own & (split == 0):
-            for mt in cutlass.range_constexpr(D_TILES_PER_CONSUMER):
-                if const_expr(mt >= 2):
-                    warpgroup.wait_group(1)  # the PV that used this A buffer has finished
-                self.issue_pv(c, mt, mt % 2, (prev, own))
+            self.pv_run(c, (prev, own))
             cute.arch.mbarrier_arrive(c.mbar_kv_empty + prev % NUM_KV_TILES)
             cute.arch.mbarrier_arrive(c.mbar_kv_empty + own % NUM_KV_TILES)
         else:
             if has_prev:
-                for mt in cutlass.range_constexpr(D_TILES_PER_CONSUMER):
-                    if const_expr(mt >= 2):
-                        warpgroup.wait_group(1)
-                    self.issue_pv(c, mt, mt % 2, (prev,))
+                self.pv_run(c, (prev,))
                 cute.arch.mbarrier_arrive(c.mbar_kv_empty + prev % NUM_KV_TILES)
                 warpgroup.wait_group(0)  # drained inside this branch (else ptxas serialises: C7512)
             if has_own:
                 if split != 0:  # own block moved the max: rescale between the two products
                     self.rescale_o(c, own % NUM_KV_TILES)
-                for mt in cutlass.range_constexpr(D_TILES_PER_CONSUMER):
-                    if const_expr(mt >= 2):
-                        warpgroup.wait_group(1)
-                    self.issue_pv(c, mt, mt % 2, (own,))
+                self.pv_run(c, (own,))
                 cute.arch.mbarrier_arrive(c.mbar_kv_empty + own % NUM_KV_TILES)
 
     @cute.jit
-    def issue_pv(self, c: Consumer, mt, buf, blocks):
+    def pv_run(self, c: Consumer, blocks):
+        """Queue O^T += V^T . P^T over ``blocks`` (one or two) for the 4 d tiles of this consumer's
+        half, one WGMMA group each, at most two in flight (so two A fragments live)."""
+        for mt in cutlass.range_constexpr(D_TILES_PER_CONSUMER):
+            if const_expr(mt >= 2):
+                warpgroup.wait_group(1)  # the PV two d tiles back has read its A fragment
+            self.issue_pv(c, mt, blocks)
+
+    @cute.jit
+    def issue_pv(self, c: Consumer, mt, blocks):
         """Load the V^T A fragment of d tile ``mt`` (of this consumer's half) for ``blocks`` (one
-        or two, 2 k-steps each) into A buffer ``buf`` with ldmatrix.trans + prmt and queue
-        their k-steps (one WGMMA group)."""
+        or two, 2 k-steps each) with ldmatrix.trans + prmt and queue their k-steps (one WGMMA
+        group)."""
         # A fresh fragment per call (not a buffer carried through the loop: the single-block calls
         # would carry the unused half, live, through every step).
         frag = cute.make_rmem_tensor(c.thr_mma_pv.partition_shape_A((64, B_TOPK * len(blocks))), Float8E4M3FN)
