@@ -25,7 +25,6 @@ VARIANTS = {
     "default": {},
     "f16exp": {"exp2_f16x2": True},
     "accurate": {"precision": "accurate"},
-    "delay1": {"delay_consumer1": True},  # consumer 1 starts after block 0's softmax
     "poly1": {"exp2_poly_groups": 1},  # a quarter of the exponentials on the FMA pipe
     "poly2": {"exp2_poly_groups": 2},
     "gather_only": {"experiment": "gather_only"},

@@ -176,7 +176,6 @@ class SparsePrefillSm90:
         exp2_f16x2: bool | None = None,
         experiment: str | None = None,
         exp2_poly_groups: int = 0,
-        delay_consumer1: bool = False,
     ):
         """``precision``: "default" rounds P to one e4m3 term; "accurate" splits it into two
         (hi = e4m3(p), lo = e4m3(p - hi)) and runs the PV product once per term.
@@ -187,10 +186,7 @@ class SparsePrefillSm90:
         "math_only" skips the gather. ``exp2_poly_groups`` (0-4, f32 exponentials only): how many
         of each row's four groups of 4 exponentials run as a cubic on the FMA pipe
         (``ptx.exp2_poly``) instead of the MUFU, to share the exponential work between pipes
-        (an experiment: measured 1.5-4% slower with one or two groups, docs/perf-notes.md).
-        ``delay_consumer1`` (an experiment, not measured yet): consumer 1 queues its first QK only
-        once block 0's P is published, so the consumers start a QK plus a softmax apart instead
-        of a softmax apart (the offset is what lets one's WGMMAs run during the other's softmax)."""
+        (an experiment: measured 1.5-4% slower with one or two groups, docs/perf-notes.md)."""
         if d_qk not in (512, 576):
             raise ValueError(f"d_qk must be 512 or 576, got {d_qk}")
         if precision not in ("default", "accurate"):
@@ -209,7 +205,6 @@ class SparsePrefillSm90:
         self.exp2_f16x2 = exp2_f16x2
         self.experiment = experiment
         self.exp2_poly_groups = exp2_poly_groups
-        self.delay_consumer1 = delay_consumer1
         self.k_tile_bytes = B_TOPK * d_qk  # one gathered block in shared memory
         self.q_tile_bytes = B_H * d_qk
 
@@ -573,9 +568,6 @@ class SparsePrefillSm90:
                 cute.arch.mbarrier_wait(mbar_kv_full + block % NUM_KV_TILES, (block // NUM_KV_TILES) % 2)
                 cute.arch.mbarrier_arrive(mbar_kv_empty + block % NUM_KV_TILES)
         elif num_blocks > 0:
-            if const_expr(self.delay_consumer1):
-                if consumer == 1:
-                    cute.arch.mbarrier_wait(mbar_p_full, 0)  # block 0's P (tile's first phase)
             # Step i: own block 2i + c (when it exists) and the other consumer's block 2i + c - 1
             # (when it exists); see consumer_steps.
             for step in cutlass.range(consumer_steps(num_blocks, consumer), unroll=1):
