@@ -94,8 +94,8 @@ PRODUCER_REGS = 24
 CONSUMER_REGS = 240
 
 # Named barrier ids (0 is __syncthreads).
-BAR_SUM_READY = 3  # both consumers published their row sums (epilogue)
-BAR_SCALE_READY = 4  # per consumer (4 + c): output scales ready (epilogue)
+BAR_STATS_PUBLISHED = 3  # 3 + c: consumer c's row statistics are in shared memory (c arrives, 1 - c syncs)
+BAR_SCALE_READY = 5  # per consumer (5 + c): output scales ready (epilogue)
 
 LOG2_E = math.log2(math.e)
 LN_2 = math.log(2.0)
@@ -154,7 +154,8 @@ class Consumer(NamedTuple):
     s_alpha: cute.Tensor  # smem [buffer, row]: alpha_b = 2^(m_{b-1} - m_b)
     s_moved: cute.Tensor  # smem [buffer]: b when m_b != m_{b-1} for some row
     s_max_true: cute.Tensor  # smem [row, consumer]: exact maxima (epilogue)
-    s_row_sum: cute.Tensor  # smem [row, consumer]
+    s_row_sum: cute.Tensor  # smem [row, consumer]: row sums of 2^7 P, relative to s_max_own
+    s_max_own: cute.Tensor  # smem [row, consumer]: the max of the consumer's last own block
     s_out_scale: cute.Tensor  # smem [row, consumer]
     sK_base: Int32  # shared-memory byte address of the gathered KV tiles
     sP_base: Int32  # shared-memory byte address of the P tiles
@@ -211,7 +212,7 @@ class SparsePrefillSm90:
     def shared_memory_bytes(self) -> int:
         """Dynamic shared memory per CTA (the SharedStorage struct built in ``__call__``)."""
         barriers_and_stats = (
-            8 * (1 + 3 * NUM_KV_TILES) + 4 * B_H * (2 * NUM_KV_TILES + 3 * 2) + 4 * NUM_KV_TILES
+            8 * (1 + 3 * NUM_KV_TILES) + 4 * B_H * (2 * NUM_KV_TILES + 4 * 2) + 4 * NUM_KV_TILES
         )
         aligned = -(-barriers_and_stats // 1024) * 1024
         p_bytes = NUM_KV_TILES * self.p_terms * B_H * B_TOPK  # [buffer][term] P tiles
@@ -259,6 +260,7 @@ class SparsePrefillSm90:
             alpha: cute.struct.MemRange[Float32, NUM_KV_TILES * B_H]  # [buffer, row]
             row_sum: cute.struct.MemRange[Float32, B_H * 2]  # [row, consumer]
             max_true: cute.struct.MemRange[Float32, B_H * 2]  # [row, consumer]
+            max_own: cute.struct.MemRange[Float32, B_H * 2]  # [row, consumer]
             moved: cute.struct.MemRange[Int32, NUM_KV_TILES]  # [buffer]
             out_scale: cute.struct.MemRange[Float32, B_H * 2]  # [row, consumer]
             sQ: cute.struct.Align[cute.struct.MemRange[e4m3, cute.cosize(sQ_layout)], 1024]
@@ -370,6 +372,7 @@ class SparsePrefillSm90:
                 storage.row_sum.get_tensor(cute.make_layout((B_H, 2))),
                 storage.out_scale.get_tensor(cute.make_layout((B_H, 2))),
                 storage.max_true.get_tensor(cute.make_layout((B_H, 2))),
+                storage.max_own.get_tensor(cute.make_layout((B_H, 2))),
             )
             self.consume(
                 consumer,
@@ -525,7 +528,7 @@ class SparsePrefillSm90:
         row_max_true.fill(-Float32.inf)
         row_sum.fill(0.0)
 
-        s_max_used, s_alpha, s_moved, s_row_sum, s_out_scale, s_max_true = smem_stats
+        s_max_used, s_alpha, s_moved, s_row_sum, s_out_scale, s_max_true, s_max_own = smem_stats
         c = Consumer(
             index=consumer,
             warp=wtid // 32,
@@ -550,6 +553,7 @@ class SparsePrefillSm90:
             s_moved=s_moved,
             s_max_true=s_max_true,
             s_row_sum=s_row_sum,
+            s_max_own=s_max_own,
             s_out_scale=s_out_scale,
             sK_base=sK.iterator.toint(),
             sP_base=sP.iterator.toint(),
@@ -567,6 +571,7 @@ class SparsePrefillSm90:
             for block in cutlass.range(num_blocks, unroll=1):
                 cute.arch.mbarrier_wait(mbar_kv_full + block % NUM_KV_TILES, (block // NUM_KV_TILES) % 2)
                 cute.arch.mbarrier_arrive(mbar_kv_empty + block % NUM_KV_TILES)
+            self.publish_row_stats(c)
         elif num_blocks > 0:
             # Step i: own block 2i + c (when it exists) and the other consumer's block 2i + c - 1
             # (when it exists); see consumer_steps.
@@ -578,10 +583,15 @@ class SparsePrefillSm90:
                     warpgroup.wait_group(0)  # S(own)
                     block_maxima = self.block_max(c, valid_bits)
                     self.softmax_own(c, own, block_maxima)
+                    if own + 2 >= num_blocks:  # this consumer's last own block
+                        self.publish_row_stats(c)
                 self.accumulate_pv(c, own - 1, own)
                 # Drained at the end of each step: WGMMAs in flight across the loop's back edge
                 # make ptxas serialise them (C7520/C7513).
                 warpgroup.wait_group(0)
+        if const_expr(self.experiment != "gather_only"):
+            if num_blocks <= consumer:  # owned no block: nothing was published in the loop
+                self.publish_row_stats(c)
 
         self.epilogue(c, mSink, mKVScale, mOut, mMaxLogits, mLse, flags)
 
@@ -845,32 +855,44 @@ class SparsePrefillSm90:
         words[4 * ks + 3] = ptx.prmt(m2, m3, 0x7531)
 
     @cute.jit
-    def epilogue(self, c: Consumer, mSink, mKVScale, mOut, mMaxLogits, mLse, flags):
-        """Normalise O, apply kv_scale and the sink, write out (bf16), max_logits and lse."""
-        kv_scale = mKVScale[0]
-        # O (both halves) is relative to the last block's max; bring this consumer's sums there.
-        # The last block's P_full was waited on by both consumers in their last step.
-        last_buffer = (c.work.num_blocks + NUM_KV_TILES - 1) % NUM_KV_TILES
-        max_final = cute.make_rmem_tensor((2,), Float32)
+    def publish_row_stats(self, c: Consumer):
+        """After this consumer's last own softmax (or at once when it owns no block): its row sums
+        (relative to its last own max), that max and the exact row maxima, for both consumers'
+        epilogues; signals ``BAR_STATS_PUBLISHED + c`` without waiting."""
         for r in cutlass.range_constexpr(2):
             row = c.warp * 16 + c.quad_row + 8 * r
-            max_final[r] = -Float32.inf
-            if c.work.num_blocks > 0:
-                max_final[r] = c.s_max_used[last_buffer, row]
             total = c.row_sum[r]
-            if c.row_max_own[r] != max_final[r]:
-                total = total * cute.math.exp2(c.row_max_own[r] - max_final[r], fastmath=True)
             total += cute.arch.shuffle_sync_bfly(total, offset=1)
             total += cute.arch.shuffle_sync_bfly(total, offset=2)
             if c.quad_lane == 0:
                 c.s_row_sum[row, c.index] = total
+                c.s_max_own[row, c.index] = c.row_max_own[r]
                 c.s_max_true[row, c.index] = c.row_max_true[r]
-        cute.arch.barrier(barrier_id=BAR_SUM_READY, number_of_threads=2 * THREADS_PER_WG)
+        cute.arch.barrier_arrive(barrier_id=BAR_STATS_PUBLISHED + c.index, number_of_threads=2 * THREADS_PER_WG)
+
+    @cute.jit
+    def epilogue(self, c: Consumer, mSink, mKVScale, mOut, mMaxLogits, mLse, flags):
+        """Normalise O, apply kv_scale and the sink, write out (bf16), max_logits and lse."""
+        kv_scale = mKVScale[0]
+        # O (both halves) is relative to the last block's max, m_final; both consumers waited for
+        # the last block's p_full in their last step. The other consumer published its row
+        # statistics after its last own softmax (``publish_row_stats``), usually while this one
+        # still ran PV, so the first consumer to finish writes its half of out while the other
+        # runs its last PV.
+        cute.arch.barrier(barrier_id=BAR_STATS_PUBLISHED + 1 - c.index, number_of_threads=2 * THREADS_PER_WG)
+        last_buffer = (c.work.num_blocks + NUM_KV_TILES - 1) % NUM_KV_TILES
         for r in cutlass.range_constexpr(2):
             row = c.warp * 16 + c.quad_row + 8 * r
             out_row = c.work.bid * B_H + row
-            scaled_sum = c.s_row_sum[row, 0] + c.s_row_sum[row, 1]  # sum of 2^7 P over all slots
-            max_used = max_final[r]
+            max_used = -Float32.inf  # m_final
+            if c.work.num_blocks > 0:
+                max_used = c.s_max_used[last_buffer, row]
+            scaled_sum = Float32(0.0)  # sum of 2^7 P over all slots, relative to m_final
+            for k in cutlass.range_constexpr(2):  # same order in both consumers: same result
+                part = c.s_row_sum[row, k]
+                if c.s_max_own[row, k] != max_used:
+                    part = part * cute.math.exp2(c.s_max_own[row, k] - max_used, fastmath=True)
+                scaled_sum += part
             denom = scaled_sum
             if (flags & 2) != 0:
                 sink_log2 = mSink[c.work.head_group * B_H + row] * LOG2_E
