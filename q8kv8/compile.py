@@ -21,12 +21,12 @@ def main(argv: list[str] | None = None) -> int:
     from q8kv8 import kernels
 
     try:
-        variants = kernels.load_variants()
+        variants = kernels.all_variants()
     except kernels.KernelCompileError as error:
         print(error, file=sys.stderr)
         return 1
     print(f"{'variant':32s} {'from':9s} {'seconds':>8s}")
-    for variant in variants.values():
+    for variant in variants:
         print(f"{variant.name:32s} {variant.source:9s} {variant.seconds:8.3f}")
     print(f"cache: {kernels.cache_dir()}")
     return 0

@@ -23,7 +23,7 @@ def info() -> dict:
     import q8kv8
     from q8kv8 import kernels
 
-    variants = kernels.load_variants()
+    variants = kernels.all_variants()
     gpu, arch = "none", "none"
     if torch.cuda.is_available():
         major, minor = torch.cuda.get_device_capability()
@@ -41,7 +41,7 @@ def info() -> dict:
         "gpu": gpu,
         "arch": arch,
         "target_arch": kernels.TARGET_ARCH,
-        "variants": [_describe(kernels, variant) for variant in variants.values()],
+        "variants": [_describe(kernels, variant) for variant in variants],
         "cache": {
             "dir": str(kernels.cache_dir()),
             "hits": kernels.cache_stats.hits,

@@ -41,6 +41,16 @@ TARGET_ARCH = "sm_90a"
 D_QK_VARIANTS = (512, 576)
 PRECISIONS = ("default", "accurate")
 D_V = 512
+# The persistent kernel (each CTA walks several tiles; the next tile's Q and rows load during the
+# current one's tail and its out stores drain during the next one's math) pays on short tiles:
+# H200, same call, d_qk 512 / topk 512 0.416 -> 0.388-0.395 ms, topk_length <= topk/4 0.302-0.313 ->
+# 0.284 ms; on full 2048-slot rows it is 2-8% slower. Used for the default precision when topk <= 512
+# or topk_length is given (short rows are what topk_length is for), with tiles_per_cta =
+# min(4, tiles // (4 * SMs)) when that is at least 2 (so the grid keeps four waves or more).
+PERSISTENT_PRECISIONS = ("default",)
+PERSISTENT_MAX_TOPK = 512
+PERSISTENT_MAX_TILES_PER_CTA = 4
+PERSISTENT_MIN_WAVES = 4
 EXPORTED_FUNCTION = "sparse_prefill"
 _LOG2_E = math.log2(math.e)
 _PACKAGE_ROOT = Path(__file__).resolve().parent.parent
@@ -76,6 +86,7 @@ class CacheStats:
 
 cache_stats = CacheStats()
 _variants: dict[tuple[int, str], Variant] = {}
+_persistent_variants: dict[tuple[int, str], Variant] = {}
 _compile_lock = threading.Lock()
 
 
@@ -111,9 +122,9 @@ def _cache_key(dsl_version: str) -> str:
     return digest.hexdigest()[:24]
 
 
-def variant_name(d_qk: int, precision: str = "default") -> str:
+def variant_name(d_qk: int, precision: str = "default", persistent: bool = False) -> str:
     suffix = "" if precision == "default" else f"_{precision}"
-    return f"sparse_prefill_sm90_d{d_qk}{suffix}"
+    return f"sparse_prefill_sm90_d{d_qk}{suffix}{'_persistent' if persistent else ''}"
 
 
 def _compile(d_qk: int, dump_dir: Path, **kernel_options):
@@ -121,15 +132,13 @@ def _compile(d_qk: int, dump_dir: Path, **kernel_options):
 
     ``dump_dir`` receives the DSL's own copy of the PTX (``--keep-ptx`` writes one)."""
     cutlass, cute = _import_dsl()
-    from cutlass import Float8E4M3FN
+    from cutlass import Float8E4M3FN, Int32
 
     from cute_kernels.sm90.sparse_prefill import SparsePrefillSm90
 
-    return _compile_kernel(
-        SparsePrefillSm90(d_qk, **kernel_options),
-        _fake_attention_args(cute, Float8E4M3FN, d_qk, with_scales=True),
-        dump_dir,
-    )
+    args = _fake_attention_args(cute, Float8E4M3FN, d_qk, with_scales=True)
+    args = (*args[:-1], Int32(1), args[-1])  # tiles_per_cta, before the stream
+    return _compile_kernel(SparsePrefillSm90(d_qk, **kernel_options), args, dump_dir)
 
 
 def _fake_attention_args(cute, element_type, d_qk: int, with_scales: bool) -> tuple:
@@ -256,11 +265,11 @@ def _build_or_load_named(
     )
 
 
-def _build_or_load(d_qk: int, precision: str) -> Variant:
+def _build_or_load(d_qk: int, precision: str, persistent: bool = False) -> Variant:
     return _build_or_load_named(
-        variant_name(d_qk, precision),
+        variant_name(d_qk, precision, persistent),
         d_qk,
-        lambda dump_dir: _compile(d_qk, dump_dir, precision=precision),
+        lambda dump_dir: _compile(d_qk, dump_dir, precision=precision, persistent=persistent),
         EXPORTED_FUNCTION,
         cache_stats,
         precision,
@@ -268,12 +277,30 @@ def _build_or_load(d_qk: int, precision: str) -> Variant:
 
 
 def load_variants() -> dict[tuple[int, str], Variant]:
-    """Compile or load every variant (idempotent); returns them keyed by (d_qk, precision)."""
+    """Compile or load every variant, the persistent ones included (idempotent); returns the one-tile
+    variants keyed by (d_qk, precision) (``load_persistent_variants`` has the others)."""
     for d_qk in D_QK_VARIANTS:
         for precision in PRECISIONS:
             if (d_qk, precision) not in _variants:
                 _variants[d_qk, precision] = _build_or_load(d_qk, precision)
+    load_persistent_variants()
     return dict(_variants)
+
+
+def load_persistent_variants() -> dict[tuple[int, str], Variant]:
+    """The persistent variants (``PERSISTENT_PRECISIONS`` only), built or loaded; keyed by
+    (d_qk, precision)."""
+    for d_qk in D_QK_VARIANTS:
+        for precision in PERSISTENT_PRECISIONS:
+            if (d_qk, precision) not in _persistent_variants:
+                _persistent_variants[d_qk, precision] = _build_or_load(d_qk, precision, persistent=True)
+    return dict(_persistent_variants)
+
+
+def all_variants() -> list[Variant]:
+    """Every attention variant, one-tile and persistent (for listings)."""
+    load_variants()
+    return [*_variants.values(), *_persistent_variants.values()]
 
 
 def shared_memory_bytes(d_qk: int, precision: str = "default") -> int:
@@ -339,6 +366,22 @@ def _dummies(like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 _gpu_count: int | None = None  # visible GPUs, counted on the first launch
+_sm_counts: dict[int, int] = {}  # multiprocessors per device index
+tiles_per_cta_override: int | None = None
+"""Tests and experiments: 0 launches the one-tile kernel, k >= 1 the persistent one with k tiles per CTA;
+None (default) chooses by ``tiles_per_cta``."""
+
+
+def tiles_per_cta(num_tiles: int, topk: int, has_topk_length: bool, precision: str, device_index: int) -> int:
+    """How many tiles each CTA walks: 1 selects the one-tile kernel, >= 2 the persistent one."""
+    if tiles_per_cta_override is not None:
+        return tiles_per_cta_override
+    if precision not in PERSISTENT_PRECISIONS or not (has_topk_length or topk <= PERSISTENT_MAX_TOPK):
+        return 1
+    sms = _sm_counts.get(device_index)
+    if sms is None:
+        sms = _sm_counts[device_index] = torch.cuda.get_device_properties(device_index).multi_processor_count
+    return min(PERSISTENT_MAX_TILES_PER_CTA, num_tiles // (PERSISTENT_MIN_WAVES * sms))
 
 
 def _call_on_device_of(tensor: torch.Tensor, function, *args) -> None:
@@ -360,7 +403,13 @@ def launch_sparse_prefill(
     """Launch the kernel on validated tensors: q, out, max_logits, lse row-major with a head count that
     is a multiple of 64; kv and indices with a contiguous last dimension; one-element scales."""
     key = (q.shape[2], precision)
-    variant = _variants.get(key) or load_variants()[key]
+    tiles = tiles_per_cta(
+        q.shape[0] * (q.shape[1] // 64), indices.shape[2], topk_length is not None, precision, q.get_device()
+    )
+    if tiles >= 2 or tiles_per_cta_override:
+        variant = _persistent_variants.get(key) or load_persistent_variants()[key]
+    else:
+        variant = _variants.get(key) or load_variants()[key]
     if q.data_ptr() % 16:  # the Q tile is loaded by TMA
         q = q.clone()
     if kv.data_ptr() % 16 or kv.stride()[0] % 16:  # rows are gathered with 16-byte copies
@@ -382,6 +431,7 @@ def launch_sparse_prefill(
         lse,
         sm_scale * _LOG2_E,
         (topk_length is not None) | ((attn_sink is not None) << 1),
+        max(tiles, 1),
     )
     if kernel_out is not out:
         out.copy_(kernel_out)

@@ -47,7 +47,8 @@ SHAPES = [
 
 def compile_report() -> list[dict]:
     rows = []
-    for (d_qk, precision), variant in sorted(kernels.load_variants().items()):
+    for variant in sorted(kernels.all_variants(), key=lambda v: v.name):
+        d_qk, precision = variant.d_qk, variant.precision
         report = kernels.ptxas_report(variant)
         rows.append(
             {

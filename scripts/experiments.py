@@ -29,10 +29,14 @@ VARIANTS = {
     "poly2": {"exp2_poly_groups": 2},
     "gather_only": {"experiment": "gather_only"},
     "math_only": {"experiment": "math_only"},
+    "persist1": {"persistent": True, "tiles_per_cta": 1},
+    "persist2": {"persistent": True, "tiles_per_cta": 2},
+    "persist4": {"persistent": True, "tiles_per_cta": 4},
 }
 
 
 def build(d_qk: int, options: dict):
+    options = {k: v for k, v in options.items() if k != "tiles_per_cta"}  # a launch argument
     with tempfile.TemporaryDirectory() as dump:
         compiled = kernels._compile(d_qk, Path(dump), **options)
     with tempfile.NamedTemporaryFile(suffix=".ptx", mode="w") as ptx:
@@ -65,8 +69,13 @@ def main() -> None:
             if not gpu:
                 continue
             precision = options.get("precision", "default")
-            saved = kernels._variants.get((d_qk, precision))
-            kernels._variants[d_qk, precision] = kernels.Variant(
+            # The built kernel replaces the registered variant of its kind; the schedule is forced.
+            registry = kernels._persistent_variants if options.get("persistent") else kernels._variants
+            kernels.tiles_per_cta_override = (
+                options.get("tiles_per_cta", 1) if options.get("persistent") else 0
+            )
+            saved = registry.get((d_qk, precision))
+            registry[d_qk, precision] = kernels.Variant(
                 name, d_qk, precision, compiled, "compiled", 0.0, Path(), None
             )
             for shape, s_q, s_kv, h_q, dq, topk, tl_mode in shapes:
@@ -89,7 +98,8 @@ def main() -> None:
                     f"    {shape:30s} {ms:8.3f} ms {flops / ms / 1e9:7.0f} TF/s  rel err {err:.2e}",
                     flush=True,
                 )
-            kernels._variants[d_qk, precision] = saved
+            registry[d_qk, precision] = saved
+            kernels.tiles_per_cta_override = None
 
 
 if __name__ == "__main__":

@@ -21,6 +21,7 @@ def variants():
 
 
 VARIANT_KEYS = [(d_qk, precision) for d_qk in (512, 576) for precision in ("default", "accurate")]
+PERSISTENT_KEYS = [(d_qk, "default") for d_qk in (512, 576)]
 
 
 def test_import_builds_every_variant(variants):
@@ -28,6 +29,30 @@ def test_import_builds_every_variant(variants):
     for (d_qk, precision), variant in variants.items():
         assert variant.name == kernels.variant_name(d_qk, precision)
         assert variant.object_path.exists() and variant.ptx_path.exists()
+    persistent = kernels.load_persistent_variants()
+    assert sorted(persistent) == sorted(PERSISTENT_KEYS)
+    for (d_qk, precision), variant in persistent.items():
+        assert (
+            variant.name
+            == kernels.variant_name(d_qk, precision, persistent=True)
+            == (f"sparse_prefill_sm90_d{d_qk}_persistent")
+        )
+        assert variant.object_path.exists() and variant.ptx_path.exists()
+    assert len(kernels.all_variants()) == len(VARIANT_KEYS) + len(PERSISTENT_KEYS)
+
+
+@pytest.mark.parametrize("d_qk, precision", PERSISTENT_KEYS)
+def test_persistent_ptx_has_the_one_tile_kernels_instructions(variants, d_qk, precision):
+    """The persistent variant runs the same WGMMAs, Q TMA and row copies (in a loop over tiles)."""
+    one_tile = variants[d_qk, precision].ptx_path.read_text()
+    persistent = kernels.load_persistent_variants()[d_qk, precision].ptx_path.read_text()
+    for pattern in (
+        r"wgmma\.mma_async\.\S+",
+        r"cp\.async\.bulk\.tensor",
+        r"cp\.async\.cg\.shared",
+        r"ldmatrix",
+    ):
+        assert len(re.findall(pattern, persistent)) == len(re.findall(pattern, one_tile)), pattern
 
 
 @pytest.mark.parametrize("d_qk, precision", VARIANT_KEYS)
@@ -52,9 +77,13 @@ def test_ptx_uses_fp8_wgmma_tma_and_cp_async(variants, d_qk, precision):
         assert (count > 0 and count % 16 == 0) if accurate else count == 0, (pattern, count)
 
 
+@pytest.mark.parametrize("persistent", [False, True])
 @pytest.mark.parametrize("d_qk, precision", VARIANT_KEYS)
-def test_ptxas_reports_no_spills_and_no_wgmma_serialisation(variants, d_qk, precision):
-    report = kernels.ptxas_report(variants[d_qk, precision])
+def test_ptxas_reports_no_spills_and_no_wgmma_serialisation(variants, d_qk, precision, persistent):
+    if persistent and (d_qk, precision) not in PERSISTENT_KEYS:
+        pytest.skip("no persistent variant")
+    registry = kernels.load_persistent_variants() if persistent else variants
+    report = kernels.ptxas_report(registry[d_qk, precision])
     if report is None:
         pytest.skip("ptxas is not on PATH")
     assert report.spill_store_bytes == 0 and report.spill_load_bytes == 0, report.text
@@ -79,14 +108,15 @@ def _import_in_subprocess(cache: Path) -> dict:
 
 def test_second_import_hits_the_disk_cache_and_damage_is_rebuilt(tmp_path):
     first = _import_in_subprocess(tmp_path)
-    assert (first["hits"], first["misses"]) == (0, 4)
+    count = len(VARIANT_KEYS) + len(PERSISTENT_KEYS)
+    assert (first["hits"], first["misses"]) == (0, count)
     second = _import_in_subprocess(tmp_path)
-    assert (second["hits"], second["misses"]) == (4, 0)
+    assert (second["hits"], second["misses"]) == (count, 0)
     assert second["seconds"] < 1.0, "loading a cached variant should take well under a second"
 
     objects = sorted(tmp_path.rglob("*.o"))
-    assert len(objects) == 4
+    assert len(objects) == count
     objects[0].write_bytes(objects[0].read_bytes()[:1000])  # truncate one cached object
     third = _import_in_subprocess(tmp_path)
-    assert (third["hits"], third["misses"], third["rebuilt"]) == (3, 1, 1)
+    assert (third["hits"], third["misses"], third["rebuilt"]) == (count - 1, 1, 1)
     assert (tmp_path / objects[0].relative_to(tmp_path)).stat().st_size > 1000

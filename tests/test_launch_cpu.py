@@ -28,6 +28,7 @@ FUNCTION_PARAMETERS = (
     "lse",
     "scale_log2",
     "flags",
+    "tiles_per_cta",
 )
 
 
@@ -54,6 +55,8 @@ def calls(monkeypatch) -> list[dict]:
 
     variant = types.SimpleNamespace(function=function, name="recorder", d_qk=D_QK)
     monkeypatch.setattr(kernels, "_variants", EveryKey(variant))
+    monkeypatch.setattr(kernels, "_persistent_variants", EveryKey(variant))
+    monkeypatch.setattr(kernels, "_sm_counts", EveryKey(132))
     monkeypatch.setattr(kernels, "_gpu_count", 1)
     return recorded
 
@@ -170,3 +173,39 @@ def test_bf16_launcher_passes_placeholders_and_flags(monkeypatch):
     assert second[3] is topk_length and second[4] is sink and second[-1] == 3
     assert first[5] is out and first[6] is max_logits and first[7] is lse
     assert math.isclose(first[-2], 0.125 * math.log2(math.e))
+
+
+@pytest.mark.parametrize(
+    "s_q, topk, with_topk_length, precision, expected",
+    [
+        (4096, 512, False, "default", 4),  # short rows: persistent, 4 tiles per CTA
+        (4096, 2048, True, "default", 4),  # topk_length given: persistent
+        (4096, 2048, False, "default", 1),  # full 2048-slot rows: one tile per CTA
+        (4096, 512, False, "accurate", 1),  # the accurate mode has no persistent variant
+        (1024, 512, False, "default", 1),  # fewer than 2 x 4 waves of tiles: one tile per CTA
+        (1100, 512, False, "default", 2),
+    ],
+)
+def test_schedule_choice(calls, s_q, topk, with_topk_length, precision, expected):
+    """tiles_per_cta: the persistent kernel (>= 2 tiles per CTA, four waves of CTAs or more) for
+    short rows of the default precision; what the launch passes."""
+    assert kernels.tiles_per_cta(s_q, topk, with_topk_length, precision, 0) == expected
+    args = launch_args(
+        q=torch.zeros(s_q, H, D_QK, dtype=torch.float8_e4m3fn),
+        indices=torch.zeros(s_q, 1, topk, dtype=torch.int32),
+        topk_length=torch.zeros(s_q, dtype=torch.int32) if with_topk_length else None,
+        out=torch.empty(s_q, H, D_V, dtype=torch.bfloat16),
+        max_logits=torch.empty(s_q, H),
+        lse=torch.empty(s_q, H),
+        precision=precision,
+    )
+    kernels.launch_sparse_prefill(**args)
+    assert calls[-1]["tiles_per_cta"] == expected
+
+
+def test_schedule_override(calls, monkeypatch):
+    for forced in (0, 1, 3):
+        monkeypatch.setattr(kernels, "tiles_per_cta_override", forced)
+        assert kernels.tiles_per_cta(4096, 512, False, "default", 0) == forced
+        kernels.launch_sparse_prefill(**launch_args())
+        assert calls[-1]["tiles_per_cta"] == max(forced, 1)

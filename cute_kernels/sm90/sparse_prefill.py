@@ -58,6 +58,18 @@ and ``kv_empty[tile]`` (256 consumer threads) for the four block tiles (two pair
 b % 4 and phase (b // 4) % 2 of all three; a buffer is rewritten four blocks later, which the
 softmax chain orders after every read of it.
 
+Persistent variant (``persistent=True``; the wrapper picks it for short rows): CTA b walks
+``tiles_per_cta`` tiles b, b + grid, ... (grid = ceil(tiles / tiles_per_cta)). The pair count and
+the block ring positions g run on across the CTA's tiles, so the producer gathers the next tile's
+first pairs as soon as block tiles are free, and loads its Q once both consumers' last QKs of the
+current tile are done (``q_empty``); the consumers' out stores drain while the next tile's math
+runs. Consumer 0 writes a tile's first P only after consumer 1 finished the previous tile (named
+barrier 7: the P buffers and the epilogue's statistics are reused); after an odd block count both
+consumers release the pair's zero-filled second block and its owner completes that block's
+``p_full`` phase, so every ring position keeps one phase per use. Results are bitwise those of
+the one-tile kernel. H200: d_qk 512 / topk 512 and topk_length <= topk/4 rows 5-7% faster, full
+2048-slot rows 2-8% slower (the wrapper keeps those on the one-tile kernel).
+
 Constraints: h % 64 == 0 (the wrapper pads heads), topk % 128 == 0, d_qk in {512, 576},
 d_v = 512, q/out/max_logits/lse row-major, kv rows 16-byte aligned. ``topk_length`` values
 are clamped to [0, topk]; only ceil(topk_length / 128) pairs are visited and only the rows
@@ -96,6 +108,7 @@ CONSUMER_REGS = 240
 # Named barrier ids (0 is __syncthreads).
 BAR_STATS_PUBLISHED = 3  # 3 + c: consumer c's row statistics are in shared memory (c arrives, 1 - c syncs)
 BAR_SCALE_READY = 5  # per consumer (5 + c): output scales ready (epilogue)
+BAR_TILE_HANDOFF = 7  # persistent: consumer 1 finished the previous tile (1 arrives, 0 syncs)
 
 LOG2_E = math.log2(math.e)
 LN_2 = math.log(2.0)
@@ -118,14 +131,16 @@ def _swizzle64(row, chunk16):
 
 
 class CtaWork(NamedTuple):
-    """What one CTA computes (trace-time bundle of runtime values)."""
+    """One work tile of a CTA (trace-time bundle of runtime values)."""
 
-    bid: Int32  # CTA index: row tile [64 * bid, 64 * bid + 64) of the (token, head) rows
+    tile: Int32  # row tile [64 * tile, 64 * tile + 64) of the (token, head) rows
     token: Int32
     head_group: Int32
     valid_len: Int32  # topk_length clamped to [0, topk] (topk when not given)
     num_blocks: Int32  # ceil(valid_len / 64)
     num_pairs: Int32  # ceil(valid_len / 128)
+    block_base: Int32  # the CTA's running block count before this tile: block b uses KV tile,
+    # P buffer and phase of g = block_base + b (0 unless persistent)
 
 
 class Consumer(NamedTuple):
@@ -177,6 +192,7 @@ class SparsePrefillSm90:
         exp2_f16x2: bool | None = None,
         experiment: str | None = None,
         exp2_poly_groups: int = 0,
+        persistent: bool = False,
     ):
         """``precision``: "default" rounds P to one e4m3 term; "accurate" splits it into two
         (hi = e4m3(p), lo = e4m3(p - hi)) and runs the PV product once per term.
@@ -187,7 +203,10 @@ class SparsePrefillSm90:
         "math_only" skips the gather. ``exp2_poly_groups`` (0-4, f32 exponentials only): how many
         of each row's four groups of 4 exponentials run as a cubic on the FMA pipe
         (``ptx.exp2_poly``) instead of the MUFU, to share the exponential work between pipes
-        (an experiment: measured 1.5-4% slower with one or two groups, docs/perf-notes.md)."""
+        (an experiment: measured 1.5-4% slower with one or two groups, docs/perf-notes.md).
+        ``persistent``: each CTA walks ``tiles_per_cta`` tiles (launch argument; tiles bid,
+        bid + grid, ...), its producer loading the next tile's Q and first rows while the consumers
+        finish the current one, whose out stores then drain during the next tile's math."""
         if d_qk not in (512, 576):
             raise ValueError(f"d_qk must be 512 or 576, got {d_qk}")
         if precision not in ("default", "accurate"):
@@ -206,13 +225,14 @@ class SparsePrefillSm90:
         self.exp2_f16x2 = exp2_f16x2
         self.experiment = experiment
         self.exp2_poly_groups = exp2_poly_groups
+        self.persistent = persistent
         self.k_tile_bytes = B_TOPK * d_qk  # one gathered block in shared memory
         self.q_tile_bytes = B_H * d_qk
 
     def shared_memory_bytes(self) -> int:
         """Dynamic shared memory per CTA (the SharedStorage struct built in ``__call__``)."""
         barriers_and_stats = (
-            8 * (1 + 3 * NUM_KV_TILES) + 4 * B_H * (2 * NUM_KV_TILES + 4 * 2) + 4 * NUM_KV_TILES
+            8 * (2 + 3 * NUM_KV_TILES) + 4 * B_H * (2 * NUM_KV_TILES + 4 * 2) + 4 * NUM_KV_TILES
         )
         aligned = -(-barriers_and_stats // 1024) * 1024
         p_bytes = NUM_KV_TILES * self.p_terms * B_H * B_TOPK  # [buffer][term] P tiles
@@ -236,6 +256,7 @@ class SparsePrefillSm90:
         mLse: cute.Tensor,  # [s_q, h] f32, row-major
         sm_scale_log2: Float32,  # sm_scale * log2(e)
         flags: Int32,  # bit 0: topk_length given, bit 1: attn_sink given
+        tiles_per_cta: Int32,  # persistent: tiles each CTA walks (the grid is ceil(tiles / it))
         stream,
     ):
         e4m3 = mQ.element_type
@@ -253,6 +274,7 @@ class SparsePrefillSm90:
         @cute.struct
         class SharedStorage:
             mbar_q: cute.struct.MemRange[Int64, 1]
+            mbar_q_empty: cute.struct.MemRange[Int64, 1]  # persistent: both consumers' QKs are done
             mbar_kv_full: cute.struct.MemRange[Int64, NUM_KV_TILES]
             mbar_kv_empty: cute.struct.MemRange[Int64, NUM_KV_TILES]
             mbar_p_full: cute.struct.MemRange[Int64, NUM_KV_TILES]
@@ -281,16 +303,20 @@ class SparsePrefillSm90:
             views.lse,
             sm_scale_log2,
             flags,
+            tiles_per_cta,
             sQ_layout,
             sK_layout,
             sP_layout,
             SharedStorage,
         ).launch(
-            grid=[views.rows // B_H, 1, 1],
+            grid=[self.grid_size(views.rows // B_H, tiles_per_cta), 1, 1],
             block=[NUM_THREADS, 1, 1],
             stream=stream,
             min_blocks_per_mp=1,
         )
+
+    def grid_size(self, num_tiles, tiles_per_cta):
+        return (num_tiles + tiles_per_cta - 1) // tiles_per_cta if const_expr(self.persistent) else num_tiles
 
     # ------------------------------------------------------------------------------------
     # Device side
@@ -311,6 +337,7 @@ class SparsePrefillSm90:
         mLse: cute.Tensor,
         sm_scale_log2: Float32,
         flags: Int32,
+        tiles_per_cta: Int32,
         sQ_layout: cute.ComposedLayout,
         sK_layout: cute.ComposedLayout,
         sP_layout: cute.ComposedLayout,
@@ -323,6 +350,7 @@ class SparsePrefillSm90:
         smem = cutlass.utils.SmemAllocator()
         storage = smem.allocate(SharedStorage)
         mbar_q = storage.mbar_q.data_ptr()
+        mbar_q_empty = storage.mbar_q_empty.data_ptr()
         mbar_kv_full = storage.mbar_kv_full.data_ptr()
         mbar_kv_empty = storage.mbar_kv_empty.data_ptr()
         mbar_p_full = storage.mbar_p_full.data_ptr()
@@ -335,6 +363,7 @@ class SparsePrefillSm90:
             cpasync.prefetch_descriptor(tma_atom_q)
             with cute.arch.elect_one():
                 cute.arch.mbarrier_init(mbar_q, 1)
+                cute.arch.mbarrier_init(mbar_q_empty, 2 * THREADS_PER_WG)
                 for i in cutlass.range_constexpr(NUM_KV_TILES):
                     cute.arch.mbarrier_init(mbar_kv_full + i, 2 * 32)
                     cute.arch.mbarrier_init(mbar_kv_empty + i, 2 * THREADS_PER_WG)
@@ -343,25 +372,28 @@ class SparsePrefillSm90:
             cute.arch.mbarrier_init_fence()
         cute.arch.sync_threads()
 
-        topk = cute.size(mIdx, mode=[1])
-        num_head_groups = cute.size(mOut, mode=[1]) // B_H
-        token = bid // num_head_groups
-        valid_len = topk
-        if (flags & 1) != 0:
-            valid_len = cutlass.min(cutlass.max(mTopkLen[token], 0), topk)
-        valid_len = cute.arch.make_warp_uniform(valid_len)
-        work = CtaWork(
-            bid=bid,
-            token=token,
-            head_group=bid - token * num_head_groups,
-            valid_len=valid_len,
-            num_blocks=(valid_len + B_TOPK - 1) // B_TOPK,
-            num_pairs=(valid_len + PAIR - 1) // PAIR,
-        )
+        num_tiles = cute.size(mOut, mode=[0]) * (cute.size(mOut, mode=[1]) // B_H)
+        tiles = (bid, 1, 1)  # this CTA's tiles: first, count, stride
+        if const_expr(self.persistent):
+            grid = self.grid_size(num_tiles, tiles_per_cta)
+            tiles = (bid, (num_tiles - bid + grid - 1) // grid, grid)
+        tile_args = (mIdx, mTopkLen, mOut, flags, tiles)
 
         if warp_idx < 4:
             cute.arch.setmaxregister_decrease(PRODUCER_REGS)
-            self.produce(tma_atom_q, mQ_tma, sQ, sK, mKV, mIdx, mbar_q, mbar_kv_full, mbar_kv_empty, work)
+            self.produce(
+                tma_atom_q,
+                mQ_tma,
+                sQ,
+                sK,
+                mKV,
+                mIdx,
+                mbar_q,
+                mbar_q_empty,
+                mbar_kv_full,
+                mbar_kv_empty,
+                tile_args,
+            )
         else:
             cute.arch.setmaxregister_increase(CONSUMER_REGS)
             consumer = warp_idx // 4 - 1  # warp-uniform, so branches on it are not divergent
@@ -389,29 +421,59 @@ class SparsePrefillSm90:
                 mMaxLogits,
                 mLse,
                 mbar_q,
+                mbar_q_empty,
                 mbar_kv_full,
                 mbar_kv_empty,
                 mbar_p_full,
                 sm_scale_log2,
                 flags,
-                work,
+                tile_args,
             )
 
     # ------------------------------------------------------------------------------------
     @cute.jit
-    def produce(self, tma_atom_q, mQ_tma, sQ, sK, mKV, mIdx, mbar_q, mbar_kv_full, mbar_kv_empty, work):
-        """WG0: Q by TMA (one thread), then the pair-by-pair row gather."""
+    def tile_work(self, tile_args, tile_iter, block_base) -> CtaWork:
+        """Iteration ``tile_iter`` of the CTA's tile loop: its tile, token, head group and valid slot
+        count (reads ``topk_length[token]``)."""
+        mIdx, mTopkLen, mOut, flags, (first, _, stride) = tile_args
+        tile = first + tile_iter * stride if const_expr(self.persistent) else first
+        topk = cute.size(mIdx, mode=[1])
+        num_head_groups = cute.size(mOut, mode=[1]) // B_H
+        token = tile // num_head_groups
+        valid_len = topk
+        if (flags & 1) != 0:
+            valid_len = cutlass.min(cutlass.max(mTopkLen[token], 0), topk)
+        valid_len = cute.arch.make_warp_uniform(valid_len)
+        return CtaWork(
+            tile=tile,
+            token=token,
+            head_group=tile - token * num_head_groups,
+            valid_len=valid_len,
+            num_blocks=(valid_len + B_TOPK - 1) // B_TOPK,
+            num_pairs=(valid_len + PAIR - 1) // PAIR,
+            block_base=block_base,
+        )
+
+    @cute.jit
+    def produce(
+        self,
+        tma_atom_q,
+        mQ_tma,
+        sQ,
+        sK,
+        mKV,
+        mIdx,
+        mbar_q,
+        mbar_q_empty,
+        mbar_kv_full,
+        mbar_kv_empty,
+        tile_args,
+    ):
+        """WG0, per tile: Q by TMA (one thread; persistent: once both consumers' QKs of the previous
+        tile are done), then the pair-by-pair row gather. Pairs are counted across the CTA's tiles,
+        so the gather runs into the next tile as soon as block tiles are free."""
         warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
         lane = cute.arch.lane_idx()
-        if warp_idx == 0:
-            gQ = cute.local_tile(mQ_tma, (B_H, self.d_qk), (work.bid, 0))
-            tQsQ, tQgQ = cpasync.tma_partition(
-                tma_atom_q, 0, cute.make_layout(1), cute.group_modes(sQ, 0, 2), cute.group_modes(gQ, 0, 2)
-            )
-            with cute.arch.elect_one():
-                cute.arch.mbarrier_arrive_and_expect_tx(mbar_q, self.q_tile_bytes)
-            cute.copy(tma_atom_q, tQgQ, tQsQ, tma_bar_ptr=mbar_q)
-
         s_kv = cute.size(mKV, mode=[0])
         kv_row_stride = Int64(mKV.stride[0])
         kv_base = mKV.iterator.toint()
@@ -421,9 +483,62 @@ class SparsePrefillSm90:
         chunk16 = lane % 4  # 16-byte chunk of a 64-byte column tile this lane copies
         lane_row = lane // 4  # row (of 8) this lane copies per 8-row group
 
+        if const_expr(self.persistent):
+            pair_base = Int32(0)  # pairs this CTA gathered before the current tile
+            for tile_iter in cutlass.range(tile_args[4][1], unroll=1):
+                work = self.tile_work(tile_args, tile_iter, 2 * pair_base)
+                if warp_idx == 0:
+                    cute.arch.mbarrier_wait(mbar_q_empty, (tile_iter % 2) ^ 1)
+                self.produce_tile(
+                    tma_atom_q,
+                    mQ_tma,
+                    sQ,
+                    mIdx,
+                    mbar_q,
+                    mbar_kv_full,
+                    mbar_kv_empty,
+                    work,
+                    pair_base,
+                    (s_kv, kv_row_stride, kv_base, sK_base, block_in_pair, row_base, chunk16, lane_row),
+                )
+                pair_base += work.num_pairs
+        else:
+            work = self.tile_work(tile_args, 0, 0)
+            self.produce_tile(
+                tma_atom_q,
+                mQ_tma,
+                sQ,
+                mIdx,
+                mbar_q,
+                mbar_kv_full,
+                mbar_kv_empty,
+                work,
+                0,
+                (s_kv, kv_row_stride, kv_base, sK_base, block_in_pair, row_base, chunk16, lane_row),
+            )
+        ptx.cp_async_wait_all()
+
+    @cute.jit
+    def produce_tile(
+        self, tma_atom_q, mQ_tma, sQ, mIdx, mbar_q, mbar_kv_full, mbar_kv_empty, work, pair_base, geometry
+    ):
+        """One tile's Q (warp 0) and pairs; the CTA's earlier tiles gathered ``pair_base`` pairs."""
+        s_kv, kv_row_stride, kv_base, sK_base, block_in_pair, row_base, chunk16, lane_row = geometry
+        warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
+        lane = cute.arch.lane_idx()
+        if warp_idx == 0:
+            gQ = cute.local_tile(mQ_tma, (B_H, self.d_qk), (work.tile, 0))
+            tQsQ, tQgQ = cpasync.tma_partition(
+                tma_atom_q, 0, cute.make_layout(1), cute.group_modes(sQ, 0, 2), cute.group_modes(gQ, 0, 2)
+            )
+            with cute.arch.elect_one():
+                cute.arch.mbarrier_arrive_and_expect_tx(mbar_q, self.q_tile_bytes)
+            cute.copy(tma_atom_q, tQgQ, tQsQ, tma_bar_ptr=mbar_q)
+
         for pair in cutlass.range(work.num_pairs, unroll=1):
-            stage = pair % NUM_STAGES
-            phase = (pair // NUM_STAGES) % 2
+            ring_pair = pair_base + pair
+            stage = ring_pair % NUM_STAGES
+            phase = (ring_pair // NUM_STAGES) % 2
             full_barrier = mbar_kv_full + stage * 2 + block_in_pair
             empty_barrier = mbar_kv_empty + stage * 2 + block_in_pair
             if const_expr(self.experiment == "math_only"):
@@ -452,7 +567,6 @@ class SparsePrefillSm90:
                             nbytes,
                         )
                 cute.arch.cp_async_mbarrier_arrive_noinc(full_barrier)
-        ptx.cp_async_wait_all()
 
     # ------------------------------------------------------------------------------------
     @cute.jit
@@ -472,12 +586,13 @@ class SparsePrefillSm90:
         mMaxLogits,
         mLse,
         mbar_q,
+        mbar_q_empty,
         mbar_kv_full,
         mbar_kv_empty,
         mbar_p_full,
         sm_scale_log2,
         flags,
-        work,
+        tile_args,
     ):
         """WG1/WG2: S and P of own blocks c, c + 2, ..., O^T for half c of d_v over every block."""
         e4m3 = sQ.element_type
@@ -535,7 +650,7 @@ class SparsePrefillSm90:
             lane=lane,
             quad_row=lane // 4,
             quad_lane=lane % 4,
-            work=work,
+            work=None,  # set per tile
             tiled_mma_qk=tiled_mma_qk,
             tiled_mma_qk_first=tiled_mma_qk_first,
             tiled_mma_pv=tiled_mma_pv,
@@ -565,12 +680,61 @@ class SparsePrefillSm90:
             scale_log2=mQScale[0] * mKVScale[0] * sm_scale_log2,
         )
 
-        num_blocks = work.num_blocks
-        cute.arch.mbarrier_wait(mbar_q, 0)
+        if const_expr(self.persistent):
+            pair_base = Int32(0)  # pairs of the CTA's earlier tiles (the producer counts the same)
+            for tile_iter in cutlass.range(tile_args[4][1], unroll=1):
+                work = self.tile_work(tile_args, tile_iter, 2 * pair_base)
+                for mt in cutlass.range_constexpr(D_TILES_PER_CONSUMER):
+                    acc_o[mt].fill(ptx.zero_f32())
+                row_max_own.fill(-Float32.inf)
+                row_max_true.fill(-Float32.inf)
+                row_sum.fill(0.0)
+                self.consume_tile(
+                    c._replace(work=work),
+                    tile_iter,
+                    mbar_q,
+                    mbar_q_empty,
+                    (mSink, mKVScale, mOut, mMaxLogits, mLse, flags),
+                )
+                pair_base += work.num_pairs
+        else:
+            work = self.tile_work(tile_args, 0, 0)
+            self.consume_tile(
+                c._replace(work=work),
+                0,
+                mbar_q,
+                mbar_q_empty,
+                (mSink, mKVScale, mOut, mMaxLogits, mLse, flags),
+            )
+
+    @cute.jit
+    def consume_tile(self, c: Consumer, tile_iter, mbar_q, mbar_q_empty, epilogue_args):
+        """One tile: the step loop over its blocks, then the epilogue.
+
+        Persistent, besides: each consumer releases Q (``q_empty``) once its last QK of the tile
+        has completed; consumer 0 writes the tile's first P (block 0) only after consumer 1 has
+        finished the previous tile (``BAR_TILE_HANDOFF``: the P buffers and the epilogue's shared
+        statistics are reused); after an odd block count both release the pair's zero-filled
+        extra block, and its owner completes its ``p_full`` phase, so every ring position g keeps
+        one phase per use."""
+        consumer = c.index
+        num_blocks = c.work.num_blocks
+        cute.arch.mbarrier_wait(mbar_q, tile_iter % 2)
+        if const_expr(self.persistent):
+            if num_blocks <= consumer:  # no QK in this tile
+                cute.arch.mbarrier_arrive(mbar_q_empty)
+            if tile_iter > 0:
+                if consumer == 1:
+                    cute.arch.barrier_arrive(
+                        barrier_id=BAR_TILE_HANDOFF, number_of_threads=2 * THREADS_PER_WG
+                    )
+                elif num_blocks == 0 or const_expr(self.experiment == "gather_only"):
+                    cute.arch.barrier(barrier_id=BAR_TILE_HANDOFF, number_of_threads=2 * THREADS_PER_WG)
         if const_expr(self.experiment == "gather_only"):
             for block in cutlass.range(num_blocks, unroll=1):
-                cute.arch.mbarrier_wait(mbar_kv_full + block % NUM_KV_TILES, (block // NUM_KV_TILES) % 2)
-                cute.arch.mbarrier_arrive(mbar_kv_empty + block % NUM_KV_TILES)
+                ring = c.work.block_base + block
+                cute.arch.mbarrier_wait(c.mbar_kv_full + ring % NUM_KV_TILES, (ring // NUM_KV_TILES) % 2)
+                cute.arch.mbarrier_arrive(c.mbar_kv_empty + ring % NUM_KV_TILES)
             self.publish_row_stats(c)
         elif num_blocks > 0:
             # Step i: own block 2i + c (when it exists) and the other consumer's block 2i + c - 1
@@ -581,7 +745,15 @@ class SparsePrefillSm90:
                     self.issue_qk(c, own)
                     valid_bits = self.block_valid_bits(c, own)
                     warpgroup.wait_group(0)  # S(own)
+                    if const_expr(self.persistent):
+                        if own + 2 >= num_blocks:  # this consumer's last QK of the tile is done
+                            cute.arch.mbarrier_arrive(mbar_q_empty)
                     block_maxima = self.block_max(c, valid_bits)
+                    if const_expr(self.persistent):
+                        if own == 0 and tile_iter > 0:  # consumer 0, the tile's first P
+                            cute.arch.barrier(
+                                barrier_id=BAR_TILE_HANDOFF, number_of_threads=2 * THREADS_PER_WG
+                            )
                     self.softmax_own(c, own, block_maxima)
                     if own + 2 >= num_blocks:  # this consumer's last own block
                         self.publish_row_stats(c)
@@ -592,15 +764,23 @@ class SparsePrefillSm90:
         if const_expr(self.experiment != "gather_only"):
             if num_blocks <= consumer:  # owned no block: nothing was published in the loop
                 self.publish_row_stats(c)
+        if const_expr(self.persistent):
+            if num_blocks % 2 == 1:  # the last pair's zero-filled second block
+                ring = c.work.block_base + num_blocks
+                cute.arch.mbarrier_wait(c.mbar_kv_full + ring % NUM_KV_TILES, (ring // NUM_KV_TILES) % 2)
+                cute.arch.mbarrier_arrive(c.mbar_kv_empty + ring % NUM_KV_TILES)
+                if consumer == 1:  # its owner (odd index)
+                    cute.arch.mbarrier_arrive(c.mbar_p_full + ring % NUM_KV_TILES)
 
-        self.epilogue(c, mSink, mKVScale, mOut, mMaxLogits, mLse, flags)
+        self.epilogue(c, *epilogue_args)
 
     # ------------------------------------------------------------------------------------
     @cute.jit
     def issue_qk(self, c: Consumer, block):
         """Queue S = Q . K_block^T (one WGMMA group)."""
-        tile = block % NUM_KV_TILES
-        cute.arch.mbarrier_wait(c.mbar_kv_full + tile, (block // NUM_KV_TILES) % 2)
+        ring = c.work.block_base + block
+        tile = ring % NUM_KV_TILES
+        cute.arch.mbarrier_wait(c.mbar_kv_full + tile, (ring // NUM_KV_TILES) % 2)
         warpgroup.fence()
         for k in cutlass.range_constexpr(self.d_qk // 32):
             mma = c.tiled_mma_qk if k > 0 else c.tiled_mma_qk_first  # the first k-step overwrites S
@@ -662,13 +842,14 @@ class SparsePrefillSm90:
         """Softmax of an own block: m_block from m_{block-1} (published by the other consumer)
         and the block's maxima, then P = e4m3(2^7 exp2(S - m_block)) with m_block, alpha_block
         and the moved flag, published by ``p_full``; accumulates this consumer's row sums."""
-        buffer = block % NUM_KV_TILES
+        ring = c.work.block_base + block  # the block's ring position (buffers, phases, moved flag)
+        buffer = ring % NUM_KV_TILES
         # S is still unscaled when the scale is positive (see block_max).
         logit_scale = c.scale_log2 if c.scale_log2 > 0.0 else Float32(1.0)
         tile_addr = c.sP_base + buffer * self.p_terms * (B_H * B_TOPK)
-        prev_buffer = (block + NUM_KV_TILES - 1) % NUM_KV_TILES
+        prev_buffer = (ring + NUM_KV_TILES - 1) % NUM_KV_TILES
         if block > 0:
-            cute.arch.mbarrier_wait(c.mbar_p_full + prev_buffer, ((block - 1) // NUM_KV_TILES) % 2)
+            cute.arch.mbarrier_wait(c.mbar_p_full + prev_buffer, ((ring - 1) // NUM_KV_TILES) % 2)
         moved = False
         for r in cutlass.range_constexpr(2):
             row = c.warp * 16 + c.quad_row + 8 * r
@@ -693,7 +874,7 @@ class SparsePrefillSm90:
             bias = (max_used if max_used != -Float32.inf else Float32(0.0)) - P_SCALE_LOG2
             c.row_sum[r] = c.row_sum[r] + self.exp_and_store_p(c, r, row, logit_scale, bias, tile_addr)
         if moved:
-            c.s_moved[buffer] = block  # any thread: some row's max moved at this block
+            c.s_moved[buffer] = ring  # any thread: some row's max moved at this block
         cute.arch.fence_proxy("async.shared", space="cta")
         cute.arch.mbarrier_arrive(c.mbar_p_full + buffer)
 
@@ -773,6 +954,8 @@ class SparsePrefillSm90:
         ``own`` (none when past the tile's last block), each after its O rescale."""
         has_prev = prev >= 0
         has_own = own < c.work.num_blocks
+        prev = c.work.block_base + prev  # ring positions from here on
+        own = c.work.block_base + own
         split = Int32(0)
         if has_prev:
             prev_buffer = prev % NUM_KV_TILES
@@ -803,8 +986,8 @@ class SparsePrefillSm90:
 
     @cute.jit
     def pv_run(self, c: Consumer, blocks):
-        """Queue O^T += V^T . P^T over ``blocks`` (one or two) for the 4 d tiles of this consumer's
-        half, one WGMMA group each, at most two in flight (so two A fragments live)."""
+        """Queue O^T += V^T . P^T over ``blocks`` (ring positions, one or two) for the 4 d tiles of
+        this consumer's half, one WGMMA group each, at most two in flight (so two A fragments live)."""
         for mt in cutlass.range_constexpr(D_TILES_PER_CONSUMER):
             if const_expr(mt >= 2):
                 warpgroup.wait_group(1)  # the PV two d tiles back has read its A fragment
@@ -868,7 +1051,9 @@ class SparsePrefillSm90:
                 c.s_row_sum[row, c.index] = total
                 c.s_max_own[row, c.index] = c.row_max_own[r]
                 c.s_max_true[row, c.index] = c.row_max_true[r]
-        cute.arch.barrier_arrive(barrier_id=BAR_STATS_PUBLISHED + c.index, number_of_threads=2 * THREADS_PER_WG)
+        cute.arch.barrier_arrive(
+            barrier_id=BAR_STATS_PUBLISHED + c.index, number_of_threads=2 * THREADS_PER_WG
+        )
 
     @cute.jit
     def epilogue(self, c: Consumer, mSink, mKVScale, mOut, mMaxLogits, mLse, flags):
@@ -880,10 +1065,10 @@ class SparsePrefillSm90:
         # still ran PV, so the first consumer to finish writes its half of out while the other
         # runs its last PV.
         cute.arch.barrier(barrier_id=BAR_STATS_PUBLISHED + 1 - c.index, number_of_threads=2 * THREADS_PER_WG)
-        last_buffer = (c.work.num_blocks + NUM_KV_TILES - 1) % NUM_KV_TILES
+        last_buffer = (c.work.block_base + c.work.num_blocks + NUM_KV_TILES - 1) % NUM_KV_TILES
         for r in cutlass.range_constexpr(2):
             row = c.warp * 16 + c.quad_row + 8 * r
-            out_row = c.work.bid * B_H + row
+            out_row = c.work.tile * B_H + row
             max_used = -Float32.inf  # m_final
             if c.work.num_blocks > 0:
                 max_used = c.s_max_used[last_buffer, row]
@@ -918,7 +1103,7 @@ class SparsePrefillSm90:
             for e in cutlass.range_constexpr(2):
                 head = 8 * j + 2 * c.quad_lane + e
                 scale = c.s_out_scale[head, c.index]
-                row_addr = out_base + Int64(c.work.bid * B_H + head) * (D_V * 2)
+                row_addr = out_base + Int64(c.work.tile * B_H + head) * (D_V * 2)
                 for mt in cutlass.range_constexpr(D_TILES_PER_CONSUMER):
                     d = (c.index * D_TILES_PER_CONSUMER + mt) * 64 + c.warp * 16 + 2 * c.quad_row
                     word = ptx.pack_bf16x2(c.acc_o[mt][e + 4 * j] * scale, c.acc_o[mt][e + 2 + 4 * j] * scale)
