@@ -353,12 +353,15 @@ def ptxas_report(variant: Variant) -> PtxasReport | None:
 _dummy_tensors: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
 
 
-def _dummies(like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def _dummies(like: torch.Tensor, device_index: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Placeholders passed for an absent topk_length / attn_sink (the kernel's flags say absent), on the
-    device of ``like``; made once per device (keyed by ``like.get_device()``)."""
-    dummies = _dummy_tensors.get(like.get_device())
+    device of ``like``; made once per device (keyed by ``like.get_device()``, or ``device_index`` when the
+    caller has it)."""
+    if device_index is None:
+        device_index = like.get_device()
+    dummies = _dummy_tensors.get(device_index)
     if dummies is None:
-        dummies = _dummy_tensors[like.get_device()] = (
+        dummies = _dummy_tensors[device_index] = (
             torch.zeros(1, dtype=torch.int32, device=like.device),
             torch.zeros(1, dtype=torch.float32, device=like.device),
         )
@@ -373,15 +376,15 @@ None (default) chooses by ``tiles_per_cta``."""
 
 
 def tiles_per_cta(num_tiles: int, topk: int, has_topk_length: bool, precision: str, device_index: int) -> int:
-    """How many tiles each CTA walks: 1 selects the one-tile kernel, >= 2 the persistent one."""
-    if tiles_per_cta_override is not None:
-        return tiles_per_cta_override
+    """The schedule of a launch: 0 selects the one-tile kernel, k >= 2 the persistent one with k tiles
+    per CTA (see ``PERSISTENT_PRECISIONS``)."""
     if precision not in PERSISTENT_PRECISIONS or not (has_topk_length or topk <= PERSISTENT_MAX_TOPK):
-        return 1
+        return 0
     sms = _sm_counts.get(device_index)
     if sms is None:
         sms = _sm_counts[device_index] = torch.cuda.get_device_properties(device_index).multi_processor_count
-    return min(PERSISTENT_MAX_TILES_PER_CTA, num_tiles // (PERSISTENT_MIN_WAVES * sms))
+    tiles = min(PERSISTENT_MAX_TILES_PER_CTA, num_tiles // (PERSISTENT_MIN_WAVES * sms))
+    return tiles if tiles >= 2 else 0
 
 
 def _call_on_device_of(tensor: torch.Tensor, function, *args) -> None:
@@ -402,11 +405,15 @@ def launch_sparse_prefill(
 ) -> None:
     """Launch the kernel on validated tensors: q, out, max_logits, lse row-major with a head count that
     is a multiple of 64; kv and indices with a contiguous last dimension; one-element scales."""
-    key = (q.shape[2], precision)
-    tiles = tiles_per_cta(
-        q.shape[0] * (q.shape[1] // 64), indices.shape[2], topk_length is not None, precision, q.get_device()
-    )
-    if tiles >= 2 or tiles_per_cta_override:
+    s_q, h, d_qk = q.shape  # one shape read (each costs ~0.1-0.2 us of host time)
+    device_index = q.get_device()
+    tiles = tiles_per_cta_override
+    if tiles is None:
+        tiles = tiles_per_cta(
+            s_q * (h >> 6), indices.shape[2], topk_length is not None, precision, device_index
+        )
+    key = (d_qk, precision)
+    if tiles:
         variant = _persistent_variants.get(key) or load_persistent_variants()[key]
     else:
         variant = _variants.get(key) or load_variants()[key]
@@ -415,7 +422,7 @@ def launch_sparse_prefill(
     if kv.data_ptr() % 16 or kv.stride()[0] % 16:  # rows are gathered with 16-byte copies
         kv = kv.clone(memory_format=torch.contiguous_format)
     kernel_out = out if out.data_ptr() % 4 == 0 else torch.empty_like(out)
-    no_topk_length, no_sink = _dummies(q)
+    no_topk_length, no_sink = _dummies(q, device_index)
     _call_on_device_of(
         q,
         variant.function,
@@ -431,7 +438,7 @@ def launch_sparse_prefill(
         lse,
         sm_scale * _LOG2_E,
         (topk_length is not None) | ((attn_sink is not None) << 1),
-        max(tiles, 1),
+        tiles or 1,
     )
     if kernel_out is not out:
         out.copy_(kernel_out)

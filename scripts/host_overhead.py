@@ -46,7 +46,7 @@ def main() -> None:
     no_tl, no_sink = kernels._dummies(inputs["q"])
     ffi_args = (
         inputs["q"], inputs["kv"], inputs["indices"], no_tl, no_sink, inputs["q_scale"], inputs["kv_scale"],
-        out, max_logits, lse, 1.0, 0,
+        out, max_logits, lse, 1.0, 0, 1,
     )  # fmt: skip
     rows = {
         "contract.check_inputs": lambda: contract.check_inputs(*args),

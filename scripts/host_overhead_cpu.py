@@ -78,6 +78,8 @@ def main() -> None:
     torch.cuda.current_device = lambda: None  # CPU tensors have device index None (one GPU: never switch)
     variant = types.SimpleNamespace(function=lambda *args: None, name="no-op", d_qk=D_QK)
     kernels._variants = _EveryKey(variant)
+    kernels._persistent_variants = _EveryKey(variant)
+    kernels._sm_counts = _EveryKey(132)  # the multiprocessor count of a stand-in H100/H200
     launch_args = (
         inputs["q"], inputs["kv"], inputs["indices"], None, None, inputs["q_scale"], inputs["kv_scale"],
         inputs["sm_scale"], *buffers.values(), "default",
