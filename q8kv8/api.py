@@ -129,6 +129,7 @@ def sparse_mla_q8kv8_prefill_fwd(
         kernel_max_logits,
         kernel_lse,
         precision,
+        problem.tiles_per_cta,
     )
     if h_kernel != h_q:
         out.copy_(kernel_out[:, :h_q])

@@ -17,7 +17,8 @@ from typing import NamedTuple
 
 import torch
 
-from q8kv8.metadata import TOPK_ALIGNMENT
+from q8kv8 import schedule
+from q8kv8.metadata import TOPK_ALIGNMENT, padded_num_heads
 
 SUPPORTED_D_QK = (512, 576)
 SUPPORTED_D_V = 512
@@ -36,6 +37,7 @@ class Problem(NamedTuple):
     d_v: int
     topk: int
     device: torch.device
+    tiles_per_cta: int = 0  # the kernel schedule (``q8kv8.schedule``): 0 one tile per CTA, k >= 2 persistent
 
 
 _MEMO_ENTRIES = 256  # first-level keys (q's data pointers) before the memo is emptied
@@ -238,7 +240,12 @@ def _check_signatures(
     for name, signature in outputs.items():
         devices[name] = signature[DEVICE]
     check_device(devices)
-    return Problem(s_q, h_q, s_kv, d_qk, int(d_v), topk, q[DEVICE])
+    device = q[DEVICE]
+    tiles = 0
+    if device.type == "cuda" and s_q > 0 and s_kv > 0:
+        num_tiles = s_q * (padded_num_heads(h_q) // 64)
+        tiles = schedule.tiles_per_cta(num_tiles, topk, topk_length is not None, precision, device.index)
+    return Problem(s_q, h_q, s_kv, d_qk, int(d_v), topk, device, tiles)
 
 
 def check_device(named_devices: Mapping[str, torch.device]) -> None:

@@ -37,20 +37,12 @@ from pathlib import Path
 
 import torch
 
+from q8kv8.schedule import PERSISTENT_PRECISIONS, tiles_per_cta  # noqa: F401 (re-exported)
+
 TARGET_ARCH = "sm_90a"
 D_QK_VARIANTS = (512, 576)
 PRECISIONS = ("default", "accurate")
 D_V = 512
-# The persistent kernel (each CTA walks several tiles; the next tile's Q and rows load during the
-# current one's tail and its out stores drain during the next one's math) pays on short tiles:
-# H200, same call, d_qk 512 / topk 512 0.416 -> 0.388-0.395 ms, topk_length <= topk/4 0.302-0.313 ->
-# 0.284 ms; on full 2048-slot rows it is 2-8% slower. Used for the default precision when topk <= 512
-# or topk_length is given (short rows are what topk_length is for), with tiles_per_cta =
-# min(4, tiles // (4 * SMs)) when that is at least 2 (so the grid keeps four waves or more).
-PERSISTENT_PRECISIONS = ("default",)
-PERSISTENT_MAX_TOPK = 512
-PERSISTENT_MAX_TILES_PER_CTA = 4
-PERSISTENT_MIN_WAVES = 4
 EXPORTED_FUNCTION = "sparse_prefill"
 _LOG2_E = math.log2(math.e)
 _PACKAGE_ROOT = Path(__file__).resolve().parent.parent
@@ -369,22 +361,9 @@ def _dummies(like: torch.Tensor, device_index: int | None = None) -> tuple[torch
 
 
 _gpu_count: int | None = None  # visible GPUs, counted on the first launch
-_sm_counts: dict[int, int] = {}  # multiprocessors per device index
 tiles_per_cta_override: int | None = None
 """Tests and experiments: 0 launches the one-tile kernel, k >= 1 the persistent one with k tiles per CTA;
 None (default) chooses by ``tiles_per_cta``."""
-
-
-def tiles_per_cta(num_tiles: int, topk: int, has_topk_length: bool, precision: str, device_index: int) -> int:
-    """The schedule of a launch: 0 selects the one-tile kernel, k >= 2 the persistent one with k tiles
-    per CTA (see ``PERSISTENT_PRECISIONS``)."""
-    if precision not in PERSISTENT_PRECISIONS or not (has_topk_length or topk <= PERSISTENT_MAX_TOPK):
-        return 0
-    sms = _sm_counts.get(device_index)
-    if sms is None:
-        sms = _sm_counts[device_index] = torch.cuda.get_device_properties(device_index).multi_processor_count
-    tiles = min(PERSISTENT_MAX_TILES_PER_CTA, num_tiles // (PERSISTENT_MIN_WAVES * sms))
-    return tiles if tiles >= 2 else 0
 
 
 def _call_on_device_of(tensor: torch.Tensor, function, *args) -> None:
@@ -401,18 +380,37 @@ def _call_on_device_of(tensor: torch.Tensor, function, *args) -> None:
 
 
 def launch_sparse_prefill(
-    q, kv, indices, topk_length, attn_sink, q_scale, kv_scale, sm_scale, out, max_logits, lse, precision
+    q,
+    kv,
+    indices,
+    topk_length,
+    attn_sink,
+    q_scale,
+    kv_scale,
+    sm_scale,
+    out,
+    max_logits,
+    lse,
+    precision,
+    schedule: int | None = None,
 ) -> None:
     """Launch the kernel on validated tensors: q, out, max_logits, lse row-major with a head count that
-    is a multiple of 64; kv and indices with a contiguous last dimension; one-element scales."""
-    s_q, h, d_qk = q.shape  # one shape read (each costs ~0.1-0.2 us of host time)
+    is a multiple of 64; kv and indices with a contiguous last dimension; one-element scales.
+    ``schedule``: ``tiles_per_cta``'s answer when the caller has it (the contract memoises it), else
+    computed here."""
     device_index = q.get_device()
     tiles = tiles_per_cta_override
     if tiles is None:
-        tiles = tiles_per_cta(
-            s_q * (h >> 6), indices.shape[2], topk_length is not None, precision, device_index
-        )
-    key = (d_qk, precision)
+        tiles = schedule
+        if tiles is None:
+            tiles = tiles_per_cta(
+                q.shape[0] * (q.shape[1] >> 6),
+                indices.shape[2],
+                topk_length is not None,
+                precision,
+                device_index,
+            )
+    key = (q.shape[2], precision)
     if tiles:
         variant = _persistent_variants.get(key) or load_persistent_variants()[key]
     else:

@@ -28,6 +28,7 @@ LAUNCH_PARAMETERS = (
     "max_logits",
     "lse",
     "precision",
+    "schedule",
 )
 
 
@@ -41,6 +42,7 @@ def reference_launch(*args):
     assert launch["attn_sink"] is None or launch["attn_sink"].shape == (h_kernel,)
     assert launch["q_scale"].numel() == launch["kv_scale"].numel() == 1
     assert type(launch["sm_scale"]) is float
+    assert launch["schedule"] == 0  # the contract's choice; CPU tensors: one tile per CTA
     for name in ("q", "topk_length", "attn_sink", "out", "max_logits", "lse"):
         if launch[name] is not None:
             assert launch[name].is_contiguous(), name

@@ -10,7 +10,7 @@ import math
 import pytest
 import torch
 
-from q8kv8 import contract, sparse_mla_q8kv8_prefill_fwd
+from q8kv8 import contract, schedule, sparse_mla_q8kv8_prefill_fwd
 from q8kv8.contract import Problem, check_device, check_inputs
 
 S_Q, H_Q, S_KV, D_QK, D_V, TOPK = 4, 16, 32, 576, 512, 128
@@ -486,3 +486,50 @@ def test_topk_length_out_of_range_raises(values, low, high):
         match=rf"^topk_length: expected values in \[0, {TOPK}\] \(topk\), got values from {low} to {high}",
     ):
         contract.check_topk_length_range(torch.tensor(values, dtype=torch.int32), TOPK)
+
+
+@pytest.mark.parametrize(
+    "s_q, h_q, topk, with_topk_length, precision, expected",
+    [
+        (4096, 64, 512, False, "default", 4),
+        (4096, 64, 2048, True, "default", 4),
+        (4096, 64, 2048, False, "default", 0),
+        (4096, 64, 512, False, "accurate", 0),
+        (1100, 48, 512, False, "default", 2),  # 48 heads run as 64
+        (1024, 64, 512, False, "default", 0),
+    ],
+)
+def test_problem_carries_the_schedule_for_cuda_devices(
+    make_inputs, monkeypatch, s_q, h_q, topk, with_topk_length, precision, expected
+):
+    """The verdict includes the kernel schedule (``q8kv8.schedule.tiles_per_cta``) for a CUDA ``q``: the
+    signatures stand in for CUDA tensors, the SM count for an H100/H200's 132."""
+    monkeypatch.setattr(contract, "check_device", lambda named_devices: None)
+    monkeypatch.setattr(schedule, "_sm_counts", {0: 132})
+    args = make_inputs(s_q, h_q, 300, 576, topk, with_topk_length=with_topk_length)
+    signatures = {
+        name: None if value is None else contract._signature(value)
+        for name, value in args.items()
+        if name not in ("sm_scale", "d_v")
+    }
+    cuda = torch.device("cuda", 0)
+    signatures = {
+        name: None if sig is None else (*sig[: contract.DEVICE], cuda, *sig[contract.DEVICE + 1 :])
+        for name, sig in signatures.items()
+    }
+    problem = contract._check_signatures(
+        signatures["q"],
+        signatures["kv"],
+        signatures["indices"],
+        args["sm_scale"],
+        signatures["q_scale"],
+        signatures["kv_scale"],
+        args["d_v"],
+        signatures["attn_sink"],
+        signatures["topk_length"],
+        None,
+        None,
+        None,
+        precision,
+    )
+    assert problem.tiles_per_cta == expected

@@ -12,7 +12,7 @@ import types
 import pytest
 import torch
 
-from q8kv8 import kernels
+from q8kv8 import kernels, schedule
 
 S_Q, H, S_KV, D_QK, D_V, TOPK = 3, 64, 40, 576, 512, 128
 FUNCTION_PARAMETERS = (
@@ -56,7 +56,7 @@ def calls(monkeypatch) -> list[dict]:
     variant = types.SimpleNamespace(function=function, name="recorder", d_qk=D_QK)
     monkeypatch.setattr(kernels, "_variants", EveryKey(variant))
     monkeypatch.setattr(kernels, "_persistent_variants", EveryKey(variant))
-    monkeypatch.setattr(kernels, "_sm_counts", EveryKey(132))
+    monkeypatch.setattr(schedule, "_sm_counts", EveryKey(132))
     monkeypatch.setattr(kernels, "_gpu_count", 1)
     return recorded
 
