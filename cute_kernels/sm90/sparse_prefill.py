@@ -47,8 +47,11 @@ Warp roles (384 threads, ``setmaxregister``; launched with ``min_blocks_per_mp=1
   block. No WGMMA is in flight across a loop's back edge, and branches that hold WGMMAs depend
   only on warp-uniform values (the consumer index comes from the warp index), so ptxas does
   not serialise them (C7520).
-- Epilogue: row sums (each consumer's, of its own blocks) are brought to the final max and
-  exchanged (named barrier 3); out = O / (sum + 2^7 exp(sink - m)) * kv_scale in bf16;
+- Epilogue: each consumer publishes its row sums (of its own blocks, relative to its last own
+  max), that max and its exact maxima right after its last own softmax (named barrier 3 + c,
+  arrive only); the other syncs on it in its epilogue and brings both sums to the final max, so
+  the first consumer to finish writes its half of out while the other runs its last PV (measured:
+  the out stores cost ~1.1 us per CTA). out = O / (sum + 2^7 exp(sink - m)) * kv_scale in bf16;
   max_logits = true max * ln2, lse = (m + log2(sum) - 7) * ln2. A row with no valid slot writes
   out = 0, max_logits = -inf, lse = +inf.
 
@@ -56,7 +59,8 @@ Barriers: mbarriers ``q_full``; ``kv_full[tile]`` (64 producer threads, cp.async
 and ``kv_empty[tile]`` (256 consumer threads) for the four block tiles (two pairs);
 ``p_full[b % 4]`` (the 128 threads of block b's owner). Block b uses KV tile b % 4, P buffer
 b % 4 and phase (b // 4) % 2 of all three; a buffer is rewritten four blocks later, which the
-softmax chain orders after every read of it.
+softmax chain orders after every read of it. Named barriers: 3 + c (consumer c's row statistics),
+5 + c (consumer c's output scales), 7 (persistent: tile handoff, below).
 
 Persistent variant (``persistent=True``; the wrapper picks it for short rows): CTA b walks
 ``tiles_per_cta`` tiles b, b + grid, ... (grid = ceil(tiles / tiles_per_cta)). The pair count and
