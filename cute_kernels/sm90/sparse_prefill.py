@@ -487,39 +487,18 @@ class SparsePrefillSm90:
         chunk16 = lane % 4  # 16-byte chunk of a 64-byte column tile this lane copies
         lane_row = lane // 4  # row (of 8) this lane copies per 8-row group
 
+        tile_inputs = (tma_atom_q, mQ_tma, sQ, mIdx, mbar_q, mbar_kv_full, mbar_kv_empty)
+        geometry = (s_kv, kv_row_stride, kv_base, sK_base, block_in_pair, row_base, chunk16, lane_row)
         if const_expr(self.persistent):
             pair_base = Int32(0)  # pairs this CTA gathered before the current tile
             for tile_iter in cutlass.range(tile_args[4][1], unroll=1):
                 work = self.tile_work(tile_args, tile_iter, 2 * pair_base)
                 if warp_idx == 0:
                     cute.arch.mbarrier_wait(mbar_q_empty, (tile_iter % 2) ^ 1)
-                self.produce_tile(
-                    tma_atom_q,
-                    mQ_tma,
-                    sQ,
-                    mIdx,
-                    mbar_q,
-                    mbar_kv_full,
-                    mbar_kv_empty,
-                    work,
-                    pair_base,
-                    (s_kv, kv_row_stride, kv_base, sK_base, block_in_pair, row_base, chunk16, lane_row),
-                )
+                self.produce_tile(*tile_inputs, work, pair_base, geometry)
                 pair_base += work.num_pairs
         else:
-            work = self.tile_work(tile_args, 0, 0)
-            self.produce_tile(
-                tma_atom_q,
-                mQ_tma,
-                sQ,
-                mIdx,
-                mbar_q,
-                mbar_kv_full,
-                mbar_kv_empty,
-                work,
-                0,
-                (s_kv, kv_row_stride, kv_base, sK_base, block_in_pair, row_base, chunk16, lane_row),
-            )
+            self.produce_tile(*tile_inputs, self.tile_work(tile_args, 0, 0), 0, geometry)
         ptx.cp_async_wait_all()
 
     @cute.jit
@@ -684,6 +663,8 @@ class SparsePrefillSm90:
             scale_log2=mQScale[0] * mKVScale[0] * sm_scale_log2,
         )
 
+        tile_barriers = (mbar_q, mbar_q_empty)
+        epilogue_args = (mSink, mKVScale, mOut, mMaxLogits, mLse, flags)
         if const_expr(self.persistent):
             pair_base = Int32(0)  # pairs of the CTA's earlier tiles (the producer counts the same)
             for tile_iter in cutlass.range(tile_args[4][1], unroll=1):
@@ -693,23 +674,11 @@ class SparsePrefillSm90:
                 row_max_own.fill(-Float32.inf)
                 row_max_true.fill(-Float32.inf)
                 row_sum.fill(0.0)
-                self.consume_tile(
-                    c._replace(work=work),
-                    tile_iter,
-                    mbar_q,
-                    mbar_q_empty,
-                    (mSink, mKVScale, mOut, mMaxLogits, mLse, flags),
-                )
+                self.consume_tile(c._replace(work=work), tile_iter, *tile_barriers, epilogue_args)
                 pair_base += work.num_pairs
         else:
             work = self.tile_work(tile_args, 0, 0)
-            self.consume_tile(
-                c._replace(work=work),
-                0,
-                mbar_q,
-                mbar_q_empty,
-                (mSink, mKVScale, mOut, mMaxLogits, mLse, flags),
-            )
+            self.consume_tile(c._replace(work=work), 0, *tile_barriers, epilogue_args)
 
     @cute.jit
     def consume_tile(self, c: Consumer, tile_iter, mbar_q, mbar_q_empty, epilogue_args):
