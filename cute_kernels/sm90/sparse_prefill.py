@@ -689,19 +689,26 @@ class SparsePrefillSm90:
         finished the previous tile (``BAR_TILE_HANDOFF``: the P buffers and the epilogue's shared
         statistics are reused); after an odd block count both release the pair's zero-filled
         extra block, and its owner completes its ``p_full`` phase, so every ring position g keeps
-        one phase per use."""
+        one phase per use. A tile with no block has no step loop: both consumers sync on the handoff
+        at its start, so neither publishes its statistics before the other has read the previous
+        tile's."""
         consumer = c.index
         num_blocks = c.work.num_blocks
         cute.arch.mbarrier_wait(mbar_q, tile_iter % 2)
         if const_expr(self.persistent):
-            if num_blocks <= consumer:  # no QK in this tile
+            no_step_loop = num_blocks == 0 or const_expr(self.experiment == "gather_only")
+            if num_blocks <= consumer or const_expr(self.experiment == "gather_only"):  # no QK here
                 cute.arch.mbarrier_arrive(mbar_q_empty)
             if tile_iter > 0:
-                if consumer == 1:
+                # Consumer 1 arrives, consumer 0 syncs before its first P (in the step loop). A tile
+                # without a step loop syncs both here: consumer 1 would otherwise publish this
+                # tile's row statistics (named barrier 4) at once, possibly before consumer 0 has
+                # read the previous tile's in its epilogue.
+                if (consumer == 1) & (not no_step_loop):
                     cute.arch.barrier_arrive(
                         barrier_id=BAR_TILE_HANDOFF, number_of_threads=2 * THREADS_PER_WG
                     )
-                elif num_blocks == 0 or const_expr(self.experiment == "gather_only"):
+                elif no_step_loop:
                     cute.arch.barrier(barrier_id=BAR_TILE_HANDOFF, number_of_threads=2 * THREADS_PER_WG)
         if const_expr(self.experiment == "gather_only"):
             for block in cutlass.range(num_blocks, unroll=1):
