@@ -377,10 +377,10 @@ class SparsePrefillSm90:
         cute.arch.sync_threads()
 
         num_tiles = cute.size(mOut, mode=[0]) * (cute.size(mOut, mode=[1]) // B_H)
-        tiles = (bid, 1, 1)  # this CTA's tiles: first, count, stride
+        tiles = (bid, 1)  # this CTA's tiles: the first, how many (stride: the grid size)
         if const_expr(self.persistent):
             grid = self.grid_size(num_tiles, tiles_per_cta)
-            tiles = (bid, (num_tiles - bid + grid - 1) // grid, grid)
+            tiles = (bid, (num_tiles - bid + grid - 1) // grid)
         tile_args = (mIdx, mTopkLen, mOut, flags, tiles)
 
         if warp_idx < 4:
@@ -439,8 +439,10 @@ class SparsePrefillSm90:
     def tile_work(self, tile_args, tile_iter, block_base) -> CtaWork:
         """Iteration ``tile_iter`` of the CTA's tile loop: its tile, token, head group and valid slot
         count (reads ``topk_length[token]``)."""
-        mIdx, mTopkLen, mOut, flags, (first, _, stride) = tile_args
-        tile = first + tile_iter * stride if const_expr(self.persistent) else first
+        mIdx, mTopkLen, mOut, flags, (first, _) = tile_args
+        tile = first
+        if const_expr(self.persistent):  # block and grid indices re-read: nothing kept live for them
+            tile = cute.arch.block_idx()[0] + tile_iter * cute.arch.grid_dim()[0]
         topk = cute.size(mIdx, mode=[1])
         num_head_groups = cute.size(mOut, mode=[1]) // B_H
         token = tile // num_head_groups
