@@ -37,7 +37,7 @@ from pathlib import Path
 
 import torch
 
-from q8kv8.schedule import PERSISTENT_PRECISIONS, tiles_per_cta  # noqa: F401 (re-exported)
+from q8kv8.schedule import PERSISTENT_PRECISIONS, tiles_per_cta
 
 TARGET_ARCH = "sm_90a"
 D_QK_VARIANTS = (512, 576)

@@ -147,6 +147,17 @@ class CtaWork(NamedTuple):
     # P buffer and phase of g = block_base + b (0 unless persistent)
 
 
+class CtaTiles(NamedTuple):
+    """The tiles one CTA walks, and what ``tile_work`` reads for each (trace-time bundle)."""
+
+    first: Int32  # the CTA's block index: its first tile (persistent: then every grid-th one)
+    count: Int32  # how many tiles (1 unless persistent)
+    mIdx: cute.Tensor
+    mTopkLen: cute.Tensor
+    mOut: cute.Tensor
+    flags: Int32
+
+
 class Consumer(NamedTuple):
     """One consumer warpgroup's view of the CTA (trace-time bundle): who it is, its MMAs and
     fragments, its running softmax state and the shared buffers it exchanges through."""
@@ -376,12 +387,12 @@ class SparsePrefillSm90:
             cute.arch.mbarrier_init_fence()
         cute.arch.sync_threads()
 
-        num_tiles = cute.size(mOut, mode=[0]) * (cute.size(mOut, mode=[1]) // B_H)
-        tiles = (bid, 1)  # this CTA's tiles: the first, how many (stride: the grid size)
+        tile_count = 1
         if const_expr(self.persistent):
+            num_tiles = cute.size(mOut, mode=[0]) * (cute.size(mOut, mode=[1]) // B_H)
             grid = self.grid_size(num_tiles, tiles_per_cta)
-            tiles = (bid, (num_tiles - bid + grid - 1) // grid)
-        tile_args = (mIdx, mTopkLen, mOut, flags, tiles)
+            tile_count = (num_tiles - bid + grid - 1) // grid
+        tiles = CtaTiles(bid, tile_count, mIdx, mTopkLen, mOut, flags)
 
         if warp_idx < 4:
             cute.arch.setmaxregister_decrease(PRODUCER_REGS)
@@ -396,7 +407,7 @@ class SparsePrefillSm90:
                 mbar_q_empty,
                 mbar_kv_full,
                 mbar_kv_empty,
-                tile_args,
+                tiles,
             )
         else:
             cute.arch.setmaxregister_increase(CONSUMER_REGS)
@@ -431,24 +442,23 @@ class SparsePrefillSm90:
                 mbar_p_full,
                 sm_scale_log2,
                 flags,
-                tile_args,
+                tiles,
             )
 
     # ------------------------------------------------------------------------------------
     @cute.jit
-    def tile_work(self, tile_args, tile_iter, block_base) -> CtaWork:
+    def tile_work(self, tiles: CtaTiles, tile_iter, block_base) -> CtaWork:
         """Iteration ``tile_iter`` of the CTA's tile loop: its tile, token, head group and valid slot
         count (reads ``topk_length[token]``)."""
-        mIdx, mTopkLen, mOut, flags, (first, _) = tile_args
-        tile = first
+        tile = tiles.first
         if const_expr(self.persistent):  # block and grid indices re-read: nothing kept live for them
             tile = cute.arch.block_idx()[0] + tile_iter * cute.arch.grid_dim()[0]
-        topk = cute.size(mIdx, mode=[1])
-        num_head_groups = cute.size(mOut, mode=[1]) // B_H
+        topk = cute.size(tiles.mIdx, mode=[1])
+        num_head_groups = cute.size(tiles.mOut, mode=[1]) // B_H
         token = tile // num_head_groups
         valid_len = topk
-        if (flags & 1) != 0:
-            valid_len = cutlass.min(cutlass.max(mTopkLen[token], 0), topk)
+        if (tiles.flags & 1) != 0:
+            valid_len = cutlass.min(cutlass.max(tiles.mTopkLen[token], 0), topk)
         valid_len = cute.arch.make_warp_uniform(valid_len)
         return CtaWork(
             tile=tile,
@@ -473,7 +483,7 @@ class SparsePrefillSm90:
         mbar_q_empty,
         mbar_kv_full,
         mbar_kv_empty,
-        tile_args,
+        tiles,
     ):
         """WG0, per tile: Q by TMA (one thread; persistent: once both consumers' QKs of the previous
         tile are done), then the pair-by-pair row gather. Pairs are counted across the CTA's tiles,
@@ -493,14 +503,14 @@ class SparsePrefillSm90:
         geometry = (s_kv, kv_row_stride, kv_base, sK_base, block_in_pair, row_base, chunk16, lane_row)
         if const_expr(self.persistent):
             pair_base = Int32(0)  # pairs this CTA gathered before the current tile
-            for tile_iter in cutlass.range(tile_args[4][1], unroll=1):
-                work = self.tile_work(tile_args, tile_iter, 2 * pair_base)
+            for tile_iter in cutlass.range(tiles.count, unroll=1):
+                work = self.tile_work(tiles, tile_iter, 2 * pair_base)
                 if warp_idx == 0:
                     cute.arch.mbarrier_wait(mbar_q_empty, (tile_iter % 2) ^ 1)
                 self.produce_tile(*tile_inputs, work, pair_base, geometry)
                 pair_base += work.num_pairs
         else:
-            self.produce_tile(*tile_inputs, self.tile_work(tile_args, 0, 0), 0, geometry)
+            self.produce_tile(*tile_inputs, self.tile_work(tiles, 0, 0), 0, geometry)
         ptx.cp_async_wait_all()
 
     @cute.jit
@@ -577,7 +587,7 @@ class SparsePrefillSm90:
         mbar_p_full,
         sm_scale_log2,
         flags,
-        tile_args,
+        tiles,
     ):
         """WG1/WG2: S and P of own blocks c, c + 2, ..., O^T for half c of d_v over every block."""
         e4m3 = sQ.element_type
@@ -616,17 +626,13 @@ class SparsePrefillSm90:
             cute.make_rmem_tensor(thr_mma_pv.partition_shape_C((64, B_H)), Float32)
             for _ in range(D_TILES_PER_CONSUMER)
         ]
-        zero = ptx.zero_f32()  # not hoisted into the prologue (see ptx.zero_f32)
-        for mt in cutlass.range_constexpr(D_TILES_PER_CONSUMER):
-            acc_o[mt].fill(zero)
-
         # Per-row softmax state for rows 16*cwarp + quad_row + 8r, r = 0, 1 (exp2 domain).
         row_max_own = cute.make_rmem_tensor((2,), Float32)
         row_max_true = cute.make_rmem_tensor((2,), Float32)
         row_sum = cute.make_rmem_tensor((2,), Float32)
-        row_max_own.fill(-Float32.inf)
-        row_max_true.fill(-Float32.inf)
-        row_sum.fill(0.0)
+        tile_state = (acc_o, row_max_own, row_max_true, row_sum)
+        if const_expr(not self.persistent):
+            self.reset_tile_state(*tile_state)
 
         s_max_used, s_alpha, s_moved, s_row_sum, s_out_scale, s_max_true, s_max_own = smem_stats
         c = Consumer(
@@ -669,18 +675,24 @@ class SparsePrefillSm90:
         epilogue_args = (mSink, mKVScale, mOut, mMaxLogits, mLse, flags)
         if const_expr(self.persistent):
             pair_base = Int32(0)  # pairs of the CTA's earlier tiles (the producer counts the same)
-            for tile_iter in cutlass.range(tile_args[4][1], unroll=1):
-                work = self.tile_work(tile_args, tile_iter, 2 * pair_base)
-                for mt in cutlass.range_constexpr(D_TILES_PER_CONSUMER):
-                    acc_o[mt].fill(ptx.zero_f32())
-                row_max_own.fill(-Float32.inf)
-                row_max_true.fill(-Float32.inf)
-                row_sum.fill(0.0)
+            for tile_iter in cutlass.range(tiles.count, unroll=1):
+                work = self.tile_work(tiles, tile_iter, 2 * pair_base)
+                self.reset_tile_state(*tile_state)
                 self.consume_tile(c._replace(work=work), tile_iter, *tile_barriers, epilogue_args)
                 pair_base += work.num_pairs
         else:
-            work = self.tile_work(tile_args, 0, 0)
+            work = self.tile_work(tiles, 0, 0)
             self.consume_tile(c._replace(work=work), 0, *tile_barriers, epilogue_args)
+
+    @cute.jit
+    def reset_tile_state(self, acc_o, row_max_own, row_max_true, row_sum):
+        """O^T = 0 and the per-row softmax state emptied, before a tile."""
+        zero = ptx.zero_f32()  # not hoisted into the prologue (see ptx.zero_f32)
+        for mt in cutlass.range_constexpr(D_TILES_PER_CONSUMER):
+            acc_o[mt].fill(zero)
+        row_max_own.fill(-Float32.inf)
+        row_max_true.fill(-Float32.inf)
+        row_sum.fill(0.0)
 
     @cute.jit
     def consume_tile(self, c: Consumer, tile_iter, mbar_q, mbar_q_empty, epilogue_args):
