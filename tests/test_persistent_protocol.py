@@ -205,14 +205,12 @@ def random_tiles(rng: random.Random) -> list[int]:
 
 
 def test_random_tiles_and_schedules_keep_the_protocol():
+    """3000 runs: 300 random tile sequences, 10 random schedules each (a violation raises)."""
     rng = random.Random(20261129)
-    runs = 0
     for _ in range(300):
         tiles = random_tiles(rng)
         for _ in range(10):
             Model(tiles).run(rng)
-            runs += 1
-    assert runs == 3000
 
 
 @pytest.mark.parametrize("tiles", [[0], [1], [2, 0, 0, 3], [5, 1, 0, 8], [9, 9, 9]])
