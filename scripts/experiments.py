@@ -32,6 +32,8 @@ VARIANTS = {
     "persist1": {"persistent": True, "tiles_per_cta": 1},
     "persist2": {"persistent": True, "tiles_per_cta": 2},
     "persist4": {"persistent": True, "tiles_per_cta": 4},
+    "acc_persist2": {"precision": "accurate", "persistent": True, "tiles_per_cta": 2},
+    "acc_persist4": {"precision": "accurate", "persistent": True, "tiles_per_cta": 4},
 }
 
 

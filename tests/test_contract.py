@@ -494,7 +494,8 @@ def test_topk_length_out_of_range_raises(values, low, high):
         (4096, 64, 512, False, "default", 4),
         (4096, 64, 2048, True, "default", 4),
         (4096, 64, 2048, False, "default", 0),
-        (4096, 64, 512, False, "accurate", 0),
+        (4096, 64, 512, False, "accurate", 4),
+        (4096, 64, 2048, False, "accurate", 0),
         (1100, 48, 512, False, "default", 2),  # 48 heads run as 64
         (1024, 64, 512, False, "default", 0),
     ],

@@ -21,7 +21,7 @@ def variants():
 
 
 VARIANT_KEYS = [(d_qk, precision) for d_qk in (512, 576) for precision in ("default", "accurate")]
-PERSISTENT_KEYS = [(d_qk, "default") for d_qk in (512, 576)]
+PERSISTENT_KEYS = VARIANT_KEYS
 
 
 def test_import_builds_every_variant(variants):
@@ -32,10 +32,11 @@ def test_import_builds_every_variant(variants):
     persistent = kernels.load_persistent_variants()
     assert sorted(persistent) == sorted(PERSISTENT_KEYS)
     for (d_qk, precision), variant in persistent.items():
+        suffix = "_accurate" if precision == "accurate" else ""
         assert (
             variant.name
             == kernels.variant_name(d_qk, precision, persistent=True)
-            == (f"sparse_prefill_sm90_d{d_qk}_persistent")
+            == f"sparse_prefill_sm90_d{d_qk}{suffix}_persistent"
         )
         assert variant.object_path.exists() and variant.ptx_path.exists()
     assert len(kernels.all_variants()) == len(VARIANT_KEYS) + len(PERSISTENT_KEYS)

@@ -181,14 +181,14 @@ def test_bf16_launcher_passes_placeholders_and_flags(monkeypatch):
         (4096, 512, False, "default", 4),  # short rows: persistent, 4 tiles per CTA
         (4096, 2048, True, "default", 4),  # topk_length given: persistent
         (4096, 2048, False, "default", 0),  # full 2048-slot rows: one tile per CTA
-        (4096, 512, False, "accurate", 0),  # the accurate mode has no persistent variant
+        (4096, 512, False, "accurate", 4),  # the accurate mode too
         (1024, 512, False, "default", 0),  # fewer than 2 x 4 waves of tiles: one tile per CTA
         (1100, 512, False, "default", 2),
     ],
 )
 def test_schedule_choice(calls, s_q, topk, with_topk_length, precision, expected):
     """tiles_per_cta: the persistent kernel (>= 2 tiles per CTA, four waves of CTAs or more) for
-    short rows of the default precision, else 0 (the one-tile kernel); what the launch passes."""
+    short rows, else 0 (the one-tile kernel); what the launch passes."""
     assert kernels.tiles_per_cta(s_q, topk, with_topk_length, precision, 0) == expected
     args = launch_args(
         q=torch.zeros(s_q, H, D_QK, dtype=torch.float8_e4m3fn),
