@@ -38,6 +38,10 @@ class Problem(NamedTuple):
     topk: int
     device: torch.device
     tiles_per_cta: int = 0  # the kernel schedule (``q8kv8.schedule``): 0 one tile per CTA, k >= 2 persistent
+    # The tensors as they are meet the launch's layout needs (q row-major and 16-byte aligned, kv's base and
+    # row stride multiples of 16 bytes, out 4-byte aligned, topk_length and attn_sink contiguous), so the
+    # launch may skip its own checks and copies (``kernels.launch_sparse_prefill(..., ready=True)``).
+    launch_ready: bool = False
 
 
 _MEMO_ENTRIES = 256  # first-level keys (q's data pointers) before the memo is emptied
@@ -245,7 +249,16 @@ def _check_signatures(
     if device.type == "cuda" and s_q > 0 and s_kv > 0:
         num_tiles = s_q * (padded_num_heads(h_q) // 64)
         tiles = schedule.tiles_per_cta(num_tiles, topk, topk_length is not None, precision, device.index)
-    return Problem(s_q, h_q, s_kv, d_qk, int(d_v), topk, device, tiles)
+    launch_ready = (
+        q[DATA_PTR] % 16 == 0
+        and _is_contiguous(q[SHAPE], q[STRIDES])
+        and kv[DATA_PTR] % 16 == 0
+        and kv[STRIDES][0] % 16 == 0
+        and (out is None or out[DATA_PTR] % 4 == 0)
+        and (topk_length is None or _is_contiguous(topk_length[SHAPE], topk_length[STRIDES]))
+        and (attn_sink is None or _is_contiguous(attn_sink[SHAPE], attn_sink[STRIDES]))
+    )
+    return Problem(s_q, h_q, s_kv, d_qk, int(d_v), topk, device, tiles, launch_ready)
 
 
 def check_device(named_devices: Mapping[str, torch.device]) -> None:

@@ -393,11 +393,14 @@ def launch_sparse_prefill(
     lse,
     precision,
     schedule: int | None = None,
+    ready: bool = False,
 ) -> None:
     """Launch the kernel on validated tensors: q, out, max_logits, lse row-major with a head count that
     is a multiple of 64; kv and indices with a contiguous last dimension; one-element scales.
     ``schedule``: ``tiles_per_cta``'s answer when the caller has it (the contract memoises it), else
-    computed here."""
+    computed here. ``ready``: the caller knows that q is 16-byte aligned and kv's base and row stride are
+    multiples of 16 bytes and out is 4-byte aligned (``contract.Problem.launch_ready``), so they are not
+    checked again (else misaligned tensors are copied to aligned ones)."""
     device_index = q.get_device()
     tiles = tiles_per_cta_override
     if tiles is None:
@@ -415,11 +418,14 @@ def launch_sparse_prefill(
         variant = _persistent_variants.get(key) or load_persistent_variants()[key]
     else:
         variant = _variants.get(key) or load_variants()[key]
-    if q.data_ptr() % 16:  # the Q tile is loaded by TMA
-        q = q.clone()
-    if kv.data_ptr() % 16 or kv.stride()[0] % 16:  # rows are gathered with 16-byte copies
-        kv = kv.clone(memory_format=torch.contiguous_format)
-    kernel_out = out if out.data_ptr() % 4 == 0 else torch.empty_like(out)
+    kernel_out = out
+    if not ready:
+        if q.data_ptr() % 16:  # the Q tile is loaded by TMA
+            q = q.clone()
+        if kv.data_ptr() % 16 or kv.stride()[0] % 16:  # rows are gathered with 16-byte copies
+            kv = kv.clone(memory_format=torch.contiguous_format)
+        if out.data_ptr() % 4:
+            kernel_out = torch.empty_like(out)
     no_topk_length, no_sink = _dummies(q, device_index)
     _call_on_device_of(
         q,

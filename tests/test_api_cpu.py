@@ -29,6 +29,7 @@ LAUNCH_PARAMETERS = (
     "lse",
     "precision",
     "schedule",
+    "ready",
 )
 
 
@@ -48,6 +49,9 @@ def reference_launch(*args):
             assert launch[name].is_contiguous(), name
     for name in ("kv", "indices"):  # row strides are the kernel's business; rows must be contiguous
         assert launch[name].stride(-1) == 1, name
+    if launch["ready"]:  # the launch will not check alignment: the contract promised it
+        assert q.data_ptr() % 16 == 0 and out.data_ptr() % 4 == 0
+        assert launch["kv"].data_ptr() % 16 == 0 and launch["kv"].stride(0) % 16 == 0
     reference = sparse_mla_prefill_reference(
         q,
         launch["kv"],
@@ -116,6 +120,7 @@ def test_head_padding_is_invisible(make_inputs, launches, h_q):
     assert torch.equal(launch["q"][:, h_q:].float(), torch.zeros(S_Q, h_kernel - h_q, D_QK))
     assert torch.equal(launch["attn_sink"][:h_q], args["attn_sink"])
     assert torch.equal(launch["attn_sink"][h_q:], torch.full((h_kernel - h_q,), -math.inf))
+    assert launch["ready"] == (h_q == h_kernel)  # padded tensors are the api's own: checked by the launch
 
 
 @pytest.mark.parametrize("h_q", [48, 64])
@@ -133,6 +138,7 @@ def test_given_buffers_are_written_and_returned(make_inputs, launches, h_q):
     writes_in_place = h_q % 64 == 0
     assert (launch["out"] is out) == writes_in_place
     assert (launch["lse"] is lse) == writes_in_place
+    assert launch["ready"] == writes_in_place
 
 
 def test_strided_inputs_reach_the_kernel_in_a_layout_it_takes(make_inputs, launches, randn_fp8):
@@ -149,7 +155,8 @@ def test_strided_inputs_reach_the_kernel_in_a_layout_it_takes(make_inputs, launc
     assert_matches_reference(
         results, args
     )  # the reference on the contiguous originals; the fake checked layouts
-    assert len(launches) == 1
+    [launch] = launches
+    assert launch["ready"] is False  # q was made contiguous here; kv's row stride is the launch's to check
 
 
 def test_scalars_precision_and_missing_options_reach_the_kernel(make_inputs, launches):

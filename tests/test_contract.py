@@ -387,7 +387,14 @@ def test_check_inputs_hands_every_tensor_to_the_device_check(valid_args, monkeyp
     monkeypatch.setattr(contract, "check_device", seen.update)
     problem = check_inputs(**valid_args)
     assert problem == Problem(
-        s_q=S_Q, h_q=H_Q, s_kv=S_KV, d_qk=D_QK, d_v=D_V, topk=TOPK, device=torch.device("cpu")
+        s_q=S_Q,
+        h_q=H_Q,
+        s_kv=S_KV,
+        d_qk=D_QK,
+        d_v=D_V,
+        topk=TOPK,
+        device=torch.device("cpu"),
+        launch_ready=True,
     )
     assert list(seen) == [
         "q",
@@ -534,3 +541,48 @@ def test_problem_carries_the_schedule_for_cuda_devices(
         precision,
     )
     assert problem.tiles_per_cta == expected
+
+
+def offset_by(tensor: torch.Tensor, offset_bytes: int) -> torch.Tensor:
+    """A contiguous copy of ``tensor`` whose data starts ``offset_bytes`` into a fresh allocation."""
+    raw = torch.zeros(tensor.numel() * tensor.element_size() + offset_bytes, dtype=torch.uint8)
+    moved = raw[offset_bytes:].view(tensor.dtype).view(tensor.shape)
+    moved.view(torch.uint8).copy_(tensor.view(torch.uint8))
+    return moved
+
+
+@pytest.mark.parametrize(
+    "change",
+    [
+        None,
+        "q misaligned",
+        "q strided",
+        "kv misaligned",
+        "kv row stride",
+        "out misaligned",
+        "topk_length strided",
+        "attn_sink strided",
+    ],
+)
+def test_problem_says_whether_the_launch_may_skip_its_layout_checks(
+    valid_args, monkeypatch, randn_fp8, change
+):
+    """``Problem.launch_ready``: True only when q is row-major and 16-byte aligned, kv's base and row
+    stride are multiples of 16 bytes, out is 4-byte aligned and topk_length / attn_sink are contiguous."""
+    monkeypatch.setattr(contract, "check_device", lambda named_devices: None)
+    args = dict(valid_args)
+    if change == "q misaligned":
+        args["q"] = offset_by(args["q"], 1)
+    elif change == "q strided":
+        args["q"] = args["q"].transpose(0, 1).contiguous().transpose(0, 1)
+    elif change == "kv misaligned":
+        args["kv"] = offset_by(args["kv"], 8)
+    elif change == "kv row stride":
+        args["kv"] = torch.cat([args["kv"], randn_fp8(S_KV, 1, 8)], dim=2)[:, :, :D_QK]  # 584 bytes
+    elif change == "out misaligned":
+        args["out"] = offset_by(args["out"], 2)
+    elif change == "topk_length strided":
+        args["topk_length"] = every_other_in_last_dim(args["topk_length"][None])[0]
+    elif change == "attn_sink strided":
+        args["attn_sink"] = every_other_in_last_dim(args["attn_sink"][None])[0]
+    assert check_inputs(**args).launch_ready == (change is None)

@@ -24,7 +24,18 @@ by ``test_out_op_writes_only_its_buffers``)."""
 
 
 def reference_launch(
-    q, kv, indices, topk_length, attn_sink, q_scale, kv_scale, sm_scale, out, max_logits, lse, _, __
+    q,
+    kv,
+    indices,
+    topk_length,
+    attn_sink,
+    q_scale,
+    kv_scale,
+    sm_scale,
+    out,
+    max_logits,
+    lse,
+    *_precision_schedule,
 ):
     results = sparse_mla_prefill_reference(
         q, kv, indices, sm_scale, q_scale, kv_scale, D_V, attn_sink, topk_length
