@@ -162,6 +162,20 @@ def exp2_f16x2(x0, x1, *, loc=None, ip=None) -> Uint32:
 
 
 @dsl_user_op
+def pack_f16x2(x0, x1, *, loc=None, ip=None) -> Uint32:
+    """Two f32 rounded to f16 (RN) and packed, x0 in the low half."""
+    return Uint32(
+        _asm(
+            T.i32(),
+            [Float32(x0).ir_value(loc=loc, ip=ip), Float32(x1).ir_value(loc=loc, ip=ip)],
+            "cvt.rn.f16x2.f32 $0, $2, $1;",
+            "=r,f,f",
+            False,
+        )
+    )
+
+
+@dsl_user_op
 def pack_e4m3x4_from_f16x2(h01, h23, *, loc=None, ip=None) -> Uint32:
     """Round two f16x2 to e4m3 (RN, saturating to +-448) and pack them: the low half of ``h01``
     in the lowest byte."""

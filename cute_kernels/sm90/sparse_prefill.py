@@ -28,8 +28,8 @@ Warp roles (384 threads, ``setmaxregister``; launched with ``min_blocks_per_mp=1
      product, with m_b, alpha_b and a "moved" flag, and published by the mbarrier
      ``p_full[b % 4]``. 2^7 is exact and keeps small probabilities normal in e4m3; the
      stored P stay below 2^(7 + 1.75) < 448, the e4m3 maximum.
-     ``precision="accurate"``: the exponentials are taken in f16x2 and P is stored as two e4m3
-     terms, hi = e4m3(p) and lo = e4m3(p - hi) (the difference is exact in f16); step 3 runs
+     ``precision="accurate"``: the exponentials (f32) are rounded to f16 and P is stored as two
+     e4m3 terms, hi = e4m3(p) and lo = e4m3(p - hi) (the difference is exact in f16); step 3 runs
      once per term with the same V^T fragments, so O accumulates P with about 8 significant
      bits instead of 4 (out error 2e-3..3e-3 instead of 3e-2).
   3. O^T += V^T . P^T over blocks b - 1 and b (4 k-steps of 32 slots), computed transposed,
@@ -211,9 +211,10 @@ class SparsePrefillSm90:
     ):
         """``precision``: "default" rounds P to one e4m3 term; "accurate" splits it into two
         (hi = e4m3(p), lo = e4m3(p - hi)) and runs the PV product once per term.
-        ``exp2_f16x2``: exponentials as f16x2 ``ex2.approx`` instead of f32 (default: only for
-        "accurate", whose split needs f16 values; SM90 runs an f16x2 ex2 as two MUFU ops, so it
-        does not halve the MUFU work, and measured 0.3-1% slower in the default mode).
+        ``exp2_f16x2``: exponentials as f16x2 ``ex2.approx`` instead of f32 (an experiment: SM90 runs
+        an f16x2 ex2 as two MUFU ops, so it does not halve the MUFU work; measured 0.3-1% slower in
+        the default mode, and in "accurate" 0-0.8% slower and less accurate than f32 exponentials
+        rounded to f16 for the split, 2.74e-3 vs 2.62e-3).
         ``experiment`` (timing studies only, wrong results): "gather_only" skips all math,
         "math_only" skips the gather. ``exp2_poly_groups`` (0-4, f32 exponentials only): how many
         of each row's four groups of 4 exponentials run as a cubic on the FMA pipe
@@ -227,11 +228,9 @@ class SparsePrefillSm90:
         if precision not in ("default", "accurate"):
             raise ValueError(f"precision must be 'default' or 'accurate', got {precision!r}")
         if exp2_f16x2 is None:
-            exp2_f16x2 = precision == "accurate"
+            exp2_f16x2 = False
         if not 0 <= exp2_poly_groups <= 4 or (exp2_poly_groups and exp2_f16x2):
             raise ValueError("exp2_poly_groups must be 0-4, and 0 with f16x2 exponentials")
-        if precision == "accurate" and not exp2_f16x2:
-            raise ValueError("precision='accurate' needs exp2_f16x2")
         if experiment not in (None, "gather_only", "math_only"):
             raise ValueError(f"unknown experiment {experiment!r}")
         self.d_qk = d_qk
@@ -883,6 +882,8 @@ class SparsePrefillSm90:
         4-byte words per 32-slot group."""
         if const_expr(self.exp2_f16x2):
             return self.exp2_and_store_p_f16x2(c, r, row, logit_scale, bias, tile_addr)
+        if const_expr(self.p_terms == 2):
+            return self.exp2_f32_and_store_p_split(c, r, row, logit_scale, bias, tile_addr)
         block_sum = Float32(0.0)
         for kstep in cutlass.range_constexpr(2):
             for half in cutlass.range_constexpr(2):
@@ -922,6 +923,23 @@ class SparsePrefillSm90:
                     hi, lo = ptx.split_e4m3x4_from_f16x2(p[j0], p[j0 + 1])
                     ptx.st_shared_u32(addr, hi)
                     ptx.st_shared_u32(addr + B_H * B_TOPK, lo)  # the lo term's buffer follows
+        return block_sum
+
+    @cute.jit
+    def exp2_f32_and_store_p_split(self, c: Consumer, r, row, logit_scale, bias, tile_addr):
+        """Row ``r`` of this thread's S: p = 2^(S * scale - bias) in f32 (summed in f32), rounded to
+        f16x2 pairs and stored as the two e4m3 terms hi and lo of "accurate"; returns the sum."""
+        block_sum = Float32(0.0)
+        for kstep in cutlass.range_constexpr(2):
+            for half in cutlass.range_constexpr(2):
+                j0 = 4 * kstep + 2 * half
+                columns = (2 * r + 4 * j0, 1 + 2 * r + 4 * j0, 2 * r + 4 * j0 + 4, 1 + 2 * r + 4 * j0 + 4)
+                p = [cute.math.exp2(c.acc_s[i] * logit_scale - bias, fastmath=True) for i in columns]
+                block_sum += (p[0] + p[1]) + (p[2] + p[3])
+                hi, lo = ptx.split_e4m3x4_from_f16x2(ptx.pack_f16x2(p[0], p[1]), ptx.pack_f16x2(p[2], p[3]))
+                addr = tile_addr + _swizzle64(row, 2 * kstep + half) + 4 * c.quad_lane
+                ptx.st_shared_u32(addr, hi)
+                ptx.st_shared_u32(addr + B_H * B_TOPK, lo)  # the lo term's buffer follows
         return block_sum
 
     @cute.jit
