@@ -25,7 +25,6 @@ VARIANTS = {
     "default": {},
     "f16exp": {"exp2_f16x2": True},
     "accurate": {"precision": "accurate"},
-    "acc_f32exp": {"precision": "accurate", "exp2_f16x2": False},  # f32 exponentials, then the split
     "poly1": {"exp2_poly_groups": 1},  # a quarter of the exponentials on the FMA pipe
     "poly2": {"exp2_poly_groups": 2},
     "gather_only": {"experiment": "gather_only"},

@@ -90,7 +90,7 @@ from cutlass import Float8E4M3FN, Float32, Int32, Int64, Uint32, const_expr
 from cutlass.cute.nvgpu import OperandMajorMode, cpasync, warpgroup
 
 from cute_kernels import ptx
-from cute_kernels.sm90.row_views import make_row_views
+from cute_kernels.sm90.row_views import load_q_tile, make_row_views
 
 B_H = 64  # heads per CTA: one WGMMA M tile
 B_TOPK = 64  # gathered KV rows per block: the N tile of S and two k-steps of the PV product
@@ -204,17 +204,17 @@ class SparsePrefillSm90:
         self,
         d_qk: int,
         precision: str = "default",
-        exp2_f16x2: bool | None = None,
+        exp2_f16x2: bool = False,
         experiment: str | None = None,
         exp2_poly_groups: int = 0,
         persistent: bool = False,
     ):
         """``precision``: "default" rounds P to one e4m3 term; "accurate" splits it into two
         (hi = e4m3(p), lo = e4m3(p - hi)) and runs the PV product once per term.
-        ``exp2_f16x2``: exponentials as f16x2 ``ex2.approx`` instead of f32 (an experiment: SM90 runs
-        an f16x2 ex2 as two MUFU ops, so it does not halve the MUFU work; measured 0.3-1% slower in
-        the default mode, and in "accurate" 0-0.8% slower and less accurate than f32 exponentials
-        rounded to f16 for the split, 2.74e-3 vs 2.62e-3).
+        ``exp2_f16x2``: exponentials as f16x2 ``ex2.approx`` instead of f32, default precision only (an
+        experiment: SM90 runs an f16x2 ex2 as two MUFU ops, so it does not halve the MUFU work;
+        measured 0.3-1% slower; "accurate" used it until session 5, 0-0.8% slower and less accurate
+        than f32 exponentials rounded to f16 for the split, 2.74e-3 vs 2.62e-3).
         ``experiment`` (timing studies only, wrong results): "gather_only" skips all math,
         "math_only" skips the gather. ``exp2_poly_groups`` (0-4, f32 exponentials only): how many
         of each row's four groups of 4 exponentials run as a cubic on the FMA pipe
@@ -227,10 +227,10 @@ class SparsePrefillSm90:
             raise ValueError(f"d_qk must be 512 or 576, got {d_qk}")
         if precision not in ("default", "accurate"):
             raise ValueError(f"precision must be 'default' or 'accurate', got {precision!r}")
-        if exp2_f16x2 is None:
-            exp2_f16x2 = False
         if not 0 <= exp2_poly_groups <= 4 or (exp2_poly_groups and exp2_f16x2):
             raise ValueError("exp2_poly_groups must be 0-4, and 0 with f16x2 exponentials")
+        if exp2_f16x2 and precision == "accurate":
+            raise ValueError("exp2_f16x2 is an experiment of the default precision")
         if experiment not in (None, "gather_only", "math_only"):
             raise ValueError(f"unknown experiment {experiment!r}")
         self.d_qk = d_qk
@@ -521,13 +521,7 @@ class SparsePrefillSm90:
         warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
         lane = cute.arch.lane_idx()
         if warp_idx == 0:
-            gQ = cute.local_tile(mQ_tma, (B_H, self.d_qk), (work.tile, 0))
-            tQsQ, tQgQ = cpasync.tma_partition(
-                tma_atom_q, 0, cute.make_layout(1), cute.group_modes(sQ, 0, 2), cute.group_modes(gQ, 0, 2)
-            )
-            with cute.arch.elect_one():
-                cute.arch.mbarrier_arrive_and_expect_tx(mbar_q, self.q_tile_bytes)
-            cute.copy(tma_atom_q, tQgQ, tQsQ, tma_bar_ptr=mbar_q)
+            load_q_tile(tma_atom_q, mQ_tma, sQ, mbar_q, work.tile, B_H, self.d_qk, self.q_tile_bytes)
 
         for pair in cutlass.range(work.num_pairs, unroll=1):
             ring_pair = pair_base + pair
@@ -873,8 +867,9 @@ class SparsePrefillSm90:
 
     @cute.jit
     def exp_and_store_p(self, c: Consumer, r, row, logit_scale, bias, tile_addr):
-        """Row ``r`` of this thread's S (left unchanged): p = 2^(S * scale - bias), stored as e4m3
-        P; returns the sum of the 16 p.
+        """Row ``r`` of this thread's S (left unchanged): p = 2^(S * scale - bias) in f32, stored as
+        e4m3 P (one term; "accurate": rounded to f16, then the terms hi = e4m3(p) and lo = e4m3(p - hi),
+        the lo tile after the hi one); returns the sum of the 16 p (in f32).
 
         Slot order inside a 32-slot k-step (sigma): k = 4t + b holds slot
         [2t, 2t+1, 8+2t, 9+2t][b] and k + 16 holds slot + 16 -- the order that ldmatrix.trans +
@@ -882,8 +877,6 @@ class SparsePrefillSm90:
         4-byte words per 32-slot group."""
         if const_expr(self.exp2_f16x2):
             return self.exp2_and_store_p_f16x2(c, r, row, logit_scale, bias, tile_addr)
-        if const_expr(self.p_terms == 2):
-            return self.exp2_f32_and_store_p_split(c, r, row, logit_scale, bias, tile_addr)
         block_sum = Float32(0.0)
         for kstep in cutlass.range_constexpr(2):
             for half in cutlass.range_constexpr(2):
@@ -894,15 +887,23 @@ class SparsePrefillSm90:
                 else:
                     p = [cute.math.exp2(c.acc_s[i] * logit_scale - bias, fastmath=True) for i in columns]
                 block_sum += (p[0] + p[1]) + (p[2] + p[3])
-                word = ptx.pack_e4m3x4(p[0], p[1], p[2], p[3])
-                ptx.st_shared_u32(tile_addr + _swizzle64(row, 2 * kstep + half) + 4 * c.quad_lane, word)
+                if const_expr(self.p_terms == 1):
+                    words = (ptx.pack_e4m3x4(p[0], p[1], p[2], p[3]),)
+                else:
+                    words = ptx.split_e4m3x4_from_f16x2(
+                        ptx.pack_f16x2(p[0], p[1]), ptx.pack_f16x2(p[2], p[3])
+                    )
+                addr = tile_addr + _swizzle64(row, 2 * kstep + half) + 4 * c.quad_lane
+                ptx.st_shared_u32(addr, words[0])
+                if const_expr(self.p_terms == 2):
+                    ptx.st_shared_u32(addr + B_H * B_TOPK, words[1])  # the lo term's tile follows
         return block_sum
 
     @cute.jit
     def exp2_and_store_p_f16x2(self, c: Consumer, r, row, logit_scale, bias, tile_addr):
-        """Row ``r`` of this thread's S: p = 2^(S * scale - bias) as f16x2 pairs (columns 8j + 2t,
-        8j + 2t + 1), stored as e4m3 P (one term, or hi and lo terms for "accurate"); returns
-        the sum of the 16 p (f16 tree sum, in f32)."""
+        """The ``exp2_f16x2`` experiment of ``exp_and_store_p`` (default precision): p as f16x2 pairs
+        (columns 8j + 2t, 8j + 2t + 1), stored as e4m3 P; returns the sum of the 16 p (f16 tree sum,
+        in f32)."""
         p = [
             ptx.exp2_f16x2(
                 c.acc_s[2 * r + 4 * j] * logit_scale - bias, c.acc_s[1 + 2 * r + 4 * j] * logit_scale - bias
@@ -917,29 +918,7 @@ class SparsePrefillSm90:
             for half in cutlass.range_constexpr(2):
                 j0 = 4 * kstep + 2 * half
                 addr = tile_addr + _swizzle64(row, 2 * kstep + half) + 4 * c.quad_lane
-                if const_expr(self.p_terms == 1):
-                    ptx.st_shared_u32(addr, ptx.pack_e4m3x4_from_f16x2(p[j0], p[j0 + 1]))
-                else:
-                    hi, lo = ptx.split_e4m3x4_from_f16x2(p[j0], p[j0 + 1])
-                    ptx.st_shared_u32(addr, hi)
-                    ptx.st_shared_u32(addr + B_H * B_TOPK, lo)  # the lo term's buffer follows
-        return block_sum
-
-    @cute.jit
-    def exp2_f32_and_store_p_split(self, c: Consumer, r, row, logit_scale, bias, tile_addr):
-        """Row ``r`` of this thread's S: p = 2^(S * scale - bias) in f32 (summed in f32), rounded to
-        f16x2 pairs and stored as the two e4m3 terms hi and lo of "accurate"; returns the sum."""
-        block_sum = Float32(0.0)
-        for kstep in cutlass.range_constexpr(2):
-            for half in cutlass.range_constexpr(2):
-                j0 = 4 * kstep + 2 * half
-                columns = (2 * r + 4 * j0, 1 + 2 * r + 4 * j0, 2 * r + 4 * j0 + 4, 1 + 2 * r + 4 * j0 + 4)
-                p = [cute.math.exp2(c.acc_s[i] * logit_scale - bias, fastmath=True) for i in columns]
-                block_sum += (p[0] + p[1]) + (p[2] + p[3])
-                hi, lo = ptx.split_e4m3x4_from_f16x2(ptx.pack_f16x2(p[0], p[1]), ptx.pack_f16x2(p[2], p[3]))
-                addr = tile_addr + _swizzle64(row, 2 * kstep + half) + 4 * c.quad_lane
-                ptx.st_shared_u32(addr, hi)
-                ptx.st_shared_u32(addr + B_H * B_TOPK, lo)  # the lo term's buffer follows
+                ptx.st_shared_u32(addr, ptx.pack_e4m3x4_from_f16x2(p[j0], p[j0 + 1]))
         return block_sum
 
     @cute.jit
