@@ -68,7 +68,7 @@ from cutlass import Float32, Int32, Int64, Uint32, const_expr
 from cutlass.cute.nvgpu import OperandMajorMode, cpasync, warpgroup
 
 from cute_kernels import ptx
-from cute_kernels.sm90.row_views import make_row_views
+from cute_kernels.sm90.row_views import load_q_tile, make_row_views
 
 B_H = 64  # heads per CTA: one WGMMA M tile
 B_TOPK = 32  # gathered KV rows per block: the N tile of S, two k-steps of the PV product
@@ -348,13 +348,7 @@ class SparsePrefillBf16Sm90:
         warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
         lane = cute.arch.lane_idx()
         if warp_idx == 0:
-            gQ = cute.local_tile(mQ_tma, (B_H, self.d_qk), (work.bid, 0))
-            tQsQ, tQgQ = cpasync.tma_partition(
-                tma_atom_q, 0, cute.make_layout(1), cute.group_modes(sQ, 0, 2), cute.group_modes(gQ, 0, 2)
-            )
-            with cute.arch.elect_one():
-                cute.arch.mbarrier_arrive_and_expect_tx(mbar_q, self.q_tile_bytes)
-            cute.copy(tma_atom_q, tQgQ, tQsQ, tma_bar_ptr=mbar_q)
+            load_q_tile(tma_atom_q, mQ_tma, sQ, mbar_q, work.bid, B_H, self.d_qk, self.q_tile_bytes)
 
         s_kv = cute.size(mKV, mode=[0])
         kv_row_stride = Int64(mKV.stride[0]) * ELEM_BYTES
