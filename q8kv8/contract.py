@@ -18,7 +18,13 @@ from typing import NamedTuple
 import torch
 
 from q8kv8 import schedule
-from q8kv8.metadata import TOPK_ALIGNMENT, padded_num_heads
+from q8kv8.metadata import (
+    KV_ROW_ALIGNMENT_BYTES,
+    OUT_ALIGNMENT_BYTES,
+    Q_ALIGNMENT_BYTES,
+    TOPK_ALIGNMENT,
+    padded_num_heads,
+)
 
 SUPPORTED_D_QK = (512, 576)
 SUPPORTED_D_V = 512
@@ -250,11 +256,11 @@ def _check_signatures(
         num_tiles = s_q * (padded_num_heads(h_q) // 64)
         tiles = schedule.tiles_per_cta(num_tiles, topk, topk_length is not None, precision, device.index)
     launch_ready = (
-        q[DATA_PTR] % 16 == 0
+        q[DATA_PTR] % Q_ALIGNMENT_BYTES == 0
         and _is_contiguous(q[SHAPE], q[STRIDES])
-        and kv[DATA_PTR] % 16 == 0
-        and kv[STRIDES][0] % 16 == 0
-        and (out is None or out[DATA_PTR] % 4 == 0)
+        and kv[DATA_PTR] % KV_ROW_ALIGNMENT_BYTES == 0
+        and kv[STRIDES][0] % KV_ROW_ALIGNMENT_BYTES == 0  # e4m3: elements are bytes
+        and (out is None or out[DATA_PTR] % OUT_ALIGNMENT_BYTES == 0)
         and (topk_length is None or _is_contiguous(topk_length[SHAPE], topk_length[STRIDES]))
         and (attn_sink is None or _is_contiguous(attn_sink[SHAPE], attn_sink[STRIDES]))
     )

@@ -37,6 +37,7 @@ from pathlib import Path
 
 import torch
 
+from q8kv8.metadata import KV_ROW_ALIGNMENT_BYTES, OUT_ALIGNMENT_BYTES, Q_ALIGNMENT_BYTES
 from q8kv8.schedule import PERSISTENT_PRECISIONS, tiles_per_cta
 
 TARGET_ARCH = "sm_90a"
@@ -398,9 +399,9 @@ def launch_sparse_prefill(
     """Launch the kernel on validated tensors: q, out, max_logits, lse row-major with a head count that
     is a multiple of 64; kv and indices with a contiguous last dimension; one-element scales.
     ``schedule``: ``tiles_per_cta``'s answer when the caller has it (the contract memoises it), else
-    computed here. ``ready``: the caller knows that q is 16-byte aligned and kv's base and row stride are
-    multiples of 16 bytes and out is 4-byte aligned (``contract.Problem.launch_ready``), so they are not
-    checked again (else misaligned tensors are copied to aligned ones)."""
+    computed here. ``ready``: the caller knows that q, kv and out meet the alignments of
+    ``q8kv8.metadata`` (``contract.Problem.launch_ready``), so they are not checked again (else misaligned
+    tensors are copied to aligned ones)."""
     device_index = q.get_device()
     tiles = tiles_per_cta_override
     if tiles is None:
@@ -420,11 +421,13 @@ def launch_sparse_prefill(
         variant = _variants.get(key) or load_variants()[key]
     kernel_out = out
     if not ready:
-        if q.data_ptr() % 16:  # the Q tile is loaded by TMA
+        if q.data_ptr() % Q_ALIGNMENT_BYTES:  # the Q tile is loaded by TMA
             q = q.clone()
-        if kv.data_ptr() % 16 or kv.stride()[0] % 16:  # rows are gathered with 16-byte copies
+        if (
+            kv.data_ptr() % KV_ROW_ALIGNMENT_BYTES or kv.stride()[0] % KV_ROW_ALIGNMENT_BYTES
+        ):  # 16-byte copies
             kv = kv.clone(memory_format=torch.contiguous_format)
-        if out.data_ptr() % 4:
+        if out.data_ptr() % OUT_ALIGNMENT_BYTES:
             kernel_out = torch.empty_like(out)
     no_topk_length, no_sink = _dummies(q, device_index)
     _call_on_device_of(

@@ -8,6 +8,17 @@ HEAD_ALIGNMENT = 64
 TOPK_ALIGNMENT = 128
 """The kernel walks the top-k slots in blocks of this many; ``indices.shape[-1]`` must be a multiple of it."""
 
+Q_ALIGNMENT_BYTES = 16
+"""The FP8 kernel loads the Q tile by TMA: q's base must be a multiple of this many bytes (else copied)."""
+
+KV_ROW_ALIGNMENT_BYTES = 16
+"""The FP8 kernel gathers kv rows with 16-byte copies: kv's base and row stride must be multiples of this many
+bytes (else it is copied)."""
+
+OUT_ALIGNMENT_BYTES = 4
+"""The FP8 kernel writes ``out`` as bf16 pairs: its base must be a multiple of this many bytes (else the
+kernel writes a fresh buffer that is copied back)."""
+
 PAD_INDEX = -1
 """The index value ``pad_topk`` appends; any index outside ``[0, s_kv)`` is ignored, -1 is the usual one."""
 
