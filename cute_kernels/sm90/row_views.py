@@ -3,11 +3,13 @@
 The kernels address query rows as (token, head) pairs: ``q`` [s_q, h, d_qk] becomes [s_q * h, d_qk]
 (row-major, the TMA source of the Q tiles), ``max_logits`` and ``lse`` [s_q, h] become [s_q * h];
 ``kv`` [s_kv, 1, d_qk] and ``indices`` [s_q, 1, topk] drop their middle mode and keep their (dynamic)
-row strides. ``load_q_tile`` loads one CTA's Q tile from the q view by TMA.
+row strides. ``load_q_tile`` loads one CTA's Q tile from the q view by TMA; ``valid_slot_count`` is how
+many leading slots of a token's row the kernels consider.
 """
 
 from typing import NamedTuple
 
+import cutlass
 import cutlass.cute as cute
 from cutlass.cute.nvgpu import cpasync
 
@@ -52,3 +54,13 @@ def load_q_tile(tma_atom_q, mQ_tma, sQ, mbar_q, tile, tile_rows: int, d_qk: int,
     with cute.arch.elect_one():
         cute.arch.mbarrier_arrive_and_expect_tx(mbar_q, tile_bytes)
     cute.copy(tma_atom_q, tQgQ, tQsQ, tma_bar_ptr=mbar_q)
+
+
+@cute.jit
+def valid_slot_count(mTopkLen, token, topk, flags):
+    """The leading slots of ``token``'s row to consider (warp-uniform): ``topk_length[token]`` clamped
+    to [0, topk] when bit 0 of ``flags`` says topk_length is given, else ``topk``."""
+    valid_len = topk
+    if (flags & 1) != 0:
+        valid_len = cutlass.min(cutlass.max(mTopkLen[token], 0), topk)
+    return cute.arch.make_warp_uniform(valid_len)

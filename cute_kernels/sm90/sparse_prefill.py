@@ -90,7 +90,7 @@ from cutlass import Float8E4M3FN, Float32, Int32, Int64, Uint32, const_expr
 from cutlass.cute.nvgpu import OperandMajorMode, cpasync, warpgroup
 
 from cute_kernels import ptx
-from cute_kernels.sm90.row_views import load_q_tile, make_row_views
+from cute_kernels.sm90.row_views import load_q_tile, make_row_views, valid_slot_count
 
 B_H = 64  # heads per CTA: one WGMMA M tile
 B_TOPK = 64  # gathered KV rows per block: the N tile of S and two k-steps of the PV product
@@ -455,10 +455,7 @@ class SparsePrefillSm90:
         topk = cute.size(tiles.mIdx, mode=[1])
         num_head_groups = cute.size(tiles.mOut, mode=[1]) // B_H
         token = tile // num_head_groups
-        valid_len = topk
-        if (tiles.flags & 1) != 0:
-            valid_len = cutlass.min(cutlass.max(tiles.mTopkLen[token], 0), topk)
-        valid_len = cute.arch.make_warp_uniform(valid_len)
+        valid_len = valid_slot_count(tiles.mTopkLen, token, topk, tiles.flags)
         return CtaWork(
             tile=tile,
             token=token,

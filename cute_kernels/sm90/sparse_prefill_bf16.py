@@ -68,7 +68,7 @@ from cutlass import Float32, Int32, Int64, Uint32, const_expr
 from cutlass.cute.nvgpu import OperandMajorMode, cpasync, warpgroup
 
 from cute_kernels import ptx
-from cute_kernels.sm90.row_views import load_q_tile, make_row_views
+from cute_kernels.sm90.row_views import load_q_tile, make_row_views, valid_slot_count
 
 B_H = 64  # heads per CTA: one WGMMA M tile
 B_TOPK = 32  # gathered KV rows per block: the N tile of S, two k-steps of the PV product
@@ -295,10 +295,7 @@ class SparsePrefillBf16Sm90:
         topk = cute.size(mIdx, mode=[1])
         num_head_groups = cute.size(mOut, mode=[1]) // B_H
         token = bid // num_head_groups
-        valid_len = topk
-        if (flags & 1) != 0:
-            valid_len = cutlass.min(cutlass.max(mTopkLen[token], 0), topk)
-        valid_len = cute.arch.make_warp_uniform(valid_len)
+        valid_len = valid_slot_count(mTopkLen, token, topk, flags)
         work = CtaWork(
             bid=bid,
             token=token,
