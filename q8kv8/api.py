@@ -11,8 +11,8 @@ import sys
 import torch
 from torch.compiler import is_compiling
 
-from q8kv8 import ops
-from q8kv8.contract import check_inputs, check_ranges_enabled, check_topk_length_range
+from q8kv8 import fast_launch, ops
+from q8kv8.contract import SUPPORTED_D_V, check_inputs, check_ranges_enabled, check_topk_length_range
 from q8kv8.metadata import HEAD_ALIGNMENT, padded_num_heads
 
 
@@ -77,6 +77,27 @@ def sparse_mla_q8kv8_prefill_fwd(
             lse,
             precision,
         )
+    fast = fast_launch.launch
+    if (
+        fast is not None
+        and not check_ranges_enabled()
+        and getattr(sys.modules.get("q8kv8.kernels"), "tiles_per_cta_override", 0) is None
+    ):
+        # The common case, checked and launched in C++ (q8kv8.fast_launch); -1: declined, nothing launched.
+        if out is None and max_logits is None and lse is None and type(q) is torch.Tensor and q.dim() == 3:
+            out, max_logits, lse = ops.output_buffers(q, q.shape[1], SUPPORTED_D_V)
+        try:
+            schedule = fast(
+                q, kv, indices, sm_scale, q_scale, kv_scale, d_v, attn_sink, topk_length,
+                out, max_logits, lse, precision,
+            )  # fmt: skip
+            taken = schedule >= 0
+        except Exception:
+            if fast_launch.take_launch_error():  # raised by the launch itself
+                raise
+            taken = False  # TVM-FFI could not convert an argument: the Python path says what is wrong
+        if taken:
+            return out, max_logits, lse
     problem = check_inputs(
         q,
         kv,

@@ -37,6 +37,7 @@ from pathlib import Path
 
 import torch
 
+from q8kv8 import fast_launch
 from q8kv8.metadata import KV_ROW_ALIGNMENT_BYTES, OUT_ALIGNMENT_BYTES, Q_ALIGNMENT_BYTES
 from q8kv8.schedule import PERSISTENT_PRECISIONS, tiles_per_cta
 
@@ -429,7 +430,7 @@ def launch_sparse_prefill(
             kv = kv.clone(memory_format=torch.contiguous_format)
         if out.data_ptr() % OUT_ALIGNMENT_BYTES:
             kernel_out = torch.empty_like(out)
-    no_topk_length, no_sink = _dummies(q, device_index)
+    dummies = no_topk_length, no_sink = _dummies(q, device_index)
     _call_on_device_of(
         q,
         variant.function,
@@ -449,6 +450,7 @@ def launch_sparse_prefill(
     )
     if kernel_out is not out:
         out.copy_(kernel_out)
+    fast_launch.note_launch(device_index, _gpu_count, *key, tiles > 0, variant.function, dummies)
 
 
 # ------------------------------------------------------------------------------------------------

@@ -1,4 +1,5 @@
-"""Where the host time of one call goes: contract checks, the wrapper, the TVM-FFI launch.
+"""Where the host time of one call goes: the C++ fast launch, or the contract checks, the wrapper and the
+TVM-FFI launch of the Python path.
 
 Times each stage in a loop of launches queued without syncs on a tiny problem (the GPU keeps up),
 then prints a cProfile of the full call.
@@ -19,7 +20,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import q8kv8  # noqa: E402
 from bench import make_inputs  # noqa: E402
-from q8kv8 import contract, kernels  # noqa: E402
+from q8kv8 import contract, fast_launch, kernels  # noqa: E402
 
 
 def per_call_us(fn, calls: int = 3000) -> float:
@@ -65,10 +66,17 @@ def main() -> None:
             "default",
         ),  # fmt: skip
         "TVM-FFI call alone": lambda: variant.function(*ffi_args),
+        "fast launch alone (C++)": lambda: fast_launch.launch(*args),
         "full call": lambda: q8kv8.sparse_mla_q8kv8_prefill_fwd(**inputs, **buffers),
+        "full call, allocating": lambda: q8kv8.sparse_mla_q8kv8_prefill_fwd(**inputs),
     }
+    assert fast_launch.launch is not None, "the first call did not enable the fast launch"
     for name, fn in rows.items():
         print(f"{name:32s} {per_call_us(fn):7.1f} us")
+    fast_launch_function, fast_launch.launch = fast_launch.launch, None
+    for name in ("full call", "full call, allocating"):
+        print(f"{name + ', Python path':32s} {per_call_us(rows[name]):7.1f} us")
+    fast_launch.launch = fast_launch_function
     profile = cProfile.Profile()
     profile.enable()
     for _ in range(2000):

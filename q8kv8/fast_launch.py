@@ -1,0 +1,234 @@
+"""The fast launch: a call's checks and launch in one TVM-FFI call into C++ (``csrc/fast_launch.cc``).
+
+Why: the Python path of a call (``contract.check_inputs``, memoised, plus ``kernels.launch_sparse_prefill``)
+costs 10-15 us of host time before the kernel's own TVM-FFI call (about 6 us): reading the nine tensors'
+signatures alone is ~6 us of Python attribute reads. The C++ function reads the same facts from the DLPack
+views TVM-FFI makes of the torch tensors anyway, checks them, and calls the kernel variant's TVM-FFI
+function directly (same arguments, same stream: TVM-FFI's current stream, torch's current one).
+
+When: ``api.sparse_mla_q8kv8_prefill_fwd`` offers it every eager call (not while ``torch.compile`` traces,
+not with ``Q8KV8_CHECK_RANGES=1``, not while ``kernels.tiles_per_cta_override`` is set) and falls back to the
+Python path whenever it declines. It declines (returns -1, launches nothing) for anything outside the common
+case: invalid calls (the Python path raises their message), head counts that need padding, tensors that
+need copies for alignment, empty extents, scalars of other Python types, and every device the Python path
+has not launched on yet, with a kernel variant it has not launched yet: ``kernels.launch_sparse_prefill``
+registers both after its launches (``note_launch``: the contract has then checked the device's capability),
+and only when one GPU is visible (the kernel launches on the current device; the Python path switches
+devices for a tensor on another one).
+
+It is stricter than the contract, never looser: ``tests/test_fast_launch.py`` compares its verdicts with
+the Python contract's over valid calls and every violation the contract tests exercise.
+
+Building: ``c++`` against TVM-FFI's headers (about 3 s), cached under ``kernels.cache_dir()``; without a
+C++ compiler the fast path is off (a warning says so) and every call takes the Python path.
+"""
+
+from __future__ import annotations
+
+import atexit
+import hashlib
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import threading
+import types
+import warnings
+from pathlib import Path
+
+import torch
+
+SOURCE = Path(__file__).resolve().parent / "csrc" / "fast_launch.cc"
+EXPORTED = (
+    "q8kv8_fast_configure",
+    "q8kv8_fast_register_variant",
+    "q8kv8_fast_register_device",
+    "q8kv8_fast_reset",
+    "q8kv8_fast_plan",
+    "q8kv8_fast_launch",
+    "q8kv8_fast_take_launch_error",
+    "q8kv8_fast_decline_reason",
+)
+KDL_CUDA = 2  # DLPack's device type of CUDA tensors
+
+launch = None
+"""``q8kv8_fast_launch`` once a device is registered, else None: the per-call test of the entry point."""
+
+_module = None
+_build_failed = False
+_registered_devices: set[int] = set()
+_registered: set[tuple] = set()  # (device index, d_qk, precision, persistent) seen by note_launch
+_lock = threading.Lock()
+
+
+def _build_dir() -> Path:
+    import tvm_ffi
+
+    from q8kv8 import kernels
+
+    digest = hashlib.sha256(SOURCE.read_bytes())
+    digest.update(f"tvm_ffi={tvm_ffi.__version__};python={sys.version_info[:2]}".encode())
+    return kernels.cache_dir() / "fast_launch" / digest.hexdigest()[:24]
+
+
+def _compile(directory: Path) -> Path:
+    """``fast_launch.so`` in ``directory``, built with ``c++`` when absent (written under a temporary
+    name and renamed into place, under the kernels' file lock)."""
+    import tvm_ffi.libinfo
+
+    from q8kv8 import kernels
+
+    library = directory / "fast_launch.so"
+    directory.mkdir(parents=True, exist_ok=True)
+    with kernels._file_lock(directory / ".lock"):
+        if library.exists():
+            return library
+        compiler = os.environ.get("CXX") or shutil.which("c++") or shutil.which("g++")
+        if compiler is None:
+            raise RuntimeError("no C++ compiler (c++, g++ or $CXX) on PATH")
+        exports = "".join(f"TVM_FFI_DLL_EXPORT_TYPED_FUNC({name}, {name});\n" for name in EXPORTED)
+        with tempfile.TemporaryDirectory(dir=directory) as work:
+            source = Path(work) / "fast_launch.cc"
+            source.write_text(SOURCE.read_text() + "\n" + exports)
+            output = Path(work) / "fast_launch.so"
+            include = [f"-I{path}" for path in (tvm_ffi.libinfo.find_include_path(),)]
+            include.append(f"-I{tvm_ffi.libinfo.find_dlpack_include_path()}")
+            lib_dir = Path(tvm_ffi.libinfo.find_libtvm_ffi()).parent
+            command = [
+                compiler, "-std=c++17", "-O2", "-fPIC", "-shared", *include, str(source), "-o", str(output),
+                f"-L{lib_dir}", "-ltvm_ffi",
+            ]  # fmt: skip
+            result = subprocess.run(command, capture_output=True, text=True)
+            if result.returncode != 0:
+                raise RuntimeError(f"{' '.join(command)} failed:\n{result.stderr[-4000:]}")
+            os.replace(output, library)
+    return library
+
+
+def load():
+    """The built module (built on first use), or None when it cannot be built (warned once)."""
+    global _module, _build_failed
+    if _module is not None or _build_failed:
+        return _module
+    with _lock:
+        if _module is None and not _build_failed:
+            try:
+                import tvm_ffi
+
+                library = tvm_ffi.load_module(str(_compile(_build_dir())))
+                module = types.SimpleNamespace()
+                for name in EXPORTED:
+                    function = library[name]
+                    # Keep the GIL: the calls are short, and every call into the module is then serialised
+                    # (registration never races a launch reading the registry).
+                    function.release_gil = False
+                    setattr(module, name, function)
+                _configure(module)
+                _module = module
+                # Release the registered tensors and functions while the interpreter is still alive.
+                atexit.register(module.q8kv8_fast_reset)
+            except Exception as exc:  # no compiler, no headers: the Python path takes every call
+                _build_failed = True
+                warnings.warn(
+                    f"q8kv8: the C++ fast launch is unavailable, every call takes the Python path "
+                    f"({type(exc).__name__}: {str(exc).strip().splitlines()[0] if str(exc).strip() else ''})",
+                    RuntimeWarning,
+                    stacklevel=2,
+                )
+    return _module
+
+
+def _configure(module) -> None:
+    from q8kv8 import kernels, metadata, schedule
+
+    module.q8kv8_fast_configure(
+        kernels._LOG2_E,
+        metadata.Q_ALIGNMENT_BYTES,
+        metadata.KV_ROW_ALIGNMENT_BYTES,
+        metadata.OUT_ALIGNMENT_BYTES,
+        schedule.PERSISTENT_MAX_TOPK,
+        schedule.PERSISTENT_MAX_TILES_PER_CTA,
+        schedule.PERSISTENT_MIN_WAVES,
+        "default" in schedule.PERSISTENT_PRECISIONS,
+        "accurate" in schedule.PERSISTENT_PRECISIONS,
+    )
+
+
+def register(module, device_type: int, device_index: int, sm_count: int, dummies) -> None:
+    """Let ``module`` launch on one device, given its placeholders (``(no_topk_length, no_sink)``) and
+    multiprocessor count."""
+    module.q8kv8_fast_register_device(device_type, device_index, sm_count, *dummies)
+
+
+def note_launch(
+    device_index: int, gpu_count: int, d_qk: int, precision: str, persistent: bool, function, dummies
+) -> None:
+    """Called by ``kernels.launch_sparse_prefill`` after each launch of the Python path: the first launch on
+    a CUDA device registers the device, the first of each kernel variant registers the variant, and from
+    then on the fast path may take such calls (with one visible GPU only)."""
+    global launch
+    key = (device_index, d_qk, precision, persistent)
+    if key in _registered or gpu_count != 1 or device_index < 0:
+        return
+    module = load()
+    if module is None:
+        return
+    if device_index not in _registered_devices:
+        from q8kv8 import schedule
+
+        sm_count = schedule._sm_counts.get(device_index)
+        if sm_count is None:
+            sm_count = torch.cuda.get_device_properties(device_index).multi_processor_count
+        register(module, KDL_CUDA, device_index, sm_count, dummies)
+        _registered_devices.add(device_index)
+    module.q8kv8_fast_register_variant(d_qk, precision == "accurate", persistent, function)
+    _registered.add(key)
+    launch = module.q8kv8_fast_launch
+
+
+def disable() -> None:
+    """Forget every registered device (tests)."""
+    global launch
+    launch = None
+    _registered_devices.clear()
+    _registered.clear()
+    if _module is not None:
+        _module.q8kv8_fast_reset()
+        _configure(_module)
+
+
+def decline_reason(
+    q,
+    kv,
+    indices,
+    sm_scale,
+    q_scale,
+    kv_scale,
+    d_v=512,
+    attn_sink=None,
+    topk_length=None,
+    out=None,
+    max_logits=None,
+    lse=None,
+    precision="default",
+) -> str:
+    """Why the fast path declines a call with these arguments ("" when it takes it): a diagnostic for a
+    call that is slower than expected."""
+    module = load()
+    if module is None:
+        return "the fast launch is unavailable (it did not build)"
+    if launch is None:
+        return "no device registered yet (the first call on a GPU registers it)"
+    return str(
+        module.q8kv8_fast_decline_reason(
+            q, kv, indices, sm_scale, q_scale, kv_scale, d_v, attn_sink, topk_length, out, max_logits, lse,
+            precision,
+        )
+    )  # fmt: skip
+
+
+def take_launch_error() -> bool:
+    """Whether the exception just raised by ``launch`` came from the kernel's launch itself (re-raise it)
+    rather than from converting the arguments before any check ran (let the Python path take the call)."""
+    return _module is not None and bool(_module.q8kv8_fast_take_launch_error())

@@ -1,0 +1,330 @@
+"""The C++ fast launch (``q8kv8.fast_launch``) on a CPU-only machine: built for real, run on CPU tensors.
+
+A CPU "device" is registered in place of a GPU and the kernel variants are recording TVM-FFI functions, so
+every check of ``csrc/fast_launch.cc`` runs here. Its verdicts are compared with the Python contract's:
+it must launch exactly what the Python path launches (same variant, same arguments, same schedule) for
+the calls it takes, and decline (launch nothing) every call the contract rejects and every call that
+needs the Python path (padding, copies, empty extents, unregistered devices and variants).
+"""
+
+import math
+import shutil
+import sys
+import types
+from pathlib import Path
+
+import pytest
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from test_contract import VIOLATIONS, every_other_in_last_dim, offset_by  # noqa: E402
+
+from q8kv8 import api, contract, fast_launch, kernels, schedule, sparse_mla_q8kv8_prefill_fwd  # noqa: E402
+
+pytestmark = pytest.mark.skipif(
+    shutil.which("c++") is None and shutil.which("g++") is None, reason="needs a C++ compiler"
+)
+
+S_Q, H_Q, S_KV, D_QK, TOPK = 4, 64, 32, 576, 128
+KDL_CPU = 1
+SM_COUNT = 2  # a small stand-in multiprocessor count, so that small calls reach the persistent schedule
+DECLINED = -1
+
+
+@pytest.fixture
+def fast(monkeypatch):
+    """The built module, configured, with CPU device 0 registered and recording kernel variants for every
+    (d_qk, precision, persistent); ``fast.calls`` lists ``(variant key, arguments)`` of each launch, from
+    either path. Restored to nothing registered afterwards."""
+    module = fast_launch.load()
+    assert module is not None, "the fast launch did not build (see the warning)"
+    fast_launch.disable()
+    calls = []
+
+    def recorder(key):
+        import tvm_ffi
+
+        # The tensors are views valid during the call only: recorded as (address, shape, strides, dtype).
+        return tvm_ffi.convert(lambda *args: calls.append((key, normalized(args))))
+
+    variants, persistent_variants = {}, {}
+    for d_qk in (512, 576):
+        for precision in ("default", "accurate"):
+            for persistent, table in ((False, variants), (True, persistent_variants)):
+                function = recorder((d_qk, precision, persistent))
+                table[d_qk, precision] = types.SimpleNamespace(function=function, name="recorder", d_qk=d_qk)
+                module.q8kv8_fast_register_variant(d_qk, precision == "accurate", persistent, function)
+    dummies = kernels._dummies(torch.empty(0))  # the Python path's placeholders for CPU tensors
+    fast_launch.register(module, KDL_CPU, 0, SM_COUNT, dummies)
+    monkeypatch.setattr(kernels, "_variants", variants)
+    monkeypatch.setattr(kernels, "_persistent_variants", persistent_variants)
+    monkeypatch.setattr(schedule, "_sm_counts", {0: SM_COUNT, None: SM_COUNT, -1: SM_COUNT})
+    monkeypatch.setattr(contract, "check_device", lambda named_devices: None)  # CPU tensors pass it
+    monkeypatch.setattr(contract, "_memo", {})
+    module.calls = calls
+    yield module
+    fast_launch.disable()
+
+
+def call_args(args: dict) -> tuple:
+    """The public call's arguments in ``q8kv8_fast_plan`` / ``q8kv8_fast_launch`` order."""
+    return tuple(
+        args.get(name)
+        for name in (
+            "q", "kv", "indices", "sm_scale", "q_scale", "kv_scale", "d_v", "attn_sink", "topk_length",
+            "out", "max_logits", "lse", "precision",
+        )
+    )  # fmt: skip
+
+
+def with_buffers(args: dict) -> dict:
+    s_q, h_q = args["q"].shape[:2]
+    return {
+        "d_v": 512,
+        "precision": "default",
+        **args,
+        "out": torch.empty(s_q, h_q, 512, dtype=torch.bfloat16),
+        "max_logits": torch.empty(s_q, h_q),
+        "lse": torch.empty(s_q, h_q),
+    }
+
+
+@pytest.fixture
+def valid_args(make_inputs) -> dict:
+    """A valid call on CPU tensors that the fast path takes: 64 heads, sink, topk_length, buffers."""
+    return with_buffers(make_inputs(S_Q, H_Q, S_KV, D_QK, TOPK, with_sink=True, with_topk_length=True))
+
+
+def normalized(arguments: tuple) -> list:
+    """Launch arguments with each TVM-FFI tensor as (address, shape, strides, dtype), for comparison."""
+    result = []
+    for value in arguments:
+        if isinstance(value, (int, float, str)):
+            result.append(value)
+        else:  # a tvm_ffi.Tensor (read its fields: it is a view of the caller's DLTensor)
+            result.append((value.data_ptr(), tuple(value.shape), tuple(value.strides), str(value.dtype)))
+    return result
+
+
+def python_path_launch(fast, args: dict):
+    """What the Python path launches for ``args``: its schedule, variant key and arguments."""
+    problem = contract.check_inputs(**args)
+    assert problem.launch_ready
+    # The schedule the contract gives a CUDA device (for CPU tensors it says 0), on the stand-in SM count.
+    tiles = schedule.tiles_per_cta(
+        problem.s_q * problem.h_q // 64, problem.topk, args["topk_length"] is not None, args["precision"], 0
+    )
+    kernels.launch_sparse_prefill(
+        args["q"], args["kv"], args["indices"], args["topk_length"], args["attn_sink"], args["q_scale"],
+        args["kv_scale"], float(args["sm_scale"]), args["out"], args["max_logits"], args["lse"],
+        args["precision"], tiles, True,
+    )  # fmt: skip
+    key, arguments = fast.calls.pop()
+    return tiles, key, arguments
+
+
+@pytest.mark.parametrize("d_qk", [512, 576])
+@pytest.mark.parametrize("precision", ["default", "accurate"])
+@pytest.mark.parametrize(
+    ("s_q", "h_q", "topk", "with_sink", "with_topk_length"),
+    [
+        (4, 64, 128, False, False),
+        (3, 128, 256, True, False),
+        (2, 64, 2048, False, True),
+        (16, 64, 512, True, True),  # 16 tiles on 2 stand-in SMs: the persistent schedule (2 tiles per CTA)
+        (40, 128, 2048, False, True),  # 80 tiles: 4 per CTA
+        (40, 128, 2048, True, False),  # full rows: the one-tile kernel
+    ],
+)
+def test_fast_launch_launches_what_the_python_path_launches(
+    fast, make_inputs, d_qk, precision, s_q, h_q, topk, with_sink, with_topk_length
+):
+    args = with_buffers(
+        make_inputs(s_q, h_q, S_KV, d_qk, topk, with_sink=with_sink, with_topk_length=with_topk_length)
+    )
+    args["precision"] = precision
+    expected_schedule, expected_key, expected_arguments = python_path_launch(fast, args)
+    assert fast.q8kv8_fast_plan(*call_args(args)) == expected_schedule
+    assert fast.q8kv8_fast_decline_reason(*call_args(args)) == ""
+    assert fast.q8kv8_fast_launch(*call_args(args)) == expected_schedule
+    key, arguments = fast.calls.pop()
+    assert (key, arguments) == (expected_key, expected_arguments)
+    assert not fast.calls
+
+
+@pytest.mark.parametrize(
+    ("changes", "exception", "message"),
+    [case[1:] for case in VIOLATIONS],
+    ids=[case[0] for case in VIOLATIONS],
+)
+def test_fast_launch_declines_every_contract_violation(fast, valid_args, changes, exception, message):
+    assert fast.q8kv8_fast_plan(*call_args(valid_args)) >= 0
+    valid_args.update(changes(valid_args))
+    with pytest.raises(exception):
+        contract.check_inputs(**valid_args)
+    try:
+        verdict = fast.q8kv8_fast_launch(*call_args(valid_args))
+    except Exception:
+        verdict = DECLINED  # TVM-FFI could not convert an argument: nothing ran
+        assert not fast_launch.take_launch_error()
+    assert verdict == DECLINED
+    assert not fast.calls
+
+
+def _declined_cases(args: dict, randn_fp8) -> dict:
+    """Valid calls (or calls outside the C++ checks' scope) that the fast path must leave to Python."""
+    h16 = dict(args)
+    h16["q"] = args["q"][:, :16].contiguous()
+    h16["attn_sink"] = args["attn_sink"][:16].contiguous()
+    for name in ("out", "max_logits", "lse"):
+        h16[name] = args[name][:, :16].clone()
+    return {
+        "heads need padding": h16,
+        "q misaligned": {**args, "q": offset_by(args["q"], 1)},
+        "q strided": {**args, "q": args["q"].transpose(0, 1).contiguous().transpose(0, 1)},
+        "kv misaligned": {**args, "kv": offset_by(args["kv"], 8)},
+        "kv row stride": {
+            **args,
+            "kv": torch.cat([args["kv"], randn_fp8(S_KV, 1, 8)], dim=2)[:, :, :D_QK],
+        },
+        "out misaligned": {**args, "out": offset_by(args["out"], 2)},
+        "topk_length strided": {**args, "topk_length": every_other_in_last_dim(args["topk_length"][None])[0]},
+        "attn_sink strided": {**args, "attn_sink": every_other_in_last_dim(args["attn_sink"][None])[0]},
+        "empty kv": {**args, "kv": args["kv"][:0]},
+        "q_scale 0-d": {**args, "q_scale": args["q_scale"].reshape(())},
+        "kv_scale [1, 1]": {**args, "kv_scale": args["kv_scale"].reshape(1, 1)},
+        "sm_scale an int": {**args, "sm_scale": 1},
+        "no out buffer": {**args, "out": None},
+        "no lse buffer": {**args, "lse": None},
+        "q on another device": {**args, "q": args["q"].to("meta")},
+    }
+
+
+@pytest.mark.parametrize(
+    "case",
+    [
+        "heads need padding", "q misaligned", "q strided", "kv misaligned", "kv row stride", "out misaligned",
+        "topk_length strided", "attn_sink strided", "empty kv", "q_scale 0-d", "kv_scale [1, 1]",
+        "sm_scale an int", "no out buffer", "no lse buffer", "q on another device",
+    ],
+)  # fmt: skip
+def test_fast_launch_declines_what_needs_the_python_path(fast, valid_args, randn_fp8, case):
+    args = _declined_cases(valid_args, randn_fp8)[case]
+    try:
+        verdict = fast.q8kv8_fast_launch(*call_args(args))
+        assert fast.q8kv8_fast_decline_reason(*call_args(args))  # says why
+    except Exception:
+        verdict = DECLINED
+        assert not fast_launch.take_launch_error()
+    assert verdict == DECLINED
+    assert not fast.calls
+
+
+def test_fast_launch_declines_unregistered_devices_and_variants(fast, valid_args):
+    fast.q8kv8_fast_reset()
+    assert fast.q8kv8_fast_plan(*call_args(valid_args)) == DECLINED  # not even configured
+    fast_launch._configure(fast)
+    fast_launch.register(fast, KDL_CPU, 1, SM_COUNT, kernels._dummies(torch.empty(0)))  # another device
+    assert fast.q8kv8_fast_plan(*call_args(valid_args)) == DECLINED
+    fast_launch.register(fast, KDL_CPU, 0, SM_COUNT, kernels._dummies(torch.empty(0)))
+    assert fast.q8kv8_fast_plan(*call_args(valid_args)) == DECLINED  # no variant registered
+    fast.q8kv8_fast_register_variant(D_QK, False, False, kernels._variants[D_QK, "default"].function)
+    assert fast.q8kv8_fast_plan(*call_args(valid_args)) == 0
+    assert fast.q8kv8_fast_plan(*call_args({**valid_args, "precision": "accurate"})) == DECLINED
+    assert not fast.calls
+
+
+def test_decline_reason_names_the_check(fast, valid_args, monkeypatch):
+    reason = fast_launch.decline_reason
+    assert reason(**valid_args) == "no device registered yet (the first call on a GPU registers it)"
+    monkeypatch.setattr(fast_launch, "launch", fast.q8kv8_fast_launch)
+    assert reason(**valid_args) == ""
+    assert reason(**{**valid_args, "d_v": 256}) == "d_v is not the Python int 512"
+    assert reason(**{**valid_args, "lse": valid_args["max_logits"]}) == "two output buffers overlap"
+    assert "needs padding" in reason(**{**valid_args, "q": valid_args["q"][:, :16]})
+
+
+@pytest.fixture
+def fast_entry_point(fast, monkeypatch):
+    """The public call with the fast path on (as after a first launch on a GPU), for CPU tensors."""
+    monkeypatch.setattr(kernels, "tiles_per_cta_override", None)
+    monkeypatch.setattr(fast_launch, "launch", fast.q8kv8_fast_launch)
+    return fast
+
+
+def test_entry_point_takes_the_fast_path_and_returns_the_buffers(fast_entry_point, valid_args):
+    buffers = valid_args["out"], valid_args["max_logits"], valid_args["lse"]
+    result = sparse_mla_q8kv8_prefill_fwd(**valid_args)
+    assert all(a is b for a, b in zip(result, buffers, strict=True))
+    assert len(fast_entry_point.calls) == 1
+
+
+def test_entry_point_allocates_the_buffers_for_the_fast_path(fast_entry_point, valid_args):
+    for name in ("out", "max_logits", "lse"):
+        del valid_args[name]
+    out, max_logits, lse = sparse_mla_q8kv8_prefill_fwd(**valid_args)
+    assert (out.shape, max_logits.shape, lse.shape) == ((S_Q, H_Q, 512), (S_Q, H_Q), (S_Q, H_Q))
+    assert (out.dtype, max_logits.dtype, lse.dtype) == (torch.bfloat16, torch.float32, torch.float32)
+    (key, arguments) = fast_entry_point.calls.pop()
+    assert arguments[7][0] == out.data_ptr()
+
+
+def test_entry_point_falls_back_to_the_python_path(fast_entry_point, valid_args, monkeypatch):
+    """A declined call takes the Python path: an invalid one gets the contract's message, nothing launched."""
+    with pytest.raises(ValueError, match="d_v: expected the integer 512"):
+        sparse_mla_q8kv8_prefill_fwd(**{**valid_args, "d_v": 256})
+    with pytest.raises(TypeError, match="q: expected a torch.Tensor"):
+        sparse_mla_q8kv8_prefill_fwd(**{**valid_args, "q": [[0.0]]})
+    assert not fast_entry_point.calls
+    python_path = []
+    monkeypatch.setattr(
+        api, "check_inputs", lambda *args: python_path.append(args) or contract.check_inputs(*args)
+    )
+    monkeypatch.setenv("Q8KV8_CHECK_RANGES", "1")  # the range check runs in Python: no fast path
+    sparse_mla_q8kv8_prefill_fwd(**valid_args)
+    assert len(python_path) == 1 and len(fast_entry_point.calls) == 1
+
+
+def test_entry_point_reraises_an_error_of_the_launch_itself(fast_entry_point, valid_args):
+    """An error raised by the kernel's launch propagates once: the call is not retried on the Python path."""
+    import tvm_ffi
+
+    attempts = []
+
+    def failing_launch(*args):
+        attempts.append(args)
+        raise RuntimeError("launch failed")
+
+    fast_entry_point.q8kv8_fast_register_variant(D_QK, False, False, tvm_ffi.convert(failing_launch))
+    valid_args["topk_length"] = None
+    with pytest.raises(RuntimeError, match="launch failed"):
+        sparse_mla_q8kv8_prefill_fwd(**valid_args)
+    assert len(attempts) == 1
+    assert not fast_launch.take_launch_error()  # cleared
+
+
+def test_logit_scale_is_the_python_paths_double(fast, valid_args):
+    """The scale the kernel gets is ``sm_scale * log2(e)`` rounded as Python rounds it."""
+    valid_args["sm_scale"] = 0.1234567890123
+    fast.q8kv8_fast_launch(*call_args(valid_args))
+    _, arguments = fast.calls.pop()
+    assert arguments[10] == 0.1234567890123 * math.log2(math.e)
+
+
+def test_note_launch_registers_once_per_variant_and_again_after_disable(fast):
+    """``kernels.launch_sparse_prefill`` notes each launch; the first of a (device, variant) registers it,
+    with one visible GPU only; ``disable`` forgets everything, so the next launch registers again."""
+    function, dummies = kernels._variants[D_QK, "default"].function, kernels._dummies(torch.empty(0))
+    fast_launch.disable()
+    fast_launch.note_launch(0, 2, D_QK, "default", False, function, dummies)  # two GPUs: never
+    fast_launch.note_launch(-1, 1, D_QK, "default", False, function, dummies)  # a CPU tensor: never
+    assert fast_launch.launch is None and not fast_launch._registered
+    for _ in range(2):
+        fast_launch.note_launch(0, 1, D_QK, "default", False, function, dummies)
+        assert fast_launch.launch is not None
+        assert fast_launch._registered == {(0, D_QK, "default", False)}
+        assert fast_launch._registered_devices == {0}
+        fast_launch.disable()
+        assert fast_launch.launch is None
+        assert not fast_launch._registered and not fast_launch._registered_devices

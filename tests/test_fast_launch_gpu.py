@@ -1,0 +1,77 @@
+"""The C++ fast launch on an H100/H200 (``gpu`` marker): after a first launch the public call takes it, and it
+gives the Python path's results bit for bit, on the caller's stream and inside a CUDA graph capture."""
+
+import math
+
+import pytest
+import torch
+
+from q8kv8 import api, fast_launch, sparse_mla_q8kv8_prefill_fwd
+
+pytestmark = pytest.mark.gpu
+
+
+@pytest.fixture
+def python_path_tripwire(monkeypatch):
+    """Make the Python path (the contract) fail the test: whatever runs next must take the fast path."""
+
+    def check_inputs(*args):
+        raise AssertionError(f"the call took the Python path: {fast_launch.decline_reason(*args)}")
+
+    def arm():
+        monkeypatch.setattr(api, "check_inputs", check_inputs)
+
+    return arm
+
+
+def nan_like(outputs):
+    return [torch.full_like(t, math.nan) for t in outputs]
+
+
+@pytest.mark.parametrize("precision", ["default", "accurate"])
+@pytest.mark.parametrize(
+    ("s_q", "h_q", "d_qk", "topk", "with_extras"),
+    [(37, 128, 576, 512, False), (1100, 64, 512, 256, True)],  # the second: the persistent schedule (k = 2)
+)
+def test_fast_path_matches_the_python_path_bitwise(
+    make_inputs, python_path_tripwire, precision, s_q, h_q, d_qk, topk, with_extras
+):
+    inputs = make_inputs(
+        s_q, h_q, 3000, d_qk, topk, device="cuda", with_sink=with_extras, with_topk_length=with_extras
+    )
+    fast_launch.disable()  # the first call takes the Python path and registers device and variant again
+    python_path = [t.clone() for t in sparse_mla_q8kv8_prefill_fwd(**inputs, precision=precision)]
+    assert fast_launch.launch is not None
+    python_path_tripwire()
+    buffers = nan_like(python_path)
+    fast = sparse_mla_q8kv8_prefill_fwd(
+        **inputs, precision=precision, out=buffers[0], max_logits=buffers[1], lse=buffers[2]
+    )
+    allocated = sparse_mla_q8kv8_prefill_fwd(**inputs, precision=precision)
+    torch.cuda.synchronize()
+    assert all(a is b for a, b in zip(fast, buffers, strict=True))
+    for outputs in (fast, allocated):
+        assert all(torch.equal(a, b) for a, b in zip(outputs, python_path, strict=True))
+
+
+def test_fast_path_runs_on_the_current_stream_and_in_a_cuda_graph(make_inputs, python_path_tripwire):
+    inputs = make_inputs(24, 128, 3000, 576, 256, device="cuda", with_sink=True, with_topk_length=True)
+    expected = [t.clone() for t in sparse_mla_q8kv8_prefill_fwd(**inputs)]
+    python_path_tripwire()
+    buffers = nan_like(expected)
+    kwargs = dict(out=buffers[0], max_logits=buffers[1], lse=buffers[2])
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        sparse_mla_q8kv8_prefill_fwd(**inputs, **kwargs)
+    stream.synchronize()
+    assert all(torch.equal(a, b) for a, b in zip(buffers, expected, strict=True))
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):  # a launch on any other stream than the capturing one would fail here
+        sparse_mla_q8kv8_prefill_fwd(**inputs, **kwargs)
+    for buffer in buffers:
+        buffer.fill_(math.nan)
+    graph.replay()
+    torch.cuda.synchronize()
+    assert all(torch.equal(a, b) for a, b in zip(buffers, expected, strict=True))
