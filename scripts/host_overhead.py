@@ -69,6 +69,7 @@ def main() -> None:
         "fast launch alone (C++)": lambda: fast_launch.launch(*args),
         "full call": lambda: q8kv8.sparse_mla_q8kv8_prefill_fwd(**inputs, **buffers),
         "full call, allocating": lambda: q8kv8.sparse_mla_q8kv8_prefill_fwd(**inputs),
+        "the three output allocations alone": lambda: q8kv8.ops.output_buffers(inputs["q"], 64, 512),
     }
     assert fast_launch.launch is not None, "the first call did not enable the fast launch"
     for name, fn in rows.items():
