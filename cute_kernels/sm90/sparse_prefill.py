@@ -90,7 +90,7 @@ from cutlass import Float8E4M3FN, Float32, Int32, Int64, Uint32, const_expr
 from cutlass.cute.nvgpu import OperandMajorMode, cpasync, warpgroup
 
 from cute_kernels import ptx
-from cute_kernels.sm90.row_views import load_q_tile, make_row_views, valid_slot_count
+from cute_kernels.sm90.row_views import load_q_tile, make_row_views, tile_position
 
 B_H = 64  # heads per CTA: one WGMMA M tile
 B_TOPK = 64  # gathered KV rows per block: the N tile of S and two k-steps of the PV product
@@ -452,14 +452,13 @@ class SparsePrefillSm90:
         tile = tiles.first
         if const_expr(self.persistent):  # block and grid indices re-read: nothing kept live for them
             tile = cute.arch.block_idx()[0] + tile_iter * cute.arch.grid_dim()[0]
-        topk = cute.size(tiles.mIdx, mode=[1])
-        num_head_groups = cute.size(tiles.mOut, mode=[1]) // B_H
-        token = tile // num_head_groups
-        valid_len = valid_slot_count(tiles.mTopkLen, token, topk, tiles.flags)
+        token, head_group, valid_len = tile_position(
+            tile, tiles.mIdx, tiles.mOut, tiles.mTopkLen, tiles.flags, B_H
+        )
         return CtaWork(
             tile=tile,
             token=token,
-            head_group=tile - token * num_head_groups,
+            head_group=head_group,
             valid_len=valid_len,
             num_blocks=(valid_len + B_TOPK - 1) // B_TOPK,
             num_pairs=(valid_len + PAIR - 1) // PAIR,

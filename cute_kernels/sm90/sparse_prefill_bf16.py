@@ -68,7 +68,7 @@ from cutlass import Float32, Int32, Int64, Uint32, const_expr
 from cutlass.cute.nvgpu import OperandMajorMode, cpasync, warpgroup
 
 from cute_kernels import ptx
-from cute_kernels.sm90.row_views import load_q_tile, make_row_views, valid_slot_count
+from cute_kernels.sm90.row_views import load_q_tile, make_row_views, tile_position
 
 B_H = 64  # heads per CTA: one WGMMA M tile
 B_TOPK = 32  # gathered KV rows per block: the N tile of S, two k-steps of the PV product
@@ -292,14 +292,11 @@ class SparsePrefillBf16Sm90:
             cute.arch.mbarrier_init_fence()
         cute.arch.sync_threads()
 
-        topk = cute.size(mIdx, mode=[1])
-        num_head_groups = cute.size(mOut, mode=[1]) // B_H
-        token = bid // num_head_groups
-        valid_len = valid_slot_count(mTopkLen, token, topk, flags)
+        token, head_group, valid_len = tile_position(bid, mIdx, mOut, mTopkLen, flags, B_H)
         work = CtaWork(
             bid=bid,
             token=token,
-            head_group=bid - token * num_head_groups,
+            head_group=head_group,
             valid_len=valid_len,
             num_blocks=(valid_len + B_TOPK - 1) // B_TOPK,
             num_pairs=(valid_len + PAIR - 1) // PAIR,
