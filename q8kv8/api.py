@@ -81,6 +81,7 @@ def sparse_mla_q8kv8_prefill_fwd(
     if (
         fast is not None
         and not check_ranges_enabled()
+        # a forced schedule (tests, experiments) and stand-in kernels modules (no such attribute) take Python
         and getattr(sys.modules.get("q8kv8.kernels"), "tiles_per_cta_override", 0) is None
     ):
         # The common case, checked and launched in C++ (q8kv8.fast_launch); -1: declined, nothing launched.

@@ -92,8 +92,10 @@ def _compile(directory: Path) -> Path:
             source = Path(work) / "fast_launch.cc"
             source.write_text(SOURCE.read_text() + "\n" + exports)
             output = Path(work) / "fast_launch.so"
-            include = [f"-I{path}" for path in (tvm_ffi.libinfo.find_include_path(),)]
-            include.append(f"-I{tvm_ffi.libinfo.find_dlpack_include_path()}")
+            include = [
+                f"-I{tvm_ffi.libinfo.find_include_path()}",
+                f"-I{tvm_ffi.libinfo.find_dlpack_include_path()}",
+            ]
             lib_dir = Path(tvm_ffi.libinfo.find_libtvm_ffi()).parent
             command = [
                 compiler, "-std=c++17", "-O2", "-fPIC", "-shared", *include, str(source), "-o", str(output),
@@ -130,9 +132,10 @@ def load():
                 atexit.register(module.q8kv8_fast_reset)
             except Exception as exc:  # no compiler, no headers: the Python path takes every call
                 _build_failed = True
+                first_line = (str(exc).strip().splitlines() or [""])[0]
                 warnings.warn(
                     f"q8kv8: the C++ fast launch is unavailable, every call takes the Python path "
-                    f"({type(exc).__name__}: {str(exc).strip().splitlines()[0] if str(exc).strip() else ''})",
+                    f"({type(exc).__name__}: {first_line})",
                     RuntimeWarning,
                     stacklevel=2,
                 )
