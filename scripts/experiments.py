@@ -4,12 +4,22 @@ Builds each variant in-process (not through the cache), checks the correct ones 
 reference on a few rows, and prints milliseconds and TF/s per shape. On a machine without an
 SM90 GPU it only builds them and prints their ptxas report.
 
-    python scripts/experiments.py [--shapes NAME,...] [--variants NAME,...]
+    python scripts/experiments.py [--shapes NAME,...] [--variants NAME,...] [--power SECONDS]
+
+``--power S`` also runs each cell back to back for S seconds while ``nvidia-smi`` samples the board
+power and SM clock every 50 ms, and prints their means over the middle half of that window (the H200's
+long rows run into its 700 W limit, so a variant's speed and its clock go together).
 """
 
 import argparse
+import datetime
+import math
+import shutil
+import subprocess
 import sys
 import tempfile
+import threading
+import time
 from pathlib import Path
 
 import torch
@@ -29,6 +39,7 @@ VARIANTS = {
     "poly2": {"exp2_poly_groups": 2},
     "gather_only": {"experiment": "gather_only"},
     "math_only": {"experiment": "math_only"},
+    "early_full": {"experiment": "early_full"},  # KV tiles marked full when issued, not landed
     "persist1": {"persistent": True, "tiles_per_cta": 1},
     "persist2": {"persistent": True, "tiles_per_cta": 2},
     "persist4": {"persistent": True, "tiles_per_cta": 4},
@@ -51,13 +62,52 @@ def build(d_qk: int, options: dict):
     return compiled, report
 
 
+class PowerSampler:
+    """``nvidia-smi`` samples (time, board power W, SM clock MHz) every 50 ms, read by a thread."""
+
+    def __init__(self):
+        query = ["nvidia-smi", "--query-gpu=timestamp,power.draw,clocks.sm", "--format=csv,noheader,nounits"]
+        line_buffered = ["stdbuf", "-oL"] if shutil.which("stdbuf") else []  # else samples come late
+        self.process = subprocess.Popen(
+            [*line_buffered, *query, "-lms", "50", "-i", "0"], stdout=subprocess.PIPE, text=True
+        )
+        self.samples: list[tuple[float, float, float]] = []
+        threading.Thread(target=self._read, daemon=True).start()
+
+    def _read(self) -> None:
+        for line in self.process.stdout:
+            fields = [f.strip() for f in line.split(",")]
+            try:
+                stamp = datetime.datetime.strptime(fields[0], "%Y/%m/%d %H:%M:%S.%f").timestamp()
+                self.samples.append((stamp, float(fields[1]), float(fields[2])))
+            except (ValueError, IndexError):
+                continue  # a header or "[N/A]"
+
+    def window(self, fn, seconds: float) -> tuple[float, float]:
+        """Run ``fn`` back to back for ``seconds``; mean (power, clock) over the window's middle half."""
+        start = time.time()
+        while time.time() - start < seconds:
+            for _ in range(20):
+                fn()
+            torch.cuda.synchronize()
+        end = time.time()
+        time.sleep(0.3)  # the samples of the window's end arrive
+        t0, t1 = start + (end - start) / 4, end - (end - start) / 4
+        inside = [(watts, mhz) for stamp, watts, mhz in list(self.samples) if t0 <= stamp <= t1]
+        if not inside:
+            return math.nan, math.nan
+        return sum(w for w, _ in inside) / len(inside), sum(m for _, m in inside) / len(inside)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--shapes", default="h128_kv64k_d576_tk2048")
     parser.add_argument("--variants", default=",".join(VARIANTS))
     parser.add_argument("--rep", type=int, default=150)
+    parser.add_argument("--power", type=float, default=0.0, help="seconds of steady run per cell")
     args = parser.parse_args()
     gpu = torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)
+    sampler = PowerSampler() if gpu and args.power > 0 else None
     shapes = [s for s in SHAPES if any(w in s[0] for w in args.shapes.split(","))]
     for d_qk in sorted({s[4] for s in shapes}):
         for name in args.variants.split(","):
@@ -96,8 +146,17 @@ def main() -> None:
                     ),
                     args.rep,
                 )
+                power = ""
+                if sampler is not None:
+                    watts, mhz = sampler.window(
+                        lambda inputs=inputs, p=precision: q8kv8.sparse_mla_q8kv8_prefill_fwd(
+                            **inputs, precision=p
+                        ),
+                        args.power,
+                    )
+                    power = f"  {watts:5.0f} W {mhz:6.0f} MHz"
                 print(
-                    f"    {shape:30s} {ms:8.3f} ms {flops / ms / 1e9:7.0f} TF/s  rel err {err:.2e}",
+                    f"    {shape:30s} {ms:8.3f} ms {flops / ms / 1e9:7.0f} TF/s  rel err {err:.2e}{power}",
                     flush=True,
                 )
             registry[d_qk, precision] = saved

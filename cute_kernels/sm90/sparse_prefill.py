@@ -216,7 +216,8 @@ class SparsePrefillSm90:
         measured 0.3-1% slower; "accurate" used it until session 5, 0-0.8% slower and less accurate
         than f32 exponentials rounded to f16 for the split, 2.74e-3 vs 2.62e-3).
         ``experiment`` (timing studies only, wrong results): "gather_only" skips all math,
-        "math_only" skips the gather. ``exp2_poly_groups`` (0-4, f32 exponentials only): how many
+        "math_only" skips the gather, "early_full" marks a KV tile full once its copies are issued
+        rather than landed (the gather's latency off the consumers' path, its traffic kept). ``exp2_poly_groups`` (0-4, f32 exponentials only): how many
         of each row's four groups of 4 exponentials run as a cubic on the FMA pipe
         (``ptx.exp2_poly``) instead of the MUFU, to share the exponential work between pipes
         (an experiment: measured 1.5-4% slower with one or two groups, docs/perf-notes.md).
@@ -231,7 +232,7 @@ class SparsePrefillSm90:
             raise ValueError("exp2_poly_groups must be 0-4, and 0 with f16x2 exponentials")
         if exp2_f16x2 and precision == "accurate":
             raise ValueError("exp2_f16x2 is an experiment of the default precision")
-        if experiment not in (None, "gather_only", "math_only"):
+        if experiment not in (None, "gather_only", "math_only", "early_full"):
             raise ValueError(f"unknown experiment {experiment!r}")
         self.d_qk = d_qk
         self.precision = precision
@@ -550,7 +551,12 @@ class SparsePrefillSm90:
                             g_addr + col_tile * SW64_TILE_COLS,
                             nbytes,
                         )
-                cute.arch.cp_async_mbarrier_arrive_noinc(full_barrier)
+                if const_expr(self.experiment == "early_full"):
+                    cute.arch.mbarrier_arrive(full_barrier)  # issued, not landed: data latency off the path
+                else:
+                    cute.arch.cp_async_mbarrier_arrive_noinc(full_barrier)
+        if const_expr(self.experiment == "early_full"):
+            ptx.cp_async_wait_all()
 
     # ------------------------------------------------------------------------------------
     @cute.jit
