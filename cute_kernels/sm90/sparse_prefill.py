@@ -217,10 +217,11 @@ class SparsePrefillSm90:
         than f32 exponentials rounded to f16 for the split, 2.74e-3 vs 2.62e-3).
         ``experiment`` (timing studies only, wrong results): "gather_only" skips all math,
         "math_only" skips the gather, "early_full" marks a KV tile full once its copies are issued
-        rather than landed (the gather's latency off the consumers' path, its traffic kept). ``exp2_poly_groups`` (0-4, f32 exponentials only): how many
-        of each row's four groups of 4 exponentials run as a cubic on the FMA pipe
-        (``ptx.exp2_poly``) instead of the MUFU, to share the exponential work between pipes
-        (an experiment: measured 1.5-4% slower with one or two groups, docs/perf-notes.md).
+        rather than landed (the gather's latency off the consumers' path, its traffic kept).
+        ``exp2_poly_groups`` (0-4, f32 exponentials only): how many of each row's four groups of 4
+        exponentials run as a cubic on the FMA pipe (``ptx.exp2_poly``) instead of the MUFU, to share
+        the exponential work between pipes (an experiment: measured 1.5-4% slower with one or two
+        groups, docs/perf-notes.md).
         ``persistent``: each CTA walks ``tiles_per_cta`` tiles (launch argument; tiles bid,
         bid + grid, ...), its producer loading the next tile's Q and first rows while the consumers
         finish the current one, whose out stores then drain during the next tile's math."""
