@@ -83,6 +83,10 @@ class PowerSampler:
             except (ValueError, IndexError):
                 continue  # a header or "[N/A]"
 
+    def close(self) -> None:
+        self.process.terminate()
+        self.process.wait()
+
     def window(self, fn, seconds: float) -> tuple[float, float]:
         """Run ``fn`` back to back for ``seconds``; mean (power, clock) over the window's middle half."""
         start = time.time()
@@ -161,6 +165,8 @@ def main() -> None:
                 )
             registry[d_qk, precision] = saved
             kernels.tiles_per_cta_override = None
+    if sampler is not None:
+        sampler.close()
 
 
 if __name__ == "__main__":

@@ -1,13 +1,16 @@
-"""``python -m q8kv8.compile``, ``python -m q8kv8.info`` / ``q8kv8.info()`` and build failures (CPU).
+"""``python -m q8kv8.compile``, ``python -m q8kv8.info`` / ``q8kv8.info()``, build failures and the
+experiments script's power sampler (CPU).
 
 The commands run in subprocesses on the test session's kernel cache (filled when ``q8kv8`` was imported),
 so they load the variants rather than compile them again.
 """
 
+import importlib.util
 import os
 import re
 import subprocess
 import sys
+import textwrap
 import traceback
 from pathlib import Path
 
@@ -122,3 +125,39 @@ def test_python_m_info_prints_a_table(variants):
     assert re.search(rf"^cache\s+{re.escape(str(kernels.cache_dir()))} \(this process: ", out, re.MULTILINE)
     for variant in variants.values():
         assert re.search(rf"^{variant.name}\s+{variant.d_qk}\s+(cache|compiled)\s", out, re.MULTILINE)
+
+
+def test_experiments_power_sampler_averages_the_samples_inside_the_window(tmp_path, monkeypatch):
+    """``scripts/experiments.py --power``: the nvidia-smi samples taken while a cell runs are averaged (a
+    stand-in nvidia-smi prints a header, an unreadable sample and steady samples every 20 ms)."""
+    fake = tmp_path / "nvidia-smi"
+    fake.write_text(
+        f"#!{sys.executable}\n"
+        + textwrap.dedent(
+            """
+            import datetime, time
+            print("timestamp, power.draw [W], clocks.sm [MHz]", flush=True)
+            print("2026/01/01 00:00:00.000, [N/A], 1980", flush=True)
+            for _ in range(500):
+                now = datetime.datetime.now().strftime("%Y/%m/%d %H:%M:%S.%f")[:-3]
+                print(f"{now}, 650.50, 1785", flush=True)
+                time.sleep(0.02)
+            """
+        )
+    )
+    fake.chmod(0o755)
+    monkeypatch.setenv("PATH", f"{tmp_path}{os.pathsep}{os.environ['PATH']}")
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda: None)
+    script = REPO / "scripts" / "experiments.py"
+    spec = importlib.util.spec_from_file_location("experiments_under_test", script)
+    experiments = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(experiments)
+    sampler = experiments.PowerSampler()
+    calls = []
+    try:
+        watts, mhz = sampler.window(lambda: calls.append(None), 0.6)
+    finally:
+        sampler.close()
+    assert calls
+    assert watts == pytest.approx(650.5) and mhz == pytest.approx(1785.0)
+    assert all(sample[1] == 650.5 for sample in sampler.samples)  # the header and "[N/A]" were skipped
