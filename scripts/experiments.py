@@ -144,20 +144,14 @@ def main() -> None:
 
                 outputs = q8kv8.sparse_mla_q8kv8_prefill_fwd(**inputs, precision=precision)
                 err = check(inputs, outputs, rows=16) if "experiment" not in options else float("nan")
-                ms = time_ms(
-                    lambda inputs=inputs, p=precision: q8kv8.sparse_mla_q8kv8_prefill_fwd(
-                        **inputs, precision=p
-                    ),
-                    args.rep,
-                )
+
+                def call(inputs=inputs, p=precision):
+                    return q8kv8.sparse_mla_q8kv8_prefill_fwd(**inputs, precision=p)
+
+                ms = time_ms(call, args.rep)
                 power = ""
                 if sampler is not None:
-                    watts, mhz = sampler.window(
-                        lambda inputs=inputs, p=precision: q8kv8.sparse_mla_q8kv8_prefill_fwd(
-                            **inputs, precision=p
-                        ),
-                        args.power,
-                    )
+                    watts, mhz = sampler.window(call, args.power)
                     power = f"  {watts:5.0f} W {mhz:6.0f} MHz"
                 print(
                     f"    {shape:30s} {ms:8.3f} ms {flops / ms / 1e9:7.0f} TF/s  rel err {err:.2e}{power}",

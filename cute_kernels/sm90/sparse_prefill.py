@@ -556,8 +556,6 @@ class SparsePrefillSm90:
                     cute.arch.mbarrier_arrive(full_barrier)  # issued, not landed: data latency off the path
                 else:
                     cute.arch.cp_async_mbarrier_arrive_noinc(full_barrier)
-        if const_expr(self.experiment == "early_full"):
-            ptx.cp_async_wait_all()
 
     # ------------------------------------------------------------------------------------
     @cute.jit
