@@ -63,7 +63,8 @@ def build(d_qk: int, options: dict):
 
 
 class PowerSampler:
-    """``nvidia-smi`` samples (time, board power W, SM clock MHz) every 50 ms, read by a thread."""
+    """``nvidia-smi`` samples (time, board power W, SM clock MHz) every 50 ms, read by a thread. It samples
+    nvidia-smi's GPU 0, the one the timings run on when one GPU is visible (the GPU machine's case)."""
 
     def __init__(self):
         query = ["nvidia-smi", "--query-gpu=timestamp,power.draw,clocks.sm", "--format=csv,noheader,nounits"]
