@@ -424,13 +424,13 @@ def launch_sparse_prefill(
     if not ready:
         if q.data_ptr() % Q_ALIGNMENT_BYTES:  # the Q tile is loaded by TMA
             q = q.clone()
-        if (
-            kv.data_ptr() % KV_ROW_ALIGNMENT_BYTES or kv.stride()[0] % KV_ROW_ALIGNMENT_BYTES
-        ):  # 16-byte copies
+        # kv rows are gathered with 16-byte copies
+        if kv.data_ptr() % KV_ROW_ALIGNMENT_BYTES or kv.stride()[0] % KV_ROW_ALIGNMENT_BYTES:
             kv = kv.clone(memory_format=torch.contiguous_format)
         if out.data_ptr() % OUT_ALIGNMENT_BYTES:
             kernel_out = torch.empty_like(out)
-    dummies = no_topk_length, no_sink = _dummies(q, device_index)
+    dummies = _dummies(q, device_index)
+    no_topk_length, no_sink = dummies
     _call_on_device_of(
         q,
         variant.function,
