@@ -11,7 +11,7 @@ import sys
 import torch
 from torch.compiler import is_compiling
 
-from q8kv8 import fast_launch, ops
+from q8kv8 import fast_launch, ops, output_alloc
 from q8kv8.contract import SUPPORTED_D_V, check_inputs, check_ranges_enabled, check_topk_length_range
 from q8kv8.metadata import HEAD_ALIGNMENT, padded_num_heads
 
@@ -85,8 +85,9 @@ def sparse_mla_q8kv8_prefill_fwd(
         and getattr(sys.modules.get("q8kv8.kernels"), "tiles_per_cta_override", 0) is None
     ):
         # The common case, checked and launched in C++ (q8kv8.fast_launch); -1: declined, nothing launched.
-        if out is None and max_logits is None and lse is None and type(q) is torch.Tensor and q.dim() == 3:
-            out, max_logits, lse = ops.output_buffers(q, q.shape[1], SUPPORTED_D_V)
+        if out is None and max_logits is None and lse is None:
+            # In C++ once the extension is built; (None, None, None) unless q is a plain 3-d tensor.
+            out, max_logits, lse = output_alloc.allocate(q, SUPPORTED_D_V)
         try:
             schedule = fast(
                 q, kv, indices, sm_scale, q_scale, kv_scale, d_v, attn_sink, topk_length,

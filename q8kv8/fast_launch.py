@@ -27,17 +27,15 @@ from __future__ import annotations
 
 import atexit
 import hashlib
-import os
-import shutil
-import subprocess
 import sys
-import tempfile
 import threading
 import types
 import warnings
 from pathlib import Path
 
 import torch
+
+from q8kv8 import output_alloc
 
 SOURCE = Path(__file__).resolve().parent / "csrc" / "fast_launch.cc"
 EXPORTED = (
@@ -73,39 +71,21 @@ def _build_dir() -> Path:
 
 
 def _compile(directory: Path) -> Path:
-    """``fast_launch.so`` in ``directory``, built with ``c++`` when absent (written under a temporary
-    name and renamed into place, under the kernels' file lock)."""
+    """``fast_launch.so`` in ``directory``, built with ``c++`` against TVM-FFI's headers when absent."""
     import tvm_ffi.libinfo
 
-    from q8kv8 import kernels
+    from q8kv8 import native_build
 
-    library = directory / "fast_launch.so"
-    directory.mkdir(parents=True, exist_ok=True)
-    with kernels._file_lock(directory / ".lock"):
-        if library.exists():
-            return library
-        compiler = os.environ.get("CXX") or shutil.which("c++") or shutil.which("g++")
-        if compiler is None:
-            raise RuntimeError("no C++ compiler (c++, g++ or $CXX) on PATH")
-        exports = "".join(f"TVM_FFI_DLL_EXPORT_TYPED_FUNC({name}, {name});\n" for name in EXPORTED)
-        with tempfile.TemporaryDirectory(dir=directory) as work:
-            source = Path(work) / "fast_launch.cc"
-            source.write_text(SOURCE.read_text() + "\n" + exports)
-            output = Path(work) / "fast_launch.so"
-            include = [
-                f"-I{tvm_ffi.libinfo.find_include_path()}",
-                f"-I{tvm_ffi.libinfo.find_dlpack_include_path()}",
-            ]
-            lib_dir = Path(tvm_ffi.libinfo.find_libtvm_ffi()).parent
-            command = [
-                compiler, "-std=c++17", "-O2", "-fPIC", "-shared", *include, str(source), "-o", str(output),
-                f"-L{lib_dir}", "-ltvm_ffi",
-            ]  # fmt: skip
-            result = subprocess.run(command, capture_output=True, text=True)
-            if result.returncode != 0:
-                raise RuntimeError(f"{' '.join(command)} failed:\n{result.stderr[-4000:]}")
-            os.replace(output, library)
-    return library
+    exports = "".join(f"TVM_FFI_DLL_EXPORT_TYPED_FUNC({name}, {name});\n" for name in EXPORTED)
+    lib_dir = Path(tvm_ffi.libinfo.find_libtvm_ffi()).parent
+    flags = [
+        "-std=c++17",
+        f"-I{tvm_ffi.libinfo.find_include_path()}",
+        f"-I{tvm_ffi.libinfo.find_dlpack_include_path()}",
+        f"-L{lib_dir}",
+        "-ltvm_ffi",
+    ]
+    return native_build.build_library(directory, "fast_launch.so", SOURCE.read_text() + "\n" + exports, flags)
 
 
 def load():
@@ -187,6 +167,7 @@ def note_launch(
         _registered_devices.add(device_index)
     module.q8kv8_fast_register_variant(d_qk, precision == "accurate", persistent, function)
     _registered.add(key)
+    output_alloc.load()  # the fast path's allocating calls allocate in C++ from now on (built once)
     launch = module.q8kv8_fast_launch
 
 

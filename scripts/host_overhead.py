@@ -20,7 +20,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import q8kv8  # noqa: E402
 from bench import make_inputs  # noqa: E402
-from q8kv8 import contract, fast_launch, kernels  # noqa: E402
+from q8kv8 import contract, fast_launch, kernels, output_alloc  # noqa: E402
 
 
 def per_call_us(fn, calls: int = 3000) -> float:
@@ -70,6 +70,7 @@ def main() -> None:
         "full call": lambda: q8kv8.sparse_mla_q8kv8_prefill_fwd(**inputs, **buffers),
         "full call, allocating": lambda: q8kv8.sparse_mla_q8kv8_prefill_fwd(**inputs),
         "the three output allocations alone": lambda: q8kv8.ops.output_buffers(inputs["q"], 64, 512),
+        "the three allocations in C++": lambda: output_alloc.allocate(inputs["q"], 512),
     }
     assert fast_launch.launch is not None, "the first call did not enable the fast launch"
     for name, fn in rows.items():

@@ -20,7 +20,15 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from test_contract import VIOLATIONS, every_other_in_last_dim, offset_by  # noqa: E402
 
-from q8kv8 import api, contract, fast_launch, kernels, schedule, sparse_mla_q8kv8_prefill_fwd  # noqa: E402
+from q8kv8 import (  # noqa: E402
+    api,
+    contract,
+    fast_launch,
+    kernels,
+    output_alloc,
+    schedule,
+    sparse_mla_q8kv8_prefill_fwd,
+)
 
 pytestmark = pytest.mark.skipif(
     shutil.which("c++") is None and shutil.which("g++") is None, reason="needs a C++ compiler"
@@ -260,7 +268,14 @@ def test_entry_point_takes_the_fast_path_and_returns_the_buffers(fast_entry_poin
     assert len(fast_entry_point.calls) == 1
 
 
-def test_entry_point_allocates_the_buffers_for_the_fast_path(fast_entry_point, valid_args):
+@pytest.mark.parametrize("allocation", ["c++", "python"])
+def test_entry_point_allocates_the_buffers_for_the_fast_path(
+    fast_entry_point, valid_args, allocation, monkeypatch
+):
+    extension = output_alloc.load()
+    assert extension is not None, "the output allocation did not build (see the warning)"
+    allocate = extension.allocate if allocation == "c++" else output_alloc.allocate_in_python
+    monkeypatch.setattr(output_alloc, "allocate", allocate)
     for name in ("out", "max_logits", "lse"):
         del valid_args[name]
     out, max_logits, lse = sparse_mla_q8kv8_prefill_fwd(**valid_args)
@@ -323,6 +338,7 @@ def test_note_launch_registers_once_per_variant_and_again_after_disable(fast):
     for _ in range(2):
         fast_launch.note_launch(0, 1, D_QK, "default", False, function, dummies)
         assert fast_launch.launch is not None
+        assert output_alloc.allocate is output_alloc.load().allocate  # allocating calls allocate in C++
         assert fast_launch._registered == {(0, D_QK, "default", False)}
         assert fast_launch._registered_devices == {0}
         fast_launch.disable()

@@ -1,5 +1,5 @@
 // q8kv8 fast launch: the input contract's common case, checked in C++, and the kernel launched, in one
-// TVM-FFI call (q8kv8/fast_launch.py builds this file with tvm_ffi.cpp.load_inline and explains when it
+// TVM-FFI call (q8kv8/fast_launch.py builds this file with the system c++ and explains when it
 // is used).
 //
 // q8kv8_fast_launch takes the public call's arguments as they are and either launches the kernel

@@ -1,0 +1,41 @@
+"""Building q8kv8's small C++ host libraries (``csrc/``) with the system's ``c++``, cached on disk.
+
+``build_library`` compiles one source file into a shared library in a cache directory that the caller
+names by a digest of everything the binary depends on (the source, the headers' package versions, the
+Python version), so a library is built once per machine and environment and only loaded afterwards.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+
+
+def build_library(directory: Path, library_name: str, source_text: str, flags: list[str]) -> Path:
+    """``directory / library_name``, built from ``source_text`` when absent: ``c++ -O2 -fPIC -shared``
+    with ``flags`` (include paths, libraries, defines), written under a temporary name and renamed into
+    place under the kernels' file lock, so concurrent processes build it once. Raises RuntimeError with
+    the compiler's message when there is no compiler or the build fails."""
+    from q8kv8 import kernels
+
+    library = directory / library_name
+    directory.mkdir(parents=True, exist_ok=True)
+    with kernels._file_lock(directory / ".lock"):
+        if library.exists():
+            return library
+        compiler = os.environ.get("CXX") or shutil.which("c++") or shutil.which("g++")
+        if compiler is None:
+            raise RuntimeError("no C++ compiler (c++, g++ or $CXX) on PATH")
+        with tempfile.TemporaryDirectory(dir=directory) as work:
+            source = Path(work) / (Path(library_name).stem + ".cc")
+            source.write_text(source_text)
+            output = Path(work) / library_name
+            command = [compiler, "-O2", "-fPIC", "-shared", str(source), "-o", str(output), *flags]
+            result = subprocess.run(command, capture_output=True, text=True)
+            if result.returncode != 0:
+                raise RuntimeError(f"{' '.join(command)} failed:\n{result.stderr[-4000:]}")
+            os.replace(output, library)
+    return library
