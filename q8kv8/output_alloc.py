@@ -8,8 +8,9 @@ small CPython extension makes the same three tensors with ``at::empty`` in about
 What: ``allocate(q, d_v)`` returns new ``(out, max_logits, lse)`` ([s_q, h, d_v] bfloat16, [s_q, h]
 float32, [s_q, h] float32 on q's device: exactly ``ops.output_buffers``'s tensors) when ``q`` is a 3-d
 ``torch.Tensor`` or ``torch.nn.Parameter`` (no other subclass), else ``(None, None, None)``. Until
-``load`` has built the extension (the first launch on a GPU calls it, next to the fast launch's build)
-and whenever it cannot be built, ``allocate`` is the Python equivalent.
+``load`` has built the extension (``import q8kv8`` calls it with the kernels' build, and the first launch on
+a GPU when that is deferred) and whenever it cannot be built, ``allocate`` is the Python equivalent; the
+fast path takes its allocating calls either way.
 
 Building: ``c++`` against the running torch's headers and libraries and Python's headers (about 20 s,
 once per torch and Python version), cached under ``kernels.cache_dir()``; without a compiler or

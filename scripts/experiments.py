@@ -39,6 +39,7 @@ VARIANTS = {
     "poly2": {"exp2_poly_groups": 2},
     "gather_only": {"experiment": "gather_only"},
     "math_only": {"experiment": "math_only"},
+    "acc_math_only": {"precision": "accurate", "experiment": "math_only"},
     "early_full": {"experiment": "early_full"},  # KV tiles marked full when issued, not landed
     "persist1": {"persistent": True, "tiles_per_cta": 1},
     "persist2": {"persistent": True, "tiles_per_cta": 2},
