@@ -6,7 +6,7 @@ import math
 import pytest
 import torch
 
-from q8kv8 import api, fast_launch, sparse_mla_q8kv8_prefill_fwd
+from q8kv8 import api, fast_launch, output_alloc, sparse_mla_q8kv8_prefill_fwd
 
 pytestmark = pytest.mark.gpu
 
@@ -75,3 +75,30 @@ def test_fast_path_runs_on_the_current_stream_and_in_a_cuda_graph(make_inputs, p
     graph.replay()
     torch.cuda.synchronize()
     assert all(torch.equal(a, b) for a, b in zip(buffers, expected, strict=True))
+
+
+def test_allocating_calls_allocate_in_cpp_on_the_current_stream_and_in_a_cuda_graph(
+    make_inputs, python_path_tripwire
+):
+    """After a first launch the fast path's allocating calls get their outputs from the C++ extension: on a
+    side stream (the caching allocator's pool of that stream) and inside a CUDA graph capture (the graph's
+    pool), with the Python path's results."""
+    inputs = make_inputs(40, 64, 3000, 576, 256, device="cuda", with_sink=True, with_topk_length=True)
+    expected = [t.clone() for t in sparse_mla_q8kv8_prefill_fwd(**inputs)]
+    assert output_alloc.allocate is output_alloc.load().allocate  # built, and taken by the fast path
+    python_path_tripwire()
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        on_stream = sparse_mla_q8kv8_prefill_fwd(**inputs)
+    stream.synchronize()
+    assert all(torch.equal(a, b) for a, b in zip(on_stream, expected, strict=True))
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = sparse_mla_q8kv8_prefill_fwd(**inputs)
+    for output in captured:
+        output.fill_(math.nan)
+    graph.replay()
+    torch.cuda.synchronize()
+    assert all(torch.equal(a, b) for a, b in zip(captured, expected, strict=True))

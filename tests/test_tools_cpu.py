@@ -8,6 +8,7 @@ so they load the variants rather than compile them again.
 import importlib.util
 import os
 import re
+import shutil
 import subprocess
 import sys
 import textwrap
@@ -169,3 +170,18 @@ def test_experiments_power_sampler_averages_the_samples_inside_the_window(tmp_pa
     assert calls
     assert watts == pytest.approx(650.5) and mhz == pytest.approx(1785.0)
     assert all(sample[1] == 650.5 for sample in sampler.samples)  # the header and "[N/A]" were skipped
+
+
+@pytest.mark.skipif(shutil.which("nvcc") is None, reason="needs nvcc")
+def test_gather_energy_probe_compiles_for_sm90a(tmp_path):
+    """``scripts/gather_energy_probe.cu`` (a GPU measurement quoted in docs/perf-notes.md) still builds,
+    with every variant (TMA multicast included) for sm_90a."""
+    binary = tmp_path / "probe"
+    command = [
+        "nvcc", "-O3", "-std=c++17", "-gencode", "arch=compute_90a,code=sm_90a",
+        "-Wno-deprecated-declarations", "-DPRODUCER_WARPS=8", "-o", str(binary),
+        str(REPO / "scripts" / "gather_energy_probe.cu"), "-ldl",
+    ]  # fmt: skip
+    result = subprocess.run(command, capture_output=True, text=True)
+    assert result.returncode == 0, result.stderr[-4000:]
+    assert binary.stat().st_size > 0
