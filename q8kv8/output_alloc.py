@@ -72,7 +72,7 @@ def _compile(directory: Path) -> Path:
         "-std=c++20",
         *(f"-I{path}" for path in cpp_extension.include_paths()),
         f"-I{sysconfig.get_paths()['include']}",
-        f"-D_GLIBCXX_USE_CXX11_ABI={int(torch._C._GLIBCXX_USE_CXX11_ABI)}",
+        f"-D_GLIBCXX_USE_CXX11_ABI={int(getattr(torch._C, '_GLIBCXX_USE_CXX11_ABI', True))}",
         f"-L{torch_lib}",
         f"-Wl,-rpath,{torch_lib}",
         "-lc10",
