@@ -26,11 +26,9 @@ C++ compiler the fast path is off (a warning says so) and every call takes the P
 from __future__ import annotations
 
 import atexit
-import hashlib
 import sys
 import threading
 import types
-import warnings
 from pathlib import Path
 
 import torch
@@ -63,11 +61,10 @@ _lock = threading.Lock()
 def _build_dir() -> Path:
     import tvm_ffi
 
-    from q8kv8 import kernels
+    from q8kv8 import native_build
 
-    digest = hashlib.sha256(SOURCE.read_bytes())
-    digest.update(f"tvm_ffi={tvm_ffi.__version__};python={sys.version_info[:2]}".encode())
-    return kernels.cache_dir() / "fast_launch" / digest.hexdigest()[:24]
+    environment = f"tvm_ffi={tvm_ffi.__version__};python={sys.version_info[:2]}"
+    return native_build.cache_directory("fast_launch", SOURCE, environment)
 
 
 def _compile(directory: Path) -> Path:
@@ -111,14 +108,10 @@ def load():
                 # Release the registered tensors and functions while the interpreter is still alive.
                 atexit.register(module.q8kv8_fast_reset)
             except Exception as exc:  # no compiler, no headers: the Python path takes every call
+                from q8kv8 import native_build
+
                 _build_failed = True
-                first_line = (str(exc).strip().splitlines() or [""])[0]
-                warnings.warn(
-                    f"q8kv8: the C++ fast launch is unavailable, every call takes the Python path "
-                    f"({type(exc).__name__}: {first_line})",
-                    RuntimeWarning,
-                    stacklevel=2,
-                )
+                native_build.warn_unavailable("C++ fast launch", "every call takes the Python path", exc)
     return _module
 
 

@@ -7,11 +7,33 @@ Python version), so a library is built once per machine and environment and only
 
 from __future__ import annotations
 
+import hashlib
 import os
 import shutil
 import subprocess
 import tempfile
+import warnings
 from pathlib import Path
+
+
+def cache_directory(kind: str, source: Path, environment: str) -> Path:
+    """The cache directory of a library built from ``source`` for ``environment`` (the versions of what it
+    is compiled and linked against): ``kernels.cache_dir() / kind / digest``."""
+    from q8kv8 import kernels
+
+    digest = hashlib.sha256(source.read_bytes())
+    digest.update(environment.encode())
+    return kernels.cache_dir() / kind / digest.hexdigest()[:24]
+
+
+def warn_unavailable(what: str, consequence: str, exc: Exception) -> None:
+    """The one warning a failed build gives: what is unavailable, what happens instead, and why."""
+    first_line = (str(exc).strip().splitlines() or [""])[0]
+    warnings.warn(
+        f"q8kv8: the {what} is unavailable, {consequence} ({type(exc).__name__}: {first_line})",
+        RuntimeWarning,
+        stacklevel=3,
+    )
 
 
 def build_library(directory: Path, library_name: str, source_text: str, flags: list[str]) -> Path:

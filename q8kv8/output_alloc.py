@@ -19,13 +19,11 @@ once per torch and Python version), cached under ``kernels.cache_dir()``; withou
 
 from __future__ import annotations
 
-import hashlib
 import importlib.machinery
 import importlib.util
 import sys
 import sysconfig
 import threading
-import warnings
 from pathlib import Path
 
 import torch
@@ -53,11 +51,10 @@ _lock = threading.Lock()
 
 
 def _build_dir() -> Path:
-    from q8kv8 import kernels
+    from q8kv8 import native_build
 
-    digest = hashlib.sha256(SOURCE.read_bytes())
-    digest.update(f"torch={torch.__version__};python={sys.implementation.cache_tag}".encode())
-    return kernels.cache_dir() / "output_alloc" / digest.hexdigest()[:24]
+    environment = f"torch={torch.__version__};python={sys.implementation.cache_tag}"
+    return native_build.cache_directory("output_alloc", SOURCE, environment)
 
 
 def _compile(directory: Path) -> Path:
@@ -102,12 +99,9 @@ def load():
                 _extension = _import(_compile(_build_dir()))
                 allocate = _extension.allocate
             except Exception as exc:  # no compiler, no Python.h: allocations stay in Python
+                from q8kv8 import native_build
+
                 _build_failed = True
-                first_line = (str(exc).strip().splitlines() or [""])[0]
-                warnings.warn(
-                    f"q8kv8: the C++ output allocation is unavailable, allocating calls allocate in Python "
-                    f"({type(exc).__name__}: {first_line})",
-                    RuntimeWarning,
-                    stacklevel=2,
-                )
+                consequence = "allocating calls allocate in Python"
+                native_build.warn_unavailable("C++ output allocation", consequence, exc)
     return _extension
