@@ -59,11 +59,13 @@ def _build_dir() -> Path:
 
 def _compile(directory: Path) -> Path:
     """The extension in ``directory``, built against torch's and Python's headers when absent."""
+    library = directory / (MODULE_NAME + importlib.machinery.EXTENSION_SUFFIXES[0])
+    if library.exists():  # built: skip importing torch.utils.cpp_extension (setuptools, ~90 ms)
+        return library
     from torch.utils import cpp_extension
 
     from q8kv8 import native_build
 
-    suffix = importlib.machinery.EXTENSION_SUFFIXES[0]
     torch_lib = Path(torch.__file__).resolve().parent / "lib"
     flags = [
         "-std=c++20",
@@ -77,7 +79,7 @@ def _compile(directory: Path) -> Path:
         "-ltorch_cpu",
         "-ltorch_python",
     ]
-    return native_build.build_library(directory, MODULE_NAME + suffix, SOURCE.read_text(), flags)
+    return native_build.build_library(directory, library.name, SOURCE.read_text(), flags)
 
 
 def _import(library: Path):

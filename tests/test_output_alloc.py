@@ -3,6 +3,8 @@ installed torch, its tensors compared with the Python allocation's (``ops.output
 
 import random
 import shutil
+import subprocess
+import sys
 import warnings
 
 import pytest
@@ -107,3 +109,12 @@ def test_a_failed_build_warns_and_keeps_the_python_allocation(monkeypatch, tmp_p
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         assert output_alloc.load() is None  # warned once
+
+
+def test_a_built_extension_loads_without_importing_the_build_tools(extension):
+    """Once built, ``import q8kv8`` loads the extension without importing torch.utils.cpp_extension (and
+    with it setuptools, ~90 ms)."""
+    code = "import sys, q8kv8; print(sorted({'setuptools', 'torch.utils.cpp_extension'} & set(sys.modules)))"
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert result.stdout.strip() == "[]"
