@@ -11,8 +11,8 @@ import sys
 import torch
 from torch.compiler import is_compiling
 
-from q8kv8 import fast_launch, ops, output_alloc
-from q8kv8.contract import SUPPORTED_D_V, check_inputs, check_ranges_enabled, check_topk_length_range
+from q8kv8 import fast_launch, ops
+from q8kv8.contract import check_inputs, check_ranges_enabled, check_topk_length_range
 from q8kv8.metadata import HEAD_ALIGNMENT, padded_num_heads
 
 
@@ -84,22 +84,14 @@ def sparse_mla_q8kv8_prefill_fwd(
         # a forced schedule (tests, experiments) and stand-in kernels modules (no such attribute) take Python
         and getattr(sys.modules.get("q8kv8.kernels"), "tiles_per_cta_override", 0) is None
     ):
-        # The common case, checked and launched in C++ (q8kv8.fast_launch); -1: declined, nothing launched.
-        if out is None and max_logits is None and lse is None:
-            # In C++ once the extension is built; (None, None, None) unless q is a plain 3-d tensor.
-            out, max_logits, lse = output_alloc.allocate(q, SUPPORTED_D_V)
-        try:
-            schedule = fast(
-                q, kv, indices, sm_scale, q_scale, kv_scale, d_v, attn_sink, topk_length,
-                out, max_logits, lse, precision,
-            )  # fmt: skip
-            taken = schedule >= 0
-        except Exception:
-            if fast_launch.take_launch_error():  # raised by the launch itself
-                raise
-            taken = False  # TVM-FFI could not convert an argument: the Python path says what is wrong
-        if taken:
-            return out, max_logits, lse
+        # The common case, checked (outputs allocated) and launched in C++ (q8kv8.fast_launch); None:
+        # declined, nothing launched. An exception is the launch's own (or torch's out-of-memory error).
+        outputs = fast(
+            q, kv, indices, sm_scale, q_scale, kv_scale, d_v, attn_sink, topk_length,
+            out, max_logits, lse, precision,
+        )  # fmt: skip
+        if outputs is not None:
+            return outputs
     problem = check_inputs(
         q,
         kv,

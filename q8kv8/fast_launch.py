@@ -1,10 +1,13 @@
-"""The fast launch: a call's checks and launch in one TVM-FFI call into C++ (``csrc/fast_launch.cc``).
+"""The fast launch: a call's checks and launch in C++ (``csrc/fast_launch.cc``).
 
 Why: the Python path of a call (``contract.check_inputs``, memoised, plus ``kernels.launch_sparse_prefill``)
 costs 10-15 us of host time before the kernel's own TVM-FFI call (about 6 us): reading the nine tensors'
-signatures alone is ~6 us of Python attribute reads. The C++ function reads the same facts from the DLPack
-views TVM-FFI makes of the torch tensors anyway, checks them, and calls the kernel variant's TVM-FFI
-function directly (same arguments, same stream: TVM-FFI's current stream, torch's current one).
+signatures alone is ~6 us of Python attribute reads. The C++ checks read the same facts from DLPack views
+of the torch tensors and call the kernel variant's TVM-FFI function directly (same arguments, same stream:
+torch's current one). The views come from ``q8kv8.fast_call``'s CPython extension, which reads the torch
+tensors itself and calls these checks through their C interface (``csrc/fast_launch_c_api.h``); where that
+extension cannot be built, from TVM-FFI's conversion of the arguments of one TVM-FFI call
+(``q8kv8_fast_launch``).
 
 When: ``api.sparse_mla_q8kv8_prefill_fwd`` offers it every eager call (not while ``torch.compile`` traces,
 not with ``Q8KV8_CHECK_RANGES=1``, not while ``kernels.tiles_per_cta_override`` is set) and falls back to the
@@ -33,7 +36,7 @@ from pathlib import Path
 
 import torch
 
-from q8kv8 import output_alloc
+from q8kv8 import fast_call
 
 SOURCE = Path(__file__).resolve().parent / "csrc" / "fast_launch.cc"
 EXPORTED = (
@@ -45,11 +48,15 @@ EXPORTED = (
     "q8kv8_fast_launch",
     "q8kv8_fast_take_launch_error",
     "q8kv8_fast_decline_reason",
+    "q8kv8_fast_c_api",
+    "q8kv8_fast_rethrow",
 )
 KDL_CUDA = 2  # DLPack's device type of CUDA tensors
 
 launch = None
-"""``q8kv8_fast_launch`` once a device is registered, else None: the per-call test of the entry point."""
+"""The per-call fast path once a device is registered, else None (the entry point's test): called with the
+public call's 13 arguments, it returns ``(out, max_logits, lse)`` after launching, or None having launched
+nothing. ``fast_call``'s extension's ``launch``, or ``launch_through_tvm_ffi`` when that is not built."""
 
 _module = None
 _build_failed = False
@@ -77,6 +84,7 @@ def _compile(directory: Path) -> Path:
     lib_dir = Path(tvm_ffi.libinfo.find_libtvm_ffi()).parent
     flags = [
         "-std=c++17",
+        f"-I{native_build.C_API_HEADER.parent}",
         f"-I{tvm_ffi.libinfo.find_include_path()}",
         f"-I{tvm_ffi.libinfo.find_dlpack_include_path()}",
         f"-L{lib_dir}",
@@ -160,8 +168,34 @@ def note_launch(
         _registered_devices.add(device_index)
     module.q8kv8_fast_register_variant(d_qk, precision == "accurate", persistent, function)
     _registered.add(key)
-    output_alloc.load()  # the fast path's allocating calls allocate in C++ from now on (built once)
-    launch = module.q8kv8_fast_launch
+    launch = _per_call_launch(module)
+
+
+def _per_call_launch(module):
+    """``fast_call``'s ``launch``, bound to ``module``'s C interface (built once), else the TVM-FFI call."""
+    extension = fast_call.load()
+    if extension is None:
+        return launch_through_tvm_ffi
+    extension.bind(module.q8kv8_fast_c_api(), module.q8kv8_fast_rethrow)
+    return extension.launch
+
+
+def launch_through_tvm_ffi(
+    q, kv, indices, sm_scale, q_scale, kv_scale, d_v, attn_sink, topk_length, out, max_logits, lse, precision
+):
+    """``fast_call``'s ``launch`` through one TVM-FFI call (``q8kv8_fast_launch``), allocating in Python."""
+    if out is None and max_logits is None and lse is None:
+        out, max_logits, lse = fast_call.allocate_in_python(q, 512)  # Nones unless q is a plain 3-d tensor
+    try:
+        schedule = _module.q8kv8_fast_launch(
+            q, kv, indices, sm_scale, q_scale, kv_scale, d_v, attn_sink, topk_length, out, max_logits, lse,
+            precision,
+        )  # fmt: skip
+    except Exception:
+        if take_launch_error():  # raised by the launch itself
+            raise
+        return None  # TVM-FFI could not convert an argument: the Python path says what is wrong
+    return (out, max_logits, lse) if schedule >= 0 else None
 
 
 def disable() -> None:
@@ -191,12 +225,16 @@ def decline_reason(
     precision="default",
 ) -> str:
     """Why the fast path declines a call with these arguments ("" when it takes it): a diagnostic for a
-    call that is slower than expected."""
+    call that is slower than expected. (``fast_call``'s extension also declines tensors it cannot read
+    directly: subclasses other than Parameter, wrapper or Python-dispatch tensors, negative or conjugate
+    views.)"""
     module = load()
     if module is None:
         return "the fast launch is unavailable (it did not build)"
     if launch is None:
         return "no device registered yet (the first call on a GPU registers it)"
+    if out is None and max_logits is None and lse is None:  # an allocating call: checked with its outputs
+        out, max_logits, lse = fast_call.allocate_in_python(q, 512)
     return str(
         module.q8kv8_fast_decline_reason(
             q, kv, indices, sm_scale, q_scale, kv_scale, d_v, attn_sink, topk_length, out, max_logits, lse,

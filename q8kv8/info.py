@@ -21,11 +21,11 @@ import torch
 def info() -> dict:
     """Versions, GPU, kernel variants and cache of this installation (builds or loads the variants)."""
     import q8kv8
-    from q8kv8 import fast_launch, kernels, output_alloc
+    from q8kv8 import fast_call, fast_launch, kernels
 
     variants = kernels.all_variants()
     fast_launch_built = fast_launch.load() is not None
-    output_alloc_built = output_alloc.load() is not None
+    fast_call_built = fast_call.load() is not None
     gpu, arch = "none", "none"
     if torch.cuda.is_available():
         major, minor = torch.cuda.get_device_capability()
@@ -51,7 +51,7 @@ def info() -> dict:
             "rebuilt_corrupt": kernels.cache_stats.rebuilt_corrupt,
         },
         "fast_launch": "built" if fast_launch_built else "unavailable (every call takes the Python path)",
-        "output_alloc": "built" if output_alloc_built else "unavailable (calls allocate in Python)",
+        "fast_call": "built" if fast_call_built else "unavailable (fast calls go through TVM-FFI)",
     }
 
 
@@ -99,7 +99,7 @@ def main() -> int:
         f"{cache['rebuilt_corrupt']} rebuilt)"
     )
     print(f"{'fast launch':{width}s}  {report['fast_launch']}")
-    print(f"{'output allocation':{width}s}  {report['output_alloc']}")
+    print(f"{'fast call':{width}s}  {report['fast_call']}")
     header = (
         f"{'variant':32s} {'d_qk':>5s} {'from':9s} {'seconds':>8s} {'regs':>5s} {'spills':>7s} {'smem B':>8s}"
     )

@@ -15,13 +15,17 @@ import tempfile
 import warnings
 from pathlib import Path
 
+C_API_HEADER = Path(__file__).resolve().parent / "csrc" / "fast_launch_c_api.h"
+"""The header both host libraries include (``-I`` its directory); part of both build digests."""
+
 
 def cache_directory(kind: str, source: Path, environment: str) -> Path:
-    """The cache directory of a library built from ``source`` for ``environment`` (the versions of what it
-    is compiled and linked against): ``kernels.cache_dir() / kind / digest``."""
+    """The cache directory of a library built from ``source`` (and ``C_API_HEADER``) for ``environment``
+    (the versions of what it is compiled and linked against): ``kernels.cache_dir() / kind / digest``."""
     from q8kv8 import kernels
 
     digest = hashlib.sha256(source.read_bytes())
+    digest.update(C_API_HEADER.read_bytes())
     digest.update(environment.encode())
     return kernels.cache_dir() / kind / digest.hexdigest()[:24]
 

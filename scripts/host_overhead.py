@@ -1,4 +1,5 @@
-"""Where the host time of one call goes: the C++ fast launch, or the contract checks, the wrapper and the
+"""Where the host time of one call goes: the C++ fast path (the CPython extension of q8kv8.fast_call, or
+the TVM-FFI call that replaces it where it is not built), or the contract checks, the wrapper and the
 TVM-FFI launch of the Python path.
 
 Times each stage in a loop of launches queued without syncs on a tiny problem (the GPU keeps up),
@@ -20,7 +21,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import q8kv8  # noqa: E402
 from bench import make_inputs  # noqa: E402
-from q8kv8 import contract, fast_launch, kernels, output_alloc  # noqa: E402
+from q8kv8 import contract, fast_call, fast_launch, kernels  # noqa: E402
 
 
 def per_call_us(fn, calls: int = 3000) -> float:
@@ -66,19 +67,23 @@ def main() -> None:
             "default",
         ),  # fmt: skip
         "TVM-FFI call alone": lambda: variant.function(*ffi_args),
-        "fast launch alone (C++)": lambda: fast_launch.launch(*args),
+        "fast call alone (C++ extension)": lambda: fast_launch.launch(*args),
+        "fast call alone, allocating": lambda: fast_launch.launch(*args[:9], None, None, None, "default"),
+        "fast launch through TVM-FFI": lambda: fast_launch.launch_through_tvm_ffi(*args),
         "full call": lambda: q8kv8.sparse_mla_q8kv8_prefill_fwd(**inputs, **buffers),
         "full call, allocating": lambda: q8kv8.sparse_mla_q8kv8_prefill_fwd(**inputs),
         "the three output allocations alone": lambda: q8kv8.ops.output_buffers(inputs["q"], 64, 512),
-        "the three allocations in C++": lambda: output_alloc.allocate(inputs["q"], 512),
+        "the three allocations in C++": lambda: fast_call.load().allocate(inputs["q"], 512),
     }
-    assert fast_launch.launch is not None, "the first call did not enable the fast launch"
+    assert fast_launch.launch is fast_call.load().launch, "the first call did not enable the fast call"
     for name, fn in rows.items():
-        print(f"{name:32s} {per_call_us(fn):7.1f} us")
-    fast_launch_function, fast_launch.launch = fast_launch.launch, None
-    for name in ("full call", "full call, allocating"):
-        print(f"{name + ', Python path':32s} {per_call_us(rows[name]):7.1f} us")
-    fast_launch.launch = fast_launch_function
+        print(f"{name:40s} {per_call_us(fn):7.1f} us")
+    fast_call_launch = fast_launch.launch
+    for label, per_call in (("through TVM-FFI", fast_launch.launch_through_tvm_ffi), ("Python path", None)):
+        fast_launch.launch = per_call
+        for name in ("full call", "full call, allocating"):
+            print(f"{name + ', ' + label:40s} {per_call_us(rows[name]):7.1f} us")
+    fast_launch.launch = fast_call_launch
     profile = cProfile.Profile()
     profile.enable()
     for _ in range(2000):

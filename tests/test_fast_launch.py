@@ -1,10 +1,13 @@
-"""The C++ fast launch (``q8kv8.fast_launch``) on a CPU-only machine: built for real, run on CPU tensors.
+"""The C++ fast launch (``q8kv8.fast_launch``, ``q8kv8.fast_call``) on a CPU-only machine: built for real,
+run on CPU tensors.
 
 A CPU "device" is registered in place of a GPU and the kernel variants are recording TVM-FFI functions, so
-every check of ``csrc/fast_launch.cc`` runs here. Its verdicts are compared with the Python contract's:
-it must launch exactly what the Python path launches (same variant, same arguments, same schedule) for
-the calls it takes, and decline (launch nothing) every call the contract rejects and every call that
-needs the Python path (padding, copies, empty extents, unregistered devices and variants).
+every check of ``csrc/fast_launch.cc`` runs here, through both ways in: the TVM-FFI call
+(``q8kv8_fast_launch``) and the CPython extension of ``csrc/fast_call.cc`` (its ``launch``, which reads
+the torch tensors itself). Their verdicts are compared with the Python contract's: the fast path must
+launch exactly what the Python path launches (same variant, same arguments, same schedule) for the calls
+it takes, and decline (launch nothing) every call the contract rejects and every call that needs the
+Python path (padding, copies, empty extents, unregistered devices and variants).
 """
 
 import math
@@ -23,9 +26,9 @@ from test_contract import VIOLATIONS, every_other_in_last_dim, offset_by  # noqa
 from q8kv8 import (  # noqa: E402
     api,
     contract,
+    fast_call,
     fast_launch,
     kernels,
-    output_alloc,
     schedule,
     sparse_mla_q8kv8_prefill_fwd,
 )
@@ -71,6 +74,10 @@ def fast(monkeypatch):
     monkeypatch.setattr(contract, "check_device", lambda named_devices: None)  # CPU tensors pass it
     monkeypatch.setattr(contract, "_memo", {})
     module.calls = calls
+    extension = fast_call.load()
+    assert extension is not None, "the fast call did not build (see the warning)"
+    extension.bind(module.q8kv8_fast_c_api(), module.q8kv8_fast_rethrow)
+    module.fast_call = extension
     yield module
     fast_launch.disable()
 
@@ -158,6 +165,22 @@ def test_fast_launch_launches_what_the_python_path_launches(
     assert fast.q8kv8_fast_launch(*call_args(args)) == expected_schedule
     key, arguments = fast.calls.pop()
     assert (key, arguments) == (expected_key, expected_arguments)
+    buffers = args["out"], args["max_logits"], args["lse"]
+    returned = fast.fast_call.launch(*call_args(args))
+    assert all(a is b for a, b in zip(returned, buffers, strict=True))
+    assert fast.calls.pop() == (expected_key, expected_arguments)
+    # Allocating: the same launch on three new outputs, which the extension returns.
+    allocating = {**args, "out": None, "max_logits": None, "lse": None}
+    out, max_logits, lse = fast.fast_call.launch(*call_args(allocating))
+    assert (out.shape, out.dtype, max_logits.shape, max_logits.dtype, lse.shape, lse.dtype) == (
+        (s_q, h_q, 512), torch.bfloat16, (s_q, h_q), torch.float32, (s_q, h_q), torch.float32,
+    )  # fmt: skip
+    key, arguments = fast.calls.pop()
+    new_outputs = [(t.data_ptr(), tuple(t.shape), t.stride()) for t in (out, max_logits, lse)]
+    assert (key, arguments[:7], [a[:3] for a in arguments[7:10]], arguments[10:]) == (
+        expected_key, expected_arguments[:7], new_outputs, expected_arguments[10:],
+    )  # fmt: skip
+    assert [a[3] for a in arguments[7:10]] == [a[3] for a in expected_arguments[7:10]]  # dtypes
     assert not fast.calls
 
 
@@ -177,6 +200,7 @@ def test_fast_launch_declines_every_contract_violation(fast, valid_args, changes
         verdict = DECLINED  # TVM-FFI could not convert an argument: nothing ran
         assert not fast_launch.take_launch_error()
     assert verdict == DECLINED
+    assert fast.fast_call.launch(*call_args(valid_args)) is None  # never raises for its arguments
     assert not fast.calls
 
 
@@ -206,7 +230,25 @@ def _declined_cases(args: dict, randn_fp8) -> dict:
         "no out buffer": {**args, "out": None},
         "no lse buffer": {**args, "lse": None},
         "q on another device": {**args, "q": args["q"].to("meta")},
+        "q a subclass": {**args, "q": args["q"].as_subclass(TensorSubclass)},
+        "q_scale a negative view": {**args, "q_scale": torch._neg_view(args["q_scale"])},
+        "attn_sink a negative view": {**args, "attn_sink": torch._neg_view(args["attn_sink"])},
+        "sm_scale a float subclass": {**args, "sm_scale": FloatSubclass(args["sm_scale"])},
+        "precision a str subclass": {**args, "precision": StrSubclass("default")},
+        "d_v a bool": {**args, "d_v": True},
     }
+
+
+class TensorSubclass(torch.Tensor):
+    pass
+
+
+class FloatSubclass(float):
+    pass
+
+
+class StrSubclass(str):
+    pass
 
 
 @pytest.mark.parametrize(
@@ -214,18 +256,25 @@ def _declined_cases(args: dict, randn_fp8) -> dict:
     [
         "heads need padding", "q misaligned", "q strided", "kv misaligned", "kv row stride", "out misaligned",
         "topk_length strided", "attn_sink strided", "empty kv", "q_scale 0-d", "kv_scale [1, 1]",
-        "sm_scale an int", "no out buffer", "no lse buffer", "q on another device",
+        "sm_scale an int", "no out buffer", "no lse buffer", "q on another device", "q a subclass",
+        "q_scale a negative view", "attn_sink a negative view", "sm_scale a float subclass",
+        "precision a str subclass", "d_v a bool",
     ],
 )  # fmt: skip
 def test_fast_launch_declines_what_needs_the_python_path(fast, valid_args, randn_fp8, case):
     args = _declined_cases(valid_args, randn_fp8)[case]
-    try:
-        verdict = fast.q8kv8_fast_launch(*call_args(args))
-        assert fast.q8kv8_fast_decline_reason(*call_args(args))  # says why
-    except Exception:
-        verdict = DECLINED
-        assert not fast_launch.take_launch_error()
-    assert verdict == DECLINED
+    tvm_ffi_only = ("q a subclass", "q_scale a negative view", "attn_sink a negative view")
+    if case not in tvm_ffi_only + ("sm_scale a float subclass", "precision a str subclass"):
+        # (TVM-FFI takes tensor subclasses and float and str subclasses as their base types, and reads a
+        # negative view's memory as it is, which the Python path would too: only the extension declines.)
+        try:
+            verdict = fast.q8kv8_fast_launch(*call_args(args))
+            assert fast.q8kv8_fast_decline_reason(*call_args(args))  # says why
+        except Exception:
+            verdict = DECLINED
+            assert not fast_launch.take_launch_error()
+        assert verdict == DECLINED
+    assert fast.fast_call.launch(*call_args(args)) is None
     assert not fast.calls
 
 
@@ -253,11 +302,14 @@ def test_decline_reason_names_the_check(fast, valid_args, monkeypatch):
     assert "needs padding" in reason(**{**valid_args, "q": valid_args["q"][:, :16]})
 
 
-@pytest.fixture
-def fast_entry_point(fast, monkeypatch):
-    """The public call with the fast path on (as after a first launch on a GPU), for CPU tensors."""
+@pytest.fixture(params=["fast call", "tvm-ffi"])
+def fast_entry_point(fast, monkeypatch, request):
+    """The public call with the fast path on (as after a first launch on a GPU), for CPU tensors: through
+    the CPython extension, or through the TVM-FFI call (the path when the extension is not built)."""
     monkeypatch.setattr(kernels, "tiles_per_cta_override", None)
-    monkeypatch.setattr(fast_launch, "launch", fast.q8kv8_fast_launch)
+    per_call = fast.fast_call.launch if request.param == "fast call" else fast_launch.launch_through_tvm_ffi
+    monkeypatch.setattr(fast_launch, "launch", per_call)
+    monkeypatch.setattr(fast_launch, "_module", fast)
     return fast
 
 
@@ -268,21 +320,15 @@ def test_entry_point_takes_the_fast_path_and_returns_the_buffers(fast_entry_poin
     assert len(fast_entry_point.calls) == 1
 
 
-@pytest.mark.parametrize("allocation", ["c++", "python"])
-def test_entry_point_allocates_the_buffers_for_the_fast_path(
-    fast_entry_point, valid_args, allocation, monkeypatch
-):
-    extension = output_alloc.load()
-    assert extension is not None, "the output allocation did not build (see the warning)"
-    allocate = extension.allocate if allocation == "c++" else output_alloc.allocate_in_python
-    monkeypatch.setattr(output_alloc, "allocate", allocate)
+def test_entry_point_allocates_the_buffers_for_the_fast_path(fast_entry_point, valid_args):
     for name in ("out", "max_logits", "lse"):
         del valid_args[name]
     out, max_logits, lse = sparse_mla_q8kv8_prefill_fwd(**valid_args)
     assert (out.shape, max_logits.shape, lse.shape) == ((S_Q, H_Q, 512), (S_Q, H_Q), (S_Q, H_Q))
     assert (out.dtype, max_logits.dtype, lse.dtype) == (torch.bfloat16, torch.float32, torch.float32)
+    assert len({out.data_ptr(), max_logits.data_ptr(), lse.data_ptr()}) == 3
     (key, arguments) = fast_entry_point.calls.pop()
-    assert arguments[7][0] == out.data_ptr()
+    assert [argument[0] for argument in arguments[7:10]] == [t.data_ptr() for t in (out, max_logits, lse)]
 
 
 def test_entry_point_falls_back_to_the_python_path(fast_entry_point, valid_args, monkeypatch):
@@ -337,8 +383,7 @@ def test_note_launch_registers_once_per_variant_and_again_after_disable(fast):
     assert fast_launch.launch is None and not fast_launch._registered
     for _ in range(2):
         fast_launch.note_launch(0, 1, D_QK, "default", False, function, dummies)
-        assert fast_launch.launch is not None
-        assert output_alloc.allocate is output_alloc.load().allocate  # allocating calls allocate in C++
+        assert fast_launch.launch is fast_call.load().launch  # the CPython extension takes the calls
         assert fast_launch._registered == {(0, D_QK, "default", False)}
         assert fast_launch._registered_devices == {0}
         fast_launch.disable()

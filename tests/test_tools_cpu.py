@@ -20,7 +20,7 @@ import torch
 
 import q8kv8
 from q8kv8 import compile as compile_command
-from q8kv8 import fast_launch, kernels, output_alloc
+from q8kv8 import fast_call, fast_launch, kernels
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -114,12 +114,12 @@ def test_info_reports_versions_gpu_variants_and_cache(variants):
         assert described["registers"] is None or 0 < described["registers"] <= 168
     assert report["cache"]["dir"] == str(kernels.cache_dir())
     assert report["cache"]["hits"] + report["cache"]["misses"] >= len(variants)
-    fast_launch_built, output_alloc_built = fast_launch.load() is not None, output_alloc.load() is not None
+    fast_launch_built, fast_call_built = fast_launch.load() is not None, fast_call.load() is not None
     assert report["fast_launch"] == (
         "built" if fast_launch_built else "unavailable (every call takes the Python path)"
     )
-    assert report["output_alloc"] == (
-        "built" if output_alloc_built else "unavailable (calls allocate in Python)"
+    assert report["fast_call"] == (
+        "built" if fast_call_built else "unavailable (fast calls go through TVM-FFI)"
     )
 
 
@@ -130,7 +130,7 @@ def test_python_m_info_prints_a_table(variants):
     out = result.stdout
     assert re.search(rf"^q8kv8\s+{re.escape(q8kv8.__version__)}$", out, re.MULTILINE)
     assert re.search(r"^gpu\s+\S", out, re.MULTILINE)
-    assert re.search(r"^output allocation\s+(built|unavailable)", out, re.MULTILINE)
+    assert re.search(r"^fast call\s+(built|unavailable)", out, re.MULTILINE)
     assert re.search(rf"^cache\s+{re.escape(str(kernels.cache_dir()))} \(this process: ", out, re.MULTILINE)
     for variant in variants.values():
         assert re.search(rf"^{variant.name}\s+{variant.d_qk}\s+(cache|compiled)\s", out, re.MULTILINE)

@@ -1,5 +1,6 @@
-"""The C++ output allocation (``q8kv8.output_alloc``) on a CPU-only machine: built for real against the
-installed torch, its tensors compared with the Python allocation's (``ops.output_buffers``)."""
+"""The C++ fast call's extension (``q8kv8.fast_call``) on a CPU-only machine: built for real against the
+installed torch; its allocation compared with the Python allocation's (``ops.output_buffers``), its binding
+and its fallback. Its launches are tested with the fast launch's checks (``test_fast_launch.py``)."""
 
 import random
 import shutil
@@ -10,7 +11,7 @@ import warnings
 import pytest
 import torch
 
-from q8kv8 import native_build, ops, output_alloc
+from q8kv8 import fast_call, fast_launch, native_build, ops
 
 pytestmark = pytest.mark.skipif(
     shutil.which("c++") is None and shutil.which("g++") is None, reason="needs a C++ compiler"
@@ -19,9 +20,8 @@ pytestmark = pytest.mark.skipif(
 
 @pytest.fixture(scope="module")
 def extension():
-    module = output_alloc.load()
-    assert module is not None, "the output allocation did not build (see the warning)"
-    assert output_alloc.allocate is module.allocate
+    module = fast_call.load()
+    assert module is not None, "the fast call did not build (see the warning)"
     return module
 
 
@@ -69,9 +69,9 @@ def test_anything_but_a_plain_3d_tensor_gets_no_buffers(extension):
     q = torch.empty(2, 64, 576)
     for not_plain in (q[0], q.unsqueeze(0), q.as_subclass(TensorSubclass), q.tolist(), None, 3):
         assert extension.allocate(not_plain, 512) == (None, None, None)
-        assert output_alloc.allocate_in_python(not_plain, 512) == (None, None, None)
+        assert fast_call.allocate_in_python(not_plain, 512) == (None, None, None)
     parameter = torch.nn.Parameter(q, requires_grad=False)  # torch counts a Parameter as a plain tensor
-    for allocate in (extension.allocate, output_alloc.allocate_in_python):
+    for allocate in (extension.allocate, fast_call.allocate_in_python):
         assert [facts(t) for t in allocate(parameter, 512)] == [facts(t) for t in allocate(q, 512)]
 
 
@@ -94,21 +94,30 @@ def test_a_failed_allocation_raises_what_torch_raises(extension):
     assert type(from_extension.value) is type(from_python.value)
 
 
-def test_a_failed_build_warns_and_keeps_the_python_allocation(monkeypatch, tmp_path):
+def test_bad_binding_and_unbound_launch(extension):
+    with pytest.raises(TypeError, match="takes 2 arguments"):
+        extension.bind(0)
+    fake_api = torch.zeros(4, dtype=torch.int64)  # a "C interface" of version 0
+    with pytest.raises(RuntimeError, match="version 0, expected 1"):
+        extension.bind(fake_api.data_ptr(), None)
+    with pytest.raises(TypeError, match="13 arguments"):
+        extension.launch(1, 2, 3)
+
+
+def test_a_failed_build_warns_and_takes_the_tvm_ffi_call(monkeypatch, tmp_path):
     def no_compiler(*args, **kwargs):
         raise RuntimeError("no C++ compiler (c++, g++ or $CXX) on PATH")
 
-    monkeypatch.setattr(output_alloc, "_extension", None)
-    monkeypatch.setattr(output_alloc, "_build_failed", False)
-    monkeypatch.setattr(output_alloc, "allocate", output_alloc.allocate_in_python)
-    monkeypatch.setattr(output_alloc, "_build_dir", lambda: tmp_path)
+    monkeypatch.setattr(fast_call, "_extension", None)
+    monkeypatch.setattr(fast_call, "_build_failed", False)
+    monkeypatch.setattr(fast_call, "_build_dir", lambda: tmp_path)
     monkeypatch.setattr(native_build, "build_library", no_compiler)
-    with pytest.warns(RuntimeWarning, match=r"C\+\+ output allocation is unavailable.*no C\+\+ compiler"):
-        assert output_alloc.load() is None
-    assert output_alloc.allocate is output_alloc.allocate_in_python
+    with pytest.warns(RuntimeWarning, match=r"C\+\+ fast call is unavailable.*no C\+\+ compiler"):
+        assert fast_call.load() is None
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        assert output_alloc.load() is None  # warned once
+        assert fast_call.load() is None  # warned once
+        assert fast_launch._per_call_launch(object()) is fast_launch.launch_through_tvm_ffi
 
 
 def test_a_built_extension_loads_without_importing_the_build_tools(extension):
