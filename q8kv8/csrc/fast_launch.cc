@@ -330,7 +330,7 @@ const char* FromAnyViews(Q8kv8Call* call, const AnyView& q, const AnyView& kv, c
   // Scalars: exactly the Python types the common case uses (a float, the int 512, a str).
   const TVMFFIAny* sm_scale = reinterpret_cast<const TVMFFIAny*>(&sm_scale_arg);
   const TVMFFIAny* d_v = reinterpret_cast<const TVMFFIAny*>(&d_v_arg);
-  if (sm_scale->type_index != tvm::ffi::TypeIndex::kTVMFFIFloat) return "sm_scale is not a finite Python float";
+  if (sm_scale->type_index != tvm::ffi::TypeIndex::kTVMFFIFloat) return "sm_scale is not a Python float";
   call->sm_scale = sm_scale->v_float64;
   if (d_v->type_index != tvm::ffi::TypeIndex::kTVMFFIInt || d_v->v_int64 != kDv) {
     return "d_v is not the Python int 512";
