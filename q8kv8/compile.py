@@ -18,7 +18,7 @@ def main(argv: list[str] | None = None) -> int:
         description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     ).parse_args(argv)
-    from q8kv8 import kernels
+    from q8kv8 import disk_cache, kernels
 
     try:
         variants = kernels.all_variants()
@@ -28,7 +28,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"{'variant':32s} {'from':9s} {'seconds':>8s}")
     for variant in variants:
         print(f"{variant.name:32s} {variant.source:9s} {variant.seconds:8.3f}")
-    print(f"cache: {kernels.cache_dir()}")
+    print(f"cache: {disk_cache.cache_dir()}")
     return 0
 
 

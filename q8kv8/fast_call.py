@@ -21,7 +21,7 @@ What:
   Python equivalent (the TVM-FFI fallback's allocation).
 
 Building: ``c++`` against the running torch's headers and libraries, Python's headers and DLPack's header
-(TVM-FFI's copy), about 20 s once per torch and Python version, cached under ``kernels.cache_dir()``;
+(TVM-FFI's copy), about 20 s once per torch and Python version, cached under ``disk_cache.cache_dir()``;
 without a compiler or ``Python.h`` the fast path calls ``fast_launch.q8kv8_fast_launch`` through TVM-FFI
 instead (a warning says so).
 """

@@ -22,7 +22,7 @@ devices for a tensor on another one).
 It is stricter than the contract, never looser: ``tests/test_fast_launch.py`` compares its verdicts with
 the Python contract's over valid calls and every violation the contract tests exercise.
 
-Building: ``c++`` against TVM-FFI's headers (about 3 s), cached under ``kernels.cache_dir()``; without a
+Building: ``c++`` against TVM-FFI's headers (about 3 s), cached under ``disk_cache.cache_dir()``; without a
 C++ compiler the fast path is off (a warning says so) and every call takes the Python path.
 """
 
@@ -140,14 +140,13 @@ def _configure(module) -> None:
     )
 
 
-def register(module, device_type: int, device_index: int, sm_count: int, dummies) -> None:
-    """Let ``module`` launch on one device, given its placeholders (``(no_topk_length, no_sink)``) and
-    multiprocessor count."""
-    module.q8kv8_fast_register_device(device_type, device_index, sm_count, *dummies)
+def register(module, device_type: int, device_index: int, sm_count: int) -> None:
+    """Let ``module`` launch on one device, given its multiprocessor count."""
+    module.q8kv8_fast_register_device(device_type, device_index, sm_count)
 
 
 def note_launch(
-    device_index: int, gpu_count: int, d_qk: int, precision: str, persistent: bool, function, dummies
+    device_index: int, gpu_count: int, d_qk: int, precision: str, persistent: bool, function
 ) -> None:
     """Called by ``kernels.launch_sparse_prefill`` after each launch of the Python path: the first launch on
     a CUDA device registers the device, the first of each kernel variant registers the variant, and from
@@ -165,7 +164,7 @@ def note_launch(
         sm_count = schedule._sm_counts.get(device_index)
         if sm_count is None:
             sm_count = torch.cuda.get_device_properties(device_index).multi_processor_count
-        register(module, KDL_CUDA, device_index, sm_count, dummies)
+        register(module, KDL_CUDA, device_index, sm_count)
         _registered_devices.add(device_index)
     module.q8kv8_fast_register_variant(d_qk, precision == "accurate", persistent, function)
     _registered.add(key)

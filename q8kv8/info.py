@@ -21,7 +21,7 @@ import torch
 def info() -> dict:
     """Versions, GPU, kernel variants and cache of this installation (builds or loads the variants)."""
     import q8kv8
-    from q8kv8 import fast_call, fast_launch, kernels
+    from q8kv8 import disk_cache, fast_call, fast_launch, kernels
 
     variants = kernels.all_variants()
     fast_launch_built = fast_launch.load() is not None
@@ -45,7 +45,7 @@ def info() -> dict:
         "target_arch": kernels.TARGET_ARCH,
         "variants": [_describe(kernels, variant) for variant in variants],
         "cache": {
-            "dir": str(kernels.cache_dir()),
+            "dir": str(disk_cache.cache_dir()),
             "hits": kernels.cache_stats.hits,
             "misses": kernels.cache_stats.misses,
             "rebuilt_corrupt": kernels.cache_stats.rebuilt_corrupt,

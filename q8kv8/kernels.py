@@ -6,7 +6,8 @@ of each variant, and every extent (s_q, s_kv, topk, heads) is dynamic. ``load_va
 (called when ``q8kv8`` is imported) compiles each variant for ``sm_90a`` with fake tensors, or
 loads it from the on-disk cache:
 
-- location: ``$Q8KV8_CACHE_DIR``, default ``$XDG_CACHE_HOME/q8kv8`` (``~/.cache/q8kv8``);
+- location: ``q8kv8.disk_cache.cache_dir()`` (``$Q8KV8_CACHE_DIR``, default ``~/.cache/q8kv8``; a private
+  temporary directory, with a warning, when that cannot be written);
 - key: a hash of the kernel sources (``cute_kernels/``, this file), the CuTe DSL version and the
   target arch; each entry holds the object file (``<variant>.o``, loaded through TVM-FFI), its
   SHA-256 (a truncated or corrupted object is detected, dropped and rebuilt) and the PTX;
@@ -20,8 +21,6 @@ the caller's current CUDA stream.
 
 from __future__ import annotations
 
-import contextlib
-import fcntl
 import hashlib
 import math
 import os
@@ -37,7 +36,7 @@ from pathlib import Path
 
 import torch
 
-from q8kv8 import fast_launch
+from q8kv8 import disk_cache, fast_launch
 from q8kv8.metadata import KV_ROW_ALIGNMENT_BYTES, OUT_ALIGNMENT_BYTES, Q_ALIGNMENT_BYTES
 from q8kv8.schedule import PERSISTENT_PRECISIONS, tiles_per_cta
 
@@ -96,14 +95,6 @@ def _import_dsl():
     import cutlass.cute as cute
 
     return cutlass, cute
-
-
-def cache_dir() -> Path:
-    root = os.environ.get("Q8KV8_CACHE_DIR")
-    if root:
-        return Path(root)
-    xdg = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
-    return Path(xdg) / "q8kv8"
 
 
 def _cache_key(dsl_version: str) -> str:
@@ -180,31 +171,11 @@ def _compile_kernel(kernel, args: tuple, dump_dir: Path):
     )
 
 
-def _sha256(path: Path) -> str:
-    return hashlib.sha256(path.read_bytes()).hexdigest()
-
-
-def _write_atomic(path: Path, data: bytes) -> None:
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.{threading.get_ident()}.tmp")
-    tmp.write_bytes(data)
-    os.replace(tmp, path)
-
-
-@contextlib.contextmanager
-def _file_lock(path: Path):
-    with open(path, "a+") as handle:
-        fcntl.flock(handle, fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(handle, fcntl.LOCK_UN)
-
-
 def _load_object(cute, object_path: Path, digest_path: Path, function_name: str):
     """The exported function from a cache entry, or None when the entry is missing or damaged."""
     if not (object_path.exists() and digest_path.exists()):
         return None
-    if _sha256(object_path) != digest_path.read_text().strip():
+    if disk_cache.sha256(object_path) != digest_path.read_text().strip():
         return None
     try:
         return cute.runtime.load_module(str(object_path), enable_tvm_ffi=True)[function_name]
@@ -218,11 +189,11 @@ def _build_or_load_named(
     """Load kernel ``name`` from the disk cache, or build it (``compile_fn(dump_dir)`` returns the JIT
     object) and cache it; every kernel family of the package goes through here."""
     cutlass, cute = _import_dsl()
-    entry = cache_dir() / _cache_key(cutlass.__version__)
+    entry = disk_cache.cache_dir() / _cache_key(cutlass.__version__)
     entry.mkdir(parents=True, exist_ok=True)
     object_path, digest_path, ptx_path = (entry / f"{name}{ext}" for ext in (".o", ".sha256", ".ptx"))
     start = time.perf_counter()
-    with _compile_lock, _file_lock(entry / ".lock"):
+    with _compile_lock, disk_cache.file_lock(entry / ".lock"):
         function = _load_object(cute, object_path, digest_path, function_name)
         if function is not None:
             stats.hits += 1
@@ -237,16 +208,16 @@ def _build_or_load_named(
                 compiled = compile_fn(Path(dump_dir))
             tmp_object = entry / f".{name}.{os.getpid()}.o.tmp"
             compiled.export_to_c(object_file_path=str(tmp_object), function_name=function_name)
-            _write_atomic(digest_path, _sha256(tmp_object).encode())
+            disk_cache.write_atomic(digest_path, disk_cache.sha256(tmp_object).encode())
             os.replace(tmp_object, object_path)
             if compiled.__ptx__:
-                _write_atomic(ptx_path, compiled.__ptx__.encode())
+                disk_cache.write_atomic(ptx_path, compiled.__ptx__.encode())
             function = cute.runtime.load_module(str(object_path), enable_tvm_ffi=True)[function_name]
         except Exception as exc:
             # One line naming the variant; the DSL's full report (often pages of MLIR) goes to a file
             # next to the cache entry, not into the traceback.
             log_path = entry / f"{name}.error.txt"
-            _write_atomic(log_path, "".join(traceback.format_exception(exc)).encode())
+            disk_cache.write_atomic(log_path, "".join(traceback.format_exception(exc)).encode())
             first_line = (str(exc).strip().splitlines() or [type(exc).__name__])[0][:300]
             error = KernelCompileError(
                 f"q8kv8: building kernel variant {name} for {TARGET_ARCH} failed: "
@@ -344,22 +315,13 @@ def ptxas_report(variant: Variant) -> PtxasReport | None:
     )
 
 
-_dummy_tensors: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
-
-
-def _dummies(like: torch.Tensor, device_index: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """Placeholders passed for an absent topk_length / attn_sink (the kernel's flags say absent), on the
-    device of ``like``; made once per device (keyed by ``like.get_device()``, or ``device_index`` when the
-    caller has it)."""
-    if device_index is None:
-        device_index = like.get_device()
-    dummies = _dummy_tensors.get(device_index)
-    if dummies is None:
-        dummies = _dummy_tensors[device_index] = (
-            torch.zeros(1, dtype=torch.int32, device=like.device),
-            torch.zeros(1, dtype=torch.float32, device=like.device),
-        )
-    return dummies
+def placeholders(int_source: torch.Tensor, float_source: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(no_topk_length, no_sink)``: what a launch passes for an absent topk_length / attn_sink (the
+    kernel's flags say absent, so neither is read). Views of the call's own one-element float32 tensors
+    (``int_source``'s bytes as int32, ``float_source`` itself): nothing is allocated, and nothing is kept
+    between calls, so a launch recorded in a CUDA graph (``torch.compile(mode="reduce-overhead")``'s
+    memory pool included) leaves no allocation of its own behind."""
+    return int_source.view(torch.int32), float_source
 
 
 _gpu_count: int | None = None  # visible GPUs, counted on the first launch
@@ -429,8 +391,9 @@ def launch_sparse_prefill(
             kv = kv.clone(memory_format=torch.contiguous_format)
         if out.data_ptr() % OUT_ALIGNMENT_BYTES:
             kernel_out = torch.empty_like(out)
-    dummies = _dummies(q, device_index)
-    no_topk_length, no_sink = dummies
+    q_scale = q_scale if q_scale.dim() == 1 else q_scale.reshape(1)
+    kv_scale = kv_scale if kv_scale.dim() == 1 else kv_scale.reshape(1)
+    no_topk_length, no_sink = placeholders(q_scale, kv_scale)
     _call_on_device_of(
         q,
         variant.function,
@@ -439,8 +402,8 @@ def launch_sparse_prefill(
         indices,
         no_topk_length if topk_length is None else topk_length,
         no_sink if attn_sink is None else attn_sink,
-        q_scale if q_scale.dim() == 1 else q_scale.reshape(1),
-        kv_scale if kv_scale.dim() == 1 else kv_scale.reshape(1),
+        q_scale,
+        kv_scale,
         kernel_out,
         max_logits,
         lse,
@@ -450,7 +413,7 @@ def launch_sparse_prefill(
     )
     if kernel_out is not out:
         out.copy_(kernel_out)
-    fast_launch.note_launch(device_index, _gpu_count, *key, tiles > 0, variant.function, dummies)
+    fast_launch.note_launch(device_index, _gpu_count, *key, tiles > 0, variant.function)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -666,7 +629,8 @@ def launch_sparse_prefill_bf16(
     if kv.data_ptr() % 16 or kv.stride(0) % 8 or kv.stride(2) != 1:  # rows gathered in 16-byte copies
         kv = kv.clone(memory_format=torch.contiguous_format)
     kernel_out = out if out.data_ptr() % 4 == 0 else torch.empty_like(out)
-    no_topk_length, no_sink = _dummies(q)
+    first_max_logit = max_logits.view(-1)[:1]  # s_q > 0: one element
+    no_topk_length, no_sink = placeholders(first_max_logit, first_max_logit)
     _call_on_device_of(
         q,
         variant.function,

@@ -15,19 +15,19 @@ import tempfile
 import warnings
 from pathlib import Path
 
+from q8kv8 import disk_cache
+
 C_API_HEADER = Path(__file__).resolve().parent / "csrc" / "fast_launch_c_api.h"
 """The header both host libraries include (``-I`` its directory); part of both build digests."""
 
 
 def cache_directory(kind: str, source: Path, environment: str) -> Path:
     """The cache directory of a library built from ``source`` (and ``C_API_HEADER``) for ``environment``
-    (the versions of what it is compiled and linked against): ``kernels.cache_dir() / kind / digest``."""
-    from q8kv8 import kernels
-
+    (the versions of what it is compiled and linked against): ``disk_cache.cache_dir() / kind / digest``."""
     digest = hashlib.sha256(source.read_bytes())
     digest.update(C_API_HEADER.read_bytes())
     digest.update(environment.encode())
-    return kernels.cache_dir() / kind / digest.hexdigest()[:24]
+    return disk_cache.cache_dir() / kind / digest.hexdigest()[:24]
 
 
 def warn_unavailable(what: str, consequence: str, exc: Exception) -> None:
@@ -43,13 +43,11 @@ def warn_unavailable(what: str, consequence: str, exc: Exception) -> None:
 def build_library(directory: Path, library_name: str, source_text: str, flags: list[str]) -> Path:
     """``directory / library_name``, built from ``source_text`` when absent: ``c++ -O2 -fPIC -shared``
     with ``flags`` (include paths, libraries, defines), written under a temporary name and renamed into
-    place under the kernels' file lock, so concurrent processes build it once. Raises RuntimeError with
-    the compiler's message when there is no compiler or the build fails."""
-    from q8kv8 import kernels
-
+    place under a file lock, so concurrent processes build it once. Raises RuntimeError with the
+    compiler's message when there is no compiler or the build fails."""
     library = directory / library_name
     directory.mkdir(parents=True, exist_ok=True)
-    with kernels._file_lock(directory / ".lock"):
+    with disk_cache.file_lock(directory / ".lock"):
         if library.exists():
             return library
         compiler = os.environ.get("CXX") or shutil.which("c++") or shutil.which("g++")

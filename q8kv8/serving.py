@@ -355,6 +355,15 @@ def pad_q_heads(q: torch.Tensor, num_heads: int, out: torch.Tensor | None = None
 # ------------------------------------------------------------------------------------------------
 # Workspace
 # ------------------------------------------------------------------------------------------------
+def indexed_device(device) -> torch.device:
+    """``device`` as the ``torch.device`` a tensor allocated there reports: a CUDA device given without an
+    index ("cuda") is the current CUDA device, where torch allocates it."""
+    device = torch.device(device)
+    if device.index is None and device.type == "cuda":
+        return torch.device("cuda", torch.cuda.current_device())
+    return device
+
+
 class _ReusableBuffer:
     """One flat buffer handed out as views; reallocated only when the dtype, device or size does not fit."""
 
@@ -368,7 +377,7 @@ class _ReusableBuffer:
         if (
             buffer is None
             or buffer.dtype != dtype
-            or buffer.device != torch.device(device)
+            or buffer.device != indexed_device(device)
             or buffer.numel() < numel
         ):
             self.buffer = buffer = None  # free the old buffer before allocating the new one

@@ -45,7 +45,7 @@ def main() -> None:
         inputs["kv_scale"], 512, None, None, out, max_logits, lse, "default",
     )  # fmt: skip
     variant = kernels.load_variants()[576, "default"]
-    no_tl, no_sink = kernels._dummies(inputs["q"])
+    no_tl, no_sink = kernels.placeholders(inputs["q_scale"], inputs["kv_scale"])
     ffi_args = (
         inputs["q"], inputs["kv"], inputs["indices"], no_tl, no_sink, inputs["q_scale"], inputs["kv_scale"],
         out, max_logits, lse, 1.0, 0, 1,

@@ -114,7 +114,7 @@ def main() -> None:
 
         no_op = tvm_ffi.convert(lambda *args: None)
         fast.q8kv8_fast_register_variant(D_QK, False, False, no_op)
-        q8kv8.fast_launch.register(fast, 1, 0, 132, kernels._dummies(inputs["q"]))
+        q8kv8.fast_launch.register(fast, 1, 0, 132)
         q8kv8.fast_launch.launch = fast.q8kv8_fast_launch
         kernels.tiles_per_cta_override = None
         fast_args = (*inputs.values(), 512, None, None, *buffers.values(), "default")

@@ -66,8 +66,7 @@ def fast(monkeypatch):
                 function = recorder((d_qk, precision, persistent))
                 table[d_qk, precision] = types.SimpleNamespace(function=function, name="recorder", d_qk=d_qk)
                 module.q8kv8_fast_register_variant(d_qk, precision == "accurate", persistent, function)
-    dummies = kernels._dummies(torch.empty(0))  # the Python path's placeholders for CPU tensors
-    fast_launch.register(module, KDL_CPU, 0, SM_COUNT, dummies)
+    fast_launch.register(module, KDL_CPU, 0, SM_COUNT)
     monkeypatch.setattr(kernels, "_variants", variants)
     monkeypatch.setattr(kernels, "_persistent_variants", persistent_variants)
     monkeypatch.setattr(schedule, "_sm_counts", {0: SM_COUNT, None: SM_COUNT, -1: SM_COUNT})
@@ -282,9 +281,9 @@ def test_fast_launch_declines_unregistered_devices_and_variants(fast, valid_args
     fast.q8kv8_fast_reset()
     assert fast.q8kv8_fast_plan(*call_args(valid_args)) == DECLINED  # not even configured
     fast_launch._configure(fast)
-    fast_launch.register(fast, KDL_CPU, 1, SM_COUNT, kernels._dummies(torch.empty(0)))  # another device
+    fast_launch.register(fast, KDL_CPU, 1, SM_COUNT)  # another device
     assert fast.q8kv8_fast_plan(*call_args(valid_args)) == DECLINED
-    fast_launch.register(fast, KDL_CPU, 0, SM_COUNT, kernels._dummies(torch.empty(0)))
+    fast_launch.register(fast, KDL_CPU, 0, SM_COUNT)
     assert fast.q8kv8_fast_plan(*call_args(valid_args)) == DECLINED  # no variant registered
     fast.q8kv8_fast_register_variant(D_QK, False, False, kernels._variants[D_QK, "default"].function)
     assert fast.q8kv8_fast_plan(*call_args(valid_args)) == 0
@@ -376,13 +375,13 @@ def test_logit_scale_is_the_python_paths_double(fast, valid_args):
 def test_note_launch_registers_once_per_variant_and_again_after_disable(fast):
     """``kernels.launch_sparse_prefill`` notes each launch; the first of a (device, variant) registers it,
     with one visible GPU only; ``disable`` forgets everything, so the next launch registers again."""
-    function, dummies = kernels._variants[D_QK, "default"].function, kernels._dummies(torch.empty(0))
+    function = kernels._variants[D_QK, "default"].function
     fast_launch.disable()
-    fast_launch.note_launch(0, 2, D_QK, "default", False, function, dummies)  # two GPUs: never
-    fast_launch.note_launch(-1, 1, D_QK, "default", False, function, dummies)  # a CPU tensor: never
+    fast_launch.note_launch(0, 2, D_QK, "default", False, function)  # two GPUs: never
+    fast_launch.note_launch(-1, 1, D_QK, "default", False, function)  # a CPU tensor: never
     assert fast_launch.launch is None and not fast_launch._registered
     for _ in range(2):
-        fast_launch.note_launch(0, 1, D_QK, "default", False, function, dummies)
+        fast_launch.note_launch(0, 1, D_QK, "default", False, function)
         assert fast_launch.launch is fast_call.load().launch  # the CPython extension takes the calls
         assert fast_launch._registered == {(0, D_QK, "default", False)}
         assert fast_launch._registered_devices == {0}

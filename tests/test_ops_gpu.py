@@ -3,6 +3,10 @@ the eager outputs bit for bit, ``torch.library.opcheck`` passes, and compiled co
 graphs (by hand and by ``mode="reduce-overhead"``)."""
 
 import math
+import os
+import subprocess
+import sys
+import textwrap
 
 import pytest
 import torch
@@ -97,3 +101,104 @@ def test_reduce_overhead_mode(make_inputs):
         outputs = [t.clone() for t in compiled(**tensors)]
         torch.cuda.synchronize()
         assert_equal(outputs, eager)
+
+
+def reduce_overhead_call(sm_scale, precision, with_buffers):
+    """A compiled function as users write it: the call plus some work on its outputs."""
+
+    def call(q, kv, indices, q_scale, kv_scale, attn_sink, topk_length):
+        buffers = {}
+        if with_buffers:
+            s_q, h_q, _ = q.shape
+            buffers = {
+                "out": q.new_empty((s_q, h_q, 512), dtype=torch.bfloat16),
+                "max_logits": q.new_empty((s_q, h_q), dtype=torch.float32),
+                "lse": q.new_empty((s_q, h_q), dtype=torch.float32),
+            }
+        out, max_logits, lse = sparse_mla_q8kv8_prefill_fwd(
+            q, kv, indices, sm_scale, q_scale, kv_scale, 512, attn_sink, topk_length,
+            precision=precision, **buffers,
+        )  # fmt: skip
+        return out.float() * 2, max_logits + 1, lse
+
+    return torch.compile(call, mode="reduce-overhead", fullgraph=True)
+
+
+@pytest.mark.parametrize(
+    "with_buffers, with_sink, with_topk_length, h_q, precision",
+    [
+        (False, True, True, 64, "default"),
+        (False, False, False, 48, "accurate"),
+        (True, True, True, 48, "default"),
+        (True, False, False, 64, "accurate"),
+        (False, True, False, 128, "accurate"),
+        (True, False, True, 64, "default"),
+    ],
+)
+def test_reduce_overhead_functional_and_out_ops(
+    make_inputs, randn_fp8, with_buffers, with_sink, with_topk_length, h_q, precision
+):
+    """cudagraph trees (warm-up, recording, replays) give the eager results bit for bit, for the
+    functional op and the out op (buffers allocated inside the compiled function), with and without
+    sink / topk_length, with head padding (48) and without, both precisions; also after the inputs'
+    values change in place (the graph reads the new values)."""
+    inputs = make_inputs(
+        24, h_q, 3000, 576, 256, device="cuda", with_sink=with_sink, with_topk_length=with_topk_length
+    )
+    tensors = {name: inputs[name] for name in TENSORS}
+    compiled = reduce_overhead_call(inputs["sm_scale"], precision, with_buffers)
+
+    def eager():
+        out, max_logits, lse = sparse_mla_q8kv8_prefill_fwd(**inputs, precision=precision)
+        return out.float() * 2, max_logits + 1, lse
+
+    for step in range(5):
+        if step == 3:  # new values in the same tensors
+            tensors["q"].copy_(randn_fp8(*tensors["q"].shape, device="cuda"))
+            tensors["kv"].copy_(randn_fp8(*tensors["kv"].shape, device="cuda"))
+            tensors["indices"].copy_(tensors["indices"].flip(-1))
+            if with_topk_length:
+                tensors["topk_length"].copy_(tensors["topk_length"].flip(0))
+        got = [t.clone() for t in compiled(**tensors)]
+        torch.cuda.synchronize()
+        assert_equal(got, eager())
+
+
+def test_reduce_overhead_as_the_first_call_of_a_process():
+    """A fresh process whose first q8kv8 call is inside ``mode="reduce-overhead"`` (nothing made lazily
+    by an earlier eager call): no allocation of the call's own stays in the cudagraph pool."""
+    script = textwrap.dedent(
+        """
+        import torch, q8kv8
+        torch.manual_seed(0)
+        q = torch.randn(128, 64, 576, device="cuda").to(torch.float8_e4m3fn)
+        kv = torch.randn(4096, 1, 576, device="cuda").to(torch.float8_e4m3fn)
+        idx = torch.randint(0, 4096, (128, 1, 512), device="cuda", dtype=torch.int32)
+        tl = torch.randint(0, 513, (128,), device="cuda", dtype=torch.int32)
+        sink = torch.randn(64, device="cuda")
+        one = torch.ones(1, device="cuda")
+
+        def f(q, kv, idx, tl, sink):
+            out, mx, lse = q8kv8.sparse_mla_q8kv8_prefill_fwd(
+                q, kv, idx, 0.05, one, one, 512, attn_sink=sink, topk_length=tl)
+            return out.float() * 2, lse
+
+        def g(q, kv, idx):
+            out, mx, lse = q8kv8.sparse_mla_q8kv8_prefill_fwd(q[:, :48], kv, idx, 0.05, one, one)
+            return out.float() * 2, lse
+
+        cf = torch.compile(f, mode="reduce-overhead", fullgraph=True)
+        cg = torch.compile(g, mode="reduce-overhead", fullgraph=True)
+        for _ in range(3):
+            got_f = [t.clone() for t in cf(q, kv, idx, tl, sink)]
+            got_g = [t.clone() for t in cg(q, kv, idx)]
+        want_f = f(q, kv, idx, tl, sink)
+        want_g = g(q, kv, idx)
+        assert all(torch.equal(a, b) for a, b in zip(got_f + got_g, [*want_f, *want_g]))
+        print("OK")
+        """
+    )
+    result = subprocess.run(
+        [sys.executable, "-c", script], env=dict(os.environ), capture_output=True, text=True, timeout=600
+    )
+    assert result.returncode == 0 and result.stdout.strip().endswith("OK"), result.stderr[-4000:]

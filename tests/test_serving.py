@@ -28,6 +28,7 @@ from q8kv8.serving import (
     dynamic_q_scale,
     gather_dequant_paged_reference,
     gather_dequant_requant_fp8_paged,
+    indexed_device,
     pad_attn_sink,
     reference_kernels,
 )
@@ -374,6 +375,16 @@ def test_workspace_reallocates_only_when_needed():
     assert ws.get(0, E4M3).shape == (0, 1, 576)
     with pytest.raises(TypeError, match="out_dtype"):
         ws.get(4, torch.float16)
+
+
+def test_indexed_device_gives_cuda_without_an_index_the_current_device(monkeypatch):
+    """A workspace made with "cuda" compares its buffer's device (always indexed, "cuda:N") with the
+    device torch allocates "cuda" on, so it reuses the buffer (tests/test_serving_gpu.py allocates)."""
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 3)
+    assert indexed_device("cuda") == torch.device("cuda", 3)
+    assert indexed_device(torch.device("cuda")) == torch.device("cuda", 3)
+    assert indexed_device("cuda:1") == torch.device("cuda", 1)
+    assert indexed_device("cpu") == torch.device("cpu")
 
 
 # ------------------------------------------------------------------------------------------------

@@ -27,6 +27,7 @@ from reference_checks import assert_outputs_match
 
 from q8kv8.serving import (
     SparsePrefill,
+    SparsePrefillWorkspace,
     cast_q_fp8,
     dynamic_q_scale,
     gather_dequant_paged,
@@ -229,3 +230,14 @@ def test_forward_keeps_its_workspace_and_replays_in_a_cuda_graph(generator):
     for a, b in zip(eager, captured, strict=True):
         assert torch.equal(a, b)
     assert prefill.workspace.get(1, E4M3).data_ptr() == pointer and prefill.workspace.allocations == 1
+
+
+@pytest.mark.parametrize("device", ["cuda", torch.device("cuda"), "cuda:0", None])
+def test_workspace_on_cuda_keeps_its_buffer(device):
+    """However the device is named ("cuda" is what users write; None means "cuda"), the workspace
+    allocates once and hands out views of that buffer (a stable address for CUDA graphs)."""
+    workspace = SparsePrefillWorkspace(device)
+    first = workspace.get(64, E4M3)
+    for rows in (64, 10, 64):
+        assert workspace.get(rows, E4M3).data_ptr() == first.data_ptr()
+    assert workspace.allocations == 1

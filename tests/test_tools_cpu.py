@@ -20,7 +20,7 @@ import torch
 
 import q8kv8
 from q8kv8 import compile as compile_command
-from q8kv8 import fast_call, fast_launch, kernels
+from q8kv8 import disk_cache, fast_call, fast_launch, kernels
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -44,7 +44,7 @@ def test_python_m_compile_lists_every_variant_and_the_cache(variants):
         [line] = [line for line in lines if line.split()[0] == variant.name]
         _, source, seconds = line.split()
         assert source == "cache" and float(seconds) < 5.0  # the session's import filled the cache
-    assert lines[-1] == f"cache: {kernels.cache_dir()}"
+    assert lines[-1] == f"cache: {disk_cache.cache_dir()}"
 
 
 def test_compile_main_prints_what_this_process_built(variants, capsys):
@@ -52,7 +52,7 @@ def test_compile_main_prints_what_this_process_built(variants, capsys):
     out = capsys.readouterr().out
     for variant in variants.values():
         assert re.search(rf"^{variant.name}\s+{variant.source}\s+\d+\.\d{{3}}$", out, re.MULTILINE)
-    assert f"cache: {kernels.cache_dir()}" in out
+    assert f"cache: {disk_cache.cache_dir()}" in out
 
 
 def test_compile_main_reports_a_failure_in_one_line(monkeypatch, capsys):
@@ -112,7 +112,7 @@ def test_info_reports_versions_gpu_variants_and_cache(variants):
         )
         assert described["shared_memory_bytes"] <= 227 * 1024  # fits an SM90 CTA
         assert described["registers"] is None or 0 < described["registers"] <= 168
-    assert report["cache"]["dir"] == str(kernels.cache_dir())
+    assert report["cache"]["dir"] == str(disk_cache.cache_dir())
     assert report["cache"]["hits"] + report["cache"]["misses"] >= len(variants)
     fast_launch_built, fast_call_built = fast_launch.load() is not None, fast_call.load() is not None
     assert report["fast_launch"] == (
@@ -131,7 +131,8 @@ def test_python_m_info_prints_a_table(variants):
     assert re.search(rf"^q8kv8\s+{re.escape(q8kv8.__version__)}$", out, re.MULTILINE)
     assert re.search(r"^gpu\s+\S", out, re.MULTILINE)
     assert re.search(r"^fast call\s+(built|unavailable)", out, re.MULTILINE)
-    assert re.search(rf"^cache\s+{re.escape(str(kernels.cache_dir()))} \(this process: ", out, re.MULTILINE)
+    cache = re.escape(str(disk_cache.cache_dir()))
+    assert re.search(rf"^cache\s+{cache} \(this process: ", out, re.MULTILINE)
     for variant in variants.values():
         assert re.search(rf"^{variant.name}\s+{variant.d_qk}\s+(cache|compiled)\s", out, re.MULTILINE)
 

@@ -39,22 +39,17 @@ namespace {
 using tvm::ffi::AnyView;
 using tvm::ffi::Function;
 using tvm::ffi::String;
-using tvm::ffi::Tensor;
-using tvm::ffi::TensorView;
 
 constexpr int64_t kNotTaken = -1;
 constexpr int64_t kHeadAlignment = 64;
 constexpr int64_t kTopkAlignment = 128;
 constexpr int64_t kDv = 512;
 
-// What a registered device holds: the placeholders passed for an absent topk_length / attn_sink and
-// the multiprocessor count the schedule reads.
+// What a registered device holds: the multiprocessor count the schedule reads.
 struct Device {
   int32_t type;
   int32_t id;
   int64_t sm_count;
-  Tensor no_topk_length;
-  Tensor no_sink;
 };
 
 // Set by q8kv8_fast_configure from q8kv8's Python constants (one source of truth).
@@ -363,11 +358,13 @@ Plan CheckAnyViews(const AnyView& q, const AnyView& kv, const AnyView& indices, 
 void Run(const Q8kv8Call& call, const Plan& plan) {
   // DLTensor* is how TVM-FFI passes a borrowed tensor view (kTVMFFIDLTensorPtr); the callee only reads it.
   auto view = [](const DLTensor* t) { return AnyView(const_cast<DLTensor*>(t)); };
-  const Device& device = *static_cast<const Device*>(plan.device);
-  const TensorView no_topk_length(device.no_topk_length);
-  const TensorView no_sink(device.no_sink);
-  const AnyView topk_length = call.topk_length ? view(call.topk_length) : AnyView(no_topk_length);
-  const AnyView attn_sink = call.attn_sink ? view(call.attn_sink) : AnyView(no_sink);
+  // An absent topk_length / attn_sink is passed as a view of the call's own one-element scales (q_scale's
+  // bytes as int32, kv_scale), never read (the flags say absent): nothing is allocated or kept per device,
+  // so a launch under CUDA graph capture leaves no allocation behind (kernels.placeholders).
+  DLTensor no_topk_length = *call.q_scale;
+  no_topk_length.dtype = {kDLInt, 32, 1};
+  const AnyView topk_length = view(call.topk_length ? call.topk_length : &no_topk_length);
+  const AnyView attn_sink = view(call.attn_sink ? call.attn_sink : call.kv_scale);
   (*static_cast<const Function*>(plan.variant))(
       view(call.q), view(call.kv), view(call.indices), topk_length, attn_sink, view(call.q_scale),
       view(call.kv_scale), view(call.out), view(call.max_logits), view(call.lse), plan.logit_scale, plan.flags,
@@ -430,18 +427,16 @@ void q8kv8_fast_register_variant(int64_t d_qk, bool accurate, bool persistent, F
   registry.variants[d_qk == 576][accurate][persistent] = std::move(function);
 }
 
-// A device the fast path may launch on, with its placeholders and multiprocessor count.
-void q8kv8_fast_register_device(int64_t device_type, int64_t device_id, int64_t sm_count,
-                                Tensor no_topk_length, Tensor no_sink) {
+// A device the fast path may launch on, with its multiprocessor count.
+void q8kv8_fast_register_device(int64_t device_type, int64_t device_id, int64_t sm_count) {
+  const Device device{static_cast<int32_t>(device_type), static_cast<int32_t>(device_id), sm_count};
   for (Device& registered : registry.devices) {
-    if (registered.type == device_type && registered.id == device_id) {
-      registered = {static_cast<int32_t>(device_type), static_cast<int32_t>(device_id), sm_count,
-                    no_topk_length, no_sink};
+    if (registered.type == device.type && registered.id == device.id) {
+      registered = device;
       return;
     }
   }
-  registry.devices.push_back({static_cast<int32_t>(device_type), static_cast<int32_t>(device_id), sm_count,
-                       no_topk_length, no_sink});
+  registry.devices.push_back(device);
 }
 
 // Forget every device, variant and constant: the fast path takes no call until configured again.
