@@ -12,6 +12,7 @@ import importlib
 import os
 
 from q8kv8.api import sparse_mla_q8kv8_prefill_fwd
+from q8kv8.contract import InputTypeError
 from q8kv8.metadata import pad_topk, padded_num_heads, topk_length_from_seqlens
 from q8kv8.serving import (
     SparsePrefill,
@@ -23,6 +24,7 @@ from q8kv8.serving import (
 __version__ = "0.1.0"
 
 __all__ = [
+    "InputTypeError",
     "SparsePrefill",
     "SparsePrefillWorkspace",
     "__version__",

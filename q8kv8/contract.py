@@ -33,6 +33,12 @@ SM90 = (9, 0)
 CHECK_RANGES_ENV = "Q8KV8_CHECK_RANGES"
 
 
+class InputTypeError(TypeError, ValueError):
+    """An argument of the wrong type or dtype. A TypeError, as Python's convention has it, and a ValueError,
+    as SGLang's ``sparse_mla_q8kv8_prefill_fwd`` raises for the same calls: code written for either catches
+    it."""
+
+
 class Problem(NamedTuple):
     """The sizes of one validated call."""
 
@@ -78,8 +84,8 @@ def check_inputs(
 ) -> Problem:
     """Validate the arguments of ``sparse_mla_q8kv8_prefill_fwd`` and return the problem sizes.
 
-    Raises TypeError for a wrong type or dtype and ValueError for anything else; the message names the
-    argument, what was expected and what was got.
+    Raises ``InputTypeError`` (a TypeError and a ValueError) for a wrong type or dtype and ValueError for
+    anything else; the message names the argument, what was expected and what was got.
 
     The checks read each tensor once, into its signature (type, shape, strides, dtype, device, data
     pointer), and then only the signatures, the scalar arguments and the device check in use. The verdict
@@ -195,7 +201,7 @@ def _check_signatures(
         )
 
     if type(sm_scale) is not float and (not isinstance(sm_scale, numbers.Real) or isinstance(sm_scale, bool)):
-        raise TypeError(f"sm_scale: expected a Python real number, got {type(sm_scale).__name__}")
+        raise InputTypeError(f"sm_scale: expected a Python real number, got {type(sm_scale).__name__}")
     if not math.isfinite(sm_scale):
         raise ValueError(f"sm_scale: expected a finite number, got {sm_scale}")
     if not (
@@ -208,7 +214,8 @@ def _check_signatures(
             _require_dtype(name, signature, torch.float32)
             if math.prod(signature[SHAPE]) != 1:
                 raise ValueError(
-                    f"{name}: expected a tensor with exactly one element, got shape {list(signature[SHAPE])}"
+                    f"{name}: expected a tensor with exactly one element ({name} must be a scalar tensor), "
+                    f"got shape {list(signature[SHAPE])}"
                 )
     if precision not in PRECISIONS:
         raise ValueError(f"precision: expected one of {PRECISIONS}, got {precision!r}")
@@ -329,19 +336,29 @@ def check_topk_length_range(topk_length: torch.Tensor | None, topk: int) -> None
     low, high = (int(v) for v in torch.aminmax(topk_length))
     if low < 0 or high > topk:
         raise ValueError(
-            f"topk_length: expected values in [0, {topk}] (topk), got values from {low} to {high} "
-            f"(unset {CHECK_RANGES_ENV} to have the kernel clamp them instead)"
+            f"topk_length: expected values in [0, {topk}] (0 <= topk_length <= topk), got values from {low} "
+            f"to {high} (unset {CHECK_RANGES_ENV} to have the kernel clamp them instead)"
         )
 
 
 def _require_tensor(name: str, signature: tuple) -> None:
     if not issubclass(signature[TYPE], torch.Tensor):
-        raise TypeError(f"{name}: expected a torch.Tensor, got {signature[TYPE].__name__}")
+        raise InputTypeError(f"{name}: expected a torch.Tensor, got {signature[TYPE].__name__}")
+
+
+_OUTPUTS = ("out", "max_logits", "lse")
 
 
 def _require_dtype(name: str, signature: tuple, dtype: torch.dtype) -> None:
     if signature[DTYPE] != dtype:
-        raise TypeError(f"{name}: expected dtype {dtype}, got {signature[DTYPE]}")
+        # SGLang's wording of the same requirement follows ours, for code that matches its messages.
+        if name in _OUTPUTS:
+            sglang_phrase = f"{name} must have dtype {dtype}"
+        elif dtype == FP8:
+            sglang_phrase = f"{name} must be {dtype}"
+        else:
+            sglang_phrase = f"{name} must be {str(dtype).removeprefix('torch.')}"
+        raise InputTypeError(f"{name}: expected dtype {dtype}, got {signature[DTYPE]} ({sglang_phrase})")
 
 
 def _require_shape(name: str, signature: tuple, shape: tuple[int, ...], layout: str) -> None:

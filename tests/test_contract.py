@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from q8kv8 import contract, schedule, sparse_mla_q8kv8_prefill_fwd
-from q8kv8.contract import Problem, check_device, check_inputs
+from q8kv8.contract import InputTypeError, Problem, check_device, check_inputs
 
 S_Q, H_Q, S_KV, D_QK, D_V, TOPK = 4, 16, 32, 576, 512, 128
 FP8 = torch.float8_e4m3fn
@@ -60,9 +60,14 @@ def tripwire_kernels(fake_kernels):
 
 # (test id, changes to the valid arguments: a function of them, expected exception, message fragment)
 VIOLATIONS = [
-    ("q-not-a-tensor", lambda a: {"q": [[0.0]]}, TypeError, "q: expected a torch.Tensor, got list"),
-    ("kv-not-a-tensor", lambda a: {"kv": None}, TypeError, "kv: expected a torch.Tensor, got NoneType"),
-    ("indices-not-a-tensor", lambda a: {"indices": (1, 2)}, TypeError, "indices: expected a torch.Tensor"),
+    ("q-not-a-tensor", lambda a: {"q": [[0.0]]}, InputTypeError, "q: expected a torch.Tensor, got list"),
+    ("kv-not-a-tensor", lambda a: {"kv": None}, InputTypeError, "kv: expected a torch.Tensor, got NoneType"),
+    (
+        "indices-not-a-tensor",
+        lambda a: {"indices": (1, 2)},
+        InputTypeError,
+        "indices: expected a torch.Tensor",
+    ),
     (
         "q-rank",
         lambda a: {"q": fp8(S_Q, H_Q * D_QK)},
@@ -84,19 +89,19 @@ VIOLATIONS = [
     (
         "q-dtype",
         lambda a: {"q": a["q"].to(torch.bfloat16)},
-        TypeError,
+        InputTypeError,
         "q: expected dtype torch.float8_e4m3fn, got torch.bfloat16",
     ),
     (
         "kv-dtype",
         lambda a: {"kv": a["kv"].to(torch.float8_e5m2)},
-        TypeError,
+        InputTypeError,
         "kv: expected dtype torch.float8_e4m3fn, got torch.float8_e5m2",
     ),
     (
         "indices-dtype",
         lambda a: {"indices": a["indices"].long()},
-        TypeError,
+        InputTypeError,
         "indices: expected dtype torch.int32, got torch.int64",
     ),
     (
@@ -160,19 +165,19 @@ VIOLATIONS = [
     (
         "sm-scale-bool",
         lambda a: {"sm_scale": True},
-        TypeError,
+        InputTypeError,
         "sm_scale: expected a Python real number, got bool",
     ),
     (
         "sm-scale-tensor",
         lambda a: {"sm_scale": torch.tensor(0.1)},
-        TypeError,
+        InputTypeError,
         "sm_scale: expected a Python real number, got Tensor",
     ),
     (
         "sm-scale-str",
         lambda a: {"sm_scale": "0.1"},
-        TypeError,
+        InputTypeError,
         "sm_scale: expected a Python real number, got str",
     ),
     (
@@ -190,38 +195,40 @@ VIOLATIONS = [
     (
         "q-scale-float",
         lambda a: {"q_scale": 1.0},
-        TypeError,
+        InputTypeError,
         "q_scale: expected a torch.Tensor, got float",
     ),
     (
         "q-scale-dtype",
         lambda a: {"q_scale": torch.ones(1, dtype=torch.float64)},
-        TypeError,
+        InputTypeError,
         "q_scale: expected dtype torch.float32, got torch.float64",
     ),
     (
         "q-scale-two-elements",
         lambda a: {"q_scale": torch.ones(2)},
         ValueError,
-        "q_scale: expected a tensor with exactly one element, got shape [2]",
+        "q_scale: expected a tensor with exactly one element (q_scale must be a scalar tensor), got shape"
+        " [2]",
     ),
     (
         "kv-scale-float",
         lambda a: {"kv_scale": 1.0},
-        TypeError,
+        InputTypeError,
         "kv_scale: expected a torch.Tensor, got float",
     ),
     (
         "kv-scale-dtype",
         lambda a: {"kv_scale": torch.ones((), dtype=torch.bfloat16)},
-        TypeError,
+        InputTypeError,
         "kv_scale: expected dtype torch.float32, got torch.bfloat16",
     ),
     (
         "kv-scale-empty",
         lambda a: {"kv_scale": torch.ones(0)},
         ValueError,
-        "kv_scale: expected a tensor with exactly one element, got shape [0]",
+        "kv_scale: expected a tensor with exactly one element (kv_scale must be a scalar tensor), got "
+        "shape [0]",
     ),
     (
         "precision-unknown",
@@ -232,13 +239,13 @@ VIOLATIONS = [
     (
         "sink-not-a-tensor",
         lambda a: {"attn_sink": [0.0] * H_Q},
-        TypeError,
+        InputTypeError,
         "attn_sink: expected a torch.Tensor",
     ),
     (
         "sink-dtype",
         lambda a: {"attn_sink": a["attn_sink"].to(torch.bfloat16)},
-        TypeError,
+        InputTypeError,
         "attn_sink: expected dtype torch.float32, got torch.bfloat16",
     ),
     (
@@ -250,7 +257,7 @@ VIOLATIONS = [
     (
         "topk-length-dtype",
         lambda a: {"topk_length": a["topk_length"].long()},
-        TypeError,
+        InputTypeError,
         "topk_length: expected dtype torch.int32, got torch.int64",
     ),
     (
@@ -259,7 +266,7 @@ VIOLATIONS = [
         ValueError,
         "topk_length: expected shape [s_q] = [4], got [4, 1]",
     ),
-    ("out-not-a-tensor", lambda a: {"out": 0}, TypeError, "out: expected a torch.Tensor, got int"),
+    ("out-not-a-tensor", lambda a: {"out": 0}, InputTypeError, "out: expected a torch.Tensor, got int"),
     (
         "out-shape",
         lambda a: {"out": torch.empty(S_Q, H_Q, D_QK, dtype=torch.bfloat16)},
@@ -269,7 +276,7 @@ VIOLATIONS = [
     (
         "out-dtype",
         lambda a: {"out": torch.empty(S_Q, H_Q, D_V)},
-        TypeError,
+        InputTypeError,
         "out: expected dtype torch.bfloat16, got torch.float32",
     ),
     (
@@ -287,7 +294,7 @@ VIOLATIONS = [
     (
         "max-logits-dtype",
         lambda a: {"max_logits": torch.empty(S_Q, H_Q, dtype=torch.float64)},
-        TypeError,
+        InputTypeError,
         "max_logits: expected dtype torch.float32, got torch.float64",
     ),
     (
@@ -305,7 +312,7 @@ VIOLATIONS = [
     (
         "lse-dtype",
         lambda a: {"lse": torch.empty(S_Q, H_Q, dtype=torch.bfloat16)},
-        TypeError,
+        InputTypeError,
         "lse: expected dtype torch.float32, got torch.bfloat16",
     ),
     (
@@ -374,7 +381,20 @@ def test_violation_raises_before_any_launch(valid_args, tripwire_kernels, change
     valid_args.update(changes(valid_args))
     with pytest.raises(exception) as error:
         sparse_mla_q8kv8_prefill_fwd(**valid_args)
-    assert message in str(error.value)
+    assert type(error.value) is exception and message in str(error.value)
+
+
+@pytest.mark.parametrize("caught", [TypeError, ValueError])
+def test_type_and_dtype_errors_are_caught_as_type_and_value_errors(valid_args, tripwire_kernels, caught):
+    """Code written for SGLang's function (ValueError for a wrong dtype) and code written for Python's
+    convention (TypeError) both catch them."""
+    for changes in (
+        {"q": valid_args["q"].float()},
+        {"kv_scale": valid_args["kv_scale"].half()},
+        {"q_scale": 1.0},
+    ):
+        with pytest.raises(caught, match="expected"):
+            sparse_mla_q8kv8_prefill_fwd(**{**valid_args, **changes})
 
 
 def test_valid_cpu_inputs_fail_only_the_device_check(valid_args, tripwire_kernels):
@@ -490,7 +510,8 @@ def test_topk_length_in_range_passes():
 def test_topk_length_out_of_range_raises(values, low, high):
     with pytest.raises(
         ValueError,
-        match=rf"^topk_length: expected values in \[0, {TOPK}\] \(topk\), got values from {low} to {high}",
+        match=rf"^topk_length: expected values in \[0, {TOPK}\] \(0 <= topk_length <= topk\), got values "
+        rf"from {low} to {high}",
     ):
         contract.check_topk_length_range(torch.tensor(values, dtype=torch.int32), TOPK)
 
