@@ -3,7 +3,7 @@
 Run it once per machine (or in a container build) so that no process pays the compile: it builds each
 variant for sm_90a (no GPU needed) or loads it when the cache already holds it, and prints, for each,
 its name, where it came from (``compiled`` or ``cache``) and the seconds it took, then the cache
-location. The cache is ``$Q8KV8_CACHE_DIR`` (default ``~/.cache/q8kv8``); see ``q8kv8.kernels``.
+location. The cache is ``$Q8KV8_CACHE_DIR`` (default ``~/.cache/q8kv8``); see ``q8kv8.build``.
 
 Exits with status 1, printing the one-line ``KernelCompileError``, when a variant fails to build.
 """
@@ -18,11 +18,11 @@ def main(argv: list[str] | None = None) -> int:
         description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     ).parse_args(argv)
-    from q8kv8 import disk_cache, kernels
+    from q8kv8 import build, disk_cache, kernels
 
     try:
         variants = kernels.all_variants()
-    except kernels.KernelCompileError as error:
+    except build.KernelCompileError as error:
         print(error, file=sys.stderr)
         return 1
     print(f"{'variant':32s} {'from':9s} {'seconds':>8s}")

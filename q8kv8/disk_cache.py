@@ -4,7 +4,8 @@ Location: ``$Q8KV8_CACHE_DIR``, else ``$XDG_CACHE_HOME/q8kv8`` (``~/.cache/q8kv8
 cannot be created or written (a read-only file system, a home that does not exist, no permission), the cache
 is off for the process: one warning says so and why, and everything is built into a private temporary
 directory that is removed at exit. Writers serialise on a file lock and write each file under a temporary
-name that is renamed into place, so concurrent processes never see a partial file.
+name that is renamed into place, so concurrent processes never see a partial file. The first build of a
+process says so in one line on stderr (``announce_build``); loads are silent.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ import fcntl
 import hashlib
 import os
 import shutil
+import sys
 import tempfile
 import threading
 import warnings
@@ -22,6 +24,7 @@ from pathlib import Path
 
 CACHE_DIR_ENV = "Q8KV8_CACHE_DIR"
 
+_announced = False
 _directories: dict[Path, Path] = {}  # configured directory -> the directory in use for it
 _lock = threading.Lock()
 
@@ -72,6 +75,20 @@ def _usable(configured: Path) -> Path:
         stacklevel=3,
     )
     return private
+
+
+def announce_build() -> None:
+    """Say once per process, on stderr, that something is being built rather than loaded: what, where it is
+    cached and about how long it takes (loading says nothing)."""
+    global _announced
+    if not _announced:
+        _announced = True
+        print(
+            f"q8kv8: building the CuTe DSL kernels and the C++ fast path into {cache_dir()} (about a minute, "
+            "once per machine and version; later imports load them)",
+            file=sys.stderr,
+            flush=True,
+        )
 
 
 def sha256(path: Path) -> str:

@@ -21,7 +21,7 @@ import torch
 def info() -> dict:
     """Versions, GPU, kernel variants and cache of this installation (builds or loads the variants)."""
     import q8kv8
-    from q8kv8 import disk_cache, fast_call, fast_launch, kernels
+    from q8kv8 import build, disk_cache, fast_call, fast_launch, kernels
 
     variants = kernels.all_variants()
     fast_launch_built = fast_launch.load() is not None
@@ -42,7 +42,7 @@ def info() -> dict:
         },
         "gpu": gpu,
         "arch": arch,
-        "target_arch": kernels.TARGET_ARCH,
+        "target_arch": build.TARGET_ARCH,
         "variants": [_describe(kernels, variant) for variant in variants],
         "cache": {
             "dir": str(disk_cache.cache_dir()),
@@ -56,7 +56,9 @@ def info() -> dict:
 
 
 def _describe(kernels, variant) -> dict:
-    report = kernels.ptxas_report(variant)
+    from q8kv8 import build
+
+    report = build.ptxas_report(variant)
     return {
         "name": variant.name,
         "d_qk": variant.d_qk,

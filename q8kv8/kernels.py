@@ -1,110 +1,38 @@
-"""The compiled kernel variants: build or load them, describe them, launch them.
+"""The kernel families q8kv8 builds, and their launchers.
 
-Variants are keyed by ``(d_qk, precision)``: d_qk 512 or 576, precision "default" (P rounded to
-one e4m3 term) or "accurate" (two terms); the attention sink and ``topk_length`` are runtime flags
-of each variant, and every extent (s_q, s_kv, topk, heads) is dynamic. ``load_variants()``
-(called when ``q8kv8`` is imported) compiles each variant for ``sm_90a`` with fake tensors, or
-loads it from the on-disk cache:
+Each family is a table of variants built or loaded by ``q8kv8.build.build_or_load`` (compiled for sm_90a
+with fake tensors, every extent dynamic) and a launcher that calls a variant's TVM-FFI function on torch
+tensors (it launches on the caller's current CUDA stream):
 
-- location: ``q8kv8.disk_cache.cache_dir()`` (``$Q8KV8_CACHE_DIR``, default ``~/.cache/q8kv8``; a private
-  temporary directory, with a warning, when that cannot be written);
-- key: a hash of the kernel sources (``cute_kernels/``, this file), the CuTe DSL version and the
-  target arch; each entry holds the object file (``<variant>.o``, loaded through TVM-FFI), its
-  SHA-256 (a truncated or corrupted object is detected, dropped and rebuilt) and the PTX;
-- compiles are serialised (a thread lock plus a file lock: the DSL's compile is not thread-safe)
-  and every file is written to a temporary name and renamed into place.
-
-No SM90 GPU is needed to compile: without one ``CUTE_DSL_ARCH`` is set to ``sm_90a`` before the
-DSL is imported. Calls pass torch tensors straight to the TVM-FFI function, which launches on
-the caller's current CUDA stream.
+- the FP8 attention kernel (``cute_kernels/sm90/sparse_prefill.py``), variants by ``(d_qk, precision)``,
+  one-tile and persistent, all built when ``q8kv8`` is imported; the sink and ``topk_length`` are runtime
+  flags;
+- the paged-cache gather, the query cast and the bf16 attention kernel of the serving path, built on first
+  use (or by ``load_serving_variants()``).
 """
 
 from __future__ import annotations
 
-import hashlib
 import math
-import os
-import re
-import shutil
-import subprocess
-import tempfile
-import threading
-import time
-import traceback
-from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 
-from q8kv8 import disk_cache, fast_launch
+from q8kv8 import fast_launch
+from q8kv8.build import CacheStats, Variant, build_or_load, compile_for_tvm_ffi, import_dsl
 from q8kv8.metadata import KV_ROW_ALIGNMENT_BYTES, OUT_ALIGNMENT_BYTES, Q_ALIGNMENT_BYTES
 from q8kv8.schedule import PERSISTENT_PRECISIONS, tiles_per_cta
 
-TARGET_ARCH = "sm_90a"
 D_QK_VARIANTS = (512, 576)
 PRECISIONS = ("default", "accurate")
 D_V = 512
 EXPORTED_FUNCTION = "sparse_prefill"
 _LOG2_E = math.log2(math.e)
-_PACKAGE_ROOT = Path(__file__).resolve().parent.parent
-
-
-class KernelCompileError(RuntimeError):
-    """A kernel variant failed to compile or load; the one-line message names the variant, and
-    ``log_path`` the file with the full report (the DSL's own error, often pages of MLIR)."""
-
-    log_path: Path | None = None
-
-
-@dataclass
-class Variant:
-    """One compiled kernel variant and where it came from."""
-
-    name: str
-    d_qk: int
-    precision: str
-    function: object = field(repr=False)
-    source: str  # "compiled" or "cache"
-    seconds: float  # compile or load time
-    object_path: Path
-    ptx_path: Path | None
-
-
-@dataclass
-class CacheStats:
-    hits: int = 0
-    misses: int = 0
-    rebuilt_corrupt: int = 0
 
 
 cache_stats = CacheStats()
 _variants: dict[tuple[int, str], Variant] = {}
 _persistent_variants: dict[tuple[int, str], Variant] = {}
-_compile_lock = threading.Lock()
-
-
-def _sm90_visible() -> bool:
-    return torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)
-
-
-def _import_dsl():
-    """Import the CuTe DSL, targeting sm_90a when no SM90 GPU is visible (set before import)."""
-    if "CUTE_DSL_ARCH" not in os.environ and not _sm90_visible():
-        os.environ["CUTE_DSL_ARCH"] = TARGET_ARCH
-    import cutlass
-    import cutlass.cute as cute
-
-    return cutlass, cute
-
-
-def _cache_key(dsl_version: str) -> str:
-    digest = hashlib.sha256()
-    sources = sorted((_PACKAGE_ROOT / "cute_kernels").rglob("*.py")) + [Path(__file__).resolve()]
-    for source in sources:
-        digest.update(source.relative_to(_PACKAGE_ROOT).as_posix().encode())
-        digest.update(source.read_bytes())
-    digest.update(f"dsl={dsl_version};arch={TARGET_ARCH}".encode())
-    return digest.hexdigest()[:24]
 
 
 def variant_name(d_qk: int, precision: str = "default", persistent: bool = False) -> str:
@@ -116,14 +44,14 @@ def _compile(d_qk: int, dump_dir: Path, **kernel_options):
     """Trace and compile one variant with fake tensors (dynamic extents); returns the JIT object.
 
     ``dump_dir`` receives the DSL's own copy of the PTX (``--keep-ptx`` writes one)."""
-    cutlass, cute = _import_dsl()
+    cutlass, cute = import_dsl()
     from cutlass import Float8E4M3FN, Int32
 
     from cute_kernels.sm90.sparse_prefill import SparsePrefillSm90
 
     args = _fake_attention_args(cute, Float8E4M3FN, d_qk, with_scales=True)
     args = (*args[:-1], Int32(1), args[-1])  # tiles_per_cta, before the stream
-    return _compile_kernel(SparsePrefillSm90(d_qk, **kernel_options), args, dump_dir)
+    return compile_for_tvm_ffi(SparsePrefillSm90(d_qk, **kernel_options), args, dump_dir)
 
 
 def _fake_attention_args(cute, element_type, d_qk: int, with_scales: bool) -> tuple:
@@ -162,76 +90,8 @@ def _fake_attention_args(cute, element_type, d_qk: int, with_scales: bool) -> tu
     )
 
 
-def _compile_kernel(kernel, args: tuple, dump_dir: Path):
-    """``cute.compile`` for TVM-FFI calls on sm_90a, keeping the PTX (the DSL writes its own copy into
-    ``dump_dir``)."""
-    _, cute = _import_dsl()
-    return cute.compile(
-        kernel, *args, options=f"--enable-tvm-ffi --gpu-arch {TARGET_ARCH} --keep-ptx --dump-dir {dump_dir}"
-    )
-
-
-def _load_object(cute, object_path: Path, digest_path: Path, function_name: str):
-    """The exported function from a cache entry, or None when the entry is missing or damaged."""
-    if not (object_path.exists() and digest_path.exists()):
-        return None
-    if disk_cache.sha256(object_path) != digest_path.read_text().strip():
-        return None
-    try:
-        return cute.runtime.load_module(str(object_path), enable_tvm_ffi=True)[function_name]
-    except Exception:
-        return None
-
-
-def _build_or_load_named(
-    name: str, d_qk: int, compile_fn, function_name: str, stats: CacheStats, precision: str = "default"
-) -> Variant:
-    """Load kernel ``name`` from the disk cache, or build it (``compile_fn(dump_dir)`` returns the JIT
-    object) and cache it; every kernel family of the package goes through here."""
-    cutlass, cute = _import_dsl()
-    entry = disk_cache.cache_dir() / _cache_key(cutlass.__version__)
-    entry.mkdir(parents=True, exist_ok=True)
-    object_path, digest_path, ptx_path = (entry / f"{name}{ext}" for ext in (".o", ".sha256", ".ptx"))
-    start = time.perf_counter()
-    with _compile_lock, disk_cache.file_lock(entry / ".lock"):
-        function = _load_object(cute, object_path, digest_path, function_name)
-        if function is not None:
-            stats.hits += 1
-            return Variant(
-                name, d_qk, precision, function, "cache", time.perf_counter() - start, object_path, ptx_path
-            )
-        if object_path.exists():
-            stats.rebuilt_corrupt += 1
-        stats.misses += 1
-        try:
-            with tempfile.TemporaryDirectory(dir=entry) as dump_dir:
-                compiled = compile_fn(Path(dump_dir))
-            tmp_object = entry / f".{name}.{os.getpid()}.o.tmp"
-            compiled.export_to_c(object_file_path=str(tmp_object), function_name=function_name)
-            disk_cache.write_atomic(digest_path, disk_cache.sha256(tmp_object).encode())
-            os.replace(tmp_object, object_path)
-            if compiled.__ptx__:
-                disk_cache.write_atomic(ptx_path, compiled.__ptx__.encode())
-            function = cute.runtime.load_module(str(object_path), enable_tvm_ffi=True)[function_name]
-        except Exception as exc:
-            # One line naming the variant; the DSL's full report (often pages of MLIR) goes to a file
-            # next to the cache entry, not into the traceback.
-            log_path = entry / f"{name}.error.txt"
-            disk_cache.write_atomic(log_path, "".join(traceback.format_exception(exc)).encode())
-            first_line = (str(exc).strip().splitlines() or [type(exc).__name__])[0][:300]
-            error = KernelCompileError(
-                f"q8kv8: building kernel variant {name} for {TARGET_ARCH} failed: "
-                f"{type(exc).__name__}: {first_line} (full report: {log_path})"
-            )
-            error.log_path = log_path
-            raise error from None
-    return Variant(
-        name, d_qk, precision, function, "compiled", time.perf_counter() - start, object_path, ptx_path
-    )
-
-
 def _build_or_load(d_qk: int, precision: str, persistent: bool = False) -> Variant:
-    return _build_or_load_named(
+    return build_or_load(
         variant_name(d_qk, precision, persistent),
         d_qk,
         lambda dump_dir: _compile(d_qk, dump_dir, precision=precision, persistent=persistent),
@@ -270,49 +130,10 @@ def all_variants() -> list[Variant]:
 
 def shared_memory_bytes(d_qk: int, precision: str = "default") -> int:
     """Dynamic shared memory per CTA of the (d_qk, precision) variant."""
-    _import_dsl()
+    import_dsl()
     from cute_kernels.sm90.sparse_prefill import SparsePrefillSm90
 
     return SparsePrefillSm90(d_qk, precision=precision).shared_memory_bytes()
-
-
-@dataclass
-class PtxasReport:
-    """What ptxas says about a variant's PTX (the DSL's own build of the same PTX)."""
-
-    registers: int
-    stack_frame_bytes: int
-    spill_store_bytes: int
-    spill_load_bytes: int
-    text: str
-
-
-def ptxas_report(variant: Variant) -> PtxasReport | None:
-    """Assemble the variant's kept PTX with ``ptxas -v`` (None when ptxas is not on PATH)."""
-    ptxas = shutil.which("ptxas")
-    if ptxas is None or variant.ptx_path is None or not variant.ptx_path.exists():
-        return None
-    result = subprocess.run(
-        [ptxas, f"-arch={TARGET_ARCH}", "-v", str(variant.ptx_path), "-o", os.devnull],
-        capture_output=True,
-        text=True,
-        check=True,
-    )
-    text = result.stdout + result.stderr
-
-    def number(pattern: str) -> int:
-        match = re.search(pattern, text)
-        if match is None:
-            raise RuntimeError(f"ptxas -v output has no {pattern!r}:\n{text}")
-        return int(match.group(1))
-
-    return PtxasReport(
-        registers=number(r"Used (\d+) registers"),
-        stack_frame_bytes=number(r"(\d+) bytes stack frame"),
-        spill_store_bytes=number(r"(\d+) bytes spill stores"),
-        spill_load_bytes=number(r"(\d+) bytes spill loads"),
-        text=text,
-    )
 
 
 def placeholders(int_source: torch.Tensor, float_source: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -433,7 +254,7 @@ def paged_kv_variant_name(layout: str, out_bf16: bool) -> str:
 
 def _compile_paged_kv(layout: str, out_bf16: bool, dump_dir: Path):
     """Trace and compile one gather variant with fake tensors (every extent and stride dynamic)."""
-    cutlass, cute = _import_dsl()
+    cutlass, cute = import_dsl()
     from cutlass import BFloat16, Float8E4M3FN, Int32, Uint8
 
     from cute_kernels.paged_kv import PagedKvGatherSm90
@@ -458,7 +279,7 @@ def _compile_paged_kv(layout: str, out_bf16: bool, dump_dir: Path):
         Int32(1),  # page_size
         cute.runtime.make_fake_stream(use_tvm_ffi_env_stream=True),
     )
-    return _compile_kernel(kernel, args, dump_dir)
+    return compile_for_tvm_ffi(kernel, args, dump_dir)
 
 
 def load_paged_kv_variant(layout: str, out_bf16: bool) -> Variant:
@@ -468,7 +289,7 @@ def load_paged_kv_variant(layout: str, out_bf16: bool) -> Variant:
         if layout not in PAGED_KV_LAYOUTS:
             raise ValueError(f"layout: expected one of {PAGED_KV_LAYOUTS}, got {layout!r}")
         d_qk = {"model1": 512, "v32": 576}[layout]
-        _paged_kv_variants[key] = _build_or_load_named(
+        _paged_kv_variants[key] = build_or_load(
             paged_kv_variant_name(layout, out_bf16),
             d_qk,
             lambda dump_dir: _compile_paged_kv(layout, out_bf16, dump_dir),
@@ -506,7 +327,7 @@ def q_cast_variant_name(d: int) -> str:
 
 
 def _compile_q_cast(d: int, dump_dir: Path):
-    cutlass, cute = _import_dsl()
+    cutlass, cute = import_dsl()
     from cutlass import BFloat16, Float8E4M3FN, Float32
 
     from cute_kernels.q_cast import CastQFp8Sm90
@@ -524,13 +345,13 @@ def _compile_q_cast(d: int, dump_dir: Path):
         ),
         cute.runtime.make_fake_stream(use_tvm_ffi_env_stream=True),
     )
-    return _compile_kernel(CastQFp8Sm90(d), args, dump_dir)
+    return compile_for_tvm_ffi(CastQFp8Sm90(d), args, dump_dir)
 
 
 def load_q_cast_variant(d: int) -> Variant:
     """Build or load the query-cast kernel for head dim ``d`` (idempotent)."""
     if d not in _q_cast_variants:
-        _q_cast_variants[d] = _build_or_load_named(
+        _q_cast_variants[d] = build_or_load(
             q_cast_variant_name(d),
             d,
             lambda dump_dir: _compile_q_cast(d, dump_dir),
@@ -575,12 +396,12 @@ def bf16_variant_name(d_qk: int) -> str:
 
 def _compile_bf16(d_qk: int, dump_dir: Path):
     """Trace and compile one bf16 attention variant with fake tensors (dynamic extents)."""
-    cutlass, cute = _import_dsl()
+    cutlass, cute = import_dsl()
     from cutlass import BFloat16
 
     from cute_kernels.sm90.sparse_prefill_bf16 import SparsePrefillBf16Sm90
 
-    return _compile_kernel(
+    return compile_for_tvm_ffi(
         SparsePrefillBf16Sm90(d_qk), _fake_attention_args(cute, BFloat16, d_qk, with_scales=False), dump_dir
     )
 
@@ -590,7 +411,7 @@ def load_bf16_variant(d_qk: int) -> Variant:
     if d_qk not in _bf16_variants:
         if d_qk not in D_QK_VARIANTS:
             raise ValueError(f"d_qk: expected one of {D_QK_VARIANTS}, got {d_qk}")
-        _bf16_variants[d_qk] = _build_or_load_named(
+        _bf16_variants[d_qk] = build_or_load(
             bf16_variant_name(d_qk),
             d_qk,
             lambda dump_dir: _compile_bf16(d_qk, dump_dir),
@@ -609,7 +430,7 @@ def load_bf16_variants() -> dict[int, Variant]:
 
 def bf16_shared_memory_bytes(d_qk: int) -> int:
     """Dynamic shared memory per CTA of the bf16 variant for ``d_qk``."""
-    _import_dsl()
+    import_dsl()
     from cute_kernels.sm90.sparse_prefill_bf16 import SparsePrefillBf16Sm90
 
     return SparsePrefillBf16Sm90(d_qk).shared_memory_bytes()

@@ -53,6 +53,7 @@ def build_library(directory: Path, library_name: str, source_text: str, flags: l
         compiler = os.environ.get("CXX") or shutil.which("c++") or shutil.which("g++")
         if compiler is None:
             raise RuntimeError("no C++ compiler (c++, g++ or $CXX) on PATH")
+        disk_cache.announce_build()
         with tempfile.TemporaryDirectory(dir=directory) as work:
             source = Path(work) / (Path(library_name).stem + ".cc")
             source.write_text(source_text)

@@ -31,7 +31,7 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
 import q8kv8  # noqa: E402  (compiles or loads the kernel variants)
-from q8kv8 import kernels  # noqa: E402
+from q8kv8 import build, kernels  # noqa: E402
 from q8kv8.reference import sparse_mla_prefill_reference  # noqa: E402
 
 # name, s_q, s_kv, h_q, d_qk, topk, topk_length mode (the peers' table, issue 4)
@@ -49,7 +49,7 @@ def compile_report() -> list[dict]:
     rows = []
     for variant in sorted(kernels.all_variants(), key=lambda v: v.name):
         d_qk, precision = variant.d_qk, variant.precision
-        report = kernels.ptxas_report(variant)
+        report = build.ptxas_report(variant)
         rows.append(
             {
                 "variant": variant.name,

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from cute_kernels.sm90 import sparse_prefill_bf16
-from q8kv8 import kernels
+from q8kv8 import build, kernels
 
 REPO = Path(__file__).resolve().parent.parent
 D_QK = (512, 576)
@@ -53,7 +53,7 @@ def test_ptx_uses_bf16_wgmma_tma_and_cp_async(variants, d_qk):
 
 @pytest.mark.parametrize("d_qk", D_QK)
 def test_ptxas_reports_no_spills_and_no_wgmma_serialisation(variants, d_qk):
-    report = kernels.ptxas_report(variants[d_qk])
+    report = build.ptxas_report(variants[d_qk])
     if report is None:
         pytest.skip("ptxas is not on PATH")
     assert report.spill_store_bytes == 0 and report.spill_load_bytes == 0, report.text

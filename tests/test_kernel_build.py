@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from cute_kernels.sm90 import sparse_prefill
-from q8kv8 import kernels
+from q8kv8 import build, kernels
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -86,7 +86,7 @@ def test_ptxas_reports_no_spills_and_no_wgmma_serialisation(variants, d_qk, prec
     if persistent and (d_qk, precision) not in PERSISTENT_KEYS:
         pytest.skip("no persistent variant")
     registry = kernels.load_persistent_variants() if persistent else variants
-    report = kernels.ptxas_report(registry[d_qk, precision])
+    report = build.ptxas_report(registry[d_qk, precision])
     if report is None:
         pytest.skip("ptxas is not on PATH")
     assert report.spill_store_bytes == 0 and report.spill_load_bytes == 0, report.text
@@ -106,15 +106,24 @@ def _import_in_subprocess(cache: Path) -> dict:
         [sys.executable, "-c", code], env=env, cwd=REPO, capture_output=True, text=True, check=True
     )
     hits, misses, rebuilt, seconds = result.stdout.split()
-    return {"hits": int(hits), "misses": int(misses), "rebuilt": int(rebuilt), "seconds": float(seconds)}
+    announcements = [line for line in result.stderr.splitlines() if line.startswith("q8kv8: building")]
+    return {
+        "hits": int(hits),
+        "misses": int(misses),
+        "rebuilt": int(rebuilt),
+        "seconds": float(seconds),
+        "announcements": announcements,
+    }
 
 
 def test_second_import_hits_the_disk_cache_and_damage_is_rebuilt(tmp_path):
     first = _import_in_subprocess(tmp_path)
     count = len(VARIANT_KEYS) + len(PERSISTENT_KEYS)
     assert (first["hits"], first["misses"]) == (0, count)
+    assert len(first["announcements"]) == 1 and str(tmp_path) in first["announcements"][0]  # one line
     second = _import_in_subprocess(tmp_path)
     assert (second["hits"], second["misses"]) == (count, 0)
+    assert second["announcements"] == []  # loading is silent
     assert second["seconds"] < 1.0, "loading a cached variant should take well under a second"
 
     objects = sorted(tmp_path.rglob("*.o"))

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from cute_kernels import paged_kv
-from q8kv8 import kernels, kv_layout
+from q8kv8 import build, kernels, kv_layout
 
 REPO = Path(__file__).resolve().parent.parent
 VARIANTS = [(layout, out_bf16) for layout in ("model1", "v32") for out_bf16 in (False, True)]
@@ -68,7 +68,7 @@ def test_ptx_uses_wide_accesses_and_explicit_rounding(variants, layout, out_bf16
 
 @pytest.mark.parametrize(("layout", "out_bf16"), VARIANTS)
 def test_ptxas_reports_no_spills(variants, layout, out_bf16):
-    report = kernels.ptxas_report(variants[(layout, out_bf16)])
+    report = build.ptxas_report(variants[(layout, out_bf16)])
     if report is None:
         pytest.skip("ptxas is not on PATH")
     assert report.spill_store_bytes == 0 and report.spill_load_bytes == 0, report.text
@@ -103,7 +103,7 @@ def test_q_cast_kernel_builds_without_spills(d):
     assert f".reqntid {d // 16}, 8, 1" in ptx
     assert "div.rn.f32" in ptx and "cvt.rn.satfinite.e4m3x2.f32" in ptx and ".ftz" not in ptx
     assert ptx.count("ld.global.nc.v4.b32") == 2 and ptx.count("st.global.v4.b32") == 2  # data, zeros
-    report = kernels.ptxas_report(variant)
+    report = build.ptxas_report(variant)
     if report is None:
         pytest.skip("ptxas is not on PATH")
     assert report.spill_store_bytes == 0 and report.spill_load_bytes == 0 and report.stack_frame_bytes == 0

@@ -19,8 +19,8 @@ import pytest
 import torch
 
 import q8kv8
+from q8kv8 import build, disk_cache, fast_call, fast_launch, kernels
 from q8kv8 import compile as compile_command
-from q8kv8 import disk_cache, fast_call, fast_launch, kernels
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -57,7 +57,7 @@ def test_compile_main_prints_what_this_process_built(variants, capsys):
 
 def test_compile_main_reports_a_failure_in_one_line(monkeypatch, capsys):
     def fail():
-        raise kernels.KernelCompileError("q8kv8: building kernel variant v for sm_90a failed: E: boom")
+        raise build.KernelCompileError("q8kv8: building kernel variant v for sm_90a failed: E: boom")
 
     monkeypatch.setattr(kernels, "load_variants", fail)
     assert compile_command.main([]) == 1
@@ -75,9 +75,9 @@ def test_dsl_compile_failure_is_one_line_naming_the_variant(tmp_path, monkeypatc
 
     monkeypatch.setenv("Q8KV8_CACHE_DIR", str(tmp_path))
     monkeypatch.setattr(kernels, "_variants", {})
-    monkeypatch.setattr(kernels, "cache_stats", kernels.CacheStats())
+    monkeypatch.setattr(kernels, "cache_stats", build.CacheStats())
     monkeypatch.setattr(kernels, "_compile", compile_fails)
-    with pytest.raises(kernels.KernelCompileError) as caught:
+    with pytest.raises(build.KernelCompileError) as caught:
         kernels.load_variants()
 
     error = caught.value
