@@ -16,7 +16,7 @@ test: deps
 	$(PYTHON) -m pytest -q -ra tests
 
 bench: deps
-	$(PYTHON) scripts/bench.py $(ARGS)
+	$(PYTHON) -m scripts.bench $(ARGS)
 
 lint:
 	$(PYTHON) -m ruff check . && $(PYTHON) -m ruff format --check .

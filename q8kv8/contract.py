@@ -6,7 +6,7 @@ only ``check_topk_length_range``, run when ``Q8KV8_CHECK_RANGES=1``, does (and s
 
 On the hot path of every call: each tensor is read once into a signature (type, shape, strides, dtype,
 device, data pointer), the checks read only the signatures, and a valid call's result is memoised under
-them, so a repeated call costs the signatures and one comparison (``scripts/host_overhead_cpu.py``).
+them, so a repeated call costs the signatures and one comparison.
 """
 
 import math

@@ -175,13 +175,13 @@ def test_experiments_power_sampler_averages_the_samples_inside_the_window(tmp_pa
 
 @pytest.mark.skipif(shutil.which("nvcc") is None, reason="needs nvcc")
 def test_gather_energy_probe_compiles_for_sm90a(tmp_path):
-    """``scripts/gather_energy_probe.cu`` (a GPU measurement quoted in docs/perf-notes.md) still builds,
-    with every variant (TMA multicast included) for sm_90a."""
+    """``scripts/probes/gather_energy_probe.cu`` (a GPU measurement quoted in docs/perf-notes.md) still
+    builds, with every variant (TMA multicast included) for sm_90a."""
     binary = tmp_path / "probe"
     command = [
         "nvcc", "-O3", "-std=c++17", "-gencode", "arch=compute_90a,code=sm_90a",
         "-Wno-deprecated-declarations", "-DPRODUCER_WARPS=8", "-o", str(binary),
-        str(REPO / "scripts" / "gather_energy_probe.cu"), "-ldl",
+        str(REPO / "scripts" / "probes" / "gather_energy_probe.cu"), "-ldl",
     ]  # fmt: skip
     result = subprocess.run(command, capture_output=True, text=True)
     assert result.returncode == 0, result.stderr[-4000:]

@@ -5,30 +5,27 @@ Layer shapes: s_q 4096 queries at the end of one request of ``context`` tokens (
 and 128, DeepSeek V3.2 cache layout (656 bytes per token, d_qk 576), pages of 64 tokens at random
 slots, topk 2048 distinct random rows per query (all valid). The bf16 backend's columns (layer
 call and kernel alone) appear when ``q8kv8.kernels.launch_sparse_prefill_bf16`` exists. Called by
-``scripts/bench.py`` (a light subset by default, all shapes with ``--serving``); on its own:
+``python -m scripts.bench`` (a light subset by default, all shapes with ``--serving``); on its own:
 
-    python scripts/bench_serving.py [--light] [--rep MS]
+    python -m scripts.bench.serving [--light] [--rep MS]
 """
 
 from __future__ import annotations
 
 import argparse
 import sys
-from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
-from q8kv8 import kernels, sparse_mla_q8kv8_prefill_fwd  # noqa: E402
-from q8kv8.serving import (  # noqa: E402
+from q8kv8 import kernels, sparse_mla_q8kv8_prefill_fwd
+from q8kv8.serving import (
     SparsePrefill,
     cast_q_fp8,
     dynamic_q_scale,
     gather_dequant_paged,
     topk_length_for,
 )
+from scripts.bench.common import random_indices, time_ms
 
 PAGE_SIZE = 64
 TOPK = 2048
@@ -56,7 +53,7 @@ def make_v32_cache(num_slots: int, device, std: float = 0.1) -> torch.Tensor:
     return records.view(num_pages, PAGE_SIZE, 1, V32_BYTES_PER_TOKEN)
 
 
-def layer_inputs(context: int, h: int, random_indices, device="cuda") -> dict:
+def layer_inputs(context: int, h: int, device="cuda") -> dict:
     torch.manual_seed(0)
     num_slots = context + context // 4  # a cache with unused slots; the request's pages are random
     cache = make_v32_cache(num_slots, device)
@@ -71,8 +68,8 @@ def layer_inputs(context: int, h: int, random_indices, device="cuda") -> dict:
     }
 
 
-def bench_layer(context: int, h: int, time_ms, random_indices, rep_ms: int) -> dict:
-    inputs = layer_inputs(context, h, random_indices)
+def bench_layer(context: int, h: int, rep_ms: int) -> dict:
+    inputs = layer_inputs(context, h)
     flops = 2.0 * S_Q * TOPK * h * (D_QK + 512)
     row = {"context": context, "h": h, "s_q": S_Q, "topk": TOPK, "layout": "v32", "flops": flops}
 
@@ -118,7 +115,7 @@ def bench_layer(context: int, h: int, time_ms, random_indices, rep_ms: int) -> d
     return row
 
 
-def bench_gather_bandwidth(time_ms, rep_ms: int, num_tokens: int | None = None) -> dict:
+def bench_gather_bandwidth(rep_ms: int, num_tokens: int | None = None) -> dict:
     """Gather of ``num_tokens`` random slots (read 656 + 4 bytes, write 576 or 1152 per token) against
     ``torch`` copying the same cache bytes (read and write 656 bytes per token)."""
     num_tokens = GATHER_TOKENS if num_tokens is None else num_tokens
@@ -146,7 +143,7 @@ def bench_gather_bandwidth(time_ms, rep_ms: int, num_tokens: int | None = None) 
     return result
 
 
-def run(time_ms, random_indices, rep_ms: int = 300, full: bool = False) -> dict:
+def run(rep_ms: int = 300, full: bool = False) -> dict:
     """Print and return the serving tables (``full``: every layer shape, else the light subset)."""
     shapes = LAYER_SHAPES if full else LIGHT_LAYER_SHAPES
     print(f"\nserving: V3.2 paged cache (page {PAGE_SIZE}), s_q {S_Q}, topk {TOPK}, d_qk {D_QK}; ms (TF/s)")
@@ -157,7 +154,7 @@ def run(time_ms, random_indices, rep_ms: int = 300, full: bool = False) -> dict:
     print(header)
     rows = []
     for context, h in shapes:
-        row = bench_layer(context, h, time_ms, random_indices, rep_ms)
+        row = bench_layer(context, h, rep_ms)
         rows.append(row)
 
         def rate(ms, row=row):
@@ -173,7 +170,7 @@ def run(time_ms, random_indices, rep_ms: int = 300, full: bool = False) -> dict:
             flush=True,
         )
         torch.cuda.empty_cache()
-    bandwidth = bench_gather_bandwidth(time_ms, rep_ms)
+    bandwidth = bench_gather_bandwidth(rep_ms)
     print(f"\ngather bandwidth, {bandwidth['tokens']} V3.2 tokens (read + written bytes):")
     for key, value in bandwidth.items():
         if isinstance(value, dict):
@@ -182,8 +179,6 @@ def run(time_ms, random_indices, rep_ms: int = 300, full: bool = False) -> dict:
 
 
 def main() -> int:
-    from bench import random_indices, time_ms
-
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
@@ -193,7 +188,7 @@ def main() -> int:
     if not (torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)):
         print("the serving benchmark needs an SM90 GPU")
         return 2
-    run(time_ms, random_indices, args.rep, full=not args.light)
+    run(args.rep, full=not args.light)
     return 0
 
 

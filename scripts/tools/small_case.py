@@ -2,7 +2,7 @@
 
 Small enough to run under ``compute-sanitizer`` (memcheck, racecheck):
 
-    compute-sanitizer --tool memcheck --report-api-errors no python scripts/small_case.py
+    compute-sanitizer --tool memcheck --report-api-errors no python -m scripts.tools.small_case
 
 ``--tiles-per-cta K`` forces the persistent kernel with K tiles per CTA (0: the one-tile kernel): with
 K = 4 one CTA walks all four tiles, among them one with no valid slot and one with topk_length 0.
@@ -11,14 +11,11 @@ K = 4 one CTA walks all four tiles, among them one with no valid slot and one wi
 import argparse
 import math
 import sys
-from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
-from q8kv8 import kernels, sparse_mla_q8kv8_prefill_fwd  # noqa: E402
-from q8kv8.reference import sparse_mla_prefill_reference  # noqa: E402
+from q8kv8 import kernels, sparse_mla_q8kv8_prefill_fwd
+from q8kv8.reference import sparse_mla_prefill_reference
 
 
 def main() -> int:

@@ -5,23 +5,18 @@ TVM-FFI launch of the Python path.
 Times each stage in a loop of launches queued without syncs on a tiny problem (the GPU keeps up),
 then prints a cProfile of the full call.
 
-    python scripts/host_overhead.py
+    python -m scripts.tools.host_overhead
 """
 
 import cProfile
 import pstats
-import sys
 import time
-from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
-import q8kv8  # noqa: E402
-from bench import make_inputs  # noqa: E402
-from q8kv8 import contract, fast_call, fast_launch, kernels  # noqa: E402
+import q8kv8
+from q8kv8 import contract, fast_call, fast_launch, kernels
+from scripts.bench.common import make_inputs
 
 
 def per_call_us(fn, calls: int = 3000) -> float:

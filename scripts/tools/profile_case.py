@@ -1,24 +1,20 @@
 """Launch the kernel on one benchmark shape a few times, for ``ncu`` or ``compute-sanitizer``.
 
     ncu --clock-control none -k regex:kernel_cutlass --launch-skip 2 --launch-count 1 \\
-        python scripts/profile_case.py h128_kv64k_d576_tk2048 --s-q 1024
+        python -m scripts.tools.profile_case h128_kv64k_d576_tk2048 --s-q 1024
 """
 
 import argparse
-import sys
-from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-import q8kv8  # noqa: E402
-from bench import SHAPES, make_inputs  # noqa: E402
+import q8kv8
+from scripts.bench.common import SHAPES, make_inputs
 
 
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("shape", help="a shape name from scripts/bench.py")
+    parser.add_argument("shape", help="a shape name from scripts/bench/common.py")
     parser.add_argument("--s-q", type=int, default=0, help="override s_q (0: the shape's own)")
     parser.add_argument("--launches", type=int, default=3)
     args = parser.parse_args()

@@ -7,11 +7,11 @@ without a kernel), prints a table with TF/s (FLOPs = 2 * sum(valid topk) * h_q *
 host overhead per call, and writes ``bench/results.json`` and ``bench/results.png``.
 Without an SM90 GPU it builds the kernel variants for sm_90a, prints a compile report and exits 2.
 
-Then the paged serving path (``scripts/bench_serving.py``): a layer call (Q cast + gather + kernel)
+Then the paged serving path (``scripts/bench/serving.py``): a layer call (Q cast + gather + kernel)
 next to the kernel alone and the gather's bandwidth; one layer shape by default, all of them with
 ``--serving``, none with ``--no-serving``.
 
-    python scripts/bench.py [--shapes NAME,...] [--check] [--rep MS] [--no-baseline] [--no-accurate]
+    python -m scripts.bench [--shapes NAME,...] [--check] [--rep MS] [--no-baseline] [--no-accurate]
                             [--[no-]serving]
 """
 
@@ -27,22 +27,11 @@ from pathlib import Path
 
 import torch
 
-REPO = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO))
+import q8kv8  # compiles or loads the kernel variants
+from q8kv8 import build, kernels
+from scripts.bench.common import SHAPES, check, make_inputs, time_ms
 
-import q8kv8  # noqa: E402  (compiles or loads the kernel variants)
-from q8kv8 import build, kernels  # noqa: E402
-from q8kv8.reference import sparse_mla_prefill_reference  # noqa: E402
-
-# name, s_q, s_kv, h_q, d_qk, topk, topk_length mode (the peers' table, issue 4)
-SHAPES = [
-    ("h128_kv64k_d576_tk2048", 4096, 65536, 128, 576, 2048, None),
-    ("h64_kv64k_d576_tk2048", 4096, 65536, 64, 576, 2048, None),
-    ("h128_kv8k_d576_tk2048", 4096, 8192, 128, 576, 2048, None),
-    ("h64_kv32k_d512_tk512", 4096, 32768, 64, 512, 512, None),
-    ("h64_kv64k_d576_tk2048_tlhalf", 4096, 65536, 64, 576, 2048, "half"),
-    ("h64_kv64k_d576_tk2048_tlq", 4096, 65536, 64, 576, 2048, "le_quarter"),
-]
+REPO = Path(__file__).resolve().parent.parent.parent
 
 
 def compile_report() -> list[dict]:
@@ -69,40 +58,6 @@ def compile_report() -> list[dict]:
     return rows
 
 
-def random_indices(s_q: int, s_kv: int, topk: int, device, chunk: int = 256) -> torch.Tensor:
-    """Distinct random indices in [0, s_kv) per row, in random order (as the peers' benchmark)."""
-    out = torch.empty(s_q, topk, dtype=torch.int32, device=device)
-    for start in range(0, s_q, chunk):
-        r = torch.rand(min(chunk, s_q - start), s_kv, device=device)
-        out[start : start + r.shape[0]] = r.topk(topk, dim=1, sorted=False).indices.to(torch.int32)
-    return out
-
-
-def quantize(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    scale = (x.float().abs().amax().clamp_min(1e-4) / 448.0).reshape(1)
-    return (x.float() / scale).clamp(-448, 448).to(torch.float8_e4m3fn), scale
-
-
-def make_inputs(s_q, s_kv, h_q, d_qk, topk, tl_mode, device) -> dict:
-    torch.manual_seed(0)
-    q, q_scale = quantize(torch.randn(s_q, h_q, d_qk, device=device) / 10)
-    kv, kv_scale = quantize(torch.randn(s_kv, 1, d_qk, device=device) / 10)
-    topk_length = None
-    if tl_mode == "half":
-        topk_length = torch.full((s_q,), topk // 2, dtype=torch.int32, device=device)
-    elif tl_mode == "le_quarter":
-        topk_length = torch.randint(1, topk // 4 + 1, (s_q,), dtype=torch.int32, device=device)
-    return {
-        "q": q,
-        "kv": kv,
-        "indices": random_indices(s_q, s_kv, topk, device).view(s_q, 1, topk),
-        "sm_scale": d_qk**-0.5,
-        "q_scale": q_scale,
-        "kv_scale": kv_scale,
-        "topk_length": topk_length,
-    }
-
-
 def torch_baseline(inputs: dict, chunk_rows: int = 256) -> torch.Tensor:
     """Gather + bf16 matmuls + softmax in PyTorch, chunked over query rows."""
     q, kv, indices = inputs["q"], inputs["kv"][:, 0], inputs["indices"][:, 0]
@@ -123,36 +78,6 @@ def torch_baseline(inputs: dict, chunk_rows: int = 256) -> torch.Tensor:
         probs = torch.softmax(logits.masked_fill(~valid[:, None], -math.inf), dim=-1).nan_to_num_(0.0)
         out[rows] = torch.matmul(probs.to(torch.bfloat16), gathered[..., :512])
     return out
-
-
-def time_ms(fn, rep_ms: int) -> float:
-    try:
-        from triton.testing import do_bench
-
-        return float(do_bench(fn, warmup=25, rep=rep_ms, return_mode="median"))
-    except ImportError:
-        for _ in range(3):
-            fn()
-        torch.cuda.synchronize()
-        times = []
-        for _ in range(20):
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            fn()
-            end.record()
-            end.synchronize()
-            times.append(start.elapsed_time(end))
-        return sorted(times)[len(times) // 2]
-
-
-def check(inputs: dict, outputs, rows: int = 32) -> float:
-    """||out - ref|| / ||ref|| on the first ``rows`` query rows (float64 reference)."""
-    sub = {
-        k: (v[:rows] if k in ("q", "indices", "topk_length") and v is not None else v)
-        for k, v in inputs.items()
-    }
-    ref_out, _, _ = sparse_mla_prefill_reference(**sub, chunk_rows=8)
-    return ((outputs[0][:rows].double() - ref_out).norm() / ref_out.norm()).item()
 
 
 def host_overhead_us(calls: int = 500, runs: int = 20, given_buffers: bool = True) -> float:
@@ -254,9 +179,9 @@ def main() -> int:
     report["host_overhead_us"] = overhead
     report["host_overhead_allocating_us"] = overhead_allocating
     if not args.no_serving:
-        import bench_serving
+        from scripts.bench import serving
 
-        report["serving"] = bench_serving.run(time_ms, random_indices, args.rep, full=args.serving)
+        report["serving"] = serving.run(args.rep, full=args.serving)
     out_dir = Path(args.out)
     out_dir.mkdir(parents=True, exist_ok=True)
     (out_dir / "results.json").write_text(json.dumps(report, indent=2))

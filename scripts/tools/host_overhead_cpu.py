@@ -7,22 +7,18 @@ A "memo miss" row is a call whose argument signature the contract has not seen (
 the memo is emptied before each call. Thread CPU time, the best of several repeats, so that other load on
 the machine counts least. The script also runs from an older checkout (copy it there) for a before/after.
 
-    python scripts/host_overhead_cpu.py
+    python -m scripts.tools.host_overhead_cpu
 """
 
 import os
-import sys
 import time
 import types
-from pathlib import Path
 
 os.environ.setdefault("Q8KV8_COMPILE_AT_IMPORT", "0")  # nothing here needs the compiled kernels
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+import torch
 
-import torch  # noqa: E402
-
-import q8kv8  # noqa: E402
-from q8kv8 import contract, kernels  # noqa: E402
+import q8kv8
+from q8kv8 import contract, kernels
 
 S_Q, H_Q, S_KV, D_QK, TOPK = 1, 64, 256, 576, 128
 

@@ -1,0 +1,1 @@
+"""The product benchmark (``python -m scripts.bench``, ``make bench``) and its serving section."""

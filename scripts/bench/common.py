@@ -1,0 +1,81 @@
+"""What the benchmarks share: the benchmark shapes, their inputs, timing and the accuracy check."""
+
+from __future__ import annotations
+
+import torch
+
+from q8kv8.reference import sparse_mla_prefill_reference
+
+# name, s_q, s_kv, h_q, d_qk, topk, topk_length mode
+SHAPES = [
+    ("h128_kv64k_d576_tk2048", 4096, 65536, 128, 576, 2048, None),
+    ("h64_kv64k_d576_tk2048", 4096, 65536, 64, 576, 2048, None),
+    ("h128_kv8k_d576_tk2048", 4096, 8192, 128, 576, 2048, None),
+    ("h64_kv32k_d512_tk512", 4096, 32768, 64, 512, 512, None),
+    ("h64_kv64k_d576_tk2048_tlhalf", 4096, 65536, 64, 576, 2048, "half"),
+    ("h64_kv64k_d576_tk2048_tlq", 4096, 65536, 64, 576, 2048, "le_quarter"),
+]
+
+
+def random_indices(s_q: int, s_kv: int, topk: int, device, chunk: int = 256) -> torch.Tensor:
+    """Distinct random indices in [0, s_kv) per row, in random order (as the peers' benchmark)."""
+    out = torch.empty(s_q, topk, dtype=torch.int32, device=device)
+    for start in range(0, s_q, chunk):
+        r = torch.rand(min(chunk, s_q - start), s_kv, device=device)
+        out[start : start + r.shape[0]] = r.topk(topk, dim=1, sorted=False).indices.to(torch.int32)
+    return out
+
+
+def quantize(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    scale = (x.float().abs().amax().clamp_min(1e-4) / 448.0).reshape(1)
+    return (x.float() / scale).clamp(-448, 448).to(torch.float8_e4m3fn), scale
+
+
+def make_inputs(s_q, s_kv, h_q, d_qk, topk, tl_mode, device) -> dict:
+    torch.manual_seed(0)
+    q, q_scale = quantize(torch.randn(s_q, h_q, d_qk, device=device) / 10)
+    kv, kv_scale = quantize(torch.randn(s_kv, 1, d_qk, device=device) / 10)
+    topk_length = None
+    if tl_mode == "half":
+        topk_length = torch.full((s_q,), topk // 2, dtype=torch.int32, device=device)
+    elif tl_mode == "le_quarter":
+        topk_length = torch.randint(1, topk // 4 + 1, (s_q,), dtype=torch.int32, device=device)
+    return {
+        "q": q,
+        "kv": kv,
+        "indices": random_indices(s_q, s_kv, topk, device).view(s_q, 1, topk),
+        "sm_scale": d_qk**-0.5,
+        "q_scale": q_scale,
+        "kv_scale": kv_scale,
+        "topk_length": topk_length,
+    }
+
+
+def time_ms(fn, rep_ms: int) -> float:
+    try:
+        from triton.testing import do_bench
+
+        return float(do_bench(fn, warmup=25, rep=rep_ms, return_mode="median"))
+    except ImportError:
+        for _ in range(3):
+            fn()
+        torch.cuda.synchronize()
+        times = []
+        for _ in range(20):
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            fn()
+            end.record()
+            end.synchronize()
+            times.append(start.elapsed_time(end))
+        return sorted(times)[len(times) // 2]
+
+
+def check(inputs: dict, outputs, rows: int = 32) -> float:
+    """||out - ref|| / ||ref|| on the first ``rows`` query rows (float64 reference)."""
+    sub = {
+        k: (v[:rows] if k in ("q", "indices", "topk_length") and v is not None else v)
+        for k, v in inputs.items()
+    }
+    ref_out, _, _ = sparse_mla_prefill_reference(**sub, chunk_rows=8)
+    return ((outputs[0][:rows].double() - ref_out).norm() / ref_out.norm()).item()

@@ -1,0 +1,1 @@
+"""Developer tools: a small case for the sanitizers, a profiling case, host-overhead measurements."""
