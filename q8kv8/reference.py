@@ -1,12 +1,19 @@
-"""Float64 reference of the FP8 sparse MLA prefill, for tests: plain PyTorch, runs on CPU and GPU.
+"""References in plain PyTorch (CPU and GPU), for tests: the float64 sparse MLA prefill, the bit-exact paged
+gather, and the serving path's kernels as PyTorch stand-ins (``reference_kernels``).
 
-It follows the semantics of ``sparse_mla_q8kv8_prefill_fwd`` (see the README) without its layout limits:
-any head count, any ``topk >= 1``, any ``d_qk``, any integer index dtype.
+The attention reference follows the semantics of ``sparse_mla_q8kv8_prefill_fwd`` (see the README) without
+its layout limits: any head count, any ``topk >= 1``, any ``d_qk``, any integer index dtype.
 """
 
 import math
 
 import torch
+
+from q8kv8.arguments import require_int
+from q8kv8.kv_layout import get_layout
+from q8kv8.paged_gather import out_dtype_of, paged_cache_pages, slot_words
+from q8kv8.query import E4M3_MAX
+from q8kv8.serving import PrefillKernels
 
 
 def sparse_mla_prefill_reference(
@@ -64,3 +71,80 @@ def sparse_mla_prefill_reference(
         max_logits[rows] = logits.amax(dim=-1)
         lse[rows] = torch.where(has_valid, row_lse, math.inf)
     return out, max_logits, lse
+
+
+# ------------------------------------------------------------------------------------------------
+# The paged gather and the serving path's kernels in PyTorch
+# ------------------------------------------------------------------------------------------------
+def gather_dequant_paged_reference(
+    cache: torch.Tensor,
+    slot_ids: torch.Tensor,
+    page_size: int,
+    layout,
+    out_dtype: torch.dtype = torch.float8_e4m3fn,
+    extra_rows: int = 0,
+) -> torch.Tensor:
+    """The gather in plain PyTorch (CPU or GPU), bit-exact with the kernel: same arguments, new output."""
+    layout = get_layout(layout)
+    out_dtype = out_dtype_of(out_dtype)
+    extra_rows = require_int("extra_rows", extra_rows, 0)
+    pages = paged_cache_pages(cache, page_size, layout)
+    words = slot_words(slot_ids)
+    slots = words[:, 0].long()
+    if words.shape[1] == 2:
+        slots = torch.where(words[:, 1] == 0, slots, -1)
+    num_tokens = slots.shape[0]
+    valid = (slots >= 0) & (slots < pages.shape[0] * page_size)
+    slots = torch.where(valid, slots, 0)
+    page, pos = (slots // page_size)[:, None], (slots % page_size)[:, None]
+
+    def take(offsets: torch.Tensor, count: int) -> torch.Tensor:  # [num_tokens, count] uint8
+        if pages.shape[0] == 0:
+            return pages.new_zeros(num_tokens, count)
+        return pages[page, offsets + torch.arange(count, device=pages.device)]
+
+    data = take(pos * layout.token_bytes, layout.token_bytes)
+    nope = data[:, : layout.d_nope].view(torch.float8_e4m3fn).float()
+    rope = (
+        data[:, layout.rope_offset : layout.rope_offset + 2 * layout.d_rope].contiguous().view(torch.bfloat16)
+    )
+    if layout.scale_offset is not None:
+        scale_bytes = data[:, layout.scale_offset : layout.scale_offset + 4 * layout.num_scales].contiguous()
+        scales = scale_bytes.view(torch.float32)
+    else:
+        record = layout.scale_region_offset(page_size) + pos * (layout.bytes_per_token - layout.token_bytes)
+        scales = take(record, layout.num_scales).view(torch.float8_e8m0fnu).float()
+    dequant = (nope.view(num_tokens, layout.num_scales, layout.scale_group) * scales[:, :, None]).flatten(1)
+    if out_dtype == torch.bfloat16:
+        row = torch.cat([dequant.to(torch.bfloat16), rope], dim=1)
+    else:
+        row = torch.cat([dequant, rope.float()], dim=1).clamp(-E4M3_MAX, E4M3_MAX)
+    row = torch.where(valid[:, None], row, torch.zeros((), dtype=row.dtype, device=row.device))
+    out = torch.zeros(num_tokens + extra_rows, 1, layout.d_qk, dtype=out_dtype, device=pages.device)
+    out[:num_tokens, 0] = row.to(out_dtype)
+    return out
+
+
+def _reference_attention_fp8(q, kv, indices, sm_scale, q_scale, kv_scale, attn_sink, topk_length):
+    out, max_logits, lse = sparse_mla_prefill_reference(
+        q, kv, indices, sm_scale, q_scale, kv_scale, 512, attn_sink, topk_length
+    )
+    return out.to(torch.bfloat16), max_logits.float(), lse.float()
+
+
+def _reference_attention_bf16(q, kv, indices, sm_scale, attn_sink, topk_length):
+    return _reference_attention_fp8(q, kv, indices, sm_scale, 1.0, 1.0, attn_sink, topk_length)
+
+
+def reference_kernels() -> PrefillKernels:
+    """PyTorch stand-ins for the GPU kernels (CPU or GPU): the bit-exact gather reference and the
+    float64 attention reference (outputs cast to the kernels' dtypes)."""
+
+    def gather(cache, slot_ids, page_size, layout, out_dtype, extra_rows, out):
+        result = gather_dequant_paged_reference(cache, slot_ids, page_size, layout, out_dtype, extra_rows)
+        if out is None:
+            return result
+        out.copy_(result)
+        return out
+
+    return PrefillKernels(gather, _reference_attention_fp8, _reference_attention_bf16)

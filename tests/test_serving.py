@@ -19,19 +19,12 @@ from paged_cache import (
 )
 from reference_checks import assert_outputs_match
 
-from q8kv8 import kv_layout, serving
-from q8kv8.reference import sparse_mla_prefill_reference
-from q8kv8.serving import (
-    SparsePrefill,
-    SparsePrefillWorkspace,
-    cast_q_fp8,
-    dynamic_q_scale,
-    gather_dequant_paged_reference,
-    gather_dequant_requant_fp8_paged,
-    indexed_device,
-    pad_attn_sink,
-    reference_kernels,
-)
+from q8kv8 import kv_layout, paged_gather, query, serving
+from q8kv8.paged_gather import gather_dequant_requant_fp8_paged
+from q8kv8.query import cast_q_fp8, dynamic_q_scale, pad_attn_sink
+from q8kv8.reference import gather_dequant_paged_reference, reference_kernels, sparse_mla_prefill_reference
+from q8kv8.serving import SparsePrefill
+from q8kv8.workspace import SparsePrefillWorkspace, indexed_device
 
 E4M3, BF16 = torch.float8_e4m3fn, torch.bfloat16
 
@@ -274,10 +267,10 @@ def test_gather_requires_16_byte_alignment():
 
 def test_paged_cache_pages_views_any_page_stride():
     cache = empty_cache("model1", 3, 64, extra_page_bytes=32)
-    pages = serving.paged_cache_pages(cache, 64, "model1")
+    pages = paged_gather.paged_cache_pages(cache, 64, "model1")
     assert pages.shape == (3, 64 * 584) and pages.stride() == (37440 + 32, 1)
     assert pages.data_ptr() == cache.data_ptr()
-    one = serving.paged_cache_pages(cache[:1], 64, "model1")
+    one = paged_gather.paged_cache_pages(cache[:1], 64, "model1")
     assert one.stride(0) % 16 == 0
 
 
@@ -302,7 +295,7 @@ def test_cast_q_fp8_rounds_saturates_and_pads(generator, h):
 
 
 def test_cast_q_fp8_reuses_out_and_rezeroes_padding(generator, monkeypatch):
-    monkeypatch.setattr(serving, "_CAST_CHUNK_ELEMENTS", 3 * 10 * 512)  # several row chunks
+    monkeypatch.setattr(query, "_CAST_CHUNK_ELEMENTS", 3 * 10 * 512)  # several row chunks
     q = torch.randn(7, 10, 512, generator=generator).to(BF16)
     out = torch.full((7, 64, 512), 0x7E, dtype=torch.uint8).view(E4M3)
     assert cast_q_fp8(q, 0.5, out=out) is out

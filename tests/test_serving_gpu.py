@@ -25,15 +25,11 @@ from paged_cache import (
 )
 from reference_checks import assert_outputs_match
 
-from q8kv8.serving import (
-    SparsePrefill,
-    SparsePrefillWorkspace,
-    cast_q_fp8,
-    dynamic_q_scale,
-    gather_dequant_paged,
-    gather_dequant_paged_reference,
-    gather_dequant_requant_fp8_paged,
-)
+from q8kv8.paged_gather import gather_dequant_paged, gather_dequant_requant_fp8_paged
+from q8kv8.query import cast_q_fp8, dynamic_q_scale
+from q8kv8.reference import gather_dequant_paged_reference
+from q8kv8.serving import SparsePrefill
+from q8kv8.workspace import SparsePrefillWorkspace
 
 pytestmark = pytest.mark.gpu
 

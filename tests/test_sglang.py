@@ -14,7 +14,7 @@ from paged_cache import random_bytes_cache, same_bits, to_device
 import q8kv8
 from q8kv8 import sglang
 from q8kv8.kv_layout import MODEL1, V32
-from q8kv8.serving import gather_dequant_paged_reference
+from q8kv8.reference import gather_dequant_paged_reference
 
 E4M3 = torch.float8_e4m3fn
 

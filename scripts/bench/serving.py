@@ -18,13 +18,9 @@ import sys
 import torch
 
 from q8kv8 import kernels, sparse_mla_q8kv8_prefill_fwd
-from q8kv8.serving import (
-    SparsePrefill,
-    cast_q_fp8,
-    dynamic_q_scale,
-    gather_dequant_paged,
-    topk_length_for,
-)
+from q8kv8.paged_gather import gather_dequant_paged
+from q8kv8.query import cast_q_fp8, dynamic_q_scale
+from q8kv8.serving import SparsePrefill, topk_length_for
 from scripts.bench.common import random_indices, time_ms
 
 PAGE_SIZE = 64

@@ -1,0 +1,161 @@
+"""The paged KV gather: token slots of a paged FP8 cache into contiguous e4m3 or bf16 rows, one GPU kernel.
+
+A paged cache is ``[num_pages, ...]`` with each page's bytes contiguous; slot ``s`` is position
+``s % page_size`` of page ``s // page_size``. The two cache layouts are described in ``q8kv8.kv_layout`` and
+``cute_kernels/sm90/paged_kv.py``; ``q8kv8.reference.gather_dequant_paged_reference`` is the bit-exact
+PyTorch version. Arguments are checked on shapes, dtypes, strides and devices only: no host sync.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from q8kv8.arguments import check_buffer, require_int
+from q8kv8.contract import _overlaps
+from q8kv8.kv_layout import get_layout
+
+
+def paged_cache_pages(cache: torch.Tensor, page_size: int, layout) -> torch.Tensor:
+    """``cache`` as ``[num_pages, page_bytes]`` uint8 (a view, no copy), checked against ``layout``.
+
+    ``cache``: uint8 (or a float8_e4m3fn view of the same bytes), at least 2-D, the first dim the
+    pages, the other dims contiguous inside a page (any page stride); each page must hold the
+    ``page_size * bytes_per_token`` bytes the layout reads.
+    """
+    layout = get_layout(layout)
+    page_size = require_int("page_size", page_size, 1)
+    if not isinstance(cache, torch.Tensor):
+        raise TypeError(f"cache: expected a torch.Tensor, got {type(cache).__name__}")
+    if cache.dtype not in (torch.uint8, torch.float8_e4m3fn):
+        raise TypeError(f"cache: expected dtype torch.uint8 (or torch.float8_e4m3fn), got {cache.dtype}")
+    if cache.dim() < 2:
+        raise ValueError(
+            f"cache: expected [num_pages, ...] with at least 2 dims, got shape {list(cache.shape)}"
+        )
+    pages = cache.view(torch.uint8)
+    num_pages, page_bytes = pages.shape[0], math.prod(pages.shape[1:])
+    expected_stride = 1
+    for size, stride in zip(reversed(pages.shape[1:]), reversed(pages.stride()[1:]), strict=True):
+        if size != 1 and stride != expected_stride:
+            raise ValueError(
+                f"cache: expected the dims after the first (one page) to be contiguous, got shape "
+                f"{list(cache.shape)} with strides {list(cache.stride())}"
+            )
+        expected_stride *= size
+    needed = layout.min_page_bytes(page_size)
+    if page_bytes < needed:
+        raise ValueError(
+            f"cache: expected pages of at least {needed} bytes (layout {layout.name}, page_size {page_size}: "
+            f"{page_size} x {layout.bytes_per_token}), got {page_bytes} bytes per page "
+            f"(shape {list(cache.shape)})"
+        )
+    page_stride = pages.stride(0)
+    if num_pages > 1 and page_stride < page_bytes:
+        raise ValueError(f"cache: pages overlap (page stride {page_stride} < {page_bytes} bytes per page)")
+    if num_pages <= 1:  # the stride is never used; keep it a multiple of 16 for the kernel
+        page_stride = -(-max(page_bytes, 1) // 16) * 16
+    return pages.as_strided((num_pages, page_bytes), (page_stride, 1))
+
+
+def slot_words(slot_ids: torch.Tensor) -> torch.Tensor:
+    """``slot_ids`` ([num_tokens] int32 or int64) as ``[num_tokens, 1 or 2]`` int32 words (a view of an
+    int32 table or of a contiguous int64 one, little-endian: low word first)."""
+    if not isinstance(slot_ids, torch.Tensor):
+        raise TypeError(f"slot_ids: expected a torch.Tensor, got {type(slot_ids).__name__}")
+    if slot_ids.dtype not in (torch.int32, torch.int64):
+        raise TypeError(f"slot_ids: expected dtype torch.int32 or torch.int64, got {slot_ids.dtype}")
+    if slot_ids.dim() != 1:
+        raise ValueError(f"slot_ids: expected a 1-D tensor [num_tokens], got shape {list(slot_ids.shape)}")
+    if slot_ids.dtype == torch.int32:
+        return slot_ids.unsqueeze(1)
+    return slot_ids.contiguous().view(torch.int32).view(slot_ids.shape[0], 2)
+
+
+def out_dtype_of(out_dtype) -> torch.dtype:
+    if out_dtype not in (torch.float8_e4m3fn, torch.bfloat16):
+        raise TypeError(f"out_dtype: expected torch.float8_e4m3fn or torch.bfloat16, got {out_dtype}")
+    return out_dtype
+
+
+def gather_dequant_paged(
+    cache: torch.Tensor,
+    slot_ids: torch.Tensor,
+    page_size: int,
+    layout,
+    out_dtype: torch.dtype = torch.float8_e4m3fn,
+    extra_rows: int = 0,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Gather token slots of a paged FP8 cache into contiguous ``[num_tokens + extra_rows, 1, d_qk]``
+    rows of ``out_dtype`` (e4m3 with per-tensor scale 1.0, or bf16) on the GPU; see
+    ``gather_dequant_requant_fp8_paged``. The bf16 rows hold the dequantised nope (rounded to bf16)
+    and the RoPE values unchanged."""
+    layout = get_layout(layout)
+    out_dtype = out_dtype_of(out_dtype)
+    extra_rows = require_int("extra_rows", extra_rows, 0)
+    pages = paged_cache_pages(cache, page_size, layout)
+    if pages.data_ptr() % 16 or (pages.shape[0] > 1 and pages.stride(0) % 16):
+        raise ValueError(
+            f"cache: expected a 16-byte aligned base and page stride (rows are read 16 bytes at a time), "
+            f"got page stride {pages.stride(0)} bytes"
+        )
+    words = slot_words(slot_ids)
+    rows = words.shape[0] + extra_rows
+    shape = (rows, 1, layout.d_qk)
+    if out is not None:
+        check_buffer("out", out, shape, out_dtype)
+        if out.data_ptr() % 16:
+            raise ValueError("out: expected a 16-byte aligned buffer (rows are written 16 bytes at a time)")
+        if _overlaps(out, pages):
+            raise ValueError("out: expected memory of its own, got memory overlapping cache")
+    # Devices last, so that every other check reports the same way on a machine without a GPU.
+    if cache.device.type != "cuda":
+        raise ValueError(f"cache: expected a CUDA tensor, got device {cache.device}")
+    for name, tensor in (("slot_ids", slot_ids), ("out", out)):
+        if tensor is not None and tensor.device != cache.device:
+            raise ValueError(
+                f"{name}: expected a tensor on {cache.device} (the cache's device), got {tensor.device}"
+            )
+    if out is None:
+        out = torch.empty(shape, dtype=out_dtype, device=cache.device)
+    if rows == 0:
+        return out
+    if words.shape[0] == 0 or pages.shape[0] == 0:  # nothing to read: only zero rows
+        return out.zero_()
+    from q8kv8 import kernels
+
+    kernels.launch_paged_kv_gather(pages, words, out, page_size, layout.name)
+    return out
+
+
+def gather_dequant_requant_fp8_paged(
+    cache_u8: torch.Tensor,
+    slot_ids: torch.Tensor,
+    page_size: int,
+    layout,
+    extra_rows: int = 0,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Gather, dequantise and requantise token slots of a paged FP8 cache, on the GPU (one kernel).
+
+    Args:
+        cache_u8: the paged cache, uint8 (or a float8_e4m3fn view), ``[num_pages, ...]`` with each
+            page's bytes contiguous (e.g. ``[num_pages, page_size, 1, bytes_per_token]``); base and
+            page stride 16-byte aligned.
+        slot_ids: ``[num_tokens]`` int32 or int64 physical slots; slot ``s`` is position
+            ``s % page_size`` of page ``s // page_size``. A slot outside ``[0, num_pages * page_size)``
+            gives a zero row and is never read.
+        page_size: tokens per page.
+        layout: "model1" (DeepSeek V4, d_qk 512) or "v32" (DeepSeek V3.2, d_qk 576), or a
+            ``q8kv8.kv_layout.KvCacheLayout``.
+        extra_rows: zero rows appended after the gathered ones (a landing zone).
+        out: optional ``[num_tokens + extra_rows, 1, d_qk]`` float8_e4m3fn contiguous buffer, reused
+            (its extra rows are re-zeroed).
+
+    Returns ``out``: e4m3 rows with a per-tensor scale of 1.0: each nope value times its block scale
+    (in float32), rounded to nearest even into e4m3 saturating at +-448, then the RoPE values rounded
+    the same way from bf16. Bit-exact with ``gather_dequant_paged_reference``. No host sync.
+    """
+    return gather_dequant_paged(cache_u8, slot_ids, page_size, layout, torch.float8_e4m3fn, extra_rows, out)
