@@ -3,11 +3,9 @@
 The persistent kernel (``cute_kernels/sm90/sparse_prefill.py``, ``persistent=True``: each CTA walks up to
 four (token, 64 heads) tiles; its producer loads the next tile's Q and gathers its first rows during the
 current tile's tail, and the current tile's out stores drain during the next tile's math) pays on short
-tiles and costs on long ones. H200, same device session: d_qk 512 / topk 512 rows 0.416 -> 0.380-0.395 ms,
-topk_length <= topk/4 rows 0.302-0.313 -> 0.282-0.287 ms, topk_length = topk/2 within noise, full
-2048-slot rows 2-8% slower. So it runs, for either precision, when topk <= 512 or topk_length is given
-(short rows are what topk_length is for), with min(4, tiles // (4 * SMs)) tiles per CTA when that is at
-least 2 (the grid keeps four waves of CTAs or more). Results are bitwise those of the one-tile kernel, so
+tiles and costs on long ones (docs/perf-notes.md has the measurements). So it runs, for either precision,
+when topk <= 512 or topk_length is given (short rows are what topk_length is for), with
+min(4, tiles // (4 * SMs)) tiles per CTA when that is at least 2 (the grid keeps four waves of CTAs or more). Results are bitwise those of the one-tile kernel, so
 the choice only ever changes the time.
 
 The contract computes the choice once per call signature (``contract.Problem.tiles_per_cta``, memoised

@@ -1,7 +1,7 @@
 """``python -m q8kv8.compile``, ``python -m q8kv8.info`` / ``q8kv8.info()``, build failures and the
 experiments script's power sampler (CPU).
 
-The commands run in subprocesses on the test session's kernel cache (filled when ``q8kv8`` was imported),
+The commands run in subprocesses on the test run's kernel cache (filled when ``q8kv8`` was imported),
 so they load the variants rather than compile them again.
 """
 
@@ -43,7 +43,7 @@ def test_python_m_compile_lists_every_variant_and_the_cache(variants):
     for variant in variants.values():
         [line] = [line for line in lines if line.split()[0] == variant.name]
         _, source, seconds = line.split()
-        assert source == "cache" and float(seconds) < 5.0  # the session's import filled the cache
+        assert source == "cache" and float(seconds) < 5.0  # the test run's import filled the cache
     assert lines[-1] == f"cache: {disk_cache.cache_dir()}"
 
 

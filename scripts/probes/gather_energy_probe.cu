@@ -15,12 +15,12 @@
 //   hybrid       tma_mcast for the first HYBRID_TMA_ROWS rows of each block, cp.async for the others
 // Compile-time knobs: -DPRODUCER_WARPS=4|8 (warps issuing the copies), -DHYBRID_TMA_ROWS=48,
 // -DROPE=0 (leave the rope bytes out: TMA's own rate; the verify pass then fails by design).
-// Outcome on the H200 (docs/perf-notes.md, session 8): TMA's 128-byte boxes cap the gather near 3.5 TB/s.
+// Outcome on the H200 (docs/perf-notes.md): TMA's 128-byte boxes cap the gather near 3.5 TB/s.
 // A verify pass XORs every 16-byte granule each CTA received and compares with the host's XOR of the rows.
 // Energy: NVML's total-energy counter over a ~2 s run of back-to-back calls.
 //
-// Build and run (GPU machine): nvcc -O3 -std=c++17 -gencode arch=compute_90a,code=sm_90a -Wno-deprecated-declarations \
-//                                   -o /tmp/probe scripts/gather_energy_probe.cu -ldl
+// Build and run (on an SM90 GPU): nvcc -O3 -std=c++17 -gencode arch=compute_90a,code=sm_90a -Wno-deprecated-declarations \
+//                                   -o /tmp/probe scripts/probes/gather_energy_probe.cu -ldl
 //                              /tmp/probe [s_kv ...]
 
 #include <cuda.h>
