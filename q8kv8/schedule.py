@@ -5,8 +5,8 @@ four (token, 64 heads) tiles; its producer loads the next tile's Q and gathers i
 current tile's tail, and the current tile's out stores drain during the next tile's math) pays on short
 tiles and costs on long ones (docs/perf-notes.md has the measurements). So it runs, for either precision,
 when topk <= 512 or topk_length is given (short rows are what topk_length is for), with
-min(4, tiles // (4 * SMs)) tiles per CTA when that is at least 2 (the grid keeps four waves of CTAs or more). Results are bitwise those of the one-tile kernel, so
-the choice only ever changes the time.
+min(4, tiles // (4 * SMs)) tiles per CTA when that is at least 2 (the grid keeps four waves of CTAs or
+more). Results are bitwise those of the one-tile kernel, so the choice only ever changes the time.
 
 The contract computes the choice once per call signature (``contract.Problem.tiles_per_cta``, memoised
 with the rest of the verdict), so a repeated call pays nothing for it.

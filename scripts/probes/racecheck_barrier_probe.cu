@@ -5,7 +5,7 @@
 // consumer 1's epilogue), although every access is ordered (tests/test_persistent_protocol.py models
 // it). This probe is that protocol alone, ordered the same way, with nothing else in the kernel:
 //
-//   nvcc -arch=sm_90a -o /tmp/probe scripts/racecheck_barrier_probe.cu
+//   nvcc -arch=sm_90a -o /tmp/probe scripts/probes/racecheck_barrier_probe.cu
 //   compute-sanitizer --tool racecheck --racecheck-report hazard /tmp/probe 4     # 0 hazards
 //   compute-sanitizer --tool racecheck --racecheck-report hazard /tmp/probe 8     # RAW "hazards"
 //   compute-sanitizer --tool racecheck --racecheck-report hazard /tmp/probe 4 1   # a real race: WAR
