@@ -43,7 +43,7 @@ def info() -> dict:
         "gpu": gpu,
         "arch": arch,
         "target_arch": build.TARGET_ARCH,
-        "variants": [_describe(kernels, variant) for variant in variants],
+        "variants": [kernels.describe(variant) for variant in variants],
         "cache": {
             "dir": str(disk_cache.cache_dir()),
             "hits": kernels.cache_stats.hits,
@@ -52,23 +52,6 @@ def info() -> dict:
         },
         "fast_launch": "built" if fast_launch_built else "unavailable (every call takes the Python path)",
         "fast_call": "built" if fast_call_built else "unavailable (fast calls go through TVM-FFI)",
-    }
-
-
-def _describe(kernels, variant) -> dict:
-    from q8kv8 import build
-
-    report = build.ptxas_report(variant)
-    return {
-        "name": variant.name,
-        "d_qk": variant.d_qk,
-        "precision": variant.precision,
-        "source": variant.source,
-        "seconds": variant.seconds,
-        "registers": None if report is None else report.registers,
-        "spill_bytes": None if report is None else report.spill_store_bytes + report.spill_load_bytes,
-        "shared_memory_bytes": kernels.shared_memory_bytes(variant.d_qk, variant.precision),
-        "object": str(variant.object_path),
     }
 
 

@@ -128,6 +128,26 @@ def all_variants() -> list[Variant]:
     return [*_variants.values(), *_persistent_variants.values()]
 
 
+def describe(variant: Variant) -> dict:
+    """One attention variant as the listings show it (``python -m q8kv8.compile``, ``q8kv8.info()``,
+    ``make bench``): name, d_qk, precision, where it came from and in how many seconds, registers and
+    spill bytes from ``ptxas -v`` (None without ptxas), shared memory per CTA, object file."""
+    from q8kv8.build import ptxas_report
+
+    report = ptxas_report(variant)
+    return {
+        "name": variant.name,
+        "d_qk": variant.d_qk,
+        "precision": variant.precision,
+        "source": variant.source,
+        "seconds": variant.seconds,
+        "registers": None if report is None else report.registers,
+        "spill_bytes": None if report is None else report.spill_store_bytes + report.spill_load_bytes,
+        "shared_memory_bytes": shared_memory_bytes(variant.d_qk, variant.precision),
+        "object": str(variant.object_path),
+    }
+
+
 def shared_memory_bytes(d_qk: int, precision: str = "default") -> int:
     """Dynamic shared memory per CTA of the (d_qk, precision) variant."""
     import_dsl()

@@ -28,31 +28,18 @@ from pathlib import Path
 import torch
 
 import q8kv8  # compiles or loads the kernel variants
-from q8kv8 import build, kernels
+from q8kv8 import kernels
 from scripts.bench.common import SHAPES, check, make_inputs, time_ms
 
 REPO = Path(__file__).resolve().parent.parent.parent
 
 
 def compile_report() -> list[dict]:
-    rows = []
-    for variant in sorted(kernels.all_variants(), key=lambda v: v.name):
-        d_qk, precision = variant.d_qk, variant.precision
-        report = build.ptxas_report(variant)
-        rows.append(
-            {
-                "variant": variant.name,
-                "source": variant.source,
-                "seconds": round(variant.seconds, 3),
-                "registers": None if report is None else report.registers,
-                "spill_bytes": None if report is None else report.spill_store_bytes + report.spill_load_bytes,
-                "shared_memory_bytes": kernels.shared_memory_bytes(d_qk, precision),
-            }
-        )
+    rows = [kernels.describe(variant) for variant in sorted(kernels.all_variants(), key=lambda v: v.name)]
     print(f"{'variant':37s} {'from':9s} {'time s':>7s} {'regs':>5s} {'spills':>7s} {'smem B':>7s}")
     for r in rows:
         print(
-            f"{r['variant']:37s} {r['source']:9s} {r['seconds']:7.3f} {r['registers']!s:>5s} "
+            f"{r['name']:37s} {r['source']:9s} {r['seconds']:7.3f} {r['registers']!s:>5s} "
             f"{r['spill_bytes']!s:>7s} {r['shared_memory_bytes']:7d}"
         )
     return rows
