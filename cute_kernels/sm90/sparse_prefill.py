@@ -204,24 +204,10 @@ class SparsePrefillSm90:
         self,
         d_qk: int,
         precision: str = "default",
-        exp2_f16x2: bool = False,
-        experiment: str | None = None,
-        exp2_poly_groups: int = 0,
         persistent: bool = False,
     ):
         """``precision``: "default" rounds P to one e4m3 term; "accurate" splits it into two
         (hi = e4m3(p), lo = e4m3(p - hi)) and runs the PV product once per term.
-        ``exp2_f16x2``: exponentials as f16x2 ``ex2.approx`` instead of f32, default precision only (an
-        experiment: SM90 runs an f16x2 ex2 as two MUFU ops, so it does not halve the MUFU work;
-        measured 0.3-1% slower; "accurate" used it until session 5, 0-0.8% slower and less accurate
-        than f32 exponentials rounded to f16 for the split, 2.74e-3 vs 2.62e-3).
-        ``experiment`` (timing studies only, wrong results): "gather_only" skips all math,
-        "math_only" skips the gather, "early_full" marks a KV tile full once its copies are issued
-        rather than landed (the gather's latency off the consumers' path, its traffic kept).
-        ``exp2_poly_groups`` (0-4, f32 exponentials only): how many of each row's four groups of 4
-        exponentials run as a cubic on the FMA pipe (``ptx.exp2_poly``) instead of the MUFU, to share
-        the exponential work between pipes (an experiment: measured 1.5-4% slower with one or two
-        groups, docs/perf-notes.md).
         ``persistent``: each CTA walks ``tiles_per_cta`` tiles (launch argument; tiles bid,
         bid + grid, ...), its producer loading the next tile's Q and first rows while the consumers
         finish the current one, whose out stores then drain during the next tile's math."""
@@ -229,18 +215,9 @@ class SparsePrefillSm90:
             raise ValueError(f"d_qk must be 512 or 576, got {d_qk}")
         if precision not in ("default", "accurate"):
             raise ValueError(f"precision must be 'default' or 'accurate', got {precision!r}")
-        if not 0 <= exp2_poly_groups <= 4 or (exp2_poly_groups and exp2_f16x2):
-            raise ValueError("exp2_poly_groups must be 0-4, and 0 with f16x2 exponentials")
-        if exp2_f16x2 and precision == "accurate":
-            raise ValueError("exp2_f16x2 is an experiment of the default precision")
-        if experiment not in (None, "gather_only", "math_only", "early_full"):
-            raise ValueError(f"unknown experiment {experiment!r}")
         self.d_qk = d_qk
         self.precision = precision
         self.p_terms = 2 if precision == "accurate" else 1  # e4m3 terms P is stored as
-        self.exp2_f16x2 = exp2_f16x2
-        self.experiment = experiment
-        self.exp2_poly_groups = exp2_poly_groups
         self.persistent = persistent
         self.k_tile_bytes = B_TOPK * d_qk  # one gathered block in shared memory
         self.q_tile_bytes = B_H * d_qk
@@ -527,35 +504,28 @@ class SparsePrefillSm90:
             phase = (ring_pair // NUM_STAGES) % 2
             full_barrier = mbar_kv_full + stage * 2 + block_in_pair
             empty_barrier = mbar_kv_empty + stage * 2 + block_in_pair
-            if const_expr(self.experiment == "math_only"):
-                cute.arch.mbarrier_wait(empty_barrier, phase ^ 1)
-                cute.arch.mbarrier_arrive(full_barrier)
-            else:
-                slot = pair * PAIR + warp_idx * 32 + lane
-                kv_row = mIdx[work.token, slot]
-                is_valid = Int32(0)
-                if (kv_row >= 0) & (kv_row < s_kv) & (slot < work.valid_len):
-                    is_valid = Int32(1)
-                cute.arch.mbarrier_wait(empty_barrier, phase ^ 1)
-                tile_base = sK_base + (stage * 2 + block_in_pair) * self.k_tile_bytes
-                for group in cutlass.range_constexpr(4):
-                    src_lane = group * 8 + lane_row
-                    row_kv = cute.arch.shuffle_sync(kv_row, src_lane)
-                    row_valid = cute.arch.shuffle_sync(is_valid, src_lane)
-                    row = row_base + group * 8 + lane_row
-                    g_addr = kv_base + Int64(row_kv * row_valid) * kv_row_stride + chunk16 * 16
-                    s_addr = tile_base + _swizzle64(row, chunk16)
-                    nbytes = row_valid * 16
-                    for col_tile in cutlass.range_constexpr(self.d_qk // SW64_TILE_COLS):
-                        ptx.cp_async_16_zfill(
-                            s_addr + col_tile * TILE_ROW_GROUP_BYTES,
-                            g_addr + col_tile * SW64_TILE_COLS,
-                            nbytes,
-                        )
-                if const_expr(self.experiment == "early_full"):
-                    cute.arch.mbarrier_arrive(full_barrier)  # issued, not landed: data latency off the path
-                else:
-                    cute.arch.cp_async_mbarrier_arrive_noinc(full_barrier)
+            slot = pair * PAIR + warp_idx * 32 + lane
+            kv_row = mIdx[work.token, slot]
+            is_valid = Int32(0)
+            if (kv_row >= 0) & (kv_row < s_kv) & (slot < work.valid_len):
+                is_valid = Int32(1)
+            cute.arch.mbarrier_wait(empty_barrier, phase ^ 1)
+            tile_base = sK_base + (stage * 2 + block_in_pair) * self.k_tile_bytes
+            for group in cutlass.range_constexpr(4):
+                src_lane = group * 8 + lane_row
+                row_kv = cute.arch.shuffle_sync(kv_row, src_lane)
+                row_valid = cute.arch.shuffle_sync(is_valid, src_lane)
+                row = row_base + group * 8 + lane_row
+                g_addr = kv_base + Int64(row_kv * row_valid) * kv_row_stride + chunk16 * 16
+                s_addr = tile_base + _swizzle64(row, chunk16)
+                nbytes = row_valid * 16
+                for col_tile in cutlass.range_constexpr(self.d_qk // SW64_TILE_COLS):
+                    ptx.cp_async_16_zfill(
+                        s_addr + col_tile * TILE_ROW_GROUP_BYTES,
+                        g_addr + col_tile * SW64_TILE_COLS,
+                        nbytes,
+                    )
+            cute.arch.cp_async_mbarrier_arrive_noinc(full_barrier)
 
     # ------------------------------------------------------------------------------------
     @cute.jit
@@ -704,8 +674,8 @@ class SparsePrefillSm90:
         num_blocks = c.work.num_blocks
         cute.arch.mbarrier_wait(mbar_q, tile_iter % 2)
         if const_expr(self.persistent):
-            no_step_loop = num_blocks == 0 or const_expr(self.experiment == "gather_only")
-            if num_blocks <= consumer or const_expr(self.experiment == "gather_only"):  # no QK here
+            no_step_loop = num_blocks == 0
+            if num_blocks <= consumer:  # no QK here
                 cute.arch.mbarrier_arrive(mbar_q_empty)
             if tile_iter > 0:
                 # Consumer 1 arrives, consumer 0 syncs before its first P (in the step loop). A tile
@@ -718,13 +688,7 @@ class SparsePrefillSm90:
                     )
                 elif no_step_loop:
                     cute.arch.barrier(barrier_id=BAR_TILE_HANDOFF, number_of_threads=2 * THREADS_PER_WG)
-        if const_expr(self.experiment == "gather_only"):
-            for block in cutlass.range(num_blocks, unroll=1):
-                ring = c.work.block_base + block
-                cute.arch.mbarrier_wait(c.mbar_kv_full + ring % NUM_KV_TILES, (ring // NUM_KV_TILES) % 2)
-                cute.arch.mbarrier_arrive(c.mbar_kv_empty + ring % NUM_KV_TILES)
-            self.publish_row_stats(c)
-        elif num_blocks > 0:
+        if num_blocks > 0:
             # Step i: own block 2i + c (when it exists) and the other consumer's block 2i + c - 1
             # (when it exists); see consumer_steps.
             for step in cutlass.range(consumer_steps(num_blocks, consumer), unroll=1):
@@ -749,9 +713,8 @@ class SparsePrefillSm90:
                 # Drained at the end of each step: WGMMAs in flight across the loop's back edge
                 # make ptxas serialise them (C7520/C7513).
                 warpgroup.wait_group(0)
-        if const_expr(self.experiment != "gather_only"):
-            if num_blocks <= consumer:  # owned no block: nothing was published in the loop
-                self.publish_row_stats(c)
+        if num_blocks <= consumer:  # owned no block: nothing was published in the loop
+            self.publish_row_stats(c)
         if const_expr(self.persistent):
             if num_blocks % 2 == 1:  # the last pair's zero-filled second block
                 ring = c.work.block_base + num_blocks
@@ -876,17 +839,12 @@ class SparsePrefillSm90:
         [2t, 2t+1, 8+2t, 9+2t][b] and k + 16 holds slot + 16 -- the order that ldmatrix.trans +
         prmt give the V^T fragment. This thread's S columns 8j + 2t + e therefore land in two
         4-byte words per 32-slot group."""
-        if const_expr(self.exp2_f16x2):
-            return self.exp2_and_store_p_f16x2(c, r, row, logit_scale, bias, tile_addr)
         block_sum = Float32(0.0)
         for kstep in cutlass.range_constexpr(2):
             for half in cutlass.range_constexpr(2):
                 j0 = 4 * kstep + 2 * half
                 columns = (2 * r + 4 * j0, 1 + 2 * r + 4 * j0, 2 * r + 4 * j0 + 4, 1 + 2 * r + 4 * j0 + 4)
-                if const_expr(2 * kstep + half >= 4 - self.exp2_poly_groups):
-                    p = [ptx.exp2_poly(c.acc_s[i] * logit_scale - bias) for i in columns]
-                else:
-                    p = [cute.math.exp2(c.acc_s[i] * logit_scale - bias, fastmath=True) for i in columns]
+                p = [cute.math.exp2(c.acc_s[i] * logit_scale - bias, fastmath=True) for i in columns]
                 block_sum += (p[0] + p[1]) + (p[2] + p[3])
                 if const_expr(self.p_terms == 1):
                     words = (ptx.pack_e4m3x4(p[0], p[1], p[2], p[3]),)
@@ -898,28 +856,6 @@ class SparsePrefillSm90:
                 ptx.st_shared_u32(addr, words[0])
                 if const_expr(self.p_terms == 2):
                     ptx.st_shared_u32(addr + B_H * B_TOPK, words[1])  # the lo term's tile follows
-        return block_sum
-
-    @cute.jit
-    def exp2_and_store_p_f16x2(self, c: Consumer, r, row, logit_scale, bias, tile_addr):
-        """The ``exp2_f16x2`` experiment of ``exp_and_store_p`` (default precision): p as f16x2 pairs
-        (columns 8j + 2t, 8j + 2t + 1), stored as e4m3 P; returns the sum of the 16 p (f16 tree sum,
-        in f32)."""
-        p = [
-            ptx.exp2_f16x2(
-                c.acc_s[2 * r + 4 * j] * logit_scale - bias, c.acc_s[1 + 2 * r + 4 * j] * logit_scale - bias
-            )
-            for j in range(8)
-        ]
-        quarter = [ptx.add_f16x2(p[2 * k], p[2 * k + 1]) for k in range(4)]
-        block_sum = ptx.sum_f16x2_to_f32(
-            ptx.add_f16x2(ptx.add_f16x2(quarter[0], quarter[1]), ptx.add_f16x2(quarter[2], quarter[3]))
-        )
-        for kstep in cutlass.range_constexpr(2):
-            for half in cutlass.range_constexpr(2):
-                j0 = 4 * kstep + 2 * half
-                addr = tile_addr + _swizzle64(row, 2 * kstep + half) + 4 * c.quad_lane
-                ptx.st_shared_u32(addr, ptx.pack_e4m3x4_from_f16x2(p[j0], p[j0 + 1]))
         return block_sum
 
     @cute.jit
