@@ -90,6 +90,8 @@ from cutlass import Float8E4M3FN, Float32, Int32, Int64, Uint32, const_expr
 from cutlass.cute.nvgpu import OperandMajorMode, cpasync, warpgroup
 
 from cute_kernels import ptx
+from cute_kernels.sm90.named_barrier import NamedBarrierFp8
+from cute_kernels.sm90.ring import Ring
 from cute_kernels.sm90.row_views import load_q_tile, make_row_views, tile_position
 
 B_H = 64  # heads per CTA: one WGMMA M tile
@@ -99,6 +101,9 @@ D_V = 512  # value width: the first 512 columns of each KV row
 D_TILES_PER_CONSUMER = 4  # 64-wide d tiles of O^T per consumer (256 of d_v)
 NUM_STAGES = 2  # pairs of KV blocks in flight
 NUM_KV_TILES = 2 * NUM_STAGES  # block tiles; block b uses tile b % 4 (and P buffer b % 4)
+PAIR_RING = Ring(NUM_STAGES)  # pair p: the KV tiles 2 (p % 2) and 2 (p % 2) + 1
+KV_RING = Ring(NUM_KV_TILES)  # block g: KV tile, P buffer and their barriers g % 4
+Q_RING = Ring(1)  # persistent: the CTA's tile i loads Q in phase i % 2 of q_full / q_empty
 P_SCALE_LOG2 = 7  # P is stored as e4m3(p * 2^7); undone in the epilogue
 RESCALE_THRESHOLD = 1.75  # log2 units; 2^(P_SCALE_LOG2 + RESCALE_THRESHOLD) = 430 < 448
 SW64_TILE_COLS = 64  # bytes per row of one 64-byte-swizzled column tile
@@ -108,11 +113,6 @@ THREADS_PER_WG = 128
 NUM_THREADS = 3 * THREADS_PER_WG
 PRODUCER_REGS = 24
 CONSUMER_REGS = 240
-
-# Named barrier ids (0 is __syncthreads).
-BAR_STATS_PUBLISHED = 3  # 3 + c: consumer c's row statistics are in shared memory (c arrives, 1 - c syncs)
-BAR_SCALE_READY = 5  # per consumer (5 + c): output scales ready (epilogue)
-BAR_TILE_HANDOFF = 7  # persistent: consumer 1 finished the previous tile (1 arrives, 0 syncs)
 
 LOG2_E = math.log2(math.e)
 LN_2 = math.log(2.0)
@@ -480,7 +480,7 @@ class SparsePrefillSm90:
             for tile_iter in cutlass.range(tiles.count, unroll=1):
                 work = self.tile_work(tiles, tile_iter, 2 * pair_base)
                 if warp_idx == 0:
-                    cute.arch.mbarrier_wait(mbar_q_empty, (tile_iter % 2) ^ 1)
+                    Q_RING.wait_empty(mbar_q_empty, tile_iter)
                 self.produce_tile(*tile_inputs, work, pair_base, geometry)
                 pair_base += work.num_pairs
         else:
@@ -500,8 +500,8 @@ class SparsePrefillSm90:
 
         for pair in cutlass.range(work.num_pairs, unroll=1):
             ring_pair = pair_base + pair
-            stage = ring_pair % NUM_STAGES
-            phase = (ring_pair // NUM_STAGES) % 2
+            stage = PAIR_RING.index(ring_pair)
+            phase = PAIR_RING.phase(ring_pair)
             full_barrier = mbar_kv_full + stage * 2 + block_in_pair
             empty_barrier = mbar_kv_empty + stage * 2 + block_in_pair
             slot = pair * PAIR + warp_idx * 32 + lane
@@ -664,7 +664,7 @@ class SparsePrefillSm90:
 
         Persistent, besides: each consumer releases Q (``q_empty``) once its last QK of the tile
         has completed; consumer 0 writes the tile's first P (block 0) only after consumer 1 has
-        finished the previous tile (``BAR_TILE_HANDOFF``: the P buffers and the epilogue's shared
+        finished the previous tile (``NamedBarrierFp8.TileHandoff``: the P buffers and the epilogue's shared
         statistics are reused); after an odd block count both release the pair's zero-filled
         extra block, and its owner completes its ``p_full`` phase, so every ring position g keeps
         one phase per use. A tile with no block has no step loop: both consumers sync on the handoff
@@ -672,7 +672,7 @@ class SparsePrefillSm90:
         tile's."""
         consumer = c.index
         num_blocks = c.work.num_blocks
-        cute.arch.mbarrier_wait(mbar_q, tile_iter % 2)
+        Q_RING.wait(mbar_q, tile_iter)
         if const_expr(self.persistent):
             no_step_loop = num_blocks == 0
             if num_blocks <= consumer:  # no QK here
@@ -684,10 +684,12 @@ class SparsePrefillSm90:
                 # read the previous tile's in its epilogue.
                 if (consumer == 1) & (not no_step_loop):
                     cute.arch.barrier_arrive(
-                        barrier_id=BAR_TILE_HANDOFF, number_of_threads=2 * THREADS_PER_WG
+                        barrier_id=NamedBarrierFp8.TileHandoff, number_of_threads=2 * THREADS_PER_WG
                     )
                 elif no_step_loop:
-                    cute.arch.barrier(barrier_id=BAR_TILE_HANDOFF, number_of_threads=2 * THREADS_PER_WG)
+                    cute.arch.barrier(
+                        barrier_id=NamedBarrierFp8.TileHandoff, number_of_threads=2 * THREADS_PER_WG
+                    )
         if num_blocks > 0:
             # Step i: own block 2i + c (when it exists) and the other consumer's block 2i + c - 1
             # (when it exists); see consumer_steps.
@@ -704,7 +706,7 @@ class SparsePrefillSm90:
                     if const_expr(self.persistent):
                         if own == 0 and tile_iter > 0:  # consumer 0, the tile's first P
                             cute.arch.barrier(
-                                barrier_id=BAR_TILE_HANDOFF, number_of_threads=2 * THREADS_PER_WG
+                                barrier_id=NamedBarrierFp8.TileHandoff, number_of_threads=2 * THREADS_PER_WG
                             )
                     self.softmax_own(c, own, block_maxima)
                     if own + 2 >= num_blocks:  # this consumer's last own block
@@ -718,10 +720,10 @@ class SparsePrefillSm90:
         if const_expr(self.persistent):
             if num_blocks % 2 == 1:  # the last pair's zero-filled second block
                 ring = c.work.block_base + num_blocks
-                cute.arch.mbarrier_wait(c.mbar_kv_full + ring % NUM_KV_TILES, (ring // NUM_KV_TILES) % 2)
-                cute.arch.mbarrier_arrive(c.mbar_kv_empty + ring % NUM_KV_TILES)
+                KV_RING.wait(c.mbar_kv_full, ring)
+                KV_RING.arrive(c.mbar_kv_empty, ring)
                 if consumer == 1:  # its owner (odd index)
-                    cute.arch.mbarrier_arrive(c.mbar_p_full + ring % NUM_KV_TILES)
+                    KV_RING.arrive(c.mbar_p_full, ring)
 
         self.epilogue(c, *epilogue_args)
 
@@ -730,8 +732,8 @@ class SparsePrefillSm90:
     def issue_qk(self, c: Consumer, block):
         """Queue S = Q . K_block^T (one WGMMA group)."""
         ring = c.work.block_base + block
-        tile = ring % NUM_KV_TILES
-        cute.arch.mbarrier_wait(c.mbar_kv_full + tile, (ring // NUM_KV_TILES) % 2)
+        tile = KV_RING.index(ring)
+        cute.arch.mbarrier_wait(c.mbar_kv_full + tile, KV_RING.phase(ring))
         warpgroup.fence()
         for k in cutlass.range_constexpr(self.d_qk // 32):
             mma = c.tiled_mma_qk if k > 0 else c.tiled_mma_qk_first  # the first k-step overwrites S
@@ -794,13 +796,13 @@ class SparsePrefillSm90:
         and the block's maxima, then P = e4m3(2^7 exp2(S - m_block)) with m_block, alpha_block
         and the moved flag, published by ``p_full``; accumulates this consumer's row sums."""
         ring = c.work.block_base + block  # the block's ring position (buffers, phases, moved flag)
-        buffer = ring % NUM_KV_TILES
+        buffer = KV_RING.index(ring)
         # S is still unscaled when the scale is positive (see block_max).
         logit_scale = c.scale_log2 if c.scale_log2 > 0.0 else Float32(1.0)
         tile_addr = c.sP_base + buffer * self.p_terms * (B_H * B_TOPK)
-        prev_buffer = (ring + NUM_KV_TILES - 1) % NUM_KV_TILES
+        prev_buffer = KV_RING.index_before(ring)
         if block > 0:
-            cute.arch.mbarrier_wait(c.mbar_p_full + prev_buffer, ((ring - 1) // NUM_KV_TILES) % 2)
+            cute.arch.mbarrier_wait(c.mbar_p_full + prev_buffer, KV_RING.phase(ring - 1))
         moved = False
         for r in cutlass.range_constexpr(2):
             row = c.warp * 16 + c.quad_row + 8 * r
@@ -886,8 +888,8 @@ class SparsePrefillSm90:
         own = c.work.block_base + own
         split = Int32(0)
         if has_prev:
-            prev_buffer = prev % NUM_KV_TILES
-            phase = (prev // NUM_KV_TILES) % 2
+            prev_buffer = KV_RING.index(prev)
+            phase = KV_RING.phase(prev)
             cute.arch.mbarrier_wait(c.mbar_p_full + prev_buffer, phase)  # P, m, alpha of prev
             cute.arch.mbarrier_wait(c.mbar_kv_full + prev_buffer, phase)  # its cp.async writes
             if c.s_moved[prev_buffer] == prev:
@@ -895,22 +897,22 @@ class SparsePrefillSm90:
                 self.rescale_o(c, prev_buffer)
             if has_own:
                 # Own P is this warpgroup's: wait for all of it (and the moved flag).
-                cute.arch.mbarrier_wait(c.mbar_p_full + own % NUM_KV_TILES, (own // NUM_KV_TILES) % 2)
-                split = cute.arch.make_warp_uniform(Int32(c.s_moved[own % NUM_KV_TILES] == own))
+                KV_RING.wait(c.mbar_p_full, own)
+                split = cute.arch.make_warp_uniform(Int32(c.s_moved[KV_RING.index(own)] == own))
         if has_prev & has_own & (split == 0):
             self.pv_run(c, (prev, own))
-            cute.arch.mbarrier_arrive(c.mbar_kv_empty + prev % NUM_KV_TILES)
-            cute.arch.mbarrier_arrive(c.mbar_kv_empty + own % NUM_KV_TILES)
+            KV_RING.arrive(c.mbar_kv_empty, prev)
+            KV_RING.arrive(c.mbar_kv_empty, own)
         else:
             if has_prev:
                 self.pv_run(c, (prev,))
-                cute.arch.mbarrier_arrive(c.mbar_kv_empty + prev % NUM_KV_TILES)
+                KV_RING.arrive(c.mbar_kv_empty, prev)
                 warpgroup.wait_group(0)  # drained inside this branch (else ptxas serialises: C7512)
             if has_own:
                 if split != 0:  # own block moved the max: rescale between the two products
-                    self.rescale_o(c, own % NUM_KV_TILES)
+                    self.rescale_o(c, KV_RING.index(own))
                 self.pv_run(c, (own,))
-                cute.arch.mbarrier_arrive(c.mbar_kv_empty + own % NUM_KV_TILES)
+                KV_RING.arrive(c.mbar_kv_empty, own)
 
     @cute.jit
     def pv_run(self, c: Consumer, blocks):
@@ -932,7 +934,7 @@ class SparsePrefillSm90:
         words = cute.recast_tensor(frag, Uint32)
         d_tile = c.index * D_TILES_PER_CONSUMER + mt  # 64-column tile of d (0..7)
         for i, block in enumerate(blocks):
-            tile_base = c.sK_base + (block % NUM_KV_TILES) * self.k_tile_bytes + d_tile * TILE_ROW_GROUP_BYTES
+            tile_base = c.sK_base + KV_RING.index(block) * self.k_tile_bytes + d_tile * TILE_ROW_GROUP_BYTES
             for half in cutlass.range_constexpr(2):
                 self.load_v_fragment(words, 2 * i + half, tile_base, half, c.warp, c.lane)
         warpgroup.fence()
@@ -943,7 +945,7 @@ class SparsePrefillSm90:
                         c.tiled_mma_pv,
                         c.acc_o[mt],
                         frag[None, None, 2 * i + half],
-                        c.tOrP[None, None, half, (block % NUM_KV_TILES) * self.p_terms + term],
+                        c.tOrP[None, None, half, KV_RING.index(block) * self.p_terms + term],
                         c.acc_o[mt],
                     )
         warpgroup.commit_group()
@@ -969,7 +971,7 @@ class SparsePrefillSm90:
     def publish_row_stats(self, c: Consumer):
         """After this consumer's last own softmax (or at once when it owns no block): its row sums
         (relative to its last own max), that max and the exact row maxima, for both consumers'
-        epilogues; signals ``BAR_STATS_PUBLISHED + c`` without waiting."""
+        epilogues; signals ``NamedBarrierFp8.StatsPublished0 + c`` without waiting."""
         for r in cutlass.range_constexpr(2):
             row = c.warp * 16 + c.quad_row + 8 * r
             total = c.row_sum[r]
@@ -980,7 +982,7 @@ class SparsePrefillSm90:
                 c.s_max_own[row, c.index] = c.row_max_own[r]
                 c.s_max_true[row, c.index] = c.row_max_true[r]
         cute.arch.barrier_arrive(
-            barrier_id=BAR_STATS_PUBLISHED + c.index, number_of_threads=2 * THREADS_PER_WG
+            barrier_id=int(NamedBarrierFp8.StatsPublished0) + c.index, number_of_threads=2 * THREADS_PER_WG
         )
 
     @cute.jit
@@ -992,8 +994,10 @@ class SparsePrefillSm90:
         # statistics after its last own softmax (``publish_row_stats``), usually while this one
         # still ran PV, so the first consumer to finish writes its half of out while the other
         # runs its last PV.
-        cute.arch.barrier(barrier_id=BAR_STATS_PUBLISHED + 1 - c.index, number_of_threads=2 * THREADS_PER_WG)
-        last_buffer = (c.work.block_base + c.work.num_blocks + NUM_KV_TILES - 1) % NUM_KV_TILES
+        cute.arch.barrier(
+            barrier_id=int(NamedBarrierFp8.StatsPublished1) - c.index, number_of_threads=2 * THREADS_PER_WG
+        )
+        last_buffer = KV_RING.index_before(c.work.block_base + c.work.num_blocks)
         for r in cutlass.range_constexpr(2):
             row = c.warp * 16 + c.quad_row + 8 * r
             out_row = c.work.tile * B_H + row
@@ -1024,7 +1028,9 @@ class SparsePrefillSm90:
                     else:
                         mMaxLogits[out_row] = -Float32.inf
                         mLse[out_row] = Float32.inf
-        cute.arch.barrier(barrier_id=BAR_SCALE_READY + c.index, number_of_threads=THREADS_PER_WG)
+        cute.arch.barrier(
+            barrier_id=int(NamedBarrierFp8.ScaleReady0) + c.index, number_of_threads=THREADS_PER_WG
+        )
 
         out_base = mOut.iterator.toint()
         for j in cutlass.range_constexpr(8):

@@ -68,6 +68,8 @@ from cutlass import Float32, Int32, Int64, Uint32, const_expr
 from cutlass.cute.nvgpu import OperandMajorMode, cpasync, warpgroup
 
 from cute_kernels import ptx
+from cute_kernels.sm90.named_barrier import NamedBarrierBf16
+from cute_kernels.sm90.ring import Ring
 from cute_kernels.sm90.row_views import load_q_tile, make_row_views, tile_position
 
 B_H = 64  # heads per CTA: one WGMMA M tile
@@ -80,6 +82,7 @@ SW128_ROW_BYTES = 128  # bytes per row of one 128-byte-swizzled column tile (64 
 SW128_COLS = SW128_ROW_BYTES // ELEM_BYTES
 COL_TILE_BYTES = B_TOPK * SW128_ROW_BYTES  # one [32 rows x 128 B] column tile of a block
 P_TILE_BYTES = B_H * PAIR * ELEM_BYTES  # P of one pair: [64 heads x 64 slots] bf16
+PAIR_PARITY = Ring(2)  # pair p writes P, the row maxima and the redo flag into buffer p % 2
 RESCALE_THRESHOLD = 8.0  # log2 units: the running max moves only past this (P <= 2^8 in bf16)
 MAX_SMEM_BYTES = 232448  # SM90 opt-in dynamic shared memory per block
 
@@ -87,11 +90,6 @@ THREADS_PER_WG = 128
 NUM_THREADS = 3 * THREADS_PER_WG
 PRODUCER_REGS = 40
 CONSUMER_REGS = 232
-
-# Named barrier ids (0 is __syncthreads).
-BAR_MAX_READY = 1  # both consumers published their block's row maxima
-BAR_P_READY = 2  # both consumers stored their half of P
-BAR_SUM_READY = 3  # both consumers published their row sums (epilogue)
 
 LOG2_E = math.log2(math.e)
 LN_2 = math.log(2.0)
@@ -158,6 +156,7 @@ class SparsePrefillBf16Sm90:
             raise ValueError(f"d_qk must be 512 or 576, got {d_qk}")
         self.d_qk = d_qk
         self.num_slots = num_slots_for(d_qk)
+        self.kv_ring = Ring(self.num_slots)  # block b: KV slot b % num_slots and its barriers
         self.k_tile_bytes = B_TOPK * d_qk * ELEM_BYTES  # one gathered block in shared memory
         self.q_tile_bytes = B_H * d_qk * ELEM_BYTES
 
@@ -352,8 +351,8 @@ class SparsePrefillBf16Sm90:
         row0 = warp_idx * 8 + lane // 8  # this lane copies rows row0 and row0 + 4 of each block
 
         for block in cutlass.range(2 * work.num_pairs, unroll=1):
-            ring = block % self.num_slots
-            phase = (block // self.num_slots) % 2
+            ring = self.kv_ring.index(block)
+            phase = self.kv_ring.phase(block)
             slot_a = block * B_TOPK + row0
             slot_b = slot_a + 4
             kv_a = mIdx[work.token, slot_a]
@@ -484,7 +483,7 @@ class SparsePrefillBf16Sm90:
                 # Drained every iteration: no WGMMA in flight across the loop's back edge (C7520).
                 warpgroup.wait_group(0)
                 for b in cutlass.range_constexpr(2):  # both consumers' PV read both blocks
-                    cute.arch.mbarrier_arrive(mbar_kv_empty + (2 * pair + b) % self.num_slots)
+                    self.kv_ring.arrive(mbar_kv_empty, 2 * pair + b)
 
         self.epilogue(c, mSink, mOut, mMaxLogits, mLse, flags)
 
@@ -495,8 +494,8 @@ class SparsePrefillBf16Sm90:
         zero-filled and fully masked; its product is not skipped (a branch around the WGMMAs makes
         ptxas inject warpgroup.arrive, C7519)."""
         block = 2 * pair + c.index
-        ring = block % self.num_slots
-        cute.arch.mbarrier_wait(c.mbar_kv_full + ring, (block // self.num_slots) % 2)
+        ring = self.kv_ring.index(block)
+        cute.arch.mbarrier_wait(c.mbar_kv_full + ring, self.kv_ring.phase(block))
         c.acc_s.fill(0.0)
         warpgroup.fence()
         for k in cutlass.range_constexpr(self.d_qk // 16):
@@ -543,7 +542,7 @@ class SparsePrefillBf16Sm90:
             if c.scale_log2 > 0.0:
                 block_max = block_max * c.scale_log2
             if c.quad_lane == 0:
-                c.s_row_max[c.warp * 16 + c.quad_row + 8 * r, c.index, pair % 2] = block_max
+                c.s_row_max[c.warp * 16 + c.quad_row + 8 * r, c.index, PAIR_PARITY.index(pair)] = block_max
             block_maxima.append(block_max)
         return block_maxima
 
@@ -551,17 +550,17 @@ class SparsePrefillBf16Sm90:
     def softmax_p(self, c: Consumer, pair):
         """First pair: agree on the running max with the other consumer (named barrier 1), store P
         (named barrier 2 publishes both halves)."""
-        cute.arch.barrier(barrier_id=BAR_MAX_READY, number_of_threads=2 * THREADS_PER_WG)
+        cute.arch.barrier(barrier_id=NamedBarrierBf16.MaxReady, number_of_threads=2 * THREADS_PER_WG)
         self.exp_with_pair_max(c, pair, False)
         cute.arch.fence_proxy("async.shared", space="cta")
-        cute.arch.barrier(barrier_id=BAR_P_READY, number_of_threads=2 * THREADS_PER_WG)
+        cute.arch.barrier(barrier_id=NamedBarrierBf16.PReady, number_of_threads=2 * THREADS_PER_WG)
 
     @cute.jit
     def softmax_p_speculative(self, c: Consumer, pair, block_maxima):
         """Later pairs: store P relative to the running max both consumers already share, with no
         exchange first; if some row's block max exceeds it by more than the threshold, the pair
         is flagged and both consumers redo it synchronously (new max, P rewritten, O rescaled)."""
-        parity = pair % 2
+        parity = PAIR_PARITY.index(pair)
         logit_scale = c.scale_log2 if c.scale_log2 > 0.0 else Float32(1.0)
         tile_addr = c.sP_base + parity * P_TILE_BYTES
         exceeds = False
@@ -576,11 +575,11 @@ class SparsePrefillBf16Sm90:
         if exceeds:
             c.s_update[parity] = pair  # any thread: this pair needs the synchronous path
         cute.arch.fence_proxy("async.shared", space="cta")
-        cute.arch.barrier(barrier_id=BAR_P_READY, number_of_threads=2 * THREADS_PER_WG)
+        cute.arch.barrier(barrier_id=NamedBarrierBf16.PReady, number_of_threads=2 * THREADS_PER_WG)
         if c.s_update[parity] == pair:
             self.exp_with_pair_max(c, pair, True)
             cute.arch.fence_proxy("async.shared", space="cta")
-            cute.arch.barrier(barrier_id=BAR_P_READY, number_of_threads=2 * THREADS_PER_WG)
+            cute.arch.barrier(barrier_id=NamedBarrierBf16.PReady, number_of_threads=2 * THREADS_PER_WG)
         else:
             for r in cutlass.range_constexpr(2):
                 c.row_sum[r] = c.row_sum[r] + block_sums[r]
@@ -590,7 +589,7 @@ class SparsePrefillBf16Sm90:
         """Both consumers' block maxima are published: move the lazy running max where the pair's
         max exceeds it by more than the threshold, store P relative to it, accumulate the row
         sums and (``rescale``) multiply this thread's O rows by alpha."""
-        parity = pair % 2
+        parity = PAIR_PARITY.index(pair)
         logit_scale = c.scale_log2 if c.scale_log2 > 0.0 else Float32(1.0)
         tile_addr = c.sP_base + parity * P_TILE_BYTES
         for r in cutlass.range_constexpr(2):
@@ -630,14 +629,14 @@ class SparsePrefillBf16Sm90:
         # The other consumer's block is read too: wait on its barrier (a no-op wait by now) so
         # its cp.async writes are visible to this thread.
         other = 2 * pair + 1 - c.index
-        cute.arch.mbarrier_wait(c.mbar_kv_full + other % self.num_slots, (other // self.num_slots) % 2)
+        self.kv_ring.wait(c.mbar_kv_full, other)
         warpgroup.fence()
         for ks in cutlass.range_constexpr(PAIR // 16):
-            ring = (2 * pair + ks // 2) % self.num_slots
+            ring = self.kv_ring.index(2 * pair + ks // 2)
             cute.gemm(
                 c.tiled_mma_pv,
                 c.acc_o,
-                c.tOrP[None, None, ks, pair % 2],
+                c.tOrP[None, None, ks, PAIR_PARITY.index(pair)],
                 c.tOrV[None, None, ks % 2, ring, c.index],
                 c.acc_o,
             )
@@ -653,7 +652,7 @@ class SparsePrefillBf16Sm90:
             if c.quad_lane == 0:
                 c.s_row_sum[c.warp * 16 + c.quad_row + 8 * r, c.index] = total
                 c.s_max_true[c.warp * 16 + c.quad_row + 8 * r, c.index] = c.row_max_true[r]
-        cute.arch.barrier(barrier_id=BAR_SUM_READY, number_of_threads=2 * THREADS_PER_WG)
+        cute.arch.barrier(barrier_id=NamedBarrierBf16.SumReady, number_of_threads=2 * THREADS_PER_WG)
         out_base = mOut.iterator.toint()
         for r in cutlass.range_constexpr(2):
             row = c.warp * 16 + c.quad_row + 8 * r
