@@ -92,6 +92,7 @@ from cutlass.cute.nvgpu import OperandMajorMode, cpasync, warpgroup
 from cute_kernels import ptx
 from cute_kernels.sm90.named_barrier import NamedBarrierFp8
 from cute_kernels.sm90.ring import Ring
+from cute_kernels.sm90.row_gather import RowGather, copy_rows, slot_valid_flag, swizzle_offset
 from cute_kernels.sm90.row_views import load_q_tile, make_row_views, tile_position
 
 B_H = 64  # heads per CTA: one WGMMA M tile
@@ -126,12 +127,6 @@ def consumer_steps(num_blocks, consumer):
     [0, num_blocks): every block exactly once, in order. Works on Python ints and DSL Int32
     (both operands are >= 0, so the division rounds the same way)."""
     return (num_blocks - consumer) // 2 + 1
-
-
-def _swizzle64(row, chunk16):
-    """Byte offset of 16-byte chunk ``chunk16`` (0..3) of ``row`` inside a [rows x 64 B]
-    column tile with the WGMMA 64-byte swizzle (Swizzle<2,4,3>: chunk ^= (row >> 1) & 3)."""
-    return row * SW64_TILE_COLS + ((chunk16 ^ ((row >> 1) & 3)) << 4)
 
 
 class CtaWork(NamedTuple):
@@ -464,17 +459,14 @@ class SparsePrefillSm90:
         so the gather runs into the next tile as soon as block tiles are free."""
         warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
         lane = cute.arch.lane_idx()
-        s_kv = cute.size(mKV, mode=[0])
-        kv_row_stride = Int64(mKV.stride[0])
-        kv_base = mKV.iterator.toint()
-        sK_base = sK.iterator.toint()
+        # Lane: 16-byte chunk lane % 4 of each 64-byte column tile (of rows lane // 4 + 8i).
+        gather = RowGather(mKV, sK, self.d_qk, lane, SW64_TILE_COLS, B_TOPK)
         block_in_pair = warp_idx // 2  # warps 0-1: first block, warps 2-3: second block
         row_base = (warp_idx % 2) * 32  # this warp's 32 rows inside its block
-        chunk16 = lane % 4  # 16-byte chunk of a 64-byte column tile this lane copies
         lane_row = lane // 4  # row (of 8) this lane copies per 8-row group
 
         tile_inputs = (tma_atom_q, mQ_tma, sQ, mIdx, mbar_q, mbar_kv_full, mbar_kv_empty)
-        geometry = (s_kv, kv_row_stride, kv_base, sK_base, block_in_pair, row_base, chunk16, lane_row)
+        geometry = (gather, block_in_pair, row_base, lane_row)
         if const_expr(self.persistent):
             pair_base = Int32(0)  # pairs this CTA gathered before the current tile
             for tile_iter in cutlass.range(tiles.count, unroll=1):
@@ -492,7 +484,7 @@ class SparsePrefillSm90:
         self, tma_atom_q, mQ_tma, sQ, mIdx, mbar_q, mbar_kv_full, mbar_kv_empty, work, pair_base, geometry
     ):
         """One tile's Q (warp 0) and pairs; the CTA's earlier tiles gathered ``pair_base`` pairs."""
-        s_kv, kv_row_stride, kv_base, sK_base, block_in_pair, row_base, chunk16, lane_row = geometry
+        gather, block_in_pair, row_base, lane_row = geometry
         warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
         lane = cute.arch.lane_idx()
         if warp_idx == 0:
@@ -506,25 +498,14 @@ class SparsePrefillSm90:
             empty_barrier = mbar_kv_empty + stage * 2 + block_in_pair
             slot = pair * PAIR + warp_idx * 32 + lane
             kv_row = mIdx[work.token, slot]
-            is_valid = Int32(0)
-            if (kv_row >= 0) & (kv_row < s_kv) & (slot < work.valid_len):
-                is_valid = Int32(1)
+            is_valid = slot_valid_flag(kv_row, slot, gather.s_kv, work.valid_len)
             cute.arch.mbarrier_wait(empty_barrier, phase ^ 1)
-            tile_base = sK_base + (stage * 2 + block_in_pair) * self.k_tile_bytes
-            for group in cutlass.range_constexpr(4):
+            tile_base = gather.sK_base + (stage * 2 + block_in_pair) * self.k_tile_bytes
+            for group in cutlass.range_constexpr(4):  # lane l holds the index of the warp's row l
                 src_lane = group * 8 + lane_row
                 row_kv = cute.arch.shuffle_sync(kv_row, src_lane)
                 row_valid = cute.arch.shuffle_sync(is_valid, src_lane)
-                row = row_base + group * 8 + lane_row
-                g_addr = kv_base + Int64(row_kv * row_valid) * kv_row_stride + chunk16 * 16
-                s_addr = tile_base + _swizzle64(row, chunk16)
-                nbytes = row_valid * 16
-                for col_tile in cutlass.range_constexpr(self.d_qk // SW64_TILE_COLS):
-                    ptx.cp_async_16_zfill(
-                        s_addr + col_tile * TILE_ROW_GROUP_BYTES,
-                        g_addr + col_tile * SW64_TILE_COLS,
-                        nbytes,
-                    )
+                copy_rows(gather, tile_base, row_base + group * 8 + lane_row, ((0, row_kv, row_valid),))
             cute.arch.cp_async_mbarrier_arrive_noinc(full_barrier)
 
     # ------------------------------------------------------------------------------------
@@ -854,7 +835,7 @@ class SparsePrefillSm90:
                     words = ptx.split_e4m3x4_from_f16x2(
                         ptx.pack_f16x2(p[0], p[1]), ptx.pack_f16x2(p[2], p[3])
                     )
-                addr = tile_addr + _swizzle64(row, 2 * kstep + half) + 4 * c.quad_lane
+                addr = tile_addr + swizzle_offset(row, 2 * kstep + half, SW64_TILE_COLS) + 4 * c.quad_lane
                 ptx.st_shared_u32(addr, words[0])
                 if const_expr(self.p_terms == 2):
                     ptx.st_shared_u32(addr + B_H * B_TOPK, words[1])  # the lo term's tile follows
@@ -960,7 +941,7 @@ class SparsePrefillSm90:
         [V[2t][2g], V[2t][2g+1], V[2t+1][2g], V[2t+1][2g+1]]; the permutes gather the e4m3 A
         registers a0 = (d 2g, slots 2t, 2t+1, 8+2t, 9+2t), a1 = the same for d 2g+1, and a2, a3 for
         slots + 16."""
-        addr = tile_base + _swizzle64(half * 32 + lane, warp)
+        addr = tile_base + swizzle_offset(half * 32 + lane, warp, SW64_TILE_COLS)
         m0, m1, m2, m3 = ptx.ldmatrix_x4_trans(addr)
         words[4 * ks + 0] = ptx.prmt(m0, m1, 0x6420)
         words[4 * ks + 1] = ptx.prmt(m0, m1, 0x7531)

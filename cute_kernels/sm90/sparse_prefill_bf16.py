@@ -70,6 +70,7 @@ from cutlass.cute.nvgpu import OperandMajorMode, cpasync, warpgroup
 from cute_kernels import ptx
 from cute_kernels.sm90.named_barrier import NamedBarrierBf16
 from cute_kernels.sm90.ring import Ring
+from cute_kernels.sm90.row_gather import RowGather, copy_rows, slot_valid_flag, swizzle_offset
 from cute_kernels.sm90.row_views import load_q_tile, make_row_views, tile_position
 
 B_H = 64  # heads per CTA: one WGMMA M tile
@@ -98,12 +99,6 @@ LN_2 = math.log(2.0)
 def num_slots_for(d_qk: int) -> int:
     """Ring slots (32-row blocks) that fit next to Q, P and the statistics: 4 at 512, 3 at 576."""
     return 4 if d_qk == 512 else 3
-
-
-def _swizzle128(row, chunk16):
-    """Byte offset of 16-byte chunk ``chunk16`` (0..7) of ``row`` inside a [rows x 128 B] column
-    tile with the WGMMA 128-byte swizzle (Swizzle<3,4,3>: chunk ^= row & 7)."""
-    return row * SW128_ROW_BYTES + ((chunk16 ^ (row & 7)) << 4)
 
 
 class CtaWork(NamedTuple):
@@ -343,11 +338,8 @@ class SparsePrefillBf16Sm90:
         if warp_idx == 0:
             load_q_tile(tma_atom_q, mQ_tma, sQ, mbar_q, work.bid, B_H, self.d_qk, self.q_tile_bytes)
 
-        s_kv = cute.size(mKV, mode=[0])
-        kv_row_stride = Int64(mKV.stride[0]) * ELEM_BYTES
-        kv_base = mKV.iterator.toint()
-        sK_base = sK.iterator.toint()
-        chunk16 = lane % 8  # 16-byte chunk of a 128-byte column tile this lane copies
+        # Lane: 16-byte chunk lane % 8 of each 128-byte column tile (of rows row0 and row0 + 4).
+        gather = RowGather(mKV, sK, self.d_qk, lane, SW128_ROW_BYTES, B_TOPK)
         row0 = warp_idx * 8 + lane // 8  # this lane copies rows row0 and row0 + 4 of each block
 
         for block in cutlass.range(2 * work.num_pairs, unroll=1):
@@ -357,25 +349,11 @@ class SparsePrefillBf16Sm90:
             slot_b = slot_a + 4
             kv_a = mIdx[work.token, slot_a]
             kv_b = mIdx[work.token, slot_b]
-            valid_a = Int32(0)
-            if (kv_a >= 0) & (kv_a < s_kv) & (slot_a < work.valid_len):
-                valid_a = Int32(1)
-            valid_b = Int32(0)
-            if (kv_b >= 0) & (kv_b < s_kv) & (slot_b < work.valid_len):
-                valid_b = Int32(1)
+            valid_a = slot_valid_flag(kv_a, slot_a, gather.s_kv, work.valid_len)
+            valid_b = slot_valid_flag(kv_b, slot_b, gather.s_kv, work.valid_len)
             cute.arch.mbarrier_wait(mbar_kv_empty + ring, phase ^ 1)
-            tile_base = sK_base + ring * self.k_tile_bytes
-            g_a = kv_base + Int64(kv_a * valid_a) * kv_row_stride + chunk16 * 16
-            g_b = kv_base + Int64(kv_b * valid_b) * kv_row_stride + chunk16 * 16
-            s_a = tile_base + _swizzle128(row0, chunk16)
-            s_b = tile_base + _swizzle128(row0 + 4, chunk16)
-            for col_tile in cutlass.range_constexpr(self.d_qk // SW128_COLS):
-                ptx.cp_async_16_zfill(
-                    s_a + col_tile * COL_TILE_BYTES, g_a + col_tile * SW128_ROW_BYTES, valid_a * 16
-                )
-                ptx.cp_async_16_zfill(
-                    s_b + col_tile * COL_TILE_BYTES, g_b + col_tile * SW128_ROW_BYTES, valid_b * 16
-                )
+            tile_base = gather.sK_base + ring * self.k_tile_bytes
+            copy_rows(gather, tile_base, row0, ((0, kv_a, valid_a), (4, kv_b, valid_b)))
             cute.arch.cp_async_mbarrier_arrive_noinc(mbar_kv_full + ring)
         ptx.cp_async_wait_all()
 
@@ -619,7 +597,11 @@ class SparsePrefillBf16Sm90:
             p0 = cute.math.exp2(c.acc_s[2 * r + 4 * j] * logit_scale - bias, fastmath=True)
             p1 = cute.math.exp2(c.acc_s[1 + 2 * r + 4 * j] * logit_scale - bias, fastmath=True)
             block_sum += p0 + p1
-            addr = tile_addr + _swizzle128(row, c.index * (B_TOPK // 8) + j) + 4 * c.quad_lane
+            addr = (
+                tile_addr
+                + swizzle_offset(row, c.index * (B_TOPK // 8) + j, SW128_ROW_BYTES)
+                + 4 * c.quad_lane
+            )
             ptx.st_shared_u32(addr, ptx.pack_bf16x2(p0, p1))
         return block_sum
 
