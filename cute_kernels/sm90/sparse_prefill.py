@@ -90,6 +90,7 @@ from cutlass import Float8E4M3FN, Float32, Int32, Int64, Uint32, const_expr
 from cutlass.cute.nvgpu import OperandMajorMode, cpasync, warpgroup
 
 from cute_kernels import ptx
+from cute_kernels.sm90.mask import mask_and_row_max, quad_sum, slot_valid_bits
 from cute_kernels.sm90.named_barrier import NamedBarrierFp8
 from cute_kernels.sm90.ring import Ring
 from cute_kernels.sm90.row_gather import RowGather, copy_rows, slot_valid_flag, swizzle_offset
@@ -678,12 +679,14 @@ class SparsePrefillSm90:
                 own = 2 * step + consumer
                 if own < num_blocks:
                     self.issue_qk(c, own)
-                    valid_bits = self.block_valid_bits(c, own)
+                    valid_bits = slot_valid_bits(
+                        c.mIdx, c.work.token, own * B_TOPK, c.lane, c.quad_lane, c.s_kv, c.work.valid_len, 2
+                    )
                     warpgroup.wait_group(0)  # S(own)
                     if const_expr(self.persistent):
                         if own + 2 >= num_blocks:  # this consumer's last QK of the tile is done
                             cute.arch.mbarrier_arrive(mbar_q_empty)
-                    block_maxima = self.block_max(c, valid_bits)
+                    block_maxima = mask_and_row_max(c.acc_s, valid_bits, c.scale_log2)
                     if const_expr(self.persistent):
                         if own == 0 and tile_iter > 0:  # consumer 0, the tile's first P
                             cute.arch.barrier(
@@ -722,63 +725,13 @@ class SparsePrefillSm90:
         warpgroup.commit_group()
 
     @cute.jit
-    def block_valid_bits(self, c: Consumer, block):
-        """Validity of the 64 slots of ``block``: one bit per slot, shifted so bit 8j + e is the
-        slot of this thread's S column 8j + 2t + e (j < 4: low word), and whether every slot is
-        valid (warp-uniform)."""
-        slot0 = block * B_TOPK
-        idx_lo = c.mIdx[c.work.token, slot0 + c.lane]
-        idx_hi = c.mIdx[c.work.token, slot0 + 32 + c.lane]
-        ok_lo = (idx_lo >= 0) & (idx_lo < c.s_kv) & (slot0 + c.lane < c.work.valid_len)
-        ok_hi = (idx_hi >= 0) & (idx_hi < c.s_kv) & (slot0 + 32 + c.lane < c.work.valid_len)
-        shift = Uint32(2 * c.quad_lane)
-        return (
-            Uint32(cute.arch.vote_ballot_sync(ok_lo)) >> shift,
-            Uint32(cute.arch.vote_ballot_sync(ok_hi)) >> shift,
-            cute.arch.vote_all_sync(ok_lo & ok_hi),
-        )
-
-    @cute.jit
-    def block_max(self, c: Consumer, valid_bits):
-        """Set invalid slots of S to -inf and return the block's row maxima (exp2 domain) for
-        this thread's rows r = 0, 1.
-
-        S stays unscaled when the logit scale is positive (the scale is folded into the
-        exponent later); a scale <= 0 (never a sensible dequantisation scale, but defined) is
-        applied here first so the max is still the max of the logits."""
-        valid_lo, valid_hi, all_valid = valid_bits
-        if c.scale_log2 <= 0.0:
-            for i in cutlass.range_constexpr(cute.size(c.acc_s)):
-                c.acc_s[i] = c.acc_s[i] * c.scale_log2
-        if not all_valid:
-            for r in cutlass.range_constexpr(2):
-                for j in cutlass.range_constexpr(8):
-                    for e in cutlass.range_constexpr(2):
-                        i = e + 2 * r + 4 * j
-                        bits = valid_lo if j < 4 else valid_hi
-                        bit = (bits >> Uint32(8 * (j % 4) + e)) & Uint32(1)
-                        c.acc_s[i] = c.acc_s[i] if bit != 0 else -Float32.inf
-        block_maxima = []
-        for r in cutlass.range_constexpr(2):
-            block_max = -Float32.inf
-            for j in cutlass.range_constexpr(8):
-                for e in cutlass.range_constexpr(2):
-                    block_max = cute.arch.fmax(block_max, c.acc_s[e + 2 * r + 4 * j])
-            block_max = cute.arch.fmax(block_max, cute.arch.shuffle_sync_bfly(block_max, offset=1))
-            block_max = cute.arch.fmax(block_max, cute.arch.shuffle_sync_bfly(block_max, offset=2))
-            if c.scale_log2 > 0.0:
-                block_max = block_max * c.scale_log2
-            block_maxima.append(block_max)
-        return block_maxima
-
-    @cute.jit
     def softmax_own(self, c: Consumer, block, block_maxima):
         """Softmax of an own block: m_block from m_{block-1} (published by the other consumer)
         and the block's maxima, then P = e4m3(2^7 exp2(S - m_block)) with m_block, alpha_block
         and the moved flag, published by ``p_full``; accumulates this consumer's row sums."""
         ring = c.work.block_base + block  # the block's ring position (buffers, phases, moved flag)
         buffer = KV_RING.index(ring)
-        # S is still unscaled when the scale is positive (see block_max).
+        # S is still unscaled when the scale is positive (see mask_and_row_max).
         logit_scale = c.scale_log2 if c.scale_log2 > 0.0 else Float32(1.0)
         tile_addr = c.sP_base + buffer * self.p_terms * (B_H * B_TOPK)
         prev_buffer = KV_RING.index_before(ring)
@@ -955,9 +908,7 @@ class SparsePrefillSm90:
         epilogues; signals ``NamedBarrierFp8.StatsPublished0 + c`` without waiting."""
         for r in cutlass.range_constexpr(2):
             row = c.warp * 16 + c.quad_row + 8 * r
-            total = c.row_sum[r]
-            total += cute.arch.shuffle_sync_bfly(total, offset=1)
-            total += cute.arch.shuffle_sync_bfly(total, offset=2)
+            total = quad_sum(c.row_sum[r])
             if c.quad_lane == 0:
                 c.s_row_sum[row, c.index] = total
                 c.s_max_own[row, c.index] = c.row_max_own[r]

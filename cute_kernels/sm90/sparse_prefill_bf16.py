@@ -58,16 +58,18 @@ d_v = 512, q/out/max_logits/lse row-major, q 16-byte aligned, kv rows 16-byte al
 only the rows below topk_length are read.
 """
 
+import functools
 import math
 from typing import NamedTuple
 
 import cutlass
 import cutlass.cute as cute
 import cutlass.utils.hopper_helpers as sm90_utils
-from cutlass import Float32, Int32, Int64, Uint32, const_expr
+from cutlass import Float32, Int32, Int64, const_expr
 from cutlass.cute.nvgpu import OperandMajorMode, cpasync, warpgroup
 
 from cute_kernels import ptx
+from cute_kernels.sm90.mask import mask_and_row_max, quad_sum, slot_valid_bits
 from cute_kernels.sm90.named_barrier import NamedBarrierBf16
 from cute_kernels.sm90.ring import Ring
 from cute_kernels.sm90.row_gather import RowGather, copy_rows, slot_valid_flag, swizzle_offset
@@ -450,9 +452,14 @@ class SparsePrefillBf16Sm90:
         if work.num_pairs > 0:
             for pair in cutlass.range(work.num_pairs, unroll=1):
                 self.issue_qk(c, pair)
-                valid_bits = self.block_valid_bits(c, pair)
+                first_slot = pair * PAIR + consumer * B_TOPK  # this consumer's block of the pair
+                valid_bits = slot_valid_bits(
+                    c.mIdx, work.token, first_slot, c.lane, c.quad_lane, c.s_kv, work.valid_len, 1
+                )
                 warpgroup.wait_group(0)  # S(pair)
-                block_maxima = self.softmax_block_max(c, pair, valid_bits)
+                block_maxima = mask_and_row_max(
+                    c.acc_s, valid_bits, c.scale_log2, functools.partial(self.publish_row_max, c, pair)
+                )
                 if pair == 0:
                     self.softmax_p(c, pair)  # O is still 0: nothing to rescale
                 else:
@@ -481,48 +488,11 @@ class SparsePrefillBf16Sm90:
         warpgroup.commit_group()
 
     @cute.jit
-    def block_valid_bits(self, c: Consumer, pair):
-        """Validity of the 32 slots of block c of ``pair``: one bit per slot, shifted so bit 8j + e
-        is the slot of this thread's S column 8j + 2t + e, and whether every slot is valid
-        (warp-uniform)."""
-        slot = pair * PAIR + c.index * B_TOPK + c.lane
-        idx = c.mIdx[c.work.token, slot]
-        ok = (idx >= 0) & (idx < c.s_kv) & (slot < c.work.valid_len)
-        return (
-            Uint32(cute.arch.vote_ballot_sync(ok)) >> Uint32(2 * c.quad_lane),
-            cute.arch.vote_all_sync(ok),
-        )
-
-    @cute.jit
-    def softmax_block_max(self, c: Consumer, pair, valid_bits):
-        """Set invalid slots of S to -inf, publish the block's row maxima (exp2 domain) and return
-        them (this thread's rows r = 0, 1). S stays unscaled when the logit scale is positive
-        (the scale is folded into the exponent); a scale <= 0 is applied here first."""
-        valid, all_valid = valid_bits
-        if c.scale_log2 <= 0.0:
-            for i in cutlass.range_constexpr(cute.size(c.acc_s)):
-                c.acc_s[i] = c.acc_s[i] * c.scale_log2
-        if not all_valid:
-            for r in cutlass.range_constexpr(2):
-                for j in cutlass.range_constexpr(B_TOPK // 8):
-                    for e in cutlass.range_constexpr(2):
-                        i = e + 2 * r + 4 * j
-                        bit = (valid >> Uint32(8 * j + e)) & Uint32(1)
-                        c.acc_s[i] = c.acc_s[i] if bit != 0 else -Float32.inf
-        block_maxima = []
-        for r in cutlass.range_constexpr(2):
-            block_max = -Float32.inf
-            for j in cutlass.range_constexpr(B_TOPK // 8):
-                for e in cutlass.range_constexpr(2):
-                    block_max = cute.arch.fmax(block_max, c.acc_s[e + 2 * r + 4 * j])
-            block_max = cute.arch.fmax(block_max, cute.arch.shuffle_sync_bfly(block_max, offset=1))
-            block_max = cute.arch.fmax(block_max, cute.arch.shuffle_sync_bfly(block_max, offset=2))
-            if c.scale_log2 > 0.0:
-                block_max = block_max * c.scale_log2
-            if c.quad_lane == 0:
-                c.s_row_max[c.warp * 16 + c.quad_row + 8 * r, c.index, PAIR_PARITY.index(pair)] = block_max
-            block_maxima.append(block_max)
-        return block_maxima
+    def publish_row_max(self, c: Consumer, pair, r, row_max):
+        """Row ``r``'s max of this consumer's block of ``pair`` into shared memory (exp2 domain), for
+        the other consumer."""
+        if c.quad_lane == 0:
+            c.s_row_max[c.warp * 16 + c.quad_row + 8 * r, c.index, PAIR_PARITY.index(pair)] = row_max
 
     @cute.jit
     def softmax_p(self, c: Consumer, pair):
@@ -628,9 +598,7 @@ class SparsePrefillBf16Sm90:
     def epilogue(self, c: Consumer, mSink, mOut, mMaxLogits, mLse, flags):
         """Normalise O, apply the sink, write out (bf16), max_logits and lse."""
         for r in cutlass.range_constexpr(2):
-            total = c.row_sum[r]
-            total += cute.arch.shuffle_sync_bfly(total, offset=1)
-            total += cute.arch.shuffle_sync_bfly(total, offset=2)
+            total = quad_sum(c.row_sum[r])
             if c.quad_lane == 0:
                 c.s_row_sum[c.warp * 16 + c.quad_row + 8 * r, c.index] = total
                 c.s_max_true[c.warp * 16 + c.quad_row + 8 * r, c.index] = c.row_max_true[r]
