@@ -80,7 +80,6 @@ are clamped to [0, topk]; only ceil(topk_length / 128) pairs are visited and onl
 below topk_length are read.
 """
 
-import math
 from typing import NamedTuple
 
 import cutlass
@@ -90,11 +89,13 @@ from cutlass import Float8E4M3FN, Float32, Int32, Int64, Uint32, const_expr
 from cutlass.cute.nvgpu import OperandMajorMode, cpasync, warpgroup
 
 from cute_kernels import ptx
-from cute_kernels.sm90.mask import mask_and_row_max, quad_sum, slot_valid_bits
+from cute_kernels.sm90.epilogue import output_scale, publish_row_stats, write_max_logits_lse
+from cute_kernels.sm90.mask import mask_and_row_max, slot_valid_bits
 from cute_kernels.sm90.named_barrier import NamedBarrierFp8
 from cute_kernels.sm90.ring import Ring
 from cute_kernels.sm90.row_gather import RowGather, copy_rows, slot_valid_flag, swizzle_offset
-from cute_kernels.sm90.row_views import load_q_tile, make_row_views, tile_position
+from cute_kernels.sm90.row_views import load_q_tile, make_row_views
+from cute_kernels.sm90.tile_scheduler import TileScheduler, TileWork
 
 B_H = 64  # heads per CTA: one WGMMA M tile
 B_TOPK = 64  # gathered KV rows per block: the N tile of S and two k-steps of the PV product
@@ -116,9 +117,6 @@ NUM_THREADS = 3 * THREADS_PER_WG
 PRODUCER_REGS = 24
 CONSUMER_REGS = 240
 
-LOG2_E = math.log2(math.e)
-LN_2 = math.log(2.0)
-
 
 def consumer_steps(num_blocks, consumer):
     """Loop steps of consumer ``consumer`` (0 or 1) over a tile of ``num_blocks`` >= 1 blocks.
@@ -130,30 +128,6 @@ def consumer_steps(num_blocks, consumer):
     return (num_blocks - consumer) // 2 + 1
 
 
-class CtaWork(NamedTuple):
-    """One work tile of a CTA (trace-time bundle of runtime values)."""
-
-    tile: Int32  # row tile [64 * tile, 64 * tile + 64) of the (token, head) rows
-    token: Int32
-    head_group: Int32
-    valid_len: Int32  # topk_length clamped to [0, topk] (topk when not given)
-    num_blocks: Int32  # ceil(valid_len / 64)
-    num_pairs: Int32  # ceil(valid_len / 128)
-    block_base: Int32  # the CTA's running block count before this tile: block b uses KV tile,
-    # P buffer and phase of g = block_base + b (0 unless persistent)
-
-
-class CtaTiles(NamedTuple):
-    """The tiles one CTA walks, and what ``tile_work`` reads for each (trace-time bundle)."""
-
-    first: Int32  # the CTA's block index: its first tile (persistent: then every grid-th one)
-    count: Int32  # how many tiles (1 unless persistent)
-    mIdx: cute.Tensor
-    mTopkLen: cute.Tensor
-    mOut: cute.Tensor
-    flags: Int32
-
-
 class Consumer(NamedTuple):
     """One consumer warpgroup's view of the CTA (trace-time bundle): who it is, its MMAs and
     fragments, its running softmax state and the shared buffers it exchanges through."""
@@ -163,7 +137,7 @@ class Consumer(NamedTuple):
     lane: Int32
     quad_row: Int32  # g: C-fragment row inside the warp's 16 rows
     quad_lane: Int32  # t: C-fragment column pair 2t, 2t+1
-    work: CtaWork
+    work: TileWork
     tiled_mma_qk: cute.TiledMma  # S += Q . K^T
     tiled_mma_qk_first: cute.TiledMma  # S = Q . K^T (first k-step)
     tiled_mma_pv: cute.TiledMma
@@ -215,6 +189,7 @@ class SparsePrefillSm90:
         self.precision = precision
         self.p_terms = 2 if precision == "accurate" else 1  # e4m3 terms P is stored as
         self.persistent = persistent
+        self.scheduler = TileScheduler(persistent, B_TOPK)
         self.k_tile_bytes = B_TOPK * d_qk  # one gathered block in shared memory
         self.q_tile_bytes = B_H * d_qk
 
@@ -298,14 +273,11 @@ class SparsePrefillSm90:
             sP_layout,
             SharedStorage,
         ).launch(
-            grid=[self.grid_size(views.rows // B_H, tiles_per_cta), 1, 1],
+            grid=[self.scheduler.grid_size(views.rows // B_H, tiles_per_cta), 1, 1],
             block=[NUM_THREADS, 1, 1],
             stream=stream,
             min_blocks_per_mp=1,
         )
-
-    def grid_size(self, num_tiles, tiles_per_cta):
-        return (num_tiles + tiles_per_cta - 1) // tiles_per_cta if const_expr(self.persistent) else num_tiles
 
     # ------------------------------------------------------------------------------------
     # Device side
@@ -361,12 +333,7 @@ class SparsePrefillSm90:
             cute.arch.mbarrier_init_fence()
         cute.arch.sync_threads()
 
-        tile_count = 1
-        if const_expr(self.persistent):
-            num_tiles = cute.size(mOut, mode=[0]) * (cute.size(mOut, mode=[1]) // B_H)
-            grid = self.grid_size(num_tiles, tiles_per_cta)
-            tile_count = (num_tiles - bid + grid - 1) // grid
-        tiles = CtaTiles(bid, tile_count, mIdx, mTopkLen, mOut, flags)
+        tiles = self.scheduler.cta_tiles(bid, mIdx, mTopkLen, mOut, flags, tiles_per_cta)
 
         if warp_idx < 4:
             cute.arch.setmaxregister_decrease(PRODUCER_REGS)
@@ -421,26 +388,6 @@ class SparsePrefillSm90:
 
     # ------------------------------------------------------------------------------------
     @cute.jit
-    def tile_work(self, tiles: CtaTiles, tile_iter, block_base) -> CtaWork:
-        """Iteration ``tile_iter`` of the CTA's tile loop: its tile, token, head group and valid slot
-        count (reads ``topk_length[token]``)."""
-        tile = tiles.first
-        if const_expr(self.persistent):  # block and grid indices re-read: nothing kept live for them
-            tile = cute.arch.block_idx()[0] + tile_iter * cute.arch.grid_dim()[0]
-        token, head_group, valid_len = tile_position(
-            tile, tiles.mIdx, tiles.mOut, tiles.mTopkLen, tiles.flags, B_H
-        )
-        return CtaWork(
-            tile=tile,
-            token=token,
-            head_group=head_group,
-            valid_len=valid_len,
-            num_blocks=(valid_len + B_TOPK - 1) // B_TOPK,
-            num_pairs=(valid_len + PAIR - 1) // PAIR,
-            block_base=block_base,
-        )
-
-    @cute.jit
     def produce(
         self,
         tma_atom_q,
@@ -471,13 +418,13 @@ class SparsePrefillSm90:
         if const_expr(self.persistent):
             pair_base = Int32(0)  # pairs this CTA gathered before the current tile
             for tile_iter in cutlass.range(tiles.count, unroll=1):
-                work = self.tile_work(tiles, tile_iter, 2 * pair_base)
+                work = self.scheduler.work(tiles, tile_iter, 2 * pair_base)
                 if warp_idx == 0:
                     Q_RING.wait_empty(mbar_q_empty, tile_iter)
                 self.produce_tile(*tile_inputs, work, pair_base, geometry)
                 pair_base += work.num_pairs
         else:
-            self.produce_tile(*tile_inputs, self.tile_work(tiles, 0, 0), 0, geometry)
+            self.produce_tile(*tile_inputs, self.scheduler.work(tiles, 0, 0), 0, geometry)
         ptx.cp_async_wait_all()
 
     @cute.jit
@@ -622,12 +569,12 @@ class SparsePrefillSm90:
         if const_expr(self.persistent):
             pair_base = Int32(0)  # pairs of the CTA's earlier tiles (the producer counts the same)
             for tile_iter in cutlass.range(tiles.count, unroll=1):
-                work = self.tile_work(tiles, tile_iter, 2 * pair_base)
+                work = self.scheduler.work(tiles, tile_iter, 2 * pair_base)
                 self.reset_tile_state(*tile_state)
                 self.consume_tile(c._replace(work=work), tile_iter, *tile_barriers, epilogue_args)
                 pair_base += work.num_pairs
         else:
-            work = self.tile_work(tiles, 0, 0)
+            work = self.scheduler.work(tiles, 0, 0)
             self.consume_tile(c._replace(work=work), 0, *tile_barriers, epilogue_args)
 
     @cute.jit
@@ -906,13 +853,8 @@ class SparsePrefillSm90:
         """After this consumer's last own softmax (or at once when it owns no block): its row sums
         (relative to its last own max), that max and the exact row maxima, for both consumers'
         epilogues; signals ``NamedBarrierFp8.StatsPublished0 + c`` without waiting."""
-        for r in cutlass.range_constexpr(2):
-            row = c.warp * 16 + c.quad_row + 8 * r
-            total = quad_sum(c.row_sum[r])
-            if c.quad_lane == 0:
-                c.s_row_sum[row, c.index] = total
-                c.s_max_own[row, c.index] = c.row_max_own[r]
-                c.s_max_true[row, c.index] = c.row_max_true[r]
+        tables = ((c.s_max_own, c.row_max_own), (c.s_max_true, c.row_max_true))
+        publish_row_stats(c.row_sum, c.s_row_sum, tables, c.warp, c.quad_row, c.quad_lane, c.index)
         cute.arch.barrier_arrive(
             barrier_id=int(NamedBarrierFp8.StatsPublished0) + c.index, number_of_threads=2 * THREADS_PER_WG
         )
@@ -942,24 +884,15 @@ class SparsePrefillSm90:
                 if c.s_max_own[row, k] != max_used:
                     part = part * cute.math.exp2(c.s_max_own[row, k] - max_used, fastmath=True)
                 scaled_sum += part
-            denom = scaled_sum
-            if (flags & 2) != 0:
-                sink_log2 = mSink[c.work.head_group * B_H + row] * LOG2_E
-                denom += cute.math.exp2(sink_log2 - max_used + P_SCALE_LOG2, fastmath=True)
-            out_scale = Float32(0.0)
-            if scaled_sum > 0.0:
-                out_scale = kv_scale / denom
+            out_scale = output_scale(
+                scaled_sum, max_used, kv_scale, flags, mSink, c.work.head_group, row, P_SCALE_LOG2
+            )
             if c.quad_lane == 0:
                 c.s_out_scale[row, c.index] = out_scale
                 if c.index == 0:
-                    if scaled_sum > 0.0:
-                        true_max = cute.arch.fmax(c.s_max_true[row, 0], c.s_max_true[row, 1])
-                        mMaxLogits[out_row] = true_max * LN_2
-                        log2_sum = cute.math.log2(scaled_sum, fastmath=True) - P_SCALE_LOG2
-                        mLse[out_row] = (max_used + log2_sum) * LN_2
-                    else:
-                        mMaxLogits[out_row] = -Float32.inf
-                        mLse[out_row] = Float32.inf
+                    write_max_logits_lse(
+                        mMaxLogits, mLse, out_row, scaled_sum, max_used, c.s_max_true, row, P_SCALE_LOG2
+                    )
         cute.arch.barrier(
             barrier_id=int(NamedBarrierFp8.ScaleReady0) + c.index, number_of_threads=THREADS_PER_WG
         )

@@ -59,7 +59,6 @@ only the rows below topk_length are read.
 """
 
 import functools
-import math
 from typing import NamedTuple
 
 import cutlass
@@ -69,11 +68,13 @@ from cutlass import Float32, Int32, Int64, const_expr
 from cutlass.cute.nvgpu import OperandMajorMode, cpasync, warpgroup
 
 from cute_kernels import ptx
-from cute_kernels.sm90.mask import mask_and_row_max, quad_sum, slot_valid_bits
+from cute_kernels.sm90.epilogue import output_scale, publish_row_stats, write_max_logits_lse
+from cute_kernels.sm90.mask import mask_and_row_max, slot_valid_bits
 from cute_kernels.sm90.named_barrier import NamedBarrierBf16
 from cute_kernels.sm90.ring import Ring
 from cute_kernels.sm90.row_gather import RowGather, copy_rows, slot_valid_flag, swizzle_offset
-from cute_kernels.sm90.row_views import load_q_tile, make_row_views, tile_position
+from cute_kernels.sm90.row_views import load_q_tile, make_row_views
+from cute_kernels.sm90.tile_scheduler import TileScheduler, TileWork
 
 B_H = 64  # heads per CTA: one WGMMA M tile
 B_TOPK = 32  # gathered KV rows per block: the N tile of S, two k-steps of the PV product
@@ -94,24 +95,10 @@ NUM_THREADS = 3 * THREADS_PER_WG
 PRODUCER_REGS = 40
 CONSUMER_REGS = 232
 
-LOG2_E = math.log2(math.e)
-LN_2 = math.log(2.0)
-
 
 def num_slots_for(d_qk: int) -> int:
     """Ring slots (32-row blocks) that fit next to Q, P and the statistics: 4 at 512, 3 at 576."""
     return 4 if d_qk == 512 else 3
-
-
-class CtaWork(NamedTuple):
-    """What one CTA computes (trace-time bundle of runtime values)."""
-
-    bid: Int32  # CTA index: row tile [64 * bid, 64 * bid + 64) of the (token, head) rows
-    token: Int32
-    head_group: Int32
-    valid_len: Int32  # topk_length clamped to [0, topk] (topk when not given)
-    num_blocks: Int32  # ceil(valid_len / 32)
-    num_pairs: Int32  # ceil(valid_len / 64)
 
 
 class Consumer(NamedTuple):
@@ -122,7 +109,7 @@ class Consumer(NamedTuple):
     lane: Int32
     quad_row: Int32  # g: C-fragment row inside the warp's 16 rows
     quad_lane: Int32  # t: C-fragment column pair 2t, 2t+1
-    work: CtaWork
+    work: TileWork
     tiled_mma_qk: cute.TiledMma
     tiled_mma_pv: cute.TiledMma
     tSrQ: cute.Tensor  # Q descriptors (MMA, 1, d_qk/16)
@@ -153,6 +140,7 @@ class SparsePrefillBf16Sm90:
             raise ValueError(f"d_qk must be 512 or 576, got {d_qk}")
         self.d_qk = d_qk
         self.num_slots = num_slots_for(d_qk)
+        self.scheduler = TileScheduler(False, B_TOPK)  # one tile per CTA
         self.kv_ring = Ring(self.num_slots)  # block b: KV slot b % num_slots and its barriers
         self.k_tile_bytes = B_TOPK * d_qk * ELEM_BYTES  # one gathered block in shared memory
         self.q_tile_bytes = B_H * d_qk * ELEM_BYTES
@@ -236,7 +224,7 @@ class SparsePrefillBf16Sm90:
             sV_outer,
             SharedStorage,
         ).launch(
-            grid=[views.rows // B_H, 1, 1],
+            grid=[self.scheduler.grid_size(views.rows // B_H), 1, 1],
             block=[NUM_THREADS, 1, 1],
             stream=stream,
             min_blocks_per_mp=1,
@@ -288,15 +276,7 @@ class SparsePrefillBf16Sm90:
             cute.arch.mbarrier_init_fence()
         cute.arch.sync_threads()
 
-        token, head_group, valid_len = tile_position(bid, mIdx, mOut, mTopkLen, flags, B_H)
-        work = CtaWork(
-            bid=bid,
-            token=token,
-            head_group=head_group,
-            valid_len=valid_len,
-            num_blocks=(valid_len + B_TOPK - 1) // B_TOPK,
-            num_pairs=(valid_len + PAIR - 1) // PAIR,
-        )
+        work = self.scheduler.work(self.scheduler.cta_tiles(bid, mIdx, mTopkLen, mOut, flags), 0, 0)
 
         if warp_idx < 4:
             cute.arch.setmaxregister_decrease(PRODUCER_REGS)
@@ -338,7 +318,7 @@ class SparsePrefillBf16Sm90:
         warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
         lane = cute.arch.lane_idx()
         if warp_idx == 0:
-            load_q_tile(tma_atom_q, mQ_tma, sQ, mbar_q, work.bid, B_H, self.d_qk, self.q_tile_bytes)
+            load_q_tile(tma_atom_q, mQ_tma, sQ, mbar_q, work.tile, B_H, self.d_qk, self.q_tile_bytes)
 
         # Lane: 16-byte chunk lane % 8 of each 128-byte column tile (of rows row0 and row0 + 4).
         gather = RowGather(mKV, sK, self.d_qk, lane, SW128_ROW_BYTES, B_TOPK)
@@ -597,34 +577,21 @@ class SparsePrefillBf16Sm90:
     @cute.jit
     def epilogue(self, c: Consumer, mSink, mOut, mMaxLogits, mLse, flags):
         """Normalise O, apply the sink, write out (bf16), max_logits and lse."""
-        for r in cutlass.range_constexpr(2):
-            total = quad_sum(c.row_sum[r])
-            if c.quad_lane == 0:
-                c.s_row_sum[c.warp * 16 + c.quad_row + 8 * r, c.index] = total
-                c.s_max_true[c.warp * 16 + c.quad_row + 8 * r, c.index] = c.row_max_true[r]
+        tables = ((c.s_max_true, c.row_max_true),)
+        publish_row_stats(c.row_sum, c.s_row_sum, tables, c.warp, c.quad_row, c.quad_lane, c.index)
         cute.arch.barrier(barrier_id=NamedBarrierBf16.SumReady, number_of_threads=2 * THREADS_PER_WG)
         out_base = mOut.iterator.toint()
         for r in cutlass.range_constexpr(2):
             row = c.warp * 16 + c.quad_row + 8 * r
-            out_row = c.work.bid * B_H + row
+            out_row = c.work.tile * B_H + row
             row_total = c.s_row_sum[row, 0] + c.s_row_sum[row, 1]
             max_used = c.row_max_used[r]
-            denom = row_total
-            if (flags & 2) != 0:
-                sink_log2 = mSink[c.work.head_group * B_H + row] * LOG2_E
-                denom += cute.math.exp2(sink_log2 - max_used, fastmath=True)
-            out_scale = Float32(0.0)
-            if row_total > 0.0:
-                out_scale = Float32(1.0) / denom
+            out_scale = output_scale(
+                row_total, max_used, Float32(1.0), flags, mSink, c.work.head_group, row, 0
+            )
             if c.quad_lane == 0:
                 if c.index == 0:
-                    if row_total > 0.0:
-                        true_max = cute.arch.fmax(c.s_max_true[row, 0], c.s_max_true[row, 1])
-                        mMaxLogits[out_row] = true_max * LN_2
-                        mLse[out_row] = (max_used + cute.math.log2(row_total, fastmath=True)) * LN_2
-                    else:
-                        mMaxLogits[out_row] = -Float32.inf
-                        mLse[out_row] = Float32.inf
+                    write_max_logits_lse(mMaxLogits, mLse, out_row, row_total, max_used, c.s_max_true, row, 0)
             row_addr = out_base + Int64(out_row) * (D_V * ELEM_BYTES)
             for j in cutlass.range_constexpr(D_V_PER_CONSUMER // 8):
                 d = c.index * D_V_PER_CONSUMER + 8 * j + 2 * c.quad_lane
