@@ -41,6 +41,11 @@ def make_row_views(mQ, mKV, mIdx, mMaxLogits, mLse, d_qk: int) -> RowViews:
     )
 
 
+def make_q_tma_atom(q_view, sQ_layout, q_shape):
+    """The TMA atom and tensor that load ``q_shape`` (rows, d_qk) tiles of the q view into ``sQ_layout``."""
+    return cpasync.make_tiled_tma_atom(cpasync.CopyBulkTensorTileG2SOp(), q_view, sQ_layout, q_shape)
+
+
 def load_q_tile(tma_atom_q, mQ_tma, sQ, mbar_q, tile, tile_rows: int, d_qk: int, tile_bytes: int) -> None:
     """Queue the TMA copy of Q tile ``tile`` (rows ``tile * tile_rows`` onwards of the [rows, d_qk] view
     ``mQ_tma``) into ``sQ``, completing on ``mbar_q`` (one elected thread arms it with ``tile_bytes``).

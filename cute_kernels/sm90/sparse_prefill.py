@@ -80,27 +80,37 @@ are clamped to [0, topk]; only ceil(topk_length / 128) pairs are visited and onl
 below topk_length are read.
 """
 
+import functools
 from typing import NamedTuple
 
 import cutlass
 import cutlass.cute as cute
 import cutlass.utils.hopper_helpers as sm90_utils
 from cutlass import Float8E4M3FN, Float32, Int32, Int64, Uint32, const_expr
-from cutlass.cute.nvgpu import OperandMajorMode, cpasync, warpgroup
+from cutlass.cute.nvgpu import OperandMajorMode, warpgroup
 
 from cute_kernels import ptx
+from cute_kernels.sm90.cta import (
+    B_H,
+    CONSUMER_THREADS,
+    D_V,
+    PRODUCER_WARPS,
+    THREADS_PER_WG,
+    consumer_index,
+    init_cta,
+    launch_cta,
+)
 from cute_kernels.sm90.epilogue import output_scale, publish_row_stats, write_max_logits_lse
 from cute_kernels.sm90.mask import mask_and_row_max, slot_valid_bits
 from cute_kernels.sm90.named_barrier import NamedBarrierFp8
 from cute_kernels.sm90.ring import Ring
 from cute_kernels.sm90.row_gather import RowGather, copy_rows, slot_valid_flag, swizzle_offset
-from cute_kernels.sm90.row_views import load_q_tile, make_row_views
+from cute_kernels.sm90.row_views import load_q_tile, make_q_tma_atom, make_row_views
+from cute_kernels.sm90.shared_storage import allocate_shared_storage, tile_layouts, tile_region, tile_tensor
 from cute_kernels.sm90.tile_scheduler import TileScheduler, TileWork
 
-B_H = 64  # heads per CTA: one WGMMA M tile
 B_TOPK = 64  # gathered KV rows per block: the N tile of S and two k-steps of the PV product
 PAIR = 2 * B_TOPK  # rows per gathered pair (two blocks, one per producer half)
-D_V = 512  # value width: the first 512 columns of each KV row
 D_TILES_PER_CONSUMER = 4  # 64-wide d tiles of O^T per consumer (256 of d_v)
 NUM_STAGES = 2  # pairs of KV blocks in flight
 NUM_KV_TILES = 2 * NUM_STAGES  # block tiles; block b uses tile b % 4 (and P buffer b % 4)
@@ -112,8 +122,6 @@ RESCALE_THRESHOLD = 1.75  # log2 units; 2^(P_SCALE_LOG2 + RESCALE_THRESHOLD) = 4
 SW64_TILE_COLS = 64  # bytes per row of one 64-byte-swizzled column tile
 TILE_ROW_GROUP_BYTES = B_TOPK * SW64_TILE_COLS  # one [64 rows x 64 B] swizzle column tile
 
-THREADS_PER_WG = 128
-NUM_THREADS = 3 * THREADS_PER_WG
 PRODUCER_REGS = 24
 CONSUMER_REGS = 240
 
@@ -192,15 +200,36 @@ class SparsePrefillSm90:
         self.scheduler = TileScheduler(persistent, B_TOPK)
         self.k_tile_bytes = B_TOPK * d_qk  # one gathered block in shared memory
         self.q_tile_bytes = B_H * d_qk
+        self.q_shape = (B_H, d_qk)
+        self.k_shape = (B_TOPK, d_qk, NUM_KV_TILES)
+        self.p_shape = (B_H, B_TOPK, NUM_KV_TILES * self.p_terms)  # [buffer][term] P tiles
+
+    def shared_storage(self):
+        """The CTA's shared memory: barriers and row statistics, then the Q, KV block and P tiles."""
+
+        @cute.struct
+        class SharedStorage:
+            mbar_q: cute.struct.MemRange[Int64, 1]
+            mbar_q_empty: cute.struct.MemRange[Int64, 1]  # persistent: both consumers' QKs are done
+            mbar_kv_full: cute.struct.MemRange[Int64, NUM_KV_TILES]
+            mbar_kv_empty: cute.struct.MemRange[Int64, NUM_KV_TILES]
+            mbar_p_full: cute.struct.MemRange[Int64, NUM_KV_TILES]
+            max_used: cute.struct.MemRange[Float32, NUM_KV_TILES * B_H]  # [buffer, row]
+            alpha: cute.struct.MemRange[Float32, NUM_KV_TILES * B_H]  # [buffer, row]
+            row_sum: cute.struct.MemRange[Float32, B_H * 2]  # [row, consumer]
+            max_true: cute.struct.MemRange[Float32, B_H * 2]  # [row, consumer]
+            max_own: cute.struct.MemRange[Float32, B_H * 2]  # [row, consumer]
+            moved: cute.struct.MemRange[Int32, NUM_KV_TILES]  # [buffer]
+            out_scale: cute.struct.MemRange[Float32, B_H * 2]  # [row, consumer]
+            sQ: tile_region(Float8E4M3FN, self.q_shape)
+            sK: tile_region(Float8E4M3FN, self.k_shape)
+            sP: tile_region(Float8E4M3FN, self.p_shape)
+
+        return SharedStorage
 
     def shared_memory_bytes(self) -> int:
-        """Dynamic shared memory per CTA (the SharedStorage struct built in ``__call__``)."""
-        barriers_and_stats = (
-            8 * (2 + 3 * NUM_KV_TILES) + 4 * B_H * (2 * NUM_KV_TILES + 4 * 2) + 4 * NUM_KV_TILES
-        )
-        aligned = -(-barriers_and_stats // 1024) * 1024
-        p_bytes = NUM_KV_TILES * self.p_terms * B_H * B_TOPK  # [buffer][term] P tiles
-        return aligned + self.q_tile_bytes + NUM_STAGES * 2 * self.k_tile_bytes + p_bytes
+        """Dynamic shared memory per CTA."""
+        return self.shared_storage().size_in_bytes()
 
     # ------------------------------------------------------------------------------------
     # Host side: layouts, TMA atom, shared storage, launch
@@ -223,60 +252,34 @@ class SparsePrefillSm90:
         tiles_per_cta: Int32,  # persistent: tiles each CTA walks (the grid is ceil(tiles / it))
         stream,
     ):
-        e4m3 = mQ.element_type
         views = make_row_views(mQ, mKV, mIdx, mMaxLogits, mLse, self.d_qk)
-
-        smem_atom = warpgroup.make_smem_layout_atom(warpgroup.SmemLayoutAtomKind.K_SW64, e4m3)
-        sQ_layout = cute.tile_to_shape(smem_atom, (B_H, self.d_qk), (0, 1))
-        sK_layout = cute.tile_to_shape(smem_atom, (B_TOPK, self.d_qk, NUM_STAGES * 2), (0, 1, 2))
-        sP_layout = cute.tile_to_shape(smem_atom, (B_H, B_TOPK, NUM_KV_TILES * self.p_terms), (0, 1, 2))
-
-        tma_atom_q, tma_tensor_q = cpasync.make_tiled_tma_atom(
-            cpasync.CopyBulkTensorTileG2SOp(), views.q, sQ_layout, (B_H, self.d_qk)
+        sQ_layout, sK_layout, sP_layout = tile_layouts(
+            warpgroup.SmemLayoutAtomKind.K_SW64, Float8E4M3FN, (self.q_shape, self.k_shape, self.p_shape)
         )
-
-        @cute.struct
-        class SharedStorage:
-            mbar_q: cute.struct.MemRange[Int64, 1]
-            mbar_q_empty: cute.struct.MemRange[Int64, 1]  # persistent: both consumers' QKs are done
-            mbar_kv_full: cute.struct.MemRange[Int64, NUM_KV_TILES]
-            mbar_kv_empty: cute.struct.MemRange[Int64, NUM_KV_TILES]
-            mbar_p_full: cute.struct.MemRange[Int64, NUM_KV_TILES]
-            max_used: cute.struct.MemRange[Float32, NUM_KV_TILES * B_H]  # [buffer, row]
-            alpha: cute.struct.MemRange[Float32, NUM_KV_TILES * B_H]  # [buffer, row]
-            row_sum: cute.struct.MemRange[Float32, B_H * 2]  # [row, consumer]
-            max_true: cute.struct.MemRange[Float32, B_H * 2]  # [row, consumer]
-            max_own: cute.struct.MemRange[Float32, B_H * 2]  # [row, consumer]
-            moved: cute.struct.MemRange[Int32, NUM_KV_TILES]  # [buffer]
-            out_scale: cute.struct.MemRange[Float32, B_H * 2]  # [row, consumer]
-            sQ: cute.struct.Align[cute.struct.MemRange[e4m3, cute.cosize(sQ_layout)], 1024]
-            sK: cute.struct.Align[cute.struct.MemRange[e4m3, cute.cosize(sK_layout)], 1024]
-            sP: cute.struct.Align[cute.struct.MemRange[e4m3, cute.cosize(sP_layout)], 1024]
-
-        self.kernel(
-            tma_atom_q,
-            tma_tensor_q,
-            views.kv,
-            views.indices,
-            mTopkLen,
-            mSink,
-            mQScale,
-            mKVScale,
-            mOut,
-            views.max_logits,
-            views.lse,
-            sm_scale_log2,
-            flags,
-            tiles_per_cta,
-            sQ_layout,
-            sK_layout,
-            sP_layout,
-            SharedStorage,
-        ).launch(
-            grid=[self.scheduler.grid_size(views.rows // B_H, tiles_per_cta), 1, 1],
-            block=[NUM_THREADS, 1, 1],
-            stream=stream,
-            min_blocks_per_mp=1,
+        tma_atom_q, tma_tensor_q = make_q_tma_atom(views.q, sQ_layout, self.q_shape)
+        launch_cta(
+            self.kernel(
+                tma_atom_q,
+                tma_tensor_q,
+                views.kv,
+                views.indices,
+                mTopkLen,
+                mSink,
+                mQScale,
+                mKVScale,
+                mOut,
+                views.max_logits,
+                views.lse,
+                sm_scale_log2,
+                flags,
+                tiles_per_cta,
+                sQ_layout,
+                sK_layout,
+                sP_layout,
+                self.shared_storage(),
+            ),
+            self.scheduler.grid_size(views.rows // B_H, tiles_per_cta),
+            stream,
         )
 
     # ------------------------------------------------------------------------------------
@@ -308,34 +311,22 @@ class SparsePrefillSm90:
         warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
         bid, _, _ = cute.arch.block_idx()
 
-        smem = cutlass.utils.SmemAllocator()
-        storage = smem.allocate(SharedStorage)
+        storage = allocate_shared_storage(SharedStorage)
         mbar_q = storage.mbar_q.data_ptr()
         mbar_q_empty = storage.mbar_q_empty.data_ptr()
         mbar_kv_full = storage.mbar_kv_full.data_ptr()
         mbar_kv_empty = storage.mbar_kv_empty.data_ptr()
         mbar_p_full = storage.mbar_p_full.data_ptr()
         s_moved = storage.moved.get_tensor(cute.make_layout(NUM_KV_TILES))
-        sQ = storage.sQ.get_tensor(sQ_layout.outer, swizzle=sQ_layout.inner)
-        sK = storage.sK.get_tensor(sK_layout.outer, swizzle=sK_layout.inner)
-        sP = storage.sP.get_tensor(sP_layout.outer, swizzle=sP_layout.inner)
-
-        if warp_idx == 0:
-            cpasync.prefetch_descriptor(tma_atom_q)
-            with cute.arch.elect_one():
-                cute.arch.mbarrier_init(mbar_q, 1)
-                cute.arch.mbarrier_init(mbar_q_empty, 2 * THREADS_PER_WG)
-                for i in cutlass.range_constexpr(NUM_KV_TILES):
-                    cute.arch.mbarrier_init(mbar_kv_full + i, 2 * 32)
-                    cute.arch.mbarrier_init(mbar_kv_empty + i, 2 * THREADS_PER_WG)
-                    cute.arch.mbarrier_init(mbar_p_full + i, THREADS_PER_WG)
-                    s_moved[i] = -1  # no block has moved the max yet
-            cute.arch.mbarrier_init_fence()
-        cute.arch.sync_threads()
+        sQ = tile_tensor(storage.sQ, sQ_layout)
+        sK = tile_tensor(storage.sK, sK_layout)
+        sP = tile_tensor(storage.sP, sP_layout)
+        barriers = (mbar_q, mbar_q_empty, mbar_kv_full, mbar_kv_empty, mbar_p_full, s_moved)
+        init_cta(warp_idx, tma_atom_q, functools.partial(self.init_barriers, *barriers))
 
         tiles = self.scheduler.cta_tiles(bid, mIdx, mTopkLen, mOut, flags, tiles_per_cta)
 
-        if warp_idx < 4:
+        if warp_idx < PRODUCER_WARPS:
             cute.arch.setmaxregister_decrease(PRODUCER_REGS)
             self.produce(
                 tma_atom_q,
@@ -352,7 +343,7 @@ class SparsePrefillSm90:
             )
         else:
             cute.arch.setmaxregister_increase(CONSUMER_REGS)
-            consumer = warp_idx // 4 - 1  # warp-uniform, so branches on it are not divergent
+            consumer = consumer_index(warp_idx)
             smem_stats = (
                 storage.max_used.get_tensor(cute.make_layout((NUM_KV_TILES, B_H), stride=(B_H, 1))),
                 storage.alpha.get_tensor(cute.make_layout((NUM_KV_TILES, B_H), stride=(B_H, 1))),
@@ -385,6 +376,19 @@ class SparsePrefillSm90:
                 flags,
                 tiles,
             )
+
+    @cute.jit
+    def init_barriers(self, mbar_q, mbar_q_empty, mbar_kv_full, mbar_kv_empty, mbar_p_full, s_moved):
+        """(One thread.) q_full: the TMA; q_empty: both consumers; per block tile, kv_full: the 64
+        threads gathering it (cp.async arrivals), kv_empty: both consumers, p_full: its owner's
+        warpgroup; no block has moved the max yet."""
+        cute.arch.mbarrier_init(mbar_q, 1)
+        cute.arch.mbarrier_init(mbar_q_empty, CONSUMER_THREADS)
+        for i in cutlass.range_constexpr(NUM_KV_TILES):
+            cute.arch.mbarrier_init(mbar_kv_full + i, 2 * 32)
+            cute.arch.mbarrier_init(mbar_kv_empty + i, CONSUMER_THREADS)
+            cute.arch.mbarrier_init(mbar_p_full + i, THREADS_PER_WG)
+            s_moved[i] = -1
 
     # ------------------------------------------------------------------------------------
     @cute.jit
@@ -613,11 +617,11 @@ class SparsePrefillSm90:
                 # read the previous tile's in its epilogue.
                 if (consumer == 1) & (not no_step_loop):
                     cute.arch.barrier_arrive(
-                        barrier_id=NamedBarrierFp8.TileHandoff, number_of_threads=2 * THREADS_PER_WG
+                        barrier_id=NamedBarrierFp8.TileHandoff, number_of_threads=CONSUMER_THREADS
                     )
                 elif no_step_loop:
                     cute.arch.barrier(
-                        barrier_id=NamedBarrierFp8.TileHandoff, number_of_threads=2 * THREADS_PER_WG
+                        barrier_id=NamedBarrierFp8.TileHandoff, number_of_threads=CONSUMER_THREADS
                     )
         if num_blocks > 0:
             # Step i: own block 2i + c (when it exists) and the other consumer's block 2i + c - 1
@@ -637,7 +641,7 @@ class SparsePrefillSm90:
                     if const_expr(self.persistent):
                         if own == 0 and tile_iter > 0:  # consumer 0, the tile's first P
                             cute.arch.barrier(
-                                barrier_id=NamedBarrierFp8.TileHandoff, number_of_threads=2 * THREADS_PER_WG
+                                barrier_id=NamedBarrierFp8.TileHandoff, number_of_threads=CONSUMER_THREADS
                             )
                     self.softmax_own(c, own, block_maxima)
                     if own + 2 >= num_blocks:  # this consumer's last own block
@@ -856,7 +860,7 @@ class SparsePrefillSm90:
         tables = ((c.s_max_own, c.row_max_own), (c.s_max_true, c.row_max_true))
         publish_row_stats(c.row_sum, c.s_row_sum, tables, c.warp, c.quad_row, c.quad_lane, c.index)
         cute.arch.barrier_arrive(
-            barrier_id=int(NamedBarrierFp8.StatsPublished0) + c.index, number_of_threads=2 * THREADS_PER_WG
+            barrier_id=int(NamedBarrierFp8.StatsPublished0) + c.index, number_of_threads=CONSUMER_THREADS
         )
 
     @cute.jit
@@ -869,7 +873,7 @@ class SparsePrefillSm90:
         # still ran PV, so the first consumer to finish writes its half of out while the other
         # runs its last PV.
         cute.arch.barrier(
-            barrier_id=int(NamedBarrierFp8.StatsPublished1) - c.index, number_of_threads=2 * THREADS_PER_WG
+            barrier_id=int(NamedBarrierFp8.StatsPublished1) - c.index, number_of_threads=CONSUMER_THREADS
         )
         last_buffer = KV_RING.index_before(c.work.block_base + c.work.num_blocks)
         for r in cutlass.range_constexpr(2):

@@ -64,22 +64,31 @@ from typing import NamedTuple
 import cutlass
 import cutlass.cute as cute
 import cutlass.utils.hopper_helpers as sm90_utils
-from cutlass import Float32, Int32, Int64, const_expr
-from cutlass.cute.nvgpu import OperandMajorMode, cpasync, warpgroup
+from cutlass import BFloat16, Float32, Int32, Int64, const_expr
+from cutlass.cute.nvgpu import OperandMajorMode, warpgroup
 
 from cute_kernels import ptx
+from cute_kernels.sm90.cta import (
+    B_H,
+    CONSUMER_THREADS,
+    D_V,
+    PRODUCER_WARPS,
+    THREADS_PER_WG,
+    consumer_index,
+    init_cta,
+    launch_cta,
+)
 from cute_kernels.sm90.epilogue import output_scale, publish_row_stats, write_max_logits_lse
 from cute_kernels.sm90.mask import mask_and_row_max, slot_valid_bits
 from cute_kernels.sm90.named_barrier import NamedBarrierBf16
 from cute_kernels.sm90.ring import Ring
 from cute_kernels.sm90.row_gather import RowGather, copy_rows, slot_valid_flag, swizzle_offset
-from cute_kernels.sm90.row_views import load_q_tile, make_row_views
+from cute_kernels.sm90.row_views import load_q_tile, make_q_tma_atom, make_row_views
+from cute_kernels.sm90.shared_storage import allocate_shared_storage, tile_layouts, tile_region, tile_tensor
 from cute_kernels.sm90.tile_scheduler import TileScheduler, TileWork
 
-B_H = 64  # heads per CTA: one WGMMA M tile
 B_TOPK = 32  # gathered KV rows per block: the N tile of S, two k-steps of the PV product
 PAIR = 2 * B_TOPK  # rows per loop iteration (one block per consumer)
-D_V = 512  # value width: the first 512 columns of each KV row
 D_V_PER_CONSUMER = 256  # the N tile of O per consumer
 ELEM_BYTES = 2
 SW128_ROW_BYTES = 128  # bytes per row of one 128-byte-swizzled column tile (64 bf16)
@@ -90,8 +99,6 @@ PAIR_PARITY = Ring(2)  # pair p writes P, the row maxima and the redo flag into 
 RESCALE_THRESHOLD = 8.0  # log2 units: the running max moves only past this (P <= 2^8 in bf16)
 MAX_SMEM_BYTES = 232448  # SM90 opt-in dynamic shared memory per block
 
-THREADS_PER_WG = 128
-NUM_THREADS = 3 * THREADS_PER_WG
 PRODUCER_REGS = 40
 CONSUMER_REGS = 232
 
@@ -144,12 +151,31 @@ class SparsePrefillBf16Sm90:
         self.kv_ring = Ring(self.num_slots)  # block b: KV slot b % num_slots and its barriers
         self.k_tile_bytes = B_TOPK * d_qk * ELEM_BYTES  # one gathered block in shared memory
         self.q_tile_bytes = B_H * d_qk * ELEM_BYTES
+        self.q_shape = (B_H, d_qk)
+        self.k_shape = (B_TOPK, d_qk, self.num_slots)
+        self.p_shape = (B_H, PAIR, 2)  # [parity] P tiles of a pair
+
+    def shared_storage(self):
+        """The CTA's shared memory: barriers and row statistics, then the Q, KV block and P tiles."""
+
+        @cute.struct
+        class SharedStorage:
+            mbar_q: cute.struct.MemRange[Int64, 1]
+            mbar_kv_full: cute.struct.MemRange[Int64, self.num_slots]
+            mbar_kv_empty: cute.struct.MemRange[Int64, self.num_slots]
+            row_max: cute.struct.MemRange[Float32, B_H * 2 * 2]  # [row, consumer, parity]
+            row_sum: cute.struct.MemRange[Float32, B_H * 2]  # [row, consumer]
+            max_true: cute.struct.MemRange[Float32, B_H * 2]  # [row, consumer]
+            update: cute.struct.MemRange[Int32, 2]  # [parity]
+            sQ: tile_region(BFloat16, self.q_shape)
+            sK: tile_region(BFloat16, self.k_shape)
+            sP: tile_region(BFloat16, self.p_shape)
+
+        return SharedStorage
 
     def shared_memory_bytes(self) -> int:
-        """Dynamic shared memory per CTA (the SharedStorage struct built in ``__call__``)."""
-        barriers_and_stats = 8 * (1 + 2 * self.num_slots) + 4 * B_H * (4 + 2 + 2) + 4 * 2
-        aligned = -(-barriers_and_stats // 1024) * 1024
-        return aligned + self.q_tile_bytes + self.num_slots * self.k_tile_bytes + 2 * P_TILE_BYTES
+        """Dynamic shared memory per CTA."""
+        return self.shared_storage().size_in_bytes()
 
     # ------------------------------------------------------------------------------------
     # Host side: layouts, TMA atom, shared storage, launch
@@ -169,13 +195,10 @@ class SparsePrefillBf16Sm90:
         flags: Int32,  # bit 0: topk_length given, bit 1: attn_sink given
         stream,
     ):
-        bf16 = mQ.element_type
         views = make_row_views(mQ, mKV, mIdx, mMaxLogits, mLse, self.d_qk)
-
-        smem_atom = warpgroup.make_smem_layout_atom(warpgroup.SmemLayoutAtomKind.K_SW128, bf16)
-        sQ_layout = cute.tile_to_shape(smem_atom, (B_H, self.d_qk), (0, 1))
-        sK_layout = cute.tile_to_shape(smem_atom, (B_TOPK, self.d_qk, self.num_slots), (0, 1, 2))
-        sP_layout = cute.tile_to_shape(smem_atom, (B_H, PAIR, 2), (0, 1, 2))
+        sQ_layout, sK_layout, sP_layout = tile_layouts(
+            warpgroup.SmemLayoutAtomKind.K_SW128, BFloat16, (self.q_shape, self.k_shape, self.p_shape)
+        )
         # V as the MN-major B operand of PV, viewing the same gathered tiles: (d, slot, ring slot,
         # consumer) with d = (64 inside a column tile, 4 column tiles), slot = (8 rows of an
         # atom, 4 atoms); the consumer's half starts 4 column tiles further.
@@ -189,45 +212,28 @@ class SparsePrefillBf16Sm90:
             ),
         )
 
-        tma_atom_q, tma_tensor_q = cpasync.make_tiled_tma_atom(
-            cpasync.CopyBulkTensorTileG2SOp(), views.q, sQ_layout, (B_H, self.d_qk)
-        )
-
-        @cute.struct
-        class SharedStorage:
-            mbar_q: cute.struct.MemRange[Int64, 1]
-            mbar_kv_full: cute.struct.MemRange[Int64, self.num_slots]
-            mbar_kv_empty: cute.struct.MemRange[Int64, self.num_slots]
-            row_max: cute.struct.MemRange[Float32, B_H * 2 * 2]  # [row, consumer, parity]
-            row_sum: cute.struct.MemRange[Float32, B_H * 2]  # [row, consumer]
-            max_true: cute.struct.MemRange[Float32, B_H * 2]  # [row, consumer]
-            update: cute.struct.MemRange[Int32, 2]  # [parity]
-            sQ: cute.struct.Align[cute.struct.MemRange[bf16, cute.cosize(sQ_layout)], 1024]
-            sK: cute.struct.Align[cute.struct.MemRange[bf16, cute.cosize(sK_layout)], 1024]
-            sP: cute.struct.Align[cute.struct.MemRange[bf16, cute.cosize(sP_layout)], 1024]
-
-        self.kernel(
-            tma_atom_q,
-            tma_tensor_q,
-            views.kv,
-            views.indices,
-            mTopkLen,
-            mSink,
-            mOut,
-            views.max_logits,
-            views.lse,
-            sm_scale_log2,
-            flags,
-            sQ_layout,
-            sK_layout,
-            sP_layout,
-            sV_outer,
-            SharedStorage,
-        ).launch(
-            grid=[self.scheduler.grid_size(views.rows // B_H), 1, 1],
-            block=[NUM_THREADS, 1, 1],
-            stream=stream,
-            min_blocks_per_mp=1,
+        tma_atom_q, tma_tensor_q = make_q_tma_atom(views.q, sQ_layout, self.q_shape)
+        launch_cta(
+            self.kernel(
+                tma_atom_q,
+                tma_tensor_q,
+                views.kv,
+                views.indices,
+                mTopkLen,
+                mSink,
+                mOut,
+                views.max_logits,
+                views.lse,
+                sm_scale_log2,
+                flags,
+                sQ_layout,
+                sK_layout,
+                sP_layout,
+                sV_outer,
+                self.shared_storage(),
+            ),
+            self.scheduler.grid_size(views.rows // B_H),
+            stream,
         )
 
     # ------------------------------------------------------------------------------------
@@ -256,34 +262,26 @@ class SparsePrefillBf16Sm90:
         warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
         bid, _, _ = cute.arch.block_idx()
 
-        smem = cutlass.utils.SmemAllocator()
-        storage = smem.allocate(SharedStorage)
+        storage = allocate_shared_storage(SharedStorage)
         mbar_q = storage.mbar_q.data_ptr()
         mbar_kv_full = storage.mbar_kv_full.data_ptr()
         mbar_kv_empty = storage.mbar_kv_empty.data_ptr()
-        sQ = storage.sQ.get_tensor(sQ_layout.outer, swizzle=sQ_layout.inner)
-        sK = storage.sK.get_tensor(sK_layout.outer, swizzle=sK_layout.inner)
+        sQ = tile_tensor(storage.sQ, sQ_layout)
+        sK = tile_tensor(storage.sK, sK_layout)
         sV = storage.sK.get_tensor(sV_outer, swizzle=sK_layout.inner)
-        sP = storage.sP.get_tensor(sP_layout.outer, swizzle=sP_layout.inner)
-
-        if warp_idx == 0:
-            cpasync.prefetch_descriptor(tma_atom_q)
-            with cute.arch.elect_one():
-                cute.arch.mbarrier_init(mbar_q, 1)
-                for i in cutlass.range_constexpr(self.num_slots):
-                    cute.arch.mbarrier_init(mbar_kv_full + i, THREADS_PER_WG)
-                    cute.arch.mbarrier_init(mbar_kv_empty + i, 2 * THREADS_PER_WG)
-            cute.arch.mbarrier_init_fence()
-        cute.arch.sync_threads()
+        sP = tile_tensor(storage.sP, sP_layout)
+        init_cta(
+            warp_idx, tma_atom_q, functools.partial(self.init_barriers, mbar_q, mbar_kv_full, mbar_kv_empty)
+        )
 
         work = self.scheduler.work(self.scheduler.cta_tiles(bid, mIdx, mTopkLen, mOut, flags), 0, 0)
 
-        if warp_idx < 4:
+        if warp_idx < PRODUCER_WARPS:
             cute.arch.setmaxregister_decrease(PRODUCER_REGS)
             self.produce(tma_atom_q, mQ_tma, sQ, sK, mKV, mIdx, mbar_q, mbar_kv_full, mbar_kv_empty, work)
         else:
             cute.arch.setmaxregister_increase(CONSUMER_REGS)
-            consumer = warp_idx // 4 - 1  # warp-uniform, so branches on it are not divergent
+            consumer = consumer_index(warp_idx)
             smem_stats = (
                 storage.row_max.get_tensor(cute.make_layout((B_H, 2, 2))),
                 storage.row_sum.get_tensor(cute.make_layout((B_H, 2))),
@@ -310,6 +308,15 @@ class SparsePrefillBf16Sm90:
                 flags,
                 work,
             )
+
+    @cute.jit
+    def init_barriers(self, mbar_q, mbar_kv_full, mbar_kv_empty):
+        """(One thread.) q_full: the TMA; per ring slot, kv_full: the producer warpgroup (cp.async
+        arrivals), kv_empty: both consumers."""
+        cute.arch.mbarrier_init(mbar_q, 1)
+        for i in cutlass.range_constexpr(self.num_slots):
+            cute.arch.mbarrier_init(mbar_kv_full + i, THREADS_PER_WG)
+            cute.arch.mbarrier_init(mbar_kv_empty + i, CONSUMER_THREADS)
 
     # ------------------------------------------------------------------------------------
     @cute.jit
@@ -478,10 +485,10 @@ class SparsePrefillBf16Sm90:
     def softmax_p(self, c: Consumer, pair):
         """First pair: agree on the running max with the other consumer (named barrier 1), store P
         (named barrier 2 publishes both halves)."""
-        cute.arch.barrier(barrier_id=NamedBarrierBf16.MaxReady, number_of_threads=2 * THREADS_PER_WG)
+        cute.arch.barrier(barrier_id=NamedBarrierBf16.MaxReady, number_of_threads=CONSUMER_THREADS)
         self.exp_with_pair_max(c, pair, False)
         cute.arch.fence_proxy("async.shared", space="cta")
-        cute.arch.barrier(barrier_id=NamedBarrierBf16.PReady, number_of_threads=2 * THREADS_PER_WG)
+        cute.arch.barrier(barrier_id=NamedBarrierBf16.PReady, number_of_threads=CONSUMER_THREADS)
 
     @cute.jit
     def softmax_p_speculative(self, c: Consumer, pair, block_maxima):
@@ -503,11 +510,11 @@ class SparsePrefillBf16Sm90:
         if exceeds:
             c.s_update[parity] = pair  # any thread: this pair needs the synchronous path
         cute.arch.fence_proxy("async.shared", space="cta")
-        cute.arch.barrier(barrier_id=NamedBarrierBf16.PReady, number_of_threads=2 * THREADS_PER_WG)
+        cute.arch.barrier(barrier_id=NamedBarrierBf16.PReady, number_of_threads=CONSUMER_THREADS)
         if c.s_update[parity] == pair:
             self.exp_with_pair_max(c, pair, True)
             cute.arch.fence_proxy("async.shared", space="cta")
-            cute.arch.barrier(barrier_id=NamedBarrierBf16.PReady, number_of_threads=2 * THREADS_PER_WG)
+            cute.arch.barrier(barrier_id=NamedBarrierBf16.PReady, number_of_threads=CONSUMER_THREADS)
         else:
             for r in cutlass.range_constexpr(2):
                 c.row_sum[r] = c.row_sum[r] + block_sums[r]
@@ -579,7 +586,7 @@ class SparsePrefillBf16Sm90:
         """Normalise O, apply the sink, write out (bf16), max_logits and lse."""
         tables = ((c.s_max_true, c.row_max_true),)
         publish_row_stats(c.row_sum, c.s_row_sum, tables, c.warp, c.quad_row, c.quad_lane, c.index)
-        cute.arch.barrier(barrier_id=NamedBarrierBf16.SumReady, number_of_threads=2 * THREADS_PER_WG)
+        cute.arch.barrier(barrier_id=NamedBarrierBf16.SumReady, number_of_threads=CONSUMER_THREADS)
         out_base = mOut.iterator.toint()
         for r in cutlass.range_constexpr(2):
             row = c.warp * 16 + c.quad_row + 8 * r
