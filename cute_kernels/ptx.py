@@ -14,7 +14,8 @@ from cutlass.cutlass_dsl import T, dsl_user_op
 L2_EVICT_LAST = 0x14F0000000000000
 
 
-def _asm(ret_type, operands, text, constraints, side_effects):
+def inline_asm(ret_type, operands, text, constraints, side_effects):
+    """One inline-PTX statement (AT&T dialect): ``text`` with ``$i`` operands, LLVM ``constraints``."""
     return llvm.inline_asm(
         ret_type,
         operands,
@@ -32,7 +33,7 @@ def cp_async_16_zfill(smem_addr, gmem_addr, src_bytes, *, loc=None, ip=None) -> 
 
     ``src_bytes`` 0 reads nothing from global memory and writes 16 zero bytes.
     """
-    _asm(
+    inline_asm(
         None,
         [
             Int32(smem_addr).ir_value(loc=loc, ip=ip),
@@ -48,7 +49,7 @@ def cp_async_16_zfill(smem_addr, gmem_addr, src_bytes, *, loc=None, ip=None) -> 
 
 @dsl_user_op
 def cp_async_wait_all(*, loc=None, ip=None) -> None:
-    _asm(None, [], "cp.async.wait_all;", "", True)
+    inline_asm(None, [], "cp.async.wait_all;", "", True)
 
 
 @dsl_user_op
@@ -58,7 +59,7 @@ def ldmatrix_x4_trans(smem_addr, *, loc=None, ip=None):
     Lane L supplies the address of row L % 8 of matrix L // 8 (16 contiguous bytes).
     Returns the four 32-bit registers (one per matrix).
     """
-    res = _asm(
+    res = inline_asm(
         llvm.StructType.get_literal([T.i32()] * 4),
         [Int32(smem_addr).ir_value(loc=loc, ip=ip)],
         "ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {$0, $1, $2, $3}, [$4];",
@@ -72,7 +73,7 @@ def ldmatrix_x4_trans(smem_addr, *, loc=None, ip=None):
 def prmt(a, b, selector: int, *, loc=None, ip=None) -> Uint32:
     """``prmt.b32``: byte i of the result is byte ``(selector >> 4i) & 7`` of the pair {b:a}."""
     return Uint32(
-        _asm(
+        inline_asm(
             T.i32(),
             [Uint32(a).ir_value(loc=loc, ip=ip), Uint32(b).ir_value(loc=loc, ip=ip)],
             f"prmt.b32 $0, $1, $2, {selector:#x};",
@@ -86,7 +87,7 @@ def prmt(a, b, selector: int, *, loc=None, ip=None) -> Uint32:
 def pack_e4m3x4(x0, x1, x2, x3, *, loc=None, ip=None) -> Uint32:
     """Round four f32 to e4m3 (RN, saturating to +-448) and pack them: x0 in the lowest byte."""
     return Uint32(
-        _asm(
+        inline_asm(
             T.i32(),
             [Float32(x).ir_value(loc=loc, ip=ip) for x in (x0, x1, x2, x3)],
             "{\n\t.reg .b16 lo, hi;\n\t"
@@ -103,7 +104,7 @@ def pack_e4m3x4(x0, x1, x2, x3, *, loc=None, ip=None) -> Uint32:
 def pack_bf16x2(lo, hi, *, loc=None, ip=None) -> Uint32:
     """Round two f32 to bf16 (RN) and pack them: ``lo`` in the low half."""
     return Uint32(
-        _asm(
+        inline_asm(
             T.i32(),
             [Float32(lo).ir_value(loc=loc, ip=ip), Float32(hi).ir_value(loc=loc, ip=ip)],
             "cvt.rn.bf16x2.f32 $0, $2, $1;",
@@ -119,12 +120,12 @@ def zero_f32(*, loc=None, ip=None) -> Float32:
     it are defined where this runs (after ``setmaxregister``), not in the kernel's prologue,
     where LLVM otherwise hoists constant zeros and ptxas then spills them under the prologue's
     register limit."""
-    return Float32(_asm(T.f32(), [], "mov.b32 $0, 0f00000000;", "=f", True))
+    return Float32(inline_asm(T.f32(), [], "mov.b32 $0, 0f00000000;", "=f", True))
 
 
 @dsl_user_op
 def st_shared_u32(smem_addr, value, *, loc=None, ip=None) -> None:
-    _asm(
+    inline_asm(
         None,
         [Int32(smem_addr).ir_value(loc=loc, ip=ip), Uint32(value).ir_value(loc=loc, ip=ip)],
         "st.shared.b32 [$0], $1;",
@@ -135,7 +136,7 @@ def st_shared_u32(smem_addr, value, *, loc=None, ip=None) -> None:
 
 @dsl_user_op
 def st_global_u32(gmem_addr, value, *, loc=None, ip=None) -> None:
-    _asm(
+    inline_asm(
         None,
         [Int64(gmem_addr).ir_value(loc=loc, ip=ip), Uint32(value).ir_value(loc=loc, ip=ip)],
         "st.global.b32 [$0], $1;",
@@ -148,7 +149,7 @@ def st_global_u32(gmem_addr, value, *, loc=None, ip=None) -> None:
 def pack_f16x2(x0, x1, *, loc=None, ip=None) -> Uint32:
     """Two f32 rounded to f16 (RN) and packed, x0 in the low half."""
     return Uint32(
-        _asm(
+        inline_asm(
             T.i32(),
             [Float32(x0).ir_value(loc=loc, ip=ip), Float32(x1).ir_value(loc=loc, ip=ip)],
             "cvt.rn.f16x2.f32 $0, $2, $1;",
@@ -164,7 +165,7 @@ def split_e4m3x4_from_f16x2(h01, h23, *, loc=None, ip=None):
     ``lo = e4m3(h - hi)`` (RN, saturating), each packed with the low half of ``h01`` in the lowest
     byte, so that ``hi + lo`` carries about 8 significant bits (the difference ``h - hi`` is exact in
     f16)."""
-    res = _asm(
+    res = inline_asm(
         llvm.StructType.get_literal([T.i32()] * 2),
         [Uint32(h01).ir_value(loc=loc, ip=ip), Uint32(h23).ir_value(loc=loc, ip=ip)],
         "{\n\t.reg .b16 a, b, c, d;\n\t.reg .b32 ra, rb;\n\t"
@@ -182,3 +183,59 @@ def split_e4m3x4_from_f16x2(h01, h23, *, loc=None, ip=None):
         False,
     )
     return tuple(Uint32(llvm.extractvalue(T.i32(), res, [i], loc=loc, ip=ip)) for i in range(2))
+
+
+@dsl_user_op
+def ld_global_nc_v4(gmem_addr, *, loc=None, ip=None):
+    """16-byte read-only global load: four 32-bit words."""
+    res = inline_asm(
+        llvm.StructType.get_literal([T.i32()] * 4),
+        [Int64(gmem_addr).ir_value(loc=loc, ip=ip)],
+        "ld.global.nc.v4.b32 {$0, $1, $2, $3}, [$4];",
+        "=r,=r,=r,=r,l",
+        True,
+    )
+    return tuple(Uint32(llvm.extractvalue(T.i32(), res, [i], loc=loc, ip=ip)) for i in range(4))
+
+
+@dsl_user_op
+def ld_global_nc_v2(gmem_addr, *, loc=None, ip=None):
+    """8-byte read-only global load: two 32-bit words."""
+    res = inline_asm(
+        llvm.StructType.get_literal([T.i32()] * 2),
+        [Int64(gmem_addr).ir_value(loc=loc, ip=ip)],
+        "ld.global.nc.v2.b32 {$0, $1}, [$2];",
+        "=r,=r,l",
+        True,
+    )
+    return tuple(Uint32(llvm.extractvalue(T.i32(), res, [i], loc=loc, ip=ip)) for i in range(2))
+
+
+@dsl_user_op
+def ld_global_nc_b32(gmem_addr, *, loc=None, ip=None) -> Uint32:
+    return Uint32(
+        inline_asm(
+            T.i32(), [Int64(gmem_addr).ir_value(loc=loc, ip=ip)], "ld.global.nc.b32 $0, [$1];", "=r,l", True
+        )
+    )
+
+
+@dsl_user_op
+def ld_global_nc_u8(gmem_addr, *, loc=None, ip=None) -> Uint32:
+    return Uint32(
+        inline_asm(
+            T.i32(), [Int64(gmem_addr).ir_value(loc=loc, ip=ip)], "ld.global.nc.u8 $0, [$1];", "=r,l", True
+        )
+    )
+
+
+@dsl_user_op
+def st_global_v4(gmem_addr, w0, w1, w2, w3, *, loc=None, ip=None) -> None:
+    inline_asm(
+        None,
+        [Int64(gmem_addr).ir_value(loc=loc, ip=ip)]
+        + [Uint32(w).ir_value(loc=loc, ip=ip) for w in (w0, w1, w2, w3)],
+        "st.global.v4.b32 [$0], {$1, $2, $3, $4};",
+        "l,r,r,r,r",
+        True,
+    )

@@ -436,7 +436,7 @@ def _compile_paged_kv(layout: str, out_bf16: bool, dump_dir: Path):
     cutlass, cute = _import_dsl()
     from cutlass import BFloat16, Float8E4M3FN, Int32, Uint8
 
-    from cute_kernels.paged_kv import PagedKvGatherSm90
+    from cute_kernels.sm90.paged_kv import PagedKvGatherSm90
 
     kernel = PagedKvGatherSm90(layout, out_bf16)
     args = (
@@ -509,7 +509,7 @@ def _compile_q_cast(d: int, dump_dir: Path):
     cutlass, cute = _import_dsl()
     from cutlass import BFloat16, Float8E4M3FN, Float32
 
-    from cute_kernels.q_cast import CastQFp8Sm90
+    from cute_kernels.sm90.q_cast import CastQFp8Sm90
 
     args = (
         cute.runtime.make_fake_tensor(  # q [s_q, h, d]: row strides multiples of 8 elements (16 bytes)

@@ -45,7 +45,14 @@ from cutlass import Int32, Int64, Uint32, const_expr
 from cutlass._mlir.dialects import llvm
 from cutlass.cutlass_dsl import T, dsl_user_op
 
-from cute_kernels.ptx import _asm
+from cute_kernels.ptx import (
+    inline_asm,
+    ld_global_nc_b32,
+    ld_global_nc_u8,
+    ld_global_nc_v2,
+    ld_global_nc_v4,
+    st_global_v4,
+)
 
 CHUNK_BYTES = 16  # bytes per thread per row: one vector store
 ROWS_PER_CTA_E4M3 = 8  # rows per CTA for an e4m3 output (half as many for bf16): 256 or 288 threads
@@ -70,65 +77,13 @@ LAYOUTS = {
 
 
 # ------------------------------------------------------------------------------------------
-# Inline PTX: loads, stores and the conversions (explicit rounding, no FMA, no FTZ)
+# Inline PTX: the conversions (explicit rounding, no FMA, no FTZ)
 # ------------------------------------------------------------------------------------------
-@dsl_user_op
-def ld_global_nc_v4(gmem_addr, *, loc=None, ip=None):
-    """16-byte read-only global load: four 32-bit words."""
-    res = _asm(
-        llvm.StructType.get_literal([T.i32()] * 4),
-        [Int64(gmem_addr).ir_value(loc=loc, ip=ip)],
-        "ld.global.nc.v4.b32 {$0, $1, $2, $3}, [$4];",
-        "=r,=r,=r,=r,l",
-        True,
-    )
-    return tuple(Uint32(llvm.extractvalue(T.i32(), res, [i], loc=loc, ip=ip)) for i in range(4))
-
-
-@dsl_user_op
-def ld_global_nc_v2(gmem_addr, *, loc=None, ip=None):
-    """8-byte read-only global load: two 32-bit words."""
-    res = _asm(
-        llvm.StructType.get_literal([T.i32()] * 2),
-        [Int64(gmem_addr).ir_value(loc=loc, ip=ip)],
-        "ld.global.nc.v2.b32 {$0, $1}, [$2];",
-        "=r,=r,l",
-        True,
-    )
-    return tuple(Uint32(llvm.extractvalue(T.i32(), res, [i], loc=loc, ip=ip)) for i in range(2))
-
-
-@dsl_user_op
-def ld_global_nc_b32(gmem_addr, *, loc=None, ip=None) -> Uint32:
-    return Uint32(
-        _asm(T.i32(), [Int64(gmem_addr).ir_value(loc=loc, ip=ip)], "ld.global.nc.b32 $0, [$1];", "=r,l", True)
-    )
-
-
-@dsl_user_op
-def ld_global_nc_u8(gmem_addr, *, loc=None, ip=None) -> Uint32:
-    return Uint32(
-        _asm(T.i32(), [Int64(gmem_addr).ir_value(loc=loc, ip=ip)], "ld.global.nc.u8 $0, [$1];", "=r,l", True)
-    )
-
-
-@dsl_user_op
-def st_global_v4(gmem_addr, w0, w1, w2, w3, *, loc=None, ip=None) -> None:
-    _asm(
-        None,
-        [Int64(gmem_addr).ir_value(loc=loc, ip=ip)]
-        + [Uint32(w).ir_value(loc=loc, ip=ip) for w in (w0, w1, w2, w3)],
-        "st.global.v4.b32 [$0], {$1, $2, $3, $4};",
-        "l,r,r,r,r",
-        True,
-    )
-
-
 @dsl_user_op
 def e8m0_to_f32_bits(byte, *, loc=None, ip=None) -> Uint32:
     """The float32 bits of the UE8M0 value 2^(byte - 127): byte 0 -> 2^-127 (subnormal), 255 -> NaN."""
     return Uint32(
-        _asm(
+        inline_asm(
             T.i32(),
             [Uint32(byte).ir_value(loc=loc, ip=ip)],
             "{\n\t.reg .pred zero, nan;\n\t.reg .b32 bits;\n\t"
@@ -162,7 +117,7 @@ _DEQUANT_E4M3X4 = (
 def requant_e4m3x4(word, scale_bits, *, loc=None, ip=None) -> Uint32:
     """Four e4m3 times a float32 scale, each product rounded (RN, saturating) back to e4m3."""
     return Uint32(
-        _asm(
+        inline_asm(
             T.i32(),
             [Uint32(word).ir_value(loc=loc, ip=ip), Uint32(scale_bits).ir_value(loc=loc, ip=ip)],
             "{\n\t" + _DEQUANT_E4M3X4.replace("$IN", "$1").replace("$SCALE", "$2") + ".reg .b16 o01, o23;\n\t"
@@ -178,7 +133,7 @@ def requant_e4m3x4(word, scale_bits, *, loc=None, ip=None) -> Uint32:
 @dsl_user_op
 def dequant_e4m3x4_bf16(word, scale_bits, *, loc=None, ip=None):
     """Four e4m3 times a float32 scale, rounded (RN) to bf16: two bf16x2 words, lowest first."""
-    res = _asm(
+    res = inline_asm(
         llvm.StructType.get_literal([T.i32()] * 2),
         [Uint32(word).ir_value(loc=loc, ip=ip), Uint32(scale_bits).ir_value(loc=loc, ip=ip)],
         "{\n\t"
@@ -195,7 +150,7 @@ def dequant_e4m3x4_bf16(word, scale_bits, *, loc=None, ip=None):
 def bf16x4_to_e4m3x4(w01, w23, *, loc=None, ip=None) -> Uint32:
     """Four bf16 (two words, lowest first) -> four e4m3 (RN, saturating) in one word."""
     return Uint32(
-        _asm(
+        inline_asm(
             T.i32(),
             [Uint32(w01).ir_value(loc=loc, ip=ip), Uint32(w23).ir_value(loc=loc, ip=ip)],
             "{\n\t.reg .b32 t0, t1, t2, t3;\n\t.reg .f32 f0, f1, f2, f3;\n\t.reg .b16 o01, o23;\n\t"

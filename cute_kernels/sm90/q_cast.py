@@ -16,8 +16,7 @@ import cutlass.cute as cute
 from cutlass import Int64, Uint32
 from cutlass.cutlass_dsl import T, dsl_user_op
 
-from cute_kernels.paged_kv import ld_global_nc_b32, ld_global_nc_v4, st_global_v4
-from cute_kernels.ptx import _asm
+from cute_kernels.ptx import inline_asm, ld_global_nc_b32, ld_global_nc_v4, st_global_v4
 
 HEADS_PER_CTA = 8
 CHUNK_VALUES = 16  # e4m3 values per thread: one 16-byte store
@@ -27,7 +26,7 @@ CHUNK_VALUES = 16  # e4m3 values per thread: one 16-byte store
 def div_bf16x4_to_e4m3x4(w01, w23, divisor_bits, *, loc=None, ip=None) -> Uint32:
     """Four bf16 (two words, lowest first) divided by a float32, rounded (RN, saturating) to e4m3."""
     return Uint32(
-        _asm(
+        inline_asm(
             T.i32(),
             [Uint32(w).ir_value(loc=loc, ip=ip) for w in (w01, w23, divisor_bits)],
             "{\n\t.reg .b32 t0, t1, t2, t3;\n\t.reg .f32 s, f0, f1, f2, f3;\n\t.reg .b16 o01, o23;\n\t"
