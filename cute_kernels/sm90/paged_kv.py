@@ -1,41 +1,13 @@
 """Paged FP8 KV cache -> contiguous KV workspace: gather, dequantise, requantise (or widen to bf16).
 
-``out[r] = convert(cache token slot slots[r])`` for ``r < num_tokens``, and ``out[r] = 0`` for the
-``extra_rows`` rows after them (a landing zone) and for any slot outside
-``[0, num_pages * page_size)`` (never read). ``out`` is ``[num_tokens + extra_rows, 1, d_qk]``,
-row-major, e4m3 (per-tensor scale 1.0) or bf16.
+``out[r] = convert(cache token slot slots[r])`` for ``r < num_tokens``; zeros for the ``extra_rows``
+rows after them and for any slot outside ``[0, num_pages * page_size)``. Cache layouts MODEL1
+(d_qk 512, UE8M0 scales) and V3.2 (d_qk 576, float32 scales); ``out`` [rows, 1, d_qk] e4m3 or bf16,
+bit-exact with ``q8kv8.reference.gather_dequant_paged_reference``. One thread per 16-byte output
+chunk. Layouts and conversion: docs/kernel.md.
 
-Layouts (bytes from the start of page ``slot // page_size``, ``pos = slot % page_size``; page
-stride dynamic, a multiple of 16):
-
-- MODEL1 (DeepSeek V4, d_qk 512): nope e4m3 ``[448]`` at ``pos*576``, RoPE bf16 ``[64]`` at
-  ``pos*576 + 448``, UE8M0 scales ``[7]`` (+1 pad byte) at ``page_size*576 + pos*8``; scale t covers
-  nope values [64t, 64t+64).
-- V3.2 (d_qk 576): a 656-byte record at ``pos*656``: nope e4m3 ``[512]`` at +0, float32 scales
-  ``[4]`` at +512 (scale t covers nope values [128t, 128t+128)), RoPE bf16 ``[64]`` at +528.
-
-Conversion (bit-exact with ``q8kv8.reference.gather_dequant_paged_reference``):
-
-- nope: ``f32(e4m3) * f32(scale)`` (one ``mul.rn.f32``, no FMA, no flush-to-zero; a UE8M0 byte b
-  is the float32 2^(b-127): b = 0 is the subnormal 2^-127, b = 255 NaN), then rounded to nearest
-  even into e4m3 saturating at +-448 (``cvt.rn.satfinite``) or into bf16 (``cvt.rn``);
-- RoPE: bf16 -> f32 (exact) -> e4m3 (RN, saturating), or copied unchanged for a bf16 output.
-
-Algorithm: one thread per 16-byte output chunk, ``d_qk * out_bytes / 16`` threads per row (x:
-32/36 for e4m3, 64/72 for bf16) and 8 (e4m3) or 4 (bf16) rows per CTA (y), so a CTA is 256 or
-288 threads, whole warps. One pass over the bytes, every global access 16 bytes wide except the
-scale (4 B for V3.2, 1 B for MODEL1, shared by the row's threads through L1):
-
-- a nope chunk of an e4m3 row (16 values): one 16 B ``ld.global.nc`` + its scale, 16 products,
-  one 16 B store; of a bf16 row (8 values): one 8 B load, one 16 B store;
-- a RoPE chunk of an e4m3 row (16 values): two 16 B loads (32 bf16 bytes), one 16 B store; of a
-  bf16 row: a 16 B copy.
-
-The slot is read by every thread of its row (one L1 line); rows past ``num_tokens`` and invalid
-slots store zeros. ``slots`` is ``[num_tokens, words]`` int32 with any row stride: words = 1 for
-an int32 table, 2 for an int64 one seen as (low, high) words (a slot with a non-zero high word is
-invalid). Constraints: cache base and page stride 16-byte aligned, ``out`` 16-byte aligned and
-row-major, ``num_pages * page_size < 2^31``.
+Constraints: cache base and page stride 16-byte aligned, ``out`` 16-byte aligned and row-major,
+``num_pages * page_size < 2^31``.
 """
 
 from typing import NamedTuple

@@ -1,15 +1,9 @@
 """bf16 queries -> e4m3 in a head-padded buffer: ``out[t, h] = e4m3(q[t, h] / q_scale)``, zero heads.
 
-``q`` is ``[s_q, h, d]`` bfloat16 (any 16-byte multiple row strides, last dim contiguous), ``out``
-``[s_q, h_pad, d]`` e4m3 row-major with ``h_pad >= h`` a multiple of 8 (the wrapper uses multiples of
-64); heads ``h .. h_pad - 1`` are written as zeros. Each value is divided by the float32
-``q_scale[0]`` with ``div.rn.f32`` (IEEE, as PyTorch's float32 division) and rounded to nearest
-even into e4m3, saturating at +-448 (``cvt.rn.satfinite``): bit-exact with
-``q8kv8.serving.cast_q_fp8``'s PyTorch path.
-
-One thread per 16 output bytes (16 values: two 16-byte loads, one 16-byte store), ``d / 16``
-threads per head (x) and 8 heads per CTA (y); the grid is (token, head group of 8), so no thread
-divides by the head count. One pass: read 2 bytes, write 1 byte per value.
+``q`` [s_q, h, d] bf16 (16-byte multiple row strides, last dim contiguous), ``out`` [s_q, h_pad, d]
+e4m3 row-major with h_pad >= h a multiple of 8 (heads h .. h_pad - 1 written as zeros). IEEE
+division and RN saturating e4m3 rounding: bit-exact with the PyTorch path. One thread per 16 output
+bytes, 8 heads per CTA. Design: docs/kernel.md.
 """
 
 import cutlass.cute as cute

@@ -1,83 +1,14 @@
-"""SM90 FP8 sparse MLA prefill: out = softmax(q . kv[idx]^T) . kv[idx, :512], TMA + WGMMA e4m3.
+"""SM90 FP8 sparse MLA prefill: out = softmax(q . kv[idx]^T) . kv[idx, :512] (e4m3 TMA + WGMMA).
 
-One CTA per (query token, group of B_H = 64 heads): the Q tile is [64, d_qk], the CTA walks the
-token's ``topk`` gathered KV rows in blocks of B_TOPK = 64 rows, gathered two blocks (a *pair*)
-at a time, so ``topk % 128 == 0``.
+A CTA computes 64 heads of one token. Its producer warpgroup gathers the token's KV rows in blocks of
+64 (two blocks a pair) with cp.async; the two consumer warpgroups own alternate blocks (S, and P
+under a lazy running max chained from one consumer to the other) and each accumulates O^T for half
+of d_v over every block, V^T read from the gathered tiles by ldmatrix.trans (RS WGMMA).
+``precision="accurate"`` stores P as two e4m3 terms; ``persistent`` walks several tiles per CTA.
+Design: docs/kernel.md.
 
-Warp roles (384 threads, ``setmaxregister``; launched with ``min_blocks_per_mp=1``):
-
-- WG0, the producer. One thread issues the Q tile's TMA. Every pair, warps 0-1 gather the
-  pair's first block and warps 2-3 its second: 16-byte ``cp.async`` copies straight from the
-  gathered rows into the K-major, 64-byte-swizzled tile (L2 evict-last). A slot that is not
-  valid (index outside [0, s_kv), or slot >= topk_length) is zero-filled and never read.
-- WG1 / WG2, the consumers c = 0 / 1. The KV blocks of a tile alternate between them: consumer
-  c *owns* blocks b = c, c + 2, c + 4, ... (it computes their S and P), and it computes O^T for
-  half c of d_v (256 columns) over *every* block. One step of consumer c handles its own block
-  b = 2i + c and the other consumer's block b - 1:
-  1. S_b = Q . K_b^T: SS WGMMA m64n64k32 over d_qk (e4m3 x e4m3 -> f32).
-  2. Softmax of block b. Logits are in the exp2 domain (``q_scale*kv_scale*sm_scale*log2(e)``
-     folded into the exponent's FMA), invalid slots are -inf. The running max is *lazy* and is
-     one sequence m_0 <= m_1 <= ... over the tile's blocks: m_b = m_{b-1}, unless block b's
-     row max exceeds it by more than RESCALE_THRESHOLD (log2 units), then m_b is that max and
-     alpha_b = 2^(m_{b-1} - m_b) is the factor O must be rescaled by. m_{b-1} comes from the
-     other consumer (its block b - 1): the softmaxes of the two consumers form a chain, which
-     is what staggers them, so that one consumer's softmax runs while the other's WGMMAs keep
-     the tensor cores busy (starting both softmaxes together, from a joint max of blocks 0 and
-     1, keeps them in step for the whole tile: measured 4-5% slower).
-     P_b = e4m3(2^(S - m_b) * 2^7) is stored head-major as the K-major B operand of the PV
-     product, with m_b, alpha_b and a "moved" flag, and published by the mbarrier
-     ``p_full[b % 4]``. 2^7 is exact and keeps small probabilities normal in e4m3; the
-     stored P stay below 2^(7 + 1.75) < 448, the e4m3 maximum.
-     ``precision="accurate"``: the exponentials (f32) are rounded to f16 and P is stored as two
-     e4m3 terms, hi = e4m3(p) and lo = e4m3(p - hi) (the difference is exact in f16); step 3 runs
-     once per term with the same V^T fragments, so O accumulates P with about 8 significant
-     bits instead of 4 (out error 2e-3..3e-3 instead of 3e-2).
-  3. O^T += V^T . P^T over blocks b - 1 and b (4 k-steps of 32 slots), computed transposed,
-     O^T[d, h] += V^T[d, slot] . P^T[slot, h], with A = V^T taken from registers (RS WGMMA):
-     ``ldmatrix.trans`` reads the gathered rows as they are (no transposed copy of V in shared
-     memory), and two byte permutes turn each pair of 8x8 b16 matrices into the e4m3 A
-     fragment. The slot order this produces inside each 32-slot k-step (sigma below) is the
-     order in which P is stored, so the product is exact; the d order it produces (A row g <->
-     d 2g, row g+8 <-> d 2g+1) is undone in the epilogue, where each thread then owns two
-     adjacent d columns (one 32-bit bf16x2 store). O is rescaled by alpha_{b-1} first; when
-     alpha_b moved too (rare), block b - 1's product is drained before O is rescaled by
-     alpha_b and block b's product is queued. A block's KV tile is released (``kv_empty``,
-     both consumers) right after its last V^T load.
-  The last step of a consumer that does not own the tile's last block only accumulates that
-  block. No WGMMA is in flight across a loop's back edge, and branches that hold WGMMAs depend
-  only on warp-uniform values (the consumer index comes from the warp index), so ptxas does
-  not serialise them (C7520).
-- Epilogue: each consumer publishes its row sums (of its own blocks, relative to its last own
-  max), that max and its exact maxima right after its last own softmax (named barrier 3 + c,
-  arrive only); the other syncs on it in its epilogue and brings both sums to the final max, so
-  the first consumer to finish writes its half of out while the other runs its last PV (measured:
-  the out stores cost ~1.1 us per CTA). out = O / (sum + 2^7 exp(sink - m)) * kv_scale in bf16;
-  max_logits = true max * ln2, lse = (m + log2(sum) - 7) * ln2. A row with no valid slot writes
-  out = 0, max_logits = -inf, lse = +inf.
-
-Barriers: mbarriers ``q_full``; ``kv_full[tile]`` (64 producer threads, cp.async arrive.noinc)
-and ``kv_empty[tile]`` (256 consumer threads) for the four block tiles (two pairs);
-``p_full[b % 4]`` (the 128 threads of block b's owner). Block b uses KV tile b % 4, P buffer
-b % 4 and phase (b // 4) % 2 of all three; a buffer is rewritten four blocks later, which the
-softmax chain orders after every read of it. Named barriers: 3 + c (consumer c's row statistics),
-5 + c (consumer c's output scales), 7 (persistent: tile handoff, below).
-
-Persistent variant (``persistent=True``; the wrapper picks it for short rows): CTA b walks
-``tiles_per_cta`` tiles b, b + grid, ... (grid = ceil(tiles / tiles_per_cta)). The pair count and
-the block ring positions g run on across the CTA's tiles, so the producer gathers the next tile's
-first pairs as soon as block tiles are free, and loads its Q once both consumers' last QKs of the
-current tile are done (``q_empty``); the consumers' out stores drain while the next tile's math
-runs. Consumer 0 writes a tile's first P only after consumer 1 finished the previous tile (named
-barrier 7: the P buffers and the epilogue's statistics are reused); after an odd block count both
-consumers release the pair's zero-filled second block and its owner completes that block's
-``p_full`` phase, so every ring position keeps one phase per use. Results are bitwise those of
-the one-tile kernel. H200: d_qk 512 / topk 512 and topk_length <= topk/4 rows 5-7% faster, full
-2048-slot rows 2-8% slower (the wrapper keeps those on the one-tile kernel).
-
-Constraints: h % 64 == 0 (the wrapper pads heads), topk % 128 == 0, d_qk in {512, 576},
-d_v = 512, q/out/max_logits/lse row-major, kv rows 16-byte aligned. ``topk_length`` values
-are clamped to [0, topk]; only ceil(topk_length / 128) pairs are visited and only the rows
-below topk_length are read.
+Constraints: h % 64 == 0, topk % 128 == 0, d_qk in {512, 576}, d_v = 512; q, out, max_logits, lse
+row-major; kv rows 16-byte aligned; topk_length clamped to [0, topk].
 """
 
 import functools

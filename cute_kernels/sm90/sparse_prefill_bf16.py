@@ -1,61 +1,13 @@
-"""SM90 BF16 sparse MLA prefill: out = softmax(q . kv[idx]^T) . kv[idx, :512], TMA + WGMMA bf16.
+"""SM90 BF16 sparse MLA prefill: out = softmax(q . kv[idx]^T) . kv[idx, :512] (bf16 TMA + WGMMA).
 
-The bf16 instantiation of the FP8 kernel in ``sparse_prefill.py`` (same semantics with
-q_scale = kv_scale = 1). One CTA per (query token, group of B_H = 64 heads): the Q tile is
-[64, d_qk] bf16, the CTA walks the token's ``topk`` gathered KV rows in blocks of B_TOPK = 32
-rows, two blocks (a *pair*, 64 rows) at a time, so ``topk % 128 == 0`` (the wrapper's contract,
-shared with the FP8 kernel; 64 would do).
+The bf16 counterpart of ``sparse_prefill`` (q_scale = kv_scale = 1). A CTA computes 64 heads of one
+token; its producer warpgroup gathers the token's KV rows in blocks of 32 into a ring of 3-4 slots,
+consumer c computes S and P of block c of each pair (a speculative lazy running max, redone when it
+moves) and O = P . V for half c of d_v, V read MN-major from the gathered tiles. Design:
+docs/kernel.md.
 
-Shared memory (the binding limit: 227 KiB): Q [64, d_qk] (64 / 72 KiB), a ring of NUM_SLOTS
-gathered 32-row blocks (32 / 36 KiB each: 4 slots at d_qk 512, 3 at 576), P of a pair in bf16
-[64 heads, 64 slots] double-buffered by pair parity (16 KiB), barriers and row statistics.
-Every tile (Q, K blocks, P) is K-major with the 128-byte swizzle (rows of 64 bf16, 8-row atoms,
-16-byte chunk ^= row % 8), one [rows x 128 B] column tile after another.
-
-Warp roles (384 threads, ``setmaxregister``; launched with ``min_blocks_per_mp=1``):
-
-- WG0, the producer (PRODUCER_REGS). One thread issues the Q tile's TMA. Block b of the token
-  goes to ring slot b % NUM_SLOTS: after that slot's ``kv_empty`` barrier, the four warps gather
-  its 32 rows (warp w: rows 8w..8w+7; lane: 16-byte chunk lane % 8 of rows lane // 8 and
-  lane // 8 + 4, one 128-byte column tile per instruction) with 16-byte ``cp.async`` (L2
-  evict-last) straight into the swizzled tile, then arrive on the slot's ``kv_full`` barrier
-  (``cp.async.mbarrier.arrive.noinc``, 128 arrivals). A slot that is not valid (index outside
-  [0, s_kv), or slot >= topk_length) is zero-filled (src-size 0) and never read.
-- WG1 / WG2, the consumers c = 0 / 1 (CONSUMER_REGS). Consumer c owns block 2p + c of pair p
-  for S and half c of d_v (256 columns) for O.
-  1. S_c = Q . K_c^T: SS WGMMA m64n32k16 over d_qk (bf16 x bf16 -> f32), 16 f32 per thread.
-  2. Softmax exactly like the FP8 kernel (exp2 domain, logit scale sm_scale*log2(e) folded into
-     the exponent): invalid slots -inf, block row maxima published in shared memory; on the
-     first pair both consumers agree on the running max (named barrier 1); later pairs go
-     ahead speculatively with the max both share and only redo the pair synchronously when a
-     block max passes the lazy threshold (RESCALE_THRESHOLD, log2 units). P = exp2(S - m) is
-     stored unscaled in bf16 into this consumer's 32 columns of the pair's P tile (named
-     barrier 2 publishes both halves). The row sums accumulate the unrounded f32 p.
-  3. O_c[h, d] += P[h, slot] . V[slot, d]: SS WGMMA m64n256k16, 4 k-steps (16 slots each, two
-     per block). A = P (K-major), B = V read MN-major straight from the gathered K-major
-     rows: a [32 slots x 64 d] column tile of a block is exactly the MN-major 128-byte-swizzled
-     B atom layout (d contiguous, 8-slot groups 1024 B apart), so V needs no transposed copy.
-     O is 64 x 256 f32 = 128 registers per thread, not transposed: the rows a thread owns are
-     the rows of its S, so the O rescale of a synchronous redo needs no exchange.
-  After the PV group completes, every consumer thread arrives on both blocks' ``kv_empty``
-  barriers (256 arrivals), so a slot is refilled only after both consumers' PV read it.
-  Schedule per consumer: QK(p), softmax(p), PV(p), in turn (no WGMMA in flight across the loop's
-  back edge, branches around WGMMAs depend only on warp-uniform values: ptxas does not
-  serialise them). A block past topk_length (the second block of the last pair) is zero-filled
-  and fully masked.
-- Epilogue: row sums exchanged (named barrier 3); out = O / (sum + exp(sink - m)) in bf16;
-  max_logits = true max * ln2, lse = (m + log2(sum)) * ln2. A row with no valid slot writes
-  out = 0, max_logits = -inf, lse = +inf.
-
-Barriers: mbarriers ``q_full``; ``kv_full[slot]`` (128 producer arrivals, cp.async noinc) and
-``kv_empty[slot]`` (256 consumer arrivals), block b uses phase (b // NUM_SLOTS) % 2. Shared
-buffers both consumers write per pair (row maxima, P, the redo flag) are double-buffered by pair
-parity.
-
-Constraints: h % 64 == 0 (the wrapper pads heads), topk % 128 == 0, d_qk in {512, 576},
-d_v = 512, q/out/max_logits/lse row-major, q 16-byte aligned, kv rows 16-byte aligned.
-``topk_length`` values are clamped to [0, topk]; only ceil(topk_length / 64) pairs are visited and
-only the rows below topk_length are read.
+Constraints: h % 64 == 0, topk % 128 == 0, d_qk in {512, 576}, d_v = 512; q, out, max_logits, lse
+row-major; q and kv rows 16-byte aligned; topk_length clamped to [0, topk].
 """
 
 import functools
