@@ -15,7 +15,7 @@ import cutlass.cute as cute
 from cutlass import Float32, const_expr
 
 from cute_kernels.sm90.cta import B_H
-from cute_kernels.sm90.mask import quad_sum
+from cute_kernels.sm90.mask import accumulator_row, quad_sum
 
 LOG2_E = math.log2(math.e)
 LN_2 = math.log(2.0)
@@ -28,7 +28,7 @@ def publish_row_stats(row_sum, s_row_sum, tables, warp, quad_row, quad_lane, con
     and, per ``(s_table, values)`` of ``tables``, ``values[r]`` into ``s_table[row, consumer]`` (one
     thread of the quad writes)."""
     for r in cutlass.range_constexpr(2):
-        row = warp * 16 + quad_row + 8 * r
+        row = accumulator_row(warp, quad_row, r)
         total = quad_sum(row_sum[r])
         if quad_lane == 0:
             s_row_sum[row, consumer] = total

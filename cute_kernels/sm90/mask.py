@@ -14,6 +14,11 @@ from cutlass import Float32, Uint32
 from cute_kernels.sm90.row_gather import slot_valid
 
 
+def accumulator_row(warp, quad_row, r):
+    """Row 16w + g + 8r of the [64 x n] accumulator: this thread's row ``r`` (0 or 1)."""
+    return warp * 16 + quad_row + 8 * r
+
+
 def quad_max(x):
     """The max of ``x`` over the thread's quad."""
     x = cute.arch.fmax(x, cute.arch.shuffle_sync_bfly(x, offset=1))

@@ -32,7 +32,7 @@ from cute_kernels.sm90.cta import (
     launch_cta,
 )
 from cute_kernels.sm90.epilogue import output_scale, publish_row_stats, write_max_logits_lse
-from cute_kernels.sm90.mask import mask_and_row_max, slot_valid_bits
+from cute_kernels.sm90.mask import accumulator_row, mask_and_row_max, slot_valid_bits
 from cute_kernels.sm90.named_barrier import NamedBarrierFp8
 from cute_kernels.sm90.ring import Ring
 from cute_kernels.sm90.row_gather import RowGather, copy_rows, slot_valid_flag, swizzle_offset
@@ -621,7 +621,7 @@ class SparsePrefillSm90:
             cute.arch.mbarrier_wait(c.mbar_p_full + prev_buffer, KV_RING.phase(ring - 1))
         moved = False
         for r in cutlass.range_constexpr(2):
-            row = c.warp * 16 + c.quad_row + 8 * r
+            row = accumulator_row(c.warp, c.quad_row, r)
             max_prev = -Float32.inf
             if block > 0:
                 max_prev = c.s_max_used[prev_buffer, row]
@@ -808,7 +808,7 @@ class SparsePrefillSm90:
         )
         last_buffer = KV_RING.index_before(c.work.block_base + c.work.num_blocks)
         for r in cutlass.range_constexpr(2):
-            row = c.warp * 16 + c.quad_row + 8 * r
+            row = accumulator_row(c.warp, c.quad_row, r)
             out_row = c.work.tile * B_H + row
             max_used = -Float32.inf  # m_final
             if c.work.num_blocks > 0:

@@ -31,7 +31,7 @@ from cute_kernels.sm90.cta import (
     launch_cta,
 )
 from cute_kernels.sm90.epilogue import output_scale, publish_row_stats, write_max_logits_lse
-from cute_kernels.sm90.mask import mask_and_row_max, slot_valid_bits
+from cute_kernels.sm90.mask import accumulator_row, mask_and_row_max, slot_valid_bits
 from cute_kernels.sm90.named_barrier import NamedBarrierBf16
 from cute_kernels.sm90.ring import Ring
 from cute_kernels.sm90.row_gather import RowGather, copy_rows, slot_valid_flag, swizzle_offset
@@ -431,7 +431,7 @@ class SparsePrefillBf16Sm90:
         """Row ``r``'s max of this consumer's block of ``pair`` into shared memory (exp2 domain), for
         the other consumer."""
         if c.quad_lane == 0:
-            c.s_row_max[c.warp * 16 + c.quad_row + 8 * r, c.index, PAIR_PARITY.index(pair)] = row_max
+            c.s_row_max[accumulator_row(c.warp, c.quad_row, r), c.index, PAIR_PARITY.index(pair)] = row_max
 
     @cute.jit
     def softmax_p(self, c: Consumer, pair):
@@ -453,7 +453,7 @@ class SparsePrefillBf16Sm90:
         exceeds = False
         block_sums = []
         for r in cutlass.range_constexpr(2):
-            row = c.warp * 16 + c.quad_row + 8 * r
+            row = accumulator_row(c.warp, c.quad_row, r)
             c.row_max_true[r] = cute.arch.fmax(c.row_max_true[r], block_maxima[r])
             exceeds = exceeds | (block_maxima[r] > c.row_max_used[r] + RESCALE_THRESHOLD)
             max_used = c.row_max_used[r]
@@ -480,7 +480,7 @@ class SparsePrefillBf16Sm90:
         logit_scale = c.scale_log2 if c.scale_log2 > 0.0 else Float32(1.0)
         tile_addr = c.sP_base + parity * P_TILE_BYTES
         for r in cutlass.range_constexpr(2):
-            row = c.warp * 16 + c.quad_row + 8 * r
+            row = accumulator_row(c.warp, c.quad_row, r)
             pair_max = cute.arch.fmax(c.s_row_max[row, 0, parity], c.s_row_max[row, 1, parity])
             c.row_max_true[r] = cute.arch.fmax(c.row_max_true[r], pair_max)
             alpha = Float32(1.0)
@@ -541,7 +541,7 @@ class SparsePrefillBf16Sm90:
         cute.arch.barrier(barrier_id=NamedBarrierBf16.SumReady, number_of_threads=CONSUMER_THREADS)
         out_base = mOut.iterator.toint()
         for r in cutlass.range_constexpr(2):
-            row = c.warp * 16 + c.quad_row + 8 * r
+            row = accumulator_row(c.warp, c.quad_row, r)
             out_row = c.work.tile * B_H + row
             row_total = c.s_row_sum[row, 0] + c.s_row_sum[row, 1]
             max_used = c.row_max_used[r]
