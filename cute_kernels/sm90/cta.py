@@ -9,6 +9,9 @@ registers to the consumers (``setmaxregister``).
 import cutlass.cute as cute
 from cutlass.cute.nvgpu import cpasync
 
+from cute_kernels.sm90.row_views import make_q_tma_atom, make_row_views
+from cute_kernels.sm90.shared_storage import tile_layouts
+
 B_H = 64  # query rows (heads of one token) per CTA
 D_V = 512  # value width: the first 512 columns of each KV row
 THREADS_PER_WG = 128
@@ -40,3 +43,23 @@ def launch_cta(kernel, num_ctas, stream) -> None:
     shared memory is the size of the SharedStorage struct it allocates; ``min_blocks_per_mp=1``
     (without it ``setmaxregister`` is ignored)."""
     kernel.launch(grid=[num_ctas, 1, 1], block=[NUM_THREADS, 1, 1], stream=stream, min_blocks_per_mp=1)
+
+
+class AttentionKernel:
+    """Host side of the attention kernel classes. A subclass sets ``d_qk`` and the shapes of its
+    shared-memory tiles (``q_shape``, ``k_shape``, ``p_shape``), defines ``shared_storage()`` and
+    names its tile atom and element type (``SMEM_ATOM_KIND``, ``ELEMENT_TYPE``)."""
+
+    def shared_memory_bytes(self) -> int:
+        """Dynamic shared memory per CTA."""
+        return self.shared_storage().size_in_bytes()
+
+    def host_setup(self, mQ, mKV, mIdx, mMaxLogits, mLse):
+        """The launch's row views, the swizzled layouts of the Q, KV block and P tiles, and the Q tile's
+        TMA atom and tensor (called while tracing ``__call__``)."""
+        views = make_row_views(mQ, mKV, mIdx, mMaxLogits, mLse, self.d_qk)
+        layouts = tile_layouts(
+            self.SMEM_ATOM_KIND, self.ELEMENT_TYPE, (self.q_shape, self.k_shape, self.p_shape)
+        )
+        tma_atom_q, tma_tensor_q = make_q_tma_atom(views.q, layouts[0], self.q_shape)
+        return views, layouts, tma_atom_q, tma_tensor_q

@@ -27,6 +27,7 @@ from cute_kernels.sm90.cta import (
     D_V,
     PRODUCER_WARPS,
     THREADS_PER_WG,
+    AttentionKernel,
     consumer_index,
     init_cta,
     launch_cta,
@@ -36,8 +37,8 @@ from cute_kernels.sm90.mask import accumulator_row, mask_and_row_max, slot_valid
 from cute_kernels.sm90.named_barrier import NamedBarrierFp8
 from cute_kernels.sm90.ring import Ring
 from cute_kernels.sm90.row_gather import RowGather, copy_rows, slot_valid_flag, swizzle_offset
-from cute_kernels.sm90.row_views import load_q_tile, make_q_tma_atom, make_row_views
-from cute_kernels.sm90.shared_storage import allocate_shared_storage, tile_layouts, tile_region, tile_tensor
+from cute_kernels.sm90.row_views import load_q_tile
+from cute_kernels.sm90.shared_storage import allocate_shared_storage, tile_region, tile_tensor
 from cute_kernels.sm90.tile_scheduler import TileScheduler, TileWork
 
 B_TOPK = 64  # gathered KV rows per block: the N tile of S and two k-steps of the PV product
@@ -106,8 +107,11 @@ class Consumer(NamedTuple):
     scale_log2: Float32  # q_scale * kv_scale * sm_scale * log2(e)
 
 
-class SparsePrefillSm90:
+class SparsePrefillSm90(AttentionKernel):
     """Compile-time configuration of the kernel: ``d_qk`` (512 or 576)."""
+
+    SMEM_ATOM_KIND = warpgroup.SmemLayoutAtomKind.K_SW64
+    ELEMENT_TYPE = Float8E4M3FN
 
     def __init__(
         self,
@@ -158,10 +162,6 @@ class SparsePrefillSm90:
 
         return SharedStorage
 
-    def shared_memory_bytes(self) -> int:
-        """Dynamic shared memory per CTA."""
-        return self.shared_storage().size_in_bytes()
-
     # ------------------------------------------------------------------------------------
     # Host side: layouts, TMA atom, shared storage, launch
     # ------------------------------------------------------------------------------------
@@ -183,11 +183,8 @@ class SparsePrefillSm90:
         tiles_per_cta: Int32,  # persistent: tiles each CTA walks (the grid is ceil(tiles / it))
         stream,
     ):
-        views = make_row_views(mQ, mKV, mIdx, mMaxLogits, mLse, self.d_qk)
-        sQ_layout, sK_layout, sP_layout = tile_layouts(
-            warpgroup.SmemLayoutAtomKind.K_SW64, Float8E4M3FN, (self.q_shape, self.k_shape, self.p_shape)
-        )
-        tma_atom_q, tma_tensor_q = make_q_tma_atom(views.q, sQ_layout, self.q_shape)
+        views, layouts, tma_atom_q, tma_tensor_q = self.host_setup(mQ, mKV, mIdx, mMaxLogits, mLse)
+        sQ_layout, sK_layout, sP_layout = layouts
         launch_cta(
             self.kernel(
                 tma_atom_q,

@@ -1,13 +1,11 @@
-"""SM90 BF16 sparse MLA prefill: out = softmax(q . kv[idx]^T) . kv[idx, :512] (bf16 TMA + WGMMA).
+"""SM90 BF16 sparse MLA prefill: the bf16 counterpart of ``sparse_prefill`` (bf16 TMA + WGMMA).
 
-The bf16 counterpart of ``sparse_prefill`` (q_scale = kv_scale = 1). A CTA computes 64 heads of one
-token; its producer warpgroup gathers the token's KV rows in blocks of 32 into a ring of 3-4 slots,
-consumer c computes S and P of block c of each pair (a speculative lazy running max, redone when it
-moves) and O = P . V for half c of d_v, V read MN-major from the gathered tiles. Design:
-docs/kernel.md.
+Same semantics with q_scale = kv_scale = 1. A CTA computes 64 heads of one token; its producer
+warpgroup gathers the token's KV rows in blocks of 32 into a ring of 3-4 slots, consumer c computes
+S and P of block c of each pair (a speculative lazy running max, redone when it moves) and
+O = P . V for half c of d_v, V read MN-major from the gathered tiles. Design: docs/kernel.md.
 
-Constraints: h % 64 == 0, topk % 128 == 0, d_qk in {512, 576}, d_v = 512; q, out, max_logits, lse
-row-major; q and kv rows 16-byte aligned; topk_length clamped to [0, topk].
+Constraints: those of ``sparse_prefill``, and q 16-byte aligned.
 """
 
 import functools
@@ -26,6 +24,7 @@ from cute_kernels.sm90.cta import (
     D_V,
     PRODUCER_WARPS,
     THREADS_PER_WG,
+    AttentionKernel,
     consumer_index,
     init_cta,
     launch_cta,
@@ -35,8 +34,8 @@ from cute_kernels.sm90.mask import accumulator_row, mask_and_row_max, slot_valid
 from cute_kernels.sm90.named_barrier import NamedBarrierBf16
 from cute_kernels.sm90.ring import Ring
 from cute_kernels.sm90.row_gather import RowGather, copy_rows, slot_valid_flag, swizzle_offset
-from cute_kernels.sm90.row_views import load_q_tile, make_q_tma_atom, make_row_views
-from cute_kernels.sm90.shared_storage import allocate_shared_storage, tile_layouts, tile_region, tile_tensor
+from cute_kernels.sm90.row_views import load_q_tile
+from cute_kernels.sm90.shared_storage import allocate_shared_storage, tile_region, tile_tensor
 from cute_kernels.sm90.tile_scheduler import TileScheduler, TileWork
 
 B_TOPK = 32  # gathered KV rows per block: the N tile of S, two k-steps of the PV product
@@ -91,8 +90,11 @@ class Consumer(NamedTuple):
     scale_log2: Float32  # sm_scale * log2(e)
 
 
-class SparsePrefillBf16Sm90:
+class SparsePrefillBf16Sm90(AttentionKernel):
     """Compile-time configuration of the bf16 kernel: ``d_qk`` (512 or 576)."""
+
+    SMEM_ATOM_KIND = warpgroup.SmemLayoutAtomKind.K_SW128
+    ELEMENT_TYPE = BFloat16
 
     def __init__(self, d_qk: int):
         if d_qk not in (512, 576):
@@ -125,10 +127,6 @@ class SparsePrefillBf16Sm90:
 
         return SharedStorage
 
-    def shared_memory_bytes(self) -> int:
-        """Dynamic shared memory per CTA."""
-        return self.shared_storage().size_in_bytes()
-
     # ------------------------------------------------------------------------------------
     # Host side: layouts, TMA atom, shared storage, launch
     # ------------------------------------------------------------------------------------
@@ -147,10 +145,8 @@ class SparsePrefillBf16Sm90:
         flags: Int32,  # bit 0: topk_length given, bit 1: attn_sink given
         stream,
     ):
-        views = make_row_views(mQ, mKV, mIdx, mMaxLogits, mLse, self.d_qk)
-        sQ_layout, sK_layout, sP_layout = tile_layouts(
-            warpgroup.SmemLayoutAtomKind.K_SW128, BFloat16, (self.q_shape, self.k_shape, self.p_shape)
-        )
+        views, layouts, tma_atom_q, tma_tensor_q = self.host_setup(mQ, mKV, mIdx, mMaxLogits, mLse)
+        sQ_layout, sK_layout, sP_layout = layouts
         # V as the MN-major B operand of PV, viewing the same gathered tiles: (d, slot, ring slot,
         # consumer) with d = (64 inside a column tile, 4 column tiles), slot = (8 rows of an
         # atom, 4 atoms); the consumer's half starts 4 column tiles further.
@@ -163,8 +159,6 @@ class SparsePrefillBf16Sm90:
                 4 * COL_TILE_BYTES // ELEM_BYTES,
             ),
         )
-
-        tma_atom_q, tma_tensor_q = make_q_tma_atom(views.q, sQ_layout, self.q_shape)
         launch_cta(
             self.kernel(
                 tma_atom_q,
