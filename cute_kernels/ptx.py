@@ -5,8 +5,6 @@ Each helper wraps one or two PTX instructions whose operands the kernels compute
 the address arithmetic stays explicit and testable instead of hidden in layout algebra.
 """
 
-import struct
-
 from cutlass import Float32, Int32, Int64, Uint32
 from cutlass._mlir.dialects import llvm
 from cutlass.cutlass_dsl import T, dsl_user_op
@@ -16,7 +14,8 @@ from cutlass.cutlass_dsl import T, dsl_user_op
 L2_EVICT_LAST = 0x14F0000000000000
 
 
-def _asm(ret_type, operands, text, constraints, side_effects):
+def inline_asm(ret_type, operands, text, constraints, side_effects):
+    """One inline-PTX statement (AT&T dialect): ``text`` with ``$i`` operands, LLVM ``constraints``."""
     return llvm.inline_asm(
         ret_type,
         operands,
@@ -34,7 +33,7 @@ def cp_async_16_zfill(smem_addr, gmem_addr, src_bytes, *, loc=None, ip=None) -> 
 
     ``src_bytes`` 0 reads nothing from global memory and writes 16 zero bytes.
     """
-    _asm(
+    inline_asm(
         None,
         [
             Int32(smem_addr).ir_value(loc=loc, ip=ip),
@@ -50,7 +49,7 @@ def cp_async_16_zfill(smem_addr, gmem_addr, src_bytes, *, loc=None, ip=None) -> 
 
 @dsl_user_op
 def cp_async_wait_all(*, loc=None, ip=None) -> None:
-    _asm(None, [], "cp.async.wait_all;", "", True)
+    inline_asm(None, [], "cp.async.wait_all;", "", True)
 
 
 @dsl_user_op
@@ -60,7 +59,7 @@ def ldmatrix_x4_trans(smem_addr, *, loc=None, ip=None):
     Lane L supplies the address of row L % 8 of matrix L // 8 (16 contiguous bytes).
     Returns the four 32-bit registers (one per matrix).
     """
-    res = _asm(
+    res = inline_asm(
         llvm.StructType.get_literal([T.i32()] * 4),
         [Int32(smem_addr).ir_value(loc=loc, ip=ip)],
         "ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {$0, $1, $2, $3}, [$4];",
@@ -74,7 +73,7 @@ def ldmatrix_x4_trans(smem_addr, *, loc=None, ip=None):
 def prmt(a, b, selector: int, *, loc=None, ip=None) -> Uint32:
     """``prmt.b32``: byte i of the result is byte ``(selector >> 4i) & 7`` of the pair {b:a}."""
     return Uint32(
-        _asm(
+        inline_asm(
             T.i32(),
             [Uint32(a).ir_value(loc=loc, ip=ip), Uint32(b).ir_value(loc=loc, ip=ip)],
             f"prmt.b32 $0, $1, $2, {selector:#x};",
@@ -88,7 +87,7 @@ def prmt(a, b, selector: int, *, loc=None, ip=None) -> Uint32:
 def pack_e4m3x4(x0, x1, x2, x3, *, loc=None, ip=None) -> Uint32:
     """Round four f32 to e4m3 (RN, saturating to +-448) and pack them: x0 in the lowest byte."""
     return Uint32(
-        _asm(
+        inline_asm(
             T.i32(),
             [Float32(x).ir_value(loc=loc, ip=ip) for x in (x0, x1, x2, x3)],
             "{\n\t.reg .b16 lo, hi;\n\t"
@@ -105,7 +104,7 @@ def pack_e4m3x4(x0, x1, x2, x3, *, loc=None, ip=None) -> Uint32:
 def pack_bf16x2(lo, hi, *, loc=None, ip=None) -> Uint32:
     """Round two f32 to bf16 (RN) and pack them: ``lo`` in the low half."""
     return Uint32(
-        _asm(
+        inline_asm(
             T.i32(),
             [Float32(lo).ir_value(loc=loc, ip=ip), Float32(hi).ir_value(loc=loc, ip=ip)],
             "cvt.rn.bf16x2.f32 $0, $2, $1;",
@@ -121,12 +120,12 @@ def zero_f32(*, loc=None, ip=None) -> Float32:
     it are defined where this runs (after ``setmaxregister``), not in the kernel's prologue,
     where LLVM otherwise hoists constant zeros and ptxas then spills them under the prologue's
     register limit."""
-    return Float32(_asm(T.f32(), [], "mov.b32 $0, 0f00000000;", "=f", True))
+    return Float32(inline_asm(T.f32(), [], "mov.b32 $0, 0f00000000;", "=f", True))
 
 
 @dsl_user_op
 def st_shared_u32(smem_addr, value, *, loc=None, ip=None) -> None:
-    _asm(
+    inline_asm(
         None,
         [Int32(smem_addr).ir_value(loc=loc, ip=ip), Uint32(value).ir_value(loc=loc, ip=ip)],
         "st.shared.b32 [$0], $1;",
@@ -137,7 +136,7 @@ def st_shared_u32(smem_addr, value, *, loc=None, ip=None) -> None:
 
 @dsl_user_op
 def st_global_u32(gmem_addr, value, *, loc=None, ip=None) -> None:
-    _asm(
+    inline_asm(
         None,
         [Int64(gmem_addr).ir_value(loc=loc, ip=ip), Uint32(value).ir_value(loc=loc, ip=ip)],
         "st.global.b32 [$0], $1;",
@@ -147,25 +146,10 @@ def st_global_u32(gmem_addr, value, *, loc=None, ip=None) -> None:
 
 
 @dsl_user_op
-def exp2_f16x2(x0, x1, *, loc=None, ip=None) -> Uint32:
-    """``2^x`` of two f32, computed as one f16x2 ``ex2.approx`` (relative error ~2^-10): x0 in the
-    low half. Inputs below the f16 range give +0, ``-inf`` gives +0."""
-    return Uint32(
-        _asm(
-            T.i32(),
-            [Float32(x0).ir_value(loc=loc, ip=ip), Float32(x1).ir_value(loc=loc, ip=ip)],
-            "{\n\t.reg .b32 h;\n\tcvt.rn.f16x2.f32 h, $2, $1;\n\tex2.approx.f16x2 $0, h;\n\t}",
-            "=r,f,f",
-            False,
-        )
-    )
-
-
-@dsl_user_op
 def pack_f16x2(x0, x1, *, loc=None, ip=None) -> Uint32:
     """Two f32 rounded to f16 (RN) and packed, x0 in the low half."""
     return Uint32(
-        _asm(
+        inline_asm(
             T.i32(),
             [Float32(x0).ir_value(loc=loc, ip=ip), Float32(x1).ir_value(loc=loc, ip=ip)],
             "cvt.rn.f16x2.f32 $0, $2, $1;",
@@ -176,29 +160,12 @@ def pack_f16x2(x0, x1, *, loc=None, ip=None) -> Uint32:
 
 
 @dsl_user_op
-def pack_e4m3x4_from_f16x2(h01, h23, *, loc=None, ip=None) -> Uint32:
-    """Round two f16x2 to e4m3 (RN, saturating to +-448) and pack them: the low half of ``h01``
-    in the lowest byte."""
-    return Uint32(
-        _asm(
-            T.i32(),
-            [Uint32(h01).ir_value(loc=loc, ip=ip), Uint32(h23).ir_value(loc=loc, ip=ip)],
-            "{\n\t.reg .b16 lo, hi;\n\t"
-            "cvt.rn.satfinite.e4m3x2.f16x2 lo, $1;\n\t"
-            "cvt.rn.satfinite.e4m3x2.f16x2 hi, $2;\n\t"
-            "mov.b32 $0, {lo, hi};\n\t}",
-            "=r,r,r",
-            False,
-        )
-    )
-
-
-@dsl_user_op
 def split_e4m3x4_from_f16x2(h01, h23, *, loc=None, ip=None):
     """Two-term e4m3 split of four f16 values (two f16x2): ``hi = e4m3(h)`` and
-    ``lo = e4m3(h - hi)`` (RN, saturating), each packed like ``pack_e4m3x4_from_f16x2``, so that
-    ``hi + lo`` carries about 8 significant bits (the difference ``h - hi`` is exact in f16)."""
-    res = _asm(
+    ``lo = e4m3(h - hi)`` (RN, saturating), each packed with the low half of ``h01`` in the lowest
+    byte, so that ``hi + lo`` carries about 8 significant bits (the difference ``h - hi`` is exact in
+    f16)."""
+    res = inline_asm(
         llvm.StructType.get_literal([T.i32()] * 2),
         [Uint32(h01).ir_value(loc=loc, ip=ip), Uint32(h23).ir_value(loc=loc, ip=ip)],
         "{\n\t.reg .b16 a, b, c, d;\n\t.reg .b32 ra, rb;\n\t"
@@ -219,60 +186,56 @@ def split_e4m3x4_from_f16x2(h01, h23, *, loc=None, ip=None):
 
 
 @dsl_user_op
-def add_f16x2(a, b, *, loc=None, ip=None) -> Uint32:
+def ld_global_nc_v4(gmem_addr, *, loc=None, ip=None):
+    """16-byte read-only global load: four 32-bit words."""
+    res = inline_asm(
+        llvm.StructType.get_literal([T.i32()] * 4),
+        [Int64(gmem_addr).ir_value(loc=loc, ip=ip)],
+        "ld.global.nc.v4.b32 {$0, $1, $2, $3}, [$4];",
+        "=r,=r,=r,=r,l",
+        True,
+    )
+    return tuple(Uint32(llvm.extractvalue(T.i32(), res, [i], loc=loc, ip=ip)) for i in range(4))
+
+
+@dsl_user_op
+def ld_global_nc_v2(gmem_addr, *, loc=None, ip=None):
+    """8-byte read-only global load: two 32-bit words."""
+    res = inline_asm(
+        llvm.StructType.get_literal([T.i32()] * 2),
+        [Int64(gmem_addr).ir_value(loc=loc, ip=ip)],
+        "ld.global.nc.v2.b32 {$0, $1}, [$2];",
+        "=r,=r,l",
+        True,
+    )
+    return tuple(Uint32(llvm.extractvalue(T.i32(), res, [i], loc=loc, ip=ip)) for i in range(2))
+
+
+@dsl_user_op
+def ld_global_nc_b32(gmem_addr, *, loc=None, ip=None) -> Uint32:
     return Uint32(
-        _asm(
-            T.i32(),
-            [Uint32(a).ir_value(loc=loc, ip=ip), Uint32(b).ir_value(loc=loc, ip=ip)],
-            "add.rn.f16x2 $0, $1, $2;",
-            "=r,r,r",
-            False,
+        inline_asm(
+            T.i32(), [Int64(gmem_addr).ir_value(loc=loc, ip=ip)], "ld.global.nc.b32 $0, [$1];", "=r,l", True
         )
     )
 
 
 @dsl_user_op
-def sum_f16x2_to_f32(h, *, loc=None, ip=None) -> Float32:
-    """The sum of the two halves of an f16x2, in f32."""
-    return Float32(
-        _asm(
-            T.f32(),
-            [Uint32(h).ir_value(loc=loc, ip=ip)],
-            "{\n\t.reg .b16 lo, hi;\n\t.reg .f32 a, b;\n\t"
-            "mov.b32 {lo, hi}, $1;\n\tcvt.f32.f16 a, lo;\n\tcvt.f32.f16 b, hi;\n\t"
-            "add.f32 $0, a, b;\n\t}",
-            "=f,r",
-            False,
+def ld_global_nc_u8(gmem_addr, *, loc=None, ip=None) -> Uint32:
+    return Uint32(
+        inline_asm(
+            T.i32(), [Int64(gmem_addr).ir_value(loc=loc, ip=ip)], "ld.global.nc.u8 $0, [$1];", "=r,l", True
         )
     )
 
 
-# 2^f on [-0.5, 0.5] by its Taylor polynomial (relative error < 7e-4: far below e4m3's 2^-4 spacing).
-_EXP2_POLY = (1.0, 0.6931471805599453, 0.2402265069591007, 0.05550410866482158)
-
-
 @dsl_user_op
-def exp2_poly(x, *, loc=None, ip=None) -> Float32:
-    """``2^x`` on the FMA and integer pipes instead of the MUFU (FA4's trick): x is clamped to
-    >= -127, j = round(x) by the 1.5 * 2^23 magic-number add, 2^(x - j) by a cubic, and j added to
-    the exponent bits. ``-inf`` (and x <= -127) gives exactly +0; no result is negative."""
-    c0, c1, c2, c3 = (f"0f{int.from_bytes(struct.pack('>f', c), 'big'):08X}" for c in _EXP2_POLY)
-    return Float32(
-        _asm(
-            T.f32(),
-            [Float32(x).ir_value(loc=loc, ip=ip)],
-            "{\n\t.reg .f32 xc, t, j, f, p;\n\t.reg .b32 tb, pb;\n\t"
-            "max.f32 xc, $1, 0fC2FE0000;\n\t"  # -127
-            "add.rn.f32 t, xc, 0f4B400000;\n\t"  # 1.5 * 2^23: t's low bits hold round(x)
-            "sub.rn.f32 j, t, 0f4B400000;\n\t"
-            "sub.rn.f32 f, xc, j;\n\t"
-            f"fma.rn.f32 p, f, {c3}, {c2};\n\t"
-            f"fma.rn.f32 p, p, f, {c1};\n\t"
-            f"fma.rn.f32 p, p, f, {c0};\n\t"
-            "mov.b32 tb, t;\n\tmov.b32 pb, p;\n\t"
-            "shl.b32 tb, tb, 23;\n\tadd.s32 pb, pb, tb;\n\t"
-            "mov.b32 $0, pb;\n\t}",
-            "=f,f",
-            False,
-        )
+def st_global_v4(gmem_addr, w0, w1, w2, w3, *, loc=None, ip=None) -> None:
+    inline_asm(
+        None,
+        [Int64(gmem_addr).ir_value(loc=loc, ip=ip)]
+        + [Uint32(w).ir_value(loc=loc, ip=ip) for w in (w0, w1, w2, w3)],
+        "st.global.v4.b32 [$0], {$1, $2, $3, $4};",
+        "l,r,r,r,r",
+        True,
     )

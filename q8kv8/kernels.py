@@ -258,7 +258,7 @@ def launch_sparse_prefill(
 
 
 # ------------------------------------------------------------------------------------------------
-# Paged KV gather (cute_kernels/paged_kv.py): paged FP8 cache -> contiguous e4m3 or bf16 rows.
+# Paged KV gather (cute_kernels/sm90/paged_kv.py): paged FP8 cache -> contiguous e4m3 or bf16 rows.
 # Four variants (layout x output dtype), each built on first use (lazily, not at import) and
 # cached on disk next to the attention variants (same key, lock and integrity check).
 # ------------------------------------------------------------------------------------------------
@@ -277,7 +277,7 @@ def _compile_paged_kv(layout: str, out_bf16: bool, dump_dir: Path):
     cutlass, cute = import_dsl()
     from cutlass import BFloat16, Float8E4M3FN, Int32, Uint8
 
-    from cute_kernels.paged_kv import PagedKvGatherSm90
+    from cute_kernels.sm90.paged_kv import PagedKvGatherSm90
 
     kernel = PagedKvGatherSm90(layout, out_bf16)
     args = (
@@ -336,7 +336,7 @@ def launch_paged_kv_gather(cache_pages, slot_words, out, page_size: int, layout:
     _call_on_device_of(out, variant.function, cache_pages, slot_words, out, page_size)
 
 
-# Query cast (cute_kernels/q_cast.py): bf16 Q -> e4m3 in a head-padded buffer. Variants by head dim,
+# Query cast (cute_kernels/sm90/q_cast.py): bf16 Q -> e4m3 in a head-padded buffer. Variants by head dim,
 # built on first use and disk-cached like the gather.
 Q_CAST_FUNCTION = "cast_q_fp8"
 _q_cast_variants: dict[int, Variant] = {}
@@ -350,7 +350,7 @@ def _compile_q_cast(d: int, dump_dir: Path):
     cutlass, cute = import_dsl()
     from cutlass import BFloat16, Float8E4M3FN, Float32
 
-    from cute_kernels.q_cast import CastQFp8Sm90
+    from cute_kernels.sm90.q_cast import CastQFp8Sm90
 
     args = (
         cute.runtime.make_fake_tensor(  # q [s_q, h, d]: row strides multiples of 8 elements (16 bytes)

@@ -25,7 +25,7 @@ def cast_q_fp8(q_bf16: torch.Tensor, q_scale, out: torch.Tensor | None = None) -
 
     ``q_bf16``: [s_q, h, d] bfloat16, d a multiple of 16. ``q_scale``: a one-element float32 tensor
     on q's device (read there: no sync) or a positive Python number. ``out``: optional contiguous
-    buffer of that shape, reused. On a GPU one CuTe DSL kernel (``cute_kernels/q_cast.py``) does it;
+    buffer of that shape, reused. On a GPU one CuTe DSL kernel (``cute_kernels/sm90/q_cast.py``) does it;
     on CPU PyTorch does, bit-exactly the same.
     """
     if not isinstance(q_bf16, torch.Tensor) or q_bf16.dtype != torch.bfloat16:

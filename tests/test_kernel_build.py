@@ -72,7 +72,7 @@ def test_ptx_uses_fp8_wgmma_tma_and_cp_async(variants, d_qk, precision):
     assert re.search(rf"setmaxnreg\.inc\.sync\.aligned\.u32\s+{sparse_prefill.CONSUMER_REGS};", ptx)
     # "accurate": f32 exponentials rounded to f16 (cvt.rn.f16x2.f32), split into hi = e4m3(p) and
     # lo = e4m3(p - hi) (cvt.rn.f16x2.e4m3x2 takes hi back to f16); 16 per copy of the softmax. No
-    # f16x2 exponentials in either precision (an experiment only).
+    # f16x2 exponentials in either precision.
     accurate = precision == "accurate"
     for pattern in (r"cvt\.rn\.f16x2\.f32", r"cvt\.rn\.f16x2\.e4m3x2"):
         count = len(re.findall(pattern, ptx))

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from cute_kernels import paged_kv
+from cute_kernels.sm90 import paged_kv
 from q8kv8 import build, kernels, kv_layout
 
 REPO = Path(__file__).resolve().parent.parent

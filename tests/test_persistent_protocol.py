@@ -21,9 +21,11 @@ import random
 
 import pytest
 
+from cute_kernels.sm90.named_barrier import NamedBarrierFp8
 from cute_kernels.sm90.sparse_prefill import NUM_KV_TILES, consumer_steps
 
-STATS, HANDOFF = 3, 7  # named barrier ids, as in the kernel (3 + c: consumer c's statistics)
+# named barrier ids of the kernel (STATS + c: consumer c's statistics)
+STATS, HANDOFF = int(NamedBarrierFp8.StatsPublished0), int(NamedBarrierFp8.TileHandoff)
 
 
 class ProtocolError(AssertionError):

@@ -1,11 +1,10 @@
 """``python -m q8kv8.compile``, ``python -m q8kv8.info`` / ``q8kv8.info()``, build failures and the
-experiments script's power sampler (CPU).
+schedule-timing tool's power sampler (CPU).
 
 The commands run in subprocesses on the test run's kernel cache (filled when ``q8kv8`` was imported),
 so they load the variants rather than compile them again.
 """
 
-import importlib.util
 import os
 import re
 import shutil
@@ -137,9 +136,10 @@ def test_python_m_info_prints_a_table(variants):
         assert re.search(rf"^{variant.name}\s+{variant.d_qk}\s+(cache|compiled)\s", out, re.MULTILINE)
 
 
-def test_experiments_power_sampler_averages_the_samples_inside_the_window(tmp_path, monkeypatch):
-    """``scripts/experiments.py --power``: the nvidia-smi samples taken while a cell runs are averaged (a
-    stand-in nvidia-smi prints a header, an unreadable sample and steady samples every 20 ms)."""
+def test_schedule_timing_power_sampler_averages_the_samples_inside_the_window(tmp_path, monkeypatch):
+    """``python -m scripts.tools.schedule_timing --power``: the nvidia-smi samples taken while a cell runs
+    are averaged (a stand-in nvidia-smi prints a header, an unreadable sample and steady samples every
+    20 ms)."""
     fake = tmp_path / "nvidia-smi"
     fake.write_text(
         f"#!{sys.executable}\n"
@@ -158,11 +158,9 @@ def test_experiments_power_sampler_averages_the_samples_inside_the_window(tmp_pa
     fake.chmod(0o755)
     monkeypatch.setenv("PATH", f"{tmp_path}{os.pathsep}{os.environ['PATH']}")
     monkeypatch.setattr(torch.cuda, "synchronize", lambda: None)
-    script = REPO / "scripts" / "experiments.py"
-    spec = importlib.util.spec_from_file_location("experiments_under_test", script)
-    experiments = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(experiments)
-    sampler = experiments.PowerSampler()
+    from scripts.tools import schedule_timing
+
+    sampler = schedule_timing.PowerSampler()
     calls = []
     try:
         watts, mhz = sampler.window(lambda: calls.append(None), 0.6)

@@ -1,1 +1,8 @@
-"""Hopper (SM90a) kernels."""
+"""Hopper (sm_90a) kernels.
+
+Kernels: ``sparse_prefill`` (FP8 sparse MLA prefill), ``sparse_prefill_bf16`` (its bf16 counterpart),
+``q_cast`` (bf16 queries to e4m3) and ``paged_kv`` (paged FP8 KV cache to contiguous rows). The
+attention kernels are built from ``cta`` (CTA shape, prologue, launch), ``tile_scheduler``,
+``row_views``, ``shared_storage``, ``row_gather``, ``ring``, ``named_barrier``, ``mask`` and
+``epilogue``.
+"""

@@ -3,14 +3,11 @@
 The kernels address query rows as (token, head) pairs: ``q`` [s_q, h, d_qk] becomes [s_q * h, d_qk]
 (row-major, the TMA source of the Q tiles), ``max_logits`` and ``lse`` [s_q, h] become [s_q * h];
 ``kv`` [s_kv, 1, d_qk] and ``indices`` [s_q, 1, topk] drop their middle mode and keep their (dynamic)
-row strides. ``load_q_tile`` loads one CTA's Q tile from the q view by TMA; ``tile_position`` places a
-(token, head group) tile, and ``valid_slot_count`` is how many leading slots of a token's row the kernels
-consider.
+row strides. ``load_q_tile`` loads one CTA's Q tile from the q view by TMA.
 """
 
 from typing import NamedTuple
 
-import cutlass
 import cutlass.cute as cute
 from cutlass.cute.nvgpu import cpasync
 
@@ -44,6 +41,11 @@ def make_row_views(mQ, mKV, mIdx, mMaxLogits, mLse, d_qk: int) -> RowViews:
     )
 
 
+def make_q_tma_atom(q_view, sQ_layout, q_shape):
+    """The TMA atom and tensor that load ``q_shape`` (rows, d_qk) tiles of the q view into ``sQ_layout``."""
+    return cpasync.make_tiled_tma_atom(cpasync.CopyBulkTensorTileG2SOp(), q_view, sQ_layout, q_shape)
+
+
 def load_q_tile(tma_atom_q, mQ_tma, sQ, mbar_q, tile, tile_rows: int, d_qk: int, tile_bytes: int) -> None:
     """Queue the TMA copy of Q tile ``tile`` (rows ``tile * tile_rows`` onwards of the [rows, d_qk] view
     ``mQ_tma``) into ``sQ``, completing on ``mbar_q`` (one elected thread arms it with ``tile_bytes``).
@@ -55,24 +57,3 @@ def load_q_tile(tma_atom_q, mQ_tma, sQ, mbar_q, tile, tile_rows: int, d_qk: int,
     with cute.arch.elect_one():
         cute.arch.mbarrier_arrive_and_expect_tx(mbar_q, tile_bytes)
     cute.copy(tma_atom_q, tQgQ, tQsQ, tma_bar_ptr=mbar_q)
-
-
-@cute.jit
-def valid_slot_count(mTopkLen, token, topk, flags):
-    """The leading slots of ``token``'s row to consider (warp-uniform): ``topk_length[token]`` clamped
-    to [0, topk] when bit 0 of ``flags`` says topk_length is given, else ``topk``."""
-    valid_len = topk
-    if (flags & 1) != 0:
-        valid_len = cutlass.min(cutlass.max(mTopkLen[token], 0), topk)
-    return cute.arch.make_warp_uniform(valid_len)
-
-
-def tile_position(tile, mIdx, mOut, mTopkLen, flags, heads_per_tile: int):
-    """``(token, head_group, valid_len)`` of (token, ``heads_per_tile`` heads) tile ``tile``: tiles run
-    over the head groups of token 0, then token 1, ...; ``valid_len`` is ``valid_slot_count`` of the
-    token's row. Called while tracing the kernel."""
-    topk = cute.size(mIdx, mode=[1])
-    num_head_groups = cute.size(mOut, mode=[1]) // heads_per_tile
-    token = tile // num_head_groups
-    valid_len = valid_slot_count(mTopkLen, token, topk, flags)
-    return token, tile - token * num_head_groups, valid_len

@@ -1,121 +1,61 @@
-"""SM90 FP8 sparse MLA prefill: out = softmax(q . kv[idx]^T) . kv[idx, :512], TMA + WGMMA e4m3.
+"""SM90 FP8 sparse MLA prefill: out = softmax(q . kv[idx]^T) . kv[idx, :512] (e4m3 TMA + WGMMA).
 
-One CTA per (query token, group of B_H = 64 heads): the Q tile is [64, d_qk], the CTA walks the
-token's ``topk`` gathered KV rows in blocks of B_TOPK = 64 rows, gathered two blocks (a *pair*)
-at a time, so ``topk % 128 == 0``.
+A CTA computes 64 heads of one token. Its producer warpgroup gathers the token's KV rows in blocks of
+64 (two blocks a pair) with cp.async; the two consumer warpgroups own alternate blocks (S, and P
+under a lazy running max chained from one consumer to the other) and each accumulates O^T for half
+of d_v over every block, V^T read from the gathered tiles by ldmatrix.trans (RS WGMMA).
+``precision="accurate"`` stores P as two e4m3 terms; ``persistent`` walks several tiles per CTA.
+Design: docs/kernel.md.
 
-Warp roles (384 threads, ``setmaxregister``; launched with ``min_blocks_per_mp=1``):
-
-- WG0, the producer. One thread issues the Q tile's TMA. Every pair, warps 0-1 gather the
-  pair's first block and warps 2-3 its second: 16-byte ``cp.async`` copies straight from the
-  gathered rows into the K-major, 64-byte-swizzled tile (L2 evict-last). A slot that is not
-  valid (index outside [0, s_kv), or slot >= topk_length) is zero-filled and never read.
-- WG1 / WG2, the consumers c = 0 / 1. The KV blocks of a tile alternate between them: consumer
-  c *owns* blocks b = c, c + 2, c + 4, ... (it computes their S and P), and it computes O^T for
-  half c of d_v (256 columns) over *every* block. One step of consumer c handles its own block
-  b = 2i + c and the other consumer's block b - 1:
-  1. S_b = Q . K_b^T: SS WGMMA m64n64k32 over d_qk (e4m3 x e4m3 -> f32).
-  2. Softmax of block b. Logits are in the exp2 domain (``q_scale*kv_scale*sm_scale*log2(e)``
-     folded into the exponent's FMA), invalid slots are -inf. The running max is *lazy* and is
-     one sequence m_0 <= m_1 <= ... over the tile's blocks: m_b = m_{b-1}, unless block b's
-     row max exceeds it by more than RESCALE_THRESHOLD (log2 units), then m_b is that max and
-     alpha_b = 2^(m_{b-1} - m_b) is the factor O must be rescaled by. m_{b-1} comes from the
-     other consumer (its block b - 1): the softmaxes of the two consumers form a chain, which
-     is what staggers them, so that one consumer's softmax runs while the other's WGMMAs keep
-     the tensor cores busy (starting both softmaxes together, from a joint max of blocks 0 and
-     1, keeps them in step for the whole tile: measured 4-5% slower).
-     P_b = e4m3(2^(S - m_b) * 2^7) is stored head-major as the K-major B operand of the PV
-     product, with m_b, alpha_b and a "moved" flag, and published by the mbarrier
-     ``p_full[b % 4]``. 2^7 is exact and keeps small probabilities normal in e4m3; the
-     stored P stay below 2^(7 + 1.75) < 448, the e4m3 maximum.
-     ``precision="accurate"``: the exponentials (f32) are rounded to f16 and P is stored as two
-     e4m3 terms, hi = e4m3(p) and lo = e4m3(p - hi) (the difference is exact in f16); step 3 runs
-     once per term with the same V^T fragments, so O accumulates P with about 8 significant
-     bits instead of 4 (out error 2e-3..3e-3 instead of 3e-2).
-  3. O^T += V^T . P^T over blocks b - 1 and b (4 k-steps of 32 slots), computed transposed,
-     O^T[d, h] += V^T[d, slot] . P^T[slot, h], with A = V^T taken from registers (RS WGMMA):
-     ``ldmatrix.trans`` reads the gathered rows as they are (no transposed copy of V in shared
-     memory), and two byte permutes turn each pair of 8x8 b16 matrices into the e4m3 A
-     fragment. The slot order this produces inside each 32-slot k-step (sigma below) is the
-     order in which P is stored, so the product is exact; the d order it produces (A row g <->
-     d 2g, row g+8 <-> d 2g+1) is undone in the epilogue, where each thread then owns two
-     adjacent d columns (one 32-bit bf16x2 store). O is rescaled by alpha_{b-1} first; when
-     alpha_b moved too (rare), block b - 1's product is drained before O is rescaled by
-     alpha_b and block b's product is queued. A block's KV tile is released (``kv_empty``,
-     both consumers) right after its last V^T load.
-  The last step of a consumer that does not own the tile's last block only accumulates that
-  block. No WGMMA is in flight across a loop's back edge, and branches that hold WGMMAs depend
-  only on warp-uniform values (the consumer index comes from the warp index), so ptxas does
-  not serialise them (C7520).
-- Epilogue: each consumer publishes its row sums (of its own blocks, relative to its last own
-  max), that max and its exact maxima right after its last own softmax (named barrier 3 + c,
-  arrive only); the other syncs on it in its epilogue and brings both sums to the final max, so
-  the first consumer to finish writes its half of out while the other runs its last PV (measured:
-  the out stores cost ~1.1 us per CTA). out = O / (sum + 2^7 exp(sink - m)) * kv_scale in bf16;
-  max_logits = true max * ln2, lse = (m + log2(sum) - 7) * ln2. A row with no valid slot writes
-  out = 0, max_logits = -inf, lse = +inf.
-
-Barriers: mbarriers ``q_full``; ``kv_full[tile]`` (64 producer threads, cp.async arrive.noinc)
-and ``kv_empty[tile]`` (256 consumer threads) for the four block tiles (two pairs);
-``p_full[b % 4]`` (the 128 threads of block b's owner). Block b uses KV tile b % 4, P buffer
-b % 4 and phase (b // 4) % 2 of all three; a buffer is rewritten four blocks later, which the
-softmax chain orders after every read of it. Named barriers: 3 + c (consumer c's row statistics),
-5 + c (consumer c's output scales), 7 (persistent: tile handoff, below).
-
-Persistent variant (``persistent=True``; the wrapper picks it for short rows): CTA b walks
-``tiles_per_cta`` tiles b, b + grid, ... (grid = ceil(tiles / tiles_per_cta)). The pair count and
-the block ring positions g run on across the CTA's tiles, so the producer gathers the next tile's
-first pairs as soon as block tiles are free, and loads its Q once both consumers' last QKs of the
-current tile are done (``q_empty``); the consumers' out stores drain while the next tile's math
-runs. Consumer 0 writes a tile's first P only after consumer 1 finished the previous tile (named
-barrier 7: the P buffers and the epilogue's statistics are reused); after an odd block count both
-consumers release the pair's zero-filled second block and its owner completes that block's
-``p_full`` phase, so every ring position keeps one phase per use. Results are bitwise those of
-the one-tile kernel. H200: d_qk 512 / topk 512 and topk_length <= topk/4 rows 5-7% faster, full
-2048-slot rows 2-8% slower (the wrapper keeps those on the one-tile kernel).
-
-Constraints: h % 64 == 0 (the wrapper pads heads), topk % 128 == 0, d_qk in {512, 576},
-d_v = 512, q/out/max_logits/lse row-major, kv rows 16-byte aligned. ``topk_length`` values
-are clamped to [0, topk]; only ceil(topk_length / 128) pairs are visited and only the rows
-below topk_length are read.
+Constraints: h % 64 == 0, topk % 128 == 0, d_qk in {512, 576}, d_v = 512; q, out, max_logits, lse
+row-major; kv rows 16-byte aligned; topk_length clamped to [0, topk].
 """
 
-import math
+import functools
 from typing import NamedTuple
 
 import cutlass
 import cutlass.cute as cute
 import cutlass.utils.hopper_helpers as sm90_utils
 from cutlass import Float8E4M3FN, Float32, Int32, Int64, Uint32, const_expr
-from cutlass.cute.nvgpu import OperandMajorMode, cpasync, warpgroup
+from cutlass.cute.nvgpu import OperandMajorMode, warpgroup
 
 from cute_kernels import ptx
-from cute_kernels.sm90.row_views import load_q_tile, make_row_views, tile_position
+from cute_kernels.sm90.cta import (
+    B_H,
+    CONSUMER_THREADS,
+    D_V,
+    PRODUCER_WARPS,
+    THREADS_PER_WG,
+    AttentionKernel,
+    consumer_index,
+    init_cta,
+    launch_cta,
+)
+from cute_kernels.sm90.epilogue import output_scale, publish_row_stats, write_max_logits_lse
+from cute_kernels.sm90.mask import accumulator_row, mask_and_row_max, slot_valid_bits
+from cute_kernels.sm90.named_barrier import NamedBarrierFp8
+from cute_kernels.sm90.ring import Ring
+from cute_kernels.sm90.row_gather import RowGather, copy_rows, slot_valid_flag, swizzle_offset
+from cute_kernels.sm90.row_views import load_q_tile
+from cute_kernels.sm90.shared_storage import allocate_shared_storage, tile_region, tile_tensor
+from cute_kernels.sm90.tile_scheduler import TileScheduler, TileWork
 
-B_H = 64  # heads per CTA: one WGMMA M tile
 B_TOPK = 64  # gathered KV rows per block: the N tile of S and two k-steps of the PV product
 PAIR = 2 * B_TOPK  # rows per gathered pair (two blocks, one per producer half)
-D_V = 512  # value width: the first 512 columns of each KV row
 D_TILES_PER_CONSUMER = 4  # 64-wide d tiles of O^T per consumer (256 of d_v)
 NUM_STAGES = 2  # pairs of KV blocks in flight
 NUM_KV_TILES = 2 * NUM_STAGES  # block tiles; block b uses tile b % 4 (and P buffer b % 4)
+PAIR_RING = Ring(NUM_STAGES)  # pair p: the KV tiles 2 (p % 2) and 2 (p % 2) + 1
+KV_RING = Ring(NUM_KV_TILES)  # block g: KV tile, P buffer and their barriers g % 4
+Q_RING = Ring(1)  # persistent: the CTA's tile i loads Q in phase i % 2 of q_full / q_empty
 P_SCALE_LOG2 = 7  # P is stored as e4m3(p * 2^7); undone in the epilogue
 RESCALE_THRESHOLD = 1.75  # log2 units; 2^(P_SCALE_LOG2 + RESCALE_THRESHOLD) = 430 < 448
 SW64_TILE_COLS = 64  # bytes per row of one 64-byte-swizzled column tile
 TILE_ROW_GROUP_BYTES = B_TOPK * SW64_TILE_COLS  # one [64 rows x 64 B] swizzle column tile
 
-THREADS_PER_WG = 128
-NUM_THREADS = 3 * THREADS_PER_WG
 PRODUCER_REGS = 24
 CONSUMER_REGS = 240
-
-# Named barrier ids (0 is __syncthreads).
-BAR_STATS_PUBLISHED = 3  # 3 + c: consumer c's row statistics are in shared memory (c arrives, 1 - c syncs)
-BAR_SCALE_READY = 5  # per consumer (5 + c): output scales ready (epilogue)
-BAR_TILE_HANDOFF = 7  # persistent: consumer 1 finished the previous tile (1 arrives, 0 syncs)
-
-LOG2_E = math.log2(math.e)
-LN_2 = math.log(2.0)
 
 
 def consumer_steps(num_blocks, consumer):
@@ -128,36 +68,6 @@ def consumer_steps(num_blocks, consumer):
     return (num_blocks - consumer) // 2 + 1
 
 
-def _swizzle64(row, chunk16):
-    """Byte offset of 16-byte chunk ``chunk16`` (0..3) of ``row`` inside a [rows x 64 B]
-    column tile with the WGMMA 64-byte swizzle (Swizzle<2,4,3>: chunk ^= (row >> 1) & 3)."""
-    return row * SW64_TILE_COLS + ((chunk16 ^ ((row >> 1) & 3)) << 4)
-
-
-class CtaWork(NamedTuple):
-    """One work tile of a CTA (trace-time bundle of runtime values)."""
-
-    tile: Int32  # row tile [64 * tile, 64 * tile + 64) of the (token, head) rows
-    token: Int32
-    head_group: Int32
-    valid_len: Int32  # topk_length clamped to [0, topk] (topk when not given)
-    num_blocks: Int32  # ceil(valid_len / 64)
-    num_pairs: Int32  # ceil(valid_len / 128)
-    block_base: Int32  # the CTA's running block count before this tile: block b uses KV tile,
-    # P buffer and phase of g = block_base + b (0 unless persistent)
-
-
-class CtaTiles(NamedTuple):
-    """The tiles one CTA walks, and what ``tile_work`` reads for each (trace-time bundle)."""
-
-    first: Int32  # the CTA's block index: its first tile (persistent: then every grid-th one)
-    count: Int32  # how many tiles (1 unless persistent)
-    mIdx: cute.Tensor
-    mTopkLen: cute.Tensor
-    mOut: cute.Tensor
-    flags: Int32
-
-
 class Consumer(NamedTuple):
     """One consumer warpgroup's view of the CTA (trace-time bundle): who it is, its MMAs and
     fragments, its running softmax state and the shared buffers it exchanges through."""
@@ -167,7 +77,7 @@ class Consumer(NamedTuple):
     lane: Int32
     quad_row: Int32  # g: C-fragment row inside the warp's 16 rows
     quad_lane: Int32  # t: C-fragment column pair 2t, 2t+1
-    work: CtaWork
+    work: TileWork
     tiled_mma_qk: cute.TiledMma  # S += Q . K^T
     tiled_mma_qk_first: cute.TiledMma  # S = Q . K^T (first k-step)
     tiled_mma_pv: cute.TiledMma
@@ -197,31 +107,20 @@ class Consumer(NamedTuple):
     scale_log2: Float32  # q_scale * kv_scale * sm_scale * log2(e)
 
 
-class SparsePrefillSm90:
+class SparsePrefillSm90(AttentionKernel):
     """Compile-time configuration of the kernel: ``d_qk`` (512 or 576)."""
+
+    SMEM_ATOM_KIND = warpgroup.SmemLayoutAtomKind.K_SW64
+    ELEMENT_TYPE = Float8E4M3FN
 
     def __init__(
         self,
         d_qk: int,
         precision: str = "default",
-        exp2_f16x2: bool = False,
-        experiment: str | None = None,
-        exp2_poly_groups: int = 0,
         persistent: bool = False,
     ):
         """``precision``: "default" rounds P to one e4m3 term; "accurate" splits it into two
         (hi = e4m3(p), lo = e4m3(p - hi)) and runs the PV product once per term.
-        ``exp2_f16x2``: exponentials as f16x2 ``ex2.approx`` instead of f32, default precision only (an
-        experiment: SM90 runs an f16x2 ex2 as two MUFU ops, so it does not halve the MUFU work;
-        measured 0.3-1% slower; "accurate" used it until session 5, 0-0.8% slower and less accurate
-        than f32 exponentials rounded to f16 for the split, 2.74e-3 vs 2.62e-3).
-        ``experiment`` (timing studies only, wrong results): "gather_only" skips all math,
-        "math_only" skips the gather, "early_full" marks a KV tile full once its copies are issued
-        rather than landed (the gather's latency off the consumers' path, its traffic kept).
-        ``exp2_poly_groups`` (0-4, f32 exponentials only): how many of each row's four groups of 4
-        exponentials run as a cubic on the FMA pipe (``ptx.exp2_poly``) instead of the MUFU, to share
-        the exponential work between pipes (an experiment: measured 1.5-4% slower with one or two
-        groups, docs/perf-notes.md).
         ``persistent``: each CTA walks ``tiles_per_cta`` tiles (launch argument; tiles bid,
         bid + grid, ...), its producer loading the next tile's Q and first rows while the consumers
         finish the current one, whose out stores then drain during the next tile's math."""
@@ -229,30 +128,39 @@ class SparsePrefillSm90:
             raise ValueError(f"d_qk must be 512 or 576, got {d_qk}")
         if precision not in ("default", "accurate"):
             raise ValueError(f"precision must be 'default' or 'accurate', got {precision!r}")
-        if not 0 <= exp2_poly_groups <= 4 or (exp2_poly_groups and exp2_f16x2):
-            raise ValueError("exp2_poly_groups must be 0-4, and 0 with f16x2 exponentials")
-        if exp2_f16x2 and precision == "accurate":
-            raise ValueError("exp2_f16x2 is an experiment of the default precision")
-        if experiment not in (None, "gather_only", "math_only", "early_full"):
-            raise ValueError(f"unknown experiment {experiment!r}")
         self.d_qk = d_qk
         self.precision = precision
         self.p_terms = 2 if precision == "accurate" else 1  # e4m3 terms P is stored as
-        self.exp2_f16x2 = exp2_f16x2
-        self.experiment = experiment
-        self.exp2_poly_groups = exp2_poly_groups
         self.persistent = persistent
+        self.scheduler = TileScheduler(persistent, B_TOPK)
         self.k_tile_bytes = B_TOPK * d_qk  # one gathered block in shared memory
         self.q_tile_bytes = B_H * d_qk
+        self.q_shape = (B_H, d_qk)
+        self.k_shape = (B_TOPK, d_qk, NUM_KV_TILES)
+        self.p_shape = (B_H, B_TOPK, NUM_KV_TILES * self.p_terms)  # [buffer][term] P tiles
 
-    def shared_memory_bytes(self) -> int:
-        """Dynamic shared memory per CTA (the SharedStorage struct built in ``__call__``)."""
-        barriers_and_stats = (
-            8 * (2 + 3 * NUM_KV_TILES) + 4 * B_H * (2 * NUM_KV_TILES + 4 * 2) + 4 * NUM_KV_TILES
-        )
-        aligned = -(-barriers_and_stats // 1024) * 1024
-        p_bytes = NUM_KV_TILES * self.p_terms * B_H * B_TOPK  # [buffer][term] P tiles
-        return aligned + self.q_tile_bytes + NUM_STAGES * 2 * self.k_tile_bytes + p_bytes
+    def shared_storage(self):
+        """The CTA's shared memory: barriers and row statistics, then the Q, KV block and P tiles."""
+
+        @cute.struct
+        class SharedStorage:
+            mbar_q: cute.struct.MemRange[Int64, 1]
+            mbar_q_empty: cute.struct.MemRange[Int64, 1]  # persistent: both consumers' QKs are done
+            mbar_kv_full: cute.struct.MemRange[Int64, NUM_KV_TILES]
+            mbar_kv_empty: cute.struct.MemRange[Int64, NUM_KV_TILES]
+            mbar_p_full: cute.struct.MemRange[Int64, NUM_KV_TILES]
+            max_used: cute.struct.MemRange[Float32, NUM_KV_TILES * B_H]  # [buffer, row]
+            alpha: cute.struct.MemRange[Float32, NUM_KV_TILES * B_H]  # [buffer, row]
+            row_sum: cute.struct.MemRange[Float32, B_H * 2]  # [row, consumer]
+            max_true: cute.struct.MemRange[Float32, B_H * 2]  # [row, consumer]
+            max_own: cute.struct.MemRange[Float32, B_H * 2]  # [row, consumer]
+            moved: cute.struct.MemRange[Int32, NUM_KV_TILES]  # [buffer]
+            out_scale: cute.struct.MemRange[Float32, B_H * 2]  # [row, consumer]
+            sQ: tile_region(Float8E4M3FN, self.q_shape)
+            sK: tile_region(Float8E4M3FN, self.k_shape)
+            sP: tile_region(Float8E4M3FN, self.p_shape)
+
+        return SharedStorage
 
     # ------------------------------------------------------------------------------------
     # Host side: layouts, TMA atom, shared storage, launch
@@ -275,64 +183,32 @@ class SparsePrefillSm90:
         tiles_per_cta: Int32,  # persistent: tiles each CTA walks (the grid is ceil(tiles / it))
         stream,
     ):
-        e4m3 = mQ.element_type
-        views = make_row_views(mQ, mKV, mIdx, mMaxLogits, mLse, self.d_qk)
-
-        smem_atom = warpgroup.make_smem_layout_atom(warpgroup.SmemLayoutAtomKind.K_SW64, e4m3)
-        sQ_layout = cute.tile_to_shape(smem_atom, (B_H, self.d_qk), (0, 1))
-        sK_layout = cute.tile_to_shape(smem_atom, (B_TOPK, self.d_qk, NUM_STAGES * 2), (0, 1, 2))
-        sP_layout = cute.tile_to_shape(smem_atom, (B_H, B_TOPK, NUM_KV_TILES * self.p_terms), (0, 1, 2))
-
-        tma_atom_q, tma_tensor_q = cpasync.make_tiled_tma_atom(
-            cpasync.CopyBulkTensorTileG2SOp(), views.q, sQ_layout, (B_H, self.d_qk)
+        views, layouts, tma_atom_q, tma_tensor_q = self.host_setup(mQ, mKV, mIdx, mMaxLogits, mLse)
+        sQ_layout, sK_layout, sP_layout = layouts
+        launch_cta(
+            self.kernel(
+                tma_atom_q,
+                tma_tensor_q,
+                views.kv,
+                views.indices,
+                mTopkLen,
+                mSink,
+                mQScale,
+                mKVScale,
+                mOut,
+                views.max_logits,
+                views.lse,
+                sm_scale_log2,
+                flags,
+                tiles_per_cta,
+                sQ_layout,
+                sK_layout,
+                sP_layout,
+                self.shared_storage(),
+            ),
+            self.scheduler.grid_size(views.rows // B_H, tiles_per_cta),
+            stream,
         )
-
-        @cute.struct
-        class SharedStorage:
-            mbar_q: cute.struct.MemRange[Int64, 1]
-            mbar_q_empty: cute.struct.MemRange[Int64, 1]  # persistent: both consumers' QKs are done
-            mbar_kv_full: cute.struct.MemRange[Int64, NUM_KV_TILES]
-            mbar_kv_empty: cute.struct.MemRange[Int64, NUM_KV_TILES]
-            mbar_p_full: cute.struct.MemRange[Int64, NUM_KV_TILES]
-            max_used: cute.struct.MemRange[Float32, NUM_KV_TILES * B_H]  # [buffer, row]
-            alpha: cute.struct.MemRange[Float32, NUM_KV_TILES * B_H]  # [buffer, row]
-            row_sum: cute.struct.MemRange[Float32, B_H * 2]  # [row, consumer]
-            max_true: cute.struct.MemRange[Float32, B_H * 2]  # [row, consumer]
-            max_own: cute.struct.MemRange[Float32, B_H * 2]  # [row, consumer]
-            moved: cute.struct.MemRange[Int32, NUM_KV_TILES]  # [buffer]
-            out_scale: cute.struct.MemRange[Float32, B_H * 2]  # [row, consumer]
-            sQ: cute.struct.Align[cute.struct.MemRange[e4m3, cute.cosize(sQ_layout)], 1024]
-            sK: cute.struct.Align[cute.struct.MemRange[e4m3, cute.cosize(sK_layout)], 1024]
-            sP: cute.struct.Align[cute.struct.MemRange[e4m3, cute.cosize(sP_layout)], 1024]
-
-        self.kernel(
-            tma_atom_q,
-            tma_tensor_q,
-            views.kv,
-            views.indices,
-            mTopkLen,
-            mSink,
-            mQScale,
-            mKVScale,
-            mOut,
-            views.max_logits,
-            views.lse,
-            sm_scale_log2,
-            flags,
-            tiles_per_cta,
-            sQ_layout,
-            sK_layout,
-            sP_layout,
-            SharedStorage,
-        ).launch(
-            grid=[self.grid_size(views.rows // B_H, tiles_per_cta), 1, 1],
-            block=[NUM_THREADS, 1, 1],
-            stream=stream,
-            min_blocks_per_mp=1,
-        )
-
-    def grid_size(self, num_tiles, tiles_per_cta):
-        return (num_tiles + tiles_per_cta - 1) // tiles_per_cta if const_expr(self.persistent) else num_tiles
 
     # ------------------------------------------------------------------------------------
     # Device side
@@ -363,39 +239,22 @@ class SparsePrefillSm90:
         warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
         bid, _, _ = cute.arch.block_idx()
 
-        smem = cutlass.utils.SmemAllocator()
-        storage = smem.allocate(SharedStorage)
+        storage = allocate_shared_storage(SharedStorage)
         mbar_q = storage.mbar_q.data_ptr()
         mbar_q_empty = storage.mbar_q_empty.data_ptr()
         mbar_kv_full = storage.mbar_kv_full.data_ptr()
         mbar_kv_empty = storage.mbar_kv_empty.data_ptr()
         mbar_p_full = storage.mbar_p_full.data_ptr()
         s_moved = storage.moved.get_tensor(cute.make_layout(NUM_KV_TILES))
-        sQ = storage.sQ.get_tensor(sQ_layout.outer, swizzle=sQ_layout.inner)
-        sK = storage.sK.get_tensor(sK_layout.outer, swizzle=sK_layout.inner)
-        sP = storage.sP.get_tensor(sP_layout.outer, swizzle=sP_layout.inner)
+        sQ = tile_tensor(storage.sQ, sQ_layout)
+        sK = tile_tensor(storage.sK, sK_layout)
+        sP = tile_tensor(storage.sP, sP_layout)
+        barriers = (mbar_q, mbar_q_empty, mbar_kv_full, mbar_kv_empty, mbar_p_full, s_moved)
+        init_cta(warp_idx, tma_atom_q, functools.partial(self.init_barriers, *barriers))
 
-        if warp_idx == 0:
-            cpasync.prefetch_descriptor(tma_atom_q)
-            with cute.arch.elect_one():
-                cute.arch.mbarrier_init(mbar_q, 1)
-                cute.arch.mbarrier_init(mbar_q_empty, 2 * THREADS_PER_WG)
-                for i in cutlass.range_constexpr(NUM_KV_TILES):
-                    cute.arch.mbarrier_init(mbar_kv_full + i, 2 * 32)
-                    cute.arch.mbarrier_init(mbar_kv_empty + i, 2 * THREADS_PER_WG)
-                    cute.arch.mbarrier_init(mbar_p_full + i, THREADS_PER_WG)
-                    s_moved[i] = -1  # no block has moved the max yet
-            cute.arch.mbarrier_init_fence()
-        cute.arch.sync_threads()
+        tiles = self.scheduler.cta_tiles(bid, mIdx, mTopkLen, mOut, flags, tiles_per_cta)
 
-        tile_count = 1
-        if const_expr(self.persistent):
-            num_tiles = cute.size(mOut, mode=[0]) * (cute.size(mOut, mode=[1]) // B_H)
-            grid = self.grid_size(num_tiles, tiles_per_cta)
-            tile_count = (num_tiles - bid + grid - 1) // grid
-        tiles = CtaTiles(bid, tile_count, mIdx, mTopkLen, mOut, flags)
-
-        if warp_idx < 4:
+        if warp_idx < PRODUCER_WARPS:
             cute.arch.setmaxregister_decrease(PRODUCER_REGS)
             self.produce(
                 tma_atom_q,
@@ -412,7 +271,7 @@ class SparsePrefillSm90:
             )
         else:
             cute.arch.setmaxregister_increase(CONSUMER_REGS)
-            consumer = warp_idx // 4 - 1  # warp-uniform, so branches on it are not divergent
+            consumer = consumer_index(warp_idx)
             smem_stats = (
                 storage.max_used.get_tensor(cute.make_layout((NUM_KV_TILES, B_H), stride=(B_H, 1))),
                 storage.alpha.get_tensor(cute.make_layout((NUM_KV_TILES, B_H), stride=(B_H, 1))),
@@ -446,27 +305,20 @@ class SparsePrefillSm90:
                 tiles,
             )
 
-    # ------------------------------------------------------------------------------------
     @cute.jit
-    def tile_work(self, tiles: CtaTiles, tile_iter, block_base) -> CtaWork:
-        """Iteration ``tile_iter`` of the CTA's tile loop: its tile, token, head group and valid slot
-        count (reads ``topk_length[token]``)."""
-        tile = tiles.first
-        if const_expr(self.persistent):  # block and grid indices re-read: nothing kept live for them
-            tile = cute.arch.block_idx()[0] + tile_iter * cute.arch.grid_dim()[0]
-        token, head_group, valid_len = tile_position(
-            tile, tiles.mIdx, tiles.mOut, tiles.mTopkLen, tiles.flags, B_H
-        )
-        return CtaWork(
-            tile=tile,
-            token=token,
-            head_group=head_group,
-            valid_len=valid_len,
-            num_blocks=(valid_len + B_TOPK - 1) // B_TOPK,
-            num_pairs=(valid_len + PAIR - 1) // PAIR,
-            block_base=block_base,
-        )
+    def init_barriers(self, mbar_q, mbar_q_empty, mbar_kv_full, mbar_kv_empty, mbar_p_full, s_moved):
+        """(One thread.) q_full: the TMA; q_empty: both consumers; per block tile, kv_full: the 64
+        threads gathering it (cp.async arrivals), kv_empty: both consumers, p_full: its owner's
+        warpgroup; no block has moved the max yet."""
+        cute.arch.mbarrier_init(mbar_q, 1)
+        cute.arch.mbarrier_init(mbar_q_empty, CONSUMER_THREADS)
+        for i in cutlass.range_constexpr(NUM_KV_TILES):
+            cute.arch.mbarrier_init(mbar_kv_full + i, 2 * 32)
+            cute.arch.mbarrier_init(mbar_kv_empty + i, CONSUMER_THREADS)
+            cute.arch.mbarrier_init(mbar_p_full + i, THREADS_PER_WG)
+            s_moved[i] = -1
 
+    # ------------------------------------------------------------------------------------
     @cute.jit
     def produce(
         self,
@@ -487,27 +339,24 @@ class SparsePrefillSm90:
         so the gather runs into the next tile as soon as block tiles are free."""
         warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
         lane = cute.arch.lane_idx()
-        s_kv = cute.size(mKV, mode=[0])
-        kv_row_stride = Int64(mKV.stride[0])
-        kv_base = mKV.iterator.toint()
-        sK_base = sK.iterator.toint()
+        # Lane: 16-byte chunk lane % 4 of each 64-byte column tile (of rows lane // 4 + 8i).
+        gather = RowGather(mKV, sK, self.d_qk, lane, SW64_TILE_COLS, B_TOPK)
         block_in_pair = warp_idx // 2  # warps 0-1: first block, warps 2-3: second block
         row_base = (warp_idx % 2) * 32  # this warp's 32 rows inside its block
-        chunk16 = lane % 4  # 16-byte chunk of a 64-byte column tile this lane copies
         lane_row = lane // 4  # row (of 8) this lane copies per 8-row group
 
         tile_inputs = (tma_atom_q, mQ_tma, sQ, mIdx, mbar_q, mbar_kv_full, mbar_kv_empty)
-        geometry = (s_kv, kv_row_stride, kv_base, sK_base, block_in_pair, row_base, chunk16, lane_row)
+        geometry = (gather, block_in_pair, row_base, lane_row)
         if const_expr(self.persistent):
             pair_base = Int32(0)  # pairs this CTA gathered before the current tile
             for tile_iter in cutlass.range(tiles.count, unroll=1):
-                work = self.tile_work(tiles, tile_iter, 2 * pair_base)
+                work = self.scheduler.work(tiles, tile_iter, 2 * pair_base)
                 if warp_idx == 0:
-                    cute.arch.mbarrier_wait(mbar_q_empty, (tile_iter % 2) ^ 1)
+                    Q_RING.wait_empty(mbar_q_empty, tile_iter)
                 self.produce_tile(*tile_inputs, work, pair_base, geometry)
                 pair_base += work.num_pairs
         else:
-            self.produce_tile(*tile_inputs, self.tile_work(tiles, 0, 0), 0, geometry)
+            self.produce_tile(*tile_inputs, self.scheduler.work(tiles, 0, 0), 0, geometry)
         ptx.cp_async_wait_all()
 
     @cute.jit
@@ -515,7 +364,7 @@ class SparsePrefillSm90:
         self, tma_atom_q, mQ_tma, sQ, mIdx, mbar_q, mbar_kv_full, mbar_kv_empty, work, pair_base, geometry
     ):
         """One tile's Q (warp 0) and pairs; the CTA's earlier tiles gathered ``pair_base`` pairs."""
-        s_kv, kv_row_stride, kv_base, sK_base, block_in_pair, row_base, chunk16, lane_row = geometry
+        gather, block_in_pair, row_base, lane_row = geometry
         warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
         lane = cute.arch.lane_idx()
         if warp_idx == 0:
@@ -523,39 +372,21 @@ class SparsePrefillSm90:
 
         for pair in cutlass.range(work.num_pairs, unroll=1):
             ring_pair = pair_base + pair
-            stage = ring_pair % NUM_STAGES
-            phase = (ring_pair // NUM_STAGES) % 2
+            stage = PAIR_RING.index(ring_pair)
+            phase = PAIR_RING.phase(ring_pair)
             full_barrier = mbar_kv_full + stage * 2 + block_in_pair
             empty_barrier = mbar_kv_empty + stage * 2 + block_in_pair
-            if const_expr(self.experiment == "math_only"):
-                cute.arch.mbarrier_wait(empty_barrier, phase ^ 1)
-                cute.arch.mbarrier_arrive(full_barrier)
-            else:
-                slot = pair * PAIR + warp_idx * 32 + lane
-                kv_row = mIdx[work.token, slot]
-                is_valid = Int32(0)
-                if (kv_row >= 0) & (kv_row < s_kv) & (slot < work.valid_len):
-                    is_valid = Int32(1)
-                cute.arch.mbarrier_wait(empty_barrier, phase ^ 1)
-                tile_base = sK_base + (stage * 2 + block_in_pair) * self.k_tile_bytes
-                for group in cutlass.range_constexpr(4):
-                    src_lane = group * 8 + lane_row
-                    row_kv = cute.arch.shuffle_sync(kv_row, src_lane)
-                    row_valid = cute.arch.shuffle_sync(is_valid, src_lane)
-                    row = row_base + group * 8 + lane_row
-                    g_addr = kv_base + Int64(row_kv * row_valid) * kv_row_stride + chunk16 * 16
-                    s_addr = tile_base + _swizzle64(row, chunk16)
-                    nbytes = row_valid * 16
-                    for col_tile in cutlass.range_constexpr(self.d_qk // SW64_TILE_COLS):
-                        ptx.cp_async_16_zfill(
-                            s_addr + col_tile * TILE_ROW_GROUP_BYTES,
-                            g_addr + col_tile * SW64_TILE_COLS,
-                            nbytes,
-                        )
-                if const_expr(self.experiment == "early_full"):
-                    cute.arch.mbarrier_arrive(full_barrier)  # issued, not landed: data latency off the path
-                else:
-                    cute.arch.cp_async_mbarrier_arrive_noinc(full_barrier)
+            slot = pair * PAIR + warp_idx * 32 + lane
+            kv_row = mIdx[work.token, slot]
+            is_valid = slot_valid_flag(kv_row, slot, gather.s_kv, work.valid_len)
+            cute.arch.mbarrier_wait(empty_barrier, phase ^ 1)
+            tile_base = gather.sK_base + (stage * 2 + block_in_pair) * self.k_tile_bytes
+            for group in cutlass.range_constexpr(4):  # lane l holds the index of the warp's row l
+                src_lane = group * 8 + lane_row
+                row_kv = cute.arch.shuffle_sync(kv_row, src_lane)
+                row_valid = cute.arch.shuffle_sync(is_valid, src_lane)
+                copy_rows(gather, tile_base, row_base + group * 8 + lane_row, ((0, row_kv, row_valid),))
+            cute.arch.cp_async_mbarrier_arrive_noinc(full_barrier)
 
     # ------------------------------------------------------------------------------------
     @cute.jit
@@ -670,12 +501,12 @@ class SparsePrefillSm90:
         if const_expr(self.persistent):
             pair_base = Int32(0)  # pairs of the CTA's earlier tiles (the producer counts the same)
             for tile_iter in cutlass.range(tiles.count, unroll=1):
-                work = self.tile_work(tiles, tile_iter, 2 * pair_base)
+                work = self.scheduler.work(tiles, tile_iter, 2 * pair_base)
                 self.reset_tile_state(*tile_state)
                 self.consume_tile(c._replace(work=work), tile_iter, *tile_barriers, epilogue_args)
                 pair_base += work.num_pairs
         else:
-            work = self.tile_work(tiles, 0, 0)
+            work = self.scheduler.work(tiles, 0, 0)
             self.consume_tile(c._replace(work=work), 0, *tile_barriers, epilogue_args)
 
     @cute.jit
@@ -694,7 +525,7 @@ class SparsePrefillSm90:
 
         Persistent, besides: each consumer releases Q (``q_empty``) once its last QK of the tile
         has completed; consumer 0 writes the tile's first P (block 0) only after consumer 1 has
-        finished the previous tile (``BAR_TILE_HANDOFF``: the P buffers and the epilogue's shared
+        finished the previous tile (``NamedBarrierFp8.TileHandoff``: the P buffers and the epilogue's shared
         statistics are reused); after an odd block count both release the pair's zero-filled
         extra block, and its owner completes its ``p_full`` phase, so every ring position g keeps
         one phase per use. A tile with no block has no step loop: both consumers sync on the handoff
@@ -702,10 +533,10 @@ class SparsePrefillSm90:
         tile's."""
         consumer = c.index
         num_blocks = c.work.num_blocks
-        cute.arch.mbarrier_wait(mbar_q, tile_iter % 2)
+        Q_RING.wait(mbar_q, tile_iter)
         if const_expr(self.persistent):
-            no_step_loop = num_blocks == 0 or const_expr(self.experiment == "gather_only")
-            if num_blocks <= consumer or const_expr(self.experiment == "gather_only"):  # no QK here
+            no_step_loop = num_blocks == 0
+            if num_blocks <= consumer:  # no QK here
                 cute.arch.mbarrier_arrive(mbar_q_empty)
             if tile_iter > 0:
                 # Consumer 1 arrives, consumer 0 syncs before its first P (in the step loop). A tile
@@ -714,33 +545,31 @@ class SparsePrefillSm90:
                 # read the previous tile's in its epilogue.
                 if (consumer == 1) & (not no_step_loop):
                     cute.arch.barrier_arrive(
-                        barrier_id=BAR_TILE_HANDOFF, number_of_threads=2 * THREADS_PER_WG
+                        barrier_id=NamedBarrierFp8.TileHandoff, number_of_threads=CONSUMER_THREADS
                     )
                 elif no_step_loop:
-                    cute.arch.barrier(barrier_id=BAR_TILE_HANDOFF, number_of_threads=2 * THREADS_PER_WG)
-        if const_expr(self.experiment == "gather_only"):
-            for block in cutlass.range(num_blocks, unroll=1):
-                ring = c.work.block_base + block
-                cute.arch.mbarrier_wait(c.mbar_kv_full + ring % NUM_KV_TILES, (ring // NUM_KV_TILES) % 2)
-                cute.arch.mbarrier_arrive(c.mbar_kv_empty + ring % NUM_KV_TILES)
-            self.publish_row_stats(c)
-        elif num_blocks > 0:
+                    cute.arch.barrier(
+                        barrier_id=NamedBarrierFp8.TileHandoff, number_of_threads=CONSUMER_THREADS
+                    )
+        if num_blocks > 0:
             # Step i: own block 2i + c (when it exists) and the other consumer's block 2i + c - 1
             # (when it exists); see consumer_steps.
             for step in cutlass.range(consumer_steps(num_blocks, consumer), unroll=1):
                 own = 2 * step + consumer
                 if own < num_blocks:
                     self.issue_qk(c, own)
-                    valid_bits = self.block_valid_bits(c, own)
+                    valid_bits = slot_valid_bits(
+                        c.mIdx, c.work.token, own * B_TOPK, c.lane, c.quad_lane, c.s_kv, c.work.valid_len, 2
+                    )
                     warpgroup.wait_group(0)  # S(own)
                     if const_expr(self.persistent):
                         if own + 2 >= num_blocks:  # this consumer's last QK of the tile is done
                             cute.arch.mbarrier_arrive(mbar_q_empty)
-                    block_maxima = self.block_max(c, valid_bits)
+                    block_maxima = mask_and_row_max(c.acc_s, valid_bits, c.scale_log2)
                     if const_expr(self.persistent):
                         if own == 0 and tile_iter > 0:  # consumer 0, the tile's first P
                             cute.arch.barrier(
-                                barrier_id=BAR_TILE_HANDOFF, number_of_threads=2 * THREADS_PER_WG
+                                barrier_id=NamedBarrierFp8.TileHandoff, number_of_threads=CONSUMER_THREADS
                             )
                     self.softmax_own(c, own, block_maxima)
                     if own + 2 >= num_blocks:  # this consumer's last own block
@@ -749,16 +578,15 @@ class SparsePrefillSm90:
                 # Drained at the end of each step: WGMMAs in flight across the loop's back edge
                 # make ptxas serialise them (C7520/C7513).
                 warpgroup.wait_group(0)
-        if const_expr(self.experiment != "gather_only"):
-            if num_blocks <= consumer:  # owned no block: nothing was published in the loop
-                self.publish_row_stats(c)
+        if num_blocks <= consumer:  # owned no block: nothing was published in the loop
+            self.publish_row_stats(c)
         if const_expr(self.persistent):
             if num_blocks % 2 == 1:  # the last pair's zero-filled second block
                 ring = c.work.block_base + num_blocks
-                cute.arch.mbarrier_wait(c.mbar_kv_full + ring % NUM_KV_TILES, (ring // NUM_KV_TILES) % 2)
-                cute.arch.mbarrier_arrive(c.mbar_kv_empty + ring % NUM_KV_TILES)
+                KV_RING.wait(c.mbar_kv_full, ring)
+                KV_RING.arrive(c.mbar_kv_empty, ring)
                 if consumer == 1:  # its owner (odd index)
-                    cute.arch.mbarrier_arrive(c.mbar_p_full + ring % NUM_KV_TILES)
+                    KV_RING.arrive(c.mbar_p_full, ring)
 
         self.epilogue(c, *epilogue_args)
 
@@ -767,8 +595,8 @@ class SparsePrefillSm90:
     def issue_qk(self, c: Consumer, block):
         """Queue S = Q . K_block^T (one WGMMA group)."""
         ring = c.work.block_base + block
-        tile = ring % NUM_KV_TILES
-        cute.arch.mbarrier_wait(c.mbar_kv_full + tile, (ring // NUM_KV_TILES) % 2)
+        tile = KV_RING.index(ring)
+        cute.arch.mbarrier_wait(c.mbar_kv_full + tile, KV_RING.phase(ring))
         warpgroup.fence()
         for k in cutlass.range_constexpr(self.d_qk // 32):
             mma = c.tiled_mma_qk if k > 0 else c.tiled_mma_qk_first  # the first k-step overwrites S
@@ -776,71 +604,21 @@ class SparsePrefillSm90:
         warpgroup.commit_group()
 
     @cute.jit
-    def block_valid_bits(self, c: Consumer, block):
-        """Validity of the 64 slots of ``block``: one bit per slot, shifted so bit 8j + e is the
-        slot of this thread's S column 8j + 2t + e (j < 4: low word), and whether every slot is
-        valid (warp-uniform)."""
-        slot0 = block * B_TOPK
-        idx_lo = c.mIdx[c.work.token, slot0 + c.lane]
-        idx_hi = c.mIdx[c.work.token, slot0 + 32 + c.lane]
-        ok_lo = (idx_lo >= 0) & (idx_lo < c.s_kv) & (slot0 + c.lane < c.work.valid_len)
-        ok_hi = (idx_hi >= 0) & (idx_hi < c.s_kv) & (slot0 + 32 + c.lane < c.work.valid_len)
-        shift = Uint32(2 * c.quad_lane)
-        return (
-            Uint32(cute.arch.vote_ballot_sync(ok_lo)) >> shift,
-            Uint32(cute.arch.vote_ballot_sync(ok_hi)) >> shift,
-            cute.arch.vote_all_sync(ok_lo & ok_hi),
-        )
-
-    @cute.jit
-    def block_max(self, c: Consumer, valid_bits):
-        """Set invalid slots of S to -inf and return the block's row maxima (exp2 domain) for
-        this thread's rows r = 0, 1.
-
-        S stays unscaled when the logit scale is positive (the scale is folded into the
-        exponent later); a scale <= 0 (never a sensible dequantisation scale, but defined) is
-        applied here first so the max is still the max of the logits."""
-        valid_lo, valid_hi, all_valid = valid_bits
-        if c.scale_log2 <= 0.0:
-            for i in cutlass.range_constexpr(cute.size(c.acc_s)):
-                c.acc_s[i] = c.acc_s[i] * c.scale_log2
-        if not all_valid:
-            for r in cutlass.range_constexpr(2):
-                for j in cutlass.range_constexpr(8):
-                    for e in cutlass.range_constexpr(2):
-                        i = e + 2 * r + 4 * j
-                        bits = valid_lo if j < 4 else valid_hi
-                        bit = (bits >> Uint32(8 * (j % 4) + e)) & Uint32(1)
-                        c.acc_s[i] = c.acc_s[i] if bit != 0 else -Float32.inf
-        block_maxima = []
-        for r in cutlass.range_constexpr(2):
-            block_max = -Float32.inf
-            for j in cutlass.range_constexpr(8):
-                for e in cutlass.range_constexpr(2):
-                    block_max = cute.arch.fmax(block_max, c.acc_s[e + 2 * r + 4 * j])
-            block_max = cute.arch.fmax(block_max, cute.arch.shuffle_sync_bfly(block_max, offset=1))
-            block_max = cute.arch.fmax(block_max, cute.arch.shuffle_sync_bfly(block_max, offset=2))
-            if c.scale_log2 > 0.0:
-                block_max = block_max * c.scale_log2
-            block_maxima.append(block_max)
-        return block_maxima
-
-    @cute.jit
     def softmax_own(self, c: Consumer, block, block_maxima):
         """Softmax of an own block: m_block from m_{block-1} (published by the other consumer)
         and the block's maxima, then P = e4m3(2^7 exp2(S - m_block)) with m_block, alpha_block
         and the moved flag, published by ``p_full``; accumulates this consumer's row sums."""
         ring = c.work.block_base + block  # the block's ring position (buffers, phases, moved flag)
-        buffer = ring % NUM_KV_TILES
-        # S is still unscaled when the scale is positive (see block_max).
+        buffer = KV_RING.index(ring)
+        # S is still unscaled when the scale is positive (see mask_and_row_max).
         logit_scale = c.scale_log2 if c.scale_log2 > 0.0 else Float32(1.0)
         tile_addr = c.sP_base + buffer * self.p_terms * (B_H * B_TOPK)
-        prev_buffer = (ring + NUM_KV_TILES - 1) % NUM_KV_TILES
+        prev_buffer = KV_RING.index_before(ring)
         if block > 0:
-            cute.arch.mbarrier_wait(c.mbar_p_full + prev_buffer, ((ring - 1) // NUM_KV_TILES) % 2)
+            cute.arch.mbarrier_wait(c.mbar_p_full + prev_buffer, KV_RING.phase(ring - 1))
         moved = False
         for r in cutlass.range_constexpr(2):
-            row = c.warp * 16 + c.quad_row + 8 * r
+            row = accumulator_row(c.warp, c.quad_row, r)
             max_prev = -Float32.inf
             if block > 0:
                 max_prev = c.s_max_used[prev_buffer, row]
@@ -876,17 +654,12 @@ class SparsePrefillSm90:
         [2t, 2t+1, 8+2t, 9+2t][b] and k + 16 holds slot + 16 -- the order that ldmatrix.trans +
         prmt give the V^T fragment. This thread's S columns 8j + 2t + e therefore land in two
         4-byte words per 32-slot group."""
-        if const_expr(self.exp2_f16x2):
-            return self.exp2_and_store_p_f16x2(c, r, row, logit_scale, bias, tile_addr)
         block_sum = Float32(0.0)
         for kstep in cutlass.range_constexpr(2):
             for half in cutlass.range_constexpr(2):
                 j0 = 4 * kstep + 2 * half
                 columns = (2 * r + 4 * j0, 1 + 2 * r + 4 * j0, 2 * r + 4 * j0 + 4, 1 + 2 * r + 4 * j0 + 4)
-                if const_expr(2 * kstep + half >= 4 - self.exp2_poly_groups):
-                    p = [ptx.exp2_poly(c.acc_s[i] * logit_scale - bias) for i in columns]
-                else:
-                    p = [cute.math.exp2(c.acc_s[i] * logit_scale - bias, fastmath=True) for i in columns]
+                p = [cute.math.exp2(c.acc_s[i] * logit_scale - bias, fastmath=True) for i in columns]
                 block_sum += (p[0] + p[1]) + (p[2] + p[3])
                 if const_expr(self.p_terms == 1):
                     words = (ptx.pack_e4m3x4(p[0], p[1], p[2], p[3]),)
@@ -894,32 +667,10 @@ class SparsePrefillSm90:
                     words = ptx.split_e4m3x4_from_f16x2(
                         ptx.pack_f16x2(p[0], p[1]), ptx.pack_f16x2(p[2], p[3])
                     )
-                addr = tile_addr + _swizzle64(row, 2 * kstep + half) + 4 * c.quad_lane
+                addr = tile_addr + swizzle_offset(row, 2 * kstep + half, SW64_TILE_COLS) + 4 * c.quad_lane
                 ptx.st_shared_u32(addr, words[0])
                 if const_expr(self.p_terms == 2):
                     ptx.st_shared_u32(addr + B_H * B_TOPK, words[1])  # the lo term's tile follows
-        return block_sum
-
-    @cute.jit
-    def exp2_and_store_p_f16x2(self, c: Consumer, r, row, logit_scale, bias, tile_addr):
-        """The ``exp2_f16x2`` experiment of ``exp_and_store_p`` (default precision): p as f16x2 pairs
-        (columns 8j + 2t, 8j + 2t + 1), stored as e4m3 P; returns the sum of the 16 p (f16 tree sum,
-        in f32)."""
-        p = [
-            ptx.exp2_f16x2(
-                c.acc_s[2 * r + 4 * j] * logit_scale - bias, c.acc_s[1 + 2 * r + 4 * j] * logit_scale - bias
-            )
-            for j in range(8)
-        ]
-        quarter = [ptx.add_f16x2(p[2 * k], p[2 * k + 1]) for k in range(4)]
-        block_sum = ptx.sum_f16x2_to_f32(
-            ptx.add_f16x2(ptx.add_f16x2(quarter[0], quarter[1]), ptx.add_f16x2(quarter[2], quarter[3]))
-        )
-        for kstep in cutlass.range_constexpr(2):
-            for half in cutlass.range_constexpr(2):
-                j0 = 4 * kstep + 2 * half
-                addr = tile_addr + _swizzle64(row, 2 * kstep + half) + 4 * c.quad_lane
-                ptx.st_shared_u32(addr, ptx.pack_e4m3x4_from_f16x2(p[j0], p[j0 + 1]))
         return block_sum
 
     @cute.jit
@@ -950,8 +701,8 @@ class SparsePrefillSm90:
         own = c.work.block_base + own
         split = Int32(0)
         if has_prev:
-            prev_buffer = prev % NUM_KV_TILES
-            phase = (prev // NUM_KV_TILES) % 2
+            prev_buffer = KV_RING.index(prev)
+            phase = KV_RING.phase(prev)
             cute.arch.mbarrier_wait(c.mbar_p_full + prev_buffer, phase)  # P, m, alpha of prev
             cute.arch.mbarrier_wait(c.mbar_kv_full + prev_buffer, phase)  # its cp.async writes
             if c.s_moved[prev_buffer] == prev:
@@ -959,22 +710,22 @@ class SparsePrefillSm90:
                 self.rescale_o(c, prev_buffer)
             if has_own:
                 # Own P is this warpgroup's: wait for all of it (and the moved flag).
-                cute.arch.mbarrier_wait(c.mbar_p_full + own % NUM_KV_TILES, (own // NUM_KV_TILES) % 2)
-                split = cute.arch.make_warp_uniform(Int32(c.s_moved[own % NUM_KV_TILES] == own))
+                KV_RING.wait(c.mbar_p_full, own)
+                split = cute.arch.make_warp_uniform(Int32(c.s_moved[KV_RING.index(own)] == own))
         if has_prev & has_own & (split == 0):
             self.pv_run(c, (prev, own))
-            cute.arch.mbarrier_arrive(c.mbar_kv_empty + prev % NUM_KV_TILES)
-            cute.arch.mbarrier_arrive(c.mbar_kv_empty + own % NUM_KV_TILES)
+            KV_RING.arrive(c.mbar_kv_empty, prev)
+            KV_RING.arrive(c.mbar_kv_empty, own)
         else:
             if has_prev:
                 self.pv_run(c, (prev,))
-                cute.arch.mbarrier_arrive(c.mbar_kv_empty + prev % NUM_KV_TILES)
+                KV_RING.arrive(c.mbar_kv_empty, prev)
                 warpgroup.wait_group(0)  # drained inside this branch (else ptxas serialises: C7512)
             if has_own:
                 if split != 0:  # own block moved the max: rescale between the two products
-                    self.rescale_o(c, own % NUM_KV_TILES)
+                    self.rescale_o(c, KV_RING.index(own))
                 self.pv_run(c, (own,))
-                cute.arch.mbarrier_arrive(c.mbar_kv_empty + own % NUM_KV_TILES)
+                KV_RING.arrive(c.mbar_kv_empty, own)
 
     @cute.jit
     def pv_run(self, c: Consumer, blocks):
@@ -996,7 +747,7 @@ class SparsePrefillSm90:
         words = cute.recast_tensor(frag, Uint32)
         d_tile = c.index * D_TILES_PER_CONSUMER + mt  # 64-column tile of d (0..7)
         for i, block in enumerate(blocks):
-            tile_base = c.sK_base + (block % NUM_KV_TILES) * self.k_tile_bytes + d_tile * TILE_ROW_GROUP_BYTES
+            tile_base = c.sK_base + KV_RING.index(block) * self.k_tile_bytes + d_tile * TILE_ROW_GROUP_BYTES
             for half in cutlass.range_constexpr(2):
                 self.load_v_fragment(words, 2 * i + half, tile_base, half, c.warp, c.lane)
         warpgroup.fence()
@@ -1007,7 +758,7 @@ class SparsePrefillSm90:
                         c.tiled_mma_pv,
                         c.acc_o[mt],
                         frag[None, None, 2 * i + half],
-                        c.tOrP[None, None, half, (block % NUM_KV_TILES) * self.p_terms + term],
+                        c.tOrP[None, None, half, KV_RING.index(block) * self.p_terms + term],
                         c.acc_o[mt],
                     )
         warpgroup.commit_group()
@@ -1022,7 +773,7 @@ class SparsePrefillSm90:
         [V[2t][2g], V[2t][2g+1], V[2t+1][2g], V[2t+1][2g+1]]; the permutes gather the e4m3 A
         registers a0 = (d 2g, slots 2t, 2t+1, 8+2t, 9+2t), a1 = the same for d 2g+1, and a2, a3 for
         slots + 16."""
-        addr = tile_base + _swizzle64(half * 32 + lane, warp)
+        addr = tile_base + swizzle_offset(half * 32 + lane, warp, SW64_TILE_COLS)
         m0, m1, m2, m3 = ptx.ldmatrix_x4_trans(addr)
         words[4 * ks + 0] = ptx.prmt(m0, m1, 0x6420)
         words[4 * ks + 1] = ptx.prmt(m0, m1, 0x7531)
@@ -1033,18 +784,11 @@ class SparsePrefillSm90:
     def publish_row_stats(self, c: Consumer):
         """After this consumer's last own softmax (or at once when it owns no block): its row sums
         (relative to its last own max), that max and the exact row maxima, for both consumers'
-        epilogues; signals ``BAR_STATS_PUBLISHED + c`` without waiting."""
-        for r in cutlass.range_constexpr(2):
-            row = c.warp * 16 + c.quad_row + 8 * r
-            total = c.row_sum[r]
-            total += cute.arch.shuffle_sync_bfly(total, offset=1)
-            total += cute.arch.shuffle_sync_bfly(total, offset=2)
-            if c.quad_lane == 0:
-                c.s_row_sum[row, c.index] = total
-                c.s_max_own[row, c.index] = c.row_max_own[r]
-                c.s_max_true[row, c.index] = c.row_max_true[r]
+        epilogues; signals ``NamedBarrierFp8.StatsPublished0 + c`` without waiting."""
+        tables = ((c.s_max_own, c.row_max_own), (c.s_max_true, c.row_max_true))
+        publish_row_stats(c.row_sum, c.s_row_sum, tables, c.warp, c.quad_row, c.quad_lane, c.index)
         cute.arch.barrier_arrive(
-            barrier_id=BAR_STATS_PUBLISHED + c.index, number_of_threads=2 * THREADS_PER_WG
+            barrier_id=int(NamedBarrierFp8.StatsPublished0) + c.index, number_of_threads=CONSUMER_THREADS
         )
 
     @cute.jit
@@ -1056,10 +800,12 @@ class SparsePrefillSm90:
         # statistics after its last own softmax (``publish_row_stats``), usually while this one
         # still ran PV, so the first consumer to finish writes its half of out while the other
         # runs its last PV.
-        cute.arch.barrier(barrier_id=BAR_STATS_PUBLISHED + 1 - c.index, number_of_threads=2 * THREADS_PER_WG)
-        last_buffer = (c.work.block_base + c.work.num_blocks + NUM_KV_TILES - 1) % NUM_KV_TILES
+        cute.arch.barrier(
+            barrier_id=int(NamedBarrierFp8.StatsPublished1) - c.index, number_of_threads=CONSUMER_THREADS
+        )
+        last_buffer = KV_RING.index_before(c.work.block_base + c.work.num_blocks)
         for r in cutlass.range_constexpr(2):
-            row = c.warp * 16 + c.quad_row + 8 * r
+            row = accumulator_row(c.warp, c.quad_row, r)
             out_row = c.work.tile * B_H + row
             max_used = -Float32.inf  # m_final
             if c.work.num_blocks > 0:
@@ -1070,25 +816,18 @@ class SparsePrefillSm90:
                 if c.s_max_own[row, k] != max_used:
                     part = part * cute.math.exp2(c.s_max_own[row, k] - max_used, fastmath=True)
                 scaled_sum += part
-            denom = scaled_sum
-            if (flags & 2) != 0:
-                sink_log2 = mSink[c.work.head_group * B_H + row] * LOG2_E
-                denom += cute.math.exp2(sink_log2 - max_used + P_SCALE_LOG2, fastmath=True)
-            out_scale = Float32(0.0)
-            if scaled_sum > 0.0:
-                out_scale = kv_scale / denom
+            out_scale = output_scale(
+                scaled_sum, max_used, kv_scale, flags, mSink, c.work.head_group, row, P_SCALE_LOG2
+            )
             if c.quad_lane == 0:
                 c.s_out_scale[row, c.index] = out_scale
                 if c.index == 0:
-                    if scaled_sum > 0.0:
-                        true_max = cute.arch.fmax(c.s_max_true[row, 0], c.s_max_true[row, 1])
-                        mMaxLogits[out_row] = true_max * LN_2
-                        log2_sum = cute.math.log2(scaled_sum, fastmath=True) - P_SCALE_LOG2
-                        mLse[out_row] = (max_used + log2_sum) * LN_2
-                    else:
-                        mMaxLogits[out_row] = -Float32.inf
-                        mLse[out_row] = Float32.inf
-        cute.arch.barrier(barrier_id=BAR_SCALE_READY + c.index, number_of_threads=THREADS_PER_WG)
+                    write_max_logits_lse(
+                        mMaxLogits, mLse, out_row, scaled_sum, max_used, c.s_max_true, row, P_SCALE_LOG2
+                    )
+        cute.arch.barrier(
+            barrier_id=int(NamedBarrierFp8.ScaleReady0) + c.index, number_of_threads=THREADS_PER_WG
+        )
 
         out_base = mOut.iterator.toint()
         for j in cutlass.range_constexpr(8):

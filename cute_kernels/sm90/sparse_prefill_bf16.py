@@ -1,122 +1,62 @@
-"""SM90 BF16 sparse MLA prefill: out = softmax(q . kv[idx]^T) . kv[idx, :512], TMA + WGMMA bf16.
+"""SM90 BF16 sparse MLA prefill: the bf16 counterpart of ``sparse_prefill`` (bf16 TMA + WGMMA).
 
-The bf16 instantiation of the FP8 kernel in ``sparse_prefill.py`` (same semantics with
-q_scale = kv_scale = 1). One CTA per (query token, group of B_H = 64 heads): the Q tile is
-[64, d_qk] bf16, the CTA walks the token's ``topk`` gathered KV rows in blocks of B_TOPK = 32
-rows, two blocks (a *pair*, 64 rows) at a time, so ``topk % 128 == 0`` (the wrapper's contract,
-shared with the FP8 kernel; 64 would do).
+Same semantics with q_scale = kv_scale = 1. A CTA computes 64 heads of one token; its producer
+warpgroup gathers the token's KV rows in blocks of 32 into a ring of 3-4 slots, consumer c computes
+S and P of block c of each pair (a speculative lazy running max, redone when it moves) and
+O = P . V for half c of d_v, V read MN-major from the gathered tiles. Design: docs/kernel.md.
 
-Shared memory (the binding limit: 227 KiB): Q [64, d_qk] (64 / 72 KiB), a ring of NUM_SLOTS
-gathered 32-row blocks (32 / 36 KiB each: 4 slots at d_qk 512, 3 at 576), P of a pair in bf16
-[64 heads, 64 slots] double-buffered by pair parity (16 KiB), barriers and row statistics.
-Every tile (Q, K blocks, P) is K-major with the 128-byte swizzle (rows of 64 bf16, 8-row atoms,
-16-byte chunk ^= row % 8), one [rows x 128 B] column tile after another.
-
-Warp roles (384 threads, ``setmaxregister``; launched with ``min_blocks_per_mp=1``):
-
-- WG0, the producer (PRODUCER_REGS). One thread issues the Q tile's TMA. Block b of the token
-  goes to ring slot b % NUM_SLOTS: after that slot's ``kv_empty`` barrier, the four warps gather
-  its 32 rows (warp w: rows 8w..8w+7; lane: 16-byte chunk lane % 8 of rows lane // 8 and
-  lane // 8 + 4, one 128-byte column tile per instruction) with 16-byte ``cp.async`` (L2
-  evict-last) straight into the swizzled tile, then arrive on the slot's ``kv_full`` barrier
-  (``cp.async.mbarrier.arrive.noinc``, 128 arrivals). A slot that is not valid (index outside
-  [0, s_kv), or slot >= topk_length) is zero-filled (src-size 0) and never read.
-- WG1 / WG2, the consumers c = 0 / 1 (CONSUMER_REGS). Consumer c owns block 2p + c of pair p
-  for S and half c of d_v (256 columns) for O.
-  1. S_c = Q . K_c^T: SS WGMMA m64n32k16 over d_qk (bf16 x bf16 -> f32), 16 f32 per thread.
-  2. Softmax exactly like the FP8 kernel (exp2 domain, logit scale sm_scale*log2(e) folded into
-     the exponent): invalid slots -inf, block row maxima published in shared memory; on the
-     first pair both consumers agree on the running max (named barrier 1); later pairs go
-     ahead speculatively with the max both share and only redo the pair synchronously when a
-     block max passes the lazy threshold (RESCALE_THRESHOLD, log2 units). P = exp2(S - m) is
-     stored unscaled in bf16 into this consumer's 32 columns of the pair's P tile (named
-     barrier 2 publishes both halves). The row sums accumulate the unrounded f32 p.
-  3. O_c[h, d] += P[h, slot] . V[slot, d]: SS WGMMA m64n256k16, 4 k-steps (16 slots each, two
-     per block). A = P (K-major), B = V read MN-major straight from the gathered K-major
-     rows: a [32 slots x 64 d] column tile of a block is exactly the MN-major 128-byte-swizzled
-     B atom layout (d contiguous, 8-slot groups 1024 B apart), so V needs no transposed copy.
-     O is 64 x 256 f32 = 128 registers per thread, not transposed: the rows a thread owns are
-     the rows of its S, so the O rescale of a synchronous redo needs no exchange.
-  After the PV group completes, every consumer thread arrives on both blocks' ``kv_empty``
-  barriers (256 arrivals), so a slot is refilled only after both consumers' PV read it.
-  Schedule per consumer: QK(p), softmax(p), PV(p), in turn (no WGMMA in flight across the loop's
-  back edge, branches around WGMMAs depend only on warp-uniform values: ptxas does not
-  serialise them). A block past topk_length (the second block of the last pair) is zero-filled
-  and fully masked.
-- Epilogue: row sums exchanged (named barrier 3); out = O / (sum + exp(sink - m)) in bf16;
-  max_logits = true max * ln2, lse = (m + log2(sum)) * ln2. A row with no valid slot writes
-  out = 0, max_logits = -inf, lse = +inf.
-
-Barriers: mbarriers ``q_full``; ``kv_full[slot]`` (128 producer arrivals, cp.async noinc) and
-``kv_empty[slot]`` (256 consumer arrivals), block b uses phase (b // NUM_SLOTS) % 2. Shared
-buffers both consumers write per pair (row maxima, P, the redo flag) are double-buffered by pair
-parity.
-
-Constraints: h % 64 == 0 (the wrapper pads heads), topk % 128 == 0, d_qk in {512, 576},
-d_v = 512, q/out/max_logits/lse row-major, q 16-byte aligned, kv rows 16-byte aligned.
-``topk_length`` values are clamped to [0, topk]; only ceil(topk_length / 64) pairs are visited and
-only the rows below topk_length are read.
+Constraints: those of ``sparse_prefill``, and q 16-byte aligned.
 """
 
-import math
+import functools
 from typing import NamedTuple
 
 import cutlass
 import cutlass.cute as cute
 import cutlass.utils.hopper_helpers as sm90_utils
-from cutlass import Float32, Int32, Int64, Uint32, const_expr
-from cutlass.cute.nvgpu import OperandMajorMode, cpasync, warpgroup
+from cutlass import BFloat16, Float32, Int32, Int64, const_expr
+from cutlass.cute.nvgpu import OperandMajorMode, warpgroup
 
 from cute_kernels import ptx
-from cute_kernels.sm90.row_views import load_q_tile, make_row_views, tile_position
+from cute_kernels.sm90.cta import (
+    B_H,
+    CONSUMER_THREADS,
+    D_V,
+    PRODUCER_WARPS,
+    THREADS_PER_WG,
+    AttentionKernel,
+    consumer_index,
+    init_cta,
+    launch_cta,
+)
+from cute_kernels.sm90.epilogue import output_scale, publish_row_stats, write_max_logits_lse
+from cute_kernels.sm90.mask import accumulator_row, mask_and_row_max, slot_valid_bits
+from cute_kernels.sm90.named_barrier import NamedBarrierBf16
+from cute_kernels.sm90.ring import Ring
+from cute_kernels.sm90.row_gather import RowGather, copy_rows, slot_valid_flag, swizzle_offset
+from cute_kernels.sm90.row_views import load_q_tile
+from cute_kernels.sm90.shared_storage import allocate_shared_storage, tile_region, tile_tensor
+from cute_kernels.sm90.tile_scheduler import TileScheduler, TileWork
 
-B_H = 64  # heads per CTA: one WGMMA M tile
 B_TOPK = 32  # gathered KV rows per block: the N tile of S, two k-steps of the PV product
 PAIR = 2 * B_TOPK  # rows per loop iteration (one block per consumer)
-D_V = 512  # value width: the first 512 columns of each KV row
 D_V_PER_CONSUMER = 256  # the N tile of O per consumer
 ELEM_BYTES = 2
 SW128_ROW_BYTES = 128  # bytes per row of one 128-byte-swizzled column tile (64 bf16)
 SW128_COLS = SW128_ROW_BYTES // ELEM_BYTES
 COL_TILE_BYTES = B_TOPK * SW128_ROW_BYTES  # one [32 rows x 128 B] column tile of a block
 P_TILE_BYTES = B_H * PAIR * ELEM_BYTES  # P of one pair: [64 heads x 64 slots] bf16
+PAIR_PARITY = Ring(2)  # pair p writes P, the row maxima and the redo flag into buffer p % 2
 RESCALE_THRESHOLD = 8.0  # log2 units: the running max moves only past this (P <= 2^8 in bf16)
 MAX_SMEM_BYTES = 232448  # SM90 opt-in dynamic shared memory per block
 
-THREADS_PER_WG = 128
-NUM_THREADS = 3 * THREADS_PER_WG
 PRODUCER_REGS = 40
 CONSUMER_REGS = 232
-
-# Named barrier ids (0 is __syncthreads).
-BAR_MAX_READY = 1  # both consumers published their block's row maxima
-BAR_P_READY = 2  # both consumers stored their half of P
-BAR_SUM_READY = 3  # both consumers published their row sums (epilogue)
-
-LOG2_E = math.log2(math.e)
-LN_2 = math.log(2.0)
 
 
 def num_slots_for(d_qk: int) -> int:
     """Ring slots (32-row blocks) that fit next to Q, P and the statistics: 4 at 512, 3 at 576."""
     return 4 if d_qk == 512 else 3
-
-
-def _swizzle128(row, chunk16):
-    """Byte offset of 16-byte chunk ``chunk16`` (0..7) of ``row`` inside a [rows x 128 B] column
-    tile with the WGMMA 128-byte swizzle (Swizzle<3,4,3>: chunk ^= row & 7)."""
-    return row * SW128_ROW_BYTES + ((chunk16 ^ (row & 7)) << 4)
-
-
-class CtaWork(NamedTuple):
-    """What one CTA computes (trace-time bundle of runtime values)."""
-
-    bid: Int32  # CTA index: row tile [64 * bid, 64 * bid + 64) of the (token, head) rows
-    token: Int32
-    head_group: Int32
-    valid_len: Int32  # topk_length clamped to [0, topk] (topk when not given)
-    num_blocks: Int32  # ceil(valid_len / 32)
-    num_pairs: Int32  # ceil(valid_len / 64)
 
 
 class Consumer(NamedTuple):
@@ -127,7 +67,7 @@ class Consumer(NamedTuple):
     lane: Int32
     quad_row: Int32  # g: C-fragment row inside the warp's 16 rows
     quad_lane: Int32  # t: C-fragment column pair 2t, 2t+1
-    work: CtaWork
+    work: TileWork
     tiled_mma_qk: cute.TiledMma
     tiled_mma_pv: cute.TiledMma
     tSrQ: cute.Tensor  # Q descriptors (MMA, 1, d_qk/16)
@@ -150,22 +90,42 @@ class Consumer(NamedTuple):
     scale_log2: Float32  # sm_scale * log2(e)
 
 
-class SparsePrefillBf16Sm90:
+class SparsePrefillBf16Sm90(AttentionKernel):
     """Compile-time configuration of the bf16 kernel: ``d_qk`` (512 or 576)."""
+
+    SMEM_ATOM_KIND = warpgroup.SmemLayoutAtomKind.K_SW128
+    ELEMENT_TYPE = BFloat16
 
     def __init__(self, d_qk: int):
         if d_qk not in (512, 576):
             raise ValueError(f"d_qk must be 512 or 576, got {d_qk}")
         self.d_qk = d_qk
         self.num_slots = num_slots_for(d_qk)
+        self.scheduler = TileScheduler(False, B_TOPK)  # one tile per CTA
+        self.kv_ring = Ring(self.num_slots)  # block b: KV slot b % num_slots and its barriers
         self.k_tile_bytes = B_TOPK * d_qk * ELEM_BYTES  # one gathered block in shared memory
         self.q_tile_bytes = B_H * d_qk * ELEM_BYTES
+        self.q_shape = (B_H, d_qk)
+        self.k_shape = (B_TOPK, d_qk, self.num_slots)
+        self.p_shape = (B_H, PAIR, 2)  # [parity] P tiles of a pair
 
-    def shared_memory_bytes(self) -> int:
-        """Dynamic shared memory per CTA (the SharedStorage struct built in ``__call__``)."""
-        barriers_and_stats = 8 * (1 + 2 * self.num_slots) + 4 * B_H * (4 + 2 + 2) + 4 * 2
-        aligned = -(-barriers_and_stats // 1024) * 1024
-        return aligned + self.q_tile_bytes + self.num_slots * self.k_tile_bytes + 2 * P_TILE_BYTES
+    def shared_storage(self):
+        """The CTA's shared memory: barriers and row statistics, then the Q, KV block and P tiles."""
+
+        @cute.struct
+        class SharedStorage:
+            mbar_q: cute.struct.MemRange[Int64, 1]
+            mbar_kv_full: cute.struct.MemRange[Int64, self.num_slots]
+            mbar_kv_empty: cute.struct.MemRange[Int64, self.num_slots]
+            row_max: cute.struct.MemRange[Float32, B_H * 2 * 2]  # [row, consumer, parity]
+            row_sum: cute.struct.MemRange[Float32, B_H * 2]  # [row, consumer]
+            max_true: cute.struct.MemRange[Float32, B_H * 2]  # [row, consumer]
+            update: cute.struct.MemRange[Int32, 2]  # [parity]
+            sQ: tile_region(BFloat16, self.q_shape)
+            sK: tile_region(BFloat16, self.k_shape)
+            sP: tile_region(BFloat16, self.p_shape)
+
+        return SharedStorage
 
     # ------------------------------------------------------------------------------------
     # Host side: layouts, TMA atom, shared storage, launch
@@ -185,13 +145,8 @@ class SparsePrefillBf16Sm90:
         flags: Int32,  # bit 0: topk_length given, bit 1: attn_sink given
         stream,
     ):
-        bf16 = mQ.element_type
-        views = make_row_views(mQ, mKV, mIdx, mMaxLogits, mLse, self.d_qk)
-
-        smem_atom = warpgroup.make_smem_layout_atom(warpgroup.SmemLayoutAtomKind.K_SW128, bf16)
-        sQ_layout = cute.tile_to_shape(smem_atom, (B_H, self.d_qk), (0, 1))
-        sK_layout = cute.tile_to_shape(smem_atom, (B_TOPK, self.d_qk, self.num_slots), (0, 1, 2))
-        sP_layout = cute.tile_to_shape(smem_atom, (B_H, PAIR, 2), (0, 1, 2))
+        views, layouts, tma_atom_q, tma_tensor_q = self.host_setup(mQ, mKV, mIdx, mMaxLogits, mLse)
+        sQ_layout, sK_layout, sP_layout = layouts
         # V as the MN-major B operand of PV, viewing the same gathered tiles: (d, slot, ring slot,
         # consumer) with d = (64 inside a column tile, 4 column tiles), slot = (8 rows of an
         # atom, 4 atoms); the consumer's half starts 4 column tiles further.
@@ -204,46 +159,27 @@ class SparsePrefillBf16Sm90:
                 4 * COL_TILE_BYTES // ELEM_BYTES,
             ),
         )
-
-        tma_atom_q, tma_tensor_q = cpasync.make_tiled_tma_atom(
-            cpasync.CopyBulkTensorTileG2SOp(), views.q, sQ_layout, (B_H, self.d_qk)
-        )
-
-        @cute.struct
-        class SharedStorage:
-            mbar_q: cute.struct.MemRange[Int64, 1]
-            mbar_kv_full: cute.struct.MemRange[Int64, self.num_slots]
-            mbar_kv_empty: cute.struct.MemRange[Int64, self.num_slots]
-            row_max: cute.struct.MemRange[Float32, B_H * 2 * 2]  # [row, consumer, parity]
-            row_sum: cute.struct.MemRange[Float32, B_H * 2]  # [row, consumer]
-            max_true: cute.struct.MemRange[Float32, B_H * 2]  # [row, consumer]
-            update: cute.struct.MemRange[Int32, 2]  # [parity]
-            sQ: cute.struct.Align[cute.struct.MemRange[bf16, cute.cosize(sQ_layout)], 1024]
-            sK: cute.struct.Align[cute.struct.MemRange[bf16, cute.cosize(sK_layout)], 1024]
-            sP: cute.struct.Align[cute.struct.MemRange[bf16, cute.cosize(sP_layout)], 1024]
-
-        self.kernel(
-            tma_atom_q,
-            tma_tensor_q,
-            views.kv,
-            views.indices,
-            mTopkLen,
-            mSink,
-            mOut,
-            views.max_logits,
-            views.lse,
-            sm_scale_log2,
-            flags,
-            sQ_layout,
-            sK_layout,
-            sP_layout,
-            sV_outer,
-            SharedStorage,
-        ).launch(
-            grid=[views.rows // B_H, 1, 1],
-            block=[NUM_THREADS, 1, 1],
-            stream=stream,
-            min_blocks_per_mp=1,
+        launch_cta(
+            self.kernel(
+                tma_atom_q,
+                tma_tensor_q,
+                views.kv,
+                views.indices,
+                mTopkLen,
+                mSink,
+                mOut,
+                views.max_logits,
+                views.lse,
+                sm_scale_log2,
+                flags,
+                sQ_layout,
+                sK_layout,
+                sP_layout,
+                sV_outer,
+                self.shared_storage(),
+            ),
+            self.scheduler.grid_size(views.rows // B_H),
+            stream,
         )
 
     # ------------------------------------------------------------------------------------
@@ -272,42 +208,26 @@ class SparsePrefillBf16Sm90:
         warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
         bid, _, _ = cute.arch.block_idx()
 
-        smem = cutlass.utils.SmemAllocator()
-        storage = smem.allocate(SharedStorage)
+        storage = allocate_shared_storage(SharedStorage)
         mbar_q = storage.mbar_q.data_ptr()
         mbar_kv_full = storage.mbar_kv_full.data_ptr()
         mbar_kv_empty = storage.mbar_kv_empty.data_ptr()
-        sQ = storage.sQ.get_tensor(sQ_layout.outer, swizzle=sQ_layout.inner)
-        sK = storage.sK.get_tensor(sK_layout.outer, swizzle=sK_layout.inner)
+        sQ = tile_tensor(storage.sQ, sQ_layout)
+        sK = tile_tensor(storage.sK, sK_layout)
         sV = storage.sK.get_tensor(sV_outer, swizzle=sK_layout.inner)
-        sP = storage.sP.get_tensor(sP_layout.outer, swizzle=sP_layout.inner)
-
-        if warp_idx == 0:
-            cpasync.prefetch_descriptor(tma_atom_q)
-            with cute.arch.elect_one():
-                cute.arch.mbarrier_init(mbar_q, 1)
-                for i in cutlass.range_constexpr(self.num_slots):
-                    cute.arch.mbarrier_init(mbar_kv_full + i, THREADS_PER_WG)
-                    cute.arch.mbarrier_init(mbar_kv_empty + i, 2 * THREADS_PER_WG)
-            cute.arch.mbarrier_init_fence()
-        cute.arch.sync_threads()
-
-        token, head_group, valid_len = tile_position(bid, mIdx, mOut, mTopkLen, flags, B_H)
-        work = CtaWork(
-            bid=bid,
-            token=token,
-            head_group=head_group,
-            valid_len=valid_len,
-            num_blocks=(valid_len + B_TOPK - 1) // B_TOPK,
-            num_pairs=(valid_len + PAIR - 1) // PAIR,
+        sP = tile_tensor(storage.sP, sP_layout)
+        init_cta(
+            warp_idx, tma_atom_q, functools.partial(self.init_barriers, mbar_q, mbar_kv_full, mbar_kv_empty)
         )
 
-        if warp_idx < 4:
+        work = self.scheduler.work(self.scheduler.cta_tiles(bid, mIdx, mTopkLen, mOut, flags), 0, 0)
+
+        if warp_idx < PRODUCER_WARPS:
             cute.arch.setmaxregister_decrease(PRODUCER_REGS)
             self.produce(tma_atom_q, mQ_tma, sQ, sK, mKV, mIdx, mbar_q, mbar_kv_full, mbar_kv_empty, work)
         else:
             cute.arch.setmaxregister_increase(CONSUMER_REGS)
-            consumer = warp_idx // 4 - 1  # warp-uniform, so branches on it are not divergent
+            consumer = consumer_index(warp_idx)
             smem_stats = (
                 storage.row_max.get_tensor(cute.make_layout((B_H, 2, 2))),
                 storage.row_sum.get_tensor(cute.make_layout((B_H, 2))),
@@ -335,6 +255,15 @@ class SparsePrefillBf16Sm90:
                 work,
             )
 
+    @cute.jit
+    def init_barriers(self, mbar_q, mbar_kv_full, mbar_kv_empty):
+        """(One thread.) q_full: the TMA; per ring slot, kv_full: the producer warpgroup (cp.async
+        arrivals), kv_empty: both consumers."""
+        cute.arch.mbarrier_init(mbar_q, 1)
+        for i in cutlass.range_constexpr(self.num_slots):
+            cute.arch.mbarrier_init(mbar_kv_full + i, THREADS_PER_WG)
+            cute.arch.mbarrier_init(mbar_kv_empty + i, CONSUMER_THREADS)
+
     # ------------------------------------------------------------------------------------
     @cute.jit
     def produce(self, tma_atom_q, mQ_tma, sQ, sK, mKV, mIdx, mbar_q, mbar_kv_full, mbar_kv_empty, work):
@@ -342,41 +271,24 @@ class SparsePrefillBf16Sm90:
         warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
         lane = cute.arch.lane_idx()
         if warp_idx == 0:
-            load_q_tile(tma_atom_q, mQ_tma, sQ, mbar_q, work.bid, B_H, self.d_qk, self.q_tile_bytes)
+            load_q_tile(tma_atom_q, mQ_tma, sQ, mbar_q, work.tile, B_H, self.d_qk, self.q_tile_bytes)
 
-        s_kv = cute.size(mKV, mode=[0])
-        kv_row_stride = Int64(mKV.stride[0]) * ELEM_BYTES
-        kv_base = mKV.iterator.toint()
-        sK_base = sK.iterator.toint()
-        chunk16 = lane % 8  # 16-byte chunk of a 128-byte column tile this lane copies
+        # Lane: 16-byte chunk lane % 8 of each 128-byte column tile (of rows row0 and row0 + 4).
+        gather = RowGather(mKV, sK, self.d_qk, lane, SW128_ROW_BYTES, B_TOPK)
         row0 = warp_idx * 8 + lane // 8  # this lane copies rows row0 and row0 + 4 of each block
 
         for block in cutlass.range(2 * work.num_pairs, unroll=1):
-            ring = block % self.num_slots
-            phase = (block // self.num_slots) % 2
+            ring = self.kv_ring.index(block)
+            phase = self.kv_ring.phase(block)
             slot_a = block * B_TOPK + row0
             slot_b = slot_a + 4
             kv_a = mIdx[work.token, slot_a]
             kv_b = mIdx[work.token, slot_b]
-            valid_a = Int32(0)
-            if (kv_a >= 0) & (kv_a < s_kv) & (slot_a < work.valid_len):
-                valid_a = Int32(1)
-            valid_b = Int32(0)
-            if (kv_b >= 0) & (kv_b < s_kv) & (slot_b < work.valid_len):
-                valid_b = Int32(1)
+            valid_a = slot_valid_flag(kv_a, slot_a, gather.s_kv, work.valid_len)
+            valid_b = slot_valid_flag(kv_b, slot_b, gather.s_kv, work.valid_len)
             cute.arch.mbarrier_wait(mbar_kv_empty + ring, phase ^ 1)
-            tile_base = sK_base + ring * self.k_tile_bytes
-            g_a = kv_base + Int64(kv_a * valid_a) * kv_row_stride + chunk16 * 16
-            g_b = kv_base + Int64(kv_b * valid_b) * kv_row_stride + chunk16 * 16
-            s_a = tile_base + _swizzle128(row0, chunk16)
-            s_b = tile_base + _swizzle128(row0 + 4, chunk16)
-            for col_tile in cutlass.range_constexpr(self.d_qk // SW128_COLS):
-                ptx.cp_async_16_zfill(
-                    s_a + col_tile * COL_TILE_BYTES, g_a + col_tile * SW128_ROW_BYTES, valid_a * 16
-                )
-                ptx.cp_async_16_zfill(
-                    s_b + col_tile * COL_TILE_BYTES, g_b + col_tile * SW128_ROW_BYTES, valid_b * 16
-                )
+            tile_base = gather.sK_base + ring * self.k_tile_bytes
+            copy_rows(gather, tile_base, row0, ((0, kv_a, valid_a), (4, kv_b, valid_b)))
             cute.arch.cp_async_mbarrier_arrive_noinc(mbar_kv_full + ring)
         ptx.cp_async_wait_all()
 
@@ -473,9 +385,14 @@ class SparsePrefillBf16Sm90:
         if work.num_pairs > 0:
             for pair in cutlass.range(work.num_pairs, unroll=1):
                 self.issue_qk(c, pair)
-                valid_bits = self.block_valid_bits(c, pair)
+                first_slot = pair * PAIR + consumer * B_TOPK  # this consumer's block of the pair
+                valid_bits = slot_valid_bits(
+                    c.mIdx, work.token, first_slot, c.lane, c.quad_lane, c.s_kv, work.valid_len, 1
+                )
                 warpgroup.wait_group(0)  # S(pair)
-                block_maxima = self.softmax_block_max(c, pair, valid_bits)
+                block_maxima = mask_and_row_max(
+                    c.acc_s, valid_bits, c.scale_log2, functools.partial(self.publish_row_max, c, pair)
+                )
                 if pair == 0:
                     self.softmax_p(c, pair)  # O is still 0: nothing to rescale
                 else:
@@ -484,7 +401,7 @@ class SparsePrefillBf16Sm90:
                 # Drained every iteration: no WGMMA in flight across the loop's back edge (C7520).
                 warpgroup.wait_group(0)
                 for b in cutlass.range_constexpr(2):  # both consumers' PV read both blocks
-                    cute.arch.mbarrier_arrive(mbar_kv_empty + (2 * pair + b) % self.num_slots)
+                    self.kv_ring.arrive(mbar_kv_empty, 2 * pair + b)
 
         self.epilogue(c, mSink, mOut, mMaxLogits, mLse, flags)
 
@@ -495,8 +412,8 @@ class SparsePrefillBf16Sm90:
         zero-filled and fully masked; its product is not skipped (a branch around the WGMMAs makes
         ptxas inject warpgroup.arrive, C7519)."""
         block = 2 * pair + c.index
-        ring = block % self.num_slots
-        cute.arch.mbarrier_wait(c.mbar_kv_full + ring, (block // self.num_slots) % 2)
+        ring = self.kv_ring.index(block)
+        cute.arch.mbarrier_wait(c.mbar_kv_full + ring, self.kv_ring.phase(block))
         c.acc_s.fill(0.0)
         warpgroup.fence()
         for k in cutlass.range_constexpr(self.d_qk // 16):
@@ -504,70 +421,33 @@ class SparsePrefillBf16Sm90:
         warpgroup.commit_group()
 
     @cute.jit
-    def block_valid_bits(self, c: Consumer, pair):
-        """Validity of the 32 slots of block c of ``pair``: one bit per slot, shifted so bit 8j + e
-        is the slot of this thread's S column 8j + 2t + e, and whether every slot is valid
-        (warp-uniform)."""
-        slot = pair * PAIR + c.index * B_TOPK + c.lane
-        idx = c.mIdx[c.work.token, slot]
-        ok = (idx >= 0) & (idx < c.s_kv) & (slot < c.work.valid_len)
-        return (
-            Uint32(cute.arch.vote_ballot_sync(ok)) >> Uint32(2 * c.quad_lane),
-            cute.arch.vote_all_sync(ok),
-        )
-
-    @cute.jit
-    def softmax_block_max(self, c: Consumer, pair, valid_bits):
-        """Set invalid slots of S to -inf, publish the block's row maxima (exp2 domain) and return
-        them (this thread's rows r = 0, 1). S stays unscaled when the logit scale is positive
-        (the scale is folded into the exponent); a scale <= 0 is applied here first."""
-        valid, all_valid = valid_bits
-        if c.scale_log2 <= 0.0:
-            for i in cutlass.range_constexpr(cute.size(c.acc_s)):
-                c.acc_s[i] = c.acc_s[i] * c.scale_log2
-        if not all_valid:
-            for r in cutlass.range_constexpr(2):
-                for j in cutlass.range_constexpr(B_TOPK // 8):
-                    for e in cutlass.range_constexpr(2):
-                        i = e + 2 * r + 4 * j
-                        bit = (valid >> Uint32(8 * j + e)) & Uint32(1)
-                        c.acc_s[i] = c.acc_s[i] if bit != 0 else -Float32.inf
-        block_maxima = []
-        for r in cutlass.range_constexpr(2):
-            block_max = -Float32.inf
-            for j in cutlass.range_constexpr(B_TOPK // 8):
-                for e in cutlass.range_constexpr(2):
-                    block_max = cute.arch.fmax(block_max, c.acc_s[e + 2 * r + 4 * j])
-            block_max = cute.arch.fmax(block_max, cute.arch.shuffle_sync_bfly(block_max, offset=1))
-            block_max = cute.arch.fmax(block_max, cute.arch.shuffle_sync_bfly(block_max, offset=2))
-            if c.scale_log2 > 0.0:
-                block_max = block_max * c.scale_log2
-            if c.quad_lane == 0:
-                c.s_row_max[c.warp * 16 + c.quad_row + 8 * r, c.index, pair % 2] = block_max
-            block_maxima.append(block_max)
-        return block_maxima
+    def publish_row_max(self, c: Consumer, pair, r, row_max):
+        """Row ``r``'s max of this consumer's block of ``pair`` into shared memory (exp2 domain), for
+        the other consumer."""
+        if c.quad_lane == 0:
+            c.s_row_max[accumulator_row(c.warp, c.quad_row, r), c.index, PAIR_PARITY.index(pair)] = row_max
 
     @cute.jit
     def softmax_p(self, c: Consumer, pair):
         """First pair: agree on the running max with the other consumer (named barrier 1), store P
         (named barrier 2 publishes both halves)."""
-        cute.arch.barrier(barrier_id=BAR_MAX_READY, number_of_threads=2 * THREADS_PER_WG)
+        cute.arch.barrier(barrier_id=NamedBarrierBf16.MaxReady, number_of_threads=CONSUMER_THREADS)
         self.exp_with_pair_max(c, pair, False)
         cute.arch.fence_proxy("async.shared", space="cta")
-        cute.arch.barrier(barrier_id=BAR_P_READY, number_of_threads=2 * THREADS_PER_WG)
+        cute.arch.barrier(barrier_id=NamedBarrierBf16.PReady, number_of_threads=CONSUMER_THREADS)
 
     @cute.jit
     def softmax_p_speculative(self, c: Consumer, pair, block_maxima):
         """Later pairs: store P relative to the running max both consumers already share, with no
         exchange first; if some row's block max exceeds it by more than the threshold, the pair
         is flagged and both consumers redo it synchronously (new max, P rewritten, O rescaled)."""
-        parity = pair % 2
+        parity = PAIR_PARITY.index(pair)
         logit_scale = c.scale_log2 if c.scale_log2 > 0.0 else Float32(1.0)
         tile_addr = c.sP_base + parity * P_TILE_BYTES
         exceeds = False
         block_sums = []
         for r in cutlass.range_constexpr(2):
-            row = c.warp * 16 + c.quad_row + 8 * r
+            row = accumulator_row(c.warp, c.quad_row, r)
             c.row_max_true[r] = cute.arch.fmax(c.row_max_true[r], block_maxima[r])
             exceeds = exceeds | (block_maxima[r] > c.row_max_used[r] + RESCALE_THRESHOLD)
             max_used = c.row_max_used[r]
@@ -576,11 +456,11 @@ class SparsePrefillBf16Sm90:
         if exceeds:
             c.s_update[parity] = pair  # any thread: this pair needs the synchronous path
         cute.arch.fence_proxy("async.shared", space="cta")
-        cute.arch.barrier(barrier_id=BAR_P_READY, number_of_threads=2 * THREADS_PER_WG)
+        cute.arch.barrier(barrier_id=NamedBarrierBf16.PReady, number_of_threads=CONSUMER_THREADS)
         if c.s_update[parity] == pair:
             self.exp_with_pair_max(c, pair, True)
             cute.arch.fence_proxy("async.shared", space="cta")
-            cute.arch.barrier(barrier_id=BAR_P_READY, number_of_threads=2 * THREADS_PER_WG)
+            cute.arch.barrier(barrier_id=NamedBarrierBf16.PReady, number_of_threads=CONSUMER_THREADS)
         else:
             for r in cutlass.range_constexpr(2):
                 c.row_sum[r] = c.row_sum[r] + block_sums[r]
@@ -590,11 +470,11 @@ class SparsePrefillBf16Sm90:
         """Both consumers' block maxima are published: move the lazy running max where the pair's
         max exceeds it by more than the threshold, store P relative to it, accumulate the row
         sums and (``rescale``) multiply this thread's O rows by alpha."""
-        parity = pair % 2
+        parity = PAIR_PARITY.index(pair)
         logit_scale = c.scale_log2 if c.scale_log2 > 0.0 else Float32(1.0)
         tile_addr = c.sP_base + parity * P_TILE_BYTES
         for r in cutlass.range_constexpr(2):
-            row = c.warp * 16 + c.quad_row + 8 * r
+            row = accumulator_row(c.warp, c.quad_row, r)
             pair_max = cute.arch.fmax(c.s_row_max[row, 0, parity], c.s_row_max[row, 1, parity])
             c.row_max_true[r] = cute.arch.fmax(c.row_max_true[r], pair_max)
             alpha = Float32(1.0)
@@ -620,7 +500,11 @@ class SparsePrefillBf16Sm90:
             p0 = cute.math.exp2(c.acc_s[2 * r + 4 * j] * logit_scale - bias, fastmath=True)
             p1 = cute.math.exp2(c.acc_s[1 + 2 * r + 4 * j] * logit_scale - bias, fastmath=True)
             block_sum += p0 + p1
-            addr = tile_addr + _swizzle128(row, c.index * (B_TOPK // 8) + j) + 4 * c.quad_lane
+            addr = (
+                tile_addr
+                + swizzle_offset(row, c.index * (B_TOPK // 8) + j, SW128_ROW_BYTES)
+                + 4 * c.quad_lane
+            )
             ptx.st_shared_u32(addr, ptx.pack_bf16x2(p0, p1))
         return block_sum
 
@@ -630,14 +514,14 @@ class SparsePrefillBf16Sm90:
         # The other consumer's block is read too: wait on its barrier (a no-op wait by now) so
         # its cp.async writes are visible to this thread.
         other = 2 * pair + 1 - c.index
-        cute.arch.mbarrier_wait(c.mbar_kv_full + other % self.num_slots, (other // self.num_slots) % 2)
+        self.kv_ring.wait(c.mbar_kv_full, other)
         warpgroup.fence()
         for ks in cutlass.range_constexpr(PAIR // 16):
-            ring = (2 * pair + ks // 2) % self.num_slots
+            ring = self.kv_ring.index(2 * pair + ks // 2)
             cute.gemm(
                 c.tiled_mma_pv,
                 c.acc_o,
-                c.tOrP[None, None, ks, pair % 2],
+                c.tOrP[None, None, ks, PAIR_PARITY.index(pair)],
                 c.tOrV[None, None, ks % 2, ring, c.index],
                 c.acc_o,
             )
@@ -646,36 +530,21 @@ class SparsePrefillBf16Sm90:
     @cute.jit
     def epilogue(self, c: Consumer, mSink, mOut, mMaxLogits, mLse, flags):
         """Normalise O, apply the sink, write out (bf16), max_logits and lse."""
-        for r in cutlass.range_constexpr(2):
-            total = c.row_sum[r]
-            total += cute.arch.shuffle_sync_bfly(total, offset=1)
-            total += cute.arch.shuffle_sync_bfly(total, offset=2)
-            if c.quad_lane == 0:
-                c.s_row_sum[c.warp * 16 + c.quad_row + 8 * r, c.index] = total
-                c.s_max_true[c.warp * 16 + c.quad_row + 8 * r, c.index] = c.row_max_true[r]
-        cute.arch.barrier(barrier_id=BAR_SUM_READY, number_of_threads=2 * THREADS_PER_WG)
+        tables = ((c.s_max_true, c.row_max_true),)
+        publish_row_stats(c.row_sum, c.s_row_sum, tables, c.warp, c.quad_row, c.quad_lane, c.index)
+        cute.arch.barrier(barrier_id=NamedBarrierBf16.SumReady, number_of_threads=CONSUMER_THREADS)
         out_base = mOut.iterator.toint()
         for r in cutlass.range_constexpr(2):
-            row = c.warp * 16 + c.quad_row + 8 * r
-            out_row = c.work.bid * B_H + row
+            row = accumulator_row(c.warp, c.quad_row, r)
+            out_row = c.work.tile * B_H + row
             row_total = c.s_row_sum[row, 0] + c.s_row_sum[row, 1]
             max_used = c.row_max_used[r]
-            denom = row_total
-            if (flags & 2) != 0:
-                sink_log2 = mSink[c.work.head_group * B_H + row] * LOG2_E
-                denom += cute.math.exp2(sink_log2 - max_used, fastmath=True)
-            out_scale = Float32(0.0)
-            if row_total > 0.0:
-                out_scale = Float32(1.0) / denom
+            out_scale = output_scale(
+                row_total, max_used, Float32(1.0), flags, mSink, c.work.head_group, row, 0
+            )
             if c.quad_lane == 0:
                 if c.index == 0:
-                    if row_total > 0.0:
-                        true_max = cute.arch.fmax(c.s_max_true[row, 0], c.s_max_true[row, 1])
-                        mMaxLogits[out_row] = true_max * LN_2
-                        mLse[out_row] = (max_used + cute.math.log2(row_total, fastmath=True)) * LN_2
-                    else:
-                        mMaxLogits[out_row] = -Float32.inf
-                        mLse[out_row] = Float32.inf
+                    write_max_logits_lse(mMaxLogits, mLse, out_row, row_total, max_used, c.s_max_true, row, 0)
             row_addr = out_base + Int64(out_row) * (D_V * ELEM_BYTES)
             for j in cutlass.range_constexpr(D_V_PER_CONSUMER // 8):
                 d = c.index * D_V_PER_CONSUMER + 8 * j + 2 * c.quad_lane

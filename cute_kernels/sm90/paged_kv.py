@@ -1,41 +1,13 @@
 """Paged FP8 KV cache -> contiguous KV workspace: gather, dequantise, requantise (or widen to bf16).
 
-``out[r] = convert(cache token slot slots[r])`` for ``r < num_tokens``, and ``out[r] = 0`` for the
-``extra_rows`` rows after them (a landing zone) and for any slot outside
-``[0, num_pages * page_size)`` (never read). ``out`` is ``[num_tokens + extra_rows, 1, d_qk]``,
-row-major, e4m3 (per-tensor scale 1.0) or bf16.
+``out[r] = convert(cache token slot slots[r])`` for ``r < num_tokens``; zeros for the ``extra_rows``
+rows after them and for any slot outside ``[0, num_pages * page_size)``. Cache layouts MODEL1
+(d_qk 512, UE8M0 scales) and V3.2 (d_qk 576, float32 scales); ``out`` [rows, 1, d_qk] e4m3 or bf16,
+bit-exact with ``q8kv8.reference.gather_dequant_paged_reference``. One thread per 16-byte output
+chunk. Layouts and conversion: docs/kernel.md.
 
-Layouts (bytes from the start of page ``slot // page_size``, ``pos = slot % page_size``; page
-stride dynamic, a multiple of 16):
-
-- MODEL1 (DeepSeek V4, d_qk 512): nope e4m3 ``[448]`` at ``pos*576``, RoPE bf16 ``[64]`` at
-  ``pos*576 + 448``, UE8M0 scales ``[7]`` (+1 pad byte) at ``page_size*576 + pos*8``; scale t covers
-  nope values [64t, 64t+64).
-- V3.2 (d_qk 576): a 656-byte record at ``pos*656``: nope e4m3 ``[512]`` at +0, float32 scales
-  ``[4]`` at +512 (scale t covers nope values [128t, 128t+128)), RoPE bf16 ``[64]`` at +528.
-
-Conversion (bit-exact with ``q8kv8.reference.gather_dequant_paged_reference``):
-
-- nope: ``f32(e4m3) * f32(scale)`` (one ``mul.rn.f32``, no FMA, no flush-to-zero; a UE8M0 byte b
-  is the float32 2^(b-127): b = 0 is the subnormal 2^-127, b = 255 NaN), then rounded to nearest
-  even into e4m3 saturating at +-448 (``cvt.rn.satfinite``) or into bf16 (``cvt.rn``);
-- RoPE: bf16 -> f32 (exact) -> e4m3 (RN, saturating), or copied unchanged for a bf16 output.
-
-Algorithm: one thread per 16-byte output chunk, ``d_qk * out_bytes / 16`` threads per row (x:
-32/36 for e4m3, 64/72 for bf16) and 8 (e4m3) or 4 (bf16) rows per CTA (y), so a CTA is 256 or
-288 threads, whole warps. One pass over the bytes, every global access 16 bytes wide except the
-scale (4 B for V3.2, 1 B for MODEL1, shared by the row's threads through L1):
-
-- a nope chunk of an e4m3 row (16 values): one 16 B ``ld.global.nc`` + its scale, 16 products,
-  one 16 B store; of a bf16 row (8 values): one 8 B load, one 16 B store;
-- a RoPE chunk of an e4m3 row (16 values): two 16 B loads (32 bf16 bytes), one 16 B store; of a
-  bf16 row: a 16 B copy.
-
-The slot is read by every thread of its row (one L1 line); rows past ``num_tokens`` and invalid
-slots store zeros. ``slots`` is ``[num_tokens, words]`` int32 with any row stride: words = 1 for
-an int32 table, 2 for an int64 one seen as (low, high) words (a slot with a non-zero high word is
-invalid). Constraints: cache base and page stride 16-byte aligned, ``out`` 16-byte aligned and
-row-major, ``num_pages * page_size < 2^31``.
+Constraints: cache base and page stride 16-byte aligned, ``out`` 16-byte aligned and row-major,
+``num_pages * page_size < 2^31``.
 """
 
 from typing import NamedTuple
@@ -45,7 +17,14 @@ from cutlass import Int32, Int64, Uint32, const_expr
 from cutlass._mlir.dialects import llvm
 from cutlass.cutlass_dsl import T, dsl_user_op
 
-from cute_kernels.ptx import _asm
+from cute_kernels.ptx import (
+    inline_asm,
+    ld_global_nc_b32,
+    ld_global_nc_u8,
+    ld_global_nc_v2,
+    ld_global_nc_v4,
+    st_global_v4,
+)
 
 CHUNK_BYTES = 16  # bytes per thread per row: one vector store
 ROWS_PER_CTA_E4M3 = 8  # rows per CTA for an e4m3 output (half as many for bf16): 256 or 288 threads
@@ -70,65 +49,13 @@ LAYOUTS = {
 
 
 # ------------------------------------------------------------------------------------------
-# Inline PTX: loads, stores and the conversions (explicit rounding, no FMA, no FTZ)
+# Inline PTX: the conversions (explicit rounding, no FMA, no FTZ)
 # ------------------------------------------------------------------------------------------
-@dsl_user_op
-def ld_global_nc_v4(gmem_addr, *, loc=None, ip=None):
-    """16-byte read-only global load: four 32-bit words."""
-    res = _asm(
-        llvm.StructType.get_literal([T.i32()] * 4),
-        [Int64(gmem_addr).ir_value(loc=loc, ip=ip)],
-        "ld.global.nc.v4.b32 {$0, $1, $2, $3}, [$4];",
-        "=r,=r,=r,=r,l",
-        True,
-    )
-    return tuple(Uint32(llvm.extractvalue(T.i32(), res, [i], loc=loc, ip=ip)) for i in range(4))
-
-
-@dsl_user_op
-def ld_global_nc_v2(gmem_addr, *, loc=None, ip=None):
-    """8-byte read-only global load: two 32-bit words."""
-    res = _asm(
-        llvm.StructType.get_literal([T.i32()] * 2),
-        [Int64(gmem_addr).ir_value(loc=loc, ip=ip)],
-        "ld.global.nc.v2.b32 {$0, $1}, [$2];",
-        "=r,=r,l",
-        True,
-    )
-    return tuple(Uint32(llvm.extractvalue(T.i32(), res, [i], loc=loc, ip=ip)) for i in range(2))
-
-
-@dsl_user_op
-def ld_global_nc_b32(gmem_addr, *, loc=None, ip=None) -> Uint32:
-    return Uint32(
-        _asm(T.i32(), [Int64(gmem_addr).ir_value(loc=loc, ip=ip)], "ld.global.nc.b32 $0, [$1];", "=r,l", True)
-    )
-
-
-@dsl_user_op
-def ld_global_nc_u8(gmem_addr, *, loc=None, ip=None) -> Uint32:
-    return Uint32(
-        _asm(T.i32(), [Int64(gmem_addr).ir_value(loc=loc, ip=ip)], "ld.global.nc.u8 $0, [$1];", "=r,l", True)
-    )
-
-
-@dsl_user_op
-def st_global_v4(gmem_addr, w0, w1, w2, w3, *, loc=None, ip=None) -> None:
-    _asm(
-        None,
-        [Int64(gmem_addr).ir_value(loc=loc, ip=ip)]
-        + [Uint32(w).ir_value(loc=loc, ip=ip) for w in (w0, w1, w2, w3)],
-        "st.global.v4.b32 [$0], {$1, $2, $3, $4};",
-        "l,r,r,r,r",
-        True,
-    )
-
-
 @dsl_user_op
 def e8m0_to_f32_bits(byte, *, loc=None, ip=None) -> Uint32:
     """The float32 bits of the UE8M0 value 2^(byte - 127): byte 0 -> 2^-127 (subnormal), 255 -> NaN."""
     return Uint32(
-        _asm(
+        inline_asm(
             T.i32(),
             [Uint32(byte).ir_value(loc=loc, ip=ip)],
             "{\n\t.reg .pred zero, nan;\n\t.reg .b32 bits;\n\t"
@@ -162,7 +89,7 @@ _DEQUANT_E4M3X4 = (
 def requant_e4m3x4(word, scale_bits, *, loc=None, ip=None) -> Uint32:
     """Four e4m3 times a float32 scale, each product rounded (RN, saturating) back to e4m3."""
     return Uint32(
-        _asm(
+        inline_asm(
             T.i32(),
             [Uint32(word).ir_value(loc=loc, ip=ip), Uint32(scale_bits).ir_value(loc=loc, ip=ip)],
             "{\n\t" + _DEQUANT_E4M3X4.replace("$IN", "$1").replace("$SCALE", "$2") + ".reg .b16 o01, o23;\n\t"
@@ -178,7 +105,7 @@ def requant_e4m3x4(word, scale_bits, *, loc=None, ip=None) -> Uint32:
 @dsl_user_op
 def dequant_e4m3x4_bf16(word, scale_bits, *, loc=None, ip=None):
     """Four e4m3 times a float32 scale, rounded (RN) to bf16: two bf16x2 words, lowest first."""
-    res = _asm(
+    res = inline_asm(
         llvm.StructType.get_literal([T.i32()] * 2),
         [Uint32(word).ir_value(loc=loc, ip=ip), Uint32(scale_bits).ir_value(loc=loc, ip=ip)],
         "{\n\t"
@@ -195,7 +122,7 @@ def dequant_e4m3x4_bf16(word, scale_bits, *, loc=None, ip=None):
 def bf16x4_to_e4m3x4(w01, w23, *, loc=None, ip=None) -> Uint32:
     """Four bf16 (two words, lowest first) -> four e4m3 (RN, saturating) in one word."""
     return Uint32(
-        _asm(
+        inline_asm(
             T.i32(),
             [Uint32(w01).ir_value(loc=loc, ip=ip), Uint32(w23).ir_value(loc=loc, ip=ip)],
             "{\n\t.reg .b32 t0, t1, t2, t3;\n\t.reg .f32 f0, f1, f2, f3;\n\t.reg .b16 o01, o23;\n\t"

@@ -1,10 +1,11 @@
-"""Timing study of kernel variants (gather-only / math-only bounds) on bench shapes.
+"""Timing study of the attention variants (both precisions, one-tile and persistent schedules) on bench
+shapes.
 
-Builds each variant in-process (not through the cache), checks the correct ones against the
-reference on a few rows, and prints milliseconds and TF/s per shape. On a machine without an
-SM90 GPU it only builds them and prints their ptxas report.
+Builds each variant in-process (not through the cache), checks it against the reference on a few rows,
+and prints milliseconds and TF/s per shape. On a machine without an SM90 GPU it only builds them and
+prints their ptxas report.
 
-    python scripts/experiments.py [--shapes NAME,...] [--variants NAME,...] [--power SECONDS]
+    python -m scripts.tools.schedule_timing [--shapes NAME,...] [--variants NAME,...] [--power SECONDS]
 
 ``--power S`` also runs each cell back to back for S seconds while ``nvidia-smi`` samples the board
 power and SM clock every 50 ms, and prints their means over the middle half of that window (the H200's
@@ -16,7 +17,6 @@ import datetime
 import math
 import shutil
 import subprocess
-import sys
 import tempfile
 import threading
 import time
@@ -24,23 +24,13 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
-from bench import SHAPES, check, make_inputs, time_ms  # noqa: E402
-from q8kv8 import kernels  # noqa: E402
+from q8kv8 import build, kernels
+from scripts.bench.common import SHAPES, check, make_inputs, time_ms
 
 # name: (kernel options, tile schedule)
 VARIANTS = {
     "default": {},
-    "f16exp": {"exp2_f16x2": True},
     "accurate": {"precision": "accurate"},
-    "poly1": {"exp2_poly_groups": 1},  # a quarter of the exponentials on the FMA pipe
-    "poly2": {"exp2_poly_groups": 2},
-    "gather_only": {"experiment": "gather_only"},
-    "math_only": {"experiment": "math_only"},
-    "acc_math_only": {"precision": "accurate", "experiment": "math_only"},
-    "early_full": {"experiment": "early_full"},  # KV tiles marked full when issued, not landed
     "persist1": {"persistent": True, "tiles_per_cta": 1},
     "persist2": {"persistent": True, "tiles_per_cta": 2},
     "persist4": {"persistent": True, "tiles_per_cta": 4},
@@ -49,17 +39,17 @@ VARIANTS = {
 }
 
 
-def build(d_qk: int, options: dict):
+def build_variant(d_qk: int, options: dict):
     options = {k: v for k, v in options.items() if k != "tiles_per_cta"}  # a launch argument
     with tempfile.TemporaryDirectory() as dump:
         compiled = kernels._compile(d_qk, Path(dump), **options)
     with tempfile.NamedTemporaryFile(suffix=".ptx", mode="w") as ptx:
         ptx.write(compiled.__ptx__)
         ptx.flush()
-        variant = kernels.Variant(
+        variant = build.Variant(
             "experiment", d_qk, "default", compiled, "compiled", 0.0, Path(ptx.name), Path(ptx.name)
         )
-        report = kernels.ptxas_report(variant)
+        report = build.ptxas_report(variant)
     return compiled, report
 
 
@@ -118,7 +108,7 @@ def main() -> None:
     for d_qk in sorted({s[4] for s in shapes}):
         for name in args.variants.split(","):
             options = VARIANTS[name]
-            compiled, report = build(d_qk, options)
+            compiled, report = build_variant(d_qk, options)
             serialised = report and "serialized" in report.text
             spills = report and report.spill_store_bytes + report.spill_load_bytes
             print(
@@ -133,7 +123,7 @@ def main() -> None:
                 options.get("tiles_per_cta", 1) if options.get("persistent") else 0
             )
             saved = registry.get((d_qk, precision))
-            registry[d_qk, precision] = kernels.Variant(
+            registry[d_qk, precision] = build.Variant(
                 name, d_qk, precision, compiled, "compiled", 0.0, Path(), None
             )
             for shape, s_q, s_kv, h_q, dq, topk, tl_mode in shapes:
@@ -145,7 +135,7 @@ def main() -> None:
                 import q8kv8
 
                 outputs = q8kv8.sparse_mla_q8kv8_prefill_fwd(**inputs, precision=precision)
-                err = check(inputs, outputs, rows=16) if "experiment" not in options else float("nan")
+                err = check(inputs, outputs, rows=16)
 
                 def call(inputs=inputs, p=precision):
                     return q8kv8.sparse_mla_q8kv8_prefill_fwd(**inputs, precision=p)

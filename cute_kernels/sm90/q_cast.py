@@ -1,23 +1,16 @@
 """bf16 queries -> e4m3 in a head-padded buffer: ``out[t, h] = e4m3(q[t, h] / q_scale)``, zero heads.
 
-``q`` is ``[s_q, h, d]`` bfloat16 (any 16-byte multiple row strides, last dim contiguous), ``out``
-``[s_q, h_pad, d]`` e4m3 row-major with ``h_pad >= h`` a multiple of 8 (the wrapper uses multiples of
-64); heads ``h .. h_pad - 1`` are written as zeros. Each value is divided by the float32
-``q_scale[0]`` with ``div.rn.f32`` (IEEE, as PyTorch's float32 division) and rounded to nearest
-even into e4m3, saturating at +-448 (``cvt.rn.satfinite``): bit-exact with
-``q8kv8.serving.cast_q_fp8``'s PyTorch path.
-
-One thread per 16 output bytes (16 values: two 16-byte loads, one 16-byte store), ``d / 16``
-threads per head (x) and 8 heads per CTA (y); the grid is (token, head group of 8), so no thread
-divides by the head count. One pass: read 2 bytes, write 1 byte per value.
+``q`` [s_q, h, d] bf16 (16-byte multiple row strides, last dim contiguous), ``out`` [s_q, h_pad, d]
+e4m3 row-major with h_pad >= h a multiple of 8 (heads h .. h_pad - 1 written as zeros). IEEE
+division and RN saturating e4m3 rounding: bit-exact with the PyTorch path. One thread per 16 output
+bytes, 8 heads per CTA. Design: docs/kernel.md.
 """
 
 import cutlass.cute as cute
 from cutlass import Int64, Uint32
 from cutlass.cutlass_dsl import T, dsl_user_op
 
-from cute_kernels.paged_kv import ld_global_nc_b32, ld_global_nc_v4, st_global_v4
-from cute_kernels.ptx import _asm
+from cute_kernels.ptx import inline_asm, ld_global_nc_b32, ld_global_nc_v4, st_global_v4
 
 HEADS_PER_CTA = 8
 CHUNK_VALUES = 16  # e4m3 values per thread: one 16-byte store
@@ -27,7 +20,7 @@ CHUNK_VALUES = 16  # e4m3 values per thread: one 16-byte store
 def div_bf16x4_to_e4m3x4(w01, w23, divisor_bits, *, loc=None, ip=None) -> Uint32:
     """Four bf16 (two words, lowest first) divided by a float32, rounded (RN, saturating) to e4m3."""
     return Uint32(
-        _asm(
+        inline_asm(
             T.i32(),
             [Uint32(w).ir_value(loc=loc, ip=ip) for w in (w01, w23, divisor_bits)],
             "{\n\t.reg .b32 t0, t1, t2, t3;\n\t.reg .f32 s, f0, f1, f2, f3;\n\t.reg .b16 o01, o23;\n\t"

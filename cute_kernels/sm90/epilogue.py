@@ -1,0 +1,75 @@
+"""Row statistics and output scales of the attention epilogue.
+
+Each consumer warpgroup holds partial row sums of P for its rows (the accumulator layout of
+``mask``: rows 16w + g + 8r); the consumers exchange them through [row, consumer] tables in shared
+memory. The output of a row is ``O / (sum + 2^k exp(sink - m))`` times a numerator (the value scale),
+where 2^k is the scale P was stored with; ``max_logits = true max * ln 2`` and
+``lse = (m + log2(sum) - k) * ln 2`` (logits in the exp2 domain). A row with no valid slot (sum 0)
+writes out = 0, max_logits = -inf and lse = +inf.
+"""
+
+import math
+
+import cutlass
+import cutlass.cute as cute
+from cutlass import Float32, const_expr
+
+from cute_kernels.sm90.cta import B_H
+from cute_kernels.sm90.mask import accumulator_row, quad_sum
+
+LOG2_E = math.log2(math.e)
+LN_2 = math.log(2.0)
+FLAG_SINK = 2  # launch flags: bit 1, attn_sink given
+
+
+@cute.jit
+def publish_row_stats(row_sum, s_row_sum, tables, warp, quad_row, quad_lane, consumer):
+    """For this thread's rows r: the quad's total of ``row_sum[r]`` into ``s_row_sum[row, consumer]``
+    and, per ``(s_table, values)`` of ``tables``, ``values[r]`` into ``s_table[row, consumer]`` (one
+    thread of the quad writes)."""
+    for r in cutlass.range_constexpr(2):
+        row = accumulator_row(warp, quad_row, r)
+        total = quad_sum(row_sum[r])
+        if quad_lane == 0:
+            s_row_sum[row, consumer] = total
+            for s_table, values in tables:
+                s_table[row, consumer] = values[r]
+
+
+@cute.jit
+def output_scale(
+    row_sum, max_used, numerator, flags, mSink, head_group, row, p_scale_log2: cutlass.Constexpr
+):
+    """``numerator / (row_sum + 2^p_scale_log2 exp(sink - max_used))`` of row ``row`` of head group
+    ``head_group`` (the sink term only when the flags say attn_sink is given; ``row_sum`` and
+    ``max_used`` in the exp2 domain), or 0 when ``row_sum`` is 0."""
+    denom = row_sum
+    if (flags & FLAG_SINK) != 0:
+        sink_log2 = mSink[head_group * B_H + row] * LOG2_E
+        if const_expr(p_scale_log2 != 0):
+            denom += cute.math.exp2(sink_log2 - max_used + p_scale_log2, fastmath=True)
+        else:
+            denom += cute.math.exp2(sink_log2 - max_used, fastmath=True)
+    scale = Float32(0.0)
+    if row_sum > 0.0:
+        scale = numerator / denom
+    return scale
+
+
+@cute.jit
+def write_max_logits_lse(
+    mMaxLogits, mLse, out_row, row_sum, max_used, s_max_true, row, p_scale_log2: cutlass.Constexpr
+):
+    """max_logits and lse of ``out_row`` from the row's total ``row_sum`` of 2^p_scale_log2 P relative
+    to ``max_used`` and the consumers' exact maxima ``s_max_true[row, consumer]``."""
+    if row_sum > 0.0:
+        true_max = cute.arch.fmax(s_max_true[row, 0], s_max_true[row, 1])
+        mMaxLogits[out_row] = true_max * LN_2
+        if const_expr(p_scale_log2 != 0):
+            log2_sum = cute.math.log2(row_sum, fastmath=True) - p_scale_log2
+            mLse[out_row] = (max_used + log2_sum) * LN_2
+        else:
+            mLse[out_row] = (max_used + cute.math.log2(row_sum, fastmath=True)) * LN_2
+    else:
+        mMaxLogits[out_row] = -Float32.inf
+        mLse[out_row] = Float32.inf

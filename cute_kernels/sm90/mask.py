@@ -1,0 +1,85 @@
+"""Masking and row statistics of a consumer's S block, in the WGMMA accumulator layout.
+
+A warpgroup's S block is the [64 rows x n columns] f32 accumulator of an m64nNk WGMMA: thread
+(warp w, lane 4g + t) holds rows 16w + g + 8r (r = 0, 1) and, of each, columns 8j + 2t + e (e = 0, 1)
+as element e + 2r + 4j. A block's slot validity is a tuple of 32-bit ballot words, one per 32
+columns, each shifted right by 2t: bit 8(j % 4) + e of word j // 4 is the validity of the thread's
+column 8j + 2t + e. The four threads of a quad (lanes 4g .. 4g + 3) hold the same rows.
+"""
+
+import cutlass
+import cutlass.cute as cute
+from cutlass import Float32, Uint32
+
+from cute_kernels.sm90.row_gather import slot_valid
+
+
+def accumulator_row(warp, quad_row, r):
+    """Row 16w + g + 8r of the [64 x n] accumulator: this thread's row ``r`` (0 or 1)."""
+    return warp * 16 + quad_row + 8 * r
+
+
+def quad_max(x):
+    """The max of ``x`` over the thread's quad."""
+    x = cute.arch.fmax(x, cute.arch.shuffle_sync_bfly(x, offset=1))
+    return cute.arch.fmax(x, cute.arch.shuffle_sync_bfly(x, offset=2))
+
+
+def quad_sum(x):
+    """The sum of ``x`` over the thread's quad."""
+    x += cute.arch.shuffle_sync_bfly(x, offset=1)
+    x += cute.arch.shuffle_sync_bfly(x, offset=2)
+    return x
+
+
+def slot_valid_bits(mIdx, token, first_slot, lane, quad_lane, s_kv, valid_len, words: int):
+    """Validity of the ``32 * words`` slots from ``first_slot`` of ``token``'s index row (lane l reads
+    slots first_slot + 32i + l): the ballot words in the layout above, and whether every slot is
+    valid (warp-uniform)."""
+
+    def slot(word):
+        return first_slot + 32 * word + lane if word else first_slot + lane
+
+    indices = [mIdx[token, slot(w)] for w in range(words)]
+    valid = [slot_valid(indices[w], slot(w), s_kv, valid_len) for w in range(words)]
+    shift = Uint32(2 * quad_lane)
+    bits = tuple(Uint32(cute.arch.vote_ballot_sync(v)) >> shift for v in valid)
+    all_valid = valid[0]
+    for w in range(1, words):
+        all_valid = all_valid & valid[w]
+    return bits, cute.arch.vote_all_sync(all_valid)
+
+
+@cute.jit
+def mask_and_row_max(acc_s, valid_bits, scale_log2, publish=None):
+    """Set the invalid slots of S to -inf and return the block's row maxima (exp2 domain) for this
+    thread's rows r = 0, 1; ``publish(r, row_max)`` (optional) is called with each as it is found.
+
+    S stays unscaled when the logit scale ``scale_log2`` is positive (the scale is folded into the
+    exponent later); a scale <= 0 (never a sensible dequantisation scale, but defined) is applied
+    here first so that the max is still the max of the logits."""
+    words, all_valid = valid_bits
+    column_groups = cute.size(acc_s) // 4  # j: 8-column groups
+    if scale_log2 <= 0.0:
+        for i in cutlass.range_constexpr(cute.size(acc_s)):
+            acc_s[i] = acc_s[i] * scale_log2
+    if not all_valid:
+        for r in cutlass.range_constexpr(2):
+            for j in cutlass.range_constexpr(column_groups):
+                for e in cutlass.range_constexpr(2):
+                    i = e + 2 * r + 4 * j
+                    bit = (words[j // 4] >> Uint32(8 * (j % 4) + e)) & Uint32(1)
+                    acc_s[i] = acc_s[i] if bit != 0 else -Float32.inf
+    row_maxima = []
+    for r in cutlass.range_constexpr(2):
+        row_max = -Float32.inf
+        for j in cutlass.range_constexpr(column_groups):
+            for e in cutlass.range_constexpr(2):
+                row_max = cute.arch.fmax(row_max, acc_s[e + 2 * r + 4 * j])
+        row_max = quad_max(row_max)
+        if scale_log2 > 0.0:
+            row_max = row_max * scale_log2
+        if cutlass.const_expr(publish is not None):
+            publish(r, row_max)
+        row_maxima.append(row_max)
+    return row_maxima

@@ -1,0 +1,21 @@
+"""Named barrier ids of the SM90 attention kernels (id 0 is ``__syncthreads``)."""
+
+import enum
+
+
+class NamedBarrierFp8(enum.IntEnum):
+    """FP8 kernel (``sparse_prefill``); a per-consumer barrier of consumer c is its member 0 plus c."""
+
+    StatsPublished0 = 3  # consumer c's row statistics are in shared memory (c arrives, 1 - c syncs)
+    StatsPublished1 = 4
+    ScaleReady0 = 5  # consumer c's output scales are in shared memory (its own warpgroup)
+    ScaleReady1 = 6
+    TileHandoff = 7  # persistent: consumer 1 finished the previous tile (1 arrives, 0 syncs)
+
+
+class NamedBarrierBf16(enum.IntEnum):
+    """bf16 kernel (``sparse_prefill_bf16``); each joins both consumer warpgroups."""
+
+    MaxReady = 1  # both consumers published their block's row maxima
+    PReady = 2  # both consumers stored their half of P
+    SumReady = 3  # both consumers published their row sums (epilogue)

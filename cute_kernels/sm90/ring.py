@@ -1,0 +1,41 @@
+"""Rings of shared buffers guarded by mbarriers, addressed by position.
+
+A ring of ``size`` buffers is used in order by positions g = 0, 1, 2, ...: position g uses buffer
+``g % size`` and phase ``(g // size) % 2`` of that buffer's barriers (each barrier completes once per
+use of its buffer, so its phase alternates). A producer waits on a buffer's *empty* barrier with the
+phase flipped: the first wait of each buffer passes at once. Positions are plain integers (Python or
+DSL Int32, never negative), so a loop needs no state carried across its back edge.
+"""
+
+from typing import NamedTuple
+
+import cutlass.cute as cute
+
+
+class Ring(NamedTuple):
+    size: int  # buffers in the ring
+
+    def index(self, position):
+        """The buffer position ``position`` uses."""
+        return position % self.size
+
+    def index_before(self, position):
+        """The buffer of ``position - 1`` (for position 0: the ring's last buffer)."""
+        return (position + self.size - 1) % self.size
+
+    def phase(self, position):
+        """The phase of the buffer's barriers that position ``position`` waits on."""
+        return (position // self.size) % 2
+
+    def wait(self, mbar, position) -> None:
+        """Wait for position ``position``'s completion of its buffer's barrier (``mbar`` is the ring's
+        first barrier)."""
+        cute.arch.mbarrier_wait(mbar + self.index(position), self.phase(position))
+
+    def wait_empty(self, mbar, position) -> None:
+        """Producer side: wait until the consumers released the buffer's previous use."""
+        cute.arch.mbarrier_wait(mbar + self.index(position), self.phase(position) ^ 1)
+
+    def arrive(self, mbar, position) -> None:
+        """Arrive on the buffer's barrier for position ``position``."""
+        cute.arch.mbarrier_arrive(mbar + self.index(position))

@@ -1,0 +1,103 @@
+"""Which (token, head group) tiles a CTA computes: one tile, or several (persistent).
+
+Tiles run over the head groups of token 0, then token 1, ...: tile t is rows [64 t, 64 t + 64) of the
+(token, head) rows. One-tile scheduling launches a CTA per tile. Persistent scheduling launches
+``ceil(tiles / tiles_per_cta)`` CTAs and CTA b walks tiles b, b + grid, b + 2 grid, ... A tile's work
+(``TileWork``) is its position, the number of leading index slots to consider (``topk_length``) and the
+count of KV blocks and pairs that covers them.
+"""
+
+from typing import NamedTuple
+
+import cutlass
+import cutlass.cute as cute
+from cutlass import Int32, const_expr
+from cutlass._mlir import ir
+
+from cute_kernels.sm90.cta import B_H
+
+FLAG_TOPK_LENGTH = 1  # launch flags: bit 0, topk_length given
+
+
+@cute.jit
+def valid_slot_count(mTopkLen, token, topk, flags):
+    """The leading slots of ``token``'s row to consider (warp-uniform): ``topk_length[token]`` clamped
+    to [0, topk] when the flags say topk_length is given, else ``topk``."""
+    valid_len = topk
+    if (flags & FLAG_TOPK_LENGTH) != 0:
+        valid_len = cutlass.min(cutlass.max(mTopkLen[token], 0), topk)
+    return cute.arch.make_warp_uniform(valid_len)
+
+
+def plain_int32(value) -> Int32:
+    """``value`` (a dynamic integer from layout arithmetic, which the DSL keeps as a CuTe integer
+    tuple) as a plain Int32: arithmetic on it is integer arithmetic, like on the kernels' other
+    scalars."""
+    return Int32(ir.Value(value.ir_value()).maybe_downcast())
+
+
+class CtaTiles(NamedTuple):
+    """The tiles one CTA walks, and what ``TileScheduler.work`` reads for each (trace-time bundle)."""
+
+    first: Int32  # the CTA's block index: its first tile
+    count: Int32  # how many tiles (1 unless persistent)
+    mIdx: cute.Tensor  # [s_q, topk] indices
+    mTopkLen: cute.Tensor
+    mOut: cute.Tensor  # [s_q, h, d_v]: its first two extents give the tile count
+    flags: Int32
+
+
+class TileWork(NamedTuple):
+    """One work tile of a CTA (trace-time bundle of runtime values)."""
+
+    tile: Int32  # row tile [64 * tile, 64 * tile + 64) of the (token, head) rows
+    token: Int32
+    head_group: Int32
+    valid_len: Int32  # topk_length clamped to [0, topk] (topk when not given)
+    num_blocks: Int32  # ceil(valid_len / block rows)
+    num_pairs: Int32  # ceil(valid_len / pair rows)
+    block_base: Int32  # the CTA's block count before this tile (0 unless persistent): the tile's
+    # block b has ring position block_base + b
+
+
+class TileScheduler:
+    """One tile per CTA, or ``persistent``: ``tiles_per_cta`` (a launch argument) per CTA. Blocks are
+    ``block_rows`` index slots, pairs two blocks."""
+
+    def __init__(self, persistent: bool, block_rows: int):
+        self.persistent = persistent
+        self.block_rows = block_rows
+
+    def grid_size(self, num_tiles, tiles_per_cta=None):
+        """CTAs to launch for ``num_tiles`` tiles."""
+        return (num_tiles + tiles_per_cta - 1) // tiles_per_cta if const_expr(self.persistent) else num_tiles
+
+    def cta_tiles(self, bid, mIdx, mTopkLen, mOut, flags, tiles_per_cta=None) -> CtaTiles:
+        """The tiles of CTA ``bid`` (called while tracing the kernel)."""
+        tile_count = 1
+        if const_expr(self.persistent):
+            num_tiles = cute.size(mOut, mode=[0]) * (cute.size(mOut, mode=[1]) // B_H)
+            grid = self.grid_size(num_tiles, tiles_per_cta)
+            tile_count = (num_tiles - bid + grid - 1) // grid
+        return CtaTiles(bid, tile_count, mIdx, mTopkLen, mOut, flags)
+
+    def work(self, tiles: CtaTiles, tile_iter, block_base) -> TileWork:
+        """Iteration ``tile_iter`` of the CTA's tile loop: its tile, token, head group and valid slot
+        count (reads ``topk_length[token]``)."""
+        tile = tiles.first
+        if const_expr(self.persistent):  # block and grid indices re-read: nothing kept live for them
+            tile = cute.arch.block_idx()[0] + tile_iter * cute.arch.grid_dim()[0]
+        topk = cute.size(tiles.mIdx, mode=[1])
+        num_head_groups = cute.size(tiles.mOut, mode=[1]) // B_H
+        token = tile // num_head_groups
+        valid_len = valid_slot_count(tiles.mTopkLen, token, topk, tiles.flags)
+        pair_rows = 2 * self.block_rows
+        return TileWork(
+            tile=tile,
+            token=token,
+            head_group=plain_int32(tile - token * num_head_groups),  # indexes attn_sink
+            valid_len=valid_len,
+            num_blocks=(valid_len + self.block_rows - 1) // self.block_rows,
+            num_pairs=(valid_len + pair_rows - 1) // pair_rows,
+            block_base=block_base,
+        )
