@@ -19,16 +19,17 @@ import torch
 
 from q8kv8 import schedule
 from q8kv8.metadata import (
+    D_V,
+    HEAD_ALIGNMENT,
     KV_ROW_ALIGNMENT_BYTES,
     OUT_ALIGNMENT_BYTES,
+    PRECISIONS,
     Q_ALIGNMENT_BYTES,
+    SUPPORTED_D_QK,
     TOPK_ALIGNMENT,
     padded_num_heads,
 )
 
-SUPPORTED_D_QK = (512, 576)
-SUPPORTED_D_V = 512
-PRECISIONS = ("default", "accurate")
 SM90 = (9, 0)
 CHECK_RANGES_ENV = "Q8KV8_CHECK_RANGES"
 
@@ -187,9 +188,9 @@ def _check_signatures(
     if (
         type(d_v) is not int
         and (isinstance(d_v, bool) or not isinstance(d_v, numbers.Integral))
-        or d_v != 512
+        or d_v != D_V
     ):
-        raise ValueError(f"d_v: expected the integer {SUPPORTED_D_V}, got {d_v!r}")
+        raise ValueError(f"d_v: expected the integer {D_V}, got {d_v!r}")
     if indices_shape[0] != s_q or indices_shape[1] != 1:
         raise ValueError(
             f"indices: expected shape [s_q, 1, topk] with s_q = {s_q}, got {list(indices_shape)}"
@@ -260,7 +261,7 @@ def _check_signatures(
     device = q[DEVICE]
     tiles = 0
     if device.type == "cuda" and s_q > 0 and s_kv > 0:
-        num_tiles = s_q * (padded_num_heads(h_q) // 64)
+        num_tiles = s_q * (padded_num_heads(h_q) // HEAD_ALIGNMENT)
         tiles = schedule.tiles_per_cta(num_tiles, topk, topk_length is not None, precision, device.index)
     launch_ready = (
         q[DATA_PTR] % Q_ALIGNMENT_BYTES == 0

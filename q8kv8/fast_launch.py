@@ -37,7 +37,7 @@ from pathlib import Path
 import torch
 
 from q8kv8 import fast_call
-from q8kv8.contract import SUPPORTED_D_V
+from q8kv8.metadata import D_V
 
 SOURCE = Path(__file__).resolve().parent / "csrc" / "fast_launch.cc"
 EXPORTED = (
@@ -125,10 +125,10 @@ def load():
 
 
 def _configure(module) -> None:
-    from q8kv8 import kernels, metadata, schedule
+    from q8kv8 import metadata, schedule
 
     module.q8kv8_fast_configure(
-        kernels._LOG2_E,
+        metadata.LOG2_E,
         metadata.Q_ALIGNMENT_BYTES,
         metadata.KV_ROW_ALIGNMENT_BYTES,
         metadata.OUT_ALIGNMENT_BYTES,
@@ -186,7 +186,7 @@ def launch_through_tvm_ffi(
     """``fast_call``'s ``launch`` through one TVM-FFI call (``q8kv8_fast_launch``), allocating in Python."""
     if out is None and max_logits is None and lse is None:
         # Nones unless q is a plain 3-d tensor.
-        out, max_logits, lse = fast_call.allocate_in_python(q, SUPPORTED_D_V)
+        out, max_logits, lse = fast_call.allocate_in_python(q, D_V)
     try:
         schedule = _module.q8kv8_fast_launch(
             q, kv, indices, sm_scale, q_scale, kv_scale, d_v, attn_sink, topk_length, out, max_logits, lse,
@@ -235,7 +235,7 @@ def decline_reason(
     if launch is None:
         return "no device registered yet (the first call on a GPU registers it)"
     if out is None and max_logits is None and lse is None:  # an allocating call: checked with its outputs
-        out, max_logits, lse = fast_call.allocate_in_python(q, SUPPORTED_D_V)
+        out, max_logits, lse = fast_call.allocate_in_python(q, D_V)
     return str(
         module.q8kv8_fast_decline_reason(
             q, kv, indices, sm_scale, q_scale, kv_scale, d_v, attn_sink, topk_length, out, max_logits, lse,

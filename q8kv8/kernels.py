@@ -22,7 +22,6 @@ the caller's current CUDA stream.
 from __future__ import annotations
 
 import hashlib
-import math
 import os
 import re
 import shutil
@@ -37,15 +36,22 @@ from pathlib import Path
 import torch
 
 from q8kv8 import disk_cache, fast_launch
-from q8kv8.metadata import KV_ROW_ALIGNMENT_BYTES, OUT_ALIGNMENT_BYTES, Q_ALIGNMENT_BYTES
+from q8kv8.metadata import (
+    D_V,
+    HEAD_ALIGNMENT,
+    KV_ROW_ALIGNMENT_BYTES,
+    LOG2_E,
+    OUT_ALIGNMENT_BYTES,
+    PRECISIONS,
+    Q_ALIGNMENT_BYTES,
+    SINK_FLAG,
+    TOPK_LENGTH_FLAG,
+)
+from q8kv8.metadata import SUPPORTED_D_QK as D_QK_VARIANTS
 from q8kv8.schedule import PERSISTENT_PRECISIONS, tiles_per_cta
 
 TARGET_ARCH = "sm_90a"
-D_QK_VARIANTS = (512, 576)
-PRECISIONS = ("default", "accurate")
-D_V = 512
 EXPORTED_FUNCTION = "sparse_prefill"
-_LOG2_E = math.log2(math.e)
 _PACKAGE_ROOT = Path(__file__).resolve().parent.parent
 
 
@@ -371,7 +377,7 @@ def launch_sparse_prefill(
         tiles = schedule
         if tiles is None:
             tiles = tiles_per_cta(
-                q.shape[0] * (q.shape[1] >> 6),
+                q.shape[0] * (q.shape[1] // HEAD_ALIGNMENT),
                 indices.shape[2],
                 topk_length is not None,
                 precision,
@@ -407,8 +413,8 @@ def launch_sparse_prefill(
         kernel_out,
         max_logits,
         lse,
-        sm_scale * _LOG2_E,
-        (topk_length is not None) | ((attn_sink is not None) << 1),
+        sm_scale * LOG2_E,
+        (TOPK_LENGTH_FLAG if topk_length is not None else 0) | (SINK_FLAG if attn_sink is not None else 0),
         tiles or 1,
     )
     if kernel_out is not out:
@@ -642,8 +648,8 @@ def launch_sparse_prefill_bf16(
         kernel_out,
         max_logits,
         lse,
-        sm_scale * _LOG2_E,
-        (topk_length is not None) | ((attn_sink is not None) << 1),
+        sm_scale * LOG2_E,
+        (TOPK_LENGTH_FLAG if topk_length is not None else 0) | (SINK_FLAG if attn_sink is not None else 0),
     )
     if kernel_out is not out:
         out.copy_(kernel_out)

@@ -23,9 +23,8 @@ import torch
 
 from q8kv8.contract import _overlaps
 from q8kv8.kv_layout import LAYOUT_BY_BYTES_PER_TOKEN, V32, KvCacheLayout, get_layout
-from q8kv8.metadata import pad_topk, padded_num_heads, topk_length_from_seqlens
+from q8kv8.metadata import D_V, E4M3_MAX, pad_topk, padded_num_heads, topk_length_from_seqlens
 
-E4M3_MAX = 448.0
 BACKENDS = ("auto", "bf16", "fp8")
 BACKEND_ENV = "Q8KV8_PREFILL_BACKEND"
 COMPRESS_RATIOS = (0, 4, 128)
@@ -443,7 +442,7 @@ def _cuda_attention_fp8(q, kv, indices, sm_scale, q_scale, kv_scale, attn_sink, 
     from q8kv8.api import sparse_mla_q8kv8_prefill_fwd
 
     return sparse_mla_q8kv8_prefill_fwd(
-        q, kv, indices, sm_scale, q_scale, kv_scale, 512, attn_sink, topk_length
+        q, kv, indices, sm_scale, q_scale, kv_scale, D_V, attn_sink, topk_length
     )
 
 
@@ -458,7 +457,7 @@ def _cuda_attention_bf16(q, kv, indices, sm_scale, attn_sink, topk_length):
 
     launch = kernels.launch_sparse_prefill_bf16
     s_q, h, _ = q.shape
-    out = torch.empty((s_q, h, 512), dtype=torch.bfloat16, device=q.device)
+    out = torch.empty((s_q, h, D_V), dtype=torch.bfloat16, device=q.device)
     max_logits = torch.empty((s_q, h), dtype=torch.float32, device=q.device)
     lse = torch.empty((s_q, h), dtype=torch.float32, device=q.device)
     if s_q:
@@ -480,7 +479,7 @@ def _reference_attention_fp8(q, kv, indices, sm_scale, q_scale, kv_scale, attn_s
     from q8kv8.reference import sparse_mla_prefill_reference
 
     out, max_logits, lse = sparse_mla_prefill_reference(
-        q, kv, indices, sm_scale, q_scale, kv_scale, 512, attn_sink, topk_length
+        q, kv, indices, sm_scale, q_scale, kv_scale, D_V, attn_sink, topk_length
     )
     return out.to(torch.bfloat16), max_logits.float(), lse.float()
 

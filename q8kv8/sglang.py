@@ -27,8 +27,8 @@ import torch
 from q8kv8.api import sparse_mla_q8kv8_prefill_fwd
 from q8kv8.contract import InputTypeError
 from q8kv8.kv_layout import LAYOUT_BY_BYTES_PER_TOKEN, MODEL1, V32, KvCacheLayout
-from q8kv8.metadata import HEAD_ALIGNMENT, padded_num_heads
-from q8kv8.serving import E4M3_MAX, cast_q_fp8
+from q8kv8.metadata import E4M3_MAX, HEAD_ALIGNMENT, padded_num_heads
+from q8kv8.serving import cast_q_fp8
 from q8kv8.serving import gather_dequant_requant_fp8_paged as _gather
 
 __all__ = [
