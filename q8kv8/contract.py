@@ -29,6 +29,7 @@ from q8kv8.metadata import (
     TOPK_ALIGNMENT,
     padded_num_heads,
 )
+from q8kv8.prefill_call import PrefillCall
 
 SM90 = (9, 0)
 CHECK_RANGES_ENV = "Q8KV8_CHECK_RANGES"
@@ -66,23 +67,10 @@ pointer (an int: no hashing of the whole key) and then compared whole."""
 FP8 = torch.float8_e4m3fn
 # Fields of a tensor's signature (``_signature``).
 TYPE, SHAPE, STRIDES, DTYPE, DEVICE, DATA_PTR = range(6)
+_new_call = tuple.__new__  # a PrefillCall from a tuple of all its fields, without NamedTuple's Python __new__
 
 
-def check_inputs(
-    q,
-    kv,
-    indices,
-    sm_scale,
-    q_scale,
-    kv_scale,
-    d_v,
-    attn_sink,
-    topk_length,
-    out,
-    max_logits,
-    lse,
-    precision,
-) -> Problem:
+def check_inputs(call: PrefillCall) -> Problem:
     """Validate the arguments of ``sparse_mla_q8kv8_prefill_fwd`` and return the problem sizes.
 
     Raises ``InputTypeError`` (a TypeError and a ValueError) for a wrong type or dtype and ValueError for
@@ -94,13 +82,17 @@ def check_inputs(
     same ones (a serving loop over the same buffers, a benchmark, the layers of one step) returns the
     memoised problem without re-running the checks. Invalid calls are never memoised.
     """
+    sm_scale, d_v, precision = call.sm_scale, call.d_v, call.precision
+    attn_sink, topk_length = call.attn_sink, call.topk_length
+    out, max_logits, lse = call.out, call.max_logits, call.lse
+    # The call with each tensor replaced by its signature (an absent one stays None), in field order.
     signatures = (
-        _signature(q),
-        _signature(kv),
-        _signature(indices),
+        _signature(call.q),
+        _signature(call.kv),
+        _signature(call.indices),
         sm_scale,
-        _signature(q_scale),
-        _signature(kv_scale),
+        _signature(call.q_scale),
+        _signature(call.kv_scale),
         d_v,
         None if attn_sink is None else _signature(attn_sink),
         None if topk_length is None else _signature(topk_length),
@@ -119,7 +111,7 @@ def check_inputs(
         for entry_key, problem in entries:
             if entry_key == key:
                 return problem
-    problem = _check_signatures(*signatures)
+    problem = _check_signatures(_new_call(PrefillCall, signatures))
     if entries is None:
         if len(_memo) >= _MEMO_ENTRIES:
             _memo.clear()
@@ -141,10 +133,14 @@ def _signature(value) -> tuple:
         return (type(value), None, None, None, None, None)
 
 
-def _check_signatures(
-    q, kv, indices, sm_scale, q_scale, kv_scale, d_v, attn_sink, topk_length, out, max_logits, lse, precision
-) -> Problem:
-    """The checks of ``check_inputs`` on the tensors' signatures (None for an absent optional tensor)."""
+def _check_signatures(signatures: PrefillCall) -> Problem:
+    """The checks of ``check_inputs`` on a call whose tensors are their signatures (None for an absent
+    optional tensor)."""
+    q, kv, indices = signatures.q, signatures.kv, signatures.indices
+    q_scale, kv_scale = signatures.q_scale, signatures.kv_scale
+    attn_sink, topk_length = signatures.attn_sink, signatures.topk_length
+    out, max_logits, lse = signatures.out, signatures.max_logits, signatures.lse
+    sm_scale, d_v, precision = signatures.sm_scale, signatures.d_v, signatures.precision
     # Each group of checks: one test that valid arguments pass, then the checks one by one, in order, for
     # the message.
     if not (

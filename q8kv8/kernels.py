@@ -35,7 +35,7 @@ from pathlib import Path
 
 import torch
 
-from q8kv8 import disk_cache, fast_launch
+from q8kv8 import disk_cache
 from q8kv8.metadata import (
     D_V,
     HEAD_ALIGNMENT,
@@ -364,14 +364,13 @@ def launch_sparse_prefill(
     precision,
     schedule: int | None = None,
     ready: bool = False,
-) -> None:
+) -> Variant:
     """Launch the kernel on validated tensors: q, out, max_logits, lse row-major with a head count that
     is a multiple of 64; kv and indices with a contiguous last dimension; one-element scales.
     ``schedule``: ``tiles_per_cta``'s answer when the caller has it (the contract memoises it), else
     computed here. ``ready``: the caller knows that q, kv and out meet the alignments of
     ``q8kv8.metadata`` (``contract.Problem.launch_ready``), so they are not checked again (else misaligned
-    tensors are copied to aligned ones)."""
-    device_index = q.get_device()
+    tensors are copied to aligned ones). Returns the variant it launched."""
     tiles = tiles_per_cta_override
     if tiles is None:
         tiles = schedule
@@ -381,7 +380,7 @@ def launch_sparse_prefill(
                 indices.shape[2],
                 topk_length is not None,
                 precision,
-                device_index,
+                q.get_device(),
             )
     key = (q.shape[2], precision)
     if tiles:
@@ -419,7 +418,7 @@ def launch_sparse_prefill(
     )
     if kernel_out is not out:
         out.copy_(kernel_out)
-    fast_launch.note_launch(device_index, _gpu_count, *key, tiles > 0, variant.function)
+    return variant
 
 
 # ------------------------------------------------------------------------------------------------

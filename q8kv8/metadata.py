@@ -1,6 +1,6 @@
-"""The sparse prefill's constants (one definition each, read by the other modules and by the C++ fast
-launch's configuration) and the layout helpers for callers: head padding, top-k padding and per-row top-k
-lengths."""
+"""The sparse prefill's constants (one definition each, read by the Python modules and handed to the C++
+extension by ``q8kv8.native``) and the layout helpers for callers: head padding, top-k padding and per-row
+top-k lengths."""
 
 import math
 

@@ -81,7 +81,7 @@ def launch_args(**changes) -> dict:
 
 def test_absent_options_get_placeholders_and_flags_0(calls):
     args = launch_args()
-    kernels.launch_sparse_prefill(*args.values())
+    assert kernels.launch_sparse_prefill(*args.values()) is kernels._variants.variant  # the variant launched
     [call] = calls
     assert call["flags"] == 0
     assert call["topk_length"].dtype == torch.int32 and call["topk_length"].shape == (1,)
