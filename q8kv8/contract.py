@@ -122,6 +122,11 @@ def check_inputs(call: PrefillCall) -> Problem:
     return problem
 
 
+def clear_memo() -> None:
+    """Forget every memoised verdict (after a change that the memo's keys do not see: a forced schedule)."""
+    _memo.clear()
+
+
 def _signature(value) -> tuple:
     """``(type, shape, strides, dtype, device, data pointer)`` of a tensor: all that the checks read of
     it; ``(type, None, ...)`` for anything else."""

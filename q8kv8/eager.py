@@ -6,12 +6,13 @@ outputs and launches the kernel (``q8kv8.kernels``); its first launch of each ke
 registers both with the fast path (``q8kv8.native``), which then takes such calls.
 """
 
+import contextlib
 import math
 import sys
 
 import torch
 
-from q8kv8 import native
+from q8kv8 import contract, native, schedule
 from q8kv8.contract import check_inputs, check_ranges_enabled, check_topk_length_range
 from q8kv8.metadata import HEAD_ALIGNMENT, padded_num_heads
 from q8kv8.prefill_call import PrefillCall
@@ -20,12 +21,7 @@ from q8kv8.prefill_call import PrefillCall
 def run(call: PrefillCall) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``(out, max_logits, lse)`` of ``call``, launched on the GPU (``sparse_mla_q8kv8_prefill_fwd``)."""
     launch = native.launch
-    if (
-        launch is not None
-        and not check_ranges_enabled()
-        # a forced schedule (tests, experiments) and stand-in kernels modules (no such attribute) take Python
-        and getattr(sys.modules.get("q8kv8.kernels"), "tiles_per_cta_override", 0) is None
-    ):
+    if launch is not None and not check_ranges_enabled():
         # The common case, checked, allocated and launched in C++; None: declined, nothing launched. An
         # exception is the launch's own (or torch's out-of-memory error).
         outputs = launch(call)
@@ -102,6 +98,22 @@ def output_buffers(q, h, d_v, out=None, max_logits=None, lse=None):
     if lse is None:
         lse = q.new_empty((s_q, h), dtype=torch.float32)
     return out, max_logits, lse
+
+
+@contextlib.contextmanager
+def forced_tiles_per_cta(tiles: int):
+    """Tests and experiments: every launch inside runs ``tiles`` tiles per CTA (0: the one-tile kernel,
+    k >= 1: the persistent one with k), through the Python path (the fast path, which applies the schedule's
+    rule, is suspended meanwhile)."""
+    previous = schedule.forced
+    schedule.forced = tiles
+    contract.clear_memo()  # memoised verdicts carry the schedule
+    try:
+        with native.suspended():
+            yield
+    finally:
+        schedule.forced = previous
+        contract.clear_memo()
 
 
 def _pad_dim(tensor: torch.Tensor, dim: int, size: int, value: float) -> torch.Tensor:

@@ -331,9 +331,6 @@ def placeholders(int_source: torch.Tensor, float_source: torch.Tensor) -> tuple[
 
 
 _gpu_count: int | None = None  # visible GPUs, counted on the first launch
-tiles_per_cta_override: int | None = None
-"""Tests and experiments: 0 launches the one-tile kernel, k >= 1 the persistent one with k tiles per CTA;
-None (default) chooses by ``tiles_per_cta``."""
 
 
 def _call_on_device_of(tensor: torch.Tensor, function, *args) -> None:
@@ -371,17 +368,15 @@ def launch_sparse_prefill(
     computed here. ``ready``: the caller knows that q, kv and out meet the alignments of
     ``q8kv8.metadata`` (``contract.Problem.launch_ready``), so they are not checked again (else misaligned
     tensors are copied to aligned ones). Returns the variant it launched."""
-    tiles = tiles_per_cta_override
+    tiles = schedule
     if tiles is None:
-        tiles = schedule
-        if tiles is None:
-            tiles = tiles_per_cta(
-                q.shape[0] * (q.shape[1] // HEAD_ALIGNMENT),
-                indices.shape[2],
-                topk_length is not None,
-                precision,
-                q.get_device(),
-            )
+        tiles = tiles_per_cta(
+            q.shape[0] * (q.shape[1] // HEAD_ALIGNMENT),
+            indices.shape[2],
+            topk_length is not None,
+            precision,
+            q.get_device(),
+        )
     key = (q.shape[2], precision)
     if tiles:
         variant = _persistent_variants.get(key) or load_persistent_variants()[key]

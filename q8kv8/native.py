@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import atexit
 import builtins
+import contextlib
 import importlib.machinery
 import importlib.util
 import sys
@@ -29,14 +30,17 @@ MODULE_NAME = "_q8kv8_native"
 KDL_CUDA = 2  # DLPack's device type of CUDA tensors
 
 launch = None
-"""The extension's ``launch`` once a device and a kernel variant are registered, else None: called with a
-PrefillCall, it returns ``(out, max_logits, lse)`` having launched, or None having launched nothing."""
+"""The extension's ``launch`` once a device and a kernel variant are registered, else None (also while
+``suspended``): called with a PrefillCall, it returns ``(out, max_logits, lse)`` having launched, or None
+having launched nothing."""
 
 _extension = None
 _build_failed = False
 _lock = threading.Lock()
 _registered: set[tuple] = set()  # (device index, d_qk, precision, persistent) registered by note_launch
 _registered_devices: set[int] = set()
+_suspended = 0
+_resumed_launch = None  # what ``launch`` becomes when the outermost ``suspended`` ends
 _gpu_count: int | None = None  # visible GPUs, counted on the first note_launch
 
 
@@ -148,9 +152,9 @@ def note_launch(device_index: int, d_qk: int, precision: str, persistent: bool, 
     """Called by the Python path after each launch on a CUDA device (whose capability the contract has then
     checked): the first launch on the device registers it, the first of each kernel variant (``variant``,
     a ``kernels.Variant``) registers the variant, and from then on ``launch`` takes such calls. Only with one
-    visible GPU (the extension launches on the current device)."""
+    visible GPU (the extension launches on the current device), and never while ``suspended``."""
     global launch, _gpu_count
-    if (device_index, d_qk, precision, persistent) in _registered or device_index < 0:
+    if (device_index, d_qk, precision, persistent) in _registered or _suspended or device_index < 0:
         return
     if _gpu_count is None:
         _gpu_count = torch.cuda.device_count()
@@ -171,12 +175,29 @@ def note_launch(device_index: int, d_qk: int, precision: str, persistent: bool, 
 def disable() -> None:
     """Forget every registered device and variant (tests); the next launch of the Python path registers
     again."""
-    global launch
-    launch = None
+    global launch, _resumed_launch
+    launch = _resumed_launch = None
     _registered.clear()
     _registered_devices.clear()
     if _extension is not None:
         _extension.configure(constants())
+
+
+@contextlib.contextmanager
+def suspended():
+    """While active no call takes the extension and nothing is registered; afterwards it takes the calls it
+    took before."""
+    global launch, _suspended, _resumed_launch
+    if not _suspended:
+        _resumed_launch = launch
+    _suspended += 1
+    launch = None
+    try:
+        yield
+    finally:
+        _suspended -= 1
+        if not _suspended:
+            launch, _resumed_launch = _resumed_launch, None
 
 
 def decline_reason(call: PrefillCall) -> str:
@@ -187,6 +208,8 @@ def decline_reason(call: PrefillCall) -> str:
         return "the C++ fast path is unavailable (it did not build)"
     if contract.check_ranges_enabled():
         return f"{contract.CHECK_RANGES_ENV}=1: the range check runs in Python"
+    if _suspended:
+        return "the fast path is suspended (a forced schedule is active)"
     if launch is None:
         return "no device registered yet (the first call on a GPU registers it)"
     return extension.decline_reason(call)

@@ -28,7 +28,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench import SHAPES, check, make_inputs, time_ms  # noqa: E402
-from q8kv8 import kernels  # noqa: E402
+from q8kv8 import eager, kernels  # noqa: E402
 
 # name: (kernel options, tile schedule)
 VARIANTS = {
@@ -129,9 +129,10 @@ def main() -> None:
             precision = options.get("precision", "default")
             # The built kernel replaces the registered variant of its kind; the schedule is forced.
             registry = kernels._persistent_variants if options.get("persistent") else kernels._variants
-            kernels.tiles_per_cta_override = (
+            forced_schedule = eager.forced_tiles_per_cta(
                 options.get("tiles_per_cta", 1) if options.get("persistent") else 0
             )
+            forced_schedule.__enter__()
             saved = registry.get((d_qk, precision))
             registry[d_qk, precision] = kernels.Variant(
                 name, d_qk, precision, compiled, "compiled", 0.0, Path(), None
@@ -160,7 +161,7 @@ def main() -> None:
                     flush=True,
                 )
             registry[d_qk, precision] = saved
-            kernels.tiles_per_cta_override = None
+            forced_schedule.__exit__(None, None, None)
     if sampler is not None:
         sampler.close()
 

@@ -305,6 +305,8 @@ def test_decline_reason_names_the_check(fast, valid_args, monkeypatch):
     assert reason(call._replace(q=valid_args["q"].as_subclass(TensorSubclass))).startswith(
         "q is not a tensor"
     )
+    with native.suspended():
+        assert reason(call) == "the fast path is suspended (a forced schedule is active)"
     monkeypatch.setenv(contract.CHECK_RANGES_ENV, "1")
     assert reason(call) == f"{contract.CHECK_RANGES_ENV}=1: the range check runs in Python"
 
@@ -312,7 +314,6 @@ def test_decline_reason_names_the_check(fast, valid_args, monkeypatch):
 @pytest.fixture
 def fast_entry_point(fast, monkeypatch):
     """The public call with the fast path on (as after a first launch on a GPU), for CPU tensors."""
-    monkeypatch.setattr(kernels, "tiles_per_cta_override", None)
     monkeypatch.setattr(native, "launch", fast.extension.launch)
     return fast
 
@@ -387,19 +388,25 @@ def test_logit_scale_is_the_python_paths_double(fast, valid_args):
 
 def test_note_launch_registers_once_per_variant_and_again_after_disable(fast, monkeypatch):
     """The Python path notes each launch on a GPU; the first of a (device, variant) registers it, with one
-    visible GPU only; ``disable`` forgets everything, so the next launch registers again."""
+    visible GPU only and never while suspended; ``disable`` forgets everything, so the next launch registers
+    again."""
     variant = kernels._variants[D_QK, "default"]
     native.disable()
     monkeypatch.setattr(native, "_gpu_count", 2)
     native.note_launch(0, D_QK, "default", False, variant)  # two GPUs: never
     monkeypatch.setattr(native, "_gpu_count", 1)
     native.note_launch(-1, D_QK, "default", False, variant)  # a CPU tensor: never
+    with native.suspended():
+        native.note_launch(0, D_QK, "default", False, variant)
     assert native.launch is None and not native._registered
     for _ in range(2):
         native.note_launch(0, D_QK, "default", False, variant)
         assert native.launch is native.load().launch
         assert native._registered == {(0, D_QK, "default", False)}
         assert native._registered_devices == {0}
+        with native.suspended():
+            assert native.launch is None
+        assert native.launch is native.load().launch
         native.disable()
         assert native.launch is None
         assert not native._registered and not native._registered_devices
@@ -431,3 +438,18 @@ class CudaLooking(torch.Tensor):
     @property
     def is_cuda(self):
         return True
+
+
+def test_a_forced_schedule_suspends_the_fast_path(fast_entry_point, valid_args, monkeypatch):
+    python_path = []
+    monkeypatch.setattr(
+        eager, "check_inputs", lambda call: python_path.append(call) or contract.check_inputs(call)
+    )
+    launch = native.launch
+    with eager.forced_tiles_per_cta(3):
+        assert schedule.tiles_per_cta(1, TOPK, False, "default", 0) == 3
+        sparse_mla_q8kv8_prefill_fwd(**valid_args)
+        assert native.launch is None and len(python_path) == 1
+    assert native.launch is launch and schedule.forced is None
+    sparse_mla_q8kv8_prefill_fwd(**valid_args)
+    assert len(python_path) == 1 and len(fast_entry_point.calls) == 2
