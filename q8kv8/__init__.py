@@ -13,15 +13,13 @@ import os
 
 from q8kv8.api import sparse_mla_q8kv8_prefill_fwd
 from q8kv8.contract import InputTypeError
-from q8kv8.metadata import pad_topk, padded_num_heads, topk_length_from_seqlens
+from q8kv8.metadata import __version__, pad_topk, padded_num_heads, topk_length_from_seqlens
 from q8kv8.serving import (
     SparsePrefill,
     SparsePrefillWorkspace,
     cast_q_fp8,
     gather_dequant_requant_fp8_paged,
 )
-
-__version__ = "0.1.0"
 
 __all__ = [
     "InputTypeError",

@@ -20,8 +20,8 @@ import torch
 
 def info() -> dict:
     """Versions, GPU, kernel variants and cache of this installation (builds or loads the variants)."""
-    import q8kv8
     from q8kv8 import disk_cache, kernels, native
+    from q8kv8.metadata import __version__
 
     variants = kernels.all_variants()
     fast_path_built = native.load() is not None
@@ -31,7 +31,7 @@ def info() -> dict:
         gpu, arch = torch.cuda.get_device_name(), f"sm_{major}{minor}"
     return {
         "versions": {
-            "q8kv8": q8kv8.__version__,
+            "q8kv8": __version__,
             "torch": torch.__version__,
             "cuda (torch build)": torch.version.cuda or "none",
             "nvidia-cutlass-dsl": _distribution_version("nvidia-cutlass-dsl"),

@@ -6,6 +6,9 @@ import math
 
 import torch
 
+__version__ = "0.1.0"
+"""The package's version (``q8kv8.__version__``; pyproject.toml reads it here)."""
+
 SUPPORTED_D_QK = (512, 576)
 """The head dims of q and kv the kernel variants are built for."""
 
