@@ -152,7 +152,8 @@ def note_launch(device_index: int, d_qk: int, precision: str, persistent: bool, 
     """Called by the Python path after each launch on a CUDA device (whose capability the contract has then
     checked): the first launch on the device registers it, the first of each kernel variant (``variant``,
     a ``kernels.Variant``) registers the variant, and from then on ``launch`` takes such calls. Only with one
-    visible GPU (the extension launches on the current device), and never while ``suspended``."""
+    visible GPU (the extension launches on the current device), never while ``suspended``, and only for a
+    variant that is a ``tvm_ffi.Function`` (the compiled kernels are)."""
     global launch, _gpu_count
     if (device_index, d_qk, precision, persistent) in _registered or _suspended or device_index < 0:
         return
@@ -160,6 +161,10 @@ def note_launch(device_index: int, d_qk: int, precision: str, persistent: bool, 
         _gpu_count = torch.cuda.device_count()
     extension = load() if _gpu_count == 1 else None
     if extension is None:
+        return
+    import tvm_ffi
+
+    if not isinstance(variant.function, tvm_ffi.Function):
         return
     if device_index not in _registered_devices:
         sm_count = schedule._sm_counts.get(device_index)

@@ -396,6 +396,7 @@ def test_note_launch_registers_once_per_variant_and_again_after_disable(fast, mo
     native.note_launch(0, D_QK, "default", False, variant)  # two GPUs: never
     monkeypatch.setattr(native, "_gpu_count", 1)
     native.note_launch(-1, D_QK, "default", False, variant)  # a CPU tensor: never
+    native.note_launch(0, D_QK, "default", False, types.SimpleNamespace(function=print))  # not TVM-FFI's
     with native.suspended():
         native.note_launch(0, D_QK, "default", False, variant)
     assert native.launch is None and not native._registered
