@@ -13,13 +13,11 @@ import os
 
 from q8kv8.api import sparse_mla_q8kv8_prefill_fwd
 from q8kv8.contract import InputTypeError
-from q8kv8.metadata import pad_topk, padded_num_heads, topk_length_from_seqlens
+from q8kv8.metadata import __version__, pad_topk, padded_num_heads, topk_length_from_seqlens
 from q8kv8.paged_gather import gather_dequant_requant_fp8_paged
 from q8kv8.query import cast_q_fp8
 from q8kv8.serving import SparsePrefill
 from q8kv8.workspace import SparsePrefillWorkspace
-
-__version__ = "0.1.0"
 
 __all__ = [
     "InputTypeError",
@@ -44,14 +42,12 @@ def __getattr__(name: str):
     raise AttributeError(f"module 'q8kv8' has no attribute {name!r}")
 
 
-# Compile (or load from the disk cache) every kernel variant, the C++ fast launch and the C++ fast
-# call now, so the first call pays no compile. Works without a GPU (the target is sm_90a);
-# Q8KV8_COMPILE_AT_IMPORT=0 defers it to the first call.
+# Compile (or load from the disk cache) every kernel variant and the C++ fast path now, so the first call
+# pays no compile. Works without a GPU (the target is sm_90a); Q8KV8_COMPILE_AT_IMPORT=0 defers it to the
+# first call.
 if os.environ.get("Q8KV8_COMPILE_AT_IMPORT", "1") != "0":
-    from q8kv8 import fast_call as _fast_call
-    from q8kv8 import fast_launch as _fast_launch
     from q8kv8 import kernels as _kernels
+    from q8kv8 import native as _native
 
     _kernels.load_variants()
-    _fast_launch.load()
-    _fast_call.load()
+    _native.load()

@@ -19,16 +19,18 @@ import torch
 
 from q8kv8 import schedule
 from q8kv8.metadata import (
+    D_V,
+    HEAD_ALIGNMENT,
     KV_ROW_ALIGNMENT_BYTES,
     OUT_ALIGNMENT_BYTES,
+    PRECISIONS,
     Q_ALIGNMENT_BYTES,
+    SUPPORTED_D_QK,
     TOPK_ALIGNMENT,
     padded_num_heads,
 )
+from q8kv8.prefill_call import PrefillCall
 
-SUPPORTED_D_QK = (512, 576)
-SUPPORTED_D_V = 512
-PRECISIONS = ("default", "accurate")
 SM90 = (9, 0)
 CHECK_RANGES_ENV = "Q8KV8_CHECK_RANGES"
 
@@ -65,23 +67,10 @@ pointer (an int: no hashing of the whole key) and then compared whole."""
 FP8 = torch.float8_e4m3fn
 # Fields of a tensor's signature (``_signature``).
 TYPE, SHAPE, STRIDES, DTYPE, DEVICE, DATA_PTR = range(6)
+_new_call = tuple.__new__  # a PrefillCall from a tuple of all its fields, without NamedTuple's Python __new__
 
 
-def check_inputs(
-    q,
-    kv,
-    indices,
-    sm_scale,
-    q_scale,
-    kv_scale,
-    d_v,
-    attn_sink,
-    topk_length,
-    out,
-    max_logits,
-    lse,
-    precision,
-) -> Problem:
+def check_inputs(call: PrefillCall) -> Problem:
     """Validate the arguments of ``sparse_mla_q8kv8_prefill_fwd`` and return the problem sizes.
 
     Raises ``InputTypeError`` (a TypeError and a ValueError) for a wrong type or dtype and ValueError for
@@ -93,13 +82,17 @@ def check_inputs(
     same ones (a serving loop over the same buffers, a benchmark, the layers of one step) returns the
     memoised problem without re-running the checks. Invalid calls are never memoised.
     """
+    sm_scale, d_v, precision = call.sm_scale, call.d_v, call.precision
+    attn_sink, topk_length = call.attn_sink, call.topk_length
+    out, max_logits, lse = call.out, call.max_logits, call.lse
+    # The call with each tensor replaced by its signature (an absent one stays None), in field order.
     signatures = (
-        _signature(q),
-        _signature(kv),
-        _signature(indices),
+        _signature(call.q),
+        _signature(call.kv),
+        _signature(call.indices),
         sm_scale,
-        _signature(q_scale),
-        _signature(kv_scale),
+        _signature(call.q_scale),
+        _signature(call.kv_scale),
         d_v,
         None if attn_sink is None else _signature(attn_sink),
         None if topk_length is None else _signature(topk_length),
@@ -118,7 +111,7 @@ def check_inputs(
         for entry_key, problem in entries:
             if entry_key == key:
                 return problem
-    problem = _check_signatures(*signatures)
+    problem = _check_signatures(_new_call(PrefillCall, signatures))
     if entries is None:
         if len(_memo) >= _MEMO_ENTRIES:
             _memo.clear()
@@ -127,6 +120,11 @@ def check_inputs(
         entries.insert(0, (key, problem))
         del entries[_MEMO_ENTRIES_PER_Q:]
     return problem
+
+
+def clear_memo() -> None:
+    """Forget every memoised verdict (after a change that the memo's keys do not see: a forced schedule)."""
+    _memo.clear()
 
 
 def _signature(value) -> tuple:
@@ -140,10 +138,14 @@ def _signature(value) -> tuple:
         return (type(value), None, None, None, None, None)
 
 
-def _check_signatures(
-    q, kv, indices, sm_scale, q_scale, kv_scale, d_v, attn_sink, topk_length, out, max_logits, lse, precision
-) -> Problem:
-    """The checks of ``check_inputs`` on the tensors' signatures (None for an absent optional tensor)."""
+def _check_signatures(signatures: PrefillCall) -> Problem:
+    """The checks of ``check_inputs`` on a call whose tensors are their signatures (None for an absent
+    optional tensor)."""
+    q, kv, indices = signatures.q, signatures.kv, signatures.indices
+    q_scale, kv_scale = signatures.q_scale, signatures.kv_scale
+    attn_sink, topk_length = signatures.attn_sink, signatures.topk_length
+    out, max_logits, lse = signatures.out, signatures.max_logits, signatures.lse
+    sm_scale, d_v, precision = signatures.sm_scale, signatures.d_v, signatures.precision
     # Each group of checks: one test that valid arguments pass, then the checks one by one, in order, for
     # the message.
     if not (
@@ -187,9 +189,9 @@ def _check_signatures(
     if (
         type(d_v) is not int
         and (isinstance(d_v, bool) or not isinstance(d_v, numbers.Integral))
-        or d_v != 512
+        or d_v != D_V
     ):
-        raise ValueError(f"d_v: expected the integer {SUPPORTED_D_V}, got {d_v!r}")
+        raise ValueError(f"d_v: expected the integer {D_V}, got {d_v!r}")
     if indices_shape[0] != s_q or indices_shape[1] != 1:
         raise ValueError(
             f"indices: expected shape [s_q, 1, topk] with s_q = {s_q}, got {list(indices_shape)}"
@@ -260,7 +262,7 @@ def _check_signatures(
     device = q[DEVICE]
     tiles = 0
     if device.type == "cuda" and s_q > 0 and s_kv > 0:
-        num_tiles = s_q * (padded_num_heads(h_q) // 64)
+        num_tiles = s_q * (padded_num_heads(h_q) // HEAD_ALIGNMENT)
         tiles = schedule.tiles_per_cta(num_tiles, topk, topk_length is not None, precision, device.index)
     launch_ready = (
         q[DATA_PTR] % Q_ALIGNMENT_BYTES == 0

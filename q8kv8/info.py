@@ -20,19 +20,18 @@ import torch
 
 def info() -> dict:
     """Versions, GPU, kernel variants and cache of this installation (builds or loads the variants)."""
-    import q8kv8
-    from q8kv8 import build, disk_cache, fast_call, fast_launch, kernels
+    from q8kv8 import build, disk_cache, kernels, native
+    from q8kv8.metadata import __version__
 
     variants = kernels.all_variants()
-    fast_launch_built = fast_launch.load() is not None
-    fast_call_built = fast_call.load() is not None
+    fast_path_built = native.load() is not None
     gpu, arch = "none", "none"
     if torch.cuda.is_available():
         major, minor = torch.cuda.get_device_capability()
         gpu, arch = torch.cuda.get_device_name(), f"sm_{major}{minor}"
     return {
         "versions": {
-            "q8kv8": q8kv8.__version__,
+            "q8kv8": __version__,
             "torch": torch.__version__,
             "cuda (torch build)": torch.version.cuda or "none",
             "nvidia-cutlass-dsl": _distribution_version("nvidia-cutlass-dsl"),
@@ -50,8 +49,7 @@ def info() -> dict:
             "misses": kernels.cache_stats.misses,
             "rebuilt_corrupt": kernels.cache_stats.rebuilt_corrupt,
         },
-        "fast_launch": "built" if fast_launch_built else "unavailable (every call takes the Python path)",
-        "fast_call": "built" if fast_call_built else "unavailable (fast calls go through TVM-FFI)",
+        "fast_path": "built" if fast_path_built else "unavailable (every call takes the Python path)",
     }
 
 
@@ -83,8 +81,7 @@ def main() -> int:
         f"{'cache':{width}s}  {cache['dir']} (this process: {cache['hits']} hits, {cache['misses']} misses, "
         f"{cache['rebuilt_corrupt']} rebuilt)"
     )
-    print(f"{'fast launch':{width}s}  {report['fast_launch']}")
-    print(f"{'fast call':{width}s}  {report['fast_call']}")
+    print(f"{'fast path':{width}s}  {report['fast_path']}")
     header = (
         f"{'variant':32s} {'d_qk':>5s} {'from':9s} {'seconds':>8s} {'regs':>5s} {'spills':>7s} {'smem B':>8s}"
     )

@@ -13,21 +13,26 @@ tensors (it launches on the caller's current CUDA stream):
 
 from __future__ import annotations
 
-import math
 from pathlib import Path
 
 import torch
 
-from q8kv8 import fast_launch
 from q8kv8.build import CacheStats, Variant, build_or_load, compile_for_tvm_ffi, import_dsl
-from q8kv8.metadata import KV_ROW_ALIGNMENT_BYTES, OUT_ALIGNMENT_BYTES, Q_ALIGNMENT_BYTES
+from q8kv8.metadata import (
+    D_V,
+    HEAD_ALIGNMENT,
+    KV_ROW_ALIGNMENT_BYTES,
+    LOG2_E,
+    OUT_ALIGNMENT_BYTES,
+    PRECISIONS,
+    Q_ALIGNMENT_BYTES,
+    SINK_FLAG,
+    TOPK_LENGTH_FLAG,
+)
+from q8kv8.metadata import SUPPORTED_D_QK as D_QK_VARIANTS
 from q8kv8.schedule import PERSISTENT_PRECISIONS, tiles_per_cta
 
-D_QK_VARIANTS = (512, 576)
-PRECISIONS = ("default", "accurate")
-D_V = 512
 EXPORTED_FUNCTION = "sparse_prefill"
-_LOG2_E = math.log2(math.e)
 
 
 cache_stats = CacheStats()
@@ -166,9 +171,6 @@ def placeholders(int_source: torch.Tensor, float_source: torch.Tensor) -> tuple[
 
 
 _gpu_count: int | None = None  # visible GPUs, counted on the first launch
-tiles_per_cta_override: int | None = None
-"""Tests and experiments: 0 launches the one-tile kernel, k >= 1 the persistent one with k tiles per CTA;
-None (default) chooses by ``tiles_per_cta``."""
 
 
 def _call_on_device_of(tensor: torch.Tensor, function, *args) -> None:
@@ -199,25 +201,22 @@ def launch_sparse_prefill(
     precision,
     schedule: int | None = None,
     ready: bool = False,
-) -> None:
+) -> Variant:
     """Launch the kernel on validated tensors: q, out, max_logits, lse row-major with a head count that
     is a multiple of 64; kv and indices with a contiguous last dimension; one-element scales.
     ``schedule``: ``tiles_per_cta``'s answer when the caller has it (the contract memoises it), else
     computed here. ``ready``: the caller knows that q, kv and out meet the alignments of
     ``q8kv8.metadata`` (``contract.Problem.launch_ready``), so they are not checked again (else misaligned
-    tensors are copied to aligned ones)."""
-    device_index = q.get_device()
-    tiles = tiles_per_cta_override
+    tensors are copied to aligned ones). Returns the variant it launched."""
+    tiles = schedule
     if tiles is None:
-        tiles = schedule
-        if tiles is None:
-            tiles = tiles_per_cta(
-                q.shape[0] * (q.shape[1] >> 6),
-                indices.shape[2],
-                topk_length is not None,
-                precision,
-                device_index,
-            )
+        tiles = tiles_per_cta(
+            q.shape[0] * (q.shape[1] // HEAD_ALIGNMENT),
+            indices.shape[2],
+            topk_length is not None,
+            precision,
+            q.get_device(),
+        )
     key = (q.shape[2], precision)
     if tiles:
         variant = _persistent_variants.get(key) or load_persistent_variants()[key]
@@ -248,13 +247,13 @@ def launch_sparse_prefill(
         kernel_out,
         max_logits,
         lse,
-        sm_scale * _LOG2_E,
-        (topk_length is not None) | ((attn_sink is not None) << 1),
+        sm_scale * LOG2_E,
+        (TOPK_LENGTH_FLAG if topk_length is not None else 0) | (SINK_FLAG if attn_sink is not None else 0),
         tiles or 1,
     )
     if kernel_out is not out:
         out.copy_(kernel_out)
-    fast_launch.note_launch(device_index, _gpu_count, *key, tiles > 0, variant.function)
+    return variant
 
 
 # ------------------------------------------------------------------------------------------------
@@ -483,8 +482,8 @@ def launch_sparse_prefill_bf16(
         kernel_out,
         max_logits,
         lse,
-        sm_scale * _LOG2_E,
-        (topk_length is not None) | ((attn_sink is not None) << 1),
+        sm_scale * LOG2_E,
+        (TOPK_LENGTH_FLAG if topk_length is not None else 0) | (SINK_FLAG if attn_sink is not None else 0),
     )
     if kernel_out is not out:
         out.copy_(kernel_out)

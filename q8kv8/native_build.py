@@ -1,4 +1,4 @@
-"""Building q8kv8's small C++ host libraries (``csrc/``) with the system's ``c++``, cached on disk.
+"""Building q8kv8's C++ extension (``csrc/``) with the system's ``c++``, cached on disk.
 
 ``build_library`` compiles one source file into a shared library in a cache directory that the caller
 names by a digest of everything the binary depends on (the source, the headers' package versions, the
@@ -17,15 +17,11 @@ from pathlib import Path
 
 from q8kv8 import disk_cache
 
-C_API_HEADER = Path(__file__).resolve().parent / "csrc" / "fast_launch_c_api.h"
-"""The header both host libraries include (``-I`` its directory); part of both build digests."""
-
 
 def cache_directory(kind: str, source: Path, environment: str) -> Path:
-    """The cache directory of a library built from ``source`` (and ``C_API_HEADER``) for ``environment``
-    (the versions of what it is compiled and linked against): ``disk_cache.cache_dir() / kind / digest``."""
+    """The cache directory of a library built from ``source`` for ``environment`` (the versions of what it
+    is compiled and linked against): ``disk_cache.cache_dir() / kind / digest``."""
     digest = hashlib.sha256(source.read_bytes())
-    digest.update(C_API_HEADER.read_bytes())
     digest.update(environment.encode())
     return disk_cache.cache_dir() / kind / digest.hexdigest()[:24]
 

@@ -9,33 +9,26 @@ Two ops, registered when ``q8kv8`` is imported:
   the caller's buffers; declared with ``mutates_args``, so torch.compile functionalises it and Inductor
   writes the buffers in place (no extra copies, no aliasing between an op's outputs and its inputs).
 
-``sparse_mla_q8kv8_prefill_fwd`` traced by torch.compile (``torch.compiler.is_compiling()``) calls
-``call_traced``: the functional op when no buffer is given, else the out op, after allocating any missing
-buffer. Eagerly it keeps its plain Python path: the op dispatcher would add several microseconds per call.
-
-The fake (meta) implementations return correctly shaped, typed and placed outputs without reading or
-checking anything; the real implementations call ``sparse_mla_q8kv8_prefill_fwd``, so every argument
-check runs when the op executes, as in eager mode.
+``sparse_mla_q8kv8_prefill_fwd`` traced by torch.compile calls ``call_traced``: the functional op when no
+buffer is given, else the out op, after allocating any missing buffer. Eagerly it does not go through the
+op dispatcher, which would add several microseconds per call. The fake implementations return correctly
+shaped, typed and placed outputs without reading or checking anything; the real ones run the eager call
+(``q8kv8.eager.run``), checks included.
 """
 
 import torch
 
+from q8kv8 import eager
+from q8kv8.eager import output_buffers
+from q8kv8.metadata import D_V
+from q8kv8.prefill_call import PrefillCall
+
 OP_NAMESPACE = "q8kv8"
 FUNCTIONAL_OP = "q8kv8::sparse_mla_q8kv8_prefill"
 OUT_OP = "q8kv8::sparse_mla_q8kv8_prefill_out"
-
-
-def output_buffers(q, h, d_v, out=None, max_logits=None, lse=None):
-    """``(out, max_logits, lse)`` for q.shape[0] rows of ``h`` heads on q's device, new where not given:
-    [s_q, h, d_v] bfloat16, [s_q, h] float32, [s_q, h] float32."""
-    s_q = q.shape[0]
-    if out is None:
-        out = q.new_empty((s_q, h, d_v), dtype=torch.bfloat16)
-    if max_logits is None:
-        max_logits = q.new_empty((s_q, h), dtype=torch.float32)
-    if lse is None:
-        lse = q.new_empty((s_q, h), dtype=torch.float32)
-    return out, max_logits, lse
+INPUT_FIELDS = 9
+"""Both ops' first parameters are PrefillCall's first INPUT_FIELDS fields (q ... topk_length); then come
+precision and, for the out op, the three buffers."""
 
 
 @torch.library.custom_op(FUNCTIONAL_OP, mutates_args=())
@@ -46,33 +39,22 @@ def sparse_mla_q8kv8_prefill(
     sm_scale: float,
     q_scale: torch.Tensor,
     kv_scale: torch.Tensor,
-    d_v: int = 512,
+    d_v: int = D_V,
     attn_sink: torch.Tensor | None = None,
     topk_length: torch.Tensor | None = None,
     precision: str = "default",
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``sparse_mla_q8kv8_prefill_fwd`` without buffers: returns new ``(out, max_logits, lse)``."""
-    from q8kv8.api import sparse_mla_q8kv8_prefill_fwd
-
-    return sparse_mla_q8kv8_prefill_fwd(
-        q, kv, indices, sm_scale, q_scale, kv_scale, d_v, attn_sink, topk_length, precision=precision
+    return eager.run(
+        PrefillCall(
+            q, kv, indices, sm_scale, q_scale, kv_scale, d_v, attn_sink, topk_length, precision=precision
+        )
     )
 
 
 @sparse_mla_q8kv8_prefill.register_fake
-def _(
-    q,
-    kv,
-    indices,
-    sm_scale,
-    q_scale,
-    kv_scale,
-    d_v=512,
-    attn_sink=None,
-    topk_length=None,
-    precision="default",
-):
-    return output_buffers(q, q.shape[1], d_v)
+def _(q, *_args, **_kwargs):
+    return output_buffers(q, q.shape[1], D_V)  # d_v is D_V in every call the op accepts
 
 
 @torch.library.custom_op(OUT_OP, mutates_args=("out", "max_logits", "lse"))
@@ -92,55 +74,27 @@ def sparse_mla_q8kv8_prefill_out(
     lse: torch.Tensor,
 ) -> None:
     """``sparse_mla_q8kv8_prefill_fwd`` into the given ``out``, ``max_logits`` and ``lse``."""
-    from q8kv8.api import sparse_mla_q8kv8_prefill_fwd
-
-    sparse_mla_q8kv8_prefill_fwd(
-        q,
-        kv,
-        indices,
-        sm_scale,
-        q_scale,
-        kv_scale,
-        d_v,
-        attn_sink,
-        topk_length,
-        out=out,
-        max_logits=max_logits,
-        lse=lse,
-        precision=precision,
-    )
+    eager.run(
+        PrefillCall(
+            q, kv, indices, sm_scale, q_scale, kv_scale, d_v, attn_sink, topk_length, out, max_logits, lse,
+            precision,
+        )
+    )  # fmt: skip
 
 
 @sparse_mla_q8kv8_prefill_out.register_fake
-def _(
-    q, kv, indices, sm_scale, q_scale, kv_scale, d_v, attn_sink, topk_length, precision, out, max_logits, lse
-):
+def _(*_args, **_kwargs):
     return None
 
 
-def call_traced(
-    q, kv, indices, sm_scale, q_scale, kv_scale, d_v, attn_sink, topk_length, out, max_logits, lse, precision
-):
+def call_traced(call: PrefillCall):
     """What ``sparse_mla_q8kv8_prefill_fwd`` does when torch.compile traces it: one op call."""
     ops = torch.ops.q8kv8
-    if out is None and max_logits is None and lse is None:
-        return ops.sparse_mla_q8kv8_prefill.default(
-            q, kv, indices, sm_scale, q_scale, kv_scale, d_v, attn_sink, topk_length, precision
-        )
-    out, max_logits, lse = output_buffers(q, q.shape[1], d_v, out, max_logits, lse)
-    ops.sparse_mla_q8kv8_prefill_out.default(
-        q,
-        kv,
-        indices,
-        sm_scale,
-        q_scale,
-        kv_scale,
-        d_v,
-        attn_sink,
-        topk_length,
-        precision,
-        out,
-        max_logits,
-        lse,
+    inputs = call[:INPUT_FIELDS]
+    if call.out is None and call.max_logits is None and call.lse is None:
+        return ops.sparse_mla_q8kv8_prefill.default(*inputs, call.precision)
+    out, max_logits, lse = output_buffers(
+        call.q, call.q.shape[1], call.d_v, call.out, call.max_logits, call.lse
     )
+    ops.sparse_mla_q8kv8_prefill_out.default(*inputs, call.precision, out, max_logits, lse)
     return out, max_logits, lse

@@ -13,9 +13,8 @@ import torch
 
 from q8kv8.arguments import check_buffer
 from q8kv8.contract import _overlaps
-from q8kv8.metadata import padded_num_heads
+from q8kv8.metadata import E4M3_MAX, padded_num_heads
 
-E4M3_MAX = 448.0
 _CAST_CHUNK_ELEMENTS = 1 << 24  # float32 temporaries of cast_q_fp8: at most 64 MiB
 
 

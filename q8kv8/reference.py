@@ -11,8 +11,8 @@ import torch
 
 from q8kv8.arguments import require_int
 from q8kv8.kv_layout import get_layout
+from q8kv8.metadata import D_V, E4M3_MAX
 from q8kv8.paged_gather import out_dtype_of, paged_cache_pages, slot_words
-from q8kv8.query import E4M3_MAX
 from q8kv8.serving import PrefillKernels
 
 
@@ -127,7 +127,7 @@ def gather_dequant_paged_reference(
 
 def _reference_attention_fp8(q, kv, indices, sm_scale, q_scale, kv_scale, attn_sink, topk_length):
     out, max_logits, lse = sparse_mla_prefill_reference(
-        q, kv, indices, sm_scale, q_scale, kv_scale, 512, attn_sink, topk_length
+        q, kv, indices, sm_scale, q_scale, kv_scale, D_V, attn_sink, topk_length
     )
     return out.to(torch.bfloat16), max_logits.float(), lse.float()
 

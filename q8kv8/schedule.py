@@ -21,10 +21,16 @@ PERSISTENT_MIN_WAVES = 4
 
 _sm_counts: dict[int, int] = {}  # multiprocessors per CUDA device index
 
+forced: int | None = None
+"""Set by ``q8kv8.eager.forced_tiles_per_cta`` (tests, experiments): the answer of ``tiles_per_cta`` for
+every launch (0 the one-tile kernel, k >= 1 the persistent one with k tiles per CTA) instead of the rule's."""
+
 
 def tiles_per_cta(num_tiles: int, topk: int, has_topk_length: bool, precision: str, device_index: int) -> int:
     """The schedule of a launch of ``num_tiles`` (token, 64 heads) tiles on CUDA device ``device_index``:
     0 selects the one-tile kernel, k >= 2 the persistent one with k tiles per CTA."""
+    if forced is not None:
+        return forced
     if precision not in PERSISTENT_PRECISIONS or not (has_topk_length or topk <= PERSISTENT_MAX_TOPK):
         return 0
     sms = _sm_counts.get(device_index)

@@ -23,7 +23,7 @@ import torch
 
 from q8kv8.arguments import require_int
 from q8kv8.kv_layout import LAYOUT_BY_BYTES_PER_TOKEN, KvCacheLayout
-from q8kv8.metadata import pad_topk, padded_num_heads, topk_length_from_seqlens
+from q8kv8.metadata import D_V, pad_topk, padded_num_heads, topk_length_from_seqlens
 from q8kv8.paged_gather import gather_dequant_paged
 from q8kv8.query import cast_q_fp8, dynamic_q_scale, pad_attn_sink, pad_q_heads
 from q8kv8.workspace import SparsePrefillWorkspace, _ReusableBuffer
@@ -53,7 +53,7 @@ def _cuda_attention_fp8(q, kv, indices, sm_scale, q_scale, kv_scale, attn_sink, 
     from q8kv8.api import sparse_mla_q8kv8_prefill_fwd
 
     return sparse_mla_q8kv8_prefill_fwd(
-        q, kv, indices, sm_scale, q_scale, kv_scale, 512, attn_sink, topk_length
+        q, kv, indices, sm_scale, q_scale, kv_scale, D_V, attn_sink, topk_length
     )
 
 
@@ -68,7 +68,7 @@ def _cuda_attention_bf16(q, kv, indices, sm_scale, attn_sink, topk_length):
 
     launch = kernels.launch_sparse_prefill_bf16
     s_q, h, _ = q.shape
-    out = torch.empty((s_q, h, 512), dtype=torch.bfloat16, device=q.device)
+    out = torch.empty((s_q, h, D_V), dtype=torch.bfloat16, device=q.device)
     max_logits = torch.empty((s_q, h), dtype=torch.float32, device=q.device)
     lse = torch.empty((s_q, h), dtype=torch.float32, device=q.device)
     if s_q:

@@ -27,9 +27,9 @@ import torch
 from q8kv8.api import sparse_mla_q8kv8_prefill_fwd
 from q8kv8.contract import InputTypeError
 from q8kv8.kv_layout import LAYOUT_BY_BYTES_PER_TOKEN, MODEL1, V32, KvCacheLayout
-from q8kv8.metadata import HEAD_ALIGNMENT, padded_num_heads
+from q8kv8.metadata import E4M3_MAX, HEAD_ALIGNMENT, padded_num_heads
 from q8kv8.paged_gather import gather_dequant_requant_fp8_paged as _gather
-from q8kv8.query import E4M3_MAX, cast_q_fp8
+from q8kv8.query import cast_q_fp8
 
 __all__ = [
     "cast_q_fp8_for_q8kv8_prefill",

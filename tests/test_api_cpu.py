@@ -6,12 +6,14 @@ reference on the caller's (unpadded) inputs, within bf16 rounding for ``out`` (r
 float32 rounding for ``max_logits`` and ``lse`` (relative 2**-23).
 """
 
+import inspect
 import math
 
 import pytest
 import torch
 
 from q8kv8 import contract, sparse_mla_q8kv8_prefill_fwd
+from q8kv8.prefill_call import PrefillCall
 from q8kv8.reference import sparse_mla_prefill_reference
 
 S_Q, S_KV, D_QK, D_V, TOPK = 5, 200, 576, 512, 128
@@ -208,3 +210,12 @@ def test_empty_kv_gives_sentinels_without_launch(make_inputs, no_launch, given_b
     assert torch.equal(lse, torch.full((S_Q, 48), math.inf))
     if given_buffers:
         assert out is buffers["out"] and max_logits is buffers["max_logits"] and lse is buffers["lse"]
+
+
+def test_the_public_parameters_are_the_call_structures_fields():
+    """``sparse_mla_q8kv8_prefill_fwd`` builds its ``PrefillCall`` from its parameters in order: they are the
+    structure's fields, with the same defaults."""
+    parameters = inspect.signature(sparse_mla_q8kv8_prefill_fwd).parameters
+    assert list(parameters) == list(PrefillCall._fields)
+    defaults = {name: p.default for name, p in parameters.items() if p.default is not inspect.Parameter.empty}
+    assert defaults == PrefillCall._field_defaults

@@ -12,6 +12,7 @@ import torch
 
 from q8kv8 import contract, schedule, sparse_mla_q8kv8_prefill_fwd
 from q8kv8.contract import InputTypeError, Problem, check_device, check_inputs
+from q8kv8.prefill_call import PrefillCall
 
 S_Q, H_Q, S_KV, D_QK, D_V, TOPK = 4, 16, 32, 576, 512, 128
 FP8 = torch.float8_e4m3fn
@@ -405,7 +406,7 @@ def test_valid_cpu_inputs_fail_only_the_device_check(valid_args, tripwire_kernel
 def test_check_inputs_hands_every_tensor_to_the_device_check(valid_args, monkeypatch):
     seen = {}
     monkeypatch.setattr(contract, "check_device", seen.update)
-    problem = check_inputs(**valid_args)
+    problem = check_inputs(PrefillCall(**valid_args))
     assert problem == Problem(
         s_q=S_Q,
         h_q=H_Q,
@@ -435,7 +436,7 @@ def test_check_inputs_hands_every_tensor_to_the_device_check(valid_args, monkeyp
 def test_empty_query_or_kv_is_valid(make_inputs, monkeypatch, s_q, s_kv):
     monkeypatch.setattr(contract, "check_device", lambda named_devices: None)
     args = make_inputs(s_q, H_Q, s_kv, 512, 256, with_sink=True, with_topk_length=True)
-    problem = check_inputs(**args, out=None, max_logits=None, lse=None, precision="accurate")
+    problem = check_inputs(PrefillCall(**args, out=None, max_logits=None, lse=None, precision="accurate"))
     assert (problem.s_q, problem.s_kv, problem.d_qk, problem.topk) == (s_q, s_kv, 512, 256)
 
 
@@ -547,19 +548,7 @@ def test_problem_carries_the_schedule_for_cuda_devices(
         for name, sig in signatures.items()
     }
     problem = contract._check_signatures(
-        signatures["q"],
-        signatures["kv"],
-        signatures["indices"],
-        args["sm_scale"],
-        signatures["q_scale"],
-        signatures["kv_scale"],
-        args["d_v"],
-        signatures["attn_sink"],
-        signatures["topk_length"],
-        None,
-        None,
-        None,
-        precision,
+        PrefillCall(**signatures, sm_scale=args["sm_scale"], d_v=args["d_v"], precision=precision)
     )
     assert problem.tiles_per_cta == expected
 
@@ -606,4 +595,4 @@ def test_problem_says_whether_the_launch_may_skip_its_layout_checks(
         args["topk_length"] = every_other_in_last_dim(args["topk_length"][None])[0]
     elif change == "attn_sink strided":
         args["attn_sink"] = every_other_in_last_dim(args["attn_sink"][None])[0]
-    assert check_inputs(**args).launch_ready == (change is None)
+    assert check_inputs(PrefillCall(**args)).launch_ready == (change is None)

@@ -11,6 +11,7 @@ import torch
 
 from q8kv8 import contract
 from q8kv8.contract import check_inputs
+from q8kv8.prefill_call import PrefillCall
 
 S_Q, H_Q, S_KV, D_QK, D_V, TOPK = 4, 16, 32, 576, 512, 128
 
@@ -35,34 +36,34 @@ def args(make_inputs) -> dict:
 
 
 def test_repeated_call_is_answered_from_the_memo(args, device_checks):
-    first = check_inputs(**args)
-    second = check_inputs(**args)
+    first = check_inputs(PrefillCall(**args))
+    second = check_inputs(PrefillCall(**args))
     assert first == second and (first.s_q, first.h_q, first.topk) == (S_Q, H_Q, TOPK)
     assert len(device_checks) == 1
-    check_inputs(**args | {"out": None, "max_logits": None, "lse": None})
+    check_inputs(PrefillCall(**args | {"out": None, "max_logits": None, "lse": None}))
     assert len(device_checks) == 2  # another signature: checked
 
 
 def test_equal_metadata_on_new_tensors_is_checked_again(args, device_checks):
-    check_inputs(**args)
-    check_inputs(**args | {"out": torch.empty_like(args["out"])})  # same shape, another address
+    check_inputs(PrefillCall(**args))
+    check_inputs(PrefillCall(**args | {"out": torch.empty_like(args["out"])}))  # same shape, another address
     assert len(device_checks) == 2
 
 
 def test_in_place_change_to_an_overlapping_buffer_is_caught(args, device_checks):
-    check_inputs(**args)
+    check_inputs(PrefillCall(**args))
     args["lse"].set_(args["max_logits"].untyped_storage(), 0, (S_Q, H_Q), (H_Q, 1))  # same object
     with pytest.raises(
         ValueError, match="^lse: expected memory of its own, got memory overlapping max_logits$"
     ):
-        check_inputs(**args)
+        check_inputs(PrefillCall(**args))
 
 
 def test_in_place_change_to_a_strided_buffer_is_caught(args, device_checks):
-    check_inputs(**args)
+    check_inputs(PrefillCall(**args))
     args["out"].as_strided_((S_Q, H_Q, D_V), (H_Q * D_V, 1, H_Q))  # same storage, transposed strides
     with pytest.raises(ValueError, match="^out: expected a contiguous tensor"):
-        check_inputs(**args)
+        check_inputs(PrefillCall(**args))
 
 
 @pytest.mark.parametrize(
@@ -75,37 +76,37 @@ def test_in_place_change_to_a_strided_buffer_is_caught(args, device_checks):
     ],
 )
 def test_scalars_are_part_of_the_signature(args, device_checks, changes, message):
-    check_inputs(**args | {"sm_scale": 1})
-    check_inputs(**args | {"sm_scale": 1.0})
+    check_inputs(PrefillCall(**args | {"sm_scale": 1}))
+    check_inputs(PrefillCall(**args | {"sm_scale": 1.0}))
     assert len(device_checks) == 2  # 1 and 1.0 are separate signatures
     with pytest.raises((TypeError, ValueError), match=message):
-        check_inputs(**args | changes)
+        check_inputs(PrefillCall(**args | changes))
 
 
 def test_errors_are_never_memoised(args, device_checks):
     bad = args | {"indices": args["indices"][:, :, :100]}
     for _ in range(2):
         with pytest.raises(ValueError, match="a positive multiple of 128, got 100"):
-            check_inputs(**bad)
+            check_inputs(PrefillCall(**bad))
     assert contract._memo == {}
 
 
 def test_a_replaced_device_check_is_not_answered_from_the_memo(args, monkeypatch):
     monkeypatch.setattr(contract, "_memo", {})
     monkeypatch.setattr(contract, "check_device", lambda named_devices: None)
-    check_inputs(**args)
+    check_inputs(PrefillCall(**args))
     monkeypatch.undo()  # the real device check again, which rejects CPU tensors
     with pytest.raises(ValueError, match="^q: expected a CUDA tensor, got device cpu$"):
-        check_inputs(**args)
+        check_inputs(PrefillCall(**args))
 
 
 def test_unhashable_arguments_are_checked_without_the_memo(args, device_checks):
     with pytest.raises(
         ValueError, match=r"precision: expected one of \('default', 'accurate'\), got \['x'\]"
     ):
-        check_inputs(**args | {"precision": ["x"]})
+        check_inputs(PrefillCall(**args | {"precision": ["x"]}))
     with pytest.raises(TypeError, match="q: expected a torch.Tensor, got list"):
-        check_inputs(**args | {"q": [[0.0]]})
+        check_inputs(PrefillCall(**args | {"q": [[0.0]]}))
     assert contract._memo == {}
 
 
@@ -115,11 +116,11 @@ def test_the_memo_is_bounded(args, device_checks, monkeypatch):
     alive = []  # so that every call's tensors have addresses of their own
     for _ in range(7):  # new q tensors: new first-level keys
         alive.append(args["q"].clone())
-        check_inputs(**args | {"q": alive[-1]})
+        check_inputs(PrefillCall(**args | {"q": alive[-1]}))
         assert 1 <= len(contract._memo) <= 3
     for _ in range(5):  # one q, new buffers: entries under one key
         alive.append(torch.empty_like(args["out"]))
-        check_inputs(**args | {"out": alive[-1]})
+        check_inputs(PrefillCall(**args | {"out": alive[-1]}))
         assert len(contract._memo[args["q"].data_ptr()]) <= 2
     assert len(device_checks) == 12
 
@@ -155,7 +156,7 @@ def test_signature_contiguity_and_span_match_torch(make):
 
 
 def test_a_tensor_scalar_is_never_compared_with_memoised_values(args, device_checks):
-    check_inputs(**args)  # memoised, with a float sm_scale
+    check_inputs(PrefillCall(**args))  # memoised, with a float sm_scale
     for sm_scale in (torch.tensor(0.1), torch.tensor([0.1, 0.2])):  # == with a float: a tensor, or an error
         with pytest.raises(TypeError, match="^sm_scale: expected a Python real number, got Tensor$"):
-            check_inputs(**args | {"sm_scale": sm_scale})
+            check_inputs(PrefillCall(**args | {"sm_scale": sm_scale}))

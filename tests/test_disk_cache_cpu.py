@@ -59,17 +59,17 @@ def test_unusable_directory_warns_once_and_builds_privately(monkeypatch, fresh_r
 
 def test_import_and_builds_work_without_a_usable_cache(tmp_path):
     """A fresh interpreter: ``import q8kv8`` (kernels deferred to keep the test short), then a kernel
-    variant and the C++ fast launch built into the private directory, which is gone after exit."""
+    variant and the C++ fast path built into the private directory, which is gone after exit."""
     script = textwrap.dedent(
         """
         import warnings
         warnings.simplefilter("always")
         import q8kv8
-        from q8kv8 import disk_cache, fast_launch, kernels
+        from q8kv8 import disk_cache, kernels, native
         variant = kernels.load_q_cast_variant(512)
         assert variant.source == "compiled", variant
         assert variant.object_path.parent.parent == disk_cache.cache_dir()
-        assert fast_launch.load() is not None
+        assert native.load() is not None
         print("PRIVATE", disk_cache.cache_dir())
         """
     )

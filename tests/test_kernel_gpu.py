@@ -12,7 +12,8 @@ import pytest
 import torch
 from reference_checks import assert_outputs_match
 
-from q8kv8 import kernels, sparse_mla_q8kv8_prefill_fwd, topk_length_from_seqlens
+from q8kv8 import sparse_mla_q8kv8_prefill_fwd, topk_length_from_seqlens
+from q8kv8.eager import forced_tiles_per_cta
 from q8kv8.reference import sparse_mla_prefill_reference
 
 pytestmark = pytest.mark.gpu
@@ -305,19 +306,17 @@ def test_increasing_logits_rescale_every_pair(make_inputs, d_qk):
 
 @pytest.mark.parametrize("precision", ["default", "accurate"])
 @pytest.mark.parametrize("d_qk, h_q, topk", [(576, 128, 512), (512, 64, 256), (576, 64, 2048)])
-def test_persistent_kernel_bitwise_equals_one_tile_kernel(
-    make_inputs, monkeypatch, d_qk, h_q, topk, precision
-):
+def test_persistent_kernel_bitwise_equals_one_tile_kernel(make_inputs, d_qk, h_q, topk, precision):
     """The persistent kernel (forced: 1, 2, 3 and 8 tiles per CTA) gives the one-tile kernel's results
     bit for bit, over tiles with no valid slot, full rows, odd and even block counts, in both precisions."""
     inputs = make_inputs(203, h_q, 5000, d_qk, topk, device="cuda", with_sink=True, with_topk_length=True)
     edges = torch.tensor([0, topk, 1, 64, 65, 128, 129, 0, 0, topk, 63], dtype=torch.int32)
     inputs["topk_length"][: len(edges)] = edges.cuda()
-    monkeypatch.setattr(kernels, "tiles_per_cta_override", 0)
-    one_tile = [t.clone() for t in run_kernel(inputs, precision=precision)]
+    with forced_tiles_per_cta(0):
+        one_tile = [t.clone() for t in run_kernel(inputs, precision=precision)]
     tolerance = ACCURATE_OUT_TOLERANCE if precision == "accurate" else OUT_TOLERANCE
     assert_matches_reference(one_tile, inputs, out_tolerance=tolerance)
     for tiles in (1, 2, 3, 8):
-        monkeypatch.setattr(kernels, "tiles_per_cta_override", tiles)
-        persistent = run_kernel(inputs, precision=precision)
+        with forced_tiles_per_cta(tiles):
+            persistent = run_kernel(inputs, precision=precision)
         assert all(torch.equal(a, b) for a, b in zip(one_tile, persistent, strict=True)), tiles

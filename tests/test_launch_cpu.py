@@ -12,7 +12,7 @@ import types
 import pytest
 import torch
 
-from q8kv8 import kernels, schedule
+from q8kv8 import eager, kernels, schedule
 
 S_Q, H, S_KV, D_QK, D_V, TOPK = 3, 64, 40, 576, 512, 128
 FUNCTION_PARAMETERS = (
@@ -81,7 +81,7 @@ def launch_args(**changes) -> dict:
 
 def test_absent_options_get_placeholders_and_flags_0(calls):
     args = launch_args()
-    kernels.launch_sparse_prefill(*args.values())
+    assert kernels.launch_sparse_prefill(*args.values()) is kernels._variants.variant  # the variant launched
     [call] = calls
     assert call["flags"] == 0
     assert call["topk_length"].dtype == torch.int32 and call["topk_length"].shape == (1,)
@@ -203,8 +203,9 @@ def test_schedule_choice(calls, s_q, topk, with_topk_length, precision, expected
     assert calls[-1]["tiles_per_cta"] == max(expected, 1)
 
 
-def test_schedule_override(calls, monkeypatch):
+def test_forced_schedule(calls):
     for forced in (0, 1, 3):
-        monkeypatch.setattr(kernels, "tiles_per_cta_override", forced)
-        kernels.launch_sparse_prefill(**launch_args())
+        with eager.forced_tiles_per_cta(forced):
+            kernels.launch_sparse_prefill(**launch_args())
         assert calls[-1]["tiles_per_cta"] == max(forced, 1)
+    assert schedule.forced is None

@@ -11,7 +11,8 @@ import pytest
 import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 
-from q8kv8 import contract, sparse_mla_q8kv8_prefill_fwd
+from q8kv8 import contract, ops, sparse_mla_q8kv8_prefill_fwd
+from q8kv8.prefill_call import PrefillCall
 from q8kv8.reference import sparse_mla_prefill_reference
 
 S_Q, S_KV, D_V, TOPK = 5, 200, 512, 128
@@ -84,6 +85,17 @@ def test_schemas():
     writes = {a.name for a in OUT._schema.arguments if a.alias_info is not None and a.alias_info.is_write}
     assert writes == {"out", "max_logits", "lse"}
     assert OUT._schema.returns == []
+
+
+def test_schemas_read_the_call_structures_fields():
+    """The ops' parameters are PrefillCall's fields: its first ``ops.INPUT_FIELDS`` in order, then precision
+    (and the out op's three buffers), with PrefillCall's defaults."""
+    inputs = list(PrefillCall._fields[: ops.INPUT_FIELDS])
+    assert [a.name for a in FUNCTIONAL._schema.arguments] == [*inputs, "precision"]
+    assert [a.name for a in OUT._schema.arguments] == [*inputs, "precision", "out", "max_logits", "lse"]
+    for argument in FUNCTIONAL._schema.arguments:
+        if argument.has_default_value():
+            assert argument.default_value == PrefillCall._field_defaults[argument.name], argument.name
 
 
 @pytest.mark.parametrize(("s_q", "h_q", "d_qk"), [(7, 64, 576), (3, 48, 512), (0, 16, 576)])

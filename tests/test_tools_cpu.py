@@ -18,7 +18,7 @@ import pytest
 import torch
 
 import q8kv8
-from q8kv8 import build, disk_cache, fast_call, fast_launch, kernels
+from q8kv8 import build, disk_cache, kernels, native
 from q8kv8 import compile as compile_command
 
 REPO = Path(__file__).resolve().parent.parent
@@ -113,12 +113,8 @@ def test_info_reports_versions_gpu_variants_and_cache(variants):
         assert described["registers"] is None or 0 < described["registers"] <= 168
     assert report["cache"]["dir"] == str(disk_cache.cache_dir())
     assert report["cache"]["hits"] + report["cache"]["misses"] >= len(variants)
-    fast_launch_built, fast_call_built = fast_launch.load() is not None, fast_call.load() is not None
-    assert report["fast_launch"] == (
-        "built" if fast_launch_built else "unavailable (every call takes the Python path)"
-    )
-    assert report["fast_call"] == (
-        "built" if fast_call_built else "unavailable (fast calls go through TVM-FFI)"
+    assert report["fast_path"] == (
+        "built" if native.load() is not None else "unavailable (every call takes the Python path)"
     )
 
 
@@ -129,7 +125,7 @@ def test_python_m_info_prints_a_table(variants):
     out = result.stdout
     assert re.search(rf"^q8kv8\s+{re.escape(q8kv8.__version__)}$", out, re.MULTILINE)
     assert re.search(r"^gpu\s+\S", out, re.MULTILINE)
-    assert re.search(r"^fast call\s+(built|unavailable)", out, re.MULTILINE)
+    assert re.search(r"^fast path\s+(built|unavailable)", out, re.MULTILINE)
     cache = re.escape(str(disk_cache.cache_dir()))
     assert re.search(rf"^cache\s+{cache} \(this process: ", out, re.MULTILINE)
     for variant in variants.values():

@@ -1,6 +1,5 @@
-"""Where the host time of one call goes: the C++ fast path (the CPython extension of q8kv8.fast_call, or
-the TVM-FFI call that replaces it where it is not built), or the contract checks, the wrapper and the
-TVM-FFI launch of the Python path.
+"""Where the host time of one call goes: the C++ fast path (q8kv8.native), or the contract checks, the
+wrapper and the TVM-FFI launch of the Python path.
 
 Times each stage in a loop of launches queued without syncs on a tiny problem (the GPU keeps up),
 then prints a cProfile of the full call.
@@ -15,7 +14,8 @@ import time
 import torch
 
 import q8kv8
-from q8kv8 import contract, fast_call, fast_launch, kernels
+from q8kv8 import contract, eager, kernels, native
+from q8kv8.prefill_call import PrefillCall
 from scripts.bench.common import make_inputs
 
 
@@ -35,10 +35,12 @@ def main() -> None:
     inputs = make_inputs(1, 256, 64, 576, 128, None, "cuda")
     out, max_logits, lse = q8kv8.sparse_mla_q8kv8_prefill_fwd(**inputs)
     buffers = {"out": out, "max_logits": max_logits, "lse": lse}
-    args = (
+    call = PrefillCall(
         inputs["q"], inputs["kv"], inputs["indices"], inputs["sm_scale"], inputs["q_scale"],
         inputs["kv_scale"], 512, None, None, out, max_logits, lse, "default",
     )  # fmt: skip
+    allocating_call = call._replace(out=None, max_logits=None, lse=None)
+    extension = native.load()
     variant = kernels.load_variants()[576, "default"]
     no_tl, no_sink = kernels.placeholders(inputs["q_scale"], inputs["kv_scale"])
     ffi_args = (
@@ -46,7 +48,7 @@ def main() -> None:
         out, max_logits, lse, 1.0, 0, 1,
     )  # fmt: skip
     rows = {
-        "contract.check_inputs": lambda: contract.check_inputs(*args),
+        "contract.check_inputs": lambda: contract.check_inputs(call),
         "kernels.launch_sparse_prefill": lambda: kernels.launch_sparse_prefill(
             inputs["q"],
             inputs["kv"],
@@ -62,23 +64,20 @@ def main() -> None:
             "default",
         ),  # fmt: skip
         "TVM-FFI call alone": lambda: variant.function(*ffi_args),
-        "fast call alone (C++ extension)": lambda: fast_launch.launch(*args),
-        "fast call alone, allocating": lambda: fast_launch.launch(*args[:9], None, None, None, "default"),
-        "fast launch through TVM-FFI": lambda: fast_launch.launch_through_tvm_ffi(*args),
+        "fast path alone (C++ extension)": lambda: extension.launch(call),
+        "fast path alone, allocating": lambda: extension.launch(allocating_call),
         "full call": lambda: q8kv8.sparse_mla_q8kv8_prefill_fwd(**inputs, **buffers),
         "full call, allocating": lambda: q8kv8.sparse_mla_q8kv8_prefill_fwd(**inputs),
-        "the three output allocations alone": lambda: q8kv8.ops.output_buffers(inputs["q"], 64, 512),
-        "the three allocations in C++": lambda: fast_call.load().allocate(inputs["q"], 512),
+        "the three output allocations alone": lambda: eager.output_buffers(inputs["q"], 64, 512),
+        "the three allocations in C++": lambda: extension.allocate(inputs["q"], 512),
     }
-    assert fast_launch.launch is fast_call.load().launch, "the first call did not enable the fast call"
+    assert native.launch is extension.launch, "the first call did not enable the fast path"
     for name, fn in rows.items():
         print(f"{name:40s} {per_call_us(fn):7.1f} us")
-    fast_call_launch = fast_launch.launch
-    for label, per_call in (("through TVM-FFI", fast_launch.launch_through_tvm_ffi), ("Python path", None)):
-        fast_launch.launch = per_call
-        for name in ("full call", "full call, allocating"):
-            print(f"{name + ', ' + label:40s} {per_call_us(rows[name]):7.1f} us")
-    fast_launch.launch = fast_call_launch
+    native.launch = None  # every call takes the Python path
+    for name in ("full call", "full call, allocating"):
+        print(f"{name + ', Python path':40s} {per_call_us(rows[name]):7.1f} us")
+    native.launch = extension.launch
     profile = cProfile.Profile()
     profile.enable()
     for _ in range(2000):

@@ -63,6 +63,17 @@ def main() -> None:
     }
     check_args = (*inputs.values(), 512, None, None, *buffers.values(), "default")
     check_args_no_buffers = (*inputs.values(), 512, None, None, None, None, None, "default")
+    prefill_call = getattr(q8kv8, "prefill_call", None)
+
+    def checker(args):
+        """A function that runs contract.check_inputs on ``args``: as one PrefillCall built here, or
+        positional in an older checkout."""
+        if prefill_call is None:
+            return lambda: contract.check_inputs(*args)
+        call = prefill_call.PrefillCall(*args)
+        return lambda: contract.check_inputs(call)
+
+    check_buffers, check_no_buffers = checker(check_args), checker(check_args_no_buffers)
 
     # The real device check, on stand-in CUDA devices of a cached SM90 capability.
     contract._capabilities[0] = (9, 0)
@@ -85,15 +96,15 @@ def main() -> None:
 
     memo = getattr(contract, "_memo", {})
 
-    def memo_miss(args):
+    def memo_miss(check):
         memo.clear()
-        contract.check_inputs(*args)
+        check()
 
     rows = {
-        "contract.check_inputs, buffers given": lambda: contract.check_inputs(*check_args),
-        "contract.check_inputs, buffers given, memo miss": lambda: memo_miss(check_args),
-        "contract.check_inputs, no buffers": lambda: contract.check_inputs(*check_args_no_buffers),
-        "contract.check_inputs, no buffers, memo miss": lambda: memo_miss(check_args_no_buffers),
+        "contract.check_inputs, buffers given": check_buffers,
+        "contract.check_inputs, buffers given, memo miss": lambda: memo_miss(check_buffers),
+        "contract.check_inputs, no buffers": check_no_buffers,
+        "contract.check_inputs, no buffers, memo miss": lambda: memo_miss(check_no_buffers),
         "kernels.launch_sparse_prefill (no-op kernel)": lambda: kernels.launch_sparse_prefill(*launch_args),
         "full call, buffers given (no-op kernel)": lambda: q8kv8.sparse_mla_q8kv8_prefill_fwd(
             **inputs, **buffers
@@ -102,20 +113,20 @@ def main() -> None:
     for name, fn in rows.items():
         print(f"{name:48s} {per_call_us(fn):6.2f} us")
 
-    # The C++ fast launch (q8kv8.fast_launch), with a stand-in CPU device registered and a Python no-op as
-    # the kernel: that callback costs TVM-FFI a Python call (~0.5 us) that a compiled kernel does not.
-    fast = getattr(q8kv8, "fast_launch", None) and q8kv8.fast_launch.load()
-    if fast is not None:
+    # The C++ fast path (q8kv8.native), with a stand-in CPU device registered and a Python no-op as the
+    # kernel: that callback costs TVM-FFI a Python call that a compiled kernel does not.
+    native = getattr(q8kv8, "native", None)
+    extension = native and native.load()
+    if extension is not None:
         import tvm_ffi
 
         no_op = tvm_ffi.convert(lambda *args: None)
-        fast.q8kv8_fast_register_variant(D_QK, False, False, no_op)
-        q8kv8.fast_launch.register(fast, 1, 0, 132)
-        q8kv8.fast_launch.launch = fast.q8kv8_fast_launch
-        kernels.tiles_per_cta_override = None
-        fast_args = (*inputs.values(), 512, None, None, *buffers.values(), "default")
+        native.register_variant(extension, D_QK, "default", False, no_op)
+        extension.register_device(1, 0, 132)  # DLPack's CPU device 0
+        native.launch = extension.launch
+        fast_call = prefill_call.PrefillCall(*check_args)
         fast_rows = {
-            "fast launch alone (no-op kernel callback)": lambda: fast.q8kv8_fast_launch(*fast_args),
+            "fast path alone (no-op kernel callback)": lambda: extension.launch(fast_call),
             "full call, fast path, buffers given": lambda: q8kv8.sparse_mla_q8kv8_prefill_fwd(
                 **inputs, **buffers
             ),

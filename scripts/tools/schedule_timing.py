@@ -24,7 +24,7 @@ from pathlib import Path
 
 import torch
 
-from q8kv8 import build, kernels
+from q8kv8 import build, eager, kernels
 from scripts.bench.common import SHAPES, check, make_inputs, time_ms
 
 # name: (kernel options, tile schedule)
@@ -119,9 +119,10 @@ def main() -> None:
             precision = options.get("precision", "default")
             # The built kernel replaces the registered variant of its kind; the schedule is forced.
             registry = kernels._persistent_variants if options.get("persistent") else kernels._variants
-            kernels.tiles_per_cta_override = (
+            forced_schedule = eager.forced_tiles_per_cta(
                 options.get("tiles_per_cta", 1) if options.get("persistent") else 0
             )
+            forced_schedule.__enter__()
             saved = registry.get((d_qk, precision))
             registry[d_qk, precision] = build.Variant(
                 name, d_qk, precision, compiled, "compiled", 0.0, Path(), None
@@ -150,7 +151,7 @@ def main() -> None:
                     flush=True,
                 )
             registry[d_qk, precision] = saved
-            kernels.tiles_per_cta_override = None
+            forced_schedule.__exit__(None, None, None)
     if sampler is not None:
         sampler.close()
 

@@ -9,12 +9,13 @@ K = 4 one CTA walks all four tiles, among them one with no valid slot and one wi
 """
 
 import argparse
+import contextlib
 import math
 import sys
 
 import torch
 
-from q8kv8 import kernels, sparse_mla_q8kv8_prefill_fwd
+from q8kv8 import eager, sparse_mla_q8kv8_prefill_fwd
 from q8kv8.reference import sparse_mla_prefill_reference
 
 
@@ -28,7 +29,6 @@ def main() -> int:
     parser.add_argument("--topk-length", default="256,100,0,200", help="the four rows' topk_length")
     args = parser.parse_args()
     torch.manual_seed(args.seed)
-    kernels.tiles_per_cta_override = args.tiles_per_cta
     s_q, h_q, s_kv, d_qk, topk = 4, 64, 700, 576, 256
     q = torch.randn(s_q, h_q, d_qk, device="cuda").to(torch.float8_e4m3fn)
     kv = torch.randn(s_kv, 1, d_qk, device="cuda").to(torch.float8_e4m3fn)
@@ -46,7 +46,9 @@ def main() -> int:
             [int(v) for v in args.topk_length.split(",")], dtype=torch.int32, device="cuda"
         ),
     }
-    out, max_logits, lse = sparse_mla_q8kv8_prefill_fwd(**inputs, precision=args.precision)
+    forced = args.tiles_per_cta is not None
+    with eager.forced_tiles_per_cta(args.tiles_per_cta) if forced else contextlib.nullcontext():
+        out, max_logits, lse = sparse_mla_q8kv8_prefill_fwd(**inputs, precision=args.precision)
     torch.cuda.synchronize()
     ref_out, ref_max, ref_lse = sparse_mla_prefill_reference(**inputs)
     full = torch.isfinite(ref_lse)

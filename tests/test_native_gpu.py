@@ -1,14 +1,13 @@
-"""The C++ fast launch on an H100/H200 (``gpu`` marker): after a first launch the public call takes it, and it
-gives the Python path's results bit for bit, on the caller's stream and inside a CUDA graph capture, through
-the CPython extension (``q8kv8.fast_call``) and through the TVM-FFI call that replaces it where it is not
-built."""
+"""The C++ fast path (``q8kv8.native``) on an H100/H200 (``gpu`` marker): after a first launch the public
+call takes it, and it gives the Python path's results bit for bit, on the caller's stream and inside a CUDA
+graph capture."""
 
 import math
 
 import pytest
 import torch
 
-from q8kv8 import api, fast_call, fast_launch, ops, sparse_mla_q8kv8_prefill_fwd
+from q8kv8 import eager, native, sparse_mla_q8kv8_prefill_fwd
 
 pytestmark = pytest.mark.gpu
 
@@ -17,11 +16,11 @@ pytestmark = pytest.mark.gpu
 def python_path_tripwire(monkeypatch):
     """Make the Python path (the contract) fail the test: whatever runs next must take the fast path."""
 
-    def check_inputs(*args):
-        raise AssertionError(f"the call took the Python path: {fast_launch.decline_reason(*args)}")
+    def check_inputs(call):
+        raise AssertionError(f"the call took the Python path: {native.decline_reason(call)}")
 
     def arm():
-        monkeypatch.setattr(api, "check_inputs", check_inputs)
+        monkeypatch.setattr(eager, "check_inputs", check_inputs)
 
     return arm
 
@@ -30,23 +29,20 @@ def nan_like(outputs):
     return [torch.full_like(t, math.nan) for t in outputs]
 
 
-@pytest.mark.parametrize("via", ["fast call", "tvm-ffi"])
 @pytest.mark.parametrize("precision", ["default", "accurate"])
 @pytest.mark.parametrize(
     ("s_q", "h_q", "d_qk", "topk", "with_extras"),
     [(37, 128, 576, 512, False), (1100, 64, 512, 256, True)],  # the second: the persistent schedule (k = 2)
 )
 def test_fast_path_matches_the_python_path_bitwise(
-    make_inputs, python_path_tripwire, monkeypatch, via, precision, s_q, h_q, d_qk, topk, with_extras
+    make_inputs, python_path_tripwire, precision, s_q, h_q, d_qk, topk, with_extras
 ):
     inputs = make_inputs(
         s_q, h_q, 3000, d_qk, topk, device="cuda", with_sink=with_extras, with_topk_length=with_extras
     )
-    fast_launch.disable()  # the first call takes the Python path and registers device and variant again
+    native.disable()  # the first call takes the Python path and registers device and variant again
     python_path = [t.clone() for t in sparse_mla_q8kv8_prefill_fwd(**inputs, precision=precision)]
-    assert fast_launch.launch is fast_call.load().launch
-    if via == "tvm-ffi":
-        monkeypatch.setattr(fast_launch, "launch", fast_launch.launch_through_tvm_ffi)
+    assert native.launch is native.load().launch
     python_path_tripwire()
     buffers = nan_like(python_path)
     fast = sparse_mla_q8kv8_prefill_fwd(
@@ -90,7 +86,7 @@ def test_allocating_calls_allocate_in_cpp_on_the_current_stream_and_in_a_cuda_gr
     pool), with the Python path's results."""
     inputs = make_inputs(40, 64, 3000, 576, 256, device="cuda", with_sink=True, with_topk_length=True)
     expected = [t.clone() for t in sparse_mla_q8kv8_prefill_fwd(**inputs)]
-    assert fast_launch.launch is fast_call.load().launch  # built, and taken by the fast path
+    assert native.launch is native.load().launch  # built, and taken by the fast path
     python_path_tripwire()
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
@@ -120,10 +116,10 @@ def test_cuda_allocations_are_torch_caching_allocator_tensors(make_inputs, pytho
     """The extension's CUDA outputs (``at::detail::empty_generic`` on the allocator ``at::empty`` used) are
     what ``Tensor.new_empty`` makes: blocks of torch's caching allocator (so ``record_stream`` and the memory
     statistics apply), freed when dropped."""
-    extension = fast_call.load()
+    extension = native.load()
     q = torch.empty(3, 64, 576, dtype=torch.float8_e4m3fn, device="cuda")
     for _ in range(2):  # the first learns the allocator through at::empty, the second uses it directly
-        expected = [facts(t) for t in ops.output_buffers(q, 64, 512)]
+        expected = [facts(t) for t in eager.output_buffers(q, 64, 512)]
         assert [facts(t) for t in extension.allocate(q, 512)] == expected
     with torch.inference_mode():
         assert all(t.is_inference() for t in extension.allocate(q, 512))

@@ -1,0 +1,131 @@
+"""One eager call of the sparse prefill: the C++ fast path when it takes the call, else the Python path.
+
+``run`` is what ``sparse_mla_q8kv8_prefill_fwd`` and the custom ops' implementations execute. The Python
+path checks the call (``q8kv8.contract``), pads the head count to the kernel's multiple of 64, allocates the
+outputs and launches the kernel (``q8kv8.kernels``); its first launch of each kernel variant on a GPU
+registers both with the fast path (``q8kv8.native``), which then takes such calls.
+"""
+
+import contextlib
+import math
+import sys
+
+import torch
+
+from q8kv8 import contract, native, schedule
+from q8kv8.contract import check_inputs, check_ranges_enabled, check_topk_length_range
+from q8kv8.metadata import HEAD_ALIGNMENT, padded_num_heads
+from q8kv8.prefill_call import PrefillCall
+
+
+def run(call: PrefillCall) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(out, max_logits, lse)`` of ``call``, launched on the GPU (``sparse_mla_q8kv8_prefill_fwd``)."""
+    launch = native.launch
+    if launch is not None and not check_ranges_enabled():
+        # The common case, checked, allocated and launched in C++; None: declined, nothing launched. An
+        # exception is the launch's own (or torch's out-of-memory error).
+        outputs = launch(call)
+        if outputs is not None:
+            return outputs
+    # The Python path: every call the fast path declines, with the contract's message for invalid ones.
+    problem = check_inputs(call)
+    q, attn_sink, topk_length = call.q, call.attn_sink, call.topk_length
+    out, max_logits, lse = call.out, call.max_logits, call.lse
+    if check_ranges_enabled():
+        check_topk_length_range(topk_length, problem.topk)
+    s_q, h_q = problem.s_q, problem.h_q
+    if out is None or max_logits is None or lse is None:
+        out, max_logits, lse = output_buffers(q, h_q, problem.d_v, out, max_logits, lse)
+    if s_q == 0:
+        return out, max_logits, lse
+    if problem.s_kv == 0:
+        # Every slot is invalid: the no-valid-slot results, without launching on an empty kv.
+        out.zero_()
+        max_logits.fill_(-math.inf)
+        lse.fill_(math.inf)
+        return out, max_logits, lse
+
+    h_kernel = h_q if h_q % HEAD_ALIGNMENT == 0 else padded_num_heads(h_q)
+    if h_kernel == h_q:
+        kernel_q, kernel_sink = q, attn_sink
+        kernel_out, kernel_max_logits, kernel_lse = out, max_logits, lse
+    else:
+        kernel_q = _pad_dim(q, 1, h_kernel, 0.0)
+        kernel_sink = None if attn_sink is None else _pad_dim(attn_sink, 0, h_kernel, -math.inf)
+        kernel_out, kernel_max_logits, kernel_lse = output_buffers(q, h_kernel, problem.d_v)
+
+    kernels = sys.modules.get("q8kv8.kernels") or _import_kernels()
+    ready = problem.launch_ready and h_kernel == h_q  # the contract saw these tensors meet the launch's needs
+    if not ready:
+        kernel_q = kernel_q.contiguous()
+        topk_length = None if topk_length is None else topk_length.contiguous()
+        kernel_sink = None if kernel_sink is None else kernel_sink.contiguous()
+    variant = kernels.launch_sparse_prefill(
+        kernel_q,
+        call.kv,
+        call.indices,
+        topk_length,
+        kernel_sink,
+        call.q_scale,
+        call.kv_scale,
+        float(call.sm_scale),
+        kernel_out,
+        kernel_max_logits,
+        kernel_lse,
+        call.precision,
+        problem.tiles_per_cta,
+        ready,
+    )
+    if h_kernel != h_q:
+        out.copy_(kernel_out[:, :h_q])
+        max_logits.copy_(kernel_max_logits[:, :h_q])
+        lse.copy_(kernel_lse[:, :h_q])
+    if q.is_cuda:  # the call's device (the contract checked): Tensor.is_cuda is the cheap test
+        native.note_launch(
+            problem.device.index, problem.d_qk, call.precision, problem.tiles_per_cta > 0, variant
+        )
+    return out, max_logits, lse
+
+
+def output_buffers(q, h, d_v, out=None, max_logits=None, lse=None):
+    """``(out, max_logits, lse)`` for q.shape[0] rows of ``h`` heads on q's device, new where not given:
+    [s_q, h, d_v] bfloat16, [s_q, h] float32, [s_q, h] float32."""
+    s_q = q.shape[0]
+    if out is None:
+        out = q.new_empty((s_q, h, d_v), dtype=torch.bfloat16)
+    if max_logits is None:
+        max_logits = q.new_empty((s_q, h), dtype=torch.float32)
+    if lse is None:
+        lse = q.new_empty((s_q, h), dtype=torch.float32)
+    return out, max_logits, lse
+
+
+@contextlib.contextmanager
+def forced_tiles_per_cta(tiles: int):
+    """Tests and experiments: every launch inside runs ``tiles`` tiles per CTA (0: the one-tile kernel,
+    k >= 1: the persistent one with k), through the Python path (the fast path, which applies the schedule's
+    rule, is suspended meanwhile)."""
+    previous = schedule.forced
+    schedule.forced = tiles
+    contract.clear_memo()  # memoised verdicts carry the schedule
+    try:
+        with native.suspended():
+            yield
+    finally:
+        schedule.forced = previous
+        contract.clear_memo()
+
+
+def _pad_dim(tensor: torch.Tensor, dim: int, size: int, value: float) -> torch.Tensor:
+    """``tensor`` extended along ``dim`` to ``size`` with ``value`` (a new contiguous tensor)."""
+    padding_shape = list(tensor.shape)
+    padding_shape[dim] = size - tensor.shape[dim]
+    return torch.cat([tensor, tensor.new_full(padding_shape, value)], dim=dim)
+
+
+def _import_kernels():
+    """``q8kv8.kernels``, imported on the first call when ``q8kv8`` did not import it (it usually has: a
+    lookup in ``sys.modules`` is the per-call path)."""
+    from q8kv8 import kernels
+
+    return kernels

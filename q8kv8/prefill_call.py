@@ -1,0 +1,30 @@
+"""``PrefillCall``: the arguments of one ``sparse_mla_q8kv8_prefill_fwd`` call, as one named structure.
+
+The public function and the custom ops build it from their parameters; everything behind them (the eager
+path, the contract, the C++ extension, which reads the fields by the names ``q8kv8.native`` hands it) takes
+it whole.
+"""
+
+from typing import NamedTuple
+
+import torch
+
+from q8kv8.metadata import D_V
+
+
+class PrefillCall(NamedTuple):
+    """One call's arguments, as the caller gave them (unchecked; see ``sparse_mla_q8kv8_prefill_fwd``)."""
+
+    q: torch.Tensor
+    kv: torch.Tensor
+    indices: torch.Tensor
+    sm_scale: float
+    q_scale: torch.Tensor
+    kv_scale: torch.Tensor
+    d_v: int = D_V
+    attn_sink: torch.Tensor | None = None
+    topk_length: torch.Tensor | None = None
+    out: torch.Tensor | None = None
+    max_logits: torch.Tensor | None = None
+    lse: torch.Tensor | None = None
+    precision: str = "default"

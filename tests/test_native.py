@@ -1,0 +1,456 @@
+"""The C++ fast path (``q8kv8.native``, ``csrc/native.cc``) on a CPU-only machine: built for real, run on CPU
+tensors.
+
+A CPU "device" is registered in place of a GPU and the kernel variants are recording TVM-FFI functions, so
+every check of the extension runs here. Its verdicts are compared with the Python contract's: the fast path
+must launch exactly what the Python path launches (same variant, same arguments, same schedule) for the
+calls it takes, and decline (launch nothing, raise nothing) every call the contract rejects and every call
+that needs the Python path (padding, copies, empty extents, unregistered devices and variants, tensors and
+scalars it does not read with certainty).
+"""
+
+import itertools
+import math
+import shutil
+import sys
+import types
+from pathlib import Path
+
+import pytest
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from test_contract import VIOLATIONS, every_other_in_last_dim, offset_by  # noqa: E402
+
+from q8kv8 import (  # noqa: E402
+    contract,
+    eager,
+    kernels,
+    native,
+    schedule,
+    sparse_mla_q8kv8_prefill_fwd,
+)
+from q8kv8.metadata import D_V, PRECISIONS, SUPPORTED_D_QK  # noqa: E402
+from q8kv8.prefill_call import PrefillCall  # noqa: E402
+
+pytestmark = pytest.mark.skipif(
+    shutil.which("c++") is None and shutil.which("g++") is None, reason="needs a C++ compiler"
+)
+
+S_Q, H_Q, S_KV, D_QK, TOPK = 4, 64, 32, 576, 128
+KDL_CPU = 1
+SM_COUNT = 2  # a small stand-in multiprocessor count, so that small calls reach the persistent schedule
+DECLINED = -1
+
+
+@pytest.fixture
+def fast(monkeypatch):
+    """The built extension, configured, with CPU device 0 registered and recording kernel variants for every
+    (d_qk, precision, persistent); ``fast.calls`` lists ``(variant key, arguments)`` of each launch, from
+    either path. Restored to nothing registered afterwards."""
+    import tvm_ffi
+
+    extension = native.load()
+    assert extension is not None, "the C++ fast path did not build (see the warning)"
+    native.disable()
+    calls = []
+
+    def recorder(key):
+        # The tensors are views valid during the call only: recorded as (address, shape, strides, dtype).
+        return tvm_ffi.convert(lambda *args: calls.append((key, normalized(args))))
+
+    variants, persistent_variants = {}, {}
+    for d_qk in SUPPORTED_D_QK:
+        for precision in PRECISIONS:
+            for persistent, table in ((False, variants), (True, persistent_variants)):
+                function = recorder((d_qk, precision, persistent))
+                table[d_qk, precision] = types.SimpleNamespace(function=function, name="recorder", d_qk=d_qk)
+                native.register_variant(extension, d_qk, precision, persistent, function)
+    extension.register_device(KDL_CPU, 0, SM_COUNT)
+    monkeypatch.setattr(kernels, "_variants", variants)
+    monkeypatch.setattr(kernels, "_persistent_variants", persistent_variants)
+    monkeypatch.setattr(schedule, "_sm_counts", {0: SM_COUNT, None: SM_COUNT, -1: SM_COUNT})
+    monkeypatch.setattr(contract, "check_device", lambda named_devices: None)  # CPU tensors pass it
+    monkeypatch.setattr(contract, "_memo", {})
+    yield types.SimpleNamespace(extension=extension, calls=calls)
+    native.disable()
+
+
+def with_buffers(args: dict) -> dict:
+    s_q, h_q = args["q"].shape[:2]
+    return {
+        "d_v": D_V,
+        "precision": "default",
+        **args,
+        "out": torch.empty(s_q, h_q, D_V, dtype=torch.bfloat16),
+        "max_logits": torch.empty(s_q, h_q),
+        "lse": torch.empty(s_q, h_q),
+    }
+
+
+@pytest.fixture
+def valid_args(make_inputs) -> dict:
+    """A valid call on CPU tensors that the fast path takes: 64 heads, sink, topk_length, buffers."""
+    return with_buffers(make_inputs(S_Q, H_Q, S_KV, D_QK, TOPK, with_sink=True, with_topk_length=True))
+
+
+def normalized(arguments: tuple) -> list:
+    """Launch arguments with each TVM-FFI tensor as (address, shape, strides, dtype), for comparison."""
+    result = []
+    for value in arguments:
+        if isinstance(value, (int, float, str)):
+            result.append(value)
+        else:  # a tvm_ffi.Tensor (read its fields: it is a view of the caller's DLTensor)
+            result.append((value.data_ptr(), tuple(value.shape), tuple(value.strides), str(value.dtype)))
+    return result
+
+
+def python_path_launch(fast, args: dict):
+    """What the Python path launches for ``args``: its schedule, variant key and arguments."""
+    problem = contract.check_inputs(PrefillCall(**args))
+    assert problem.launch_ready
+    # The schedule the contract gives a CUDA device (for CPU tensors it says 0), on the stand-in SM count.
+    tiles = schedule.tiles_per_cta(
+        problem.s_q * problem.h_q // 64, problem.topk, args["topk_length"] is not None, args["precision"], 0
+    )
+    kernels.launch_sparse_prefill(
+        args["q"], args["kv"], args["indices"], args["topk_length"], args["attn_sink"], args["q_scale"],
+        args["kv_scale"], float(args["sm_scale"]), args["out"], args["max_logits"], args["lse"],
+        args["precision"], tiles, True,
+    )  # fmt: skip
+    key, arguments = fast.calls.pop()
+    return tiles, key, arguments
+
+
+@pytest.mark.parametrize("d_qk", [512, 576])
+@pytest.mark.parametrize("precision", ["default", "accurate"])
+@pytest.mark.parametrize(
+    ("s_q", "h_q", "topk", "with_sink", "with_topk_length"),
+    [
+        (4, 64, 128, False, False),
+        (3, 128, 256, True, False),
+        (2, 64, 2048, False, True),
+        (16, 64, 512, True, True),  # 16 tiles on 2 stand-in SMs: the persistent schedule (2 tiles per CTA)
+        (40, 128, 2048, False, True),  # 80 tiles: 4 per CTA
+        (40, 128, 2048, True, False),  # full rows: the one-tile kernel
+    ],
+)
+def test_launches_what_the_python_path_launches(
+    fast, make_inputs, d_qk, precision, s_q, h_q, topk, with_sink, with_topk_length
+):
+    args = with_buffers(
+        make_inputs(s_q, h_q, S_KV, d_qk, topk, with_sink=with_sink, with_topk_length=with_topk_length)
+    )
+    args["precision"] = precision
+    expected_schedule, expected_key, expected_arguments = python_path_launch(fast, args)
+    call = PrefillCall(**args)
+    assert fast.extension.plan(call) == expected_schedule
+    assert fast.extension.decline_reason(call) == ""
+    buffers = args["out"], args["max_logits"], args["lse"]
+    returned = fast.extension.launch(call)
+    assert all(a is b for a, b in zip(returned, buffers, strict=True))
+    assert fast.calls.pop() == (expected_key, expected_arguments)
+    # Allocating: the same launch on three new outputs, which the extension returns.
+    allocating = call._replace(out=None, max_logits=None, lse=None)
+    assert fast.extension.plan(allocating) == expected_schedule
+    out, max_logits, lse = fast.extension.launch(allocating)
+    assert (out.shape, out.dtype, max_logits.shape, max_logits.dtype, lse.shape, lse.dtype) == (
+        (s_q, h_q, D_V), torch.bfloat16, (s_q, h_q), torch.float32, (s_q, h_q), torch.float32,
+    )  # fmt: skip
+    key, arguments = fast.calls.pop()
+    new_outputs = [(t.data_ptr(), tuple(t.shape), t.stride()) for t in (out, max_logits, lse)]
+    assert (key, arguments[:7], [a[:3] for a in arguments[7:10]], arguments[10:]) == (
+        expected_key, expected_arguments[:7], new_outputs, expected_arguments[10:],
+    )  # fmt: skip
+    assert [a[3] for a in arguments[7:10]] == [a[3] for a in expected_arguments[7:10]]  # dtypes
+    assert not fast.calls
+
+
+def test_schedule_is_the_python_rule_over_a_grid(fast, monkeypatch, generator):
+    """The extension's copy of ``schedule.tiles_per_cta`` (on the constants it was configured with) gives the
+    Python rule's answer over a grid of extents, SM counts, top-k, topk_length and precisions."""
+    compared = 0
+    for s_q, h_q, topk in itertools.product(
+        (1, 2, 7, 8, 9, 16, 17, 40), (64, 128, 192), (128, 512, 640, 2048)
+    ):
+        q = torch.zeros(s_q, h_q, 512, dtype=torch.float8_e4m3fn)
+        kv = torch.zeros(2, 1, 512, dtype=torch.float8_e4m3fn)
+        indices = torch.zeros(s_q, 1, topk, dtype=torch.int32)
+        call = PrefillCall(q, kv, indices, 0.1, torch.ones(1), torch.ones(1))
+        for sm_count, with_topk_length, precision in itertools.product(
+            (1, 2, 3, 5), (False, True), PRECISIONS
+        ):
+            fast.extension.register_device(KDL_CPU, 0, sm_count)
+            monkeypatch.setattr(schedule, "_sm_counts", {0: sm_count})
+            topk_length = torch.zeros(s_q, dtype=torch.int32) if with_topk_length else None
+            expected = schedule.tiles_per_cta(s_q * h_q // 64, topk, with_topk_length, precision, 0)
+            assert (
+                fast.extension.plan(call._replace(topk_length=topk_length, precision=precision)) == expected
+            )
+            compared += 1 if expected else 0
+    assert compared > 100  # the grid reaches the persistent schedule, not only the one-tile kernel
+
+
+@pytest.mark.parametrize(
+    ("changes", "exception", "message"),
+    [case[1:] for case in VIOLATIONS],
+    ids=[case[0] for case in VIOLATIONS],
+)
+def test_declines_every_contract_violation(fast, valid_args, changes, exception, message):
+    assert fast.extension.plan(PrefillCall(**valid_args)) >= 0
+    valid_args.update(changes(valid_args))
+    call = PrefillCall(**valid_args)
+    with pytest.raises(exception):
+        contract.check_inputs(call)
+    assert fast.extension.plan(call) == DECLINED
+    assert fast.extension.decline_reason(call)  # says why
+    assert fast.extension.launch(call) is None  # never raises for its arguments
+    assert not fast.calls
+
+
+def _declined_cases(args: dict, randn_fp8) -> dict:
+    """Valid calls (or calls outside the C++ checks' scope) that the fast path must leave to Python."""
+    h16 = dict(args)
+    h16["q"] = args["q"][:, :16].contiguous()
+    h16["attn_sink"] = args["attn_sink"][:16].contiguous()
+    for name in ("out", "max_logits", "lse"):
+        h16[name] = args[name][:, :16].clone()
+    return {
+        "heads need padding": h16,
+        "q misaligned": {**args, "q": offset_by(args["q"], 1)},
+        "q strided": {**args, "q": args["q"].transpose(0, 1).contiguous().transpose(0, 1)},
+        "kv misaligned": {**args, "kv": offset_by(args["kv"], 8)},
+        "kv row stride": {
+            **args,
+            "kv": torch.cat([args["kv"], randn_fp8(S_KV, 1, 8)], dim=2)[:, :, :D_QK],
+        },
+        "out misaligned": {**args, "out": offset_by(args["out"], 2)},
+        "topk_length strided": {**args, "topk_length": every_other_in_last_dim(args["topk_length"][None])[0]},
+        "attn_sink strided": {**args, "attn_sink": every_other_in_last_dim(args["attn_sink"][None])[0]},
+        "empty kv": {**args, "kv": args["kv"][:0]},
+        "q_scale 0-d": {**args, "q_scale": args["q_scale"].reshape(())},
+        "kv_scale [1, 1]": {**args, "kv_scale": args["kv_scale"].reshape(1, 1)},
+        "sm_scale an int": {**args, "sm_scale": 1},
+        "no out buffer": {**args, "out": None},
+        "no lse buffer": {**args, "lse": None},
+        "q on another device": {**args, "q": args["q"].to("meta")},
+        "q a subclass": {**args, "q": args["q"].as_subclass(TensorSubclass)},
+        "q_scale a negative view": {**args, "q_scale": torch._neg_view(args["q_scale"])},
+        "attn_sink a negative view": {**args, "attn_sink": torch._neg_view(args["attn_sink"])},
+        "sm_scale a float subclass": {**args, "sm_scale": FloatSubclass(args["sm_scale"])},
+        "precision a str subclass": {**args, "precision": StrSubclass("default")},
+        "d_v a bool": {**args, "d_v": True},
+        "d_v too large for int64": {**args, "d_v": 2**70},
+    }
+
+
+class TensorSubclass(torch.Tensor):
+    pass
+
+
+class FloatSubclass(float):
+    pass
+
+
+class StrSubclass(str):
+    pass
+
+
+@pytest.mark.parametrize(
+    "case",
+    [
+        "heads need padding", "q misaligned", "q strided", "kv misaligned", "kv row stride", "out misaligned",
+        "topk_length strided", "attn_sink strided", "empty kv", "q_scale 0-d", "kv_scale [1, 1]",
+        "sm_scale an int", "no out buffer", "no lse buffer", "q on another device", "q a subclass",
+        "q_scale a negative view", "attn_sink a negative view", "sm_scale a float subclass",
+        "precision a str subclass", "d_v a bool", "d_v too large for int64",
+    ],
+)  # fmt: skip
+def test_declines_what_needs_the_python_path(fast, valid_args, randn_fp8, case):
+    call = PrefillCall(**_declined_cases(valid_args, randn_fp8)[case])
+    assert fast.extension.plan(call) == DECLINED
+    assert fast.extension.decline_reason(call)  # says why
+    assert fast.extension.launch(call) is None
+    assert not fast.calls
+
+
+def test_declines_unregistered_devices_and_variants(fast, valid_args):
+    call = PrefillCall(**valid_args)
+    fast.extension.reset()
+    assert fast.extension.plan(call) == DECLINED  # not even configured
+    assert fast.extension.launch(call) is None
+    fast.extension.configure(native.constants())
+    fast.extension.register_device(KDL_CPU, 1, SM_COUNT)  # another device
+    assert fast.extension.plan(call) == DECLINED
+    fast.extension.register_device(KDL_CPU, 0, SM_COUNT)
+    assert fast.extension.plan(call) == DECLINED  # no variant registered
+    native.register_variant(
+        fast.extension, D_QK, "default", False, kernels._variants[D_QK, "default"].function
+    )
+    assert fast.extension.plan(call) == 0
+    assert fast.extension.plan(call._replace(precision="accurate")) == DECLINED
+    assert not fast.calls
+
+
+def test_decline_reason_names_the_check(fast, valid_args, monkeypatch):
+    reason = native.decline_reason
+    call = PrefillCall(**valid_args)
+    assert reason(call) == "no device registered yet (the first call on a GPU registers it)"
+    monkeypatch.setattr(native, "launch", fast.extension.launch)
+    assert reason(call) == ""
+    assert reason(call._replace(d_v=256)) == f"d_v is not the Python int {D_V}"
+    assert reason(call._replace(lse=valid_args["max_logits"])) == "two output buffers overlap"
+    assert "needs padding" in reason(call._replace(q=valid_args["q"][:, :16]))
+    assert reason(call._replace(q=valid_args["q"].as_subclass(TensorSubclass))).startswith(
+        "q is not a tensor"
+    )
+    with native.suspended():
+        assert reason(call) == "the fast path is suspended (a forced schedule is active)"
+    monkeypatch.setenv(contract.CHECK_RANGES_ENV, "1")
+    assert reason(call) == f"{contract.CHECK_RANGES_ENV}=1: the range check runs in Python"
+
+
+@pytest.fixture
+def fast_entry_point(fast, monkeypatch):
+    """The public call with the fast path on (as after a first launch on a GPU), for CPU tensors."""
+    monkeypatch.setattr(native, "launch", fast.extension.launch)
+    return fast
+
+
+def test_entry_point_takes_the_fast_path_and_returns_the_buffers(fast_entry_point, valid_args, monkeypatch):
+    monkeypatch.setattr(eager, "check_inputs", None)  # the Python path would fail the test
+    buffers = valid_args["out"], valid_args["max_logits"], valid_args["lse"]
+    result = sparse_mla_q8kv8_prefill_fwd(**valid_args)
+    assert all(a is b for a, b in zip(result, buffers, strict=True))
+    assert len(fast_entry_point.calls) == 1
+
+
+def test_entry_point_allocates_the_buffers_for_the_fast_path(fast_entry_point, valid_args, monkeypatch):
+    monkeypatch.setattr(eager, "check_inputs", None)  # the Python path would fail the test
+    for name in ("out", "max_logits", "lse"):
+        del valid_args[name]
+    out, max_logits, lse = sparse_mla_q8kv8_prefill_fwd(**valid_args)
+    assert (out.shape, max_logits.shape, lse.shape) == ((S_Q, H_Q, D_V), (S_Q, H_Q), (S_Q, H_Q))
+    assert (out.dtype, max_logits.dtype, lse.dtype) == (torch.bfloat16, torch.float32, torch.float32)
+    assert len({out.data_ptr(), max_logits.data_ptr(), lse.data_ptr()}) == 3
+    (key, arguments) = fast_entry_point.calls.pop()
+    assert [argument[0] for argument in arguments[7:10]] == [t.data_ptr() for t in (out, max_logits, lse)]
+
+
+def test_entry_point_falls_back_to_the_python_path(fast_entry_point, valid_args, monkeypatch):
+    """A declined call takes the Python path: an invalid one gets the contract's message, nothing launched."""
+    with pytest.raises(ValueError, match="d_v: expected the integer 512"):
+        sparse_mla_q8kv8_prefill_fwd(**{**valid_args, "d_v": 256})
+    with pytest.raises(TypeError, match="q: expected a torch.Tensor"):
+        sparse_mla_q8kv8_prefill_fwd(**{**valid_args, "q": [[0.0]]})
+    assert not fast_entry_point.calls
+    python_path = []
+    monkeypatch.setattr(
+        eager, "check_inputs", lambda call: python_path.append(call) or contract.check_inputs(call)
+    )
+    monkeypatch.setenv("Q8KV8_CHECK_RANGES", "1")  # the range check runs in Python: no fast path
+    sparse_mla_q8kv8_prefill_fwd(**valid_args)
+    assert len(python_path) == 1 and len(fast_entry_point.calls) == 1
+
+
+@pytest.mark.parametrize("raised", [RuntimeError, ValueError, TypeError, IndexError, LookupError])
+def test_entry_point_reraises_an_error_of_the_launch_itself(fast_entry_point, valid_args, raised):
+    """An error raised by the kernel's launch propagates once, as the Python exception of its TVM-FFI kind
+    (RuntimeError for a kind TVM-FFI does not name): the call is not retried on the Python path."""
+    import tvm_ffi
+
+    attempts = []
+
+    def failing_launch(*args):
+        attempts.append(args)
+        raise raised("launch failed")
+
+    native.register_variant(
+        fast_entry_point.extension, D_QK, "default", False, tvm_ffi.convert(failing_launch)
+    )
+    valid_args["topk_length"] = None
+    with pytest.raises(Exception, match="launch failed") as error:
+        sparse_mla_q8kv8_prefill_fwd(**valid_args)
+    assert type(error.value) is (RuntimeError if raised is LookupError else raised)
+    assert len(attempts) == 1
+    sparse_mla_q8kv8_prefill_fwd(**{**valid_args, "precision": "accurate"})  # another variant launches
+    assert len(fast_entry_point.calls) == 1
+
+
+def test_logit_scale_is_the_python_paths_double(fast, valid_args):
+    """The scale the kernel gets is ``sm_scale * log2(e)`` rounded as Python rounds it."""
+    valid_args["sm_scale"] = 0.1234567890123
+    fast.extension.launch(PrefillCall(**valid_args))
+    _, arguments = fast.calls.pop()
+    assert arguments[10] == 0.1234567890123 * math.log2(math.e)
+
+
+def test_note_launch_registers_once_per_variant_and_again_after_disable(fast, monkeypatch):
+    """The Python path notes each launch on a GPU; the first of a (device, variant) registers it, with one
+    visible GPU only and never while suspended; ``disable`` forgets everything, so the next launch registers
+    again."""
+    variant = kernels._variants[D_QK, "default"]
+    native.disable()
+    monkeypatch.setattr(native, "_gpu_count", 2)
+    native.note_launch(0, D_QK, "default", False, variant)  # two GPUs: never
+    monkeypatch.setattr(native, "_gpu_count", 1)
+    native.note_launch(-1, D_QK, "default", False, variant)  # a CPU tensor: never
+    native.note_launch(0, D_QK, "default", False, types.SimpleNamespace(function=print))  # not TVM-FFI's
+    with native.suspended():
+        native.note_launch(0, D_QK, "default", False, variant)
+    assert native.launch is None and not native._registered
+    for _ in range(2):
+        native.note_launch(0, D_QK, "default", False, variant)
+        assert native.launch is native.load().launch
+        assert native._registered == {(0, D_QK, "default", False)}
+        assert native._registered_devices == {0}
+        with native.suspended():
+            assert native.launch is None
+        assert native.launch is native.load().launch
+        native.disable()
+        assert native.launch is None
+        assert not native._registered and not native._registered_devices
+
+
+def test_the_python_path_notes_its_gpu_launches(monkeypatch, fake_kernels, make_inputs):
+    """``eager`` (not the kernels module) registers with the fast path, after a launch on a CUDA device whose
+    capability the contract checked: the variant the launch returned, for the schedule the contract chose."""
+    launched = types.SimpleNamespace(function=object())
+    fake_kernels(lambda *args: launched)
+    monkeypatch.setattr(native, "launch", None)
+    args = make_inputs(S_Q, H_Q, S_KV, D_QK, TOPK)
+    noted = []
+    monkeypatch.setattr(native, "note_launch", lambda *args: noted.append(args))
+    monkeypatch.setattr(contract, "check_device", lambda named_devices: None)
+    sparse_mla_q8kv8_prefill_fwd(**args)
+    assert noted == []  # a CPU launch
+    problem = contract.check_inputs(PrefillCall(**args))
+    monkeypatch.setattr(
+        eager, "check_inputs", lambda call: problem._replace(device=torch.device("cuda", 0), tiles_per_cta=2)
+    )
+    sparse_mla_q8kv8_prefill_fwd(**{**args, "q": args["q"].as_subclass(CudaLooking)}, precision="accurate")
+    assert noted == [(0, D_QK, "accurate", True, launched)]
+
+
+class CudaLooking(torch.Tensor):
+    """A CPU tensor that says it is a CUDA one (``is_cuda``), for the launch's bookkeeping."""
+
+    @property
+    def is_cuda(self):
+        return True
+
+
+def test_a_forced_schedule_suspends_the_fast_path(fast_entry_point, valid_args, monkeypatch):
+    python_path = []
+    monkeypatch.setattr(
+        eager, "check_inputs", lambda call: python_path.append(call) or contract.check_inputs(call)
+    )
+    launch = native.launch
+    with eager.forced_tiles_per_cta(3):
+        assert schedule.tiles_per_cta(1, TOPK, False, "default", 0) == 3
+        sparse_mla_q8kv8_prefill_fwd(**valid_args)
+        assert native.launch is None and len(python_path) == 1
+    assert native.launch is launch and schedule.forced is None
+    sparse_mla_q8kv8_prefill_fwd(**valid_args)
+    assert len(python_path) == 1 and len(fast_entry_point.calls) == 2
