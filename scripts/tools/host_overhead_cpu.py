@@ -1,11 +1,11 @@
-"""Host time of one call measured without a GPU: the Python the GPU host runs around the kernel.
+"""Host time of one call measured without a GPU: the host code that runs around the kernel.
 
 CPU tensors stand in for CUDA ones. The device check runs for real on stand-in ``cuda:0`` devices (the
 capability cached as (9, 0), as after the first call on an H100/H200), the kernel is a no-op function,
-so the rows below are the package's own host time; the GPU host adds the TVM-FFI call (5.4 us there).
+so the rows below are the package's own host time; on a GPU the kernel's TVM-FFI call adds its own.
 A "memo miss" row is a call whose argument signature the contract has not seen (new shapes, new buffers):
 the memo is emptied before each call. Thread CPU time, the best of several repeats, so that other load on
-the machine counts least. The script also runs from an older checkout (copy it there) for a before/after.
+the machine counts least.
 
     python -m scripts.tools.host_overhead_cpu
 """
