@@ -1,31 +1,32 @@
 """A model of the persistent kernel's synchronisation, explored over random interleavings (CPU).
 
 ``cute_kernels/sm90/sparse_prefill.py`` with ``persistent=True`` walks several tiles per CTA with the
-same mbarriers and named barriers, so a wait can alias an older or newer phase, or a named barrier can
-complete with two arrivals of one consumer, only through an ordering the GPU rarely produces. The
-model below restates the kernel's waits, arrivals, buffer writes and buffer reads, actor by actor
-(the producer's first-block warps with the Q loads, its second-block warps, consumer 0, consumer 1:
-one actor per arrival unit of the barriers), and runs them under random schedules. It checks:
+same mbarriers, so a wait can alias an older or newer phase, or a buffer be rewritten before it is read,
+only through an ordering the GPU rarely produces. The model below restates the kernel's waits,
+arrivals, buffer writes and buffer reads, actor by actor (the producer's first-block warps with the Q
+loads, its second-block warps, consumer 0, consumer 1: one actor per arrival unit of the barriers; the
+128 arrivals of a consumer warpgroup on ``p_full``, ``stats_full`` or ``tile_done`` are one), and runs
+them under random schedules. It checks:
 
 - no deadlock;
 - every mbarrier wait succeeds on exactly the phase it means (no parity aliasing);
-- every named-barrier generation gets one arrival from each consumer;
 - every read of a shared buffer (Q, KV tiles, P buffers, the running max, the row statistics) sees the
   write of its own tile or block.
 
-It must change with the kernel's protocol; ``test_the_model_finds_the_empty_tile_race`` shows it
-catches the race fixed in commit 6d4d65c (an empty tile's statistics published too early).
+It must change with the kernel's protocol. ``Model(drop=...)`` leaves one of the kernel's waits out;
+the ``test_the_model_finds_*`` tests show that the model then finds the race that wait prevents.
 """
 
 import random
 
 import pytest
 
-from cute_kernels.sm90.named_barrier import NamedBarrierFp8
 from cute_kernels.sm90.sparse_prefill import NUM_KV_TILES, consumer_steps
 
-# named barrier ids of the kernel (STATS + c: consumer c's statistics)
-STATS, HANDOFF = int(NamedBarrierFp8.StatsPublished0), int(NamedBarrierFp8.TileHandoff)
+# The hand-over waits ``Model(drop=...)`` can leave out.
+TILE_DONE = "consumer 0 waits for tile_done of the previous tile"
+EMPTY_TILE_STATS = "consumer 1, in a tile without blocks, waits for stats_full[0] before publishing"
+EPILOGUE_STATS = "the epilogue waits for the other consumer's stats_full"
 
 
 class ProtocolError(AssertionError):
@@ -46,8 +47,8 @@ class MBarrier:
 
 
 class Model:
-    def __init__(self, tiles: list[int], empty_tile_sync: bool = True):
-        self.tiles, self.empty_tile_sync = tiles, empty_tile_sync
+    def __init__(self, tiles: list[int], drop: str | None = None):
+        self.tiles, self.drop = tiles, drop
         ring = range(NUM_KV_TILES)
         self.mbar = {
             "q_full": MBarrier("q_full", 1),
@@ -55,13 +56,15 @@ class Model:
             **{f"kv_full{i}": MBarrier(f"kv_full{i}", 1) for i in ring},
             **{f"kv_empty{i}": MBarrier(f"kv_empty{i}", 2) for i in ring},
             **{f"p_full{i}": MBarrier(f"p_full{i}", 1) for i in ring},
+            **{f"stats_full{c}": MBarrier(f"stats_full{c}", 1) for c in range(2)},
+            "tile_done": MBarrier("tile_done", 1),
         }
-        self.named = {i: [0, set()] for i in (STATS, STATS + 1, HANDOFF)}  # generation, arrived
         self.data: dict[str, object] = {}
 
     # One program per actor: generators of operations.
     def wait(self, bar: str, index: int):
-        """Wait for phase ``index`` of ``bar`` (index -1: the one before the first, already done)."""
+        """Wait for completion ``index`` (0, 1, ...) of ``bar`` (index -1: the one before the first,
+        already done): phase ``index % 2``."""
         return ("wait", bar, index)
 
     def producer(self, half: int):
@@ -86,11 +89,6 @@ class Model:
             yield self.wait("q_full", tile)
             if blocks <= c:
                 yield ("arrive", "q_empty")
-            if tile > 0:
-                if c == 1 and (blocks > 0 or not self.empty_tile_sync):
-                    yield ("arrive_named", HANDOFF)
-                elif blocks == 0:
-                    yield from self.sync(HANDOFF)
             if blocks > 0:
                 for step in range(consumer_steps(blocks, c)):
                     own = 2 * step + c
@@ -101,8 +99,8 @@ class Model:
                         yield ("read", f"kv{g % 4}", g)
                         if own + 2 >= blocks:
                             yield ("arrive", "q_empty")
-                        if own == 0 and tile > 0:
-                            yield from self.sync(HANDOFF)
+                        if own == 0:
+                            yield from self.wait_previous_tile(tile)
                         if own > 0:
                             yield self.wait(f"p_full{(g - 1) % 4}", (g - 1) // 4)
                             yield ("read", f"max{(g - 1) % 4}", g - 1)
@@ -110,8 +108,7 @@ class Model:
                         yield ("write", f"max{g % 4}", g)
                         yield ("arrive", f"p_full{g % 4}")
                         if own + 2 >= blocks:
-                            yield ("write", f"stats{c}", tile)
-                            yield ("arrive_named", STATS + c)
+                            yield from self.publish(c, tile)
                     products = []
                     if own - 1 >= 0:
                         gp = base + own - 1
@@ -125,30 +122,45 @@ class Model:
                             yield ("read", f"max{go % 4}", go)
                     if own < blocks:
                         products.append(base + own)
-                    for g in products:
-                        yield ("read", f"P{g % 4}", g)
+                    for g in products:  # V^T by ldmatrix, then the KV tile is released
                         yield ("read", f"kv{g % 4}", g)
                         yield ("arrive", f"kv_empty{g % 4}")
+                    for g in products:  # the PV WGMMAs read P until the step's last wait_group
+                        yield ("read", f"P{g % 4}", g)
             if blocks <= c:
-                yield ("write", f"stats{c}", tile)
-                yield ("arrive_named", STATS + c)
+                if blocks == 0:
+                    if c == 0:
+                        yield from self.wait_previous_tile(tile)
+                    elif self.drop != EMPTY_TILE_STATS:
+                        yield self.wait("stats_full0", tile)
+                yield from self.publish(c, tile)
             if blocks % 2 == 1:  # the last pair's zero-filled second block
                 e = base + blocks
                 yield self.wait(f"kv_full{e % 4}", e // 4)
                 yield ("arrive", f"kv_empty{e % 4}")
                 if c == 1:
                     yield ("arrive", f"p_full{e % 4}")
-            yield from self.sync(STATS + 1 - c)
+            # The epilogue.
+            if self.drop != EPILOGUE_STATS:
+                yield self.wait(f"stats_full{1 - c}", tile)
+            yield self.wait(f"stats_full{c}", tile)
             yield ("read", "stats0", tile)
             yield ("read", "stats1", tile)
             if blocks > 0:
                 last = base + blocks - 1
                 yield ("read", f"max{last % 4}", last)
+            if c == 1:
+                yield ("arrive", "tile_done")
             pair_base += (blocks + 1) // 2
 
-    def sync(self, barrier: int):
-        yield ("arrive_named", barrier)
-        yield ("wait_named", barrier)
+    def wait_previous_tile(self, tile: int):
+        """Consumer 0: consumer 1 has finished the previous tile."""
+        if tile > 0 and self.drop != TILE_DONE:
+            yield self.wait("tile_done", tile - 1)
+
+    def publish(self, c: int, tile: int):
+        yield ("write", f"stats{c}", tile)
+        yield ("arrive", f"stats_full{c}")
 
     # The scheduler.
     def run(self, rng: random.Random) -> None:
@@ -159,27 +171,20 @@ class Model:
             "consumer 1": self.consumer(1),
         }
         pending = {name: next(program, None) for name, program in actors.items()}
-        waiting_generation: dict[str, int] = {}
         while any(op is not None for op in pending.values()):
-            runnable = [
-                name
-                for name, op in pending.items()
-                if op is not None and self.ready(name, op, waiting_generation)
-            ]
+            runnable = [name for name, op in pending.items() if op is not None and self.ready(op)]
             if not runnable:
                 raise ProtocolError(f"deadlock: {pending}")
             name = rng.choice(runnable)
-            self.execute(name, pending[name], waiting_generation)
+            self.execute(name, pending[name])
             pending[name] = next(actors[name], None)
 
-    def ready(self, name, op, waiting_generation) -> bool:
+    def ready(self, op) -> bool:
         if op[0] == "wait":
             return self.mbar[op[1]].ready(op[2] % 2)
-        if op[0] == "wait_named":
-            return self.named[op[1]][0] > waiting_generation[name]
         return True
 
-    def execute(self, name, op, waiting_generation) -> None:
+    def execute(self, name, op) -> None:
         kind = op[0]
         if kind == "wait":
             bar = self.mbar[op[1]]
@@ -187,14 +192,6 @@ class Model:
                 raise ProtocolError(f"{name}: waited for phase {op[2]} of {op[1]}, {bar.completed} completed")
         elif kind == "arrive":
             self.mbar[op[1]].arrive()
-        elif kind == "arrive_named":
-            generation, arrived = self.named[op[1]]
-            if name in arrived:
-                raise ProtocolError(f"{name}: second arrival on named barrier {op[1]} in one generation")
-            arrived.add(name)
-            waiting_generation[name] = generation
-            if len(arrived) == 2:
-                self.named[op[1]] = [generation + 1, set()]
         elif kind == "write":
             self.data[op[1]] = op[2]
         elif kind == "read":
@@ -215,21 +212,45 @@ def test_random_tiles_and_schedules_keep_the_protocol():
             Model(tiles).run(rng)
 
 
-@pytest.mark.parametrize("tiles", [[0], [1], [2, 0, 0, 3], [5, 1, 0, 8], [9, 9, 9]])
+EDGE_TILES = [[0], [1], [0, 0, 0, 0], [1, 1, 1, 1], [2, 0, 0, 3], [3, 1, 3, 1], [5, 1, 0, 8], [9, 9, 9]]
+
+
+@pytest.mark.parametrize("tiles", EDGE_TILES)
 def test_edge_tile_sequences_keep_the_protocol(tiles):
     rng = random.Random(7)
     for _ in range(500):
         Model(tiles).run(rng)
 
 
-def test_the_model_finds_the_empty_tile_race():
-    """Without the handoff sync of an empty tile (the kernel before 6d4d65c), consumer 1 can publish
-    the empty tile's statistics before consumer 0 has read the previous tile's."""
+def violations(tiles: list[int], drop: str, runs: int = 2000) -> int:
     rng = random.Random(1)
     failures = 0
-    for _ in range(2000):
+    for _ in range(runs):
         try:
-            Model([4, 0, 3], empty_tile_sync=False).run(rng)
+            Model(tiles, drop=drop).run(rng)
         except ProtocolError:
             failures += 1
-    assert failures > 0
+    return failures
+
+
+@pytest.mark.parametrize("tiles", [[3, 1], [4, 1], [4, 0, 3]])
+def test_the_model_finds_the_race_without_tile_done(tiles):
+    """Without tile_done, consumer 0 can write the next tile's first P while consumer 1's last PV of a
+    tile of odd block count still reads that buffer's previous use (released to the producer before
+    the WGMMA completes, so the KV ring does not order it), or publish the next tile's statistics
+    (after block 0, or at once in a tile without blocks) before consumer 1 has read the previous
+    tile's."""
+    assert violations(tiles, TILE_DONE) > 0
+
+
+def test_the_model_finds_the_empty_tile_race():
+    """Without its wait for stats_full[0], consumer 1 publishes the statistics of a tile without blocks
+    at once, possibly before consumer 0 has read the previous tile's."""
+    assert violations([4, 0, 3], EMPTY_TILE_STATS) > 0
+
+
+@pytest.mark.parametrize("tiles", [[0], [1], [4, 0, 3]])
+def test_the_model_finds_an_early_statistics_read(tiles):
+    """Without its wait for the other consumer's stats_full, an epilogue reads statistics not yet
+    published."""
+    assert violations(tiles, EPILOGUE_STATS) > 0

@@ -6,11 +6,10 @@ import enum
 class NamedBarrierFp8(enum.IntEnum):
     """FP8 kernel (``sparse_prefill``); a per-consumer barrier of consumer c is its member 0 plus c."""
 
-    StatsPublished0 = 3  # consumer c's row statistics are in shared memory (c arrives, 1 - c syncs)
-    StatsPublished1 = 4
+    StatsPublished0 = 3  # one-tile: consumer c's row statistics are in shared memory (c arrives, 1 - c syncs)
+    StatsPublished1 = 4  # (persistent: the mbarriers stats_full[c] instead)
     ScaleReady0 = 5  # consumer c's output scales are in shared memory (its own warpgroup)
     ScaleReady1 = 6
-    TileHandoff = 7  # persistent: consumer 1 finished the previous tile (1 arrives, 0 syncs)
 
 
 class NamedBarrierBf16(enum.IntEnum):

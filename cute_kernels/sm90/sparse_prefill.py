@@ -48,7 +48,7 @@ NUM_STAGES = 2  # pairs of KV blocks in flight
 NUM_KV_TILES = 2 * NUM_STAGES  # block tiles; block b uses tile b % 4 (and P buffer b % 4)
 PAIR_RING = Ring(NUM_STAGES)  # pair p: the KV tiles 2 (p % 2) and 2 (p % 2) + 1
 KV_RING = Ring(NUM_KV_TILES)  # block g: KV tile, P buffer and their barriers g % 4
-Q_RING = Ring(1)  # persistent: the CTA's tile i loads Q in phase i % 2 of q_full / q_empty
+TILE_RING = Ring(1)  # q_full, q_empty, stats_full, tile_done: the CTA's tile i uses phase i % 2
 P_SCALE_LOG2 = 7  # P is stored as e4m3(p * 2^7); undone in the epilogue
 RESCALE_THRESHOLD = 1.75  # log2 units; 2^(P_SCALE_LOG2 + RESCALE_THRESHOLD) = 430 < 448
 SW64_TILE_COLS = 64  # bytes per row of one 64-byte-swizzled column tile
@@ -102,6 +102,8 @@ class Consumer(NamedTuple):
     mbar_kv_full: cute.Pointer
     mbar_kv_empty: cute.Pointer
     mbar_p_full: cute.Pointer
+    mbar_stats_full: cute.Pointer  # persistent: [consumer], see consume_tile (None otherwise)
+    mbar_tile_done: cute.Pointer  # persistent: see consume_tile (None otherwise)
     mIdx: cute.Tensor
     s_kv: Int32
     scale_log2: Float32  # q_scale * kv_scale * sm_scale * log2(e)
@@ -156,6 +158,9 @@ class SparsePrefillSm90(AttentionKernel):
             max_own: cute.struct.MemRange[Float32, B_H * 2]  # [row, consumer]
             moved: cute.struct.MemRange[Int32, NUM_KV_TILES]  # [buffer]
             out_scale: cute.struct.MemRange[Float32, B_H * 2]  # [row, consumer]
+            # Persistent only (after every member the one-tile kernel uses, inside the padding before sQ):
+            mbar_stats_full: cute.struct.MemRange[Int64, 2]  # [consumer]: its row statistics are published
+            mbar_tile_done: cute.struct.MemRange[Int64, 1]  # consumer 1 finished a tile
             sQ: tile_region(Float8E4M3FN, self.q_shape)
             sK: tile_region(Float8E4M3FN, self.k_shape)
             sP: tile_region(Float8E4M3FN, self.p_shape)
@@ -249,7 +254,10 @@ class SparsePrefillSm90(AttentionKernel):
         sQ = tile_tensor(storage.sQ, sQ_layout)
         sK = tile_tensor(storage.sK, sK_layout)
         sP = tile_tensor(storage.sP, sP_layout)
-        barriers = (mbar_q, mbar_q_empty, mbar_kv_full, mbar_kv_empty, mbar_p_full, s_moved)
+        handover = (None, None)  # persistent: mbar_stats_full, mbar_tile_done
+        if const_expr(self.persistent):
+            handover = (storage.mbar_stats_full.data_ptr(), storage.mbar_tile_done.data_ptr())
+        barriers = (mbar_q, mbar_q_empty, mbar_kv_full, mbar_kv_empty, mbar_p_full, s_moved, *handover)
         init_cta(warp_idx, tma_atom_q, functools.partial(self.init_barriers, *barriers))
 
         tiles = self.scheduler.cta_tiles(bid, mIdx, mTopkLen, mOut, flags, tiles_per_cta)
@@ -300,16 +308,28 @@ class SparsePrefillSm90(AttentionKernel):
                 mbar_kv_full,
                 mbar_kv_empty,
                 mbar_p_full,
+                handover,
                 sm_scale_log2,
                 flags,
                 tiles,
             )
 
     @cute.jit
-    def init_barriers(self, mbar_q, mbar_q_empty, mbar_kv_full, mbar_kv_empty, mbar_p_full, s_moved):
+    def init_barriers(
+        self,
+        mbar_q,
+        mbar_q_empty,
+        mbar_kv_full,
+        mbar_kv_empty,
+        mbar_p_full,
+        s_moved,
+        mbar_stats_full,
+        mbar_tile_done,
+    ):
         """(One thread.) q_full: the TMA; q_empty: both consumers; per block tile, kv_full: the 64
         threads gathering it (cp.async arrivals), kv_empty: both consumers, p_full: its owner's
-        warpgroup; no block has moved the max yet."""
+        warpgroup; no block has moved the max yet. Persistent: stats_full[c]: consumer c's warpgroup;
+        tile_done: consumer 1's warpgroup."""
         cute.arch.mbarrier_init(mbar_q, 1)
         cute.arch.mbarrier_init(mbar_q_empty, CONSUMER_THREADS)
         for i in cutlass.range_constexpr(NUM_KV_TILES):
@@ -317,6 +337,10 @@ class SparsePrefillSm90(AttentionKernel):
             cute.arch.mbarrier_init(mbar_kv_empty + i, CONSUMER_THREADS)
             cute.arch.mbarrier_init(mbar_p_full + i, THREADS_PER_WG)
             s_moved[i] = -1
+        if const_expr(self.persistent):
+            for consumer in cutlass.range_constexpr(2):
+                cute.arch.mbarrier_init(mbar_stats_full + consumer, THREADS_PER_WG)
+            cute.arch.mbarrier_init(mbar_tile_done, THREADS_PER_WG)
 
     # ------------------------------------------------------------------------------------
     @cute.jit
@@ -352,7 +376,7 @@ class SparsePrefillSm90(AttentionKernel):
             for tile_iter in cutlass.range(tiles.count, unroll=1):
                 work = self.scheduler.work(tiles, tile_iter, 2 * pair_base)
                 if warp_idx == 0:
-                    Q_RING.wait_empty(mbar_q_empty, tile_iter)
+                    TILE_RING.wait_empty(mbar_q_empty, tile_iter)
                 self.produce_tile(*tile_inputs, work, pair_base, geometry)
                 pair_base += work.num_pairs
         else:
@@ -410,6 +434,7 @@ class SparsePrefillSm90(AttentionKernel):
         mbar_kv_full,
         mbar_kv_empty,
         mbar_p_full,
+        handover,
         sm_scale_log2,
         flags,
         tiles,
@@ -491,6 +516,8 @@ class SparsePrefillSm90(AttentionKernel):
             mbar_kv_full=mbar_kv_full,
             mbar_kv_empty=mbar_kv_empty,
             mbar_p_full=mbar_p_full,
+            mbar_stats_full=handover[0],
+            mbar_tile_done=handover[1],
             mIdx=mIdx,
             s_kv=cute.size(mKV, mode=[0]),
             scale_log2=mQScale[0] * mKVScale[0] * sm_scale_log2,
@@ -524,33 +551,37 @@ class SparsePrefillSm90(AttentionKernel):
         """One tile: the step loop over its blocks, then the epilogue.
 
         Persistent, besides: each consumer releases Q (``q_empty``) once its last QK of the tile
-        has completed; consumer 0 writes the tile's first P (block 0) only after consumer 1 has
-        finished the previous tile (``NamedBarrierFp8.TileHandoff``: the P buffers and the epilogue's shared
-        statistics are reused); after an odd block count both release the pair's zero-filled
-        extra block, and its owner completes its ``p_full`` phase, so every ring position g keeps
-        one phase per use. A tile with no block has no step loop: both consumers sync on the handoff
-        at its start, so neither publishes its statistics before the other has read the previous
-        tile's."""
+        has completed; after an odd block count both release the pair's zero-filled extra block,
+        and its owner completes its ``p_full`` phase, so every ring position g keeps one phase per
+        use.
+
+        The P buffers, the running maxima and the row statistics are reused from tile to tile; two
+        more mbarriers, each completing once per tile (tile t: phase t % 2), hand them over:
+
+        - ``stats_full[c]``: the 128 threads of consumer c arrive after publishing the tile's row
+          statistics; each epilogue waits on both (on its own too: a quad's first thread wrote
+          what all four read);
+        - ``tile_done``: the 128 threads of consumer 1 arrive after their epilogue; consumer 0 waits
+          for the previous tile's completion before its first P of a tile (block 0) or, in a tile
+          without blocks, before publishing its statistics.
+
+        Consumer 1's first write of a tile follows consumer 0's epilogue of the previous tile
+        through the ``p_full`` chain from block 0; in a tile without blocks it waits for
+        ``stats_full[0]`` of the tile before publishing. So neither consumer writes P, a running
+        max or its statistics of tile t + 1 before the other has read those of tile t. Neither
+        barrier completes twice before a wait: ``stats_full[c]`` completes for tile t + 1 only
+        after the other consumer's epilogue of tile t, ``tile_done`` for tile t + 1 only after
+        consumer 1's epilogue of tile t + 1, which needs consumer 0's statistics of tile t + 1,
+        published after its ``tile_done`` wait. And no arrival runs ahead into a barrier's next
+        phase: a thread's arrival for tile t + 1 follows its epilogue's wait on its own
+        ``stats_full[c]`` of tile t (``tile_done``: of tile t + 1), which completes only after every
+        thread of its warpgroup has arrived for tile t."""
         consumer = c.index
         num_blocks = c.work.num_blocks
-        Q_RING.wait(mbar_q, tile_iter)
+        TILE_RING.wait(mbar_q, tile_iter)
         if const_expr(self.persistent):
-            no_step_loop = num_blocks == 0
             if num_blocks <= consumer:  # no QK here
                 cute.arch.mbarrier_arrive(mbar_q_empty)
-            if tile_iter > 0:
-                # Consumer 1 arrives, consumer 0 syncs before its first P (in the step loop). A tile
-                # without a step loop syncs both here: consumer 1 would otherwise publish this
-                # tile's row statistics (named barrier 4) at once, possibly before consumer 0 has
-                # read the previous tile's in its epilogue.
-                if (consumer == 1) & (not no_step_loop):
-                    cute.arch.barrier_arrive(
-                        barrier_id=NamedBarrierFp8.TileHandoff, number_of_threads=CONSUMER_THREADS
-                    )
-                elif no_step_loop:
-                    cute.arch.barrier(
-                        barrier_id=NamedBarrierFp8.TileHandoff, number_of_threads=CONSUMER_THREADS
-                    )
         if num_blocks > 0:
             # Step i: own block 2i + c (when it exists) and the other consumer's block 2i + c - 1
             # (when it exists); see consumer_steps.
@@ -567,10 +598,8 @@ class SparsePrefillSm90(AttentionKernel):
                             cute.arch.mbarrier_arrive(mbar_q_empty)
                     block_maxima = mask_and_row_max(c.acc_s, valid_bits, c.scale_log2)
                     if const_expr(self.persistent):
-                        if own == 0 and tile_iter > 0:  # consumer 0, the tile's first P
-                            cute.arch.barrier(
-                                barrier_id=NamedBarrierFp8.TileHandoff, number_of_threads=CONSUMER_THREADS
-                            )
+                        if own == 0:  # consumer 0, the tile's first P
+                            self.wait_previous_tile(c, tile_iter)
                     self.softmax_own(c, own, block_maxima)
                     if own + 2 >= num_blocks:  # this consumer's last own block
                         self.publish_row_stats(c)
@@ -579,6 +608,12 @@ class SparsePrefillSm90(AttentionKernel):
                 # make ptxas serialise them (C7520/C7513).
                 warpgroup.wait_group(0)
         if num_blocks <= consumer:  # owned no block: nothing was published in the loop
+            if const_expr(self.persistent):
+                if num_blocks == 0:  # no p_full chain orders the statistics after the previous tile's
+                    if consumer == 0:
+                        self.wait_previous_tile(c, tile_iter)
+                    else:
+                        TILE_RING.wait(c.mbar_stats_full, tile_iter)  # consumer 0 published this tile's
             self.publish_row_stats(c)
         if const_expr(self.persistent):
             if num_blocks % 2 == 1:  # the last pair's zero-filled second block
@@ -588,7 +623,17 @@ class SparsePrefillSm90(AttentionKernel):
                 if consumer == 1:  # its owner (odd index)
                     KV_RING.arrive(c.mbar_p_full, ring)
 
-        self.epilogue(c, *epilogue_args)
+        self.epilogue(c, tile_iter, *epilogue_args)
+        if const_expr(self.persistent):
+            if consumer == 1:  # consumer 1 has read everything of the tile that consumer 0 rewrites
+                cute.arch.mbarrier_arrive(c.mbar_tile_done)
+
+    @cute.jit
+    def wait_previous_tile(self, c: Consumer, tile_iter):
+        """Persistent, consumer 0: wait until consumer 1 has finished the previous tile (its
+        ``tile_done`` completion ``tile_iter - 1``; nothing to wait for in the CTA's first tile)."""
+        if tile_iter > 0:
+            TILE_RING.wait(c.mbar_tile_done, tile_iter - 1)
 
     # ------------------------------------------------------------------------------------
     @cute.jit
@@ -782,27 +827,38 @@ class SparsePrefillSm90(AttentionKernel):
 
     @cute.jit
     def publish_row_stats(self, c: Consumer):
-        """After this consumer's last own softmax (or at once when it owns no block): its row sums
-        (relative to its last own max), that max and the exact row maxima, for both consumers'
-        epilogues; signals ``NamedBarrierFp8.StatsPublished0 + c`` without waiting."""
+        """After this consumer's last own softmax (or when it owns no block): its row sums (relative
+        to its last own max), that max and the exact row maxima, for both consumers' epilogues;
+        signals them without waiting: named barrier ``NamedBarrierFp8.StatsPublished0 + c``
+        (arrive), persistent: an arrival on ``stats_full[c]``."""
         tables = ((c.s_max_own, c.row_max_own), (c.s_max_true, c.row_max_true))
         publish_row_stats(c.row_sum, c.s_row_sum, tables, c.warp, c.quad_row, c.quad_lane, c.index)
-        cute.arch.barrier_arrive(
-            barrier_id=int(NamedBarrierFp8.StatsPublished0) + c.index, number_of_threads=CONSUMER_THREADS
-        )
+        if const_expr(self.persistent):
+            cute.arch.mbarrier_arrive(c.mbar_stats_full + c.index)
+        else:
+            cute.arch.barrier_arrive(
+                barrier_id=int(NamedBarrierFp8.StatsPublished0) + c.index, number_of_threads=CONSUMER_THREADS
+            )
 
     @cute.jit
-    def epilogue(self, c: Consumer, mSink, mKVScale, mOut, mMaxLogits, mLse, flags):
-        """Normalise O, apply kv_scale and the sink, write out (bf16), max_logits and lse."""
+    def epilogue(self, c: Consumer, tile_iter, mSink, mKVScale, mOut, mMaxLogits, mLse, flags):
+        """Normalise O, apply kv_scale and the sink, write out (bf16), max_logits and lse of the CTA's
+        tile ``tile_iter``."""
         kv_scale = mKVScale[0]
         # O (both halves) is relative to the last block's max, m_final; both consumers waited for
         # the last block's p_full in their last step. The other consumer published its row
         # statistics after its last own softmax (``publish_row_stats``), usually while this one
         # still ran PV, so the first consumer to finish writes its half of out while the other
         # runs its last PV.
-        cute.arch.barrier(
-            barrier_id=int(NamedBarrierFp8.StatsPublished1) - c.index, number_of_threads=CONSUMER_THREADS
-        )
+        if const_expr(self.persistent):
+            # Both consumers' statistics of the tile: the own ones were written by the quads' first
+            # threads, read here by all four.
+            TILE_RING.wait(c.mbar_stats_full + (1 - c.index), tile_iter)
+            TILE_RING.wait(c.mbar_stats_full + c.index, tile_iter)
+        else:
+            cute.arch.barrier(
+                barrier_id=int(NamedBarrierFp8.StatsPublished1) - c.index, number_of_threads=CONSUMER_THREADS
+            )
         last_buffer = KV_RING.index_before(c.work.block_base + c.work.num_blocks)
         for r in cutlass.range_constexpr(2):
             row = accumulator_row(c.warp, c.quad_row, r)
