@@ -1,0 +1,1 @@
+"""Standalone measurements: CUDA microbenchmarks (built with nvcc) and numerical probes."""
