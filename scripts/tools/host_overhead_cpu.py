@@ -124,9 +124,9 @@ def main() -> None:
         native.register_variant(extension, D_QK, "default", False, no_op)
         extension.register_device(1, 0, 132)  # DLPack's CPU device 0
         native.launch = extension.launch
-        fast_call = prefill_call.PrefillCall(*check_args)
+        call = prefill_call.PrefillCall(*check_args)
         fast_rows = {
-            "fast path alone (no-op kernel callback)": lambda: extension.launch(fast_call),
+            "fast path alone (no-op kernel callback)": lambda: extension.launch(call),
             "full call, fast path, buffers given": lambda: q8kv8.sparse_mla_q8kv8_prefill_fwd(
                 **inputs, **buffers
             ),
