@@ -2,39 +2,25 @@
 extension by ``q8kv8.native``) and the layout helpers for callers: head padding, top-k padding and per-row
 top-k lengths."""
 
-import math
-
 import torch
+
+# The kernels' launch interface, defined with the kernels and part of this module's constants.
+from cute_kernels.interface import D_V as D_V
+from cute_kernels.interface import HEAD_ALIGNMENT as HEAD_ALIGNMENT
+from cute_kernels.interface import LOG2_E as LOG2_E
+from cute_kernels.interface import SINK_FLAG as SINK_FLAG
+from cute_kernels.interface import SUPPORTED_D_QK as SUPPORTED_D_QK
+from cute_kernels.interface import TOPK_ALIGNMENT as TOPK_ALIGNMENT
+from cute_kernels.interface import TOPK_LENGTH_FLAG as TOPK_LENGTH_FLAG
 
 __version__ = "0.1.0"
 """The package's version (``q8kv8.__version__``; pyproject.toml reads it here)."""
 
-SUPPORTED_D_QK = (512, 576)
-"""The head dims of q and kv the kernel variants are built for."""
-
-D_V = 512
-"""The head dim of V (``kv[..., :D_V]``) and of ``out``."""
-
 PRECISIONS = ("default", "accurate")
 """``precision`` values: P rounded to one e4m3 term for the PV product, or kept as two."""
 
-LOG2_E = math.log2(math.e)
-"""The kernel takes the logit scale in base 2: ``sm_scale * LOG2_E``."""
-
-TOPK_LENGTH_FLAG = 1
-"""Bit of the kernel's flags argument: ``topk_length`` is given (else a placeholder that is not read)."""
-
-SINK_FLAG = 2
-"""Bit of the kernel's flags argument: ``attn_sink`` is given (else a placeholder that is not read)."""
-
 E4M3_MAX = 448.0
 """The largest finite float8_e4m3fn value; casts to e4m3 saturate at +-E4M3_MAX."""
-
-HEAD_ALIGNMENT = 64
-"""The kernel processes query heads in groups of this many; the wrapper pads other head counts up to it."""
-
-TOPK_ALIGNMENT = 128
-"""The kernel walks the top-k slots in blocks of this many; ``indices.shape[-1]`` must be a multiple of it."""
 
 Q_ALIGNMENT_BYTES = 16
 """The FP8 kernel loads the Q tile by TMA: q's base must be a multiple of this many bytes (else copied)."""

@@ -9,11 +9,11 @@ registers to the consumers (``setmaxregister``).
 import cutlass.cute as cute
 from cutlass.cute.nvgpu import cpasync
 
+from cute_kernels.interface import HEAD_ALIGNMENT
 from cute_kernels.sm90.row_views import make_q_tma_atom, make_row_views
 from cute_kernels.sm90.shared_storage import tile_layouts
 
-B_H = 64  # query rows (heads of one token) per CTA
-D_V = 512  # value width: the first 512 columns of each KV row
+B_H = HEAD_ALIGNMENT  # query rows (heads of one token) per CTA
 THREADS_PER_WG = 128
 NUM_THREADS = 3 * THREADS_PER_WG  # producer + two consumers
 CONSUMER_THREADS = 2 * THREADS_PER_WG

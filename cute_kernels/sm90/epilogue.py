@@ -14,12 +14,11 @@ import cutlass
 import cutlass.cute as cute
 from cutlass import Float32, const_expr
 
+from cute_kernels.interface import LOG2_E, SINK_FLAG
 from cute_kernels.sm90.cta import B_H
 from cute_kernels.sm90.mask import accumulator_row, quad_sum
 
-LOG2_E = math.log2(math.e)
 LN_2 = math.log(2.0)
-FLAG_SINK = 2  # launch flags: bit 1, attn_sink given
 
 
 @cute.jit
@@ -44,7 +43,7 @@ def output_scale(
     ``head_group`` (the sink term only when the flags say attn_sink is given; ``row_sum`` and
     ``max_used`` in the exp2 domain), or 0 when ``row_sum`` is 0."""
     denom = row_sum
-    if (flags & FLAG_SINK) != 0:
+    if (flags & SINK_FLAG) != 0:
         sink_log2 = mSink[head_group * B_H + row] * LOG2_E
         if const_expr(p_scale_log2 != 0):
             denom += cute.math.exp2(sink_log2 - max_used + p_scale_log2, fastmath=True)

@@ -21,10 +21,10 @@ from cutlass import Float8E4M3FN, Float32, Int32, Int64, Uint32, const_expr
 from cutlass.cute.nvgpu import OperandMajorMode, warpgroup
 
 from cute_kernels import ptx
+from cute_kernels.interface import D_V
 from cute_kernels.sm90.cta import (
     B_H,
     CONSUMER_THREADS,
-    D_V,
     PRODUCER_WARPS,
     THREADS_PER_WG,
     AttentionKernel,

@@ -14,9 +14,8 @@ import cutlass.cute as cute
 from cutlass import Int32, const_expr
 from cutlass._mlir import ir
 
+from cute_kernels.interface import TOPK_LENGTH_FLAG
 from cute_kernels.sm90.cta import B_H
-
-FLAG_TOPK_LENGTH = 1  # launch flags: bit 0, topk_length given
 
 
 @cute.jit
@@ -24,7 +23,7 @@ def valid_slot_count(mTopkLen, token, topk, flags):
     """The leading slots of ``token``'s row to consider (warp-uniform): ``topk_length[token]`` clamped
     to [0, topk] when the flags say topk_length is given, else ``topk``."""
     valid_len = topk
-    if (flags & FLAG_TOPK_LENGTH) != 0:
+    if (flags & TOPK_LENGTH_FLAG) != 0:
         valid_len = cutlass.min(cutlass.max(mTopkLen[token], 0), topk)
     return cute.arch.make_warp_uniform(valid_len)
 

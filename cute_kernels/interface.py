@@ -1,0 +1,25 @@
+"""The attention kernels' launch interface: the constants a caller must agree on with the kernels (no CuTe
+DSL import, so that the host package reads them from here without loading the DSL)."""
+
+import math
+
+HEAD_ALIGNMENT = 64
+"""Query heads per CTA (one token's head group, one WGMMA M tile): the head count must be a multiple."""
+
+TOPK_ALIGNMENT = 128
+"""Top-k slots per gathered pair of KV blocks: ``indices.shape[-1]`` must be a multiple."""
+
+SUPPORTED_D_QK = (512, 576)
+"""The head dims of q and kv the kernels are built for."""
+
+D_V = 512
+"""The head dim of V (``kv[..., :D_V]``) and of ``out``."""
+
+LOG2_E = math.log2(math.e)
+"""The kernels take the logit scale in base 2: ``sm_scale * LOG2_E``."""
+
+TOPK_LENGTH_FLAG = 1
+"""Bit of the flags argument: ``topk_length`` is given (else a placeholder that is not read)."""
+
+SINK_FLAG = 2
+"""Bit of the flags argument: ``attn_sink`` is given (else a placeholder that is not read)."""
