@@ -239,3 +239,74 @@ def st_global_v4(gmem_addr, w0, w1, w2, w3, *, loc=None, ip=None) -> None:
         "l,r,r,r,r",
         True,
     )
+
+
+@dsl_user_op
+def max_abs_bf16x2(acc, w, *, loc=None, ip=None) -> Uint32:
+    """``acc`` with each 16-bit half replaced by the larger of it and the magnitude bits of the bf16 in
+    the same half of ``w`` (sign cleared; for finite bf16 the integer order of magnitude bits is the order
+    of magnitudes)."""
+    return Uint32(
+        inline_asm(
+            T.i32(),
+            [Uint32(acc).ir_value(loc=loc, ip=ip), Uint32(w).ir_value(loc=loc, ip=ip)],
+            "{\n\t.reg .b32 t;\n\tand.b32 t, $2, 0x7fff7fff;\n\tmax.u16x2 $0, $1, t;\n\t}",
+            "=r,r,r",
+            False,
+        )
+    )
+
+
+@dsl_user_op
+def max_u32(a, b, *, loc=None, ip=None) -> Uint32:
+    return Uint32(
+        inline_asm(
+            T.i32(),
+            [Uint32(a).ir_value(loc=loc, ip=ip), Uint32(b).ir_value(loc=loc, ip=ip)],
+            "max.u32 $0, $1, $2;",
+            "=r,r,r",
+            False,
+        )
+    )
+
+
+@dsl_user_op
+def scale_bf16x4_to_e4m3x4(w01, w23, multiplier_bits, *, loc=None, ip=None) -> Uint32:
+    """Four bf16 (two words, lowest first) times a float32 given by its bits, rounded (RN, saturating)
+    to e4m3 and packed, the lowest first (exact products when the multiplier is a power of two)."""
+    return Uint32(
+        inline_asm(
+            T.i32(),
+            [Uint32(w).ir_value(loc=loc, ip=ip) for w in (w01, w23, multiplier_bits)],
+            "{\n\t.reg .b32 t0, t1, t2, t3;\n\t.reg .f32 s, f0, f1, f2, f3;\n\t.reg .b16 o01, o23;\n\t"
+            "shl.b32 t0, $1, 16;\n\tand.b32 t1, $1, 0xffff0000;\n\t"
+            "shl.b32 t2, $2, 16;\n\tand.b32 t3, $2, 0xffff0000;\n\t"
+            "mov.b32 f0, t0;\n\tmov.b32 f1, t1;\n\tmov.b32 f2, t2;\n\tmov.b32 f3, t3;\n\t"
+            "mov.b32 s, $3;\n\t"
+            "mul.rn.f32 f0, f0, s;\n\tmul.rn.f32 f1, f1, s;\n\t"
+            "mul.rn.f32 f2, f2, s;\n\tmul.rn.f32 f3, f3, s;\n\t"
+            "cvt.rn.satfinite.e4m3x2.f32 o01, f1, f0;\n\t"
+            "cvt.rn.satfinite.e4m3x2.f32 o23, f3, f2;\n\t"
+            "mov.b32 $0, {o01, o23};\n\t}",
+            "=r,r,r,r",
+            False,
+        )
+    )
+
+
+@dsl_user_op
+def st_shared_v4(smem_addr, w0, w1, w2, w3, *, loc=None, ip=None) -> None:
+    inline_asm(
+        None,
+        [Int32(smem_addr).ir_value(loc=loc, ip=ip)]
+        + [Uint32(w).ir_value(loc=loc, ip=ip) for w in (w0, w1, w2, w3)],
+        "st.shared.v4.b32 [$0], {$1, $2, $3, $4};",
+        "r,r,r,r,r",
+        True,
+    )
+
+
+@dsl_user_op
+def prefetch_l2(gmem_addr, *, loc=None, ip=None) -> None:
+    """Prefetch the L2 line of ``gmem_addr``."""
+    inline_asm(None, [Int64(gmem_addr).ir_value(loc=loc, ip=ip)], "prefetch.global.L2 [$0];", "l", True)

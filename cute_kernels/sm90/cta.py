@@ -6,6 +6,7 @@ MMAs and the softmax; consumer c writes half c of the d_v = 512 output columns).
 registers to the consumers (``setmaxregister``).
 """
 
+import cutlass
 import cutlass.cute as cute
 from cutlass.cute.nvgpu import cpasync
 
@@ -28,10 +29,12 @@ def consumer_index(warp_idx):
 
 @cute.jit
 def init_cta(warp_idx, tma_atom_q, init_barriers):
-    """The prologue: warp 0 prefetches the Q TMA descriptor and one of its threads runs
-    ``init_barriers()`` (mbarrier inits and shared flags), made visible to the whole CTA."""
+    """The prologue: warp 0 prefetches the Q TMA descriptor (when Q is loaded by TMA: ``tma_atom_q`` not
+    None) and one of its threads runs ``init_barriers()`` (mbarrier inits and shared flags), made visible
+    to the whole CTA."""
     if warp_idx == 0:
-        cpasync.prefetch_descriptor(tma_atom_q)
+        if cutlass.const_expr(tma_atom_q is not None):
+            cpasync.prefetch_descriptor(tma_atom_q)
         with cute.arch.elect_one():
             init_barriers()
         cute.arch.mbarrier_init_fence()
@@ -54,12 +57,15 @@ class AttentionKernel:
         """Dynamic shared memory per CTA."""
         return self.shared_storage().size_in_bytes()
 
-    def host_setup(self, mQ, mKV, mIdx, mMaxLogits, mLse):
+    def host_setup(self, mQ, mKV, mIdx, mMaxLogits, mLse, q_by_tma: bool = True):
         """The launch's row views, the swizzled layouts of the Q, KV block and P tiles, and the Q tile's
-        TMA atom and tensor (called while tracing ``__call__``)."""
+        TMA atom and tensor (called while tracing ``__call__``; without ``q_by_tma``: no atom, and the q
+        row view)."""
         views = make_row_views(mQ, mKV, mIdx, mMaxLogits, mLse, self.d_qk)
         layouts = tile_layouts(
             self.SMEM_ATOM_KIND, self.ELEMENT_TYPE, (self.q_shape, self.k_shape, self.p_shape)
         )
+        if not q_by_tma:
+            return views, layouts, None, views.q
         tma_atom_q, tma_tensor_q = make_q_tma_atom(views.q, layouts[0], self.q_shape)
         return views, layouts, tma_atom_q, tma_tensor_q

@@ -55,14 +55,24 @@ def mask_and_row_max(acc_s, valid_bits, scale_log2, publish=None):
     """Set the invalid slots of S to -inf and return the block's row maxima (exp2 domain) for this
     thread's rows r = 0, 1; ``publish(r, row_max)`` (optional) is called with each as it is found.
 
-    S stays unscaled when the logit scale ``scale_log2`` is positive (the scale is folded into the
-    exponent later); a scale <= 0 (never a sensible dequantisation scale, but defined) is applied
-    here first so that the max is still the max of the logits."""
+    S stays unscaled when the logit scale ``scale_log2`` (one for both rows, or a pair: row r's) is
+    positive (the scale is folded into the exponent later); a scale <= 0 (never a sensible
+    dequantisation scale, but defined) is applied here first so that the max is still the max of the
+    logits."""
     words, all_valid = valid_bits
     column_groups = cute.size(acc_s) // 4  # j: 8-column groups
-    if scale_log2 <= 0.0:
-        for i in cutlass.range_constexpr(cute.size(acc_s)):
-            acc_s[i] = acc_s[i] * scale_log2
+    if cutlass.const_expr(isinstance(scale_log2, tuple)):
+        row_scales = scale_log2
+        for r in cutlass.range_constexpr(2):
+            if row_scales[r] <= 0.0:
+                for j in cutlass.range_constexpr(column_groups):
+                    for e in cutlass.range_constexpr(2):
+                        acc_s[e + 2 * r + 4 * j] = acc_s[e + 2 * r + 4 * j] * row_scales[r]
+    else:
+        row_scales = (scale_log2, scale_log2)
+        if scale_log2 <= 0.0:
+            for i in cutlass.range_constexpr(cute.size(acc_s)):
+                acc_s[i] = acc_s[i] * scale_log2
     if not all_valid:
         for r in cutlass.range_constexpr(2):
             for j in cutlass.range_constexpr(column_groups):
@@ -77,8 +87,8 @@ def mask_and_row_max(acc_s, valid_bits, scale_log2, publish=None):
             for e in cutlass.range_constexpr(2):
                 row_max = cute.arch.fmax(row_max, acc_s[e + 2 * r + 4 * j])
         row_max = quad_max(row_max)
-        if scale_log2 > 0.0:
-            row_max = row_max * scale_log2
+        if row_scales[r] > 0.0:
+            row_max = row_max * row_scales[r]
         if cutlass.const_expr(publish is not None):
             publish(r, row_max)
         row_maxima.append(row_max)

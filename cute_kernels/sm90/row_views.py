@@ -1,15 +1,27 @@
 """Row views of the sparse prefill's global tensors, shared by the FP8 and bf16 attention kernels.
 
 The kernels address query rows as (token, head) pairs: ``q`` [s_q, h, d_qk] becomes [s_q * h, d_qk]
-(row-major, the TMA source of the Q tiles), ``max_logits`` and ``lse`` [s_q, h] become [s_q * h];
+(row-major, the source of the Q tiles), ``max_logits`` and ``lse`` [s_q, h] become [s_q * h];
 ``kv`` [s_kv, 1, d_qk] and ``indices`` [s_q, 1, topk] drop their middle mode and keep their (dynamic)
-row strides. ``load_q_tile`` loads one CTA's Q tile from the q view by TMA.
+row strides. ``load_q_tile`` loads one CTA's e4m3 Q tile from the q view by TMA; ``quantize_q_tile`` loads a
+bf16 Q tile with the threads of the consumer warpgroups and stores it in e4m3, each row with its own
+power-of-two scale.
 """
 
 from typing import NamedTuple
 
+import cutlass
 import cutlass.cute as cute
+from cutlass import Int32, Int64, Uint32
 from cutlass.cute.nvgpu import cpasync
+
+from cute_kernels import ptx
+from cute_kernels.sm90.row_gather import swizzle_offset
+
+E4M3_MAX_EXPONENT = 8  # 448 = 1.75 * 2^8, the largest e4m3 value
+E4M3_MAX_MANTISSA_BITS = 0x600000  # 1.75 as the 23 mantissa bits of a float32
+F32_MIN_EXPONENT = -126  # row scales stay normal float32 numbers
+Q_THREADS_PER_ROW = 4  # consumer threads that quantise one row: 16 values of every 64-column tile each
 
 
 class RowViews(NamedTuple):
@@ -57,3 +69,55 @@ def load_q_tile(tma_atom_q, mQ_tma, sQ, mbar_q, tile, tile_rows: int, d_qk: int,
     with cute.arch.elect_one():
         cute.arch.mbarrier_arrive_and_expect_tx(mbar_q, tile_bytes)
     cute.copy(tma_atom_q, tQgQ, tQsQ, tma_bar_ptr=mbar_q)
+
+
+@cute.jit
+def quantize_q_tile(
+    q_view, tile, thread, sQ_base, row_scale_base, tile_rows: cutlass.Constexpr, d_qk: cutlass.Constexpr
+) -> None:
+    """Rows ``tile * tile_rows`` onwards of the bf16 q view ([rows, d_qk] row-major, 16-byte aligned) into
+    the e4m3 Q tile at shared address ``sQ_base`` (64-byte-swizzled, K-major: the layout the TMA of an e4m3
+    tile writes), with ``tile_rows * 4`` threads (``thread``: 0 .. tile_rows * 4 - 1): four per row, each
+    16 values of every 64-column tile.
+
+    Row r is stored as e4m3(q_r / s_r) with s_r = 2^e, e the least integer with max|q_r| <= 448 * 2^e
+    (at least -126; e = 0 for a zero row): exact scaling, no saturation. s_r goes to the float32 table at
+    ``row_scale_base`` (one thread per row writes it). Finite q only."""
+    row = thread // Q_THREADS_PER_ROW
+    part = thread % Q_THREADS_PER_ROW
+    col_tiles = d_qk // 64
+    row_addr = q_view.iterator.toint() + Int64(tile * tile_rows + row) * (d_qk * 2) + part * 32
+    words = []
+    for col_tile in cutlass.range_constexpr(col_tiles):  # every load in flight before the first use
+        words.append(
+            ptx.ld_global_nc_v4(row_addr + col_tile * 128)
+            + ptx.ld_global_nc_v4(row_addr + col_tile * 128 + 16)
+        )
+    amax = Uint32(0)
+    for group in words:
+        for word in group:
+            amax = ptx.max_abs_bf16x2(amax, word)
+    amax = ptx.max_u32(amax & Uint32(0xFFFF), amax >> Uint32(16))  # bf16 magnitude bits
+    for offset in (1, 2):  # the row's four threads
+        amax = ptx.max_u32(amax, Uint32(cute.arch.shuffle_sync_bfly(Int32(amax), offset=offset)))
+    amax_bits = Int32(amax) << 16  # as float32 bits: m * 2^E
+    exponent = Int32(0)
+    if amax_bits != 0:
+        # E - 8 when 448 * 2^(E - 8) >= amax (m <= 1.75), else E - 7
+        exponent = (amax_bits >> 23) - (127 + E4M3_MAX_EXPONENT)
+        if (amax_bits & 0x7FFFFF) > E4M3_MAX_MANTISSA_BITS:
+            exponent = exponent + 1
+        if exponent < F32_MIN_EXPONENT:
+            exponent = Int32(F32_MIN_EXPONENT)
+    inverse_bits = Uint32((127 - exponent) << 23)  # 2^-e
+    if part == 0:
+        ptx.st_shared_u32(row_scale_base + row * 4, Uint32((127 + exponent) << 23))
+    for col_tile in cutlass.range_constexpr(col_tiles):
+        w = words[col_tile]
+        ptx.st_shared_v4(
+            sQ_base + col_tile * (tile_rows * 64) + swizzle_offset(row, part, 64),
+            ptx.scale_bf16x4_to_e4m3x4(w[0], w[1], inverse_bits),
+            ptx.scale_bf16x4_to_e4m3x4(w[2], w[3], inverse_bits),
+            ptx.scale_bf16x4_to_e4m3x4(w[4], w[5], inverse_bits),
+            ptx.scale_bf16x4_to_e4m3x4(w[6], w[7], inverse_bits),
+        )
