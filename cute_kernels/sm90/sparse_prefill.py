@@ -4,10 +4,9 @@ A CTA computes 64 heads of one token. Its producer warpgroup gathers the token's
 64 (two blocks a pair) with cp.async; the two consumer warpgroups own alternate blocks (S, and P
 under a lazy running max chained from one consumer to the other) and each accumulates O^T for half
 of d_v over every block, V^T read from the gathered tiles by ldmatrix.trans (RS WGMMA).
-``precision="accurate"`` stores P as two e4m3 terms and sums the QK product in float32 every
-``QK_PROMOTION_KSTEPS`` k-steps; ``persistent`` walks several tiles per CTA; ``q_dtype="bf16"`` takes bf16 q
-and quantises each Q tile in the consumers, a power-of-two scale per row folded into that row's logit
-scale. Design: docs/kernel.md.
+``precision="accurate"`` stores P as two e4m3 terms; ``persistent`` walks several tiles per CTA;
+``q_dtype="bf16"`` takes bf16 q and quantises each Q tile in the consumers, a power-of-two scale per row
+folded into that row's logit scale. Design: docs/kernel.md.
 
 Constraints: h % 64 == 0, topk % 128 == 0, d_qk in {512, 576}, d_v = 512; q, out, max_logits, lse
 row-major; q and kv rows 16-byte aligned; topk_length clamped to [0, topk].
@@ -59,7 +58,6 @@ L2_LINE_BYTES = 128
 
 PRODUCER_REGS = 24
 CONSUMER_REGS = 240
-QK_PROMOTION_KSTEPS = {"default": 0, "accurate": 2}  # k-steps (32 of d_qk) per fp32-summed QK chunk; 0: one
 Q_DTYPES = ("e4m3", "bf16")
 
 
@@ -88,7 +86,6 @@ class Consumer(NamedTuple):
     tiled_mma_pv: cute.TiledMma
     tSrQ: cute.Tensor  # Q descriptors (MMA, 1, d_qk/32)
     tSrK: cute.Tensor  # K descriptors (MMA, 1, d_qk/32, tile)
-    acc_s_chunk: cute.Tensor  # promoted QK: the chunk in flight (None otherwise)
     tOrP: cute.Tensor  # P^T descriptors (MMA, 1, 2 k-steps, buffer * p_terms + term)
     acc_s: cute.Tensor  # S of this consumer's block (32 f32)
     acc_o: list  # O^T, one 64x64 accumulator per d tile (4 x 32 f32)
@@ -129,8 +126,7 @@ class SparsePrefillSm90(AttentionKernel):
         q_dtype: str = "e4m3",
     ):
         """``precision``: "default" rounds P to one e4m3 term; "accurate" splits it into two
-        (hi = e4m3(p), lo = e4m3(p - hi)) and runs the PV product once per term, and adds the QK
-        product's partial sums in float32 (``QK_PROMOTION_KSTEPS``).
+        (hi = e4m3(p), lo = e4m3(p - hi)) and runs the PV product once per term.
         ``persistent``: each CTA walks ``tiles_per_cta`` tiles (launch argument; tiles bid,
         bid + grid, ...), its producer loading the next tile's Q and first rows while the consumers
         finish the current one, whose out stores then drain during the next tile's math.
@@ -145,7 +141,6 @@ class SparsePrefillSm90(AttentionKernel):
         self.d_qk = d_qk
         self.precision = precision
         self.q_bf16 = q_dtype == "bf16"
-        self.qk_chunk_ksteps = QK_PROMOTION_KSTEPS[precision] or d_qk // 32
         self.p_terms = 2 if precision == "accurate" else 1  # e4m3 terms P is stored as
         self.persistent = persistent
         self.scheduler = TileScheduler(persistent, B_TOPK)
@@ -511,9 +506,6 @@ class SparsePrefillSm90(AttentionKernel):
         tSrK = tiled_mma_qk.make_fragment_B(thr_mma_qk.partition_B(sK))  # (MMA, 1, d_qk/32, tile)
         tOrP = tiled_mma_pv.make_fragment_B(thr_mma_pv.partition_B(sP))  # (MMA, 1, 2, buffer*terms+term)
         acc_s = cute.make_rmem_tensor(thr_mma_qk.partition_shape_C((B_H, B_TOPK)), Float32)
-        acc_s_chunk = None
-        if const_expr(self.qk_chunk_ksteps < self.d_qk // 32):
-            acc_s_chunk = cute.make_rmem_tensor(thr_mma_qk.partition_shape_C((B_H, B_TOPK)), Float32)
         acc_o = [
             cute.make_rmem_tensor(thr_mma_pv.partition_shape_C((64, B_H)), Float32)
             for _ in range(D_TILES_PER_CONSUMER)
@@ -539,7 +531,6 @@ class SparsePrefillSm90(AttentionKernel):
             tiled_mma_pv=tiled_mma_pv,
             tSrQ=tSrQ,
             tSrK=tSrK,
-            acc_s_chunk=acc_s_chunk,
             tOrP=tOrP,
             acc_s=acc_s,
             acc_o=acc_o,
@@ -668,7 +659,6 @@ class SparsePrefillSm90(AttentionKernel):
                         c.mIdx, c.work.token, own * B_TOPK, c.lane, c.quad_lane, c.s_kv, c.work.valid_len, 2
                     )
                     warpgroup.wait_group(0)  # S(own)
-                    self.finish_qk(c)
                     if const_expr(self.persistent):
                         if own + 2 >= num_blocks:  # this consumer's last QK of the tile is done
                             cute.arch.mbarrier_arrive(mbar_q_empty)
@@ -714,40 +704,15 @@ class SparsePrefillSm90(AttentionKernel):
     # ------------------------------------------------------------------------------------
     @cute.jit
     def issue_qk(self, c: Consumer, block):
-        """Queue S = Q . K_block^T: one WGMMA group, or (promoted, ``qk_chunk_ksteps`` < d_qk / 32) one
-        group per chunk of k-steps, each chunk's sum added to S in float32 once it completes (the tensor
-        cores' own accumulation keeps about 14 bits); the last chunk is left in flight for
-        ``finish_qk``."""
+        """Queue S = Q . K_block^T (one WGMMA group)."""
         ring = c.work.block_base + block
         tile = KV_RING.index(ring)
         cute.arch.mbarrier_wait(c.mbar_kv_full + tile, KV_RING.phase(ring))
-        kc = self.qk_chunk_ksteps
-        for chunk in cutlass.range_constexpr(self.d_qk // 32 // kc):
-            target = c.acc_s if chunk == 0 else c.acc_s_chunk
-            if const_expr(chunk == 1):
-                # Defined here: the WGMMA reads its accumulator operand even when it overwrites it, so
-                # without a definition the chunk's registers would stay live through the whole loop.
-                c.acc_s_chunk.fill(ptx.zero_f32())
-            if const_expr(chunk >= 2):  # the previous chunk is complete: add it, then reuse its registers
-                warpgroup.wait_group(0)
-                self.add_qk_chunk(c)
-            warpgroup.fence()
-            for k in cutlass.range_constexpr(chunk * kc, (chunk + 1) * kc):
-                # The first k-step of a chunk overwrites its accumulator.
-                mma = c.tiled_mma_qk if k > chunk * kc else c.tiled_mma_qk_first
-                cute.gemm(mma, target, c.tSrQ[None, None, k], c.tSrK[None, None, k, tile], target)
-            warpgroup.commit_group()
-
-    @cute.jit
-    def finish_qk(self, c: Consumer):
-        """After the wait for ``issue_qk``'s last group: promoted, add its chunk to S."""
-        if const_expr(c.acc_s_chunk is not None):
-            self.add_qk_chunk(c)
-
-    @cute.jit
-    def add_qk_chunk(self, c: Consumer):
-        for i in cutlass.range_constexpr(cute.size(c.acc_s)):
-            c.acc_s[i] = c.acc_s[i] + c.acc_s_chunk[i]
+        warpgroup.fence()
+        for k in cutlass.range_constexpr(self.d_qk // 32):
+            mma = c.tiled_mma_qk if k > 0 else c.tiled_mma_qk_first  # the first k-step overwrites S
+            cute.gemm(mma, c.acc_s, c.tSrQ[None, None, k], c.tSrK[None, None, k, tile], c.acc_s)
+        warpgroup.commit_group()
 
     @cute.jit
     def softmax_own(self, c: Consumer, block, block_maxima):
