@@ -407,3 +407,16 @@ def test_q_scale_none_needs_a_bf16_q_and_a_row_scale_needs_the_rows_shape(make_i
         ValueError, match=r"q_scale: expected one element or shape \[s_q, h_q\], got \[2, 3\]"
     ):
         sparse_mla_prefill_reference(**args | {"q_scale": torch.ones(2, 3)})
+
+
+@pytest.mark.gpu
+def test_quantize_q_rows_on_the_gpu_is_bitwise_the_cpus(generator):
+    q = torch.randn(64, 32, 576, generator=generator) * torch.exp2(
+        torch.randint(-140, 120, (64, 32, 1)).float()
+    )
+    q[0, 0] = 0.0
+    q = q.to(BF16)
+    on_cpu = quantize_q_rows(q)
+    on_gpu = quantize_q_rows(q.cuda())
+    assert torch.equal(on_gpu[0].cpu().view(torch.uint8), on_cpu[0].view(torch.uint8))
+    assert torch.equal(on_gpu[1].cpu(), on_cpu[1])
