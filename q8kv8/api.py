@@ -20,7 +20,7 @@ def sparse_mla_q8kv8_prefill_fwd(
     kv: torch.Tensor,
     indices: torch.Tensor,
     sm_scale: float,
-    q_scale: torch.Tensor,
+    q_scale: torch.Tensor | None,
     kv_scale: torch.Tensor,
     d_v: int = D_V,
     attn_sink: torch.Tensor | None = None,
@@ -34,13 +34,19 @@ def sparse_mla_q8kv8_prefill_fwd(
     """FP8 sparse MLA prefill attention on an SM90 GPU; returns ``(out, max_logits, lse)``.
 
     Args:
-        q: [s_q, h_q, d_qk] float8_e4m3fn, d_qk in {512, 576}.
+        q: [s_q, h_q, d_qk] float8_e4m3fn or bfloat16, d_qk in {512, 576}. The kernel quantises a bfloat16
+            q to e4m3 itself (no separate pass over q): each (token, head) row ``q[i, h]`` divided by its own
+            power-of-two scale ``s[i, h]``, the smallest ``2^e`` with ``max|q[i, h]| <= 448 * 2^e`` (e in
+            [-126, 127]; 1 for an all-zero row), rounded to nearest even
+            (``q8kv8.reference.quantize_q_rows``); ``s[i, h]`` takes ``q_scale``'s place in that row's logits.
         kv: [s_kv, 1, d_qk] float8_e4m3fn; V is ``kv[..., :d_v]``.
         indices: [s_q, 1, topk] int32, topk a positive multiple of 128 (see ``pad_topk``). A slot is valid
             when its index is in ``[0, s_kv)`` and its position is below ``topk_length``; other slots are
             ignored and never read. Duplicated indices count as often as they appear.
         sm_scale: softmax scale, a finite Python number.
-        q_scale, kv_scale: one-element float32 tensors, the per-tensor dequantisation scales of q and kv.
+        q_scale: one-element float32 tensor, the per-tensor dequantisation scale of an e4m3 q; None for a
+            bfloat16 q.
+        kv_scale: one-element float32 tensor, the per-tensor dequantisation scale of kv.
         d_v: 512.
         attn_sink: optional [h_q] float32; ``out`` is multiplied by ``1 / (1 + exp(attn_sink[h] - lse))``.
         topk_length: optional [s_q] int32, the number of leading slots of each row to consider; values
@@ -53,7 +59,8 @@ def sparse_mla_q8kv8_prefill_fwd(
 
     Returns:
         ``out`` (softmax-weighted sum of ``kv[idx, :d_v] * kv_scale``), ``max_logits`` (largest logit) and
-        ``lse`` (natural-log log-sum-exp of the logits ``q . kv[idx] * q_scale * kv_scale * sm_scale``).
+        ``lse`` (natural-log log-sum-exp of the logits ``q . kv[idx] * q_scale * kv_scale * sm_scale``, with
+        the e4m3 row and its scale ``s[i, h]`` in place of ``q`` and ``q_scale`` for a bfloat16 q).
         A row with no valid slot gets out 0, max_logits -inf and lse +inf.
 
     Under ``torch.compile`` this is one call of the custom op ``torch.ops.q8kv8.sparse_mla_q8kv8_prefill``

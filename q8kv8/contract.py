@@ -25,6 +25,8 @@ from q8kv8.metadata import (
     OUT_ALIGNMENT_BYTES,
     PRECISIONS,
     Q_ALIGNMENT_BYTES,
+    Q_DTYPES,
+    ROW_SCALED_Q_DTYPES,
     SUPPORTED_D_QK,
     TOPK_ALIGNMENT,
     padded_num_heads,
@@ -91,7 +93,7 @@ def check_inputs(call: PrefillCall) -> Problem:
         _signature(call.kv),
         _signature(call.indices),
         sm_scale,
-        _signature(call.q_scale),
+        None if call.q_scale is None else _signature(call.q_scale),
         _signature(call.kv_scale),
         d_v,
         None if attn_sink is None else _signature(attn_sink),
@@ -162,8 +164,8 @@ def _check_signatures(signatures: PrefillCall) -> Problem:
                 raise ValueError(
                     f"{name}: expected a 3-D tensor {layout}, got shape {list(signature[SHAPE])}"
                 )
-    if q[DTYPE] != FP8 or kv[DTYPE] != FP8 or indices[DTYPE] != torch.int32:
-        _require_dtype("q", q, FP8)
+    if q[DTYPE] not in Q_DTYPES or kv[DTYPE] != FP8 or indices[DTYPE] != torch.int32:
+        _require_q_dtype(q)
         _require_dtype("kv", kv, FP8)
         _require_dtype("indices", indices, torch.int32)
     if q[STRIDES][-1] != 1 or kv[STRIDES][-1] != 1 or indices[STRIDES][-1] != 1:
@@ -206,12 +208,31 @@ def _check_signatures(signatures: PrefillCall) -> Problem:
         raise InputTypeError(f"sm_scale: expected a Python real number, got {type(sm_scale).__name__}")
     if not math.isfinite(sm_scale):
         raise ValueError(f"sm_scale: expected a finite number, got {sm_scale}")
+    # A bfloat16 q is scaled per row by the kernel: no q_scale; an e4m3 q comes with its q_scale.
+    row_scaled = q[DTYPE] in ROW_SCALED_Q_DTYPES
+    if row_scaled and q_scale is not None:
+        raise InputTypeError(
+            f"q_scale: expected None for a {q[DTYPE]} q, got {q_scale[TYPE].__name__} (q_scale must be None "
+            "for bfloat16 q: the kernel scales each row itself)"
+        )
+    if not row_scaled and q_scale is None:
+        raise InputTypeError(
+            f"q_scale: expected a torch.Tensor, got NoneType (q_scale may be None only for a "
+            f"{ROW_SCALED_Q_DTYPES[0]} q; a {q[DTYPE]} q needs its scale)"
+        )
+    scales = (("kv_scale", kv_scale),) if row_scaled else (("q_scale", q_scale), ("kv_scale", kv_scale))
     if not (
-        q_scale[TYPE] is kv_scale[TYPE] is torch.Tensor
-        and q_scale[DTYPE] == kv_scale[DTYPE] == torch.float32
-        and math.prod(q_scale[SHAPE]) == math.prod(kv_scale[SHAPE]) == 1
+        kv_scale[TYPE] is torch.Tensor
+        and kv_scale[DTYPE] == torch.float32
+        and math.prod(kv_scale[SHAPE]) == 1
+        and (
+            row_scaled
+            or q_scale[TYPE] is torch.Tensor
+            and q_scale[DTYPE] == torch.float32
+            and math.prod(q_scale[SHAPE]) == 1
+        )
     ):
-        for name, signature in (("q_scale", q_scale), ("kv_scale", kv_scale)):
+        for name, signature in scales:
             _require_tensor(name, signature)
             _require_dtype(name, signature, torch.float32)
             if math.prod(signature[SHAPE]) != 1:
@@ -231,7 +252,10 @@ def _check_signatures(signatures: PrefillCall) -> Problem:
         _require_dtype("topk_length", topk_length, torch.int32)
         _require_shape("topk_length", topk_length, (s_q,), "[s_q]")
 
-    inputs = {"q": q, "kv": kv, "indices": indices, "q_scale": q_scale, "kv_scale": kv_scale}
+    inputs = {"q": q, "kv": kv, "indices": indices}
+    if q_scale is not None:
+        inputs["q_scale"] = q_scale
+    inputs["kv_scale"] = kv_scale
     if attn_sink is not None:
         inputs["attn_sink"] = attn_sink
     if topk_length is not None:
@@ -361,6 +385,13 @@ def _require_dtype(name: str, signature: tuple, dtype: torch.dtype) -> None:
         else:
             sglang_phrase = f"{name} must be {str(dtype).removeprefix('torch.')}"
         raise InputTypeError(f"{name}: expected dtype {dtype}, got {signature[DTYPE]} ({sglang_phrase})")
+
+
+def _require_q_dtype(signature: tuple) -> None:
+    if signature[DTYPE] not in Q_DTYPES:
+        # SGLang's wording (e4m3 only) follows ours, for code that matches its messages.
+        expected = " or ".join(str(dtype) for dtype in Q_DTYPES)
+        raise InputTypeError(f"q: expected dtype {expected}, got {signature[DTYPE]} (q must be {FP8})")
 
 
 def _require_shape(name: str, signature: tuple, shape: tuple[int, ...], layout: str) -> None:

@@ -1,9 +1,10 @@
 """One eager call of the sparse prefill: the C++ fast path when it takes the call, else the Python path.
 
 ``run`` is what ``sparse_mla_q8kv8_prefill_fwd`` and the custom ops' implementations execute. The Python
-path checks the call (``q8kv8.contract``), pads the head count to the kernel's multiple of 64, allocates the
-outputs and launches the kernel (``q8kv8.kernels``); its first launch of each kernel variant on a GPU
-registers both with the fast path (``q8kv8.native``), which then takes such calls.
+path checks the call (``q8kv8.contract``), pads the head count to the kernel's multiple of 64 (zero query
+heads, e4m3 or bf16), allocates the outputs and launches the kernel (``q8kv8.kernels``); its first launch of
+each kernel variant on a GPU registers both with the fast path (``q8kv8.native``), which then takes such
+calls.
 """
 
 import contextlib
@@ -82,7 +83,7 @@ def run(call: PrefillCall) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         lse.copy_(kernel_lse[:, :h_q])
     if q.is_cuda:  # the call's device (the contract checked): Tensor.is_cuda is the cheap test
         native.note_launch(
-            problem.device.index, problem.d_qk, call.precision, problem.tiles_per_cta > 0, variant
+            problem.device.index, problem.d_qk, call.precision, problem.tiles_per_cta > 0, variant, q.dtype
         )
     return out, max_logits, lse
 

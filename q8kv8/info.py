@@ -1,8 +1,9 @@
 """``python -m q8kv8.info`` and ``q8kv8.info()``: what this installation runs with.
 
 Versions (q8kv8, torch and its CUDA, the CuTe DSL, TVM-FFI, cuda-python, ptxas), the GPU and its arch
-(or "none"), the kernel variants (where each came from, registers per thread from ``ptxas -v``,
-shared memory per CTA) and the disk cache (location, this process's hits and misses).
+(or "none"), the attention kernel variants (``q8kv8.kernels.listed_variants()``: where each came from,
+registers per thread from ``ptxas -v``, shared memory per CTA) and the disk cache (location, this process's
+hits and misses).
 
 ``info()`` returns a dict; ``python -m q8kv8.info`` prints it as a table. The module is callable, so
 ``q8kv8.info()`` is ``q8kv8.info.info()``.
@@ -23,7 +24,7 @@ def info() -> dict:
     from q8kv8 import build, disk_cache, kernels, native
     from q8kv8.metadata import __version__
 
-    variants = kernels.all_variants()
+    variants = kernels.listed_variants()
     fast_path_built = native.load() is not None
     gpu, arch = "none", "none"
     if torch.cuda.is_available():
@@ -82,13 +83,16 @@ def main() -> int:
         f"{cache['rebuilt_corrupt']} rebuilt)"
     )
     print(f"{'fast path':{width}s}  {report['fast_path']}")
+    name_width = max(32, *(len(variant["name"]) for variant in report["variants"]))
     header = (
-        f"{'variant':32s} {'d_qk':>5s} {'from':9s} {'seconds':>8s} {'regs':>5s} {'spills':>7s} {'smem B':>8s}"
+        f"{'variant':{name_width}s} {'d_qk':>5s} {'from':9s} {'seconds':>8s} {'regs':>5s} {'spills':>7s} "
+        f"{'smem B':>8s}"
     )
     print(f"\n{header}")
     for variant in report["variants"]:
         print(
-            f"{variant['name']:32s} {variant['d_qk']:5d} {variant['source']:9s} {variant['seconds']:8.3f} "
+            f"{variant['name']:{name_width}s} {variant['d_qk']:5d} {variant['source']:9s} "
+            f"{variant['seconds']:8.3f} "
             f"{_or_na(variant['registers']):>5s} {_or_na(variant['spill_bytes']):>7s} "
             f"{variant['shared_memory_bytes']:8d}"
         )

@@ -6,7 +6,8 @@ tensors (it launches on the caller's current CUDA stream):
 
 - the FP8 attention kernel (``cute_kernels/sm90/sparse_prefill.py``), variants by ``(d_qk, precision)``,
   one-tile and persistent, all built when ``q8kv8`` is imported; the sink and ``topk_length`` are runtime
-  flags;
+  flags. Its variants for a bfloat16 q (quantised per row in the kernel) are built on first use (or by
+  ``load_bf16_q_variants()``);
 - the paged-cache gather, the query cast and the bf16 attention kernel of the serving path, built on first
   use (or by ``load_serving_variants()``).
 """
@@ -35,34 +36,51 @@ from q8kv8.schedule import PERSISTENT_PRECISIONS, tiles_per_cta
 EXPORTED_FUNCTION = "sparse_prefill"
 
 
+FP8 = torch.float8_e4m3fn
+BF16_Q = torch.bfloat16
+KERNEL_Q_DTYPES = {FP8: "e4m3", BF16_Q: "bf16"}
+"""The FP8 kernel's ``q_dtype`` option for each dtype of q (``q8kv8.metadata.Q_DTYPES``)."""
+
 cache_stats = CacheStats()
 _variants: dict[tuple[int, str], Variant] = {}
 _persistent_variants: dict[tuple[int, str], Variant] = {}
+_bf16_q_variants: dict[tuple[int, str, bool], Variant] = {}  # by (d_qk, precision, persistent)
 
 
-def variant_name(d_qk: int, precision: str = "default", persistent: bool = False) -> str:
+def variant_name(
+    d_qk: int, precision: str = "default", persistent: bool = False, q_dtype: torch.dtype = FP8
+) -> str:
     suffix = "" if precision == "default" else f"_{precision}"
-    return f"sparse_prefill_sm90_d{d_qk}{suffix}{'_persistent' if persistent else ''}"
+    q_suffix = "_bf16q" if q_dtype == BF16_Q else ""
+    return f"sparse_prefill_sm90_d{d_qk}{q_suffix}{suffix}{'_persistent' if persistent else ''}"
 
 
-def _compile(d_qk: int, dump_dir: Path, **kernel_options):
+def _kernel(d_qk: int, precision: str = "default", persistent: bool = False, q_dtype: torch.dtype = FP8):
+    """The kernel's configuration object (``q_dtype`` passed only for a bf16 q)."""
+    import_dsl()
+    from cute_kernels.sm90.sparse_prefill import SparsePrefillSm90
+
+    options = {"q_dtype": KERNEL_Q_DTYPES[q_dtype]} if q_dtype != FP8 else {}
+    return SparsePrefillSm90(d_qk, precision=precision, persistent=persistent, **options)
+
+
+def _compile(d_qk: int, dump_dir: Path, q_dtype: torch.dtype = FP8, **kernel_options):
     """Trace and compile one variant with fake tensors (dynamic extents); returns the JIT object.
 
     ``dump_dir`` receives the DSL's own copy of the PTX (``--keep-ptx`` writes one)."""
     cutlass, cute = import_dsl()
-    from cutlass import Float8E4M3FN, Int32
+    from cutlass import BFloat16, Float8E4M3FN, Int32
 
-    from cute_kernels.sm90.sparse_prefill import SparsePrefillSm90
-
-    args = _fake_attention_args(cute, Float8E4M3FN, d_qk, with_scales=True)
+    q_type = BFloat16 if q_dtype == BF16_Q else Float8E4M3FN
+    args = _fake_attention_args(cute, Float8E4M3FN, d_qk, with_scales=True, q_type=q_type)
     args = (*args[:-1], Int32(1), args[-1])  # tiles_per_cta, before the stream
-    return compile_for_tvm_ffi(SparsePrefillSm90(d_qk, **kernel_options), args, dump_dir)
+    return compile_for_tvm_ffi(_kernel(d_qk, q_dtype=q_dtype, **kernel_options), args, dump_dir)
 
 
-def _fake_attention_args(cute, element_type, d_qk: int, with_scales: bool) -> tuple:
+def _fake_attention_args(cute, element_type, d_qk: int, with_scales: bool, q_type=None) -> tuple:
     """The launch arguments of an attention kernel (FP8 or bf16) as fake tensors with dynamic extents:
     q, kv, indices, topk_length, attn_sink, [q_scale, kv_scale,] out, max_logits, lse, the logit scale,
-    the flags and the stream."""
+    the flags and the stream. ``q_type``: q's element type when it is not ``element_type`` (kv's)."""
     from cutlass import BFloat16, Float32, Int32
 
     fake = cute.runtime.make_fake_compact_tensor
@@ -73,7 +91,7 @@ def _fake_attention_args(cute, element_type, d_qk: int, with_scales: bool) -> tu
         (fake(Float32, (1,), assumed_align=4), fake(Float32, (1,), assumed_align=4)) if with_scales else ()
     )
     return (
-        fake(element_type, (s_q, heads, d_qk), stride_order=row_major, assumed_align=16),  # q
+        fake(q_type or element_type, (s_q, heads, d_qk), stride_order=row_major, assumed_align=16),  # q
         cute.runtime.make_fake_tensor(  # kv [s_kv, 1, d_qk]
             element_type,
             (s_kv, 1, d_qk),
@@ -128,37 +146,95 @@ def load_persistent_variants() -> dict[tuple[int, str], Variant]:
 
 
 def all_variants() -> list[Variant]:
-    """Every attention variant, one-tile and persistent (for listings)."""
+    """Every attention variant for an e4m3 q, one-tile and persistent (those built at import)."""
     load_variants()
     return [*_variants.values(), *_persistent_variants.values()]
 
 
+def load_bf16_q_variant(d_qk: int, precision: str = "default", persistent: bool = False) -> Variant:
+    """Build or load the attention variant for a bfloat16 q (quantised per row in the kernel) with
+    ``d_qk``, ``precision`` and the schedule (idempotent)."""
+    key = (d_qk, precision, bool(persistent))
+    if key not in _bf16_q_variants:
+        if d_qk not in D_QK_VARIANTS or precision not in PRECISIONS:
+            raise ValueError(
+                f"expected d_qk in {D_QK_VARIANTS} and precision in {PRECISIONS}, got {d_qk}, {precision!r}"
+            )
+        if persistent and precision not in PERSISTENT_PRECISIONS:
+            raise ValueError(f"precision: no persistent variant for {precision!r}")
+        _bf16_q_variants[key] = build_or_load(
+            variant_name(d_qk, precision, persistent, BF16_Q),
+            d_qk,
+            lambda dump_dir: _compile(
+                d_qk, dump_dir, q_dtype=BF16_Q, precision=precision, persistent=persistent
+            ),
+            EXPORTED_FUNCTION,
+            cache_stats,
+            precision,
+        )
+    return _bf16_q_variants[key]
+
+
+def load_bf16_q_variants() -> dict[tuple[int, str, bool], Variant]:
+    """Build or load every attention variant for a bfloat16 q, one-tile and persistent; keyed by
+    (d_qk, precision, persistent)."""
+    for d_qk in D_QK_VARIANTS:
+        for precision in PRECISIONS:
+            load_bf16_q_variant(d_qk, precision)
+        for precision in PERSISTENT_PRECISIONS:
+            load_bf16_q_variant(d_qk, precision, persistent=True)
+    return dict(_bf16_q_variants)
+
+
+def bf16_q_kernel_available() -> bool:
+    """Whether the FP8 kernel takes a bfloat16 q (its configuration accepts ``q_dtype="bf16"``)."""
+    try:
+        _kernel(D_QK_VARIANTS[0], q_dtype=BF16_Q)
+    except (TypeError, ValueError):
+        return False
+    return True
+
+
+def listed_variants() -> list[Variant]:
+    """Every attention variant, as the listings show them (``python -m q8kv8.compile``, ``q8kv8.info()``,
+    ``make bench``): ``all_variants()``, then the bfloat16-q variants (built or loaded) when the kernel
+    takes a bfloat16 q."""
+    variants = all_variants()
+    if bf16_q_kernel_available():
+        variants += load_bf16_q_variants().values()
+    return variants
+
+
+def q_dtype_of(variant: Variant) -> torch.dtype:
+    """The dtype of q that an attention variant takes."""
+    return BF16_Q if any(variant is v for v in _bf16_q_variants.values()) else FP8
+
+
 def describe(variant: Variant) -> dict:
     """One attention variant as the listings show it (``python -m q8kv8.compile``, ``q8kv8.info()``,
-    ``make bench``): name, d_qk, precision, where it came from and in how many seconds, registers and
-    spill bytes from ``ptxas -v`` (None without ptxas), shared memory per CTA, object file."""
+    ``make bench``): name, d_qk, precision, q's dtype, where it came from and in how many seconds, registers
+    and spill bytes from ``ptxas -v`` (None without ptxas), shared memory per CTA, object file."""
     from q8kv8.build import ptxas_report
 
     report = ptxas_report(variant)
+    q_dtype = q_dtype_of(variant)
     return {
         "name": variant.name,
         "d_qk": variant.d_qk,
         "precision": variant.precision,
+        "q_dtype": KERNEL_Q_DTYPES[q_dtype],
         "source": variant.source,
         "seconds": variant.seconds,
         "registers": None if report is None else report.registers,
         "spill_bytes": None if report is None else report.spill_store_bytes + report.spill_load_bytes,
-        "shared_memory_bytes": shared_memory_bytes(variant.d_qk, variant.precision),
+        "shared_memory_bytes": shared_memory_bytes(variant.d_qk, variant.precision, q_dtype),
         "object": str(variant.object_path),
     }
 
 
-def shared_memory_bytes(d_qk: int, precision: str = "default") -> int:
-    """Dynamic shared memory per CTA of the (d_qk, precision) variant."""
-    import_dsl()
-    from cute_kernels.sm90.sparse_prefill import SparsePrefillSm90
-
-    return SparsePrefillSm90(d_qk, precision=precision).shared_memory_bytes()
+def shared_memory_bytes(d_qk: int, precision: str = "default", q_dtype: torch.dtype = FP8) -> int:
+    """Dynamic shared memory per CTA of the (d_qk, precision) variant for a q of ``q_dtype``."""
+    return _kernel(d_qk, precision, q_dtype=q_dtype).shared_memory_bytes()
 
 
 def placeholders(int_source: torch.Tensor, float_source: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -202,8 +278,9 @@ def launch_sparse_prefill(
     schedule: int | None = None,
     ready: bool = False,
 ) -> Variant:
-    """Launch the kernel on validated tensors: q, out, max_logits, lse row-major with a head count that
-    is a multiple of 64; kv and indices with a contiguous last dimension; one-element scales.
+    """Launch the kernel on validated tensors: q (e4m3 or bfloat16), out, max_logits, lse row-major with a
+    head count that is a multiple of 64; kv and indices with a contiguous last dimension; one-element scales,
+    ``q_scale`` None for a bfloat16 q (the variant for a bfloat16 q is then built on its first launch).
     ``schedule``: ``tiles_per_cta``'s answer when the caller has it (the contract memoises it), else
     computed here. ``ready``: the caller knows that q, kv and out meet the alignments of
     ``q8kv8.metadata`` (``contract.Problem.launch_ready``), so they are not checked again (else misaligned
@@ -218,7 +295,10 @@ def launch_sparse_prefill(
             q.get_device(),
         )
     key = (q.shape[2], precision)
-    if tiles:
+    if q.dtype == BF16_Q:
+        bf16_q_key = (*key, tiles > 0)
+        variant = _bf16_q_variants.get(bf16_q_key) or load_bf16_q_variant(*bf16_q_key)
+    elif tiles:
         variant = _persistent_variants.get(key) or load_persistent_variants()[key]
     else:
         variant = _variants.get(key) or load_variants()[key]
@@ -231,8 +311,9 @@ def launch_sparse_prefill(
             kv = kv.clone(memory_format=torch.contiguous_format)
         if out.data_ptr() % OUT_ALIGNMENT_BYTES:
             kernel_out = torch.empty_like(out)
-    q_scale = q_scale if q_scale.dim() == 1 else q_scale.reshape(1)
     kv_scale = kv_scale if kv_scale.dim() == 1 else kv_scale.reshape(1)
+    # A bfloat16 q has no q_scale: the kernel does not read that argument, which gets kv_scale.
+    q_scale = kv_scale if q_scale is None else q_scale if q_scale.dim() == 1 else q_scale.reshape(1)
     no_topk_length, no_sink = placeholders(q_scale, kv_scale)
     _call_on_device_of(
         q,
@@ -389,12 +470,13 @@ def launch_cast_q_fp8(q, q_scale, out) -> None:
 
 
 def load_serving_variants() -> dict[str, Variant]:
-    """Build or load every kernel of the paged serving path (the four gathers, both query casts and
-    both bf16 attention variants)."""
+    """Build or load every kernel of the paged serving path (the four gathers, both query casts, the FP8
+    attention variants for a bfloat16 q and both bf16 attention variants)."""
     variants = {v.name: v for v in load_paged_kv_variants().values()}
     for d in (512, 576):
         variant = load_q_cast_variant(d)
         variants[variant.name] = variant
+    variants.update({v.name: v for v in load_bf16_q_variants().values()})
     variants.update({v.name: v for v in load_bf16_variants().values()})
     return variants
 

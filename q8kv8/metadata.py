@@ -22,8 +22,18 @@ PRECISIONS = ("default", "accurate")
 E4M3_MAX = 448.0
 """The largest finite float8_e4m3fn value; casts to e4m3 saturate at +-E4M3_MAX."""
 
+Q_DTYPES = (torch.float8_e4m3fn, torch.bfloat16)
+"""The dtypes ``q`` may have: float8_e4m3fn, dequantised by the per-tensor ``q_scale``, or bfloat16
+(``q_scale=None``), which the kernel quantises to e4m3 itself with a power-of-two scale per (token, head)
+row (``q8kv8.reference.quantize_q_rows``)."""
+
+ROW_SCALED_Q_DTYPES = (torch.bfloat16,)
+"""The dtypes of ``Q_DTYPES`` that the kernel scales per row: a call with such a ``q`` passes no
+``q_scale``."""
+
 Q_ALIGNMENT_BYTES = 16
-"""The FP8 kernel loads the Q tile by TMA: q's base must be a multiple of this many bytes (else copied)."""
+"""The FP8 kernel loads the Q tile in 16-byte units (an e4m3 one by TMA), from a row-major q (e4m3 or bf16):
+q's base must be a multiple of this many bytes (else copied)."""
 
 KV_ROW_ALIGNMENT_BYTES = 16
 """The FP8 kernel gathers kv rows with 16-byte copies: kv's base and row stride must be multiples of this many

@@ -37,7 +37,7 @@ having launched nothing."""
 _extension = None
 _build_failed = False
 _lock = threading.Lock()
-_registered: set[tuple] = set()  # (device index, d_qk, precision, persistent) registered by note_launch
+_registered: set[tuple] = set()  # (device, d_qk, precision, persistent, q dtype) registered by note_launch
 _registered_devices: set[int] = set()
 _suspended = 0
 _resumed_launch = None  # what ``launch`` becomes when the outermost ``suspended`` ends
@@ -57,6 +57,8 @@ def constants() -> dict:
     return {
         "fields": PrefillCall._fields,
         "supported_d_qk": metadata.SUPPORTED_D_QK,
+        "q_dtypes": metadata.Q_DTYPES,
+        "row_scaled_q_dtypes": metadata.ROW_SCALED_Q_DTYPES,
         "d_v": metadata.D_V,
         "precisions": metadata.PRECISIONS,
         "persistent_precisions": schedule.PERSISTENT_PRECISIONS,
@@ -142,20 +144,36 @@ def load():
     return _extension
 
 
-def register_variant(extension, d_qk: int, precision: str, persistent: bool, function) -> None:
+def register_variant(
+    extension,
+    d_qk: int,
+    precision: str,
+    persistent: bool,
+    function,
+    q_dtype: torch.dtype = torch.float8_e4m3fn,
+) -> None:
     """Let ``extension`` launch ``function`` (a ``tvm_ffi.Function``: the kernel variant the Python path
-    launches for ``d_qk``, ``precision`` and the schedule); it holds a reference until replaced or reset."""
-    extension.register_variant(d_qk, precision, persistent, function.__chandle__())
+    launches for ``d_qk``, ``precision``, the schedule and a q of ``q_dtype``); it holds a reference until
+    replaced or reset."""
+    extension.register_variant(d_qk, precision, persistent, function.__chandle__(), q_dtype)
 
 
-def note_launch(device_index: int, d_qk: int, precision: str, persistent: bool, variant) -> None:
+def note_launch(
+    device_index: int,
+    d_qk: int,
+    precision: str,
+    persistent: bool,
+    variant,
+    q_dtype: torch.dtype = torch.float8_e4m3fn,
+) -> None:
     """Called by the Python path after each launch on a CUDA device (whose capability the contract has then
     checked): the first launch on the device registers it, the first of each kernel variant (``variant``,
-    a ``kernels.Variant``) registers the variant, and from then on ``launch`` takes such calls. Only with one
-    visible GPU (the extension launches on the current device), never while ``suspended``, and only for a
-    variant that is a ``tvm_ffi.Function`` (the compiled kernels are)."""
+    a ``kernels.Variant``, for a q of ``q_dtype``) registers the variant, and from then on ``launch`` takes
+    such calls. Only with one visible GPU (the extension launches on the current device), never while
+    ``suspended``, and only for a variant that is a ``tvm_ffi.Function`` (the compiled kernels are)."""
     global launch, _gpu_count
-    if (device_index, d_qk, precision, persistent) in _registered or _suspended or device_index < 0:
+    key = (device_index, d_qk, precision, persistent, q_dtype)
+    if key in _registered or _suspended or device_index < 0:
         return
     if _gpu_count is None:
         _gpu_count = torch.cuda.device_count()
@@ -172,8 +190,8 @@ def note_launch(device_index: int, d_qk: int, precision: str, persistent: bool, 
             sm_count = torch.cuda.get_device_properties(device_index).multi_processor_count
         extension.register_device(KDL_CUDA, device_index, sm_count)
         _registered_devices.add(device_index)
-    register_variant(extension, d_qk, precision, persistent, variant.function)
-    _registered.add((device_index, d_qk, precision, persistent))
+    register_variant(extension, d_qk, precision, persistent, variant.function, q_dtype)
+    _registered.add(key)
     launch = extension.launch
 
 

@@ -9,6 +9,8 @@ Two ops, registered when ``q8kv8`` is imported:
   the caller's buffers; declared with ``mutates_args``, so torch.compile functionalises it and Inductor
   writes the buffers in place (no extra copies, no aliasing between an op's outputs and its inputs).
 
+``q_scale`` is an optional tensor (``Tensor?``) in both schemas: None for a bfloat16 ``q``.
+
 ``sparse_mla_q8kv8_prefill_fwd`` traced by torch.compile calls ``call_traced``: the functional op when no
 buffer is given, else the out op, after allocating any missing buffer. Eagerly it does not go through the
 op dispatcher, which would add several microseconds per call. The fake implementations return correctly
@@ -37,7 +39,7 @@ def sparse_mla_q8kv8_prefill(
     kv: torch.Tensor,
     indices: torch.Tensor,
     sm_scale: float,
-    q_scale: torch.Tensor,
+    q_scale: torch.Tensor | None,
     kv_scale: torch.Tensor,
     d_v: int = D_V,
     attn_sink: torch.Tensor | None = None,
@@ -63,7 +65,7 @@ def sparse_mla_q8kv8_prefill_out(
     kv: torch.Tensor,
     indices: torch.Tensor,
     sm_scale: float,
-    q_scale: torch.Tensor,
+    q_scale: torch.Tensor | None,
     kv_scale: torch.Tensor,
     d_v: int,
     attn_sink: torch.Tensor | None,

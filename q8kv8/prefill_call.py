@@ -19,7 +19,7 @@ class PrefillCall(NamedTuple):
     kv: torch.Tensor
     indices: torch.Tensor
     sm_scale: float
-    q_scale: torch.Tensor
+    q_scale: torch.Tensor | None  # None for a bfloat16 q
     kv_scale: torch.Tensor
     d_v: int = D_V
     attn_sink: torch.Tensor | None = None

@@ -1,5 +1,6 @@
-"""References in plain PyTorch (CPU and GPU), for tests: the float64 sparse MLA prefill, the bit-exact paged
-gather, and the serving path's kernels as PyTorch stand-ins (``reference_kernels``).
+"""References in plain PyTorch (CPU and GPU), for tests: the float64 sparse MLA prefill, the kernel's
+quantisation of a bfloat16 q (``quantize_q_rows``), the bit-exact paged gather, and the serving path's kernels
+as PyTorch stand-ins (``reference_kernels``).
 
 The attention reference follows the semantics of ``sparse_mla_q8kv8_prefill_fwd`` (see the README) without
 its layout limits: any head count, any ``topk >= 1``, any ``d_qk``, any integer index dtype.
@@ -15,13 +16,42 @@ from q8kv8.metadata import D_V, E4M3_MAX
 from q8kv8.paged_gather import out_dtype_of, paged_cache_pages, slot_words
 from q8kv8.serving import PrefillKernels
 
+E4M3_MAX_EXPONENT = 8
+"""448 = 1.75 * 2^8: the exponent of the largest e4m3 value."""
+E4M3_MAX_MANTISSA = 1.75
+SCALE_EXPONENTS = (-126, 127)
+"""The exponents a row scale of ``quantize_q_rows`` may have: float32's normal powers of two."""
+
+
+def quantize_q_rows(q: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """A bfloat16 ``q`` [..., d] quantised to e4m3 as the kernel does it: ``(q_e4m3, row_scale)``, with
+    ``row_scale`` float32 of shape ``q.shape[:-1]`` (one per (token, head) row) and
+    ``q ~= q_e4m3 * row_scale[..., None]``.
+
+    A row's scale is ``2^e`` with e the smallest integer such that ``amax <= 448 * 2^e`` (amax = max |q| over
+    the row, exact in float32), e clamped to [-126, 127]; an all-zero row gets 1. Writing amax = m * 2^E with
+    m in [1, 2): e = E - 8 when m <= 1.75, else E - 7. ``q / row_scale``, at most 448 in magnitude and exact
+    in float32 (but for quotients below float32's normal range, far under e4m3's smallest value), is rounded
+    to nearest even into e4m3, never saturating. ``q`` is finite.
+    """
+    values = q.float()
+    amax = values.abs().amax(dim=-1)
+    # In float64 a float32 amax is never subnormal: amax = mantissa * 2^exponent, mantissa in [0.5, 1).
+    mantissa, exponent = torch.frexp(amax.double())
+    # m = 2 * mantissa, E = exponent - 1: e = E - 8 when m <= 1.75, else E - 7.
+    e = exponent - 1 - E4M3_MAX_EXPONENT + (2 * mantissa > E4M3_MAX_MANTISSA).to(exponent.dtype)
+    e = torch.where(amax == 0, 0, e.clamp(*SCALE_EXPONENTS))
+    # 2^e exactly: float32's bit pattern of a normal power of two.
+    row_scale = ((e + 127).to(torch.int32) << 23).view(torch.float32)
+    return (values / row_scale[..., None]).to(torch.float8_e4m3fn), row_scale
+
 
 def sparse_mla_prefill_reference(
     q: torch.Tensor,
     kv: torch.Tensor,
     indices: torch.Tensor,
     sm_scale: float,
-    q_scale: torch.Tensor | float,
+    q_scale: torch.Tensor | float | None,
     kv_scale: torch.Tensor | float,
     d_v: int = 512,
     attn_sink: torch.Tensor | None = None,
@@ -30,6 +60,11 @@ def sparse_mla_prefill_reference(
     chunk_rows: int = 256,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Return ``(out [s_q, h_q, d_v], max_logits [s_q, h_q], lse [s_q, h_q])``, all float64 on q's device.
+
+    ``q_scale``: a number or one-element tensor (q's per-tensor scale), a [s_q, h_q] tensor (one scale per
+    (token, head) row), or None for a bfloat16 ``q``, which is then quantised as the kernel does it
+    (``quantize_q_rows``) and its rows scaled by their own scales. To compare with the exact product of a
+    bfloat16 ``q`` instead, pass ``q_scale=1.0``.
 
     Slot ``j`` of row ``i`` is valid when ``0 <= indices[i, 0, j] < s_kv`` and ``j < topk_length[i]``;
     invalid slots are never gathered. Rows with no valid slot get out 0, max_logits -inf and lse +inf.
@@ -41,6 +76,15 @@ def sparse_mla_prefill_reference(
     s_q, h_q, _ = q.shape
     s_kv, topk = kv.shape[0], indices.shape[-1]
     device = q.device
+    if q_scale is None:
+        if q.dtype != torch.bfloat16:
+            raise ValueError(f"q_scale: None only for a bfloat16 q (quantised per row), got q of {q.dtype}")
+        q, q_scale = quantize_q_rows(q)
+    row_scales = None  # [s_q, h_q, 1] float64 for per-row scales
+    if isinstance(q_scale, torch.Tensor) and q_scale.numel() != 1:
+        if tuple(q_scale.shape) != (s_q, h_q):
+            raise ValueError(f"q_scale: expected one element or shape [s_q, h_q], got {list(q_scale.shape)}")
+        row_scales = q_scale.to(device=device, dtype=torch.float64)[..., None]
     # Invalid slots gather the all-zero row appended at index s_kv (which also makes s_kv == 0 work).
     kv_rows = kv[:, 0].to(torch.float64) * float(kv_scale)
     kv_rows = torch.cat([kv_rows, kv_rows.new_zeros(1, kv_rows.shape[-1])])
@@ -56,7 +100,8 @@ def sparse_mla_prefill_reference(
         if topk_length is not None:
             valid &= slots < topk_length[rows, None]
         gathered = kv_rows[torch.where(valid, row_indices, s_kv)]  # [rows, topk, d_qk]
-        q_rows = q[rows].to(torch.float64) * float(q_scale)
+        q_rows = q[rows].to(torch.float64)
+        q_rows = q_rows * (float(q_scale) if row_scales is None else row_scales[rows])
         logits = torch.einsum("rhd,rtd->rht", q_rows, gathered) * sm_scale
         logits = logits.masked_fill(~valid[:, None, :], -math.inf)
         row_lse = torch.logsumexp(logits, dim=-1)  # -inf where no slot is valid

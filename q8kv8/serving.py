@@ -1,13 +1,14 @@
 """The paged serving path: a paged FP8 KV cache in, one sparse-prefill layer call out.
 
-``SparsePrefill.forward`` = ``q8kv8.query.cast_q_fp8`` (Q to e4m3, heads padded to a multiple of 64) +
-``q8kv8.paged_gather`` (the rows a batch attends, from the paged cache into a reusable
-``q8kv8.workspace.SparsePrefillWorkspace``) + ``sparse_mla_q8kv8_prefill_fwd`` + slicing the padded
-heads off. The cache layouts are described in ``q8kv8.kv_layout``.
+``SparsePrefill.forward`` = ``q8kv8.paged_gather`` (the rows a batch attends, from the paged cache into a
+reusable ``q8kv8.workspace.SparsePrefillWorkspace``) + ``sparse_mla_q8kv8_prefill_fwd`` on the bfloat16 Q
+(which the kernel quantises to e4m3 itself, one power-of-two scale per (token, head) row; heads padded to a
+multiple of 64 into a reusable buffer only when they are not one already) + slicing the padded heads off.
+The cache layouts are described in ``q8kv8.kv_layout``.
 
 Nothing here syncs with the GPU: arguments are checked on shapes, dtypes, strides and devices
-only, so a forward can be captured in a CUDA graph once the kernels are built (the gather and
-query-cast kernels build on first use, then come from the disk cache: call
+only, so a forward can be captured in a CUDA graph once the kernels are built (the gather kernels and the
+attention variants for a bfloat16 q build on first use, then come from the disk cache: call
 ``q8kv8.kernels.load_serving_variants()`` or run one forward before capturing).
 """
 
@@ -25,7 +26,7 @@ from q8kv8.arguments import require_int
 from q8kv8.kv_layout import LAYOUT_BY_BYTES_PER_TOKEN, KvCacheLayout
 from q8kv8.metadata import D_V, pad_topk, padded_num_heads, topk_length_from_seqlens
 from q8kv8.paged_gather import gather_dequant_paged
-from q8kv8.query import cast_q_fp8, dynamic_q_scale, pad_attn_sink, pad_q_heads
+from q8kv8.query import pad_attn_sink, pad_q_heads
 from q8kv8.workspace import SparsePrefillWorkspace, _ReusableBuffer
 
 BACKENDS = ("auto", "bf16", "fp8")
@@ -39,7 +40,8 @@ class PrefillKernels(NamedTuple):
 
     - ``gather(cache, slot_ids, page_size, layout, out_dtype, extra_rows, out) -> out``
     - ``attention_fp8(q, kv, indices, sm_scale, q_scale, kv_scale, attn_sink, topk_length)``
-      -> ``(out, max_logits, lse)``: the ``sparse_mla_q8kv8_prefill_fwd`` contract.
+      -> ``(out, max_logits, lse)``: the ``sparse_mla_q8kv8_prefill_fwd`` contract; ``SparsePrefill``
+      passes a bfloat16 q with ``q_scale=None`` (quantised per row by the kernel).
     - ``attention_bf16(q, kv, indices, sm_scale, attn_sink, topk_length) -> (out, max_logits, lse)``:
       q [s_q, h, d_qk] and kv [s_kv, 1, d_qk] bfloat16, the same semantics without scales.
     """
@@ -125,11 +127,11 @@ def topk_length_for(seqlens: torch.Tensor, compress_ratio: int, topk: int) -> to
 class SparsePrefill:
     """One sparse MLA prefill layer call on a paged FP8 KV cache (DeepSeek V3.2 / V4 serving).
 
-    ``backend``: "fp8" (Q and the gathered KV in e4m3, the FP8 kernel), "bf16" (Q and the gathered KV
-    in bf16: dequantised nope rounded to bf16 + RoPE; the bf16 kernel), or "auto" (fp8). The
-    environment variable ``Q8KV8_PREFILL_BACKEND`` overrides it. ``extra_rows`` zero rows follow the
-    gathered rows in the workspace (a landing zone); they are never attended. ``kernels`` replaces the
-    GPU kernels (``reference_kernels()`` runs the pipeline in PyTorch).
+    ``backend``: "fp8" (the gathered KV in e4m3 and the bfloat16 Q, which the FP8 kernel quantises per
+    row), "bf16" (Q and the gathered KV in bf16: dequantised nope rounded to bf16 + RoPE; the bf16
+    kernel), or "auto" (fp8). The environment variable ``Q8KV8_PREFILL_BACKEND`` overrides it.
+    ``extra_rows`` zero rows follow the gathered rows in the workspace (a landing zone); they are never
+    attended. ``kernels`` replaces the GPU kernels (``reference_kernels()`` runs the pipeline in PyTorch).
     """
 
     def __init__(
@@ -189,8 +191,9 @@ class SparsePrefill:
 
         Returns ``out`` [s_q, h, 512] bfloat16, ``max_logits`` and ``lse`` [s_q, h] float32 (the
         contract of ``sparse_mla_q8kv8_prefill_fwd``; views of head-padded results when h is not a
-        multiple of 64). The FP8 backend quantises Q with a power-of-two per-tensor scale
-        (``dynamic_q_scale``) and the KV rows with scale 1.0 after dequantisation.
+        multiple of 64). The FP8 backend hands the kernel the bfloat16 Q, which it quantises to e4m3
+        itself with a power-of-two scale per (token, head) row (``q8kv8.reference.quantize_q_rows``), and
+        the KV rows in e4m3 with scale 1.0 after dequantisation.
         """
         layout, page_size = paged_cache_geometry(cache)
         s_q, h, d_qk = self._check(q, cache, layout, page_table, indices, seqlens, sm_scale, attn_sink)
@@ -209,17 +212,17 @@ class SparsePrefill:
         sink = None
         if attn_sink is not None:
             sink = pad_attn_sink(attn_sink, h_pad, self._sink.view((h_pad,), torch.float32, q.device))
-        q_padded = self._q.view((s_q, h_pad, d_qk), kv_dtype, q.device)
+        if h_pad == h and q.is_contiguous():
+            kernel_q = q  # the kernels read bfloat16 Q as it is
+        else:
+            kernel_q = pad_q_heads(q, h_pad, self._q.view((s_q, h_pad, d_qk), torch.bfloat16, q.device))
         if self.backend == "fp8":
-            q_scale = dynamic_q_scale(q)
-            cast_q_fp8(q, q_scale, q_padded)
             out, max_logits, lse = self.kernels.attention_fp8(
-                q_padded, kv, indices, sm_scale, q_scale, self._one(q.device), sink, topk_length
+                kernel_q, kv, indices, sm_scale, None, self._one(q.device), sink, topk_length
             )
         else:
-            pad_q_heads(q, h_pad, q_padded)
             out, max_logits, lse = self.kernels.attention_bf16(
-                q_padded, kv, indices, sm_scale, sink, topk_length
+                kernel_q, kv, indices, sm_scale, sink, topk_length
             )
         if h_pad != h:
             out, max_logits, lse = out[:, :h], max_logits[:, :h], lse[:, :h]

@@ -53,6 +53,8 @@ def make_inputs(generator, randn_fp8):
 
     Indices are uniform in ``[0, s_kv)`` with about ``invalid_fraction`` of the slots set to -1 (all of
     them when s_kv is 0); ``attn_sink`` and ``topk_length`` are random when asked for, else None.
+    ``q_dtype=torch.bfloat16``: q is the same standard-normal values rounded to bfloat16 instead of e4m3, and
+    ``q_scale`` None (the kernel scales each row); every other input is the same.
     """
 
     def make(
@@ -66,12 +68,17 @@ def make_inputs(generator, randn_fp8):
         invalid_fraction: float = 0.25,
         with_sink: bool = False,
         with_topk_length: bool = False,
+        q_dtype: torch.dtype = torch.float8_e4m3fn,
     ) -> dict:
         indices = torch.randint(0, max(s_kv, 1), (s_q, 1, topk), generator=generator, dtype=torch.int32)
         dropped = torch.rand(indices.shape, generator=generator) < (invalid_fraction if s_kv > 0 else 1.0)
         indices = indices.masked_fill(dropped, -1)
+        if q_dtype == torch.bfloat16:
+            q = torch.randn((s_q, h_q, d_qk), generator=generator).to(torch.bfloat16).to(device)
+        else:
+            q = randn_fp8(s_q, h_q, d_qk, device=device)
         inputs = {
-            "q": randn_fp8(s_q, h_q, d_qk, device=device),
+            "q": q,
             "kv": randn_fp8(s_kv, 1, d_qk, device=device),
             "indices": indices.to(device),
             "sm_scale": d_qk**-0.5,
@@ -81,6 +88,8 @@ def make_inputs(generator, randn_fp8):
             "attn_sink": None,
             "topk_length": None,
         }
+        if q_dtype == torch.bfloat16:
+            inputs["q_scale"] = None
         if with_sink:
             inputs["attn_sink"] = torch.randn(h_q, generator=generator).to(device)
         if with_topk_length:

@@ -203,7 +203,8 @@ def ground_truth(batch, layout, sm_scale, attn_sink=None, kv_format="f64", quant
     """Float64 attention of every query over the rows it may see (its first ``n_valid`` indices).
 
     ``kv_format``: "f64" (exact dequantised cache), "e4m3" or "bf16" (rounded as the gather's output
-    is). ``quantize_q``: q rounded to e4m3 with the power-of-two scale ``dynamic_q_scale`` picks."""
+    is). ``quantize_q``: each (token, head) row of q rounded to e4m3 with its own power-of-two scale, the
+    smallest 2^e with max |row| <= 448 * 2^e (as the FP8 kernel quantises a bfloat16 q)."""
     from q8kv8.reference import sparse_mla_prefill_reference
 
     slots = batch["page_table"].tolist()
@@ -218,8 +219,9 @@ def ground_truth(batch, layout, sm_scale, attn_sink=None, kv_format="f64", quant
         kv = kv.float().to(torch.bfloat16).double()
     q = batch["q"].double()
     if quantize_q:
-        amax = q.abs().max().item()
-        scale = 2.0 ** math.ceil(math.log2(max(amax / 448.0, 2.0**-126)))
+        amax = q.abs().amax(dim=-1, keepdim=True)
+        scale = torch.exp2(torch.ceil(torch.log2(torch.clamp(amax / 448.0, min=2.0**-126))))
+        scale = torch.where(amax == 0, 1.0, scale)
         q = e4m3_round(q / scale) * scale
     topk = batch["indices"].shape[1]
     slot = torch.arange(topk)

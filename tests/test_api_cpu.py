@@ -43,7 +43,11 @@ def reference_launch(*args):
     assert h_kernel % 64 == 0
     assert out.shape == (s_q, h_kernel, D_V) and max_logits.shape == lse.shape == (s_q, h_kernel)
     assert launch["attn_sink"] is None or launch["attn_sink"].shape == (h_kernel,)
-    assert launch["q_scale"].numel() == launch["kv_scale"].numel() == 1
+    assert q.dtype in (torch.float8_e4m3fn, torch.bfloat16)
+    if q.dtype == torch.bfloat16:  # the kernel scales each row itself
+        assert launch["q_scale"] is None and launch["kv_scale"].numel() == 1
+    else:
+        assert launch["q_scale"].numel() == launch["kv_scale"].numel() == 1
     assert type(launch["sm_scale"]) is float
     assert launch["schedule"] == 0  # the contract's choice; CPU tensors: one tile per CTA
     for name in ("q", "topk_length", "attn_sink", "out", "max_logits", "lse"):
@@ -105,9 +109,12 @@ def assert_own_contiguous_memory(tensor: torch.Tensor):
     assert tensor.untyped_storage().nbytes() == tensor.numel() * tensor.element_size()
 
 
+@pytest.mark.parametrize("q_dtype", [torch.float8_e4m3fn, torch.bfloat16], ids=["e4m3", "bf16"])
 @pytest.mark.parametrize("h_q", [16, 48, 64, 96, 128])
-def test_head_padding_is_invisible(make_inputs, launches, h_q):
-    args = make_inputs(S_Q, h_q, S_KV, D_QK, TOPK, with_sink=True, with_topk_length=True)
+def test_head_padding_is_invisible(make_inputs, launches, h_q, q_dtype):
+    """Padding heads are zero query heads (e4m3 or bfloat16: for the latter, rows of their own scale, so the
+    real heads' quantisation is unchanged) with sink -inf."""
+    args = make_inputs(S_Q, h_q, S_KV, D_QK, TOPK, with_sink=True, with_topk_length=True, q_dtype=q_dtype)
     results = sparse_mla_q8kv8_prefill_fwd(**args)
 
     assert_matches_reference(results, args)
@@ -117,7 +124,7 @@ def test_head_padding_is_invisible(make_inputs, launches, h_q):
         assert_own_contiguous_memory(tensor)
     [launch] = launches
     h_kernel = -(-h_q // 64) * 64
-    assert launch["q"].shape == (S_Q, h_kernel, D_QK)
+    assert launch["q"].shape == (S_Q, h_kernel, D_QK) and launch["q"].dtype == q_dtype
     assert torch.equal(launch["q"][:, :h_q].view(torch.uint8), args["q"].view(torch.uint8))
     assert torch.equal(launch["q"][:, h_q:].float(), torch.zeros(S_Q, h_kernel - h_q, D_QK))
     assert torch.equal(launch["attn_sink"][:h_q], args["attn_sink"])
@@ -125,9 +132,10 @@ def test_head_padding_is_invisible(make_inputs, launches, h_q):
     assert launch["ready"] == (h_q == h_kernel)  # padded tensors are the api's own: checked by the launch
 
 
+@pytest.mark.parametrize("q_dtype", [torch.float8_e4m3fn, torch.bfloat16], ids=["e4m3", "bf16"])
 @pytest.mark.parametrize("h_q", [48, 64])
-def test_given_buffers_are_written_and_returned(make_inputs, launches, h_q):
-    args = make_inputs(S_Q, h_q, S_KV, D_QK, TOPK, with_sink=True)
+def test_given_buffers_are_written_and_returned(make_inputs, launches, h_q, q_dtype):
+    args = make_inputs(S_Q, h_q, S_KV, D_QK, TOPK, with_sink=True, q_dtype=q_dtype)
     out = torch.full((S_Q, h_q, D_V), math.nan, dtype=torch.bfloat16)
     max_logits = torch.full((S_Q, h_q), math.nan)
     lse = torch.full((S_Q, h_q), math.nan)
@@ -143,8 +151,9 @@ def test_given_buffers_are_written_and_returned(make_inputs, launches, h_q):
     assert launch["ready"] == writes_in_place
 
 
-def test_strided_inputs_reach_the_kernel_in_a_layout_it_takes(make_inputs, launches, randn_fp8):
-    args = make_inputs(S_Q, 64, S_KV, D_QK, TOPK)
+@pytest.mark.parametrize("q_dtype", [torch.float8_e4m3fn, torch.bfloat16], ids=["e4m3", "bf16"])
+def test_strided_inputs_reach_the_kernel_in_a_layout_it_takes(make_inputs, launches, randn_fp8, q_dtype):
+    args = make_inputs(S_Q, 64, S_KV, D_QK, TOPK, q_dtype=q_dtype)
     strided = args | {
         "q": args["q"].transpose(0, 1).contiguous().transpose(0, 1),
         "kv": torch.cat([args["kv"], randn_fp8(S_KV, 1, D_QK)], dim=1)[:, :1],
@@ -194,9 +203,10 @@ def test_empty_query_returns_empty_outputs_without_launch(make_inputs, no_launch
     assert (out.shape, max_logits.shape, lse.shape) == ((0, 48, D_V), (0, 48), (0, 48))
 
 
+@pytest.mark.parametrize("q_dtype", [torch.float8_e4m3fn, torch.bfloat16], ids=["e4m3", "bf16"])
 @pytest.mark.parametrize("given_buffers", [False, True])
-def test_empty_kv_gives_sentinels_without_launch(make_inputs, no_launch, given_buffers):
-    args = make_inputs(S_Q, 48, 0, D_QK, TOPK, with_sink=True, with_topk_length=True)
+def test_empty_kv_gives_sentinels_without_launch(make_inputs, no_launch, given_buffers, q_dtype):
+    args = make_inputs(S_Q, 48, 0, D_QK, TOPK, with_sink=True, with_topk_length=True, q_dtype=q_dtype)
     buffers = {}
     if given_buffers:
         buffers = {

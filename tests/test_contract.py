@@ -89,9 +89,36 @@ VIOLATIONS = [
     ),
     (
         "q-dtype",
+        lambda a: {"q": a["q"].to(torch.float16)},
+        InputTypeError,
+        "q: expected dtype torch.float8_e4m3fn or torch.bfloat16, got torch.float16 (q must be "
+        "torch.float8_e4m3fn)",
+    ),
+    (
+        "q-dtype-e5m2",
+        lambda a: {"q": a["q"].to(torch.float8_e5m2), "q_scale": None},
+        InputTypeError,
+        "q: expected dtype torch.float8_e4m3fn or torch.bfloat16, got torch.float8_e5m2",
+    ),
+    (
+        "q-bf16-with-q-scale",
         lambda a: {"q": a["q"].to(torch.bfloat16)},
         InputTypeError,
-        "q: expected dtype torch.float8_e4m3fn, got torch.bfloat16",
+        "q_scale: expected None for a torch.bfloat16 q, got Tensor (q_scale must be None for bfloat16 q: "
+        "the kernel scales each row itself)",
+    ),
+    (
+        "q-bf16-with-float-q-scale",
+        lambda a: {"q": a["q"].to(torch.bfloat16), "q_scale": 1.0},
+        InputTypeError,
+        "q_scale: expected None for a torch.bfloat16 q, got float",
+    ),
+    (
+        "q-e4m3-without-q-scale",
+        lambda a: {"q_scale": None},
+        InputTypeError,
+        "q_scale: expected a torch.Tensor, got NoneType (q_scale may be None only for a torch.bfloat16 q; "
+        "a torch.float8_e4m3fn q needs its scale)",
     ),
     (
         "kv-dtype",
@@ -385,6 +412,138 @@ def test_violation_raises_before_any_launch(valid_args, tripwire_kernels, change
     assert type(error.value) is exception and message in str(error.value)
 
 
+@pytest.fixture
+def valid_bf16_q_args(make_inputs) -> dict:
+    """``valid_args`` with a bfloat16 q (``q_scale`` None)."""
+    args = make_inputs(
+        S_Q, H_Q, S_KV, D_QK, TOPK, with_sink=True, with_topk_length=True, q_dtype=torch.bfloat16
+    )
+    args["out"] = torch.empty(S_Q, H_Q, D_V, dtype=torch.bfloat16)
+    args["max_logits"] = torch.empty(S_Q, H_Q)
+    args["lse"] = torch.empty(S_Q, H_Q)
+    args["precision"] = "default"
+    return args
+
+
+# Violations of calls with a bfloat16 q (``valid_bf16_q_args``), as ``VIOLATIONS``.
+BF16_Q_VIOLATIONS = [
+    (
+        "bf16-q-scale-tensor",
+        lambda a: {"q_scale": torch.ones(1)},
+        InputTypeError,
+        "q_scale: expected None for a torch.bfloat16 q, got Tensor (q_scale must be None for bfloat16 q: "
+        "the kernel scales each row itself)",
+    ),
+    (
+        "bf16-kv-scale-float",
+        lambda a: {"kv_scale": 1.0},
+        InputTypeError,
+        "kv_scale: expected a torch.Tensor, got float",
+    ),
+    (
+        "bf16-kv-scale-dtype",
+        lambda a: {"kv_scale": torch.ones(1, dtype=torch.float64)},
+        InputTypeError,
+        "kv_scale: expected dtype torch.float32, got torch.float64",
+    ),
+    (
+        "bf16-kv-scale-two-elements",
+        lambda a: {"kv_scale": torch.ones(2)},
+        ValueError,
+        "kv_scale: expected a tensor with exactly one element (kv_scale must be a scalar tensor), got shape"
+        " [2]",
+    ),
+    (
+        "bf16-kv-dtype",
+        lambda a: {"kv": a["kv"].to(torch.bfloat16)},
+        InputTypeError,
+        "kv: expected dtype torch.float8_e4m3fn, got torch.bfloat16",
+    ),
+    (
+        "bf16-q-last-dim-strided",
+        lambda a: {"q": every_other_in_last_dim(a["q"])},
+        ValueError,
+        "q: expected a contiguous last dimension (stride 1), got stride 2",
+    ),
+    (
+        "bf16-d-qk-unsupported",
+        lambda a: {"q": torch.zeros(S_Q, H_Q, 256, dtype=torch.bfloat16), "kv": fp8(S_KV, 1, 256)},
+        ValueError,
+        "q: expected d_qk = q.shape[2] in (512, 576), got 256",
+    ),
+    (
+        "bf16-no-heads",
+        lambda a: {"q": torch.zeros(S_Q, 0, D_QK, dtype=torch.bfloat16)},
+        ValueError,
+        "q: expected at least 1 head",
+    ),
+    (
+        "bf16-max-logits-inside-q",
+        lambda a: {"max_logits": overlapping_float32(a["q"], (S_Q, H_Q))},
+        ValueError,
+        "max_logits: expected memory of its own, got memory overlapping q",
+    ),
+    (
+        "bf16-out-is-q-memory",
+        lambda a: {"out": a["q"].reshape(-1)[: S_Q * H_Q * D_V].view(S_Q, H_Q, D_V)},
+        ValueError,
+        "out: expected memory of its own, got memory overlapping q",
+    ),
+    (
+        "bf16-out-dtype",
+        lambda a: {"out": torch.empty(S_Q, H_Q, D_V)},
+        InputTypeError,
+        "out: expected dtype torch.bfloat16, got torch.float32",
+    ),
+]
+
+
+@pytest.mark.parametrize(
+    ("changes", "exception", "message"),
+    [case[1:] for case in BF16_Q_VIOLATIONS],
+    ids=[case[0] for case in BF16_Q_VIOLATIONS],
+)
+def test_bf16_q_violation_raises_before_any_launch(
+    valid_bf16_q_args, tripwire_kernels, changes, exception, message
+):
+    valid_bf16_q_args.update(changes(valid_bf16_q_args))
+    with pytest.raises(exception) as error:
+        sparse_mla_q8kv8_prefill_fwd(**valid_bf16_q_args)
+    assert type(error.value) is exception and message in str(error.value)
+
+
+def test_bf16_q_without_q_scale_fails_only_the_device_check(valid_bf16_q_args, tripwire_kernels):
+    with pytest.raises(ValueError, match="^q: expected a CUDA tensor, got device cpu$"):
+        sparse_mla_q8kv8_prefill_fwd(**valid_bf16_q_args)
+
+
+def test_bf16_q_hands_every_tensor_but_the_absent_q_scale_to_the_device_check(valid_bf16_q_args, monkeypatch):
+    seen = {}
+    monkeypatch.setattr(contract, "check_device", seen.update)
+    problem = check_inputs(PrefillCall(**valid_bf16_q_args))
+    assert problem == Problem(S_Q, H_Q, S_KV, D_QK, D_V, TOPK, torch.device("cpu"), launch_ready=True)
+    assert list(seen) == [
+        "q", "kv", "indices", "kv_scale", "attn_sink", "topk_length", "out", "max_logits", "lse",
+    ]  # fmt: skip
+
+
+def test_the_q_dtype_is_part_of_the_memoised_signature(valid_args, monkeypatch):
+    """A valid e4m3 call's verdict is never given to a bfloat16 q of the same shape at the same address (nor
+    the reverse): the dtype is in the signature, and the q_scale rule is checked again."""
+    monkeypatch.setattr(contract, "check_device", lambda named_devices: None)
+    monkeypatch.setattr(contract, "_memo", {})
+    storage = torch.zeros(S_Q * H_Q * D_QK * 2, dtype=torch.uint8)
+    q8 = storage[: S_Q * H_Q * D_QK].view(FP8).view(S_Q, H_Q, D_QK)
+    q16 = storage.view(torch.bfloat16).view(S_Q, H_Q, D_QK)
+    assert q8.data_ptr() == q16.data_ptr()
+    check_inputs(PrefillCall(**valid_args | {"q": q8}))
+    with pytest.raises(InputTypeError, match="q_scale: expected None for a torch.bfloat16 q"):
+        check_inputs(PrefillCall(**valid_args | {"q": q16}))
+    check_inputs(PrefillCall(**valid_args | {"q": q16, "q_scale": None}))
+    with pytest.raises(InputTypeError, match="q_scale: expected a torch.Tensor, got NoneType"):
+        check_inputs(PrefillCall(**valid_args | {"q": q8, "q_scale": None}))
+
+
 @pytest.mark.parametrize("caught", [TypeError, ValueError])
 def test_type_and_dtype_errors_are_caught_as_type_and_value_errors(valid_args, tripwire_kernels, caught):
     """Code written for SGLang's function (ValueError for a wrong dtype) and code written for Python's
@@ -595,4 +754,18 @@ def test_problem_says_whether_the_launch_may_skip_its_layout_checks(
         args["topk_length"] = every_other_in_last_dim(args["topk_length"][None])[0]
     elif change == "attn_sink strided":
         args["attn_sink"] = every_other_in_last_dim(args["attn_sink"][None])[0]
+    assert check_inputs(PrefillCall(**args)).launch_ready == (change is None)
+
+
+@pytest.mark.parametrize("change", [None, "q misaligned", "q 2 bytes off", "q strided"])
+def test_problem_says_whether_a_bf16_q_meets_the_launchs_layout(valid_bf16_q_args, monkeypatch, change):
+    """A bfloat16 q is launched in place only when it is row-major with a 16-byte aligned base."""
+    monkeypatch.setattr(contract, "check_device", lambda named_devices: None)
+    args = dict(valid_bf16_q_args)
+    if change == "q misaligned":
+        args["q"] = offset_by(args["q"], 8)
+    elif change == "q 2 bytes off":
+        args["q"] = offset_by(args["q"], 2)
+    elif change == "q strided":
+        args["q"] = args["q"].transpose(0, 1).contiguous().transpose(0, 1)
     assert check_inputs(PrefillCall(**args)).launch_ready == (change is None)

@@ -56,6 +56,7 @@ def calls(monkeypatch) -> list[dict]:
     variant = types.SimpleNamespace(function=function, name="recorder", d_qk=D_QK)
     monkeypatch.setattr(kernels, "_variants", EveryKey(variant))
     monkeypatch.setattr(kernels, "_persistent_variants", EveryKey(variant))
+    monkeypatch.setattr(kernels, "_bf16_q_variants", EveryKey(variant))
     monkeypatch.setattr(schedule, "_sm_counts", EveryKey(132))
     monkeypatch.setattr(kernels, "_gpu_count", 1)
     return recorded
@@ -89,6 +90,62 @@ def test_absent_options_get_placeholders_and_flags_0(calls):
     assert call["scale_log2"] == pytest.approx(0.125 * math.log2(math.e), rel=1e-15)
     for name in ("q", "kv", "indices", "q_scale", "kv_scale", "out", "max_logits", "lse"):
         assert call[name] is args[name], name  # aligned, valid tensors pass untouched (no copies)
+
+
+def test_a_bf16_q_gets_kv_scale_in_q_scales_place(calls):
+    """A bfloat16 q has no q_scale: the kernel does not read that argument, which gets kv_scale (and
+    kv_scale's bytes are the absent topk_length's placeholder)."""
+    args = launch_args(q=torch.zeros(S_Q, H, D_QK, dtype=torch.bfloat16), q_scale=None)
+    kernels.launch_sparse_prefill(*args.values())
+    [call] = calls
+    assert (
+        call["q"] is args["q"]
+        and call["q_scale"] is args["kv_scale"]
+        and call["kv_scale"] is args["kv_scale"]
+    )
+    assert (
+        call["topk_length"].dtype == torch.int32
+        and call["topk_length"].data_ptr() == args["kv_scale"].data_ptr()
+    )
+    assert call["attn_sink"] is args["kv_scale"] and call["flags"] == 0
+
+
+@pytest.mark.parametrize("tiles", [0, 2])
+@pytest.mark.parametrize("precision", ["default", "accurate"])
+def test_a_bf16_q_launches_its_own_variant(monkeypatch, precision, tiles):
+    """The variant for a bfloat16 q: looked up by (d_qk, precision, persistent), built on first use
+    (``load_bf16_q_variant``, replaced here by a stand-in: nothing is compiled)."""
+    launched = []
+    variants = {
+        key: types.SimpleNamespace(function=lambda *args, key=key: launched.append(key), name=str(key))
+        for key in ((D_QK, precision, False), (D_QK, precision, True))
+    }
+    loaded = []
+
+    def load_bf16_q_variant(d_qk, precision, persistent):
+        loaded.append((d_qk, precision, persistent))
+        kernels._bf16_q_variants[d_qk, precision, persistent] = variants[d_qk, precision, persistent]
+        return variants[d_qk, precision, persistent]
+
+    for fp8_table in ("_variants", "_persistent_variants"):
+        monkeypatch.setattr(kernels, fp8_table, {})  # an e4m3 variant launched instead would fail the test
+    monkeypatch.setattr(kernels, "_bf16_q_variants", {})
+    monkeypatch.setattr(kernels, "load_bf16_q_variant", load_bf16_q_variant)
+    monkeypatch.setattr(kernels, "_gpu_count", 1)
+    args = launch_args(q=torch.zeros(S_Q, H, D_QK, dtype=torch.bfloat16), q_scale=None, precision=precision)
+    for _ in range(2):
+        assert kernels.launch_sparse_prefill(**args, schedule=tiles) is variants[D_QK, precision, tiles > 0]
+    assert loaded == [(D_QK, precision, tiles > 0)]  # built (or loaded) once
+    assert launched == [(D_QK, precision, tiles > 0)] * 2
+
+
+def test_bf16_q_variant_names():
+    assert kernels.variant_name(576, q_dtype=torch.bfloat16) == "sparse_prefill_sm90_d576_bf16q"
+    assert (
+        kernels.variant_name(512, "accurate", True, torch.bfloat16)
+        == "sparse_prefill_sm90_d512_bf16q_accurate_persistent"
+    )
+    assert kernels.variant_name(576, "accurate", True) == "sparse_prefill_sm90_d576_accurate_persistent"
 
 
 def test_given_options_are_passed_and_flagged(calls):
@@ -126,6 +183,11 @@ def test_misaligned_tensors_are_copied_to_aligned_ones(calls):
     kernels.launch_sparse_prefill(*launch_args(q=q, kv=kv, out=out).values())
     [call] = calls
     assert call["q"].data_ptr() % 16 == 0 and torch.equal(call["q"].view(torch.uint8), q.view(torch.uint8))
+    q_bf16 = torch.empty(S_Q * H * D_QK + 4, dtype=torch.bfloat16)[4:].view(S_Q, H, D_QK)  # 8 bytes off 16
+    q_bf16.copy_(torch.randn(S_Q, H, D_QK))
+    assert q_bf16.data_ptr() % 16 == 8
+    kernels.launch_sparse_prefill(*launch_args(q=q_bf16, q_scale=None, out=out).values())
+    assert calls[-1]["q"].data_ptr() % 16 == 0 and torch.equal(calls[-1]["q"], q_bf16)
     assert call["kv"].data_ptr() % 16 == 0 and call["kv"].stride(0) % 16 == 0
     assert torch.equal(call["kv"].view(torch.uint8), kv.view(torch.uint8))
     assert call["out"] is not out and call["out"].data_ptr() % 4 == 0

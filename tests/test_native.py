@@ -21,7 +21,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from test_contract import VIOLATIONS, every_other_in_last_dim, offset_by  # noqa: E402
+from test_contract import BF16_Q_VIOLATIONS, VIOLATIONS, every_other_in_last_dim, offset_by  # noqa: E402
 
 from q8kv8 import (  # noqa: E402
     contract,
@@ -39,6 +39,7 @@ pytestmark = pytest.mark.skipif(
 )
 
 S_Q, H_Q, S_KV, D_QK, TOPK = 4, 64, 32, 576, 128
+FP8, BF16 = torch.float8_e4m3fn, torch.bfloat16
 KDL_CPU = 1
 SM_COUNT = 2  # a small stand-in multiprocessor count, so that small calls reach the persistent schedule
 DECLINED = -1
@@ -47,8 +48,8 @@ DECLINED = -1
 @pytest.fixture
 def fast(monkeypatch):
     """The built extension, configured, with CPU device 0 registered and recording kernel variants for every
-    (d_qk, precision, persistent); ``fast.calls`` lists ``(variant key, arguments)`` of each launch, from
-    either path. Restored to nothing registered afterwards."""
+    (d_qk, precision, persistent) and q dtype (e4m3, bfloat16); ``fast.calls`` lists ``(variant key,
+    arguments)`` of each launch, from either path. Restored to nothing registered afterwards."""
     import tvm_ffi
 
     extension = native.load()
@@ -60,16 +61,22 @@ def fast(monkeypatch):
         # The tensors are views valid during the call only: recorded as (address, shape, strides, dtype).
         return tvm_ffi.convert(lambda *args: calls.append((key, normalized(args))))
 
-    variants, persistent_variants = {}, {}
+    variants, persistent_variants, bf16_q_variants = {}, {}, {}
     for d_qk in SUPPORTED_D_QK:
         for precision in PRECISIONS:
             for persistent, table in ((False, variants), (True, persistent_variants)):
                 function = recorder((d_qk, precision, persistent))
                 table[d_qk, precision] = types.SimpleNamespace(function=function, name="recorder", d_qk=d_qk)
                 native.register_variant(extension, d_qk, precision, persistent, function)
+                function = recorder((d_qk, precision, persistent, "bf16 q"))
+                bf16_q_variants[d_qk, precision, persistent] = types.SimpleNamespace(
+                    function=function, name="recorder", d_qk=d_qk
+                )
+                native.register_variant(extension, d_qk, precision, persistent, function, BF16)
     extension.register_device(KDL_CPU, 0, SM_COUNT)
     monkeypatch.setattr(kernels, "_variants", variants)
     monkeypatch.setattr(kernels, "_persistent_variants", persistent_variants)
+    monkeypatch.setattr(kernels, "_bf16_q_variants", bf16_q_variants)
     monkeypatch.setattr(schedule, "_sm_counts", {0: SM_COUNT, None: SM_COUNT, -1: SM_COUNT})
     monkeypatch.setattr(contract, "check_device", lambda named_devices: None)  # CPU tensors pass it
     monkeypatch.setattr(contract, "_memo", {})
@@ -93,6 +100,14 @@ def with_buffers(args: dict) -> dict:
 def valid_args(make_inputs) -> dict:
     """A valid call on CPU tensors that the fast path takes: 64 heads, sink, topk_length, buffers."""
     return with_buffers(make_inputs(S_Q, H_Q, S_KV, D_QK, TOPK, with_sink=True, with_topk_length=True))
+
+
+@pytest.fixture
+def valid_bf16_q_args(make_inputs) -> dict:
+    """``valid_args`` with a bfloat16 q and no q_scale."""
+    return with_buffers(
+        make_inputs(S_Q, H_Q, S_KV, D_QK, TOPK, with_sink=True, with_topk_length=True, q_dtype=BF16)
+    )
 
 
 def normalized(arguments: tuple) -> list:
@@ -123,6 +138,7 @@ def python_path_launch(fast, args: dict):
     return tiles, key, arguments
 
 
+@pytest.mark.parametrize("q_dtype", [FP8, BF16], ids=["e4m3", "bf16"])
 @pytest.mark.parametrize("d_qk", [512, 576])
 @pytest.mark.parametrize("precision", ["default", "accurate"])
 @pytest.mark.parametrize(
@@ -137,13 +153,29 @@ def python_path_launch(fast, args: dict):
     ],
 )
 def test_launches_what_the_python_path_launches(
-    fast, make_inputs, d_qk, precision, s_q, h_q, topk, with_sink, with_topk_length
+    fast, make_inputs, q_dtype, d_qk, precision, s_q, h_q, topk, with_sink, with_topk_length
 ):
+    """Same variant, schedule and arguments (for a bfloat16 q: the bfloat16-q variant, with kv_scale in
+    q_scale's place and, without topk_length, kv_scale's bytes as its placeholder)."""
     args = with_buffers(
-        make_inputs(s_q, h_q, S_KV, d_qk, topk, with_sink=with_sink, with_topk_length=with_topk_length)
+        make_inputs(
+            s_q,
+            h_q,
+            S_KV,
+            d_qk,
+            topk,
+            with_sink=with_sink,
+            with_topk_length=with_topk_length,
+            q_dtype=q_dtype,
+        )
     )
     args["precision"] = precision
     expected_schedule, expected_key, expected_arguments = python_path_launch(fast, args)
+    assert (len(expected_key) == 4) == (q_dtype == BF16)  # the bfloat16-q variant
+    if q_dtype == BF16:
+        kv_scale = (args["kv_scale"].data_ptr(), (1,), (1,))
+        assert expected_arguments[5][:3] == kv_scale  # in q_scale's place
+        assert with_topk_length or expected_arguments[3][:3] == kv_scale  # as int32: the placeholder
     call = PrefillCall(**args)
     assert fast.extension.plan(call) == expected_schedule
     assert fast.extension.decline_reason(call) == ""
@@ -206,6 +238,25 @@ def test_declines_every_contract_violation(fast, valid_args, changes, exception,
     assert fast.extension.plan(call) == DECLINED
     assert fast.extension.decline_reason(call)  # says why
     assert fast.extension.launch(call) is None  # never raises for its arguments
+    assert not fast.calls
+
+
+@pytest.mark.parametrize(
+    ("changes", "exception", "message"),
+    [case[1:] for case in BF16_Q_VIOLATIONS],
+    ids=[case[0] for case in BF16_Q_VIOLATIONS],
+)
+def test_declines_every_contract_violation_of_a_bf16_q_call(
+    fast, valid_bf16_q_args, changes, exception, message
+):
+    assert fast.extension.plan(PrefillCall(**valid_bf16_q_args)) >= 0
+    valid_bf16_q_args.update(changes(valid_bf16_q_args))
+    call = PrefillCall(**valid_bf16_q_args)
+    with pytest.raises(exception):
+        contract.check_inputs(call)
+    assert fast.extension.plan(call) == DECLINED
+    assert fast.extension.decline_reason(call)
+    assert fast.extension.launch(call) is None
     assert not fast.calls
 
 
@@ -275,6 +326,52 @@ def test_declines_what_needs_the_python_path(fast, valid_args, randn_fp8, case):
     assert not fast.calls
 
 
+def _bf16_q_declined_cases(args: dict) -> dict:
+    """Valid bfloat16-q calls that the fast path must leave to Python."""
+    h48 = dict(args)
+    h48["q"] = args["q"][:, :48].contiguous()
+    h48["attn_sink"] = args["attn_sink"][:48].contiguous()
+    for name in ("out", "max_logits", "lse"):
+        h48[name] = args[name][:, :48].clone()
+    return {
+        "heads need padding": h48,
+        "q 8 bytes off 16": {**args, "q": offset_by(args["q"], 8)},
+        "q strided": {**args, "q": args["q"].transpose(0, 1).contiguous().transpose(0, 1)},
+        "q a negative view": {**args, "q": torch._neg_view(args["q"])},
+        "q a subclass": {**args, "q": args["q"].as_subclass(TensorSubclass)},
+        "empty kv": {**args, "kv": args["kv"][:0]},
+        "no out buffer": {**args, "out": None},
+    }
+
+
+@pytest.mark.parametrize(
+    "case",
+    ["heads need padding", "q 8 bytes off 16", "q strided", "q a negative view", "q a subclass", "empty kv",
+     "no out buffer"],
+)  # fmt: skip
+def test_declines_bf16_q_calls_that_need_the_python_path(fast, valid_bf16_q_args, case):
+    call = PrefillCall(**_bf16_q_declined_cases(valid_bf16_q_args)[case])
+    assert fast.extension.plan(call) == DECLINED
+    assert fast.extension.decline_reason(call)
+    assert fast.extension.launch(call) is None
+    assert not fast.calls
+
+
+def test_q_scale_goes_with_e4m3_q_and_not_with_bf16_q(fast, valid_args, valid_bf16_q_args):
+    """The fast path's own reasons for the q_scale rule (the contract raises for both calls)."""
+    e4m3_call, bf16_call = PrefillCall(**valid_args), PrefillCall(**valid_bf16_q_args)
+    assert fast.extension.plan(e4m3_call) >= 0 and fast.extension.plan(bf16_call) >= 0
+    with_scale = bf16_call._replace(q_scale=valid_args["q_scale"])
+    assert fast.extension.decline_reason(with_scale) == (
+        "q_scale is given for a q that the kernel scales per row (it must be None)"
+    )
+    without_scale = e4m3_call._replace(q_scale=None)
+    assert fast.extension.decline_reason(without_scale) == "q_scale is None for a q that needs it"
+    for call in (with_scale, without_scale):
+        assert fast.extension.launch(call) is None
+    assert not fast.calls
+
+
 def test_declines_unregistered_devices_and_variants(fast, valid_args):
     call = PrefillCall(**valid_args)
     fast.extension.reset()
@@ -290,6 +387,18 @@ def test_declines_unregistered_devices_and_variants(fast, valid_args):
     )
     assert fast.extension.plan(call) == 0
     assert fast.extension.plan(call._replace(precision="accurate")) == DECLINED
+    bf16_q_call = call._replace(q=valid_args["q"].to(BF16), q_scale=None)
+    assert fast.extension.plan(bf16_q_call) == DECLINED  # the bfloat16-q variant is another one
+    assert fast.extension.decline_reason(bf16_q_call) == "the kernel variant is not registered"
+    native.register_variant(
+        fast.extension,
+        D_QK,
+        "default",
+        False,
+        kernels._bf16_q_variants[D_QK, "default", False].function,
+        BF16,
+    )
+    assert fast.extension.plan(bf16_q_call) == 0
     assert not fast.calls
 
 
@@ -324,6 +433,21 @@ def test_entry_point_takes_the_fast_path_and_returns_the_buffers(fast_entry_poin
     result = sparse_mla_q8kv8_prefill_fwd(**valid_args)
     assert all(a is b for a, b in zip(result, buffers, strict=True))
     assert len(fast_entry_point.calls) == 1
+
+
+def test_entry_point_takes_the_fast_path_for_a_bf16_q(fast_entry_point, valid_bf16_q_args, monkeypatch):
+    monkeypatch.setattr(eager, "check_inputs", None)  # the Python path would fail the test
+    buffers = valid_bf16_q_args["out"], valid_bf16_q_args["max_logits"], valid_bf16_q_args["lse"]
+    result = sparse_mla_q8kv8_prefill_fwd(**valid_bf16_q_args)
+    assert all(a is b for a, b in zip(result, buffers, strict=True))
+    del valid_bf16_q_args["out"], valid_bf16_q_args["max_logits"], valid_bf16_q_args["lse"]
+    out, max_logits, lse = sparse_mla_q8kv8_prefill_fwd(**valid_bf16_q_args)
+    assert (out.shape, max_logits.shape, lse.shape) == ((S_Q, H_Q, D_V), (S_Q, H_Q), (S_Q, H_Q))
+    keys = [key for key, _ in fast_entry_point.calls]
+    assert keys == [(D_QK, "default", False, "bf16 q")] * 2
+    q = valid_bf16_q_args["q"]
+    for _, arguments in fast_entry_point.calls:
+        assert arguments[0] == (q.data_ptr(), tuple(q.shape), q.stride(), "bfloat16")
 
 
 def test_entry_point_allocates_the_buffers_for_the_fast_path(fast_entry_point, valid_args, monkeypatch):
@@ -403,7 +527,7 @@ def test_note_launch_registers_once_per_variant_and_again_after_disable(fast, mo
     for _ in range(2):
         native.note_launch(0, D_QK, "default", False, variant)
         assert native.launch is native.load().launch
-        assert native._registered == {(0, D_QK, "default", False)}
+        assert native._registered == {(0, D_QK, "default", False, FP8)}
         assert native._registered_devices == {0}
         with native.suspended():
             assert native.launch is None
@@ -411,6 +535,10 @@ def test_note_launch_registers_once_per_variant_and_again_after_disable(fast, mo
         native.disable()
         assert native.launch is None
         assert not native._registered and not native._registered_devices
+    bf16_q_variant = kernels._bf16_q_variants[D_QK, "default", False]
+    native.note_launch(0, D_QK, "default", False, variant)
+    native.note_launch(0, D_QK, "default", False, bf16_q_variant, BF16)  # a variant of its own
+    assert native._registered == {(0, D_QK, "default", False, FP8), (0, D_QK, "default", False, BF16)}
 
 
 def test_the_python_path_notes_its_gpu_launches(monkeypatch, fake_kernels, make_inputs):
@@ -430,7 +558,10 @@ def test_the_python_path_notes_its_gpu_launches(monkeypatch, fake_kernels, make_
         eager, "check_inputs", lambda call: problem._replace(device=torch.device("cuda", 0), tiles_per_cta=2)
     )
     sparse_mla_q8kv8_prefill_fwd(**{**args, "q": args["q"].as_subclass(CudaLooking)}, precision="accurate")
-    assert noted == [(0, D_QK, "accurate", True, launched)]
+    assert noted == [(0, D_QK, "accurate", True, launched, FP8)]
+    bf16_q = args["q"].to(BF16).as_subclass(CudaLooking)
+    sparse_mla_q8kv8_prefill_fwd(**{**args, "q": bf16_q, "q_scale": None})
+    assert noted[1:] == [(0, D_QK, "default", True, launched, BF16)]
 
 
 class CudaLooking(torch.Tensor):

@@ -105,12 +105,20 @@ def test_configuration_and_registration_errors(extension):
         extension.launch((q,))
     with pytest.raises(TypeError, match="expected a q8kv8.prefill_call.PrefillCall"):
         extension.plan(None)
+    function = tvm_ffi.convert(lambda: None).__chandle__()
+    fp8 = torch.float8_e4m3fn
     with pytest.raises(ValueError, match="no variant d_qk 128"):
-        extension.register_variant(128, "default", False, tvm_ffi.convert(lambda: None).__chandle__())
+        extension.register_variant(128, "default", False, function, fp8)
     with pytest.raises(ValueError, match="no variant d_qk 576, precision 'fast'"):
-        extension.register_variant(576, "fast", False, tvm_ffi.convert(lambda: None).__chandle__())
+        extension.register_variant(576, "fast", False, function, fp8)
+    with pytest.raises(ValueError, match=r"no variant d_qk 576, precision 'default', q dtype torch.float16"):
+        extension.register_variant(576, "default", False, function, torch.float16)
+    with pytest.raises(ValueError, match="q dtype 'bf16'"):
+        extension.register_variant(576, "default", False, function, "bf16")
+    with pytest.raises(TypeError, match="takes 5 arguments"):
+        extension.register_variant(576, "default", False, function)
     with pytest.raises(TypeError, match="not a TVM-FFI function"):
-        extension.register_variant(576, "default", False, tvm_ffi.convert([1, 2]).__chandle__())
+        extension.register_variant(576, "default", False, tvm_ffi.convert([1, 2]).__chandle__(), fp8)
     with pytest.raises(ValueError, match="sm_count < 1"):
         extension.register_device(1, 0, 0)
     constants = native.constants()
@@ -122,6 +130,10 @@ def test_configuration_and_registration_errors(extension):
         extension.configure({**constants, "fields": ("q", "kv")})
     with pytest.raises(ValueError, match="head_alignment must be >= 1"):
         extension.configure({**constants, "head_alignment": 0})
+    with pytest.raises(TypeError, match="q_dtypes must be torch dtypes the checks read"):
+        extension.configure({**constants, "q_dtypes": (torch.float8_e4m3fn, torch.float16)})
+    with pytest.raises(ValueError, match="q_dtypes must not be empty"):
+        extension.configure({**constants, "q_dtypes": ()})
 
 
 def test_a_failed_build_warns_once_and_calls_take_the_python_path(

@@ -1,6 +1,6 @@
 """The C++ fast path (``q8kv8.native``) on an H100/H200 (``gpu`` marker): after a first launch the public
 call takes it, and it gives the Python path's results bit for bit, on the caller's stream and inside a CUDA
-graph capture."""
+graph capture; for an e4m3 q and for a bfloat16 q (whose kernel variants it registers separately)."""
 
 import math
 
@@ -10,6 +10,7 @@ import torch
 from q8kv8 import eager, native, sparse_mla_q8kv8_prefill_fwd
 
 pytestmark = pytest.mark.gpu
+Q_DTYPES = pytest.mark.parametrize("q_dtype", [torch.float8_e4m3fn, torch.bfloat16], ids=["e4m3", "bf16"])
 
 
 @pytest.fixture
@@ -29,16 +30,25 @@ def nan_like(outputs):
     return [torch.full_like(t, math.nan) for t in outputs]
 
 
+@Q_DTYPES
 @pytest.mark.parametrize("precision", ["default", "accurate"])
 @pytest.mark.parametrize(
     ("s_q", "h_q", "d_qk", "topk", "with_extras"),
     [(37, 128, 576, 512, False), (1100, 64, 512, 256, True)],  # the second: the persistent schedule (k = 2)
 )
 def test_fast_path_matches_the_python_path_bitwise(
-    make_inputs, python_path_tripwire, precision, s_q, h_q, d_qk, topk, with_extras
+    make_inputs, python_path_tripwire, precision, s_q, h_q, d_qk, topk, with_extras, q_dtype
 ):
     inputs = make_inputs(
-        s_q, h_q, 3000, d_qk, topk, device="cuda", with_sink=with_extras, with_topk_length=with_extras
+        s_q,
+        h_q,
+        3000,
+        d_qk,
+        topk,
+        device="cuda",
+        with_sink=with_extras,
+        with_topk_length=with_extras,
+        q_dtype=q_dtype,
     )
     native.disable()  # the first call takes the Python path and registers device and variant again
     python_path = [t.clone() for t in sparse_mla_q8kv8_prefill_fwd(**inputs, precision=precision)]
@@ -55,8 +65,11 @@ def test_fast_path_matches_the_python_path_bitwise(
         assert all(torch.equal(a, b) for a, b in zip(outputs, python_path, strict=True))
 
 
-def test_fast_path_runs_on_the_current_stream_and_in_a_cuda_graph(make_inputs, python_path_tripwire):
-    inputs = make_inputs(24, 128, 3000, 576, 256, device="cuda", with_sink=True, with_topk_length=True)
+@Q_DTYPES
+def test_fast_path_runs_on_the_current_stream_and_in_a_cuda_graph(make_inputs, python_path_tripwire, q_dtype):
+    inputs = make_inputs(
+        24, 128, 3000, 576, 256, device="cuda", with_sink=True, with_topk_length=True, q_dtype=q_dtype
+    )
     expected = [t.clone() for t in sparse_mla_q8kv8_prefill_fwd(**inputs)]
     python_path_tripwire()
     buffers = nan_like(expected)
@@ -78,13 +91,16 @@ def test_fast_path_runs_on_the_current_stream_and_in_a_cuda_graph(make_inputs, p
     assert all(torch.equal(a, b) for a, b in zip(buffers, expected, strict=True))
 
 
+@Q_DTYPES
 def test_allocating_calls_allocate_in_cpp_on_the_current_stream_and_in_a_cuda_graph(
-    make_inputs, python_path_tripwire
+    make_inputs, python_path_tripwire, q_dtype
 ):
     """After a first launch the fast path's allocating calls get their outputs from the C++ extension: on a
     side stream (the caching allocator's pool of that stream) and inside a CUDA graph capture (the graph's
     pool), with the Python path's results."""
-    inputs = make_inputs(40, 64, 3000, 576, 256, device="cuda", with_sink=True, with_topk_length=True)
+    inputs = make_inputs(
+        40, 64, 3000, 576, 256, device="cuda", with_sink=True, with_topk_length=True, q_dtype=q_dtype
+    )
     expected = [t.clone() for t in sparse_mla_q8kv8_prefill_fwd(**inputs)]
     assert native.launch is native.load().launch  # built, and taken by the fast path
     python_path_tripwire()

@@ -76,12 +76,16 @@ def assert_same(got, want):
 def test_schemas():
     functional = {argument.name: argument for argument in FUNCTIONAL._schema.arguments}
     assert str(functional["sm_scale"].type) == "float" and str(functional["precision"].type) == "str"
+    assert str(functional["q_scale"].type) == "Optional[Tensor]"  # None for a bfloat16 q
+    assert str(functional["kv_scale"].type) == "Tensor"
     assert str(functional["attn_sink"].type) == "Optional[Tensor]"
     assert str(functional["topk_length"].type) == "Optional[Tensor]"
     assert functional["precision"].default_value == "default" and functional["d_v"].default_value == 512
     assert not any(argument.alias_info for argument in FUNCTIONAL._schema.arguments)
     assert [str(r.type) for r in FUNCTIONAL._schema.returns] == ["Tensor"] * 3
 
+    out_arguments = {argument.name: argument for argument in OUT._schema.arguments}
+    assert str(out_arguments["q_scale"].type) == "Optional[Tensor]"
     writes = {a.name for a in OUT._schema.arguments if a.alias_info is not None and a.alias_info.is_write}
     assert writes == {"out", "max_logits", "lse"}
     assert OUT._schema.returns == []
@@ -98,31 +102,34 @@ def test_schemas_read_the_call_structures_fields():
             assert argument.default_value == PrefillCall._field_defaults[argument.name], argument.name
 
 
+@pytest.mark.parametrize("q_dtype", [torch.float8_e4m3fn, torch.bfloat16], ids=["e4m3", "bf16"])
 @pytest.mark.parametrize(("s_q", "h_q", "d_qk"), [(7, 64, 576), (3, 48, 512), (0, 16, 576)])
-def test_fake_implementation_gives_output_metadata(s_q, h_q, d_qk):
+def test_fake_implementation_gives_output_metadata(s_q, h_q, d_qk, q_dtype):
     with FakeTensorMode():
-        q = torch.empty(s_q, h_q, d_qk, dtype=torch.float8_e4m3fn, device="cuda")
+        q = torch.empty(s_q, h_q, d_qk, dtype=q_dtype, device="cuda")
         kv = torch.empty(S_KV, 1, d_qk, dtype=torch.float8_e4m3fn, device="cuda")
         indices = torch.empty(s_q, 1, TOPK, dtype=torch.int32, device="cuda")
         scale = torch.empty(1, device="cuda")
+        q_scale = None if q_dtype == torch.bfloat16 else scale
         sink = torch.empty(h_q, device="cuda")
-        out, max_logits, lse = FUNCTIONAL(q, kv, indices, 0.1, scale, scale, D_V, sink, None, "default")
+        out, max_logits, lse = FUNCTIONAL(q, kv, indices, 0.1, q_scale, scale, D_V, sink, None, "default")
         buffers = (
             torch.empty(s_q, h_q, D_V, dtype=torch.bfloat16, device="cuda"),
             torch.empty(s_q, h_q, device="cuda"),
             torch.empty(s_q, h_q, device="cuda"),
         )
-        assert OUT(q, kv, indices, 0.1, scale, scale, D_V, None, None, "default", *buffers) is None
+        assert OUT(q, kv, indices, 0.1, q_scale, scale, D_V, None, None, "default", *buffers) is None
     assert (out.shape, max_logits.shape, lse.shape) == ((s_q, h_q, D_V), (s_q, h_q), (s_q, h_q))
     assert (out.dtype, max_logits.dtype, lse.dtype) == (torch.bfloat16, torch.float32, torch.float32)
     assert out.device == max_logits.device == lse.device == torch.device("cuda:0")
 
 
+@pytest.mark.parametrize("q_dtype", [torch.float8_e4m3fn, torch.bfloat16], ids=["e4m3", "bf16"])
 @pytest.mark.parametrize("backend", ["eager", "aot_eager"])
 @pytest.mark.parametrize("buffers", ["none", "all", "out only"])
 @pytest.mark.parametrize("h_q", [64, 48])
-def test_compiled_call_matches_eager(make_inputs, backend, buffers, h_q):
-    args = make_inputs(S_Q, h_q, S_KV, 576, TOPK, with_sink=True, with_topk_length=True)
+def test_compiled_call_matches_eager(make_inputs, backend, buffers, h_q, q_dtype):
+    args = make_inputs(S_Q, h_q, S_KV, 576, TOPK, with_sink=True, with_topk_length=True, q_dtype=q_dtype)
     eager = sparse_mla_q8kv8_prefill_fwd(**args)
     given = {"none": {}, "all": empty_buffers(S_Q, h_q), "out only": {"out": empty_buffers(S_Q, h_q)["out"]}}
     given = given[buffers]
@@ -142,8 +149,9 @@ def test_compiled_call_matches_eager(make_inputs, backend, buffers, h_q):
             assert compiled[index] is given[name]
 
 
-def test_compiled_call_is_one_op_in_the_graph(make_inputs):
-    args = make_inputs(S_Q, 64, S_KV, 512, TOPK)
+@pytest.mark.parametrize("q_dtype", [torch.float8_e4m3fn, torch.bfloat16], ids=["e4m3", "bf16"])
+def test_compiled_call_is_one_op_in_the_graph(make_inputs, q_dtype):
+    args = make_inputs(S_Q, 64, S_KV, 512, TOPK, q_dtype=q_dtype)
     graphs = []
 
     def backend(graph_module, example_inputs):
@@ -163,10 +171,11 @@ def test_compiled_call_is_one_op_in_the_graph(make_inputs):
     assert ops == [[FUNCTIONAL], [OUT]]  # no graph break (fullgraph), nothing else traced as an op
 
 
-def test_compiled_dynamic_shapes(make_inputs):
+@pytest.mark.parametrize("q_dtype", [torch.float8_e4m3fn, torch.bfloat16], ids=["e4m3", "bf16"])
+def test_compiled_dynamic_shapes(make_inputs, q_dtype):
     compiled = torch.compile(sparse_mla_q8kv8_prefill_fwd, fullgraph=True, backend="aot_eager", dynamic=True)
     for s_q in (3, 9):
-        args = make_inputs(s_q, 64, S_KV, 576, TOPK, with_topk_length=True)
+        args = make_inputs(s_q, 64, S_KV, 576, TOPK, with_topk_length=True, q_dtype=q_dtype)
         assert_same(compiled(**args), sparse_mla_q8kv8_prefill_fwd(**args))
 
 
@@ -187,8 +196,9 @@ def test_out_op_writes_only_its_buffers(make_inputs):
         assert torch.equal(args[name].view(torch.uint8), value.view(torch.uint8)), name
 
 
-def test_opcheck(make_inputs):
-    args = make_inputs(S_Q, 64, S_KV, 576, TOPK, with_sink=True, with_topk_length=True)
+@pytest.mark.parametrize("q_dtype", [torch.float8_e4m3fn, torch.bfloat16], ids=["e4m3", "bf16"])
+def test_opcheck(make_inputs, q_dtype):
+    args = make_inputs(S_Q, 64, S_KV, 576, TOPK, with_sink=True, with_topk_length=True, q_dtype=q_dtype)
     options = (args["attn_sink"], args["topk_length"], "default")
     torch.library.opcheck(FUNCTIONAL, (*positional(args), *options), test_utils=OPCHECK_TESTS)
     buffers = tuple(empty_buffers(S_Q, 64).values())

@@ -1,6 +1,7 @@
 """The custom ops on an H100/H200 (``gpu`` marker): ``torch.compile(fullgraph=True)`` with Inductor gives
 the eager outputs bit for bit, ``torch.library.opcheck`` passes, and compiled code is captured in CUDA
-graphs (by hand and by ``mode="reduce-overhead"``)."""
+graphs (by hand and by ``mode="reduce-overhead"``); for an e4m3 q with its q_scale and for a bfloat16 q with
+``q_scale=None``."""
 
 import math
 import os
@@ -22,6 +23,7 @@ OPCHECK_TESTS = ("test_autograd_registration", "test_faketensor", "test_aot_disp
 (not implemented for float8); ``tests/test_ops_cpu.py`` checks what the out op writes."""
 
 TENSORS = ("q", "kv", "indices", "q_scale", "kv_scale", "attn_sink", "topk_length")
+Q_DTYPES = pytest.mark.parametrize("q_dtype", [torch.float8_e4m3fn, torch.bfloat16], ids=["e4m3", "bf16"])
 
 
 @pytest.fixture(autouse=True)
@@ -51,10 +53,13 @@ def compiled_call(sm_scale, **options):
     return torch.compile(call, fullgraph=True, **options)
 
 
+@Q_DTYPES
 @pytest.mark.parametrize("h_q", [128, 48])
 @pytest.mark.parametrize("with_buffers", [False, True])
-def test_compiled_matches_eager(make_inputs, h_q, with_buffers):
-    inputs = make_inputs(40, h_q, 5000, 576, 512, device="cuda", with_sink=True, with_topk_length=True)
+def test_compiled_matches_eager(make_inputs, h_q, with_buffers, q_dtype):
+    inputs = make_inputs(
+        40, h_q, 5000, 576, 512, device="cuda", with_sink=True, with_topk_length=True, q_dtype=q_dtype
+    )
     eager = sparse_mla_q8kv8_prefill_fwd(**inputs)
     buffers = nan_buffers_like(eager) if with_buffers else {}
     compiled = compiled_call(inputs["sm_scale"])(**{name: inputs[name] for name in TENSORS}, **buffers)
@@ -64,8 +69,11 @@ def test_compiled_matches_eager(make_inputs, h_q, with_buffers):
         assert all(got is given for got, given in zip(compiled, buffers.values(), strict=True))
 
 
-def test_opcheck(make_inputs):
-    inputs = make_inputs(12, 64, 3000, 512, 256, device="cuda", with_sink=True, with_topk_length=True)
+@Q_DTYPES
+def test_opcheck(make_inputs, q_dtype):
+    inputs = make_inputs(
+        12, 64, 3000, 512, 256, device="cuda", with_sink=True, with_topk_length=True, q_dtype=q_dtype
+    )
     args = tuple(inputs[name] for name in ("q", "kv", "indices", "sm_scale", "q_scale", "kv_scale", "d_v"))
     options = (inputs["attn_sink"], inputs["topk_length"], "default")
     torch.library.opcheck(FUNCTIONAL, (*args, *options), test_utils=OPCHECK_TESTS)
@@ -73,8 +81,11 @@ def test_opcheck(make_inputs):
     torch.library.opcheck(OUT, (*args, *options, *buffers), test_utils=OPCHECK_TESTS)
 
 
-def test_compiled_call_captured_in_a_cuda_graph(make_inputs):
-    inputs = make_inputs(24, 128, 3000, 576, 256, device="cuda", with_sink=True, with_topk_length=True)
+@Q_DTYPES
+def test_compiled_call_captured_in_a_cuda_graph(make_inputs, q_dtype):
+    inputs = make_inputs(
+        24, 128, 3000, 576, 256, device="cuda", with_sink=True, with_topk_length=True, q_dtype=q_dtype
+    )
     tensors = {name: inputs[name] for name in TENSORS}
     eager = [t.clone() for t in sparse_mla_q8kv8_prefill_fwd(**inputs)]
     buffers = nan_buffers_like(eager)
@@ -91,9 +102,12 @@ def test_compiled_call_captured_in_a_cuda_graph(make_inputs):
     assert_equal(tuple(buffers.values()), eager)
 
 
-def test_reduce_overhead_mode(make_inputs):
+@Q_DTYPES
+def test_reduce_overhead_mode(make_inputs, q_dtype):
     """Inductor's own CUDA graphs: warm-up, recording and replays all give the eager outputs."""
-    inputs = make_inputs(24, 64, 3000, 512, 256, device="cuda", with_sink=True, with_topk_length=True)
+    inputs = make_inputs(
+        24, 64, 3000, 512, 256, device="cuda", with_sink=True, with_topk_length=True, q_dtype=q_dtype
+    )
     tensors = {name: inputs[name] for name in TENSORS}
     eager = [t.clone() for t in sparse_mla_q8kv8_prefill_fwd(**inputs)]
     compiled = compiled_call(inputs["sm_scale"], mode="reduce-overhead")
@@ -124,6 +138,7 @@ def reduce_overhead_call(sm_scale, precision, with_buffers):
     return torch.compile(call, mode="reduce-overhead", fullgraph=True)
 
 
+@Q_DTYPES
 @pytest.mark.parametrize(
     "with_buffers, with_sink, with_topk_length, h_q, precision",
     [
@@ -136,14 +151,22 @@ def reduce_overhead_call(sm_scale, precision, with_buffers):
     ],
 )
 def test_reduce_overhead_functional_and_out_ops(
-    make_inputs, randn_fp8, with_buffers, with_sink, with_topk_length, h_q, precision
+    make_inputs, randn_fp8, with_buffers, with_sink, with_topk_length, h_q, precision, q_dtype
 ):
     """cudagraph trees (warm-up, recording, replays) give the eager results bit for bit, for the
     functional op and the out op (buffers allocated inside the compiled function), with and without
     sink / topk_length, with head padding (48) and without, both precisions; also after the inputs'
     values change in place (the graph reads the new values)."""
     inputs = make_inputs(
-        24, h_q, 3000, 576, 256, device="cuda", with_sink=with_sink, with_topk_length=with_topk_length
+        24,
+        h_q,
+        3000,
+        576,
+        256,
+        device="cuda",
+        with_sink=with_sink,
+        with_topk_length=with_topk_length,
+        q_dtype=q_dtype,
     )
     tensors = {name: inputs[name] for name in TENSORS}
     compiled = reduce_overhead_call(inputs["sm_scale"], precision, with_buffers)
@@ -154,7 +177,7 @@ def test_reduce_overhead_functional_and_out_ops(
 
     for step in range(5):
         if step == 3:  # new values in the same tensors
-            tensors["q"].copy_(randn_fp8(*tensors["q"].shape, device="cuda"))
+            tensors["q"].copy_(randn_fp8(*tensors["q"].shape, device="cuda"))  # e4m3 values, either dtype
             tensors["kv"].copy_(randn_fp8(*tensors["kv"].shape, device="cuda"))
             tensors["indices"].copy_(tensors["indices"].flip(-1))
             if with_topk_length:
@@ -164,27 +187,30 @@ def test_reduce_overhead_functional_and_out_ops(
         assert_equal(got, eager())
 
 
-def test_reduce_overhead_as_the_first_call_of_a_process():
+@pytest.mark.parametrize("q_dtype", ["float8_e4m3fn", "bfloat16"])
+def test_reduce_overhead_as_the_first_call_of_a_process(q_dtype):
     """A fresh process whose first q8kv8 call is inside ``mode="reduce-overhead"`` (nothing made lazily
-    by an earlier eager call): no allocation of the call's own stays in the cudagraph pool."""
+    by an earlier eager call; for a bfloat16 q not even its kernel variant): no allocation of the call's
+    own stays in the cudagraph pool."""
     script = textwrap.dedent(
         """
-        import torch, q8kv8
+        import sys, torch, q8kv8
         torch.manual_seed(0)
-        q = torch.randn(128, 64, 576, device="cuda").to(torch.float8_e4m3fn)
+        q = torch.randn(128, 64, 576, device="cuda").to(getattr(torch, sys.argv[1]))
         kv = torch.randn(4096, 1, 576, device="cuda").to(torch.float8_e4m3fn)
         idx = torch.randint(0, 4096, (128, 1, 512), device="cuda", dtype=torch.int32)
         tl = torch.randint(0, 513, (128,), device="cuda", dtype=torch.int32)
         sink = torch.randn(64, device="cuda")
         one = torch.ones(1, device="cuda")
+        q_scale = None if q.dtype == torch.bfloat16 else one
 
         def f(q, kv, idx, tl, sink):
             out, mx, lse = q8kv8.sparse_mla_q8kv8_prefill_fwd(
-                q, kv, idx, 0.05, one, one, 512, attn_sink=sink, topk_length=tl)
+                q, kv, idx, 0.05, q_scale, one, 512, attn_sink=sink, topk_length=tl)
             return out.float() * 2, lse
 
         def g(q, kv, idx):
-            out, mx, lse = q8kv8.sparse_mla_q8kv8_prefill_fwd(q[:, :48], kv, idx, 0.05, one, one)
+            out, mx, lse = q8kv8.sparse_mla_q8kv8_prefill_fwd(q[:, :48], kv, idx, 0.05, q_scale, one)
             return out.float() * 2, lse
 
         cf = torch.compile(f, mode="reduce-overhead", fullgraph=True)
@@ -199,6 +225,10 @@ def test_reduce_overhead_as_the_first_call_of_a_process():
         """
     )
     result = subprocess.run(
-        [sys.executable, "-c", script], env=dict(os.environ), capture_output=True, text=True, timeout=600
+        [sys.executable, "-c", script, q_dtype],
+        env=dict(os.environ),
+        capture_output=True,
+        text=True,
+        timeout=600,
     )
     assert result.returncode == 0 and result.stdout.strip().endswith("OK"), result.stderr[-4000:]

@@ -1,15 +1,17 @@
-"""The float64 reference against hand-computed cases and a per-element loop.
+"""The float64 reference against hand-computed cases and a per-element loop, and the kernel's quantisation of
+a bfloat16 q (``quantize_q_rows``) against its definition.
 
 Hand cases use small d_qk and d_v and values that fp8 e4m3 holds exactly, so their expected results are
 exact or follow from a line of math; float64 comparisons use a relative tolerance of 1e-12.
 """
 
+import fractions
 import math
 
 import pytest
 import torch
 
-from q8kv8.reference import sparse_mla_prefill_reference
+from q8kv8.reference import quantize_q_rows, sparse_mla_prefill_reference
 
 FP8 = torch.float8_e4m3fn
 TOL = {"rtol": 1e-12, "atol": 1e-12}
@@ -252,3 +254,169 @@ def test_runs_on_the_gpu_like_on_the_cpu(make_inputs):
     )
     for got, expected in zip(on_gpu, on_cpu, strict=True):
         torch.testing.assert_close(got.cpu(), expected, rtol=1e-10, atol=1e-12)
+
+
+# ------------------------------------------------------------------------------------------------
+# quantize_q_rows: the kernel's per-row quantisation of a bfloat16 q
+# ------------------------------------------------------------------------------------------------
+BF16 = torch.bfloat16
+E4M3_MAX = 448
+
+
+def smallest_scale_exponent(amax: float) -> int:
+    """The definition, in exact arithmetic: the smallest integer e in [-126, 127] with amax <= 448 * 2^e
+    (0 for amax 0)."""
+    if amax == 0:
+        return 0
+    exact = fractions.Fraction(amax)
+    e = -126
+    while e < 127 and exact > E4M3_MAX * fractions.Fraction(2) ** e:
+        e += 1
+    return e
+
+
+def assert_quantised_by_definition(q: torch.Tensor) -> None:
+    q_e4m3, row_scale = quantize_q_rows(q)
+    assert q_e4m3.dtype == FP8 and q_e4m3.shape == q.shape
+    assert row_scale.dtype == torch.float32 and row_scale.shape == q.shape[:-1]
+    amax = q.float().abs().amax(dim=-1)
+    for scale, row_amax in zip(row_scale.reshape(-1).tolist(), amax.reshape(-1).tolist(), strict=True):
+        e = smallest_scale_exponent(row_amax)
+        assert scale == 2.0**e, (row_amax, scale, e)
+        if row_amax == 0:
+            assert scale == 1.0
+        elif e > -126:  # not clamped: amax in (224 * scale, 448 * scale]
+            assert 224 * scale < row_amax <= 448 * scale, (row_amax, scale)
+        else:
+            assert row_amax <= 448 * scale
+    scaled = q.double() / row_scale.double()[..., None]  # exact
+    assert scaled.abs().max() <= E4M3_MAX
+    # float32 holds the quotient exactly, but where it is far below e4m3's smallest subnormal (2^-9)
+    normal = scaled.abs() >= 2.0**-126
+    assert torch.equal(scaled.float().double()[normal], scaled[normal])
+    # Rounded to nearest even into e4m3, once.
+    assert torch.equal(q_e4m3.view(torch.uint8), scaled.to(FP8).view(torch.uint8))
+    assert not torch.isnan(q_e4m3.float()).any()
+
+
+def test_quantize_q_rows_hand_cases():
+    q = torch.tensor(
+        [
+            [1.0, -3.0, 0.5, 0.0],  # amax 3 = 1.5 * 2^1: e = -7
+            [448.0, -1.0, 0.0, 2.0],  # amax 448 = 1.75 * 2^8: e = 0, exactly 448
+            [-456.0, 1.0, 0.0, 0.0],  # amax 456 > 448 (1.78 * 2^8): e = 1
+            [0.0, -0.0, 0.0, 0.0],  # zero row: scale 1
+            [1.75, 0.0, 0.0, 0.0],  # m = 1.75, E = 0: e = -8
+            [1.765625, 0.0, 0.0, 0.0],  # m > 1.75: e = -7
+        ]
+    ).to(BF16)
+    q_e4m3, row_scale = quantize_q_rows(q[None])
+    assert row_scale[0].tolist() == [2.0**-7, 1.0, 2.0, 1.0, 2.0**-8, 2.0**-7]
+    assert q_e4m3[0].float().tolist() == [
+        [128.0, -384.0, 64.0, 0.0],
+        [448.0, -1.0, 0.0, 2.0],
+        [-224.0, 0.5, 0.0, 0.0],
+        [0.0, -0.0, 0.0, 0.0],
+        [448.0, 0.0, 0.0, 0.0],
+        [224.0, 0.0, 0.0, 0.0],  # 1.765625 * 128 = 226, a tie between 224 and 232 (e4m3 step 8): even wins
+    ]
+    assert_quantised_by_definition(q[None])
+
+
+@pytest.mark.parametrize("magnitude", [2.0**-60, 1e-3, 1.0, 37.0, 448.0, 1e5, 2.0**100])
+def test_quantize_q_rows_matches_its_definition_on_random_rows(generator, magnitude):
+    """Random rows over 13 orders of magnitude of row scales (one factor per row), some rows zero."""
+    q = torch.randn(16, 8, 576, generator=generator) * magnitude
+    q *= torch.exp2(torch.randint(-20, 21, (16, 8, 1), generator=generator).float())
+    q[3, 5] = 0.0
+    q[7, :, 100:] = 0.0
+    assert_quantised_by_definition(q.to(BF16))
+
+
+def test_quantize_q_rows_at_the_ends_of_the_exponent_range():
+    """Subnormal and tiny amax (scale clamped to 2^-126), the largest bfloat16 values, a row whose amax is a
+    power of two times 448 or 224, and a single non-zero element per row."""
+    tiny = torch.finfo(BF16).tiny  # 2^-126, the smallest normal bfloat16
+    rows = [
+        [2.0**-133, 0.0, -(2.0**-133)],  # the smallest subnormal bfloat16
+        [3 * 2.0**-130, 2.0**-131, 0.0],  # subnormal amax
+        [tiny, -tiny / 2, 0.0],
+        [448 * 2.0**-126, 1.0 * 2.0**-126, 0.0],  # exactly 448 * 2^-126: e = -126
+        [449 * 2.0**-126, 0.0, 0.0],  # bfloat16 rounds it to 448 * 2^-126
+        [456 * 2.0**-126, 0.0, 0.0],  # just above: e = -125
+        [torch.finfo(BF16).max, -1.0, 0.0],  # amax about 1.99 * 2^127: e = 120
+        [-torch.finfo(BF16).max, 2.0**-100, 0.0],
+        [448 * 2.0**20, 224 * 2.0**20, 0.0],
+        [224 * 2.0**-3, 0.0, 0.0],  # 224 * 2^-3 = 1.75 * 2^4: e = -4, q / scale = 448
+        [1.0, 0.0, 0.0],
+    ]
+    q = torch.tensor(rows, dtype=torch.float64).to(BF16)
+    assert_quantised_by_definition(q)
+    _, row_scale = quantize_q_rows(q)
+    assert row_scale[:4].tolist() == [2.0**-126] * 4
+    assert row_scale[5].item() == 2.0**-125 and row_scale[6].item() == 2.0**120
+    assert row_scale[9].item() == 2.0**-4
+
+
+def test_quantize_q_rows_is_the_same_on_any_leading_shape(generator):
+    q = (torch.randn(5, 3, 512, generator=generator) * 9).to(BF16)
+    flat_e4m3, flat_scale = quantize_q_rows(q.reshape(15, 512))
+    q_e4m3, row_scale = quantize_q_rows(q)
+    assert torch.equal(q_e4m3.reshape(15, 512).view(torch.uint8), flat_e4m3.view(torch.uint8))
+    assert torch.equal(row_scale.reshape(15), flat_scale)
+
+
+def test_bf16_q_reference_is_the_reference_on_the_quantised_rows(make_inputs):
+    """``q_scale=None`` with a bfloat16 q: the rows quantised by ``quantize_q_rows``, each with its own scale
+    in q_scale's place (the per-slot loop, row by row); ``q_scale=1.0``: the exact product of the bfloat16
+    q."""
+    args = make_inputs(
+        s_q=5, h_q=4, s_kv=30, d_qk=16, topk=12, with_sink=True, with_topk_length=True, q_dtype=BF16
+    )
+    args["d_v"] = 8
+    args["q"] = args["q"] * torch.tensor([2.0**-8, 1.0, 3.0, 2.0**8]).to(BF16)[None, :, None]
+    got = sparse_mla_prefill_reference(**args)
+    q_e4m3, row_scale = quantize_q_rows(args["q"])
+    assert torch.equal(
+        sparse_mla_prefill_reference(**args | {"q": q_e4m3, "q_scale": row_scale})[2], got[2]
+    )  # a [s_q, h_q] q_scale: the same call
+    for h in range(4):
+        for i in range(5):
+            row = {
+                **args,
+                "q": q_e4m3[i : i + 1, h : h + 1],
+                "indices": args["indices"][i : i + 1],
+                "topk_length": args["topk_length"][i : i + 1],
+                "attn_sink": args["attn_sink"][h : h + 1],
+                "q_scale": row_scale[i, h].item(),
+            }
+            for a, b in zip(got, loop_reference(**row), strict=True):
+                torch.testing.assert_close(a[i : i + 1, h : h + 1], b, **TOL)
+    exact = sparse_mla_prefill_reference(**args | {"q_scale": 1.0})
+    expected = loop_reference(**args | {"q_scale": 1.0})
+    for a, b in zip(exact, expected, strict=True):
+        torch.testing.assert_close(a, b, **TOL)
+    assert not torch.equal(exact[2], got[2])  # the quantisation is visible
+
+
+def test_q_scale_none_needs_a_bf16_q_and_a_row_scale_needs_the_rows_shape(make_inputs):
+    args = make_inputs(s_q=3, h_q=2, s_kv=10, d_qk=8, topk=4) | {"d_v": 4}
+    with pytest.raises(ValueError, match="q_scale: None only for a bfloat16 q"):
+        sparse_mla_prefill_reference(**args | {"q_scale": None})
+    with pytest.raises(
+        ValueError, match=r"q_scale: expected one element or shape \[s_q, h_q\], got \[2, 3\]"
+    ):
+        sparse_mla_prefill_reference(**args | {"q_scale": torch.ones(2, 3)})
+
+
+@pytest.mark.gpu
+def test_quantize_q_rows_on_the_gpu_is_bitwise_the_cpus(generator):
+    q = torch.randn(64, 32, 576, generator=generator) * torch.exp2(
+        torch.randint(-140, 120, (64, 32, 1)).float()
+    )
+    q[0, 0] = 0.0
+    q = q.to(BF16)
+    on_cpu = quantize_q_rows(q)
+    on_gpu = quantize_q_rows(q.cuda())
+    assert torch.equal(on_gpu[0].cpu().view(torch.uint8), on_cpu[0].view(torch.uint8))
+    assert torch.equal(on_gpu[1].cpu(), on_cpu[1])

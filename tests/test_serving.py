@@ -504,6 +504,84 @@ def test_pipeline_reuses_its_buffers(generator):
     assert torch.equal(second[0], first[0][:half]) and torch.equal(second[2], first[2][:half])
 
 
+def recording_kernels(calls: list):
+    """``reference_kernels()`` whose attention records the tensors it is given."""
+    kernels = reference_kernels()
+
+    def attention_fp8(q, kv, indices, sm_scale, q_scale, kv_scale, attn_sink, topk_length):
+        calls.append({"q": q, "q_scale": q_scale, "kv_scale": kv_scale, "attn_sink": attn_sink})
+        return kernels.attention_fp8(q, kv, indices, sm_scale, q_scale, kv_scale, attn_sink, topk_length)
+
+    def attention_bf16(q, kv, indices, sm_scale, attn_sink, topk_length):
+        calls.append({"q": q, "attn_sink": attn_sink})
+        return kernels.attention_bf16(q, kv, indices, sm_scale, attn_sink, topk_length)
+
+    return kernels._replace(attention_fp8=attention_fp8, attention_bf16=attention_bf16)
+
+
+@pytest.mark.parametrize("backend", ["fp8", "bf16"])
+@pytest.mark.parametrize("h", [128, 48])
+def test_pipeline_hands_the_kernel_the_bf16_q(generator, backend, h):
+    """The FP8 backend passes the bfloat16 Q with ``q_scale=None`` (the kernel scales each row; no Q cast, no
+    per-tensor scale) and the cached one-element kv_scale 1.0: Q itself when its heads are a multiple of 64
+    and it is contiguous, else Q with zero heads appended in a reusable bfloat16 buffer (the bf16 backend
+    likewise, without scales)."""
+    batch = make_batch("v32", 64, 0, h=h, topk=16, generator=generator)
+    calls = []
+    prefill = SparsePrefill(
+        backend, kernels=recording_kernels(calls), workspace=SparsePrefillWorkspace("cpu")
+    )
+    args = (batch["q"], batch["cache"], batch["page_table"], batch["indices"], batch["seqlens"], 0, SM_SCALE)
+    first = prefill.forward(*args)
+    second = prefill.forward(*args)
+    assert all(torch.equal(a, b) for a, b in zip(first, second, strict=True))
+    q = batch["q"]
+    for call in calls:
+        assert call["q"].dtype == BF16 and call["q"].shape == (q.shape[0], -(-h // 64) * 64, 576)
+        assert (call["q"] is q) == (h % 64 == 0)
+        assert torch.equal(call["q"][:, :h], q) and (call["q"][:, h:] == 0).all()
+        if backend == "fp8":
+            assert call["q_scale"] is None
+            assert call["kv_scale"] is calls[0]["kv_scale"] and call["kv_scale"].tolist() == [1.0]
+    if h % 64:
+        assert calls[0]["q"].data_ptr() == calls[1]["q"].data_ptr()  # the buffer is reused
+        assert prefill._q.allocations == 1
+    else:
+        assert prefill._q.allocations == 0
+    strided = q.transpose(0, 1).contiguous().transpose(0, 1)  # heads a multiple of 64 or not: copied
+    prefill.forward(strided, *args[1:])
+    assert calls[-1]["q"] is not strided and calls[-1]["q"].is_contiguous()
+    assert torch.equal(calls[-1]["q"][:, :h], q)
+
+
+def test_pipeline_fp8_backend_quantises_each_row_of_q_with_its_own_scale(generator):
+    """Heads of very different magnitudes (2^-8 .. 2^8): the FP8 backend's result is the float64 attention
+    of the rows quantised one by one, and every head's logits keep the relative accuracy of e4m3; with one
+    scale for the whole tensor the small heads' q would fall among e4m3's subnormals."""
+    batch = make_batch("model1", 64, 0, h=64, topk=16, generator=generator)
+    factors = torch.exp2(torch.linspace(-8, 8, 64).round())
+    batch["q"] = (batch["q"].float() * factors[None, :, None]).to(BF16)
+    _, got = run_pipeline(batch, "fp8")
+    same = ground_truth(batch, "model1", SM_SCALE, kv_format="e4m3", quantize_q=True)
+    assert_close_to_truth(got, same, out_tol=4e-3, stat_tol=1e-6)
+
+    def median_relative_error(max_logits, exact):  # of max_logits, per head, over rows with a valid slot
+        full = exact[2] != math.inf
+        error = (max_logits.double() - exact[1]).abs() / exact[1].abs().clamp(min=1e-300)
+        return torch.stack([error[:, head][full[:, head]].median() for head in range(64)])
+
+    exact = ground_truth(batch, "model1", SM_SCALE, kv_format="e4m3")  # the bfloat16 q, unrounded
+    per_row_error = median_relative_error(got[1], exact)
+    assert per_row_error.max() < 0.03  # about 1% for every head
+    q = batch["q"]
+    scale = dynamic_q_scale(q)
+    per_tensor = {**batch, "q": (cast_q_fp8(q, scale)[:, :64].float() * scale).to(BF16)}
+    per_tensor_error = median_relative_error(
+        ground_truth(per_tensor, "model1", SM_SCALE, kv_format="e4m3")[1], exact
+    )
+    assert per_tensor_error[:4].min() > 3 * per_row_error.max()  # the smallest heads near e4m3's subnormals
+
+
 def test_topk_length_per_compress_ratio():
     seqlens = torch.tensor([0, 1, 3, 4, 127, 128, 129, 255, 256, 5000])
     assert serving.topk_length_for(seqlens, 0, 2048).tolist() == [0, 1, 3, 4, 127, 128, 129, 255, 256, 2048]

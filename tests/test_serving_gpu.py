@@ -6,7 +6,9 @@
   producer-quantised values.
 - ``SparsePrefill.forward`` matches the float64 ground truth decoded from the cache bytes for every
   compress ratio, with the tolerances of ``test_kernel_gpu.py`` (the kernel rounds P to e4m3), can be
-  captured in a CUDA graph and keeps its workspace pointer.
+  captured in a CUDA graph and keeps its workspace pointer. Its FP8 backend hands the kernel the bfloat16 Q
+  (quantised per row in the kernel, as the ground truth does): its results are the public call's on that
+  Q, bit for bit.
 - The bf16 backend runs once ``q8kv8.kernels.launch_sparse_prefill_bf16`` exists (skipped before).
 """
 
@@ -25,10 +27,12 @@ from paged_cache import (
 )
 from reference_checks import assert_outputs_match
 
+from q8kv8 import sparse_mla_q8kv8_prefill_fwd
+from q8kv8.metadata import pad_topk, padded_num_heads
 from q8kv8.paged_gather import gather_dequant_paged, gather_dequant_requant_fp8_paged
 from q8kv8.query import cast_q_fp8, dynamic_q_scale
 from q8kv8.reference import gather_dequant_paged_reference
-from q8kv8.serving import SparsePrefill
+from q8kv8.serving import SparsePrefill, topk_length_for
 from q8kv8.workspace import SparsePrefillWorkspace
 
 pytestmark = pytest.mark.gpu
@@ -199,6 +203,30 @@ def test_forward_bf16_matches_float64_ground_truth(generator, layout, compress_r
     got = forward(SparsePrefill("bf16"), cuda_batch(batch), sink.cuda())
     assert_matches(got, ground_truth(batch, layout, SM_SCALE, sink, kv_format="bf16"), 2e-2, 1e-2)
     assert_matches(got, ground_truth(batch, layout, SM_SCALE, sink), 2e-2, 1e-2)
+
+
+@pytest.mark.parametrize("h", [128, 20])
+def test_forward_fp8_is_the_public_call_on_the_bf16_q(generator, h):
+    """The layer's FP8 result is ``sparse_mla_q8kv8_prefill_fwd`` on the bfloat16 Q (zero heads appended up to
+    a multiple of 64), the gathered rows, ``q_scale=None`` and kv_scale 1.0, bit for bit."""
+    batch = cuda_batch(make_batch("v32", 64, 4, h=h, topk=200, generator=generator))
+    sink = torch.randn(h, generator=generator).cuda()
+    prefill = SparsePrefill("fp8")
+    got = forward(prefill, batch, sink)
+    q = batch["q"]
+    h_pad = padded_num_heads(h)
+    q_padded = torch.cat([q, q.new_zeros(q.shape[0], h_pad - h, q.shape[2])], dim=1)
+    sink_padded = torch.cat([sink, sink.new_full((h_pad - h,), -math.inf)])
+    kv = prefill.workspace.get(batch["page_table"].shape[0], E4M3)
+    indices = pad_topk(batch["indices"][:, None, :])
+    topk_length = topk_length_for(batch["seqlens"], 4, indices.shape[2])
+    one = torch.ones(1, device="cuda")
+    want = sparse_mla_q8kv8_prefill_fwd(
+        q_padded, kv, indices, SM_SCALE, None, one, 512, sink_padded, topk_length
+    )
+    torch.cuda.synchronize()
+    for a, b in zip(got, want, strict=True):
+        assert torch.equal(a, b[:, :h])
 
 
 def test_forward_keeps_its_workspace_and_replays_in_a_cuda_graph(generator):

@@ -103,11 +103,12 @@ def test_info_reports_versions_gpu_variants_and_cache(variants):
         assert report["gpu"] == torch.cuda.get_device_name() and report["arch"].startswith("sm_")
     else:
         assert report["gpu"] == report["arch"] == "none"
-    assert [v["name"] for v in report["variants"]] == [v.name for v in kernels.all_variants()]
+    assert [v["name"] for v in report["variants"]] == [v.name for v in kernels.listed_variants()]
     assert {v.name for v in variants.values()} < {v["name"] for v in report["variants"]}
+    q_dtypes = {option: dtype for dtype, option in kernels.KERNEL_Q_DTYPES.items()}
     for described in report["variants"]:
         assert described["shared_memory_bytes"] == kernels.shared_memory_bytes(
-            described["d_qk"], described["precision"]
+            described["d_qk"], described["precision"], q_dtypes[described["q_dtype"]]
         )
         assert described["shared_memory_bytes"] <= 227 * 1024  # fits an SM90 CTA
         assert described["registers"] is None or 0 < described["registers"] <= 168
@@ -180,3 +181,28 @@ def test_gather_energy_probe_compiles_for_sm90a(tmp_path):
     result = subprocess.run(command, capture_output=True, text=True)
     assert result.returncode == 0, result.stderr[-4000:]
     assert binary.stat().st_size > 0
+
+
+def test_listings_name_the_bf16_q_variants_once_the_kernel_takes_a_bf16_q(monkeypatch):
+    """``listed_variants()`` (what ``python -m q8kv8.compile`` and ``q8kv8.info()`` list) adds the variants
+    for a bfloat16 q exactly when the kernel takes one, and builds them only then."""
+    built = []
+
+    def load_bf16_q_variants():
+        built.append(True)
+        return {"stand-in": kernels.all_variants()[0]}
+
+    monkeypatch.setattr(kernels, "load_bf16_q_variants", load_bf16_q_variants)
+    monkeypatch.setattr(kernels, "bf16_q_kernel_available", lambda: False)
+    assert [v.name for v in kernels.listed_variants()] == [v.name for v in kernels.all_variants()]
+    assert not built
+    monkeypatch.setattr(kernels, "bf16_q_kernel_available", lambda: True)
+    assert len(kernels.listed_variants()) == len(kernels.all_variants()) + 1 and built
+
+
+def test_the_bf16_q_variants_are_not_built_at_import():
+    code = "import q8kv8.kernels as k, q8kv8; print(len(k._bf16_q_variants))"
+    result = subprocess.run(
+        [sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, check=True
+    )
+    assert result.stdout.strip() == "0"

@@ -13,7 +13,8 @@
 // certainty (subclasses other than nn.Parameter, wrapper or Python-dispatch TensorImpls, negative or
 // conjugate views), and devices and kernel variants that are not registered. Each check is one of the
 // contract's, or narrower. An error raised by the variant's launch becomes the Python exception of its
-// TVM-FFI error kind.
+// TVM-FFI error kind. q is e4m3 with a q_scale tensor, or bfloat16 with q_scale None (the kernel scales each
+// row of it); each q dtype has kernel variants of its own.
 //
 // The names of PrefillCall's fields, the supported sizes, alignments, flag bits and the schedule's
 // constants all come from q8kv8's Python modules through configure(). Every function runs with the GIL
@@ -31,6 +32,7 @@
 #include <c10/core/Allocator.h>
 #include <c10/core/DeviceGuard.h>
 #include <c10/core/impl/DeviceGuardImplInterface.h>
+#include <torch/csrc/Dtype.h>
 #include <torch/csrc/Exceptions.h>
 #include <torch/csrc/autograd/python_variable.h>
 
@@ -75,6 +77,8 @@ struct Config {
   Py_ssize_t num_fields = 0;
   Py_ssize_t field_index[kNumFields] = {};
   std::vector<int64_t> supported_d_qk;
+  std::vector<DLDataType> q_dtypes;  // the dtypes q may have
+  std::vector<bool> q_row_scaled;  // per q dtype: scaled per row by the kernel (q_scale None)
   int64_t d_v = 0;
   std::vector<PyObject*> precisions;  // str, owned
   std::vector<bool> persistent_precision;  // per precision
@@ -102,7 +106,7 @@ struct Device {
 struct Registry {
   Config config;
   std::vector<Device> devices;
-  // TVM-FFI functions (owned references, or null), [d_qk][precision][persistent].
+  // TVM-FFI functions (owned references, or null), [q dtype][d_qk][precision][persistent].
   std::vector<TVMFFIObjectHandle> variants;
 };
 
@@ -132,6 +136,22 @@ void ReleaseAll() {
 // one stays the current one.
 std::array<c10::Allocator*, 64> g_cuda_allocators{};
 
+// DLPack's dtype of the scalar types the checks accept; an opaque handle (no check accepts it) for others.
+DLDataType DLDtypeOf(c10::ScalarType type) {
+  switch (type) {
+    case at::kFloat8_e4m3fn:
+      return {kDLFloat8_e4m3fn, 8, 1};
+    case at::kInt:
+      return {kDLInt, 32, 1};
+    case at::kFloat:
+      return {kDLFloat, 32, 1};
+    case at::kBFloat16:
+      return {kDLBfloat, 16, 1};
+    default:
+      return {kDLOpaqueHandle, 0, 0};
+  }
+}
+
 // A DLPack view of a plain strided CPU or CUDA tensor; false for anything else.
 bool FillDLTensor(const at::Tensor& tensor, DLTensor* view) {
   const c10::TensorImpl* impl = tensor.unsafeGetTensorImpl();
@@ -151,22 +171,7 @@ bool FillDLTensor(const at::Tensor& tensor, DLTensor* view) {
     default:
       return false;
   }
-  switch (impl->dtype().toScalarType()) {
-    case at::kFloat8_e4m3fn:
-      view->dtype = {kDLFloat8_e4m3fn, 8, 1};
-      break;
-    case at::kInt:
-      view->dtype = {kDLInt, 32, 1};
-      break;
-    case at::kFloat:
-      view->dtype = {kDLFloat, 32, 1};
-      break;
-    case at::kBFloat16:
-      view->dtype = {kDLBfloat, 16, 1};
-      break;
-    default:
-      view->dtype = {kDLOpaqueHandle, 0, 0};  // no check accepts it
-  }
+  view->dtype = DLDtypeOf(impl->dtype().toScalarType());
   try {
     view->data = const_cast<void*>(impl->data());  // what Tensor.data_ptr() returns (offset included)
   } catch (const std::exception&) {
@@ -189,6 +194,7 @@ const at::Tensor* ReadTensor(PyObject* object, DLTensor* view) {
 // A call's arguments as read: DLPack views (valid while the call's objects are alive) and scalars.
 struct Views {
   DLTensor q, kv, indices, q_scale, kv_scale, attn_sink, topk_length, out, max_logits, lse;
+  bool has_q_scale = false;  // false: None (a row-scaled q)
   bool has_sink = false;
   bool has_topk_length = false;
   bool has_outputs = false;  // false: all three absent, allocated after the checks
@@ -214,6 +220,10 @@ Plan Declined(std::string reason) {
 
 bool HasDtype(const DLTensor& t, uint8_t code, uint8_t bits) {
   return t.dtype.code == code && t.dtype.bits == bits && t.dtype.lanes == 1;
+}
+
+bool SameDtype(const DLDataType& a, const DLDataType& b) {
+  return a.code == b.code && a.bits == b.bits && a.lanes == b.lanes;
 }
 
 int64_t Stride(const DLTensor& t, int dim) { return t.strides[dim]; }
@@ -268,6 +278,12 @@ int64_t TilesPerCta(int64_t num_tiles, int64_t topk, bool has_topk_length, size_
   return tiles >= 2 ? tiles : 0;
 }
 
+// The registry's slot of a variant: [q dtype][d_qk][precision][persistent], by index into the Config's lists.
+size_t VariantIndex(size_t q_dtype, size_t d_qk, size_t precision, bool persistent) {
+  const Config& c = registry.config;
+  return ((q_dtype * c.supported_d_qk.size() + d_qk) * c.precisions.size() + precision) * 2 + (persistent ? 1 : 0);
+}
+
 // The outputs' checks (contract._check_signatures, _check_no_overlap, Problem.launch_ready for out): an
 // empty string when they pass, else why not.
 std::string CheckOutputs(const Views& v) {
@@ -286,8 +302,8 @@ std::string CheckOutputs(const Views& v) {
   }
   // No output shares memory with another output or an input (contract._check_no_overlap).
   const Span outputs[3] = {SpanOf(v.out), SpanOf(v.max_logits), SpanOf(v.lse)};
-  Span inputs[7] = {SpanOf(v.q), SpanOf(v.kv), SpanOf(v.indices), SpanOf(v.q_scale), SpanOf(v.kv_scale),
-                    {0, 0}, {0, 0}};
+  Span inputs[7] = {SpanOf(v.q), SpanOf(v.kv), SpanOf(v.indices), {0, 0}, SpanOf(v.kv_scale), {0, 0}, {0, 0}};
+  if (v.has_q_scale) inputs[3] = SpanOf(v.q_scale);
   if (v.has_sink) inputs[5] = SpanOf(v.attn_sink);
   if (v.has_topk_length) inputs[6] = SpanOf(v.topk_length);
   for (int i = 0; i < 3; ++i) {
@@ -314,7 +330,9 @@ Plan Check(const Views& v) {
   // Ranks, dtypes, shapes (contract._check_signatures), in the common case: no head padding, no empty
   // extent.
   if (q.ndim != 3 || kv.ndim != 3 || indices.ndim != 3) return Declined("q, kv or indices is not 3-D");
-  if (!HasDtype(q, kDLFloat8_e4m3fn, 8) || !HasDtype(kv, kDLFloat8_e4m3fn, 8) || !HasDtype(indices, kDLInt, 32)) {
+  size_t q_dtype = 0;
+  while (q_dtype < c.q_dtypes.size() && !SameDtype(q.dtype, c.q_dtypes[q_dtype])) ++q_dtype;
+  if (q_dtype == c.q_dtypes.size() || !HasDtype(kv, kDLFloat8_e4m3fn, 8) || !HasDtype(indices, kDLInt, 32)) {
     return Declined("q, kv or indices has another dtype");
   }
   if (Stride(q, 2) != 1 || Stride(kv, 2) != 1 || Stride(indices, 2) != 1) {
@@ -334,7 +352,13 @@ Plan Check(const Views& v) {
   if (topk <= 0 || topk % c.topk_alignment != 0) {
     return Declined("topk is not a positive multiple of " + std::to_string(c.topk_alignment));
   }
+  // A row-scaled q (bfloat16) comes without q_scale, any other with it.
+  if (v.has_q_scale == c.q_row_scaled[q_dtype]) {
+    return Declined(v.has_q_scale ? "q_scale is given for a q that the kernel scales per row (it must be None)"
+                                  : "q_scale is None for a q that needs it");
+  }
   for (const DLTensor* scale : {&v.q_scale, &v.kv_scale}) {
+    if (scale == &v.q_scale && !v.has_q_scale) continue;
     if (scale->ndim != 1 || scale->shape[0] != 1 || !HasDtype(*scale, kDLFloat, 32)) {
       return Declined("q_scale or kv_scale is not a 1-D one-element float32 tensor");
     }
@@ -353,9 +377,10 @@ Plan Check(const Views& v) {
   }
 
   // One device for all, registered (a device the Python path has launched on: the contract checked it).
-  for (const DLTensor* t : {&kv, &indices, &v.q_scale, &v.kv_scale}) {
+  for (const DLTensor* t : {&kv, &indices, &v.kv_scale}) {
     if (!SameDevice(*t, q)) return Declined("the tensors are on more than one device");
   }
+  if (v.has_q_scale && !SameDevice(v.q_scale, q)) return Declined("the tensors are on more than one device");
   if ((v.has_sink && !SameDevice(v.attn_sink, q)) || (v.has_topk_length && !SameDevice(v.topk_length, q))) {
     return Declined("the tensors are on more than one device");
   }
@@ -377,8 +402,7 @@ Plan Check(const Views& v) {
   const int64_t tiles =
       TilesPerCta(s_q * (h_q / c.head_alignment), topk, v.has_topk_length, v.precision, device->sm_count);
   const size_t d_qk_index = static_cast<size_t>(d_qk_found - c.supported_d_qk.begin());
-  const size_t variant_index = (d_qk_index * c.precisions.size() + v.precision) * 2 + (tiles > 0 ? 1 : 0);
-  TVMFFIObjectHandle variant = registry.variants[variant_index];
+  TVMFFIObjectHandle variant = registry.variants[VariantIndex(q_dtype, d_qk_index, v.precision, tiles > 0)];
   if (variant == nullptr) return Declined("the kernel variant is not registered");
   Plan plan;
   plan.tiles = tiles;
@@ -421,18 +445,19 @@ Plan Inspect(PyObject* call, Views* v) {
       " is not a tensor read here (a plain CPU or CUDA torch.Tensor: no subclass but nn.Parameter, no "
       "wrapper, no negative or conjugate view)";
   const std::pair<Field, DLTensor*> required[] = {
-      {kQ, &v->q}, {kKv, &v->kv}, {kIndices, &v->indices}, {kQScale, &v->q_scale}, {kKvScale, &v->kv_scale}};
+      {kQ, &v->q}, {kKv, &v->kv}, {kIndices, &v->indices}, {kKvScale, &v->kv_scale}};
   for (const auto& [f, view] : required) {
     const at::Tensor* tensor = ReadTensor(field(f), view);
     if (tensor == nullptr) return Declined(std::string(kFieldNames[f]) + kNotRead);
     if (f == kQ) v->q_tensor = tensor;
   }
-  const std::pair<Field, DLTensor*> optional[] = {{kAttnSink, &v->attn_sink}, {kTopkLength, &v->topk_length}};
+  const std::pair<Field, DLTensor*> optional[] = {
+      {kQScale, &v->q_scale}, {kAttnSink, &v->attn_sink}, {kTopkLength, &v->topk_length}};
   for (const auto& [f, view] : optional) {
     PyObject* value = field(f);
     if (value == Py_None) continue;
     if (ReadTensor(value, view) == nullptr) return Declined(std::string(kFieldNames[f]) + kNotRead);
-    (f == kAttnSink ? v->has_sink : v->has_topk_length) = true;
+    (f == kQScale ? v->has_q_scale : f == kAttnSink ? v->has_sink : v->has_topk_length) = true;
   }
   const std::pair<Field, DLTensor*> outputs[] = {{kOut, &v->out}, {kMaxLogits, &v->max_logits}, {kLse, &v->lse}};
   int given = 0;
@@ -539,10 +564,13 @@ void SetTensor(TVMFFIAny* any, const DLTensor* t) {
 // stream of q's device for the call when set_stream). Returns nullptr with a Python exception set when the
 // call raised, else Py_None (borrowed).
 PyObject* Run(const Views& v, const Plan& plan, bool set_stream, void* stream) {
-  // An absent topk_length / attn_sink is passed as a view of the call's own one-element scales (q_scale's
-  // bytes as int32, kv_scale), never read (the flags say absent): nothing is allocated or kept per call, so
-  // a launch under CUDA graph capture leaves no allocation behind (kernels.placeholders).
-  DLTensor no_topk_length = v.q_scale;
+  // A row-scaled q has no q_scale: the kernel does not read that argument, which gets kv_scale. An absent
+  // topk_length / attn_sink is passed as a view of the call's own one-element scales (q_scale's bytes as
+  // int32, or kv_scale's without a q_scale; kv_scale), never read (the flags say absent): nothing is
+  // allocated or kept per call, so a launch under CUDA graph capture leaves no allocation behind
+  // (kernels.placeholders).
+  const DLTensor& q_scale = v.has_q_scale ? v.q_scale : v.kv_scale;
+  DLTensor no_topk_length = q_scale;
   no_topk_length.dtype = {kDLInt, 32, 1};
   TVMFFIAny args[13] = {};
   SetTensor(&args[0], &v.q);
@@ -550,7 +578,7 @@ PyObject* Run(const Views& v, const Plan& plan, bool set_stream, void* stream) {
   SetTensor(&args[2], &v.indices);
   SetTensor(&args[3], v.has_topk_length ? &v.topk_length : &no_topk_length);
   SetTensor(&args[4], v.has_sink ? &v.attn_sink : &v.kv_scale);
-  SetTensor(&args[5], &v.q_scale);
+  SetTensor(&args[5], &q_scale);
   SetTensor(&args[6], &v.kv_scale);
   SetTensor(&args[7], &v.out);
   SetTensor(&args[8], &v.max_logits);
@@ -712,6 +740,34 @@ bool Configure(PyObject* constants, Config* c) {
   Py_DECREF(d_qk);
   if (PyErr_Occurred()) return false;
 
+  PyObject* q_dtypes = GetSequence(constants, "q_dtypes");
+  if (q_dtypes == nullptr) return false;
+  PyObject* row_scaled = GetSequence(constants, "row_scaled_q_dtypes");
+  if (row_scaled == nullptr) {
+    Py_DECREF(q_dtypes);
+    return false;
+  }
+  for (Py_ssize_t i = 0; i < PyTuple_GET_SIZE(q_dtypes); ++i) {
+    PyObject* dtype = PyTuple_GET_ITEM(q_dtypes, i);
+    const DLDataType dl_dtype = THPDtype_Check(dtype) ? DLDtypeOf(reinterpret_cast<THPDtype*>(dtype)->scalar_type)
+                                                      : DLDataType{kDLOpaqueHandle, 0, 0};
+    if (dl_dtype.code == kDLOpaqueHandle) {
+      PyErr_SetString(PyExc_TypeError, "configure: q_dtypes must be torch dtypes the checks read");
+      break;
+    }
+    c->q_dtypes.push_back(dl_dtype);
+    const int contains = PySequence_Contains(row_scaled, dtype);
+    if (contains < 0) break;
+    c->q_row_scaled.push_back(contains == 1);
+  }
+  Py_DECREF(q_dtypes);
+  Py_DECREF(row_scaled);
+  if (PyErr_Occurred()) return false;
+  if (c->q_dtypes.empty()) {
+    PyErr_SetString(PyExc_ValueError, "configure: q_dtypes must not be empty");
+    return false;
+  }
+
   PyObject* precisions = GetSequence(constants, "precisions");
   if (precisions == nullptr) return false;
   PyObject* persistent = GetSequence(constants, "persistent_precisions");
@@ -773,7 +829,7 @@ PyObject* ConfigureCall(PyObject* /*module*/, PyObject* constants) {
     return nullptr;
   }
   const Config& c = registry.config;
-  registry.variants.assign(c.supported_d_qk.size() * c.precisions.size() * 2, nullptr);
+  registry.variants.assign(c.q_dtypes.size() * c.supported_d_qk.size() * c.precisions.size() * 2, nullptr);
   registry.config.configured = true;
   Py_RETURN_NONE;
 }
@@ -809,11 +865,13 @@ PyObject* RegisterDevice(PyObject* /*module*/, PyObject* const* args, Py_ssize_t
   Py_RETURN_NONE;
 }
 
-// register_variant(d_qk, precision, persistent, handle): a kernel variant, the TVM-FFI function whose object
-// handle (tvm_ffi.Function.__chandle__()) is `handle`; referenced until replaced or reset.
+// register_variant(d_qk, precision, persistent, handle, q_dtype): a kernel variant for a q of q_dtype (a
+// torch dtype), the TVM-FFI function whose object handle (tvm_ffi.Function.__chandle__()) is `handle`;
+// referenced until replaced or reset.
 PyObject* RegisterVariant(PyObject* /*module*/, PyObject* const* args, Py_ssize_t nargs) {
-  if (nargs != 4) {
-    PyErr_Format(PyExc_TypeError, "register_variant(d_qk, precision, persistent, handle) takes 4 arguments");
+  if (nargs != 5) {
+    PyErr_Format(PyExc_TypeError,
+                 "register_variant(d_qk, precision, persistent, handle, q_dtype) takes 5 arguments");
     return nullptr;
   }
   const Config& c = registry.config;
@@ -826,9 +884,18 @@ PyObject* RegisterVariant(PyObject* /*module*/, PyObject* const* args, Py_ssize_
   for (size_t i = 0; i < c.precisions.size(); ++i) {
     if (PyUnicode_Check(args[1]) && PyUnicode_Compare(args[1], c.precisions[i]) == 0) precision = i;
   }
-  if (!c.configured || d_qk_found == c.supported_d_qk.end() || precision == c.precisions.size()) {
-    PyErr_Format(PyExc_ValueError, "register_variant: not configured, or no variant d_qk %lld, precision %R",
-                 d_qk, args[1]);
+  size_t q_dtype = c.q_dtypes.size();
+  if (THPDtype_Check(args[4])) {
+    const DLDataType dtype = DLDtypeOf(reinterpret_cast<THPDtype*>(args[4])->scalar_type);
+    for (size_t i = 0; i < c.q_dtypes.size(); ++i) {
+      if (SameDtype(dtype, c.q_dtypes[i])) q_dtype = i;
+    }
+  }
+  if (!c.configured || d_qk_found == c.supported_d_qk.end() || precision == c.precisions.size() ||
+      q_dtype == c.q_dtypes.size()) {
+    PyErr_Format(PyExc_ValueError,
+                 "register_variant: not configured, or no variant d_qk %lld, precision %R, q dtype %R", d_qk,
+                 args[1], args[4]);
     return nullptr;
   }
   if (handle == nullptr || TVMFFIObjectGetTypeIndex(handle) != kTVMFFIFunction) {
@@ -836,7 +903,7 @@ PyObject* RegisterVariant(PyObject* /*module*/, PyObject* const* args, Py_ssize_
     return nullptr;
   }
   const size_t d_qk_index = static_cast<size_t>(d_qk_found - c.supported_d_qk.begin());
-  TVMFFIObjectHandle& slot = registry.variants[(d_qk_index * c.precisions.size() + precision) * 2 + persistent];
+  TVMFFIObjectHandle& slot = registry.variants[VariantIndex(q_dtype, d_qk_index, precision, persistent != 0)];
   TVMFFIObjectIncRef(handle);
   if (slot != nullptr) TVMFFIObjectDecRef(slot);
   slot = handle;
@@ -861,7 +928,7 @@ PyMethodDef methods[] = {
     Q8KV8_METHOD("register_device", RegisterDevice, METH_FASTCALL,
                  "register_device(device_type, device_id, sm_count)"),
     Q8KV8_METHOD("register_variant", RegisterVariant, METH_FASTCALL,
-                 "register_variant(d_qk, precision, persistent, handle)"),
+                 "register_variant(d_qk, precision, persistent, handle, q_dtype)"),
     {nullptr, nullptr, 0, nullptr},
 };
 

@@ -2,17 +2,19 @@
 
 On an H100/H200 it times each shape (median of ``triton.testing.do_bench``, CUDA events otherwise)
 for the q8kv8 kernel in both precisions ("default", and "accurate" with its time relative to the
-default) and a plain-PyTorch baseline (gather + bf16 matmul + softmax, what one writes
-without a kernel), prints a table with TF/s (FLOPs = 2 * sum(valid topk) * h_q * (d_qk + 512)), the
-host overhead per call, and writes ``bench/results.json`` and ``bench/results.png``.
+default), the kernel on a bfloat16 q right after the e4m3 one (the same values: the e4m3 q dequantised to
+bf16, which the kernel quantises per row itself; its time relative to the e4m3 q's) and a plain-PyTorch
+baseline (gather + bf16 matmul + softmax, what one writes without a kernel), prints a table with TF/s
+(FLOPs = 2 * sum(valid topk) * h_q * (d_qk + 512)), the host overhead per call, and writes
+``bench/results.json`` and ``bench/results.png``.
 Without an SM90 GPU it builds the kernel variants for sm_90a, prints a compile report and exits 2.
 
-Then the paged serving path (``scripts/bench/serving.py``): a layer call (Q cast + gather + kernel)
+Then the paged serving path (``scripts/bench/serving.py``): a layer call (gather + kernel on the bf16 Q)
 next to the kernel alone and the gather's bandwidth; one layer shape by default, all of them with
 ``--serving``, none with ``--no-serving``.
 
     python -m scripts.bench [--shapes NAME,...] [--check] [--rep MS] [--no-baseline] [--no-accurate]
-                            [--[no-]serving]
+                            [--no-bf16q] [--[no-]serving]
 """
 
 from __future__ import annotations
@@ -35,11 +37,12 @@ REPO = Path(__file__).resolve().parent.parent.parent
 
 
 def compile_report() -> list[dict]:
-    rows = [kernels.describe(variant) for variant in sorted(kernels.all_variants(), key=lambda v: v.name)]
-    print(f"{'variant':37s} {'from':9s} {'time s':>7s} {'regs':>5s} {'spills':>7s} {'smem B':>7s}")
+    rows = [kernels.describe(variant) for variant in sorted(kernels.listed_variants(), key=lambda v: v.name)]
+    width = max(37, *(len(r["name"]) for r in rows))
+    print(f"{'variant':{width}s} {'from':9s} {'time s':>7s} {'regs':>5s} {'spills':>7s} {'smem B':>7s}")
     for r in rows:
         print(
-            f"{r['name']:37s} {r['source']:9s} {r['seconds']:7.3f} {r['registers']!s:>5s} "
+            f"{r['name']:{width}s} {r['source']:9s} {r['seconds']:7.3f} {r['registers']!s:>5s} "
             f"{r['spill_bytes']!s:>7s} {r['shared_memory_bytes']:7d}"
         )
     return rows
@@ -67,12 +70,23 @@ def torch_baseline(inputs: dict, chunk_rows: int = 256) -> torch.Tensor:
     return out
 
 
-def host_overhead_us(calls: int = 500, runs: int = 20, given_buffers: bool = True) -> float:
+def bf16_q_inputs(inputs: dict) -> dict:
+    """``inputs`` with the e4m3 q dequantised to bfloat16 and ``q_scale=None`` (the kernel scales each
+    row)."""
+    q = (inputs["q"].float() * inputs["q_scale"]).to(torch.bfloat16)
+    return {**inputs, "q": q, "q_scale": None}
+
+
+def host_overhead_us(
+    calls: int = 500, runs: int = 20, given_buffers: bool = True, bf16_q: bool = False
+) -> float:
     """Wall time per call of a tiny problem (validation + launch), with the output buffers given or
-    allocated by each call: the best of ``runs`` runs of ``calls`` launches queued without syncs, after a
-    warm-up. A run stays below the launch queue's depth, so the host never waits for the GPU and the
-    number is the host's own time."""
+    allocated by each call, for an e4m3 q or a bfloat16 one: the best of ``runs`` runs of ``calls`` launches
+    queued without syncs, after a warm-up. A run stays below the launch queue's depth, so the host never
+    waits for the GPU and the number is the host's own time."""
     inputs = make_inputs(1, 256, 64, 576, 128, None, "cuda")
+    if bf16_q:
+        inputs = bf16_q_inputs(inputs)
     out = q8kv8.sparse_mla_q8kv8_prefill_fwd(**inputs)
     buffers = {"out": out[0], "max_logits": out[1], "lse": out[2]} if given_buffers else {}
     for _ in range(4 * calls):  # warm-up: caches, allocator, CPU clocks
@@ -99,6 +113,7 @@ def main() -> int:
     parser.add_argument("--rep", type=int, default=300, help="do_bench repetition time per arm, ms")
     parser.add_argument("--no-baseline", action="store_true", help="skip the PyTorch baseline arm")
     parser.add_argument("--no-accurate", action="store_true", help='skip the precision="accurate" arm')
+    parser.add_argument("--no-bf16q", action="store_true", help="skip the bfloat16-q arm")
     parser.add_argument("--out", default=str(REPO / "bench"), help="folder for results.json / results.png")
     serving = parser.add_mutually_exclusive_group()
     serving.add_argument("--serving", action="store_true", help="every serving layer shape (paged path)")
@@ -114,10 +129,10 @@ def main() -> int:
     wanted = [s for s in args.shapes.split(",") if s]
     results = []
     header = (
-        f"{'shape':30s} {'eff topk':>8s} | {'q8kv8 ms':>9s} {'TF/s':>6s} | {'accurate':>9s} {'TF/s':>6s} "
-        f"{'x':>5s} | {'torch ms':>9s} {'TF/s':>6s}"
+        f"{'shape':30s} {'eff topk':>8s} | {'q8kv8 ms':>9s} {'TF/s':>6s} | {'bf16 q':>9s} {'x':>5s} | "
+        f"{'accurate':>9s} {'TF/s':>6s} {'x':>5s} | {'torch ms':>9s} {'TF/s':>6s}"
     )
-    header += " | rel err (default, accurate)" if args.check else ""
+    header += " | rel err (default, bf16 q, accurate)" if args.check else ""
     print(f"\n{gpu}, {datetime.date.today()}\n{header}")
     for name, s_q, s_kv, h_q, d_qk, topk, tl_mode in SHAPES:
         if wanted and not any(w in name for w in wanted):
@@ -128,33 +143,49 @@ def main() -> int:
         flops = 2.0 * eff * h_q * (d_qk + 512)
         row = {"shape": name, "s_q": s_q, "s_kv": s_kv, "h_q": h_q, "d_qk": d_qk, "topk": topk}
         row.update(topk_length=tl_mode, sum_valid_topk=eff, flops=flops)
-        for arm, precision in (("q8kv8", "default"), ("q8kv8_accurate", "accurate")):
-            if precision == "accurate" and args.no_accurate:
+        # The bf16-q arm right after the e4m3 one (side by side), on the same values.
+        arms = [
+            ("q8kv8", "default", inputs),
+            ("q8kv8_bf16q", "default", None),
+            ("q8kv8_accurate", "accurate", inputs),
+        ]
+        for arm, precision, arm_inputs in arms:
+            if (arm == "q8kv8_accurate" and args.no_accurate) or (arm == "q8kv8_bf16q" and args.no_bf16q):
                 continue
-            outputs = q8kv8.sparse_mla_q8kv8_prefill_fwd(**inputs, precision=precision)
+            if arm_inputs is None:
+                arm_inputs = bf16_q_inputs(inputs)
+            outputs = q8kv8.sparse_mla_q8kv8_prefill_fwd(**arm_inputs, precision=precision)
             ms = time_ms(
-                lambda inputs=inputs, p=precision: q8kv8.sparse_mla_q8kv8_prefill_fwd(**inputs, precision=p),
+                lambda a=arm_inputs, p=precision: q8kv8.sparse_mla_q8kv8_prefill_fwd(**a, precision=p),
                 args.rep,
             )
             row[arm] = {"ms": ms, "tflops": flops / ms / 1e9}
-            if args.check:
-                row[arm]["rel_err"] = check(inputs, outputs)
+            if args.check:  # for the bf16 q: against the reference on its rows quantised as the kernel does
+                row[arm]["rel_err"] = check(arm_inputs, outputs)
+            del outputs
         ms = row["q8kv8"]["ms"]
+        if "q8kv8_bf16q" in row:
+            row["q8kv8_bf16q"]["vs_fp8q"] = row["q8kv8_bf16q"]["ms"] / ms
         if not args.no_baseline:
             base_ms = time_ms(lambda inputs=inputs: torch_baseline(inputs), max(args.rep // 3, 50))
             row["torch"] = {"ms": base_ms, "tflops": flops / base_ms / 1e9}
         results.append(row)
         base = row.get("torch", {"ms": math.nan, "tflops": math.nan})
         acc = row.get("q8kv8_accurate", {"ms": math.nan, "tflops": math.nan, "rel_err": math.nan})
+        bf16q = row.get("q8kv8_bf16q", {"ms": math.nan, "vs_fp8q": math.nan, "rel_err": math.nan})
         line = (
             f"{name:30s} {eff / s_q:8.0f} | {ms:9.3f} {row['q8kv8']['tflops']:6.0f} | "
+            f"{bf16q['ms']:9.3f} {bf16q['vs_fp8q']:5.2f} | "
             f"{acc['ms']:9.3f} {acc['tflops']:6.0f} {acc['ms'] / ms:5.2f} | "
             f"{base['ms']:9.3f} {base['tflops']:6.0f}"
         )
         if args.check:
-            line += f" | {row['q8kv8']['rel_err']:.2e}, {acc.get('rel_err', math.nan):.2e}"
+            line += (
+                f" | {row['q8kv8']['rel_err']:.2e}, {bf16q.get('rel_err', math.nan):.2e}, "
+                f"{acc.get('rel_err', math.nan):.2e}"
+            )
         print(line, flush=True)
-        del inputs, outputs
+        del inputs
 
     overhead = host_overhead_us()
     overhead_allocating = host_overhead_us(given_buffers=False)
@@ -165,6 +196,13 @@ def main() -> int:
     report = {"gpu": gpu, "date": str(datetime.date.today()), "build": build, "shapes": results}
     report["host_overhead_us"] = overhead
     report["host_overhead_allocating_us"] = overhead_allocating
+    if not args.no_bf16q:
+        report["host_overhead_bf16q_us"] = host_overhead_us(bf16_q=True)
+        report["host_overhead_bf16q_allocating_us"] = host_overhead_us(given_buffers=False, bf16_q=True)
+        print(
+            f"the same for a bfloat16 q: {report['host_overhead_bf16q_us']:.1f} us with output buffers "
+            f"given, {report['host_overhead_bf16q_allocating_us']:.1f} us allocating them"
+        )
     if not args.no_serving:
         from scripts.bench import serving
 
@@ -186,7 +224,9 @@ def plot(report: dict, path: Path) -> None:
         print("matplotlib not installed: no chart")
         return
     shapes = report["shapes"]
-    arms = [arm for arm in ("q8kv8", "q8kv8_accurate", "torch") if any(arm in s for s in shapes)]
+    arms = [
+        arm for arm in ("q8kv8", "q8kv8_bf16q", "q8kv8_accurate", "torch") if any(arm in s for s in shapes)
+    ]
     fig, ax = plt.subplots(figsize=(max(6, 1.6 * len(shapes)), 4))
     width = 0.8 / max(len(arms), 1)
     for i, arm in enumerate(arms):
