@@ -186,23 +186,10 @@ def load_bf16_q_variants() -> dict[tuple[int, str, bool], Variant]:
     return dict(_bf16_q_variants)
 
 
-def bf16_q_kernel_available() -> bool:
-    """Whether the FP8 kernel takes a bfloat16 q (its configuration accepts ``q_dtype="bf16"``)."""
-    try:
-        _kernel(D_QK_VARIANTS[0], q_dtype=BF16_Q)
-    except (TypeError, ValueError):
-        return False
-    return True
-
-
 def listed_variants() -> list[Variant]:
     """Every attention variant, as the listings show them (``python -m q8kv8.compile``, ``q8kv8.info()``,
-    ``make bench``): ``all_variants()``, then the bfloat16-q variants (built or loaded) when the kernel
-    takes a bfloat16 q."""
-    variants = all_variants()
-    if bf16_q_kernel_available():
-        variants += load_bf16_q_variants().values()
-    return variants
+    ``make bench``): ``all_variants()``, then the bfloat16-q variants (built or loaded)."""
+    return [*all_variants(), *load_bf16_q_variants().values()]
 
 
 def q_dtype_of(variant: Variant) -> torch.dtype:

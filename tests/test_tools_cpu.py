@@ -183,21 +183,13 @@ def test_gather_energy_probe_compiles_for_sm90a(tmp_path):
     assert binary.stat().st_size > 0
 
 
-def test_listings_name_the_bf16_q_variants_once_the_kernel_takes_a_bf16_q(monkeypatch):
-    """``listed_variants()`` (what ``python -m q8kv8.compile`` and ``q8kv8.info()`` list) adds the variants
-    for a bfloat16 q exactly when the kernel takes one, and builds them only then."""
-    built = []
-
-    def load_bf16_q_variants():
-        built.append(True)
-        return {"stand-in": kernels.all_variants()[0]}
-
-    monkeypatch.setattr(kernels, "load_bf16_q_variants", load_bf16_q_variants)
-    monkeypatch.setattr(kernels, "bf16_q_kernel_available", lambda: False)
-    assert [v.name for v in kernels.listed_variants()] == [v.name for v in kernels.all_variants()]
-    assert not built
-    monkeypatch.setattr(kernels, "bf16_q_kernel_available", lambda: True)
-    assert len(kernels.listed_variants()) == len(kernels.all_variants()) + 1 and built
+def test_listings_name_every_variant_once_bf16_q_included():
+    """``listed_variants()`` (what ``python -m q8kv8.compile`` and ``q8kv8.info()`` list): the e4m3-q
+    variants, then those for a bfloat16 q (one-tile and persistent, both d_qk and precisions), each once."""
+    names = [v.name for v in kernels.listed_variants()]
+    assert names[: len(kernels.all_variants())] == [v.name for v in kernels.all_variants()]
+    bf16_q = [name for name in names if "_bf16q" in name]
+    assert len(bf16_q) == len(kernels.load_bf16_q_variants()) and len(set(names)) == len(names)
 
 
 def test_the_bf16_q_variants_are_not_built_at_import():

@@ -6,6 +6,7 @@ Small enough to run under ``compute-sanitizer`` (memcheck, racecheck):
 
 ``--tiles-per-cta K`` forces the persistent kernel with K tiles per CTA (0: the one-tile kernel): with
 K = 4 one CTA walks all four tiles, among them one with no valid slot and one with topk_length 0.
+``--q-dtype bf16`` passes q in bfloat16 (``q_scale=None``: the kernel quantises each row).
 """
 
 import argparse
@@ -26,11 +27,13 @@ def main() -> int:
     parser.add_argument("seed", type=int, nargs="?", default=0)
     parser.add_argument("--tiles-per-cta", type=int, default=None, help="force the schedule (0: one tile)")
     parser.add_argument("--precision", default="default", choices=("default", "accurate"))
+    parser.add_argument("--q-dtype", default="e4m3", choices=("e4m3", "bf16"))
     parser.add_argument("--topk-length", default="256,100,0,200", help="the four rows' topk_length")
     args = parser.parse_args()
     torch.manual_seed(args.seed)
     s_q, h_q, s_kv, d_qk, topk = 4, 64, 700, 576, 256
-    q = torch.randn(s_q, h_q, d_qk, device="cuda").to(torch.float8_e4m3fn)
+    q = torch.randn(s_q, h_q, d_qk, device="cuda")
+    q = q.to(torch.bfloat16 if args.q_dtype == "bf16" else torch.float8_e4m3fn)
     kv = torch.randn(s_kv, 1, d_qk, device="cuda").to(torch.float8_e4m3fn)
     indices = torch.randint(-50, s_kv + 50, (s_q, 1, topk), dtype=torch.int32, device="cuda")
     indices[1] = -1
@@ -39,7 +42,7 @@ def main() -> int:
         "kv": kv,
         "indices": indices,
         "sm_scale": d_qk**-0.5,
-        "q_scale": torch.tensor([0.8], device="cuda"),
+        "q_scale": None if args.q_dtype == "bf16" else torch.tensor([0.8], device="cuda"),
         "kv_scale": torch.tensor([1.1], device="cuda"),
         "attn_sink": torch.randn(h_q, device="cuda"),
         "topk_length": torch.tensor(
