@@ -270,21 +270,21 @@ def max_u32(a, b, *, loc=None, ip=None) -> Uint32:
     )
 
 
-@dsl_user_op
-def scale_bf16x4_to_e4m3x4(w01, w23, multiplier_bits, *, loc=None, ip=None) -> Uint32:
-    """Four bf16 (two words, lowest first) times a float32 given by its bits, rounded (RN, saturating)
-    to e4m3 and packed, the lowest first (exact products when the multiplier is a power of two)."""
+def bf16x4_to_e4m3x4(w01, w23, operand_bits, op: str, *, loc=None, ip=None) -> Uint32:
+    """Four bf16 (two words, lowest first) each combined with a float32 given by its bits by ``op`` (an f32
+    PTX instruction taking (d, a, b), e.g. "mul.rn.f32" or "div.rn.f32"), rounded (RN, saturating) to e4m3
+    and packed, the lowest first."""
     return Uint32(
         inline_asm(
             T.i32(),
-            [Uint32(w).ir_value(loc=loc, ip=ip) for w in (w01, w23, multiplier_bits)],
+            [Uint32(w).ir_value(loc=loc, ip=ip) for w in (w01, w23, operand_bits)],
             "{\n\t.reg .b32 t0, t1, t2, t3;\n\t.reg .f32 s, f0, f1, f2, f3;\n\t.reg .b16 o01, o23;\n\t"
             "shl.b32 t0, $1, 16;\n\tand.b32 t1, $1, 0xffff0000;\n\t"
             "shl.b32 t2, $2, 16;\n\tand.b32 t3, $2, 0xffff0000;\n\t"
             "mov.b32 f0, t0;\n\tmov.b32 f1, t1;\n\tmov.b32 f2, t2;\n\tmov.b32 f3, t3;\n\t"
             "mov.b32 s, $3;\n\t"
-            "mul.rn.f32 f0, f0, s;\n\tmul.rn.f32 f1, f1, s;\n\t"
-            "mul.rn.f32 f2, f2, s;\n\tmul.rn.f32 f3, f3, s;\n\t"
+            f"{op} f0, f0, s;\n\t{op} f1, f1, s;\n\t"
+            f"{op} f2, f2, s;\n\t{op} f3, f3, s;\n\t"
             "cvt.rn.satfinite.e4m3x2.f32 o01, f1, f0;\n\t"
             "cvt.rn.satfinite.e4m3x2.f32 o23, f3, f2;\n\t"
             "mov.b32 $0, {o01, o23};\n\t}",
@@ -292,6 +292,13 @@ def scale_bf16x4_to_e4m3x4(w01, w23, multiplier_bits, *, loc=None, ip=None) -> U
             False,
         )
     )
+
+
+@dsl_user_op
+def scale_bf16x4_to_e4m3x4(w01, w23, multiplier_bits, *, loc=None, ip=None) -> Uint32:
+    """Four bf16 times a float32 given by its bits, rounded to e4m3 (``bf16x4_to_e4m3x4``; the products are
+    exact when the multiplier is a power of two)."""
+    return bf16x4_to_e4m3x4(w01, w23, multiplier_bits, "mul.rn.f32", loc=loc, ip=ip)
 
 
 @dsl_user_op

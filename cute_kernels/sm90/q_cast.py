@@ -8,9 +8,9 @@ bytes, 8 heads per CTA. Design: docs/kernel.md.
 
 import cutlass.cute as cute
 from cutlass import Int64, Uint32
-from cutlass.cutlass_dsl import T, dsl_user_op
+from cutlass.cutlass_dsl import dsl_user_op
 
-from cute_kernels.ptx import inline_asm, ld_global_nc_b32, ld_global_nc_v4, st_global_v4
+from cute_kernels.ptx import bf16x4_to_e4m3x4, ld_global_nc_b32, ld_global_nc_v4, st_global_v4
 
 HEADS_PER_CTA = 8
 CHUNK_VALUES = 16  # e4m3 values per thread: one 16-byte store
@@ -19,24 +19,7 @@ CHUNK_VALUES = 16  # e4m3 values per thread: one 16-byte store
 @dsl_user_op
 def div_bf16x4_to_e4m3x4(w01, w23, divisor_bits, *, loc=None, ip=None) -> Uint32:
     """Four bf16 (two words, lowest first) divided by a float32, rounded (RN, saturating) to e4m3."""
-    return Uint32(
-        inline_asm(
-            T.i32(),
-            [Uint32(w).ir_value(loc=loc, ip=ip) for w in (w01, w23, divisor_bits)],
-            "{\n\t.reg .b32 t0, t1, t2, t3;\n\t.reg .f32 s, f0, f1, f2, f3;\n\t.reg .b16 o01, o23;\n\t"
-            "shl.b32 t0, $1, 16;\n\tand.b32 t1, $1, 0xffff0000;\n\t"
-            "shl.b32 t2, $2, 16;\n\tand.b32 t3, $2, 0xffff0000;\n\t"
-            "mov.b32 f0, t0;\n\tmov.b32 f1, t1;\n\tmov.b32 f2, t2;\n\tmov.b32 f3, t3;\n\t"
-            "mov.b32 s, $3;\n\t"
-            "div.rn.f32 f0, f0, s;\n\tdiv.rn.f32 f1, f1, s;\n\t"
-            "div.rn.f32 f2, f2, s;\n\tdiv.rn.f32 f3, f3, s;\n\t"
-            "cvt.rn.satfinite.e4m3x2.f32 o01, f1, f0;\n\t"
-            "cvt.rn.satfinite.e4m3x2.f32 o23, f3, f2;\n\t"
-            "mov.b32 $0, {o01, o23};\n\t}",
-            "=r,r,r,r",
-            False,
-        )
-    )
+    return bf16x4_to_e4m3x4(w01, w23, divisor_bits, "div.rn.f32", loc=loc, ip=ip)
 
 
 class CastQFp8Sm90:
