@@ -56,8 +56,6 @@ SW64_TILE_COLS = 64  # bytes per row of one 64-byte-swizzled column tile
 TILE_ROW_GROUP_BYTES = B_TOPK * SW64_TILE_COLS  # one [64 rows x 64 B] swizzle column tile
 L2_LINE_BYTES = 128
 
-QK_N = 32
-PROMOTE_KSTEPS = 2
 PRODUCER_REGS = 24
 CONSUMER_REGS = 240
 Q_DTYPES = ("e4m3", "bf16")
@@ -88,7 +86,6 @@ class Consumer(NamedTuple):
     tiled_mma_pv: cute.TiledMma
     tSrQ: cute.Tensor  # Q descriptors (MMA, 1, d_qk/32)
     tSrK: cute.Tensor  # K descriptors (MMA, 1, d_qk/32, tile)
-    acc_chunk: cute.Tensor
     tOrP: cute.Tensor  # P^T descriptors (MMA, 1, 2 k-steps, buffer * p_terms + term)
     acc_s: cute.Tensor  # S of this consumer's block (32 f32)
     acc_o: list  # O^T, one 64x64 accumulator per d tile (4 x 32 f32)
@@ -485,7 +482,7 @@ class SparsePrefillSm90(AttentionKernel):
         # objects with fixed flags: a flag set inside a staged branch would escape it.
         tiled_mma_qk, tiled_mma_qk_first = [
             sm90_utils.make_trivial_tiled_mma(
-                e4m3, e4m3, OperandMajorMode.K, OperandMajorMode.K, Float32, (1, 1, 1), (B_H, QK_N)
+                e4m3, e4m3, OperandMajorMode.K, OperandMajorMode.K, Float32, (1, 1, 1), (B_H, B_TOPK)
             )
             for _ in range(2)
         ]
@@ -506,15 +503,9 @@ class SparsePrefillSm90(AttentionKernel):
         thr_mma_qk = tiled_mma_qk.get_slice(wtid)
         thr_mma_pv = tiled_mma_pv.get_slice(wtid)
         tSrQ = tiled_mma_qk.make_fragment_A(thr_mma_qk.partition_A(sQ))  # (MMA, 1, d_qk/32)
-        tSrK = [
-            tiled_mma_qk.make_fragment_B(
-                thr_mma_qk.partition_B(cute.local_tile(sK, (QK_N, self.d_qk, NUM_KV_TILES), (h, 0, 0)))
-            )
-            for h in range(2)
-        ]
+        tSrK = tiled_mma_qk.make_fragment_B(thr_mma_qk.partition_B(sK))  # (MMA, 1, d_qk/32, tile)
         tOrP = tiled_mma_pv.make_fragment_B(thr_mma_pv.partition_B(sP))  # (MMA, 1, 2, buffer*terms+term)
         acc_s = cute.make_rmem_tensor(thr_mma_qk.partition_shape_C((B_H, B_TOPK)), Float32)
-        acc_chunk = cute.make_rmem_tensor(thr_mma_qk.partition_shape_C((B_H, QK_N)), Float32)
         acc_o = [
             cute.make_rmem_tensor(thr_mma_pv.partition_shape_C((64, B_H)), Float32)
             for _ in range(D_TILES_PER_CONSUMER)
@@ -540,7 +531,6 @@ class SparsePrefillSm90(AttentionKernel):
             tiled_mma_pv=tiled_mma_pv,
             tSrQ=tSrQ,
             tSrK=tSrK,
-            acc_chunk=acc_chunk,
             tOrP=tOrP,
             acc_s=acc_s,
             acc_o=acc_o,
@@ -669,7 +659,6 @@ class SparsePrefillSm90(AttentionKernel):
                         c.mIdx, c.work.token, own * B_TOPK, c.lane, c.quad_lane, c.s_kv, c.work.valid_len, 2
                     )
                     warpgroup.wait_group(0)  # S(own)
-                    self.finish_qk(c)
                     if const_expr(self.persistent):
                         if own + 2 >= num_blocks:  # this consumer's last QK of the tile is done
                             cute.arch.mbarrier_arrive(mbar_q_empty)
@@ -715,37 +704,15 @@ class SparsePrefillSm90(AttentionKernel):
     # ------------------------------------------------------------------------------------
     @cute.jit
     def issue_qk(self, c: Consumer, block):
+        """Queue S = Q . K_block^T (one WGMMA group)."""
         ring = c.work.block_base + block
         tile = KV_RING.index(ring)
         cute.arch.mbarrier_wait(c.mbar_kv_full + tile, KV_RING.phase(ring))
-        kc = PROMOTE_KSTEPS
-        chunks = self.d_qk // 32 // kc
-        for h in cutlass.range_constexpr(2):
-            half = cute.make_tensor(c.acc_s.iterator + 16 * h, c.acc_chunk.layout)
-            chunk_acc = c.acc_chunk
-            c.acc_chunk.fill(ptx.zero_f32())
-            for chunk in cutlass.range_constexpr(chunks):
-                target = half if chunk == 0 else chunk_acc
-                if const_expr(chunk >= 2):
-                    warpgroup.wait_group(0)
-                    self.add_chunk(half, chunk_acc)
-                warpgroup.fence()
-                for k in cutlass.range_constexpr(chunk * kc, (chunk + 1) * kc):
-                    mma = c.tiled_mma_qk if k > chunk * kc else c.tiled_mma_qk_first
-                    cute.gemm(mma, target, c.tSrQ[None, None, k], c.tSrK[h][None, None, k, tile], target)
-                warpgroup.commit_group()
-            if const_expr(h == 0):
-                warpgroup.wait_group(0)
-                self.add_chunk(half, chunk_acc)
-
-    @cute.jit
-    def add_chunk(self, half, chunk_acc):
-        for i in cutlass.range_constexpr(cute.size(half)):
-            half[i] = half[i] + chunk_acc[i]
-
-    @cute.jit
-    def finish_qk(self, c: Consumer):
-        self.add_chunk(cute.make_tensor(c.acc_s.iterator + 16, c.acc_chunk.layout), c.acc_chunk)
+        warpgroup.fence()
+        for k in cutlass.range_constexpr(self.d_qk // 32):
+            mma = c.tiled_mma_qk if k > 0 else c.tiled_mma_qk_first  # the first k-step overwrites S
+            cute.gemm(mma, c.acc_s, c.tSrQ[None, None, k], c.tSrK[None, None, k, tile], c.acc_s)
+        warpgroup.commit_group()
 
     @cute.jit
     def softmax_own(self, c: Consumer, block, block_maxima):
