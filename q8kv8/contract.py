@@ -221,16 +221,9 @@ def _check_signatures(signatures: PrefillCall) -> Problem:
             f"{ROW_SCALED_Q_DTYPES[0]} q; a {q[DTYPE]} q needs its scale)"
         )
     scales = (("kv_scale", kv_scale),) if row_scaled else (("q_scale", q_scale), ("kv_scale", kv_scale))
-    if not (
-        kv_scale[TYPE] is torch.Tensor
-        and kv_scale[DTYPE] == torch.float32
-        and math.prod(kv_scale[SHAPE]) == 1
-        and (
-            row_scaled
-            or q_scale[TYPE] is torch.Tensor
-            and q_scale[DTYPE] == torch.float32
-            and math.prod(q_scale[SHAPE]) == 1
-        )
+    if not all(
+        scale[TYPE] is torch.Tensor and scale[DTYPE] == torch.float32 and math.prod(scale[SHAPE]) == 1
+        for _, scale in scales
     ):
         for name, signature in scales:
             _require_tensor(name, signature)

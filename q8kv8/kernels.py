@@ -56,12 +56,12 @@ def variant_name(
 
 
 def _kernel(d_qk: int, precision: str = "default", persistent: bool = False, q_dtype: torch.dtype = FP8):
-    """The kernel's configuration object (``q_dtype`` passed only for a bf16 q)."""
+    """The kernel's configuration object."""
     import_dsl()
     from cute_kernels.sm90.sparse_prefill import SparsePrefillSm90
 
-    options = {"q_dtype": KERNEL_Q_DTYPES[q_dtype]} if q_dtype != FP8 else {}
-    return SparsePrefillSm90(d_qk, precision=precision, persistent=persistent, **options)
+    q_option = KERNEL_Q_DTYPES[q_dtype]
+    return SparsePrefillSm90(d_qk, precision=precision, persistent=persistent, q_dtype=q_option)
 
 
 def _compile(d_qk: int, dump_dir: Path, q_dtype: torch.dtype = FP8, **kernel_options):

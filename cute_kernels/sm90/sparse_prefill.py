@@ -588,7 +588,6 @@ class SparsePrefillSm90(AttentionKernel):
             if c.index == 0:
                 if c.warp == 0:
                     self.prefetch_next_q(mQ, tile)
-        if const_expr(self.persistent):
             TILE_RING.wait_empty(mbar_q_empty, tile_iter)
         thread = c.index * THREADS_PER_WG + c.warp * 32 + c.lane
         quantize_q_tile(mQ, tile, thread, sQ_base, q_row_scale.iterator.toint(), B_H, self.d_qk)

@@ -380,8 +380,8 @@ Plan Check(const Views& v) {
   for (const DLTensor* t : {&kv, &indices, &v.kv_scale}) {
     if (!SameDevice(*t, q)) return Declined("the tensors are on more than one device");
   }
-  if (v.has_q_scale && !SameDevice(v.q_scale, q)) return Declined("the tensors are on more than one device");
-  if ((v.has_sink && !SameDevice(v.attn_sink, q)) || (v.has_topk_length && !SameDevice(v.topk_length, q))) {
+  if ((v.has_q_scale && !SameDevice(v.q_scale, q)) || (v.has_sink && !SameDevice(v.attn_sink, q)) ||
+      (v.has_topk_length && !SameDevice(v.topk_length, q))) {
     return Declined("the tensors are on more than one device");
   }
   const Device* device = nullptr;
