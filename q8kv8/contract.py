@@ -58,6 +58,7 @@ class Problem(NamedTuple):
     # row stride multiples of 16 bytes, out 4-byte aligned, topk_length and attn_sink contiguous), so the
     # launch may skip its own checks and copies (``kernels.launch_sparse_prefill(..., ready=True)``).
     launch_ready: bool = False
+    splits: int = 1  # one-tile schedule: the parts each tile is split into (``q8kv8.schedule.splits``)
 
 
 _MEMO_ENTRIES = 256  # first-level keys (q's data pointers) before the memo is emptied
@@ -278,9 +279,12 @@ def _check_signatures(signatures: PrefillCall) -> Problem:
     check_device(devices)
     device = q[DEVICE]
     tiles = 0
+    splits = 1
     if device.type == "cuda" and s_q > 0 and s_kv > 0:
         num_tiles = s_q * (padded_num_heads(h_q) // HEAD_ALIGNMENT)
         tiles = schedule.tiles_per_cta(num_tiles, topk, topk_length is not None, precision, device.index)
+        if tiles == 0:
+            splits = schedule.splits(num_tiles, topk, device.index)
     launch_ready = (
         q[DATA_PTR] % Q_ALIGNMENT_BYTES == 0
         and _is_contiguous(q[SHAPE], q[STRIDES])
@@ -290,7 +294,7 @@ def _check_signatures(signatures: PrefillCall) -> Problem:
         and (topk_length is None or _is_contiguous(topk_length[SHAPE], topk_length[STRIDES]))
         and (attn_sink is None or _is_contiguous(attn_sink[SHAPE], attn_sink[STRIDES]))
     )
-    return Problem(s_q, h_q, s_kv, d_qk, int(d_v), topk, device, tiles, launch_ready)
+    return Problem(s_q, h_q, s_kv, d_qk, int(d_v), topk, device, tiles, launch_ready, splits)
 
 
 def check_device(named_devices: Mapping[str, torch.device]) -> None:

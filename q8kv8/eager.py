@@ -76,15 +76,17 @@ def run(call: PrefillCall) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         call.precision,
         problem.tiles_per_cta,
         ready,
+        problem.splits,
     )
     if h_kernel != h_q:
         out.copy_(kernel_out[:, :h_q])
         max_logits.copy_(kernel_max_logits[:, :h_q])
         lse.copy_(kernel_lse[:, :h_q])
     if q.is_cuda:  # the call's device (the contract checked): Tensor.is_cuda is the cheap test
-        native.note_launch(
-            problem.device.index, problem.d_qk, call.precision, problem.tiles_per_cta > 0, variant, q.dtype
-        )
+        kind = schedule.kind(problem.tiles_per_cta, problem.splits)
+        combine = kernels.load_split_combine() if kind == schedule.SPLIT else None
+        device_index = problem.device.index
+        native.note_launch(device_index, problem.d_qk, call.precision, kind, variant, q.dtype, combine)
     return out, max_logits, lse
 
 
@@ -103,17 +105,32 @@ def output_buffers(q, h, d_v, out=None, max_logits=None, lse=None):
 
 @contextlib.contextmanager
 def forced_tiles_per_cta(tiles: int):
-    """Tests and experiments: every launch inside runs ``tiles`` tiles per CTA (0: the one-tile kernel,
-    k >= 1: the persistent one with k), through the Python path (the fast path, which applies the schedule's
-    rule, is suspended meanwhile)."""
-    previous = schedule.forced
-    schedule.forced = tiles
+    """Tests and experiments: every launch inside runs ``tiles`` tiles per CTA (0: the one-tile kernel, not
+    split; k >= 1: the persistent one with k), through the Python path (the fast path, which applies the
+    schedule's rules, is suspended meanwhile)."""
+    previous = schedule.forced, schedule.forced_splits
+    schedule.forced, schedule.forced_splits = tiles, 1
     contract.clear_memo()  # memoised verdicts carry the schedule
     try:
         with native.suspended():
             yield
     finally:
-        schedule.forced = previous
+        schedule.forced, schedule.forced_splits = previous
+        contract.clear_memo()
+
+
+@contextlib.contextmanager
+def forced_splits(parts: int):
+    """Tests and experiments: every launch inside that runs the one-tile schedule splits each tile into
+    ``parts`` (1: none), through the Python path (the fast path is suspended meanwhile)."""
+    previous = schedule.forced_splits
+    schedule.forced_splits = parts
+    contract.clear_memo()  # memoised verdicts carry the schedule
+    try:
+        with native.suspended():
+            yield
+    finally:
+        schedule.forced_splits = previous
         contract.clear_memo()
 
 

@@ -2,8 +2,8 @@
 
 Versions (q8kv8, torch and its CUDA, the CuTe DSL, TVM-FFI, cuda-python, ptxas), the GPU and its arch
 (or "none"), the attention kernel variants (``q8kv8.kernels.listed_variants()``: where each came from,
-registers per thread from ``ptxas -v``, shared memory per CTA) and the disk cache (location, this process's
-hits and misses).
+registers per thread from ``ptxas -v``, shared memory per CTA), the disk cache (location, this process's
+hits and misses) and the schedule rules (``q8kv8.schedule.describe`` names the schedule of a call).
 
 ``info()`` returns a dict; ``python -m q8kv8.info`` prints it as a table. The module is callable, so
 ``q8kv8.info()`` is ``q8kv8.info.info()``.
@@ -21,7 +21,7 @@ import torch
 
 def info() -> dict:
     """Versions, GPU, kernel variants and cache of this installation (builds or loads the variants)."""
-    from q8kv8 import build, disk_cache, kernels, native
+    from q8kv8 import build, disk_cache, kernels, native, schedule
     from q8kv8.metadata import __version__
 
     variants = kernels.listed_variants()
@@ -51,6 +51,13 @@ def info() -> dict:
             "rebuilt_corrupt": kernels.cache_stats.rebuilt_corrupt,
         },
         "fast_path": "built" if fast_path_built else "unavailable (every call takes the Python path)",
+        "schedules": {  # the rules of q8kv8.schedule; schedule.describe(...) names a call's
+            "persistent": f"topk <= {schedule.PERSISTENT_MAX_TOPK} or topk_length given, and at least "
+            f"{2 * schedule.PERSISTENT_MIN_WAVES} waves of tiles: up to "
+            f"{schedule.PERSISTENT_MAX_TILES_PER_CTA} tiles per CTA",
+            "split": f"one-tile grids of fewer tiles than half the SMs: each tile in up to "
+            f"{schedule.SPLIT_MAX_PARTS} parts of >= {schedule.SPLIT_MIN_SLOTS} index slots",
+        },
     }
 
 
@@ -83,6 +90,8 @@ def main() -> int:
         f"{cache['rebuilt_corrupt']} rebuilt)"
     )
     print(f"{'fast path':{width}s}  {report['fast_path']}")
+    for kind, rule in report["schedules"].items():
+        print(f"{kind:{width}s}  {rule}")
     name_width = max(32, *(len(variant["name"]) for variant in report["variants"]))
     header = (
         f"{'variant':{name_width}s} {'d_qk':>5s} {'from':9s} {'seconds':>8s} {'regs':>5s} {'spills':>7s} "

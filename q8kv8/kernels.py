@@ -7,7 +7,8 @@ tensors (it launches on the caller's current CUDA stream):
 - the FP8 attention kernel (``cute_kernels/sm90/sparse_prefill.py``), variants by ``(d_qk, precision)``,
   one-tile and persistent, all built when ``q8kv8`` is imported; the sink and ``topk_length`` are runtime
   flags. Its variants for a bfloat16 q (quantised per row in the kernel) are built on first use (or by
-  ``load_bf16_q_variants()``);
+  ``load_bf16_q_variants()``), and so are its split variants (a short grid: each tile computed by several
+  CTAs, ``q8kv8.schedule.splits``) with the kernel that merges their partial results;
 - the paged-cache gather, the query cast and the bf16 attention kernel of the serving path, built on first
   use (or by ``load_serving_variants()``).
 """
@@ -45,23 +46,37 @@ cache_stats = CacheStats()
 _variants: dict[tuple[int, str], Variant] = {}
 _persistent_variants: dict[tuple[int, str], Variant] = {}
 _bf16_q_variants: dict[tuple[int, str, bool], Variant] = {}  # by (d_qk, precision, persistent)
+_split_variants: dict[tuple[int, str, torch.dtype], Variant] = {}  # by (d_qk, precision, q dtype)
+_split_combine: list[Variant] = []  # the merge kernel, once built
+SPLIT_COMBINE_FUNCTION = "split_combine"
 
 
 def variant_name(
-    d_qk: int, precision: str = "default", persistent: bool = False, q_dtype: torch.dtype = FP8
+    d_qk: int,
+    precision: str = "default",
+    persistent: bool = False,
+    q_dtype: torch.dtype = FP8,
+    split: bool = False,
 ) -> str:
     suffix = "" if precision == "default" else f"_{precision}"
     q_suffix = "_bf16q" if q_dtype == BF16_Q else ""
-    return f"sparse_prefill_sm90_d{d_qk}{q_suffix}{suffix}{'_persistent' if persistent else ''}"
+    schedule_suffix = "_persistent" if persistent else "_split" if split else ""
+    return f"sparse_prefill_sm90_d{d_qk}{q_suffix}{suffix}{schedule_suffix}"
 
 
-def _kernel(d_qk: int, precision: str = "default", persistent: bool = False, q_dtype: torch.dtype = FP8):
+def _kernel(
+    d_qk: int,
+    precision: str = "default",
+    persistent: bool = False,
+    q_dtype: torch.dtype = FP8,
+    split: bool = False,
+):
     """The kernel's configuration object."""
     import_dsl()
     from cute_kernels.sm90.sparse_prefill import SparsePrefillSm90
 
     q_option = KERNEL_Q_DTYPES[q_dtype]
-    return SparsePrefillSm90(d_qk, precision=precision, persistent=persistent, q_dtype=q_option)
+    return SparsePrefillSm90(d_qk, precision=precision, persistent=persistent, q_dtype=q_option, split=split)
 
 
 def _compile(d_qk: int, dump_dir: Path, q_dtype: torch.dtype = FP8, **kernel_options):
@@ -72,19 +87,25 @@ def _compile(d_qk: int, dump_dir: Path, q_dtype: torch.dtype = FP8, **kernel_opt
     from cutlass import BFloat16, Float8E4M3FN, Int32
 
     q_type = BFloat16 if q_dtype == BF16_Q else Float8E4M3FN
-    args = _fake_attention_args(cute, Float8E4M3FN, d_qk, with_scales=True, q_type=q_type)
+    split = kernel_options.get("split", False)
+    args = _fake_attention_args(cute, Float8E4M3FN, d_qk, with_scales=True, q_type=q_type, partial=split)
     args = (*args[:-1], Int32(1), args[-1])  # tiles_per_cta, before the stream
     return compile_for_tvm_ffi(_kernel(d_qk, q_dtype=q_dtype, **kernel_options), args, dump_dir)
 
 
-def _fake_attention_args(cute, element_type, d_qk: int, with_scales: bool, q_type=None) -> tuple:
+def _fake_attention_args(
+    cute, element_type, d_qk: int, with_scales: bool, q_type=None, partial=False
+) -> tuple:
     """The launch arguments of an attention kernel (FP8 or bf16) as fake tensors with dynamic extents:
     q, kv, indices, topk_length, attn_sink, [q_scale, kv_scale,] out, max_logits, lse, the logit scale,
-    the flags and the stream. ``q_type``: q's element type when it is not ``element_type`` (kv's)."""
+    the flags and the stream. ``q_type``: q's element type when it is not ``element_type`` (kv's).
+    ``partial``: out, max_logits and lse are a split launch's partial results (their own row count, out in
+    float32)."""
     from cutlass import BFloat16, Float32, Int32
 
     fake = cute.runtime.make_fake_compact_tensor
     s_q, heads, s_kv, topk = cute.sym_int(), cute.sym_int(), cute.sym_int(), cute.sym_int()
+    out_rows = cute.sym_int() if partial else s_q
     row_major = (2, 1, 0)
     kv_stride_elements = 16 * 8 // element_type.width  # kv rows: any 16-byte multiple row stride
     scales = (
@@ -104,9 +125,14 @@ def _fake_attention_args(cute, element_type, d_qk: int, with_scales: bool, q_typ
         fake(Int32, (cute.sym_int(),), assumed_align=4),  # topk_length
         fake(Float32, (cute.sym_int(),), assumed_align=4),  # attn_sink
         *scales,  # q_scale, kv_scale (FP8 only)
-        fake(BFloat16, (s_q, heads, D_V), stride_order=row_major, assumed_align=4),  # out
-        fake(Float32, (s_q, heads), stride_order=(1, 0), assumed_align=4),  # max_logits
-        fake(Float32, (s_q, heads), stride_order=(1, 0), assumed_align=4),  # lse
+        fake(  # out
+            Float32 if partial else BFloat16,
+            (out_rows, heads, D_V),
+            stride_order=row_major,
+            assumed_align=8 if partial else 4,
+        ),
+        fake(Float32, (out_rows, heads), stride_order=(1, 0), assumed_align=4),  # max_logits
+        fake(Float32, (out_rows, heads), stride_order=(1, 0), assumed_align=4),  # lse
         Float32(1.0),  # sm_scale * log2(e)
         Int32(0),  # flags
         cute.runtime.make_fake_stream(use_tvm_ffi_env_stream=True),
@@ -186,15 +212,85 @@ def load_bf16_q_variants() -> dict[tuple[int, str, bool], Variant]:
     return dict(_bf16_q_variants)
 
 
+def load_split_variant(d_qk: int, precision: str = "default", q_dtype: torch.dtype = FP8) -> Variant:
+    """Build or load the split attention variant (partial results of ranges of index slots, merged by
+    ``load_split_combine()``'s kernel) for ``d_qk``, ``precision`` and a q of ``q_dtype`` (idempotent)."""
+    key = (d_qk, precision, q_dtype)
+    if key not in _split_variants:
+        if d_qk not in D_QK_VARIANTS or precision not in PRECISIONS or q_dtype not in KERNEL_Q_DTYPES:
+            raise ValueError(
+                f"expected d_qk in {D_QK_VARIANTS}, precision in {PRECISIONS} and q dtype in "
+                f"{list(KERNEL_Q_DTYPES)}, got {d_qk}, {precision!r}, {q_dtype}"
+            )
+        _split_variants[key] = build_or_load(
+            variant_name(d_qk, precision, q_dtype=q_dtype, split=True),
+            d_qk,
+            lambda dump_dir: _compile(d_qk, dump_dir, q_dtype=q_dtype, precision=precision, split=True),
+            EXPORTED_FUNCTION,
+            cache_stats,
+            precision,
+        )
+    return _split_variants[key]
+
+
+def load_split_variants() -> dict[tuple[int, str, torch.dtype], Variant]:
+    """Build or load every split attention variant; keyed by (d_qk, precision, q dtype)."""
+    for d_qk in D_QK_VARIANTS:
+        for precision in PRECISIONS:
+            for q_dtype in KERNEL_Q_DTYPES:
+                load_split_variant(d_qk, precision, q_dtype)
+    return dict(_split_variants)
+
+
+def _compile_split_combine(dump_dir: Path):
+    cutlass, cute = import_dsl()
+    from cutlass import BFloat16, Float32, Int32
+
+    from cute_kernels.sm90.split_combine import SplitCombineSm90
+
+    fake = cute.runtime.make_fake_compact_tensor
+    parts, s_q, heads = cute.sym_int(), cute.sym_int(), cute.sym_int()
+    args = (
+        fake(Float32, (parts, heads, D_V), stride_order=(2, 1, 0), assumed_align=16),  # partial out
+        fake(Float32, (parts, heads), stride_order=(1, 0), assumed_align=4),  # partial max_logits
+        fake(Float32, (parts, heads), stride_order=(1, 0), assumed_align=4),  # partial lse
+        fake(Float32, (cute.sym_int(),), assumed_align=4),  # attn_sink
+        fake(BFloat16, (s_q, heads, D_V), stride_order=(2, 1, 0), assumed_align=8),  # out
+        fake(Float32, (s_q, heads), stride_order=(1, 0), assumed_align=4),  # max_logits
+        fake(Float32, (s_q, heads), stride_order=(1, 0), assumed_align=4),  # lse
+        Int32(0),  # flags
+        cute.runtime.make_fake_stream(use_tvm_ffi_env_stream=True),
+    )
+    return compile_for_tvm_ffi(SplitCombineSm90(), args, dump_dir)
+
+
+def load_split_combine() -> Variant:
+    """Build or load the kernel that merges a split launch's partial results (idempotent)."""
+    if not _split_combine:
+        _split_combine.append(
+            build_or_load(
+                "split_combine_sm90",
+                D_V,
+                _compile_split_combine,
+                SPLIT_COMBINE_FUNCTION,
+                cache_stats,
+            )
+        )
+    return _split_combine[0]
+
+
 def listed_variants() -> list[Variant]:
     """Every attention variant, as the listings show them (``python -m q8kv8.compile``, ``q8kv8.info()``,
-    ``make bench``): ``all_variants()``, then the bfloat16-q variants (built or loaded)."""
-    return [*all_variants(), *load_bf16_q_variants().values()]
+    ``make bench``): ``all_variants()``, then the bfloat16-q variants and the split variants (built or
+    loaded)."""
+    return [*all_variants(), *load_bf16_q_variants().values(), *load_split_variants().values()]
 
 
 def q_dtype_of(variant: Variant) -> torch.dtype:
     """The dtype of q that an attention variant takes."""
-    return BF16_Q if any(variant is v for v in _bf16_q_variants.values()) else FP8
+    if any(variant is v for v in _bf16_q_variants.values()):
+        return BF16_Q
+    return next((key[2] for key, v in _split_variants.items() if v is variant), FP8)
 
 
 def describe(variant: Variant) -> dict:
@@ -264,6 +360,7 @@ def launch_sparse_prefill(
     precision,
     schedule: int | None = None,
     ready: bool = False,
+    splits: int = 1,
 ) -> Variant:
     """Launch the kernel on validated tensors: q (e4m3 or bfloat16), out, max_logits, lse row-major with a
     head count that is a multiple of 64; kv and indices with a contiguous last dimension; one-element scales,
@@ -271,7 +368,10 @@ def launch_sparse_prefill(
     ``schedule``: ``tiles_per_cta``'s answer when the caller has it (the contract memoises it), else
     computed here. ``ready``: the caller knows that q, kv and out meet the alignments of
     ``q8kv8.metadata`` (``contract.Problem.launch_ready``), so they are not checked again (else misaligned
-    tensors are copied to aligned ones). Returns the variant it launched."""
+    tensors are copied to aligned ones). ``splits`` > 1 (``q8kv8.schedule.splits``'s answer; only with the
+    one-tile schedule): the split variant computes each tile as ``splits`` partial results, in float32
+    buffers allocated here, which the merge kernel combines into out, max_logits and lse. Returns the
+    (attention) variant it launched."""
     tiles = schedule
     if tiles is None:
         tiles = tiles_per_cta(
@@ -282,7 +382,9 @@ def launch_sparse_prefill(
             q.get_device(),
         )
     key = (q.shape[2], precision)
-    if q.dtype == BF16_Q:
+    if splits > 1:
+        variant = _split_variants.get((*key, q.dtype)) or load_split_variant(*key, q.dtype)
+    elif q.dtype == BF16_Q:
         bf16_q_key = (*key, tiles > 0)
         variant = _bf16_q_variants.get(bf16_q_key) or load_bf16_q_variant(*bf16_q_key)
     elif tiles:
@@ -302,6 +404,16 @@ def launch_sparse_prefill(
     # A bfloat16 q has no q_scale: the kernel does not read that argument, which gets kv_scale.
     q_scale = kv_scale if q_scale is None else q_scale if q_scale.dim() == 1 else q_scale.reshape(1)
     no_topk_length, no_sink = placeholders(q_scale, kv_scale)
+    sink = no_sink if attn_sink is None else attn_sink
+    flags = (TOPK_LENGTH_FLAG if topk_length is not None else 0) | (SINK_FLAG if attn_sink is not None else 0)
+    results = (kernel_out, max_logits, lse)
+    if splits > 1:
+        s_q, heads = q.shape[0], q.shape[1]
+        results = (
+            torch.empty((splits * s_q, heads, D_V), dtype=torch.float32, device=q.device),
+            torch.empty((splits * s_q, heads), dtype=torch.float32, device=q.device),
+            torch.empty((splits * s_q, heads), dtype=torch.float32, device=q.device),
+        )
     _call_on_device_of(
         q,
         variant.function,
@@ -309,16 +421,17 @@ def launch_sparse_prefill(
         kv,
         indices,
         no_topk_length if topk_length is None else topk_length,
-        no_sink if attn_sink is None else attn_sink,
+        sink,
         q_scale,
         kv_scale,
-        kernel_out,
-        max_logits,
-        lse,
+        *results,
         sm_scale * LOG2_E,
-        (TOPK_LENGTH_FLAG if topk_length is not None else 0) | (SINK_FLAG if attn_sink is not None else 0),
+        flags,
         tiles or 1,
     )
+    if splits > 1:
+        combine = _split_combine[0] if _split_combine else load_split_combine()
+        _call_on_device_of(q, combine.function, *results, sink, kernel_out, max_logits, lse, flags)
     if kernel_out is not out:
         out.copy_(kernel_out)
     return variant

@@ -37,7 +37,7 @@ having launched nothing."""
 _extension = None
 _build_failed = False
 _lock = threading.Lock()
-_registered: set[tuple] = set()  # (device, d_qk, precision, persistent, q dtype) registered by note_launch
+_registered: set[tuple] = set()  # (device, d_qk, precision, schedule kind, q dtype) registered by note_launch
 _registered_devices: set[int] = set()
 _suspended = 0
 _resumed_launch = None  # what ``launch`` becomes when the outermost ``suspended`` ends
@@ -73,6 +73,8 @@ def constants() -> dict:
         "persistent_max_topk": schedule.PERSISTENT_MAX_TOPK,
         "persistent_max_tiles_per_cta": schedule.PERSISTENT_MAX_TILES_PER_CTA,
         "persistent_min_waves": schedule.PERSISTENT_MIN_WAVES,
+        "split_max_parts": schedule.SPLIT_MAX_PARTS,
+        "split_min_slots": schedule.SPLIT_MIN_SLOTS,
         "error_kinds": error_kinds,
     }
 
@@ -148,31 +150,34 @@ def register_variant(
     extension,
     d_qk: int,
     precision: str,
-    persistent: bool,
+    schedule_kind: int,
     function,
     q_dtype: torch.dtype = torch.float8_e4m3fn,
 ) -> None:
     """Let ``extension`` launch ``function`` (a ``tvm_ffi.Function``: the kernel variant the Python path
-    launches for ``d_qk``, ``precision``, the schedule and a q of ``q_dtype``); it holds a reference until
-    replaced or reset."""
-    extension.register_variant(d_qk, precision, persistent, function.__chandle__(), q_dtype)
+    launches for ``d_qk``, ``precision``, the schedule kind (``schedule.ONE_TILE``, ``PERSISTENT`` or
+    ``SPLIT``) and a q of ``q_dtype``); it holds a reference until replaced or reset."""
+    extension.register_variant(d_qk, precision, schedule_kind, function.__chandle__(), q_dtype)
 
 
 def note_launch(
     device_index: int,
     d_qk: int,
     precision: str,
-    persistent: bool,
+    schedule_kind: int,
     variant,
     q_dtype: torch.dtype = torch.float8_e4m3fn,
+    split_combine=None,
 ) -> None:
     """Called by the Python path after each launch on a CUDA device (whose capability the contract has then
     checked): the first launch on the device registers it, the first of each kernel variant (``variant``,
-    a ``kernels.Variant``, for a q of ``q_dtype``) registers the variant, and from then on ``launch`` takes
-    such calls. Only with one visible GPU (the extension launches on the current device), never while
-    ``suspended``, and only for a variant that is a ``tvm_ffi.Function`` (the compiled kernels are)."""
+    a ``kernels.Variant``, for a q of ``q_dtype`` and a schedule kind of ``schedule``; with ``SPLIT``, also
+    ``split_combine``, the merge kernel's ``kernels.Variant``) registers the variant, and from then on
+    ``launch`` takes such calls. Only with one visible GPU (the extension launches on the current device),
+    never while ``suspended``, and only for a variant that is a ``tvm_ffi.Function`` (the compiled kernels
+    are)."""
     global launch, _gpu_count
-    key = (device_index, d_qk, precision, persistent, q_dtype)
+    key = (device_index, d_qk, precision, schedule_kind, q_dtype)
     if key in _registered or _suspended or device_index < 0:
         return
     if _gpu_count is None:
@@ -184,13 +189,17 @@ def note_launch(
 
     if not isinstance(variant.function, tvm_ffi.Function):
         return
+    if schedule_kind == schedule.SPLIT:
+        if split_combine is None or not isinstance(split_combine.function, tvm_ffi.Function):
+            return
+        extension.register_split_combine(split_combine.function.__chandle__())
     if device_index not in _registered_devices:
         sm_count = schedule._sm_counts.get(device_index)
         if sm_count is None:
             sm_count = torch.cuda.get_device_properties(device_index).multi_processor_count
         extension.register_device(KDL_CUDA, device_index, sm_count)
         _registered_devices.add(device_index)
-    register_variant(extension, d_qk, precision, persistent, variant.function, q_dtype)
+    register_variant(extension, d_qk, precision, schedule_kind, variant.function, q_dtype)
     _registered.add(key)
     launch = extension.launch
 

@@ -1,4 +1,5 @@
-"""Which kernel schedule a call runs: one tile per CTA, or the persistent kernel walking several.
+"""Which kernel schedule a call runs: one tile per CTA, the persistent kernel walking several, or the split
+kernel computing each tile as several CTAs.
 
 The persistent kernel (``cute_kernels/sm90/sparse_prefill.py``, ``persistent=True``: each CTA walks up to
 four (token, 64 heads) tiles; its producer loads the next tile's Q and gathers its first rows during the
@@ -8,22 +9,44 @@ when topk <= 512 or topk_length is given (short rows are what topk_length is for
 min(4, tiles // (4 * SMs)) tiles per CTA when that is at least 2 (the grid keeps four waves of CTAs or
 more). Results are bitwise those of the one-tile kernel, so the choice only ever changes the time.
 
+A short grid (fewer tiles than half the SMs: a short prefill chunk) leaves SMs idle. Then each tile is split
+into ``splits`` ranges of index slots, one CTA each (``sparse_prefill.py``, ``split=True``), and a small
+kernel merges their partial results (``split_combine.py``): ``splits = min(4, SMs // tiles, topk // 256)``
+when that is at least 2, so that the grid stays one wave and each range keeps two pairs of blocks or more.
+The partial results are float32 (2 KiB per row and range, in L2 at these sizes); the merge is in a fixed
+order, so results are the same bits on every run (not those of the one-tile kernel).
+
 The contract computes the choice once per call signature (``contract.Problem.tiles_per_cta``, memoised
 with the rest of the verdict), so a repeated call pays nothing for it.
 """
 
 import torch
 
+ONE_TILE, PERSISTENT, SPLIT = 0, 1, 2
+"""The schedule kinds (a launch's kernel variant): one tile per CTA, persistent, split."""
+
 PERSISTENT_PRECISIONS = ("default", "accurate")
 PERSISTENT_MAX_TOPK = 512
 PERSISTENT_MAX_TILES_PER_CTA = 4
 PERSISTENT_MIN_WAVES = 4
+SPLIT_MAX_PARTS = 4
+SPLIT_MIN_SLOTS = 256  # index slots per range: two pairs of blocks
 
 _sm_counts: dict[int, int] = {}  # multiprocessors per CUDA device index
 
 forced: int | None = None
 """Set by ``q8kv8.eager.forced_tiles_per_cta`` (tests, experiments): the answer of ``tiles_per_cta`` for
 every launch (0 the one-tile kernel, k >= 1 the persistent one with k tiles per CTA) instead of the rule's."""
+forced_splits: int | None = None
+"""Set by ``q8kv8.eager.forced_splits`` (tests, experiments): the answer of ``splits`` for every launch of
+the one-tile schedule (1: not split)."""
+
+
+def _sm_count(device_index: int) -> int:
+    sms = _sm_counts.get(device_index)
+    if sms is None:
+        sms = _sm_counts[device_index] = torch.cuda.get_device_properties(device_index).multi_processor_count
+    return sms
 
 
 def tiles_per_cta(num_tiles: int, topk: int, has_topk_length: bool, precision: str, device_index: int) -> int:
@@ -33,8 +56,38 @@ def tiles_per_cta(num_tiles: int, topk: int, has_topk_length: bool, precision: s
         return forced
     if precision not in PERSISTENT_PRECISIONS or not (has_topk_length or topk <= PERSISTENT_MAX_TOPK):
         return 0
-    sms = _sm_counts.get(device_index)
-    if sms is None:
-        sms = _sm_counts[device_index] = torch.cuda.get_device_properties(device_index).multi_processor_count
-    tiles = min(PERSISTENT_MAX_TILES_PER_CTA, num_tiles // (PERSISTENT_MIN_WAVES * sms))
+    tiles = min(PERSISTENT_MAX_TILES_PER_CTA, num_tiles // (PERSISTENT_MIN_WAVES * _sm_count(device_index)))
     return tiles if tiles >= 2 else 0
+
+
+def kind(tiles_per_cta: int, splits: int) -> int:
+    """The schedule kind of a launch with ``tiles_per_cta`` and ``splits`` (the rules' answers)."""
+    return PERSISTENT if tiles_per_cta > 0 else SPLIT if splits > 1 else ONE_TILE
+
+
+def splits(num_tiles: int, topk: int, device_index: int) -> int:
+    """The parts each tile of a one-tile launch of ``num_tiles`` tiles is split into on CUDA device
+    ``device_index`` (1: not split)."""
+    if forced_splits is not None:
+        return forced_splits
+    parts = min(SPLIT_MAX_PARTS, _sm_count(device_index) // max(num_tiles, 1), topk // SPLIT_MIN_SLOTS)
+    return parts if parts >= 2 else 1
+
+
+def describe(
+    s_q: int,
+    h_q: int,
+    topk: int,
+    has_topk_length: bool = False,
+    precision: str = "default",
+    device_index: int = 0,
+) -> str:
+    """The schedule the rules choose for a call of ``s_q`` tokens, ``h_q`` heads (padded to a multiple of 64)
+    and ``topk`` slots on CUDA device ``device_index``, in words: "one tile per CTA", "persistent, k tiles per
+    CTA" or "split in n"."""
+    num_tiles = s_q * -(-h_q // 64)
+    tiles = tiles_per_cta(num_tiles, topk, has_topk_length, precision, device_index)
+    if tiles:
+        return f"persistent, {tiles} tiles per CTA"
+    parts = splits(num_tiles, topk, device_index)
+    return f"split in {parts}" if parts > 1 else "one tile per CTA"

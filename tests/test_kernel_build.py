@@ -86,13 +86,57 @@ def test_ptxas_reports_no_spills_and_no_wgmma_serialisation(variants, d_qk, prec
     if persistent and (d_qk, precision) not in PERSISTENT_KEYS:
         pytest.skip("no persistent variant")
     registry = kernels.load_persistent_variants() if persistent else variants
-    report = build.ptxas_report(registry[d_qk, precision])
+    assert_fits_in_registers(registry[d_qk, precision])
+
+
+def assert_fits_in_registers(variant):
+    """``ptxas -v`` on the variant's PTX: no spills, no stack frame, no serialised WGMMA, at most 168
+    registers per thread (65536 / 384 threads)."""
+    report = build.ptxas_report(variant)
     if report is None:
         pytest.skip("ptxas is not on PATH")
     assert report.spill_store_bytes == 0 and report.spill_load_bytes == 0, report.text
     assert "wgmma.mma_async instructions are serialized" not in report.text, report.text
     assert report.stack_frame_bytes == 0, report.text
-    assert report.registers <= 168, report.text  # 65536 / 384 threads
+    assert report.registers <= 168, report.text
+
+
+@pytest.mark.parametrize("q_dtype", [kernels.FP8, kernels.BF16_Q], ids=["e4m3", "bf16"])
+@pytest.mark.parametrize("d_qk, precision", VARIANT_KEYS)
+def test_split_and_bf16_q_variants_fit_in_registers(d_qk, precision, q_dtype):
+    """The variants built on first use (split, for either q dtype; one-tile and persistent for a bfloat16 q)
+    fit as the others do."""
+    assert_fits_in_registers(kernels.load_split_variant(d_qk, precision, q_dtype))
+    if q_dtype == kernels.BF16_Q:
+        for persistent in (False, True):
+            assert_fits_in_registers(kernels.load_bf16_q_variant(d_qk, precision, persistent))
+
+
+@pytest.mark.parametrize("d_qk, precision", VARIANT_KEYS)
+def test_split_ptx_runs_the_one_tile_math_and_stores_float32(variants, d_qk, precision):
+    """The split variant runs the one-tile kernel's WGMMAs, Q TMA and row copies, and writes its partial out
+    in float32 (two per store: 4 d tiles x 16 heads per thread), no bf16 out."""
+    one_tile = variants[d_qk, precision].ptx_path.read_text()
+    split = kernels.load_split_variant(d_qk, precision).ptx_path.read_text()
+    for pattern in (
+        r"wgmma\.mma_async\.\S+",
+        r"cp\.async\.bulk\.tensor",
+        r"cp\.async\.cg\.shared",
+        r"ldmatrix",
+    ):
+        assert len(re.findall(pattern, split)) == len(re.findall(pattern, one_tile)), pattern
+    assert len(re.findall(r"st\.global\.v2\.f32", split)) == 64
+    assert "cvt.rn.bf16x2.f32" in one_tile and "cvt.rn.bf16x2.f32" not in split
+
+
+def test_split_combine_builds_and_fits():
+    variant = kernels.load_split_combine()
+    assert variant.object_path.exists() and variant.ptx_path.exists()
+    report = build.ptxas_report(variant)
+    if report is None:
+        pytest.skip("ptxas is not on PATH")
+    assert report.spill_store_bytes == 0 and report.spill_load_bytes == 0, report.text
+    assert report.stack_frame_bytes == 0, report.text
 
 
 def _import_in_subprocess(cache: Path) -> dict:

@@ -48,8 +48,9 @@ DECLINED = -1
 @pytest.fixture
 def fast(monkeypatch):
     """The built extension, configured, with CPU device 0 registered and recording kernel variants for every
-    (d_qk, precision, persistent) and q dtype (e4m3, bfloat16); ``fast.calls`` lists ``(variant key,
-    arguments)`` of each launch, from either path. Restored to nothing registered afterwards."""
+    (d_qk, precision, schedule kind) and q dtype (e4m3, bfloat16) and the split merge; ``fast.calls`` lists
+    ``(variant key, arguments)`` of each launch, from either path. Restored to nothing registered
+    afterwards."""
     import tvm_ffi
 
     extension = native.load()
@@ -61,9 +62,15 @@ def fast(monkeypatch):
         # The tensors are views valid during the call only: recorded as (address, shape, strides, dtype).
         return tvm_ffi.convert(lambda *args: calls.append((key, normalized(args))))
 
-    variants, persistent_variants, bf16_q_variants = {}, {}, {}
+    variants, persistent_variants, bf16_q_variants, split_variants = {}, {}, {}, {}
     for d_qk in SUPPORTED_D_QK:
         for precision in PRECISIONS:
+            for q_dtype in (FP8, BF16):
+                function = recorder((d_qk, precision, "split", str(q_dtype)))
+                split_variants[d_qk, precision, q_dtype] = types.SimpleNamespace(
+                    function=function, name="recorder", d_qk=d_qk
+                )
+                native.register_variant(extension, d_qk, precision, schedule.SPLIT, function, q_dtype)
             for persistent, table in ((False, variants), (True, persistent_variants)):
                 function = recorder((d_qk, precision, persistent))
                 table[d_qk, precision] = types.SimpleNamespace(function=function, name="recorder", d_qk=d_qk)
@@ -73,7 +80,11 @@ def fast(monkeypatch):
                     function=function, name="recorder", d_qk=d_qk
                 )
                 native.register_variant(extension, d_qk, precision, persistent, function, BF16)
+    combine = recorder("split combine")
+    extension.register_split_combine(combine.__chandle__())
     extension.register_device(KDL_CPU, 0, SM_COUNT)
+    monkeypatch.setattr(kernels, "_split_variants", split_variants)
+    monkeypatch.setattr(kernels, "_split_combine", [types.SimpleNamespace(function=combine, name="recorder")])
     monkeypatch.setattr(kernels, "_variants", variants)
     monkeypatch.setattr(kernels, "_persistent_variants", persistent_variants)
     monkeypatch.setattr(kernels, "_bf16_q_variants", bf16_q_variants)
@@ -121,21 +132,36 @@ def normalized(arguments: tuple) -> list:
     return result
 
 
+def without_partial_addresses(launches: list) -> list:
+    """``(key, arguments)`` launches with the addresses of a split launch's partial results (buffers of each
+    path's own) left out: the attention kernel's out, max_logits, lse and the merge's first three tensors."""
+    if len(launches) == 1:
+        return launches
+    (key, arguments), (merge_key, merge_arguments) = launches
+    arguments = [a[1:] if 7 <= i < 10 else a for i, a in enumerate(arguments)]
+    merge_arguments = [a[1:] if i < 3 else a for i, a in enumerate(merge_arguments)]
+    return [(key, arguments), (merge_key, merge_arguments)]
+
+
 def python_path_launch(fast, args: dict):
-    """What the Python path launches for ``args``: its schedule, variant key and arguments."""
+    """What the Python path launches for ``args``: its schedule ``(tiles per CTA, splits)`` and its
+    ``(variant key, arguments)`` launches (two for a split schedule: the attention kernel, the merge)."""
     problem = contract.check_inputs(PrefillCall(**args))
     assert problem.launch_ready
     # The schedule the contract gives a CUDA device (for CPU tensors it says 0), on the stand-in SM count.
+    num_tiles = problem.s_q * problem.h_q // 64
     tiles = schedule.tiles_per_cta(
-        problem.s_q * problem.h_q // 64, problem.topk, args["topk_length"] is not None, args["precision"], 0
+        num_tiles, problem.topk, args["topk_length"] is not None, args["precision"], 0
     )
+    splits = schedule.splits(num_tiles, problem.topk, 0) if tiles == 0 else 1
     kernels.launch_sparse_prefill(
         args["q"], args["kv"], args["indices"], args["topk_length"], args["attn_sink"], args["q_scale"],
         args["kv_scale"], float(args["sm_scale"]), args["out"], args["max_logits"], args["lse"],
-        args["precision"], tiles, True,
+        args["precision"], tiles, True, splits,
     )  # fmt: skip
-    key, arguments = fast.calls.pop()
-    return tiles, key, arguments
+    launches = [fast.calls.pop(0) for _ in range(2 if splits > 1 else 1)]
+    assert not fast.calls
+    return (tiles, splits), launches
 
 
 @pytest.mark.parametrize("q_dtype", [FP8, BF16], ids=["e4m3", "bf16"])
@@ -150,13 +176,16 @@ def python_path_launch(fast, args: dict):
         (16, 64, 512, True, True),  # 16 tiles on 2 stand-in SMs: the persistent schedule (2 tiles per CTA)
         (40, 128, 2048, False, True),  # 80 tiles: 4 per CTA
         (40, 128, 2048, True, False),  # full rows: the one-tile kernel
+        (1, 64, 2048, True, True),  # 1 tile on 2 stand-in SMs: split in 2, then merged
+        (1, 64, 512, False, False),
     ],
 )
 def test_launches_what_the_python_path_launches(
     fast, make_inputs, q_dtype, d_qk, precision, s_q, h_q, topk, with_sink, with_topk_length
 ):
     """Same variant, schedule and arguments (for a bfloat16 q: the bfloat16-q variant, with kv_scale in
-    q_scale's place and, without topk_length, kv_scale's bytes as its placeholder)."""
+    q_scale's place and, without topk_length, kv_scale's bytes as its placeholder; a split schedule: the
+    split variant on partial results of the same shapes, then the merge)."""
     args = with_buffers(
         make_inputs(
             s_q,
@@ -170,8 +199,11 @@ def test_launches_what_the_python_path_launches(
         )
     )
     args["precision"] = precision
-    expected_schedule, expected_key, expected_arguments = python_path_launch(fast, args)
-    assert (len(expected_key) == 4) == (q_dtype == BF16)  # the bfloat16-q variant
+    expected_schedule, expected_launches = python_path_launch(fast, args)
+    expected_key, expected_arguments = expected_launches[0]
+    split = expected_schedule[1] > 1
+    assert split == (len(expected_launches) == 2) == (s_q == 1)
+    assert split or (len(expected_key) == 4) == (q_dtype == BF16)  # the bfloat16-q variant
     if q_dtype == BF16:
         kv_scale = (args["kv_scale"].data_ptr(), (1,), (1,))
         assert expected_arguments[5][:3] == kv_scale  # in q_scale's place
@@ -182,7 +214,8 @@ def test_launches_what_the_python_path_launches(
     buffers = args["out"], args["max_logits"], args["lse"]
     returned = fast.extension.launch(call)
     assert all(a is b for a, b in zip(returned, buffers, strict=True))
-    assert fast.calls.pop() == (expected_key, expected_arguments)
+    assert without_partial_addresses(fast.calls) == without_partial_addresses(expected_launches)
+    fast.calls.clear()
     # Allocating: the same launch on three new outputs, which the extension returns.
     allocating = call._replace(out=None, max_logits=None, lse=None)
     assert fast.extension.plan(allocating) == expected_schedule
@@ -190,8 +223,21 @@ def test_launches_what_the_python_path_launches(
     assert (out.shape, out.dtype, max_logits.shape, max_logits.dtype, lse.shape, lse.dtype) == (
         (s_q, h_q, D_V), torch.bfloat16, (s_q, h_q), torch.float32, (s_q, h_q), torch.float32,
     )  # fmt: skip
-    key, arguments = fast.calls.pop()
     new_outputs = [(t.data_ptr(), tuple(t.shape), t.stride()) for t in (out, max_logits, lse)]
+    if split:  # the merge writes the new outputs
+        launches, expected = (
+            without_partial_addresses(fast.calls),
+            without_partial_addresses(expected_launches),
+        )
+        assert launches[0] == expected[0]
+        (key, arguments), (expected_key, expected_arguments) = launches[1], expected[1]
+        assert (key, arguments[:4], [a[:3] for a in arguments[4:7]], arguments[7:]) == (
+            expected_key, expected_arguments[:4], new_outputs, expected_arguments[7:],
+        )  # fmt: skip
+        assert [a[3] for a in arguments[4:7]] == [a[3] for a in expected_arguments[4:7]]  # dtypes
+        fast.calls.clear()
+        return
+    key, arguments = fast.calls.pop()
     assert (key, arguments[:7], [a[:3] for a in arguments[7:10]], arguments[10:]) == (
         expected_key, expected_arguments[:7], new_outputs, expected_arguments[10:],
     )  # fmt: skip
@@ -200,9 +246,10 @@ def test_launches_what_the_python_path_launches(
 
 
 def test_schedule_is_the_python_rule_over_a_grid(fast, monkeypatch, generator):
-    """The extension's copy of ``schedule.tiles_per_cta`` (on the constants it was configured with) gives the
-    Python rule's answer over a grid of extents, SM counts, top-k, topk_length and precisions."""
-    compared = 0
+    """The extension's copies of ``schedule.tiles_per_cta`` and ``schedule.splits`` (on the constants it was
+    configured with) give the Python rules' answers over a grid of extents, SM counts, top-k, topk_length and
+    precisions."""
+    compared = split = 0
     for s_q, h_q, topk in itertools.product(
         (1, 2, 7, 8, 9, 16, 17, 40), (64, 128, 192), (128, 512, 640, 2048)
     ):
@@ -216,12 +263,16 @@ def test_schedule_is_the_python_rule_over_a_grid(fast, monkeypatch, generator):
             fast.extension.register_device(KDL_CPU, 0, sm_count)
             monkeypatch.setattr(schedule, "_sm_counts", {0: sm_count})
             topk_length = torch.zeros(s_q, dtype=torch.int32) if with_topk_length else None
-            expected = schedule.tiles_per_cta(s_q * h_q // 64, topk, with_topk_length, precision, 0)
-            assert (
-                fast.extension.plan(call._replace(topk_length=topk_length, precision=precision)) == expected
+            tiles = schedule.tiles_per_cta(s_q * h_q // 64, topk, with_topk_length, precision, 0)
+            splits = schedule.splits(s_q * h_q // 64, topk, 0) if tiles == 0 else 1
+            assert fast.extension.plan(call._replace(topk_length=topk_length, precision=precision)) == (
+                tiles,
+                splits,
             )
-            compared += 1 if expected else 0
+            compared += 1 if tiles else 0
+            split += 1 if splits > 1 else 0
     assert compared > 100  # the grid reaches the persistent schedule, not only the one-tile kernel
+    assert split > 20  # and the split one
 
 
 @pytest.mark.parametrize(
@@ -230,7 +281,7 @@ def test_schedule_is_the_python_rule_over_a_grid(fast, monkeypatch, generator):
     ids=[case[0] for case in VIOLATIONS],
 )
 def test_declines_every_contract_violation(fast, valid_args, changes, exception, message):
-    assert fast.extension.plan(PrefillCall(**valid_args)) >= 0
+    assert fast.extension.plan(PrefillCall(**valid_args)) != DECLINED
     valid_args.update(changes(valid_args))
     call = PrefillCall(**valid_args)
     with pytest.raises(exception):
@@ -249,7 +300,7 @@ def test_declines_every_contract_violation(fast, valid_args, changes, exception,
 def test_declines_every_contract_violation_of_a_bf16_q_call(
     fast, valid_bf16_q_args, changes, exception, message
 ):
-    assert fast.extension.plan(PrefillCall(**valid_bf16_q_args)) >= 0
+    assert fast.extension.plan(PrefillCall(**valid_bf16_q_args)) != DECLINED
     valid_bf16_q_args.update(changes(valid_bf16_q_args))
     call = PrefillCall(**valid_bf16_q_args)
     with pytest.raises(exception):
@@ -360,7 +411,7 @@ def test_declines_bf16_q_calls_that_need_the_python_path(fast, valid_bf16_q_args
 def test_q_scale_goes_with_e4m3_q_and_not_with_bf16_q(fast, valid_args, valid_bf16_q_args):
     """The fast path's own reasons for the q_scale rule (the contract raises for both calls)."""
     e4m3_call, bf16_call = PrefillCall(**valid_args), PrefillCall(**valid_bf16_q_args)
-    assert fast.extension.plan(e4m3_call) >= 0 and fast.extension.plan(bf16_call) >= 0
+    assert DECLINED not in (fast.extension.plan(e4m3_call), fast.extension.plan(bf16_call))
     with_scale = bf16_call._replace(q_scale=valid_args["q_scale"])
     assert fast.extension.decline_reason(with_scale) == (
         "q_scale is given for a q that the kernel scales per row (it must be None)"
@@ -385,7 +436,7 @@ def test_declines_unregistered_devices_and_variants(fast, valid_args):
     native.register_variant(
         fast.extension, D_QK, "default", False, kernels._variants[D_QK, "default"].function
     )
-    assert fast.extension.plan(call) == 0
+    assert fast.extension.plan(call) == (0, 1)
     assert fast.extension.plan(call._replace(precision="accurate")) == DECLINED
     bf16_q_call = call._replace(q=valid_args["q"].to(BF16), q_scale=None)
     assert fast.extension.plan(bf16_q_call) == DECLINED  # the bfloat16-q variant is another one
@@ -398,7 +449,7 @@ def test_declines_unregistered_devices_and_variants(fast, valid_args):
         kernels._bf16_q_variants[D_QK, "default", False].function,
         BF16,
     )
-    assert fast.extension.plan(bf16_q_call) == 0
+    assert fast.extension.plan(bf16_q_call) == (0, 1)
     assert not fast.calls
 
 
@@ -517,17 +568,19 @@ def test_note_launch_registers_once_per_variant_and_again_after_disable(fast, mo
     variant = kernels._variants[D_QK, "default"]
     native.disable()
     monkeypatch.setattr(native, "_gpu_count", 2)
-    native.note_launch(0, D_QK, "default", False, variant)  # two GPUs: never
+    native.note_launch(0, D_QK, "default", schedule.ONE_TILE, variant)  # two GPUs: never
     monkeypatch.setattr(native, "_gpu_count", 1)
-    native.note_launch(-1, D_QK, "default", False, variant)  # a CPU tensor: never
-    native.note_launch(0, D_QK, "default", False, types.SimpleNamespace(function=print))  # not TVM-FFI's
+    native.note_launch(-1, D_QK, "default", schedule.ONE_TILE, variant)  # a CPU tensor: never
+    native.note_launch(
+        0, D_QK, "default", schedule.ONE_TILE, types.SimpleNamespace(function=print)
+    )  # not TVM-FFI's
     with native.suspended():
-        native.note_launch(0, D_QK, "default", False, variant)
+        native.note_launch(0, D_QK, "default", schedule.ONE_TILE, variant)
     assert native.launch is None and not native._registered
     for _ in range(2):
-        native.note_launch(0, D_QK, "default", False, variant)
+        native.note_launch(0, D_QK, "default", schedule.ONE_TILE, variant)
         assert native.launch is native.load().launch
-        assert native._registered == {(0, D_QK, "default", False, FP8)}
+        assert native._registered == {(0, D_QK, "default", schedule.ONE_TILE, FP8)}
         assert native._registered_devices == {0}
         with native.suspended():
             assert native.launch is None
@@ -536,16 +589,19 @@ def test_note_launch_registers_once_per_variant_and_again_after_disable(fast, mo
         assert native.launch is None
         assert not native._registered and not native._registered_devices
     bf16_q_variant = kernels._bf16_q_variants[D_QK, "default", False]
-    native.note_launch(0, D_QK, "default", False, variant)
-    native.note_launch(0, D_QK, "default", False, bf16_q_variant, BF16)  # a variant of its own
-    assert native._registered == {(0, D_QK, "default", False, FP8), (0, D_QK, "default", False, BF16)}
+    native.note_launch(0, D_QK, "default", schedule.ONE_TILE, variant)
+    native.note_launch(0, D_QK, "default", schedule.ONE_TILE, bf16_q_variant, BF16)  # a variant of its own
+    assert native._registered == {
+        (0, D_QK, "default", schedule.ONE_TILE, FP8),
+        (0, D_QK, "default", schedule.ONE_TILE, BF16),
+    }
 
 
 def test_the_python_path_notes_its_gpu_launches(monkeypatch, fake_kernels, make_inputs):
     """``eager`` (not the kernels module) registers with the fast path, after a launch on a CUDA device whose
     capability the contract checked: the variant the launch returned, for the schedule the contract chose."""
     launched = types.SimpleNamespace(function=object())
-    fake_kernels(lambda *args: launched)
+    fake = fake_kernels(lambda *args: launched)
     monkeypatch.setattr(native, "launch", None)
     args = make_inputs(S_Q, H_Q, S_KV, D_QK, TOPK)
     noted = []
@@ -558,10 +614,18 @@ def test_the_python_path_notes_its_gpu_launches(monkeypatch, fake_kernels, make_
         eager, "check_inputs", lambda call: problem._replace(device=torch.device("cuda", 0), tiles_per_cta=2)
     )
     sparse_mla_q8kv8_prefill_fwd(**{**args, "q": args["q"].as_subclass(CudaLooking)}, precision="accurate")
-    assert noted == [(0, D_QK, "accurate", True, launched, FP8)]
+    assert noted == [(0, D_QK, "accurate", schedule.PERSISTENT, launched, FP8, None)]
     bf16_q = args["q"].to(BF16).as_subclass(CudaLooking)
     sparse_mla_q8kv8_prefill_fwd(**{**args, "q": bf16_q, "q_scale": None})
-    assert noted[1:] == [(0, D_QK, "default", True, launched, BF16)]
+    assert noted[1:] == [(0, D_QK, "default", schedule.PERSISTENT, launched, BF16, None)]
+    # A split schedule: the split variant, with the merge kernel to register beside it.
+    merge = types.SimpleNamespace(function=object())
+    fake.load_split_combine = lambda: merge
+    monkeypatch.setattr(
+        eager, "check_inputs", lambda call: problem._replace(device=torch.device("cuda", 0), splits=3)
+    )
+    sparse_mla_q8kv8_prefill_fwd(**{**args, "q": args["q"].as_subclass(CudaLooking)})
+    assert noted[2:] == [(0, D_QK, "default", schedule.SPLIT, launched, FP8, merge)]
 
 
 class CudaLooking(torch.Tensor):

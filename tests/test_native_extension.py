@@ -11,7 +11,7 @@ import warnings
 import pytest
 import torch
 
-from q8kv8 import contract, eager, native, native_build, sparse_mla_q8kv8_prefill_fwd
+from q8kv8 import contract, eager, native, native_build, schedule, sparse_mla_q8kv8_prefill_fwd
 from q8kv8.metadata import D_V
 from q8kv8.prefill_call import PrefillCall
 
@@ -107,18 +107,23 @@ def test_configuration_and_registration_errors(extension):
         extension.plan(None)
     function = tvm_ffi.convert(lambda: None).__chandle__()
     fp8 = torch.float8_e4m3fn
+    one_tile, split = schedule.ONE_TILE, schedule.SPLIT
     with pytest.raises(ValueError, match="no variant d_qk 128"):
-        extension.register_variant(128, "default", False, function, fp8)
+        extension.register_variant(128, "default", one_tile, function, fp8)
     with pytest.raises(ValueError, match="no variant d_qk 576, precision 'fast'"):
-        extension.register_variant(576, "fast", False, function, fp8)
-    with pytest.raises(ValueError, match=r"no variant d_qk 576, precision 'default', q dtype torch.float16"):
-        extension.register_variant(576, "default", False, function, torch.float16)
+        extension.register_variant(576, "fast", one_tile, function, fp8)
+    with pytest.raises(ValueError, match=r"precision 'default', schedule kind 0, q dtype torch.float16"):
+        extension.register_variant(576, "default", one_tile, function, torch.float16)
     with pytest.raises(ValueError, match="q dtype 'bf16'"):
-        extension.register_variant(576, "default", False, function, "bf16")
+        extension.register_variant(576, "default", split, function, "bf16")
+    with pytest.raises(ValueError, match="schedule kind 3,"):
+        extension.register_variant(576, "default", 3, function, fp8)
     with pytest.raises(TypeError, match="takes 5 arguments"):
-        extension.register_variant(576, "default", False, function)
-    with pytest.raises(TypeError, match="not a TVM-FFI function"):
-        extension.register_variant(576, "default", False, tvm_ffi.convert([1, 2]).__chandle__(), fp8)
+        extension.register_variant(576, "default", one_tile, function)
+    with pytest.raises(TypeError, match="register_variant: handle is not a TVM-FFI function"):
+        extension.register_variant(576, "default", one_tile, tvm_ffi.convert([1, 2]).__chandle__(), fp8)
+    with pytest.raises(TypeError, match="register_split_combine: handle is not a TVM-FFI function"):
+        extension.register_split_combine(tvm_ffi.convert([1, 2]).__chandle__())
     with pytest.raises(ValueError, match="sm_count < 1"):
         extension.register_device(1, 0, 0)
     constants = native.constants()

@@ -34,7 +34,8 @@ def nan_like(outputs):
 @pytest.mark.parametrize("precision", ["default", "accurate"])
 @pytest.mark.parametrize(
     ("s_q", "h_q", "d_qk", "topk", "with_extras"),
-    [(37, 128, 576, 512, False), (1100, 64, 512, 256, True)],  # the second: the persistent schedule (k = 2)
+    # (1100, 64, ...): the persistent schedule (k = 2); (20, 64, ...): the split one (4 parts)
+    [(37, 128, 576, 512, False), (1100, 64, 512, 256, True), (20, 64, 576, 2048, True)],
 )
 def test_fast_path_matches_the_python_path_bitwise(
     make_inputs, python_path_tripwire, precision, s_q, h_q, d_qk, topk, with_extras, q_dtype

@@ -41,11 +41,11 @@ def init_cta(warp_idx, tma_atom_q, init_barriers):
     cute.arch.sync_threads()
 
 
-def launch_cta(kernel, num_ctas, stream) -> None:
-    """Launch ``kernel`` (a ``@cute.kernel`` call) on ``num_ctas`` CTAs of NUM_THREADS threads. Dynamic
-    shared memory is the size of the SharedStorage struct it allocates; ``min_blocks_per_mp=1``
+def launch_cta(kernel, grid, stream) -> None:
+    """Launch ``kernel`` (a ``@cute.kernel`` call) on a ``grid`` ([x, y]) of CTAs of NUM_THREADS threads.
+    Dynamic shared memory is the size of the SharedStorage struct it allocates; ``min_blocks_per_mp=1``
     (without it ``setmaxregister`` is ignored)."""
-    kernel.launch(grid=[num_ctas, 1, 1], block=[NUM_THREADS, 1, 1], stream=stream, min_blocks_per_mp=1)
+    kernel.launch(grid=[*grid, 1], block=[NUM_THREADS, 1, 1], stream=stream, min_blocks_per_mp=1)
 
 
 class AttentionKernel:

@@ -6,7 +6,9 @@ under a lazy running max chained from one consumer to the other) and each accumu
 of d_v over every block, V^T read from the gathered tiles by ldmatrix.trans (RS WGMMA).
 ``precision="accurate"`` stores P as two e4m3 terms; ``persistent`` walks several tiles per CTA;
 ``q_dtype="bf16"`` takes bf16 q and quantises each Q tile in the consumers, a power-of-two scale per row
-folded into that row's logit scale. Design: docs/kernel.md.
+folded into that row's logit scale; ``split`` computes each tile as several CTAs, one per range of index
+slots, each writing a partial result (float32 out, max_logits and lse without the sink) that
+``split_combine.py`` merges. Design: docs/kernel.md.
 
 Constraints: h % 64 == 0, topk % 128 == 0, d_qk in {512, 576}, d_v = 512; q, out, max_logits, lse
 row-major; q and kv rows 16-byte aligned; topk_length clamped to [0, topk].
@@ -22,7 +24,7 @@ from cutlass import Float8E4M3FN, Float32, Int32, Int64, Uint32, const_expr
 from cutlass.cute.nvgpu import OperandMajorMode, warpgroup
 
 from cute_kernels import ptx
-from cute_kernels.interface import D_V
+from cute_kernels.interface import D_V, SINK_FLAG
 from cute_kernels.sm90.cta import (
     B_H,
     CONSUMER_THREADS,
@@ -124,6 +126,7 @@ class SparsePrefillSm90(AttentionKernel):
         precision: str = "default",
         persistent: bool = False,
         q_dtype: str = "e4m3",
+        split: bool = False,
     ):
         """``precision``: "default" rounds P to one e4m3 term; "accurate" splits it into two
         (hi = e4m3(p), lo = e4m3(p - hi)) and runs the PV product once per term.
@@ -131,19 +134,27 @@ class SparsePrefillSm90(AttentionKernel):
         bid + grid, ...), its producer loading the next tile's Q and first rows while the consumers
         finish the current one, whose out stores then drain during the next tile's math.
         ``q_dtype``: "e4m3" (q in e4m3, scaled by ``q_scale``, loaded by TMA) or "bf16" (q in bf16,
-        ``q_scale`` not read: the consumers quantise each tile, see ``quantize_q_tile``)."""
+        ``q_scale`` not read: the consumers quantise each tile, see ``quantize_q_tile``).
+        ``split`` (not with ``persistent``): out, max_logits and lse have ``splits`` times the rows of q
+        (``splits`` from their shapes); CTA b computes tile b % tiles over the (b // tiles)-th of ``splits``
+        equal ranges of whole pairs of index slots and writes rows [64 b, 64 b + 64) of them: out in
+        float32, normalised over the range, max_logits and lse of the range; the sink is not applied (see
+        ``tile_scheduler``)."""
         if d_qk not in (512, 576):
             raise ValueError(f"d_qk must be 512 or 576, got {d_qk}")
         if precision not in ("default", "accurate"):
             raise ValueError(f"precision must be 'default' or 'accurate', got {precision!r}")
         if q_dtype not in Q_DTYPES:
             raise ValueError(f"q_dtype must be one of {Q_DTYPES}, got {q_dtype!r}")
+        if split and persistent:
+            raise ValueError("split: one part of a tile per CTA, not persistent")
         self.d_qk = d_qk
         self.precision = precision
         self.q_bf16 = q_dtype == "bf16"
         self.p_terms = 2 if precision == "accurate" else 1  # e4m3 terms P is stored as
         self.persistent = persistent
-        self.scheduler = TileScheduler(persistent, B_TOPK)
+        self.split = split
+        self.scheduler = TileScheduler(persistent, B_TOPK, split)
         self.k_tile_bytes = B_TOPK * d_qk  # one gathered block in shared memory
         self.q_tile_bytes = B_H * d_qk
         self.q_shape = (B_H, d_qk)
@@ -190,9 +201,9 @@ class SparsePrefillSm90(AttentionKernel):
         mSink: cute.Tensor,  # [h] f32 (read when flags & 2)
         mQScale: cute.Tensor,  # [1] f32
         mKVScale: cute.Tensor,  # [1] f32
-        mOut: cute.Tensor,  # [s_q, h, 512] bf16, row-major
-        mMaxLogits: cute.Tensor,  # [s_q, h] f32, row-major
-        mLse: cute.Tensor,  # [s_q, h] f32, row-major
+        mOut: cute.Tensor,  # [s_q, h, 512] bf16, row-major (split: [splits * s_q, h, 512] f32)
+        mMaxLogits: cute.Tensor,  # [s_q, h] f32, row-major (split: [splits * s_q, h])
+        mLse: cute.Tensor,  # [s_q, h] f32, row-major (split: [splits * s_q, h])
         sm_scale_log2: Float32,  # sm_scale * log2(e)
         flags: Int32,  # bit 0: topk_length given, bit 1: attn_sink given
         tiles_per_cta: Int32,  # persistent: tiles each CTA walks (the grid is ceil(tiles / it))
@@ -223,7 +234,7 @@ class SparsePrefillSm90(AttentionKernel):
                 sP_layout,
                 self.shared_storage(),
             ),
-            self.scheduler.grid_size(views.rows // B_H, tiles_per_cta),
+            self.scheduler.grid(views.rows // B_H, views.out_rows // B_H, tiles_per_cta),
             stream,
         )
 
@@ -410,7 +421,7 @@ class SparsePrefillSm90(AttentionKernel):
         lane = cute.arch.lane_idx()
         if const_expr(not self.q_bf16):
             if warp_idx == 0:
-                load_q_tile(tma_atom_q, mQ_tma, sQ, mbar_q, work.tile, B_H, self.d_qk, self.q_tile_bytes)
+                load_q_tile(tma_atom_q, mQ_tma, sQ, mbar_q, work.q_tile, B_H, self.d_qk, self.q_tile_bytes)
 
         for pair in cutlass.range(work.num_pairs, unroll=1):
             ring_pair = pair_base + pair
@@ -419,6 +430,8 @@ class SparsePrefillSm90(AttentionKernel):
             full_barrier = mbar_kv_full + stage * 2 + block_in_pair
             empty_barrier = mbar_kv_empty + stage * 2 + block_in_pair
             slot = pair * PAIR + warp_idx * 32 + lane
+            if const_expr(self.split):
+                slot += work.slot_base
             kv_row = mIdx[work.token, slot]
             is_valid = slot_valid_flag(kv_row, slot, gather.s_kv, work.valid_len)
             cute.arch.mbarrier_wait(empty_barrier, phase ^ 1)
@@ -566,14 +579,14 @@ class SparsePrefillSm90(AttentionKernel):
             for tile_iter in cutlass.range(tiles.count, unroll=1):
                 work = self.scheduler.work(tiles, tile_iter, 2 * pair_base)
                 if const_expr(self.q_bf16):
-                    self.load_q_bf16(c, work.tile, tile_iter, q_source, mbar_q, mbar_q_empty)
+                    self.load_q_bf16(c, work.q_tile, tile_iter, q_source, mbar_q, mbar_q_empty)
                 self.reset_tile_state(*tile_state)
                 self.consume_tile(c._replace(work=work), tile_iter, *tile_barriers, epilogue_args, q_source)
                 pair_base += work.num_pairs
         else:
             work = self.scheduler.work(tiles, 0, 0)
             if const_expr(self.q_bf16):
-                self.load_q_bf16(c, work.tile, 0, q_source, mbar_q, mbar_q_empty)
+                self.load_q_bf16(c, work.q_tile, 0, q_source, mbar_q, mbar_q_empty)
                 self.reset_tile_state(*tile_state)
             self.consume_tile(c._replace(work=work), 0, *tile_barriers, epilogue_args, q_source)
 
@@ -654,8 +667,11 @@ class SparsePrefillSm90(AttentionKernel):
                 own = 2 * step + consumer
                 if own < num_blocks:
                     self.issue_qk(c, own)
+                    first_slot = own * B_TOPK
+                    if const_expr(self.split):
+                        first_slot += c.work.slot_base
                     valid_bits = slot_valid_bits(
-                        c.mIdx, c.work.token, own * B_TOPK, c.lane, c.quad_lane, c.s_kv, c.work.valid_len, 2
+                        c.mIdx, c.work.token, first_slot, c.lane, c.quad_lane, c.s_kv, c.work.valid_len, 2
                     )
                     warpgroup.wait_group(0)  # S(own)
                     if const_expr(self.persistent):
@@ -909,8 +925,10 @@ class SparsePrefillSm90(AttentionKernel):
     @cute.jit
     def epilogue(self, c: Consumer, tile_iter, mSink, mKVScale, mOut, mMaxLogits, mLse, flags):
         """Normalise O, apply kv_scale and the sink, write out (bf16), max_logits and lse of the CTA's
-        tile ``tile_iter``."""
+        tile ``tile_iter`` (split: out in float32, without the sink)."""
         kv_scale = mKVScale[0]
+        if const_expr(self.split):
+            flags = flags & ~SINK_FLAG  # the partial results leave the sink to the combine
         # O (both halves) is relative to the last block's max, m_final; both consumers waited for
         # the last block's p_full in their last step. The other consumer published its row
         # statistics after its last own softmax (``publish_row_stats``), usually while this one
@@ -952,12 +970,17 @@ class SparsePrefillSm90(AttentionKernel):
         )
 
         out_base = mOut.iterator.toint()
+        out_bytes = mOut.element_type.width // 8
         for j in cutlass.range_constexpr(8):
             for e in cutlass.range_constexpr(2):
                 head = 8 * j + 2 * c.quad_lane + e
                 scale = c.s_out_scale[head, c.index]
-                row_addr = out_base + Int64(c.work.tile * B_H + head) * (D_V * 2)
+                row_addr = out_base + Int64(c.work.tile * B_H + head) * (D_V * out_bytes)
                 for mt in cutlass.range_constexpr(D_TILES_PER_CONSUMER):
                     d = (c.index * D_TILES_PER_CONSUMER + mt) * 64 + c.warp * 16 + 2 * c.quad_row
-                    word = ptx.pack_bf16x2(c.acc_o[mt][e + 4 * j] * scale, c.acc_o[mt][e + 2 + 4 * j] * scale)
-                    ptx.st_global_u32(row_addr + d * 2, word)
+                    lo, hi = c.acc_o[mt][e + 4 * j] * scale, c.acc_o[mt][e + 2 + 4 * j] * scale
+                    if const_expr(self.split):
+                        ptx.st_global_v2_f32(row_addr + d * out_bytes, lo, hi)
+                    else:
+                        word = ptx.pack_bf16x2(lo, hi)
+                        ptx.st_global_u32(row_addr + d * out_bytes, word)

@@ -178,7 +178,7 @@ class SparsePrefillBf16Sm90(AttentionKernel):
                 sV_outer,
                 self.shared_storage(),
             ),
-            self.scheduler.grid_size(views.rows // B_H),
+            self.scheduler.grid(views.rows // B_H),
             stream,
         )
 

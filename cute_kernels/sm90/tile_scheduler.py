@@ -1,10 +1,13 @@
-"""Which (token, head group) tiles a CTA computes: one tile, or several (persistent).
+"""Which (token, head group) tiles a CTA computes: one tile, several (persistent), or a part of one (split).
 
 Tiles run over the head groups of token 0, then token 1, ...: tile t is rows [64 t, 64 t + 64) of the
 (token, head) rows. One-tile scheduling launches a CTA per tile. Persistent scheduling launches
-``ceil(tiles / tiles_per_cta)`` CTAs and CTA b walks tiles b, b + grid, b + 2 grid, ... A tile's work
-(``TileWork``) is its position, the number of leading index slots to consider (``topk_length``) and the
-count of KV blocks and pairs that covers them.
+``ceil(tiles / tiles_per_cta)`` CTAs and CTA b walks tiles b, b + grid, b + 2 grid, ... Split scheduling
+launches a [tiles, splits] grid (``splits`` from the row count of the outputs it is given, ``splits`` times
+q's): CTA (t, p) computes tile t over the p-th of ``splits`` equal ranges of index slots (whole pairs) and
+writes the partial result as output tile p * tiles + t. A tile's work
+(``TileWork``) is its position, the range of index slots to consider (``topk_length`` bounds it) and the
+count of KV blocks and pairs that covers it.
 """
 
 from typing import NamedTuple
@@ -42,41 +45,50 @@ class CtaTiles(NamedTuple):
     count: Int32  # how many tiles (1 unless persistent)
     mIdx: cute.Tensor  # [s_q, topk] indices
     mTopkLen: cute.Tensor
-    mOut: cute.Tensor  # [s_q, h, d_v]: its first two extents give the tile count
+    mOut: cute.Tensor  # [s_q, h, d_v] (split: [splits * s_q, h, d_v]): the tile count
     flags: Int32
 
 
 class TileWork(NamedTuple):
     """One work tile of a CTA (trace-time bundle of runtime values)."""
 
-    tile: Int32  # row tile [64 * tile, 64 * tile + 64) of the (token, head) rows
+    tile: Int32  # output row tile [64 * tile, 64 * tile + 64) (of the partial rows when split)
+    q_tile: Int32  # row tile of the (token, head) rows of q (tile unless split)
     token: Int32
     head_group: Int32
-    valid_len: Int32  # topk_length clamped to [0, topk] (topk when not given)
-    num_blocks: Int32  # ceil(valid_len / block rows)
-    num_pairs: Int32  # ceil(valid_len / pair rows)
+    slot_base: Int32  # the first index slot of the work (0 unless split: a multiple of the pair rows)
+    valid_len: Int32  # slots below it are considered: topk_length clamped to [0, topk] (topk when not
+    # given), split: also to the end of the work's range
+    num_blocks: Int32  # blocks from slot_base that cover the slots below valid_len
+    num_pairs: Int32  # pairs from slot_base that cover them
     block_base: Int32  # the CTA's block count before this tile (0 unless persistent): the tile's
     # block b has ring position block_base + b
 
 
 class TileScheduler:
-    """One tile per CTA, or ``persistent``: ``tiles_per_cta`` (a launch argument) per CTA. Blocks are
-    ``block_rows`` index slots, pairs two blocks."""
+    """One tile per CTA, or ``persistent``: ``tiles_per_cta`` (a launch argument) per CTA, or ``split``: a
+    part of a tile per CTA. Blocks are ``block_rows`` index slots, pairs two blocks."""
 
-    def __init__(self, persistent: bool, block_rows: int):
+    def __init__(self, persistent: bool, block_rows: int, split: bool = False):
+        assert not (persistent and split), "a split schedule is one part of a tile per CTA"
         self.persistent = persistent
+        self.split = split
         self.block_rows = block_rows
 
-    def grid_size(self, num_tiles, tiles_per_cta=None):
-        """CTAs to launch for ``num_tiles`` tiles."""
-        return (num_tiles + tiles_per_cta - 1) // tiles_per_cta if const_expr(self.persistent) else num_tiles
+    def grid(self, num_tiles, out_tiles=None, tiles_per_cta=None):
+        """The [x, y] grid of CTAs to launch for ``num_tiles`` tiles (split: ``out_tiles`` output tiles)."""
+        if const_expr(self.persistent):
+            return [(num_tiles + tiles_per_cta - 1) // tiles_per_cta, 1]
+        if const_expr(self.split):
+            return [num_tiles, out_tiles // num_tiles]
+        return [num_tiles, 1]
 
     def cta_tiles(self, bid, mIdx, mTopkLen, mOut, flags, tiles_per_cta=None) -> CtaTiles:
         """The tiles of CTA ``bid`` (called while tracing the kernel)."""
         tile_count = 1
         if const_expr(self.persistent):
             num_tiles = cute.size(mOut, mode=[0]) * (cute.size(mOut, mode=[1]) // B_H)
-            grid = self.grid_size(num_tiles, tiles_per_cta)
+            grid = self.grid(num_tiles, tiles_per_cta=tiles_per_cta)[0]
             tile_count = (num_tiles - bid + grid - 1) // grid
         return CtaTiles(bid, tile_count, mIdx, mTopkLen, mOut, flags)
 
@@ -88,15 +100,29 @@ class TileScheduler:
             tile = cute.arch.block_idx()[0] + tile_iter * cute.arch.grid_dim()[0]
         topk = cute.size(tiles.mIdx, mode=[1])
         num_head_groups = cute.size(tiles.mOut, mode=[1]) // B_H
-        token = tile // num_head_groups
-        valid_len = valid_slot_count(tiles.mTopkLen, token, topk, tiles.flags)
         pair_rows = 2 * self.block_rows
+        q_tile = tile
+        slot_base = 0
+        if const_expr(self.split):  # block (tile, part) of a [tiles, splits] grid
+            _, part, _ = cute.arch.block_idx()
+            splits = cute.arch.grid_dim()[1]
+            tile = part * cute.arch.grid_dim()[0] + q_tile
+            pairs_per_part = (topk + splits * pair_rows - 1) // (splits * pair_rows)
+            slot_base = cute.arch.make_warp_uniform(part * pairs_per_part * pair_rows)
+        token = q_tile // num_head_groups
+        valid_len = valid_slot_count(tiles.mTopkLen, token, topk, tiles.flags)
+        slot_count = valid_len
+        if const_expr(self.split):
+            valid_len = cutlass.min(valid_len, slot_base + pairs_per_part * pair_rows)
+            slot_count = cutlass.max(valid_len - slot_base, 0)
         return TileWork(
             tile=tile,
+            q_tile=q_tile,
             token=token,
-            head_group=plain_int32(tile - token * num_head_groups),  # indexes attn_sink
+            head_group=plain_int32(q_tile - token * num_head_groups),  # indexes attn_sink
+            slot_base=slot_base,
             valid_len=valid_len,
-            num_blocks=(valid_len + self.block_rows - 1) // self.block_rows,
-            num_pairs=(valid_len + pair_rows - 1) // pair_rows,
+            num_blocks=(slot_count + self.block_rows - 1) // self.block_rows,
+            num_pairs=(slot_count + pair_rows - 1) // pair_rows,
             block_base=block_base,
         )

@@ -93,6 +93,8 @@ struct Config {
   int64_t persistent_max_topk = 0;
   int64_t persistent_max_tiles_per_cta = 0;
   int64_t persistent_min_waves = 0;
+  int64_t split_max_parts = 0;
+  int64_t split_min_slots = 0;
   PyObject* error_kinds = nullptr;  // dict: TVM-FFI error kind -> Python exception type, owned
 };
 
@@ -106,9 +108,13 @@ struct Device {
 struct Registry {
   Config config;
   std::vector<Device> devices;
-  // TVM-FFI functions (owned references, or null), [q dtype][d_qk][precision][persistent].
+  // TVM-FFI functions (owned references, or null), [q dtype][d_qk][precision][schedule kind].
   std::vector<TVMFFIObjectHandle> variants;
+  TVMFFIObjectHandle split_combine = nullptr;  // the merge of a split launch's partial results (owned, or null)
 };
+
+// Schedule kinds of the registry's variants (native.SCHEDULE_KINDS): one tile per CTA, persistent, split.
+enum ScheduleKind : size_t { kOneTile = 0, kPersistent = 1, kSplit = 2, kScheduleKinds = 3 };
 
 // Never destroyed: releasing what it holds may need the interpreter, which is gone when static destructors
 // run; q8kv8.native empties it at exit instead (reset()).
@@ -120,6 +126,8 @@ void ReleaseAll() {
     if (variant != nullptr) TVMFFIObjectDecRef(variant);
   }
   r.variants.clear();
+  if (r.split_combine != nullptr) TVMFFIObjectDecRef(r.split_combine);
+  r.split_combine = nullptr;
   r.devices.clear();
   for (PyObject* name : r.config.precisions) Py_DECREF(name);
   Py_XDECREF(r.config.error_kinds);
@@ -206,6 +214,7 @@ struct Views {
 // What the checks decided.
 struct Plan {
   int64_t tiles = kDeclined;  // tiles per CTA (0: the one-tile kernel), or kDeclined
+  int64_t splits = 1;  // the one-tile kernel: parts per tile (> 1: the split variant, then the merge)
   TVMFFIObjectHandle variant = nullptr;
   int64_t flags = 0;
   double logit_scale = 0.0;
@@ -278,10 +287,20 @@ int64_t TilesPerCta(int64_t num_tiles, int64_t topk, bool has_topk_length, size_
   return tiles >= 2 ? tiles : 0;
 }
 
-// The registry's slot of a variant: [q dtype][d_qk][precision][persistent], by index into the Config's lists.
-size_t VariantIndex(size_t q_dtype, size_t d_qk, size_t precision, bool persistent) {
+// schedule.splits (without a forced answer: the fast path is suspended while one is set).
+int64_t Splits(int64_t num_tiles, int64_t topk, int64_t sm_count) {
   const Config& c = registry.config;
-  return ((q_dtype * c.supported_d_qk.size() + d_qk) * c.precisions.size() + precision) * 2 + (persistent ? 1 : 0);
+  const int64_t parts =
+      std::min({c.split_max_parts, sm_count / std::max<int64_t>(num_tiles, 1), topk / c.split_min_slots});
+  return parts >= 2 ? parts : 1;
+}
+
+// The registry's slot of a variant: [q dtype][d_qk][precision][schedule kind], by index into the Config's
+// lists.
+size_t VariantIndex(size_t q_dtype, size_t d_qk, size_t precision, size_t schedule_kind) {
+  const Config& c = registry.config;
+  return ((q_dtype * c.supported_d_qk.size() + d_qk) * c.precisions.size() + precision) * kScheduleKinds +
+         schedule_kind;
 }
 
 // The outputs' checks (contract._check_signatures, _check_no_overlap, Problem.launch_ready for out): an
@@ -399,13 +418,18 @@ Plan Check(const Views& v) {
     return Declined("q, kv or out does not meet the launch's alignment");
   }
 
-  const int64_t tiles =
-      TilesPerCta(s_q * (h_q / c.head_alignment), topk, v.has_topk_length, v.precision, device->sm_count);
+  const int64_t num_tiles = s_q * (h_q / c.head_alignment);
+  const int64_t tiles = TilesPerCta(num_tiles, topk, v.has_topk_length, v.precision, device->sm_count);
+  const int64_t splits = tiles == 0 ? Splits(num_tiles, topk, device->sm_count) : 1;
+  const size_t kind = tiles > 0 ? kPersistent : splits > 1 ? kSplit : kOneTile;
   const size_t d_qk_index = static_cast<size_t>(d_qk_found - c.supported_d_qk.begin());
-  TVMFFIObjectHandle variant = registry.variants[VariantIndex(q_dtype, d_qk_index, v.precision, tiles > 0)];
-  if (variant == nullptr) return Declined("the kernel variant is not registered");
+  TVMFFIObjectHandle variant = registry.variants[VariantIndex(q_dtype, d_qk_index, v.precision, kind)];
+  if (variant == nullptr || (splits > 1 && registry.split_combine == nullptr)) {
+    return Declined("the kernel variant is not registered");
+  }
   Plan plan;
   plan.tiles = tiles;
+  plan.splits = splits;
   plan.variant = variant;
   plan.logit_scale = v.sm_scale * c.log2_e;
   plan.flags = (v.has_topk_length ? c.topk_length_flag : 0) | (v.has_sink ? c.sink_flag : 0);
@@ -560,7 +584,19 @@ void SetTensor(TVMFFIAny* any, const DLTensor* t) {
   any->v_ptr = const_cast<DLTensor*>(t);
 }
 
-// Calls the plan's variant with the Python path's arguments, on `stream` (set as TVM-FFI's environment
+// Calls `function` (held for the call: Python code under it, a Python-defined variant, may let another thread
+// reset()); returns TVM-FFI's status.
+int CallFunction(TVMFFIObjectHandle function, TVMFFIAny* args, int32_t num_args) {
+  TVMFFIObjectIncRef(function);
+  TVMFFIAny result = {};
+  result.type_index = kTVMFFINone;
+  const int status = TVMFFIFunctionCall(function, args, num_args, &result);
+  TVMFFIObjectDecRef(function);
+  if (status == 0 && result.type_index >= kTVMFFIStaticObjectBegin) TVMFFIObjectDecRef(result.v_obj);
+  return status;
+}
+
+// Calls the plan's variant with the Python path's arguments (a split plan: then the merge), on `stream` (set as TVM-FFI's environment
 // stream of q's device for the call when set_stream). Returns nullptr with a Python exception set when the
 // call raised, else Py_None (borrowed).
 PyObject* Run(const Views& v, const Plan& plan, bool set_stream, void* stream) {
@@ -572,17 +608,46 @@ PyObject* Run(const Views& v, const Plan& plan, bool set_stream, void* stream) {
   const DLTensor& q_scale = v.has_q_scale ? v.q_scale : v.kv_scale;
   DLTensor no_topk_length = q_scale;
   no_topk_length.dtype = {kDLInt, 32, 1};
+  const DLTensor* sink = v.has_sink ? &v.attn_sink : &v.kv_scale;
+  // A split launch writes partial results (float32 out, max_logits, lse of splits * s_q rows) into one
+  // buffer from torch's caching allocator (kernels.launch_sparse_prefill), then the merge writes the outputs.
+  at::Tensor partial_buffer;
+  DLTensor partial[3] = {};
+  int64_t partial_shapes[3][3] = {};
+  int64_t partial_strides[3][3] = {};  // row-major (the kernels read a tensor's strides)
+  const DLTensor* results[3] = {&v.out, &v.max_logits, &v.lse};
+  if (plan.splits > 1) {
+    const int64_t rows = plan.splits * v.q.shape[0], h = v.q.shape[1], d_v = registry.config.d_v;
+    partial_buffer = Empty(*v.q_tensor, {rows * h * (d_v + 2)}, at::kFloat);
+    auto* base = static_cast<float*>(partial_buffer.data_ptr());
+    float* starts[3] = {base, base + rows * h * d_v, base + rows * h * (d_v + 1)};
+    for (int i = 0; i < 3; ++i) {
+      partial_shapes[i][0] = rows;
+      partial_shapes[i][1] = h;
+      partial_shapes[i][2] = d_v;
+      partial_strides[i][0] = i == 0 ? h * d_v : h;
+      partial_strides[i][1] = i == 0 ? d_v : 1;
+      partial_strides[i][2] = 1;
+      partial[i].data = starts[i];
+      partial[i].device = v.q.device;
+      partial[i].ndim = i == 0 ? 3 : 2;
+      partial[i].dtype = {kDLFloat, 32, 1};
+      partial[i].shape = partial_shapes[i];
+      partial[i].strides = partial_strides[i];
+      results[i] = &partial[i];
+    }
+  }
   TVMFFIAny args[13] = {};
   SetTensor(&args[0], &v.q);
   SetTensor(&args[1], &v.kv);
   SetTensor(&args[2], &v.indices);
   SetTensor(&args[3], v.has_topk_length ? &v.topk_length : &no_topk_length);
-  SetTensor(&args[4], v.has_sink ? &v.attn_sink : &v.kv_scale);
+  SetTensor(&args[4], sink);
   SetTensor(&args[5], &q_scale);
   SetTensor(&args[6], &v.kv_scale);
-  SetTensor(&args[7], &v.out);
-  SetTensor(&args[8], &v.max_logits);
-  SetTensor(&args[9], &v.lse);
+  SetTensor(&args[7], results[0]);
+  SetTensor(&args[8], results[1]);
+  SetTensor(&args[9], results[2]);
   args[10].type_index = kTVMFFIFloat;
   args[10].v_float64 = plan.logit_scale;
   args[11].type_index = kTVMFFIInt;
@@ -596,12 +661,18 @@ PyObject* Run(const Views& v, const Plan& plan, bool set_stream, void* stream) {
     return RaiseFfiError();
   }
   // Held for the call: Python code under it (a Python-defined variant) may let another thread reset().
-  TVMFFIObjectIncRef(plan.variant);
-  TVMFFIAny result = {};
-  result.type_index = kTVMFFINone;
-  const int status = TVMFFIFunctionCall(plan.variant, args, 13, &result);
-  TVMFFIObjectDecRef(plan.variant);
-  if (status == 0 && result.type_index >= kTVMFFIStaticObjectBegin) TVMFFIObjectDecRef(result.v_obj);
+  int status = CallFunction(plan.variant, args, 13);
+  if (status == 0 && plan.splits > 1) {
+    TVMFFIAny merge_args[8] = {};
+    for (int i = 0; i < 3; ++i) SetTensor(&merge_args[i], &partial[i]);
+    SetTensor(&merge_args[3], sink);
+    SetTensor(&merge_args[4], &v.out);
+    SetTensor(&merge_args[5], &v.max_logits);
+    SetTensor(&merge_args[6], &v.lse);
+    merge_args[7].type_index = kTVMFFIInt;
+    merge_args[7].v_int64 = plan.flags;
+    status = CallFunction(registry.split_combine, merge_args, 8);
+  }
   PyObject* raised = status == 0 ? Py_None : RaiseFfiError();
   if (set_stream && TVMFFIEnvSetStream(device.device_type, device.device_id, previous, nullptr) != 0) {
     if (raised != nullptr) return RaiseFfiError();
@@ -658,7 +729,9 @@ PyObject* Launch(PyObject* /*module*/, PyObject* call) {
 PyObject* PlanCall(PyObject* /*module*/, PyObject* call) {
   if (!IsCall(call)) return nullptr;
   Views v;
-  return PyLong_FromLongLong(Inspect(call, &v).tiles);
+  const Plan plan = Inspect(call, &v);
+  if (plan.tiles == kDeclined) return PyLong_FromLongLong(kDeclined);
+  return Py_BuildValue("(LL)", static_cast<long long>(plan.tiles), static_cast<long long>(plan.splits));
 }
 
 PyObject* DeclineReason(PyObject* /*module*/, PyObject* call) {
@@ -814,7 +887,9 @@ bool Configure(PyObject* constants, Config* c) {
          GetInt(constants, "sink_flag", &c->sink_flag, 1) &&
          GetInt(constants, "persistent_max_topk", &c->persistent_max_topk, 0) &&
          GetInt(constants, "persistent_max_tiles_per_cta", &c->persistent_max_tiles_per_cta, 0) &&
-         GetInt(constants, "persistent_min_waves", &c->persistent_min_waves, 1);
+         GetInt(constants, "persistent_min_waves", &c->persistent_min_waves, 1) &&
+         GetInt(constants, "split_max_parts", &c->split_max_parts, 1) &&
+         GetInt(constants, "split_min_slots", &c->split_min_slots, 1);
 }
 
 // configure(constants): forgets every device and variant, and takes the constants the checks read.
@@ -829,7 +904,8 @@ PyObject* ConfigureCall(PyObject* /*module*/, PyObject* constants) {
     return nullptr;
   }
   const Config& c = registry.config;
-  registry.variants.assign(c.q_dtypes.size() * c.supported_d_qk.size() * c.precisions.size() * 2, nullptr);
+  registry.variants.assign(c.q_dtypes.size() * c.supported_d_qk.size() * c.precisions.size() * kScheduleKinds,
+                           nullptr);
   registry.config.configured = true;
   Py_RETURN_NONE;
 }
@@ -865,18 +941,25 @@ PyObject* RegisterDevice(PyObject* /*module*/, PyObject* const* args, Py_ssize_t
   Py_RETURN_NONE;
 }
 
-// register_variant(d_qk, precision, persistent, handle, q_dtype): a kernel variant for a q of q_dtype (a
-// torch dtype), the TVM-FFI function whose object handle (tvm_ffi.Function.__chandle__()) is `handle`;
-// referenced until replaced or reset.
+// Whether `handle` is a TVM-FFI function's object handle, else a TypeError naming `caller`.
+bool IsFunctionHandle(void* handle, const char* caller) {
+  if (handle != nullptr && TVMFFIObjectGetTypeIndex(handle) == kTVMFFIFunction) return true;
+  PyErr_Format(PyExc_TypeError, "%s: handle is not a TVM-FFI function", caller);
+  return false;
+}
+
+// register_variant(d_qk, precision, schedule_kind, handle, q_dtype): a kernel variant of a schedule kind (0 one
+// tile per CTA, 1 persistent, 2 split) for a q of q_dtype (a torch dtype), the TVM-FFI function whose object
+// handle (tvm_ffi.Function.__chandle__()) is `handle`; referenced until replaced or reset.
 PyObject* RegisterVariant(PyObject* /*module*/, PyObject* const* args, Py_ssize_t nargs) {
   if (nargs != 5) {
     PyErr_Format(PyExc_TypeError,
-                 "register_variant(d_qk, precision, persistent, handle, q_dtype) takes 5 arguments");
+                 "register_variant(d_qk, precision, schedule_kind, handle, q_dtype) takes 5 arguments");
     return nullptr;
   }
   const Config& c = registry.config;
   const long long d_qk = PyLong_AsLongLong(args[0]);
-  const int persistent = PyObject_IsTrue(args[2]);
+  const long long kind = PyLong_AsLongLong(args[2]);
   void* handle = PyLong_AsVoidPtr(args[3]);
   if (PyErr_Occurred()) return nullptr;
   const auto d_qk_found = std::find(c.supported_d_qk.begin(), c.supported_d_qk.end(), d_qk);
@@ -892,21 +975,36 @@ PyObject* RegisterVariant(PyObject* /*module*/, PyObject* const* args, Py_ssize_
     }
   }
   if (!c.configured || d_qk_found == c.supported_d_qk.end() || precision == c.precisions.size() ||
-      q_dtype == c.q_dtypes.size()) {
+      q_dtype == c.q_dtypes.size() || kind < 0 || kind >= static_cast<long long>(kScheduleKinds)) {
     PyErr_Format(PyExc_ValueError,
-                 "register_variant: not configured, or no variant d_qk %lld, precision %R, q dtype %R", d_qk,
-                 args[1], args[4]);
+                 "register_variant: not configured, or no variant d_qk %lld, precision %R, schedule kind %R, "
+                 "q dtype %R",
+                 d_qk, args[1], args[2], args[4]);
     return nullptr;
   }
-  if (handle == nullptr || TVMFFIObjectGetTypeIndex(handle) != kTVMFFIFunction) {
-    PyErr_SetString(PyExc_TypeError, "register_variant: handle is not a TVM-FFI function");
-    return nullptr;
-  }
+  if (!IsFunctionHandle(handle, "register_variant")) return nullptr;
   const size_t d_qk_index = static_cast<size_t>(d_qk_found - c.supported_d_qk.begin());
-  TVMFFIObjectHandle& slot = registry.variants[VariantIndex(q_dtype, d_qk_index, precision, persistent != 0)];
+  TVMFFIObjectHandle& slot =
+      registry.variants[VariantIndex(q_dtype, d_qk_index, precision, static_cast<size_t>(kind))];
   TVMFFIObjectIncRef(handle);
   if (slot != nullptr) TVMFFIObjectDecRef(slot);
   slot = handle;
+  Py_RETURN_NONE;
+}
+
+// register_split_combine(handle): the kernel that merges a split launch's partial results (the TVM-FFI
+// function whose object handle is `handle`); referenced until replaced or reset.
+PyObject* RegisterSplitCombine(PyObject* /*module*/, PyObject* handle_object) {
+  void* handle = PyLong_AsVoidPtr(handle_object);
+  if (PyErr_Occurred()) return nullptr;
+  if (!registry.config.configured) {
+    PyErr_SetString(PyExc_ValueError, "register_split_combine: not configured");
+    return nullptr;
+  }
+  if (!IsFunctionHandle(handle, "register_split_combine")) return nullptr;
+  TVMFFIObjectIncRef(handle);
+  if (registry.split_combine != nullptr) TVMFFIObjectDecRef(registry.split_combine);
+  registry.split_combine = handle;
   Py_RETURN_NONE;
 }
 
@@ -917,7 +1015,8 @@ PyMethodDef methods[] = {
     Q8KV8_METHOD("launch", Launch, METH_O,
                  "launch(call) -> (out, max_logits, lse), or None when the call is left to the Python path"),
     Q8KV8_METHOD("plan", PlanCall, METH_O,
-                 "plan(call) -> the tiles per CTA launch(call) would run (0: one-tile kernel), or -1 (declined)"),
+                 "plan(call) -> (tiles per CTA, splits) launch(call) would run (tiles 0: one-tile kernel, "
+                 "split into `splits` parts when > 1), or -1 (declined)"),
     Q8KV8_METHOD("decline_reason", DeclineReason, METH_O,
                  "decline_reason(call) -> why launch(call) declines, '' when it does not"),
     Q8KV8_METHOD("allocate", Allocate, METH_FASTCALL,
@@ -928,7 +1027,8 @@ PyMethodDef methods[] = {
     Q8KV8_METHOD("register_device", RegisterDevice, METH_FASTCALL,
                  "register_device(device_type, device_id, sm_count)"),
     Q8KV8_METHOD("register_variant", RegisterVariant, METH_FASTCALL,
-                 "register_variant(d_qk, precision, persistent, handle, q_dtype)"),
+                 "register_variant(d_qk, precision, schedule_kind, handle, q_dtype)"),
+    Q8KV8_METHOD("register_split_combine", RegisterSplitCombine, METH_O, "register_split_combine(handle)"),
     {nullptr, nullptr, 0, nullptr},
 };
 

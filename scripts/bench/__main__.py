@@ -9,12 +9,13 @@ baseline (gather + bf16 matmul + softmax, what one writes without a kernel), pri
 ``bench/results.json`` and ``bench/results.png``.
 Without an SM90 GPU it builds the kernel variants for sm_90a, prints a compile report and exits 2.
 
-Then the paged serving path (``scripts/bench/serving.py``): a layer call (gather + kernel on the bf16 Q)
-next to the kernel alone and the gather's bandwidth; one layer shape by default, all of them with
-``--serving``, none with ``--no-serving``.
+Then short prefill chunks and small head counts with the schedule each ran (``scripts/bench/schedules.py``;
+none with ``--no-schedules``), and the paged serving path (``scripts/bench/serving.py``): a layer call
+(gather + kernel on the bf16 Q) next to the kernel alone and the gather's bandwidth; one layer shape by
+default, all of them with ``--serving``, none with ``--no-serving``.
 
     python -m scripts.bench [--shapes NAME,...] [--check] [--rep MS] [--no-baseline] [--no-accurate]
-                            [--no-bf16q] [--[no-]serving]
+                            [--no-bf16q] [--no-schedules] [--[no-]serving]
 """
 
 from __future__ import annotations
@@ -114,6 +115,9 @@ def main() -> int:
     parser.add_argument("--no-baseline", action="store_true", help="skip the PyTorch baseline arm")
     parser.add_argument("--no-accurate", action="store_true", help='skip the precision="accurate" arm')
     parser.add_argument("--no-bf16q", action="store_true", help="skip the bfloat16-q arm")
+    parser.add_argument(
+        "--no-schedules", action="store_true", help="skip the short-chunk and head-count section"
+    )
     parser.add_argument("--out", default=str(REPO / "bench"), help="folder for results.json / results.png")
     serving = parser.add_mutually_exclusive_group()
     serving.add_argument("--serving", action="store_true", help="every serving layer shape (paged path)")
@@ -203,6 +207,16 @@ def main() -> int:
             f"the same for a bfloat16 q: {report['host_overhead_bf16q_us']:.1f} us with output buffers "
             f"given, {report['host_overhead_bf16q_allocating_us']:.1f} us allocating them"
         )
+    if not args.no_schedules:
+        from scripts.bench import schedules
+
+        full_rows = {
+            row["h_q"]: row["q8kv8"]["ms"]
+            for row in results
+            if (row["s_q"], row["s_kv"], row["d_qk"], row["topk"], row["topk_length"])
+            == (schedules.FULL_S_Q, schedules.S_KV, schedules.D_QK, schedules.TOPK, None)
+        }
+        report["schedules"] = schedules.run(args.rep, full_rows)
     if not args.no_serving:
         from scripts.bench import serving
 

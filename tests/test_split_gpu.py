@@ -1,0 +1,117 @@
+"""The split schedule (a short grid: each tile computed by several CTAs over ranges of its index slots, their
+partial results merged) on an H100/H200 (``gpu`` marker): against the float64 reference with the one-tile
+kernel's tolerances (``test_kernel_gpu``), the no-valid-slot sentinels exact, the same bits on every run, the
+rule's choice, the C++ fast path and CUDA graphs."""
+
+import math
+
+import pytest
+import torch
+from reference_checks import assert_outputs_match
+
+from q8kv8 import eager, native, schedule, sparse_mla_q8kv8_prefill_fwd
+from q8kv8.prefill_call import PrefillCall
+from q8kv8.reference import sparse_mla_prefill_reference
+
+pytestmark = pytest.mark.gpu
+
+OUT_TOLERANCE = {"default": 4e-2, "accurate": 5e-3}
+STAT_TOLERANCE = 1e-2
+Q_DTYPES = pytest.mark.parametrize("q_dtype", [torch.float8_e4m3fn, torch.bfloat16], ids=["e4m3", "bf16"])
+
+
+def run(inputs: dict, **kwargs):
+    outputs = sparse_mla_q8kv8_prefill_fwd(**inputs, **kwargs)
+    torch.cuda.synchronize()
+    return outputs
+
+
+def assert_matches_reference(outputs, inputs, precision="default"):
+    reference = sparse_mla_prefill_reference(**inputs, chunk_rows=32)
+    return assert_outputs_match(outputs, reference, OUT_TOLERANCE[precision], STAT_TOLERANCE)
+
+
+@Q_DTYPES
+@pytest.mark.parametrize("precision", ["default", "accurate"])
+@pytest.mark.parametrize("parts", [2, 3, 4])
+@pytest.mark.parametrize(("d_qk", "h_q", "topk"), [(576, 64, 2048), (512, 128, 512)])
+def test_matches_reference_and_is_stable(make_inputs, q_dtype, precision, parts, d_qk, h_q, topk):
+    """Sink, topk_length and invalid indices; the second run gives the same bits."""
+    inputs = make_inputs(
+        9, h_q, 70000, d_qk, topk, device="cuda", with_sink=True, with_topk_length=True, q_dtype=q_dtype
+    )
+    with eager.forced_splits(parts):
+        first = [t.clone() for t in run(inputs, precision=precision)]
+        second = run(inputs, precision=precision)
+    assert all(torch.equal(a, b) for a, b in zip(first, second, strict=True))
+    assert_matches_reference(first, inputs, precision)
+
+
+@pytest.mark.parametrize("parts", [2, 4])
+def test_sentinels_sink_infinities_and_ranges_without_a_valid_slot(make_inputs, parts):
+    """Rows with no valid slot hold the sentinels exactly; a sink of +inf zeroes out, -inf drops out; rows
+    whose valid slots lie in one range (topk_length short, or the indices of the other ranges invalid)."""
+    topk = 1024
+    inputs = make_inputs(12, 64, 5000, 576, topk, device="cuda", with_sink=True, with_topk_length=True)
+    inputs["attn_sink"][0::3] = math.inf
+    inputs["attn_sink"][1::3] = -math.inf
+    inputs["indices"][2:4] = -1  # no valid slot
+    inputs["indices"][4, :, : topk // 2] = -1  # valid slots in the later ranges only
+    inputs["indices"][5, :, topk // 4 :] = -1  # in the first range only
+    inputs["topk_length"][:] = topk
+    inputs["topk_length"][6:8] = torch.tensor([0, 1], dtype=torch.int32)
+    inputs["topk_length"][8] = topk // 2 + 1  # the last ranges empty
+    with eager.forced_splits(parts):
+        out, max_logits, lse = run(inputs)
+    assert_matches_reference((out, max_logits, lse), inputs)
+    empty = [2, 3, 6]
+    assert (
+        (out[empty] == 0).all() and (lse[empty] == math.inf).all() and (max_logits[empty] == -math.inf).all()
+    )
+    assert (out[:, 0::3] == 0).all(), "sink +inf must zero out"
+
+
+def test_rule_splits_short_grids_only(make_inputs):
+    """The rule's choice: a short grid is split (and gives the forced schedule's bits), a full one is not."""
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    assert schedule.splits(sms // 4, 2048, 0) == 4
+    assert schedule.splits(sms // 2, 2048, 0) == 2
+    assert schedule.splits(sms // 2 + 1, 2048, 0) == 1
+    assert schedule.splits(1, 512, 0) == 2  # two pairs of blocks per range at least
+    assert schedule.splits(1, 256, 0) == 1
+    inputs = make_inputs(sms // 4, 64, 3000, 576, 2048, device="cuda", with_topk_length=True)
+    chosen = [t.clone() for t in run(inputs)]
+    with eager.forced_splits(4):
+        forced = run(inputs)
+    assert all(torch.equal(a, b) for a, b in zip(chosen, forced, strict=True))
+    with eager.forced_splits(1):
+        one_tile = run(inputs)
+    assert not torch.equal(chosen[0], one_tile[0])  # another schedule ran (the same result up to rounding)
+
+
+@Q_DTYPES
+def test_fast_path_and_cuda_graph_give_the_python_paths_bits(make_inputs, q_dtype):
+    """The rule splits this grid; the C++ fast path (registered by the first call) launches the split variant
+    and the merge with the Python path's results, on the current stream and inside a CUDA graph capture."""
+    inputs = make_inputs(
+        20, 64, 3000, 576, 2048, device="cuda", with_sink=True, with_topk_length=True, q_dtype=q_dtype
+    )
+    native.disable()  # the first call takes the Python path and registers device and variants again
+    expected = [t.clone() for t in run(inputs)]
+    if native.load() is None:
+        pytest.skip("the C++ fast path did not build")
+    call_plan = native.load().plan(PrefillCall(**inputs, out=None, max_logits=None, lse=None))
+    assert call_plan[0] == 0 and call_plan[1] > 1, call_plan  # taken, split
+    fast = run(inputs)
+    assert all(torch.equal(a, b) for a, b in zip(fast, expected, strict=True))
+    buffers = [torch.full_like(t, math.nan) for t in expected]
+    kwargs = dict(out=buffers[0], max_logits=buffers[1], lse=buffers[2])
+    run(inputs, **kwargs)  # warm-up outside capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        sparse_mla_q8kv8_prefill_fwd(**inputs, **kwargs)
+    for buffer in buffers:
+        buffer.fill_(math.nan)
+    graph.replay()
+    torch.cuda.synchronize()
+    assert all(torch.equal(a, b) for a, b in zip(buffers, expected, strict=True))
