@@ -6,7 +6,9 @@ Small enough to run under ``compute-sanitizer`` (memcheck, racecheck):
 
 ``--tiles-per-cta K`` forces the persistent kernel with K tiles per CTA (0: the one-tile kernel): with
 K = 4 one CTA walks all four tiles, among them one with no valid slot and one with topk_length 0.
-``--q-dtype bf16`` passes q in bfloat16 (``q_scale=None``: the kernel quantises each row).
+``--q-dtype bf16`` passes q in bfloat16 (``q_scale=None``: the kernel quantises each row). ``--splits N``
+forces the split schedule (N parts per tile, merged by the combine kernel; with N = 2 the second range holds
+no valid slot of two rows).
 """
 
 import argparse
@@ -28,6 +30,7 @@ def main() -> int:
     parser.add_argument("--tiles-per-cta", type=int, default=None, help="force the schedule (0: one tile)")
     parser.add_argument("--precision", default="default", choices=("default", "accurate"))
     parser.add_argument("--q-dtype", default="e4m3", choices=("e4m3", "bf16"))
+    parser.add_argument("--splits", type=int, default=None, help="force the split schedule's parts per tile")
     parser.add_argument("--topk-length", default="256,100,0,200", help="the four rows' topk_length")
     args = parser.parse_args()
     torch.manual_seed(args.seed)
@@ -49,8 +52,12 @@ def main() -> int:
             [int(v) for v in args.topk_length.split(",")], dtype=torch.int32, device="cuda"
         ),
     }
-    forced = args.tiles_per_cta is not None
-    with eager.forced_tiles_per_cta(args.tiles_per_cta) if forced else contextlib.nullcontext():
+    schedule = contextlib.nullcontext()
+    if args.tiles_per_cta is not None:
+        schedule = eager.forced_tiles_per_cta(args.tiles_per_cta)
+    elif args.splits is not None:
+        schedule = eager.forced_splits(args.splits)
+    with schedule:
         out, max_logits, lse = sparse_mla_q8kv8_prefill_fwd(**inputs, precision=args.precision)
     torch.cuda.synchronize()
     ref_out, ref_max, ref_lse = sparse_mla_prefill_reference(**inputs)
