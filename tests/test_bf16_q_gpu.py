@@ -292,19 +292,3 @@ def test_cuda_graph_replay(make_inputs):
     graph.replay()
     torch.cuda.synchronize()
     assert torch.equal(out, want[0]) and torch.equal(max_logits, want[1]) and torch.equal(lse, want[2])
-
-
-def test_runs_on_callers_stream(make_inputs, generator):
-    """The call must queue on the current stream: behind a slow copy issued there just before it."""
-    inputs = bf16_inputs(make_inputs, 16, 64, 2000, 512, 256, with_topk_length=True)
-    q_later = torch.randn(16, 64, 512, generator=generator).to(BF16).cuda()
-    expected = run_kernel(dict(inputs, q=q_later))
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        torch.cuda._sleep(100_000_000)
-        inputs["q"].copy_(q_later)
-        got = sparse_mla_q8kv8_prefill_fwd(**inputs)
-    torch.cuda.synchronize()
-    for a, b in zip(expected, got, strict=True):
-        assert torch.equal(a, b)

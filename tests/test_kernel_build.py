@@ -47,13 +47,21 @@ def test_persistent_ptx_has_the_one_tile_kernels_instructions(variants, d_qk, pr
     """The persistent variant runs the same WGMMAs, Q TMA and row copies (in a loop over tiles)."""
     one_tile = variants[d_qk, precision].ptx_path.read_text()
     persistent = kernels.load_persistent_variants()[d_qk, precision].ptx_path.read_text()
-    for pattern in (
-        r"wgmma\.mma_async\.\S+",
-        r"cp\.async\.bulk\.tensor",
-        r"cp\.async\.cg\.shared",
-        r"ldmatrix",
-    ):
-        assert len(re.findall(pattern, persistent)) == len(re.findall(pattern, one_tile)), pattern
+    assert_same_math_instructions(persistent, one_tile)
+
+
+MATH_INSTRUCTIONS = (
+    r"wgmma\.mma_async\.\S+",
+    r"cp\.async\.bulk\.tensor",
+    r"cp\.async\.cg\.shared",
+    r"ldmatrix",
+)
+"""The WGMMAs, the Q tile's TMA, the row copies and the V^T fragment loads, as PTX patterns."""
+
+
+def assert_same_math_instructions(ptx: str, one_tile_ptx: str) -> None:
+    for pattern in MATH_INSTRUCTIONS:
+        assert len(re.findall(pattern, ptx)) == len(re.findall(pattern, one_tile_ptx)), pattern
 
 
 @pytest.mark.parametrize("d_qk, precision", VARIANT_KEYS)
@@ -118,13 +126,7 @@ def test_split_ptx_runs_the_one_tile_math_and_stores_float32(variants, d_qk, pre
     in float32 (two per store: 4 d tiles x 16 heads per thread), no bf16 out."""
     one_tile = variants[d_qk, precision].ptx_path.read_text()
     split = kernels.load_split_variant(d_qk, precision).ptx_path.read_text()
-    for pattern in (
-        r"wgmma\.mma_async\.\S+",
-        r"cp\.async\.bulk\.tensor",
-        r"cp\.async\.cg\.shared",
-        r"ldmatrix",
-    ):
-        assert len(re.findall(pattern, split)) == len(re.findall(pattern, one_tile)), pattern
+    assert_same_math_instructions(split, one_tile)
     assert len(re.findall(r"st\.global\.v2\.f32", split)) == 64
     assert "cvt.rn.bf16x2.f32" in one_tile and "cvt.rn.bf16x2.f32" not in split
 

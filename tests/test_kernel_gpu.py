@@ -187,10 +187,12 @@ def test_cuda_graph_replay(make_inputs):
     assert torch.equal(out, eager[0]) and torch.equal(max_logits, eager[1]) and torch.equal(lse, eager[2])
 
 
-def test_runs_on_callers_stream(make_inputs, randn_fp8):
-    """The call must queue on the current stream: behind a slow copy issued there just before it."""
-    inputs = make_inputs(16, 64, 2000, 512, 256, device="cuda", with_topk_length=True)
-    q_later = randn_fp8(16, 64, 512, device="cuda")
+@pytest.mark.parametrize("q_dtype", [torch.float8_e4m3fn, torch.bfloat16], ids=["e4m3", "bf16"])
+def test_runs_on_callers_stream(make_inputs, q_dtype):
+    """The call must queue on the current stream: behind a slow copy issued there just before it (of an
+    e4m3 q, or of a bf16 q, which the kernel's consumers load themselves)."""
+    inputs = make_inputs(16, 64, 2000, 512, 256, device="cuda", with_topk_length=True, q_dtype=q_dtype)
+    q_later = make_inputs(16, 64, 2000, 512, 256, device="cuda", q_dtype=q_dtype)["q"]
     expected = run_kernel(dict(inputs, q=q_later))
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())

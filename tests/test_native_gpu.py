@@ -6,6 +6,7 @@ import math
 
 import pytest
 import torch
+from cuda_graphs import capture_and_replay
 
 from q8kv8 import eager, native, sparse_mla_q8kv8_prefill_fwd
 
@@ -81,14 +82,7 @@ def test_fast_path_runs_on_the_current_stream_and_in_a_cuda_graph(make_inputs, p
         sparse_mla_q8kv8_prefill_fwd(**inputs, **kwargs)
     stream.synchronize()
     assert all(torch.equal(a, b) for a, b in zip(buffers, expected, strict=True))
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):  # a launch on any other stream than the capturing one would fail here
-        sparse_mla_q8kv8_prefill_fwd(**inputs, **kwargs)
-    for buffer in buffers:
-        buffer.fill_(math.nan)
-    graph.replay()
-    torch.cuda.synchronize()
+    capture_and_replay(lambda: sparse_mla_q8kv8_prefill_fwd(**inputs, **kwargs), buffers)
     assert all(torch.equal(a, b) for a, b in zip(buffers, expected, strict=True))
 
 

@@ -7,6 +7,7 @@ import math
 
 import pytest
 import torch
+from cuda_graphs import capture_and_replay
 from reference_checks import assert_outputs_match
 
 from q8kv8 import eager, native, schedule, sparse_mla_q8kv8_prefill_fwd
@@ -107,11 +108,5 @@ def test_fast_path_and_cuda_graph_give_the_python_paths_bits(make_inputs, q_dtyp
     buffers = [torch.full_like(t, math.nan) for t in expected]
     kwargs = dict(out=buffers[0], max_logits=buffers[1], lse=buffers[2])
     run(inputs, **kwargs)  # warm-up outside capture
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        sparse_mla_q8kv8_prefill_fwd(**inputs, **kwargs)
-    for buffer in buffers:
-        buffer.fill_(math.nan)
-    graph.replay()
-    torch.cuda.synchronize()
+    capture_and_replay(lambda: sparse_mla_q8kv8_prefill_fwd(**inputs, **kwargs), buffers)
     assert all(torch.equal(a, b) for a, b in zip(buffers, expected, strict=True))
