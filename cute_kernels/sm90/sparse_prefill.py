@@ -58,7 +58,6 @@ SW64_TILE_COLS = 64  # bytes per row of one 64-byte-swizzled column tile
 TILE_ROW_GROUP_BYTES = B_TOPK * SW64_TILE_COLS  # one [64 rows x 64 B] swizzle column tile
 L2_LINE_BYTES = 128
 
-QK_PROMOTION_KSTEPS = 3  # experiment: accurate mode sums QK in float32 every 3 k-steps (N = 32 halves)
 PRODUCER_REGS = 24
 CONSUMER_REGS = 240
 Q_DTYPES = ("e4m3", "bf16")
@@ -91,7 +90,6 @@ class Consumer(NamedTuple):
     tSrK: cute.Tensor  # K descriptors (MMA, 1, d_qk/32, tile)
     tOrP: cute.Tensor  # P^T descriptors (MMA, 1, 2 k-steps, buffer * p_terms + term)
     acc_s: cute.Tensor  # S of this consumer's block (32 f32)
-    acc_qk: cute.Tensor  # the WGMMA accumulator of S (acc_s itself unless promoted)
     acc_o: list  # O^T, one 64x64 accumulator per d tile (4 x 32 f32)
     thr_mma_pv: cute.ThrMma  # this thread's slice of the PV MMA (V^T fragment shapes)
     row_max_own: cute.Tensor  # per row r: m of this consumer's latest own block (row_sum's base)
@@ -156,7 +154,6 @@ class SparsePrefillSm90(AttentionKernel):
         self.p_terms = 2 if precision == "accurate" else 1  # e4m3 terms P is stored as
         self.persistent = persistent
         self.split = split
-        self.promote_ksteps = QK_PROMOTION_KSTEPS if precision == "accurate" else 0
         self.scheduler = TileScheduler(persistent, B_TOPK, split)
         self.k_tile_bytes = B_TOPK * d_qk  # one gathered block in shared memory
         self.q_tile_bytes = B_H * d_qk
@@ -522,28 +519,6 @@ class SparsePrefillSm90(AttentionKernel):
         tSrK = tiled_mma_qk.make_fragment_B(thr_mma_qk.partition_B(sK))  # (MMA, 1, d_qk/32, tile)
         tOrP = tiled_mma_pv.make_fragment_B(thr_mma_pv.partition_B(sP))  # (MMA, 1, 2, buffer*terms+term)
         acc_s = cute.make_rmem_tensor(thr_mma_qk.partition_shape_C((B_H, B_TOPK)), Float32)
-        acc_qk = acc_s
-        if const_expr(self.promote_ksteps):
-            half_mmas = [
-                sm90_utils.make_trivial_tiled_mma(
-                    e4m3, e4m3, OperandMajorMode.K, OperandMajorMode.K, Float32, (1, 1, 1), (B_H, 32)
-                )
-                for _ in range(2)
-            ]
-            half_mmas[0].set(warpgroup.Field.ACCUMULATE, True)
-            half_mmas[1].set(warpgroup.Field.ACCUMULATE, False)
-            thr_half = half_mmas[0].get_slice(wtid)
-            self._half = (
-                half_mmas,
-                [
-                    half_mmas[0].make_fragment_B(
-                        thr_half.partition_B(cute.local_tile(sK, (32, self.d_qk, NUM_KV_TILES), (h, 0, 0)))
-                    )
-                    for h in range(2)
-                ],
-                half_mmas[0].make_fragment_A(thr_half.partition_A(sQ)),
-            )
-            acc_qk = cute.make_rmem_tensor(thr_half.partition_shape_C((B_H, 32)), Float32)
         acc_o = [
             cute.make_rmem_tensor(thr_mma_pv.partition_shape_C((64, B_H)), Float32)
             for _ in range(D_TILES_PER_CONSUMER)
@@ -571,7 +546,6 @@ class SparsePrefillSm90(AttentionKernel):
             tSrK=tSrK,
             tOrP=tOrP,
             acc_s=acc_s,
-            acc_qk=acc_qk,
             acc_o=acc_o,
             thr_mma_pv=thr_mma_pv,
             row_max_own=row_max_own,
@@ -692,10 +666,7 @@ class SparsePrefillSm90(AttentionKernel):
             for step in cutlass.range(consumer_steps(num_blocks, consumer), unroll=1):
                 own = 2 * step + consumer
                 if own < num_blocks:
-                    if const_expr(self.promote_ksteps):
-                        self.qk_promoted(c, own)
-                    else:
-                        self.issue_qk(c, own)
+                    self.issue_qk(c, own)
                     first_slot = own * B_TOPK
                     if const_expr(self.split):
                         first_slot += c.work.slot_base
@@ -757,29 +728,6 @@ class SparsePrefillSm90(AttentionKernel):
             mma = c.tiled_mma_qk if k > 0 else c.tiled_mma_qk_first  # the first k-step overwrites S
             cute.gemm(mma, c.acc_s, c.tSrQ[None, None, k], c.tSrK[None, None, k, tile], c.acc_s)
         warpgroup.commit_group()
-
-    @cute.jit
-    def qk_promoted(self, c: Consumer, block):
-        """S = Q . K_block^T summed in float32 over chunks of ``promote_ksteps`` k-steps: each chunk one WGMMA
-        group into ``acc_qk`` (its first k-step overwriting), waited for and added to ``acc_s``."""
-        ring = c.work.block_base + block
-        tile = KV_RING.index(ring)
-        cute.arch.mbarrier_wait(c.mbar_kv_full + tile, KV_RING.phase(ring))
-        kc = self.promote_ksteps
-        (mma_acc, mma_first), tSrK_half, _ = self._half
-        tSrQ = c.tSrQ
-        for h in cutlass.range_constexpr(2):
-            for chunk in cutlass.range_constexpr(self.d_qk // 32 // kc):
-                warpgroup.fence()
-                for k in cutlass.range_constexpr(chunk * kc, (chunk + 1) * kc):
-                    mma = mma_acc if k > chunk * kc else mma_first
-                    cute.gemm(mma, c.acc_qk, tSrQ[None, None, k], tSrK_half[h][None, None, k, tile], c.acc_qk)
-                warpgroup.commit_group()
-                warpgroup.wait_group(0)
-                for i in cutlass.range_constexpr(cute.size(c.acc_qk)):
-                    j = i // 4  # the half's 8-column group j: S's group 4h + j (element e + 2r + 4j)
-                    t = i + 16 * h
-                    c.acc_s[t] = c.acc_qk[i] if chunk == 0 else c.acc_s[t] + c.acc_qk[i]
 
     @cute.jit
     def softmax_own(self, c: Consumer, block, block_maxima):
