@@ -20,7 +20,6 @@ import torch
 from q8kv8 import schedule
 from q8kv8.metadata import (
     D_V,
-    HEAD_ALIGNMENT,
     KV_ROW_ALIGNMENT_BYTES,
     OUT_ALIGNMENT_BYTES,
     PRECISIONS,
@@ -29,7 +28,6 @@ from q8kv8.metadata import (
     ROW_SCALED_Q_DTYPES,
     SUPPORTED_D_QK,
     TOPK_ALIGNMENT,
-    padded_num_heads,
 )
 from q8kv8.prefill_call import PrefillCall
 
@@ -278,13 +276,9 @@ def _check_signatures(signatures: PrefillCall) -> Problem:
         devices[name] = signature[DEVICE]
     check_device(devices)
     device = q[DEVICE]
-    tiles = 0
-    splits = 1
+    tiles, splits = 0, 1
     if device.type == "cuda" and s_q > 0 and s_kv > 0:
-        num_tiles = s_q * (padded_num_heads(h_q) // HEAD_ALIGNMENT)
-        tiles = schedule.tiles_per_cta(num_tiles, topk, topk_length is not None, precision, device.index)
-        if tiles == 0:
-            splits = schedule.splits(num_tiles, topk, device.index)
+        tiles, splits = schedule.choose(s_q, h_q, topk, topk_length is not None, precision, device.index)
     launch_ready = (
         q[DATA_PTR] % Q_ALIGNMENT_BYTES == 0
         and _is_contiguous(q[SHAPE], q[STRIDES])

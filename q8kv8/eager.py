@@ -103,34 +103,30 @@ def output_buffers(q, h, d_v, out=None, max_logits=None, lse=None):
     return out, max_logits, lse
 
 
-@contextlib.contextmanager
 def forced_tiles_per_cta(tiles: int):
     """Tests and experiments: every launch inside runs ``tiles`` tiles per CTA (0: the one-tile kernel, not
     split; k >= 1: the persistent one with k), through the Python path (the fast path, which applies the
     schedule's rules, is suspended meanwhile)."""
+    return _forced_schedule(tiles, 1)
+
+
+def forced_splits(parts: int):
+    """Tests and experiments: every launch inside that runs the one-tile schedule splits each tile into
+    ``parts`` (1: none), through the Python path (the fast path is suspended meanwhile)."""
+    return _forced_schedule(schedule.forced, parts)
+
+
+@contextlib.contextmanager
+def _forced_schedule(tiles: int | None, splits: int):
+    """``schedule.forced`` and ``schedule.forced_splits`` set while active, the fast path suspended."""
     previous = schedule.forced, schedule.forced_splits
-    schedule.forced, schedule.forced_splits = tiles, 1
+    schedule.forced, schedule.forced_splits = tiles, splits
     contract.clear_memo()  # memoised verdicts carry the schedule
     try:
         with native.suspended():
             yield
     finally:
         schedule.forced, schedule.forced_splits = previous
-        contract.clear_memo()
-
-
-@contextlib.contextmanager
-def forced_splits(parts: int):
-    """Tests and experiments: every launch inside that runs the one-tile schedule splits each tile into
-    ``parts`` (1: none), through the Python path (the fast path is suspended meanwhile)."""
-    previous = schedule.forced_splits
-    schedule.forced_splits = parts
-    contract.clear_memo()  # memoised verdicts carry the schedule
-    try:
-        with native.suspended():
-            yield
-    finally:
-        schedule.forced_splits = previous
         contract.clear_memo()
 
 

@@ -407,12 +407,14 @@ def launch_sparse_prefill(
     sink = no_sink if attn_sink is None else attn_sink
     flags = (TOPK_LENGTH_FLAG if topk_length is not None else 0) | (SINK_FLAG if attn_sink is not None else 0)
     results = (kernel_out, max_logits, lse)
-    if splits > 1:
-        s_q, heads = q.shape[0], q.shape[1]
+    if splits > 1:  # one float32 buffer: partial out, then partial max_logits and lse (as the fast path)
+        rows = splits * q.shape[0] * q.shape[1]
+        partial = torch.empty(rows * (D_V + 2), dtype=torch.float32, device=q.device)
+        partial_rows = (splits * q.shape[0], q.shape[1])
         results = (
-            torch.empty((splits * s_q, heads, D_V), dtype=torch.float32, device=q.device),
-            torch.empty((splits * s_q, heads), dtype=torch.float32, device=q.device),
-            torch.empty((splits * s_q, heads), dtype=torch.float32, device=q.device),
+            partial[: rows * D_V].view(*partial_rows, D_V),
+            partial[rows * D_V : rows * (D_V + 1)].view(partial_rows),
+            partial[rows * (D_V + 1) :].view(partial_rows),
         )
     _call_on_device_of(
         q,

@@ -22,6 +22,8 @@ with the rest of the verdict), so a repeated call pays nothing for it.
 
 import torch
 
+from q8kv8.metadata import HEAD_ALIGNMENT, padded_num_heads
+
 ONE_TILE, PERSISTENT, SPLIT = 0, 1, 2
 """The schedule kinds (a launch's kernel variant): one tile per CTA, persistent, split."""
 
@@ -74,6 +76,17 @@ def splits(num_tiles: int, topk: int, device_index: int) -> int:
     return parts if parts >= 2 else 1
 
 
+def choose(
+    s_q: int, h_q: int, topk: int, has_topk_length: bool, precision: str, device_index: int
+) -> tuple[int, int]:
+    """``(tiles_per_cta, splits)`` of a call of ``s_q`` tokens, ``h_q`` heads (padded to a multiple of 64) and
+    ``topk`` slots on CUDA device ``device_index``: the persistent rule first, the split rule for a one-tile
+    launch."""
+    num_tiles = s_q * (padded_num_heads(h_q) // HEAD_ALIGNMENT)
+    tiles = tiles_per_cta(num_tiles, topk, has_topk_length, precision, device_index)
+    return tiles, splits(num_tiles, topk, device_index) if tiles == 0 else 1
+
+
 def describe(
     s_q: int,
     h_q: int,
@@ -82,12 +95,8 @@ def describe(
     precision: str = "default",
     device_index: int = 0,
 ) -> str:
-    """The schedule the rules choose for a call of ``s_q`` tokens, ``h_q`` heads (padded to a multiple of 64)
-    and ``topk`` slots on CUDA device ``device_index``, in words: "one tile per CTA", "persistent, k tiles per
-    CTA" or "split in n"."""
-    num_tiles = s_q * -(-h_q // 64)
-    tiles = tiles_per_cta(num_tiles, topk, has_topk_length, precision, device_index)
+    """``choose``'s answer in words: "one tile per CTA", "persistent, k tiles per CTA" or "split in n"."""
+    tiles, parts = choose(s_q, h_q, topk, has_topk_length, precision, device_index)
     if tiles:
         return f"persistent, {tiles} tiles per CTA"
-    parts = splits(num_tiles, topk, device_index)
     return f"split in {parts}" if parts > 1 else "one tile per CTA"

@@ -1,8 +1,26 @@
-"""Kernel outputs against float64 reference outputs: the checks every kernel's GPU tests share."""
+"""Kernel outputs against float64 reference outputs: the checks every kernel's GPU tests share, and the
+invalid-index case they share."""
 
 import math
 
 import torch
+
+INT32_MIN, INT32_MAX = -(2**31), 2**31 - 1
+
+
+def with_every_invalid_index_kind(indices: torch.Tensor, s_kv: int, generator) -> torch.Tensor:
+    """``indices`` [s_q, 1, topk] (a new tensor on its device) with about 40% of the slots replaced by invalid
+    indices of every kind (-1, -5, s_kv, s_kv + 1 and the int32 extremes), slots 10-19 of every row
+    duplicates of slot 5 (valid or not) and row 3 attending the same kv row topk times."""
+    device = indices.device
+    indices = indices.cpu()
+    bad_values = torch.tensor([-1, -5, s_kv, s_kv + 1, INT32_MIN, INT32_MAX], dtype=torch.int32)
+    picks = torch.randint(0, len(bad_values), indices.shape, generator=generator)
+    bad = torch.rand(indices.shape, generator=generator) < 0.4
+    indices = torch.where(bad, bad_values[picks], indices)
+    indices[:, :, 10:20] = indices[:, :, 5:6]
+    indices[3] = 7
+    return indices.to(device)
 
 
 def assert_outputs_match(outputs, reference, out_tolerance: float, stat_tolerance: float) -> float:

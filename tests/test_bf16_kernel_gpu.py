@@ -11,7 +11,7 @@ import math
 
 import pytest
 import torch
-from reference_checks import assert_outputs_match
+from reference_checks import assert_outputs_match, with_every_invalid_index_kind
 
 from q8kv8 import kernels, serving
 from q8kv8.reference import sparse_mla_prefill_reference
@@ -20,7 +20,6 @@ pytestmark = pytest.mark.gpu
 
 OUT_TOLERANCE = 1e-2
 STAT_TOLERANCE = 1e-2
-INT32_MIN, INT32_MAX = -(2**31), 2**31 - 1
 BF16 = torch.bfloat16
 
 
@@ -130,14 +129,7 @@ def test_increasing_logits_rescale_every_pair(generator, d_qk):
 
 def test_every_invalid_index_kind_and_duplicates(generator):
     inputs = make_inputs(generator, 16, 64, 3000, 576, 256, invalid_fraction=0.0)
-    indices = inputs["indices"].cpu()
-    bad_values = torch.tensor([-1, -5, 3000, 3001, INT32_MIN, INT32_MAX], dtype=torch.int32)
-    picks = torch.randint(0, len(bad_values), indices.shape, generator=generator)
-    bad = torch.rand(indices.shape, generator=generator) < 0.4
-    indices = torch.where(bad, bad_values[picks], indices)
-    indices[:, :, 10:20] = indices[:, :, 5:6]
-    indices[3] = 7
-    inputs["indices"] = indices.cuda()
+    inputs["indices"] = with_every_invalid_index_kind(inputs["indices"], 3000, generator)
     assert_matches_reference(run_kernel(inputs), inputs)
 
 

@@ -20,7 +20,7 @@ import math
 
 import pytest
 import torch
-from reference_checks import assert_outputs_match
+from reference_checks import assert_outputs_match, with_every_invalid_index_kind
 
 from q8kv8 import sparse_mla_q8kv8_prefill_fwd
 from q8kv8.eager import forced_tiles_per_cta
@@ -34,7 +34,6 @@ OUT_TOLERANCE = {"default": 4e-2, "accurate": 5e-3}
 STAT_TOLERANCE = 5e-3
 BF16_OUT_TOLERANCE = {"default": 7e-2, "accurate": 6e-2}
 BF16_STAT_TOLERANCE = 0.15
-INT32_MIN, INT32_MAX = -(2**31), 2**31 - 1
 
 
 def bf16_inputs(make_inputs, *args, **kwargs) -> dict:
@@ -166,15 +165,9 @@ def test_rows_at_the_ends_of_the_exponent_range(make_inputs):
 
 def test_every_invalid_index_kind_duplicates_and_sentinels(make_inputs, generator):
     inputs = bf16_inputs(make_inputs, 16, 64, 3000, 576, 256, invalid_fraction=0.0, with_sink=True)
-    indices = inputs["indices"].cpu()
-    bad_values = torch.tensor([-1, -5, 3000, 3001, INT32_MIN, INT32_MAX], dtype=torch.int32)
-    picks = torch.randint(0, len(bad_values), indices.shape, generator=generator)
-    bad = torch.rand(indices.shape, generator=generator) < 0.4
-    indices = torch.where(bad, bad_values[picks], indices)
-    indices[:, :, 10:20] = indices[:, :, 5:6]  # duplicates of slot 5 (valid or not)
-    indices[3] = 7  # one row attends the same kv row topk times
+    indices = with_every_invalid_index_kind(inputs["indices"], 3000, generator)
     indices[4:6] = -1  # rows with no valid slot
-    inputs["indices"] = indices.cuda()
+    inputs["indices"] = indices
     sink = inputs["attn_sink"]
     sink[0::3] = math.inf
     sink[1::3] = -math.inf

@@ -10,7 +10,7 @@ import math
 
 import pytest
 import torch
-from reference_checks import assert_outputs_match
+from reference_checks import assert_outputs_match, with_every_invalid_index_kind
 
 from q8kv8 import sparse_mla_q8kv8_prefill_fwd, topk_length_from_seqlens
 from q8kv8.eager import forced_tiles_per_cta
@@ -21,7 +21,6 @@ pytestmark = pytest.mark.gpu
 OUT_TOLERANCE = 4e-2
 ACCURATE_OUT_TOLERANCE = 5e-3
 STAT_TOLERANCE = 1e-2
-INT32_MIN, INT32_MAX = -(2**31), 2**31 - 1
 
 
 def run_kernel(inputs: dict, **kwargs):
@@ -61,14 +60,7 @@ def test_matches_reference(make_inputs, d_qk, h_q, topk, s_kv_kind, extras):
 
 def test_every_invalid_index_kind_and_duplicates(make_inputs, generator):
     inputs = make_inputs(16, 64, 3000, 576, 256, device="cuda", invalid_fraction=0.0)
-    indices = inputs["indices"].cpu()
-    bad_values = torch.tensor([-1, -5, 3000, 3001, INT32_MIN, INT32_MAX], dtype=torch.int32)
-    picks = torch.randint(0, len(bad_values), indices.shape, generator=generator)
-    bad = torch.rand(indices.shape, generator=generator) < 0.4
-    indices = torch.where(bad, bad_values[picks], indices)
-    indices[:, :, 10:20] = indices[:, :, 5:6]  # duplicates of slot 5 (valid or not)
-    indices[3] = 7  # one row attends the same kv row topk times
-    inputs["indices"] = indices.cuda()
+    inputs["indices"] = with_every_invalid_index_kind(inputs["indices"], 3000, generator)
     assert_matches_reference(run_kernel(inputs), inputs)
 
 

@@ -149,11 +149,9 @@ def python_path_launch(fast, args: dict):
     problem = contract.check_inputs(PrefillCall(**args))
     assert problem.launch_ready
     # The schedule the contract gives a CUDA device (for CPU tensors it says 0), on the stand-in SM count.
-    num_tiles = problem.s_q * problem.h_q // 64
-    tiles = schedule.tiles_per_cta(
-        num_tiles, problem.topk, args["topk_length"] is not None, args["precision"], 0
+    tiles, splits = schedule.choose(
+        problem.s_q, problem.h_q, problem.topk, args["topk_length"] is not None, args["precision"], 0
     )
-    splits = schedule.splits(num_tiles, problem.topk, 0) if tiles == 0 else 1
     kernels.launch_sparse_prefill(
         args["q"], args["kv"], args["indices"], args["topk_length"], args["attn_sink"], args["q_scale"],
         args["kv_scale"], float(args["sm_scale"]), args["out"], args["max_logits"], args["lse"],
@@ -263,8 +261,7 @@ def test_schedule_is_the_python_rule_over_a_grid(fast, monkeypatch, generator):
             fast.extension.register_device(KDL_CPU, 0, sm_count)
             monkeypatch.setattr(schedule, "_sm_counts", {0: sm_count})
             topk_length = torch.zeros(s_q, dtype=torch.int32) if with_topk_length else None
-            tiles = schedule.tiles_per_cta(s_q * h_q // 64, topk, with_topk_length, precision, 0)
-            splits = schedule.splits(s_q * h_q // 64, topk, 0) if tiles == 0 else 1
+            tiles, splits = schedule.choose(s_q, h_q, topk, with_topk_length, precision, 0)
             assert fast.extension.plan(call._replace(topk_length=topk_length, precision=precision)) == (
                 tiles,
                 splits,

@@ -136,8 +136,8 @@ class SparsePrefillSm90(AttentionKernel):
         ``q_dtype``: "e4m3" (q in e4m3, scaled by ``q_scale``, loaded by TMA) or "bf16" (q in bf16,
         ``q_scale`` not read: the consumers quantise each tile, see ``quantize_q_tile``).
         ``split`` (not with ``persistent``): out, max_logits and lse have ``splits`` times the rows of q
-        (``splits`` from their shapes); CTA b computes tile b % tiles over the (b // tiles)-th of ``splits``
-        equal ranges of whole pairs of index slots and writes rows [64 b, 64 b + 64) of them: out in
+        (``splits`` from their shapes); CTA (t, p) of a [tiles, splits] grid computes tile t over the p-th of
+        ``splits`` equal ranges of whole pairs of index slots and writes output tile p * tiles + t: out in
         float32, normalised over the range, max_logits and lse of the range; the sink is not applied (see
         ``tile_scheduler``)."""
         if d_qk not in (512, 576):

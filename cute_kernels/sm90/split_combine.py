@@ -19,11 +19,11 @@ from cutlass import Float32, Int32, Int64
 
 from cute_kernels import ptx
 from cute_kernels.interface import D_V, LOG2_E, SINK_FLAG
+from cute_kernels.sm90.epilogue import LN_2
 
 ROWS_PER_CTA = 4  # one warp per row
 LANE_COLUMNS = 4  # consecutive float32 columns per lane and load
 COLUMN_STEPS = D_V // (32 * LANE_COLUMNS)  # loads per lane and split
-LN_2 = 0.6931471805599453
 
 
 class SplitCombineSm90:

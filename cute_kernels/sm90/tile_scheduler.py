@@ -70,7 +70,6 @@ class TileScheduler:
     part of a tile per CTA. Blocks are ``block_rows`` index slots, pairs two blocks."""
 
     def __init__(self, persistent: bool, block_rows: int, split: bool = False):
-        assert not (persistent and split), "a split schedule is one part of a tile per CTA"
         self.persistent = persistent
         self.split = split
         self.block_rows = block_rows

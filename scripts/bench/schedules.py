@@ -31,7 +31,7 @@ def _time(s_q: int, h_q: int, rep: int) -> tuple[float, float]:
 def run(rep: int, full_rows: dict[int, float]) -> dict:
     """Print and return the section; ``full_rows``: ms of the s_q 4096 rows (by h_q) the main table timed."""
     full = dict(full_rows)
-    for h_q in (*CHUNK_HEADS, 128):
+    for h_q in CHUNK_HEADS:  # also the head-count rows' bases (h_q 64, and 128 for 96)
         if h_q not in full:
             full[h_q] = _time(FULL_S_Q, h_q, rep)[0]
     full_tflops = {h: 2.0 * FULL_S_Q * TOPK * h * (D_QK + 512) / ms / 1e9 for h, ms in full.items()}
