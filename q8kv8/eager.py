@@ -2,7 +2,7 @@
 
 ``run`` is what ``sparse_mla_q8kv8_prefill_fwd`` and the custom ops' implementations execute. The Python
 path checks the call (``q8kv8.contract``), pads the head count to the kernel's multiple of 64 (zero query
-heads, e4m3 or bf16; 8, 16 or 32 heads with an e4m3 q run the small-head kernel unpadded), allocates the
+heads, e4m3 or bf16; 8, 16 or 32 heads run the small-head kernel unpadded), allocates the
 outputs and launches the kernel (``q8kv8.kernels``); its first launch of each kernel variant on a GPU
 registers both with the fast path (``q8kv8.native``), which then takes such calls (not the small-head
 ones: the fast path takes head counts that are multiples of 64).
@@ -47,7 +47,7 @@ def run(call: PrefillCall) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         lse.fill_(math.inf)
         return out, max_logits, lse
 
-    small = small_heads(h_q, q.dtype)  # the small-head kernel: no padding
+    small = small_heads(h_q)  # the small-head kernel: no padding
     h_kernel = h_q if h_q % HEAD_ALIGNMENT == 0 or small else padded_num_heads(h_q)
     if h_kernel == h_q:
         kernel_q, kernel_sink = q, attn_sink

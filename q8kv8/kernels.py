@@ -9,7 +9,7 @@ tensors (it launches on the caller's current CUDA stream):
   flags. Its variants for a bfloat16 q (quantised per row in the kernel) are built on first use (or by
   ``load_bf16_q_variants()``), and so are its split variants (a short grid: each tile computed by several
   CTAs, ``q8kv8.schedule.splits``) with the kernel that merges their partial results, and its small-head
-  variants (8, 16 or 32 heads, e4m3 q: S^T with the heads on the WGMMA's N side, no padding to 64 heads);
+  variants (8, 16 or 32 heads: S^T with the heads on the WGMMA's N side, no padding to 64 heads);
 - the paged-cache gather, the query cast and the bf16 attention kernel of the serving path, built on first
   use (or by ``load_serving_variants()``).
 """
@@ -51,7 +51,8 @@ _persistent_variants: dict[tuple[int, str], Variant] = {}
 _bf16_q_variants: dict[tuple[int, str, bool], Variant] = {}  # by (d_qk, precision, persistent)
 _split_variants: dict[tuple[int, str, torch.dtype], Variant] = {}  # by (d_qk, precision, q dtype)
 _split_combine: list[Variant] = []  # the merge kernel, once built
-_small_head_variants: dict[tuple[int, str, int], Variant] = {}  # by (d_qk, precision, heads)
+# by (d_qk, precision, heads, q dtype)
+_small_head_variants: dict[tuple[int, str, int, torch.dtype], Variant] = {}
 SPLIT_COMBINE_FUNCTION = "split_combine"
 
 
@@ -186,6 +187,19 @@ def all_variants() -> list[Variant]:
     return [*_variants.values(), *_persistent_variants.values()]
 
 
+def _build_once(table: dict, key, d_qk: int, precision: str, q_dtype: torch.dtype, **options) -> None:
+    """Build or load into ``table[key]`` the attention variant with ``d_qk``, ``precision``, a q of
+    ``q_dtype`` and the kernel ``options`` (``persistent``, ``split``, ``heads``)."""
+    table[key] = build_or_load(
+        variant_name(d_qk, precision, q_dtype=q_dtype, **options),
+        d_qk,
+        lambda dump_dir: _compile(d_qk, dump_dir, q_dtype=q_dtype, precision=precision, **options),
+        EXPORTED_FUNCTION,
+        cache_stats,
+        precision,
+    )
+
+
 def load_bf16_q_variant(d_qk: int, precision: str = "default", persistent: bool = False) -> Variant:
     """Build or load the attention variant for a bfloat16 q (quantised per row in the kernel) with
     ``d_qk``, ``precision`` and the schedule (idempotent)."""
@@ -197,16 +211,7 @@ def load_bf16_q_variant(d_qk: int, precision: str = "default", persistent: bool 
             )
         if persistent and precision not in PERSISTENT_PRECISIONS:
             raise ValueError(f"precision: no persistent variant for {precision!r}")
-        _bf16_q_variants[key] = build_or_load(
-            variant_name(d_qk, precision, persistent, BF16_Q),
-            d_qk,
-            lambda dump_dir: _compile(
-                d_qk, dump_dir, q_dtype=BF16_Q, precision=precision, persistent=persistent
-            ),
-            EXPORTED_FUNCTION,
-            cache_stats,
-            precision,
-        )
+        _build_once(_bf16_q_variants, key, d_qk, precision, BF16_Q, persistent=persistent)
     return _bf16_q_variants[key]
 
 
@@ -221,33 +226,34 @@ def load_bf16_q_variants() -> dict[tuple[int, str, bool], Variant]:
     return dict(_bf16_q_variants)
 
 
-def load_small_head_variant(d_qk: int, precision: str = "default", heads: int = 16) -> Variant:
-    """Build or load the small-head attention variant (a tile is all ``heads`` heads of a token, e4m3 q, one
-    tile per CTA) for ``d_qk`` and ``precision`` (idempotent)."""
-    key = (d_qk, precision, heads)
+def load_small_head_variant(
+    d_qk: int, precision: str = "default", heads: int = 16, q_dtype: torch.dtype = FP8
+) -> Variant:
+    """Build or load the small-head attention variant (a tile is all ``heads`` heads of a token, one tile per
+    CTA) for ``d_qk``, ``precision`` and a q of ``q_dtype`` (idempotent)."""
+    key = (d_qk, precision, heads, q_dtype)
     if key not in _small_head_variants:
-        if d_qk not in D_QK_VARIANTS or precision not in PRECISIONS or heads not in SMALL_HEAD_COUNTS:
+        if (
+            d_qk not in D_QK_VARIANTS
+            or precision not in PRECISIONS
+            or heads not in SMALL_HEAD_COUNTS
+            or q_dtype not in KERNEL_Q_DTYPES
+        ):
             raise ValueError(
-                f"expected d_qk in {D_QK_VARIANTS}, precision in {PRECISIONS} and heads in "
-                f"{SMALL_HEAD_COUNTS}, got {d_qk}, {precision!r}, {heads}"
+                f"expected d_qk in {D_QK_VARIANTS}, precision in {PRECISIONS}, heads in {SMALL_HEAD_COUNTS} "
+                f"and q dtype in {list(KERNEL_Q_DTYPES)}, got {d_qk}, {precision!r}, {heads}, {q_dtype}"
             )
-        _small_head_variants[key] = build_or_load(
-            variant_name(d_qk, precision, heads=heads),
-            d_qk,
-            lambda dump_dir: _compile(d_qk, dump_dir, precision=precision, heads=heads),
-            EXPORTED_FUNCTION,
-            cache_stats,
-            precision,
-        )
+        _build_once(_small_head_variants, key, d_qk, precision, q_dtype, heads=heads)
     return _small_head_variants[key]
 
 
-def load_small_head_variants() -> dict[tuple[int, str, int], Variant]:
-    """Build or load every small-head variant; keyed by (d_qk, precision, heads)."""
-    for d_qk in D_QK_VARIANTS:
-        for precision in PRECISIONS:
-            for heads in SMALL_HEAD_COUNTS:
-                load_small_head_variant(d_qk, precision, heads)
+def load_small_head_variants() -> dict[tuple[int, str, int, torch.dtype], Variant]:
+    """Build or load every small-head variant; keyed by (d_qk, precision, heads, q dtype)."""
+    for q_dtype in KERNEL_Q_DTYPES:
+        for d_qk in D_QK_VARIANTS:
+            for precision in PRECISIONS:
+                for heads in SMALL_HEAD_COUNTS:
+                    load_small_head_variant(d_qk, precision, heads, q_dtype)
     return dict(_small_head_variants)
 
 
@@ -261,14 +267,7 @@ def load_split_variant(d_qk: int, precision: str = "default", q_dtype: torch.dty
                 f"expected d_qk in {D_QK_VARIANTS}, precision in {PRECISIONS} and q dtype in "
                 f"{list(KERNEL_Q_DTYPES)}, got {d_qk}, {precision!r}, {q_dtype}"
             )
-        _split_variants[key] = build_or_load(
-            variant_name(d_qk, precision, q_dtype=q_dtype, split=True),
-            d_qk,
-            lambda dump_dir: _compile(d_qk, dump_dir, q_dtype=q_dtype, precision=precision, split=True),
-            EXPORTED_FUNCTION,
-            cache_stats,
-            precision,
-        )
+        _build_once(_split_variants, key, d_qk, precision, q_dtype, split=True)
     return _split_variants[key]
 
 
@@ -334,7 +333,9 @@ def q_dtype_of(variant: Variant) -> torch.dtype:
     """The dtype of q that an attention variant takes."""
     if any(variant is v for v in _bf16_q_variants.values()):
         return BF16_Q
-    return next((key[2] for key, v in _split_variants.items() if v is variant), FP8)
+    keyed = [(key[2], v) for key, v in _split_variants.items()]
+    keyed += [(key[3], v) for key, v in _small_head_variants.items()]
+    return next((q_dtype for q_dtype, v in keyed if v is variant), FP8)
 
 
 def describe(variant: Variant) -> dict:
@@ -407,7 +408,7 @@ def launch_sparse_prefill(
     splits: int = 1,
 ) -> Variant:
     """Launch the kernel on validated tensors: q (e4m3 or bfloat16), out, max_logits, lse row-major with a
-    head count that is a multiple of 64 (or, e4m3 q, one of ``SMALL_HEAD_COUNTS``: the small-head variant, one
+    head count that is a multiple of 64 (or one of ``SMALL_HEAD_COUNTS``: the small-head variant, one
     tile per CTA); kv and indices with a contiguous last dimension; one-element scales,
     ``q_scale`` None for a bfloat16 q (the variant for a bfloat16 q is then built on its first launch).
     ``schedule``: ``tiles_per_cta``'s answer when the caller has it (the contract memoises it), else
@@ -418,7 +419,7 @@ def launch_sparse_prefill(
     buffers allocated here, which the merge kernel combines into out, max_logits and lse. Returns the
     (attention) variant it launched."""
     tiles = schedule
-    small = small_heads(q.shape[1], q.dtype)
+    small = small_heads(q.shape[1])
     if small:
         tiles, splits = 0, 1
     if tiles is None:
@@ -431,7 +432,7 @@ def launch_sparse_prefill(
         )
     key = (q.shape[2], precision)
     if small:
-        small_key = (*key, q.shape[1])
+        small_key = (*key, q.shape[1], q.dtype)
         variant = _small_head_variants.get(small_key) or load_small_head_variant(*small_key)
     elif splits > 1:
         variant = _split_variants.get((*key, q.dtype)) or load_split_variant(*key, q.dtype)
@@ -624,12 +625,17 @@ def launch_cast_q_fp8(q, q_scale, out) -> None:
 
 def load_serving_variants() -> dict[str, Variant]:
     """Build or load every kernel of the paged serving path (the four gathers, both query casts, the FP8
-    attention variants for a bfloat16 q and both bf16 attention variants)."""
+    attention variants for a bfloat16 q, the small-head ones included, and both bf16 attention variants)."""
     variants = {v.name: v for v in load_paged_kv_variants().values()}
     for d in (512, 576):
         variant = load_q_cast_variant(d)
         variants[variant.name] = variant
     variants.update({v.name: v for v in load_bf16_q_variants().values()})
+    for d_qk in D_QK_VARIANTS:
+        for precision in PRECISIONS:
+            for heads in SMALL_HEAD_COUNTS:
+                variant = load_small_head_variant(d_qk, precision, heads, BF16_Q)
+                variants[variant.name] = variant
     variants.update({v.name: v for v in load_bf16_variants().values()})
     return variants
 

@@ -48,9 +48,9 @@ PAD_INDEX = -1
 """The index value ``pad_topk`` appends; any index outside ``[0, s_kv)`` is ignored, -1 is the usual one."""
 
 
-def small_heads(h_q: int, q_dtype: torch.dtype) -> bool:
-    """Whether a call with ``h_q`` heads and a q of ``q_dtype`` runs the small-head kernel (no padding)."""
-    return h_q in SMALL_HEAD_COUNTS and q_dtype == torch.float8_e4m3fn
+def small_heads(h_q: int) -> bool:
+    """Whether a call with ``h_q`` heads runs the small-head kernel (no padding)."""
+    return h_q in SMALL_HEAD_COUNTS
 
 
 def padded_num_heads(h_q: int) -> int:

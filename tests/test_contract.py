@@ -716,17 +716,16 @@ def test_problem_carries_the_schedule_for_cuda_devices(
 
 @pytest.mark.parametrize("h_q", [8, 16, 32])
 def test_small_heads_run_the_small_head_kernel_one_tile_per_cta(monkeypatch, h_q):
-    """8, 16 or 32 heads with an e4m3 q: one tile (token) per CTA, never persistent or split; with a
-    bfloat16 q they are padded to 64 heads and follow the rules of 64."""
+    """8, 16 or 32 heads: one tile (token) per CTA, never persistent or split (the same grids with 64 heads
+    are); other head counts below 64 follow the rules of 64."""
     monkeypatch.setattr(schedule, "_sm_counts", {0: 132})
-    fp8, bf16 = torch.float8_e4m3fn, torch.bfloat16
     for s_q, topk in ((4096, 512), (8, 2048), (1, 256)):
-        assert schedule.choose(s_q, h_q, topk, False, "default", 0, fp8) == (0, 1)
-        assert schedule.describe(s_q, h_q, topk, q_dtype=fp8) == "small heads, one token per CTA"
-    assert schedule.choose(4096, h_q, 512, False, "default", 0, bf16) == (4, 1)
-    assert schedule.choose(8, h_q, 2048, False, "default", 0, bf16) == (0, 4)
-    assert not small_heads(h_q, bf16) and small_heads(h_q, fp8)
-    assert not small_heads(h_q * 3, fp8) and not small_heads(64, fp8)
+        assert schedule.choose(s_q, h_q, topk, False, "default", 0) == (0, 1)
+        assert schedule.describe(s_q, h_q, topk) == "small heads, one token per CTA"
+    assert schedule.choose(4096, 64, 512, False, "default", 0) == (4, 1)
+    assert schedule.choose(8, 64, 2048, False, "default", 0) == (0, 4)
+    assert schedule.choose(8, h_q + 4, 2048, False, "default", 0) == (0, 4)
+    assert small_heads(h_q) and not small_heads(h_q + 4) and not small_heads(64)
 
 
 def offset_by(tensor: torch.Tensor, offset_bytes: int) -> torch.Tensor:

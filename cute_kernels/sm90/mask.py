@@ -118,12 +118,22 @@ def mask_and_column_max(
     domain) of this thread's columns 8j + 2t + e, as a list indexed 2j + e. The warps' maxima meet in
     ``s_column_max[buffer..., warp, head]`` (``buffer``: the leading coordinates of the warpgroup's table
     for this block) behind named barrier ``barrier_id`` of the warpgroup's 128 threads. The logit scale
-    ``scale_log2`` is handled as in ``mask_and_row_max``."""
+    ``scale_log2`` (one, or a tuple: column 8j + 2t + e's as entry 2j + e) is handled as in
+    ``mask_and_row_max``."""
     valid_0, valid_1, all_valid = rows_valid
     column_groups = cute.size(acc_s) // 4
-    if scale_log2 <= 0.0:
-        for i in cutlass.range_constexpr(cute.size(acc_s)):
-            acc_s[i] = acc_s[i] * scale_log2
+    if cutlass.const_expr(isinstance(scale_log2, tuple)):
+        column_scales = scale_log2
+        for j in cutlass.range_constexpr(column_groups):
+            for e in cutlass.range_constexpr(2):
+                if column_scales[2 * j + e] <= 0.0:
+                    for r in cutlass.range_constexpr(2):
+                        acc_s[e + 2 * r + 4 * j] = acc_s[e + 2 * r + 4 * j] * column_scales[2 * j + e]
+    else:
+        column_scales = (scale_log2,) * (2 * column_groups)
+        if scale_log2 <= 0.0:
+            for i in cutlass.range_constexpr(cute.size(acc_s)):
+                acc_s[i] = acc_s[i] * scale_log2
     if not all_valid:
         for j in cutlass.range_constexpr(column_groups):
             for e in cutlass.range_constexpr(2):
@@ -150,7 +160,7 @@ def mask_and_column_max(
             column_max = s_column_max[(*buffer, 0, head)]
             for w in cutlass.range_constexpr(1, WARPS_PER_WG):
                 column_max = cute.arch.fmax(column_max, s_column_max[(*buffer, w, head)])
-            if scale_log2 > 0.0:
-                column_max = column_max * scale_log2
+            if column_scales[2 * j + e] > 0.0:
+                column_max = column_max * column_scales[2 * j + e]
             column_maxima.append(column_max)
     return column_maxima

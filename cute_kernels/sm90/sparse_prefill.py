@@ -50,7 +50,7 @@ from cute_kernels.sm90.mask import (
 from cute_kernels.sm90.named_barrier import NamedBarrierFp8
 from cute_kernels.sm90.ring import Ring
 from cute_kernels.sm90.row_gather import RowGather, copy_rows, slot_valid_flag, swizzle_offset
-from cute_kernels.sm90.row_views import load_q_tile, quantize_q_tile
+from cute_kernels.sm90.row_views import Q_THREADS_PER_ROW, load_q_tile, quantize_q_tile
 from cute_kernels.sm90.shared_storage import allocate_shared_storage, tile_region, tile_tensor
 from cute_kernels.sm90.tile_scheduler import TileScheduler, TileWork
 
@@ -70,10 +70,11 @@ L2_LINE_BYTES = 128
 
 PRODUCER_REGS = 24
 CONSUMER_REGS = 240
-# The small-head kernel's producer spills at 24; its split keeps 40 + 2 x 232 = 3 x 168, the launch's
-# registers per thread (setmaxregister only moves registers between the CTA's warps: more waits forever).
-SMALL_HEAD_PRODUCER_REGS = 40
-SMALL_HEAD_CONSUMER_REGS = 232
+# The small-head kernel's producer spills at 24 with an e4m3 q (its Q TMA beside that consumer code); its
+# split keeps 40 + 2 x 232 = 3 x 168, the launch's registers per thread (setmaxregister only moves registers
+# between the CTA's warps: more waits forever).
+SMALL_HEAD_E4M3_PRODUCER_REGS = 40
+SMALL_HEAD_E4M3_CONSUMER_REGS = 232
 Q_DTYPES = ("e4m3", "bf16")
 
 
@@ -160,7 +161,7 @@ class SparsePrefillSm90(AttentionKernel):
         float32, normalised over the range, max_logits and lse of the range; the sink is not applied (see
         ``tile_scheduler``).
         ``heads``: 64 (a tile is 64 heads of a token, h a multiple), or one of ``SMALL_HEAD_COUNTS`` (the
-        small-head kernel: a tile is all h = ``heads`` heads of a token; one tile per CTA, e4m3 q)."""
+        small-head kernel: a tile is all h = ``heads`` heads of a token; one tile per CTA)."""
         if d_qk not in (512, 576):
             raise ValueError(f"d_qk must be 512 or 576, got {d_qk}")
         if precision not in ("default", "accurate"):
@@ -171,14 +172,17 @@ class SparsePrefillSm90(AttentionKernel):
             raise ValueError("split: one part of a tile per CTA, not persistent")
         if heads != B_H and heads not in SMALL_HEAD_COUNTS:
             raise ValueError(f"heads must be {B_H} or one of {SMALL_HEAD_COUNTS}, got {heads}")
-        if heads != B_H and (persistent or split or q_dtype != "e4m3"):
-            raise ValueError("small heads: one tile per CTA, e4m3 q")
+        if heads != B_H and (persistent or split):
+            raise ValueError("small heads: one tile per CTA")
         self.b_h = heads  # heads per tile: the M side of S (64), or the N side of S^T and O^T (small heads)
         self.small = heads != B_H
         self.rows_per_thread = heads // 4 if self.small else 2  # softmax rows (heads) a consumer thread holds
         self.d_qk = d_qk
         self.precision = precision
         self.q_bf16 = q_dtype == "bf16"
+        self.registers = (PRODUCER_REGS, CONSUMER_REGS)  # per thread of the producer, of a consumer
+        if self.small and not self.q_bf16:
+            self.registers = (SMALL_HEAD_E4M3_PRODUCER_REGS, SMALL_HEAD_E4M3_CONSUMER_REGS)
         self.p_terms = 2 if precision == "accurate" else 1  # e4m3 terms P is stored as
         self.persistent = persistent
         self.split = split
@@ -317,9 +321,7 @@ class SparsePrefillSm90(AttentionKernel):
         tiles = self.scheduler.cta_tiles(bid, mIdx, mTopkLen, mOut, flags, tiles_per_cta)
 
         if warp_idx < PRODUCER_WARPS:
-            cute.arch.setmaxregister_decrease(
-                SMALL_HEAD_PRODUCER_REGS if const_expr(self.small) else PRODUCER_REGS
-            )
+            cute.arch.setmaxregister_decrease(self.registers[0])
             self.produce(
                 tma_atom_q,
                 mQ_tma,
@@ -334,9 +336,7 @@ class SparsePrefillSm90(AttentionKernel):
                 tiles,
             )
         else:
-            cute.arch.setmaxregister_increase(
-                SMALL_HEAD_CONSUMER_REGS if const_expr(self.small) else CONSUMER_REGS
-            )
+            cute.arch.setmaxregister_increase(self.registers[1])
             consumer = consumer_index(warp_idx)
             smem_stats = (
                 storage.max_used.get_tensor(cute.make_layout((NUM_KV_TILES, B_H), stride=(B_H, 1))),
@@ -664,7 +664,11 @@ class SparsePrefillSm90(AttentionKernel):
                     self.prefetch_next_q(mQ, tile)
             TILE_RING.wait_empty(mbar_q_empty, tile_iter)
         thread = c.index * THREADS_PER_WG + c.warp * 32 + c.lane
-        quantize_q_tile(mQ, tile, thread, sQ_base, q_row_scale.iterator.toint(), B_H, self.d_qk)
+        if const_expr(self.small):  # the first 4 * heads threads (whole warps)
+            if thread < Q_THREADS_PER_ROW * self.b_h:
+                quantize_q_tile(mQ, tile, thread, sQ_base, q_row_scale.iterator.toint(), self.b_h, self.d_qk)
+        else:
+            quantize_q_tile(mQ, tile, thread, sQ_base, q_row_scale.iterator.toint(), B_H, self.d_qk)
         cute.arch.fence_proxy("async.shared", space="cta")  # the stores, seen by the WGMMAs
         cute.arch.mbarrier_arrive(mbar_q)
 
@@ -715,7 +719,7 @@ class SparsePrefillSm90(AttentionKernel):
             q_row_scale = q_source[2]
             c = c._replace(
                 scale_log2=tuple(
-                    q_row_scale[accumulator_row(c.warp, c.quad_row, r)] * c.scale_log2 for r in range(2)
+                    q_row_scale[self.softmax_row(c, r)] * c.scale_log2 for r in range(self.rows_per_thread)
                 )
             )
         if const_expr(self.persistent):
@@ -819,7 +823,9 @@ class SparsePrefillSm90(AttentionKernel):
         ring = c.work.block_base + block  # the block's ring position (buffers, phases, moved flag)
         buffer = KV_RING.index(ring)
         # S is still unscaled when the scale is positive (see mask_and_row_max).
-        row_scales = c.scale_log2 if const_expr(isinstance(c.scale_log2, tuple)) else (c.scale_log2,) * 2
+        row_scales = c.scale_log2
+        if const_expr(not isinstance(c.scale_log2, tuple)):
+            row_scales = (c.scale_log2,) * self.rows_per_thread
         tile_addr = c.sP_base + buffer * self.p_terms * (self.b_h * B_TOPK)
         prev_buffer = KV_RING.index_before(ring)
         if block > 0:
@@ -847,7 +853,7 @@ class SparsePrefillSm90(AttentionKernel):
                 c.s_alpha[buffer, row] = alpha
             # Exponent offset: 2^7 folded in; a row with no valid slot so far (max -inf) uses 0.
             bias = (max_used if max_used != -Float32.inf else Float32(0.0)) - P_SCALE_LOG2
-            logit_scale = row_scales[r % 2] if row_scales[r % 2] > 0.0 else Float32(1.0)
+            logit_scale = row_scales[r] if row_scales[r] > 0.0 else Float32(1.0)
             if const_expr(self.small):
                 exponents.append((logit_scale, bias))
             else:
