@@ -307,25 +307,31 @@ def max_u32(a, b, *, loc=None, ip=None) -> Uint32:
     )
 
 
-def bf16x4_to_e4m3x4(w01, w23, operand_bits, op: str, *, loc=None, ip=None) -> Uint32:
-    """Four bf16 (two words, lowest first) each combined with a float32 given by its bits by ``op`` (an f32
-    PTX instruction taking (d, a, b), e.g. "mul.rn.f32" or "div.rn.f32"), rounded (RN, saturating) to e4m3
-    and packed, the lowest first."""
+def bf16x4_to_e4m3x4(w01, w23, operand_bits=None, op: str | None = None, *, loc=None, ip=None) -> Uint32:
+    """Four bf16 (two words, lowest first), each combined with a float32 given by its bits by ``op`` (an f32
+    PTX instruction taking (d, a, b), e.g. "mul.rn.f32" or "div.rn.f32"; None: as they are), rounded (RN,
+    saturating) to e4m3 and packed, the lowest first."""
+    words = (w01, w23) if op is None else (w01, w23, operand_bits)
+    combine = (
+        ""
+        if op is None
+        else f"mov.b32 s, $3;\n\t{op} f0, f0, s;\n\t{op} f1, f1, s;\n\t{op} f2, f2, s;\n\t{op} f3, f3, s;\n\t"
+    )
     return Uint32(
         inline_asm(
             T.i32(),
-            [Uint32(w).ir_value(loc=loc, ip=ip) for w in (w01, w23, operand_bits)],
-            "{\n\t.reg .b32 t0, t1, t2, t3;\n\t.reg .f32 s, f0, f1, f2, f3;\n\t.reg .b16 o01, o23;\n\t"
+            [Uint32(w).ir_value(loc=loc, ip=ip) for w in words],
+            "{\n\t.reg .b32 t0, t1, t2, t3;\n\t"
+            + (".reg .f32 f0, f1, f2, f3;" if op is None else ".reg .f32 s, f0, f1, f2, f3;")
+            + "\n\t.reg .b16 o01, o23;\n\t"
             "shl.b32 t0, $1, 16;\n\tand.b32 t1, $1, 0xffff0000;\n\t"
             "shl.b32 t2, $2, 16;\n\tand.b32 t3, $2, 0xffff0000;\n\t"
             "mov.b32 f0, t0;\n\tmov.b32 f1, t1;\n\tmov.b32 f2, t2;\n\tmov.b32 f3, t3;\n\t"
-            "mov.b32 s, $3;\n\t"
-            f"{op} f0, f0, s;\n\t{op} f1, f1, s;\n\t"
-            f"{op} f2, f2, s;\n\t{op} f3, f3, s;\n\t"
-            "cvt.rn.satfinite.e4m3x2.f32 o01, f1, f0;\n\t"
+            + combine
+            + "cvt.rn.satfinite.e4m3x2.f32 o01, f1, f0;\n\t"
             "cvt.rn.satfinite.e4m3x2.f32 o23, f3, f2;\n\t"
             "mov.b32 $0, {o01, o23};\n\t}",
-            "=r,r,r,r",
+            "=r" + ",r" * len(words),
             False,
         )
     )

@@ -64,19 +64,13 @@ def variant_name(
     return f"sparse_prefill_sm90_d{d_qk}{q_suffix}{suffix}{schedule_suffix}"
 
 
-def _kernel(
-    d_qk: int,
-    precision: str = "default",
-    persistent: bool = False,
-    q_dtype: torch.dtype = FP8,
-    split: bool = False,
-):
-    """The kernel's configuration object."""
+def _kernel(d_qk: int, q_dtype: torch.dtype = FP8, **options):
+    """The kernel's configuration object for a q of ``q_dtype`` (``options``: ``SparsePrefillSm90``'s
+    ``precision``, ``persistent``, ``split``)."""
     import_dsl()
     from cute_kernels.sm90.sparse_prefill import SparsePrefillSm90
 
-    q_option = KERNEL_Q_DTYPES[q_dtype]
-    return SparsePrefillSm90(d_qk, precision=precision, persistent=persistent, q_dtype=q_option, split=split)
+    return SparsePrefillSm90(d_qk, q_dtype=KERNEL_Q_DTYPES[q_dtype], **options)
 
 
 def _compile(d_qk: int, dump_dir: Path, q_dtype: torch.dtype = FP8, **kernel_options):
@@ -139,11 +133,13 @@ def _fake_attention_args(
     )
 
 
-def _build_or_load(d_qk: int, precision: str, persistent: bool = False) -> Variant:
+def _build_or_load(d_qk: int, precision: str, q_dtype: torch.dtype = FP8, **options) -> Variant:
+    """The attention variant with ``d_qk``, ``precision``, a q of ``q_dtype`` and the kernel ``options``
+    (``persistent``, ``split``), built or loaded."""
     return build_or_load(
-        variant_name(d_qk, precision, persistent),
+        variant_name(d_qk, precision, q_dtype=q_dtype, **options),
         d_qk,
-        lambda dump_dir: _compile(d_qk, dump_dir, precision=precision, persistent=persistent),
+        lambda dump_dir: _compile(d_qk, dump_dir, q_dtype=q_dtype, precision=precision, **options),
         EXPORTED_FUNCTION,
         cache_stats,
         precision,
@@ -188,16 +184,7 @@ def load_bf16_q_variant(d_qk: int, precision: str = "default", persistent: bool 
             )
         if persistent and precision not in PERSISTENT_PRECISIONS:
             raise ValueError(f"precision: no persistent variant for {precision!r}")
-        _bf16_q_variants[key] = build_or_load(
-            variant_name(d_qk, precision, persistent, BF16_Q),
-            d_qk,
-            lambda dump_dir: _compile(
-                d_qk, dump_dir, q_dtype=BF16_Q, precision=precision, persistent=persistent
-            ),
-            EXPORTED_FUNCTION,
-            cache_stats,
-            precision,
-        )
+        _bf16_q_variants[key] = _build_or_load(d_qk, precision, BF16_Q, persistent=persistent)
     return _bf16_q_variants[key]
 
 
@@ -222,14 +209,7 @@ def load_split_variant(d_qk: int, precision: str = "default", q_dtype: torch.dty
                 f"expected d_qk in {D_QK_VARIANTS}, precision in {PRECISIONS} and q dtype in "
                 f"{list(KERNEL_Q_DTYPES)}, got {d_qk}, {precision!r}, {q_dtype}"
             )
-        _split_variants[key] = build_or_load(
-            variant_name(d_qk, precision, q_dtype=q_dtype, split=True),
-            d_qk,
-            lambda dump_dir: _compile(d_qk, dump_dir, q_dtype=q_dtype, precision=precision, split=True),
-            EXPORTED_FUNCTION,
-            cache_stats,
-            precision,
-        )
+        _split_variants[key] = _build_or_load(d_qk, precision, q_dtype, split=True)
     return _split_variants[key]
 
 

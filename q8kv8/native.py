@@ -194,10 +194,7 @@ def note_launch(
             return
         extension.register_split_combine(split_combine.function.__chandle__())
     if device_index not in _registered_devices:
-        sm_count = schedule._sm_counts.get(device_index)
-        if sm_count is None:
-            sm_count = torch.cuda.get_device_properties(device_index).multi_processor_count
-        extension.register_device(KDL_CUDA, device_index, sm_count)
+        extension.register_device(KDL_CUDA, device_index, schedule.sm_count(device_index))
         _registered_devices.add(device_index)
     register_variant(extension, d_qk, precision, schedule_kind, variant.function, q_dtype)
     _registered.add(key)

@@ -44,7 +44,8 @@ forced_splits: int | None = None
 the one-tile schedule (1: not split)."""
 
 
-def _sm_count(device_index: int) -> int:
+def sm_count(device_index: int) -> int:
+    """The multiprocessors of CUDA device ``device_index`` (queried once per device)."""
     sms = _sm_counts.get(device_index)
     if sms is None:
         sms = _sm_counts[device_index] = torch.cuda.get_device_properties(device_index).multi_processor_count
@@ -58,7 +59,7 @@ def tiles_per_cta(num_tiles: int, topk: int, has_topk_length: bool, precision: s
         return forced
     if precision not in PERSISTENT_PRECISIONS or not (has_topk_length or topk <= PERSISTENT_MAX_TOPK):
         return 0
-    tiles = min(PERSISTENT_MAX_TILES_PER_CTA, num_tiles // (PERSISTENT_MIN_WAVES * _sm_count(device_index)))
+    tiles = min(PERSISTENT_MAX_TILES_PER_CTA, num_tiles // (PERSISTENT_MIN_WAVES * sm_count(device_index)))
     return tiles if tiles >= 2 else 0
 
 
@@ -72,7 +73,7 @@ def splits(num_tiles: int, topk: int, device_index: int) -> int:
     ``device_index`` (1: not split)."""
     if forced_splits is not None:
         return forced_splits
-    parts = min(SPLIT_MAX_PARTS, _sm_count(device_index) // max(num_tiles, 1), topk // SPLIT_MIN_SLOTS)
+    parts = min(SPLIT_MAX_PARTS, sm_count(device_index) // max(num_tiles, 1), topk // SPLIT_MIN_SLOTS)
     return parts if parts >= 2 else 1
 
 

@@ -119,7 +119,7 @@ def test_heads_of_very_different_magnitudes(make_inputs, d_qk, precision):
     inputs["q"] = (inputs["q"].float() * factors[None, :, None]).to(BF16)
     outputs = run_kernel(inputs, precision=precision)
     # Against the bf16 q only the logits are compared (q's rounding to e4m3 moves P by more than out's bound).
-    check(outputs, inputs, precision, against_bf16=False, label=f"heads 2^-8..2^8 d_qk {d_qk}")
+    check(outputs, inputs, precision, against_bf16=False, label=f"heads 2^-20..1 d_qk {d_qk}")
     plain = sparse_mla_prefill_reference(**inputs | {"q_scale": 1.0}, chunk_rows=32)
     per_row_error = median_relative_error(outputs[1], plain)
     assert per_row_error.max() < 0.03, per_row_error

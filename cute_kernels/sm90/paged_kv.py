@@ -18,6 +18,7 @@ from cutlass._mlir.dialects import llvm
 from cutlass.cutlass_dsl import T, dsl_user_op
 
 from cute_kernels.ptx import (
+    bf16x4_to_e4m3x4,
     inline_asm,
     ld_global_nc_b32,
     ld_global_nc_u8,
@@ -116,26 +117,6 @@ def dequant_e4m3x4_bf16(word, scale_bits, *, loc=None, ip=None):
         False,
     )
     return tuple(Uint32(llvm.extractvalue(T.i32(), res, [i], loc=loc, ip=ip)) for i in range(2))
-
-
-@dsl_user_op
-def bf16x4_to_e4m3x4(w01, w23, *, loc=None, ip=None) -> Uint32:
-    """Four bf16 (two words, lowest first) -> four e4m3 (RN, saturating) in one word."""
-    return Uint32(
-        inline_asm(
-            T.i32(),
-            [Uint32(w01).ir_value(loc=loc, ip=ip), Uint32(w23).ir_value(loc=loc, ip=ip)],
-            "{\n\t.reg .b32 t0, t1, t2, t3;\n\t.reg .f32 f0, f1, f2, f3;\n\t.reg .b16 o01, o23;\n\t"
-            "shl.b32 t0, $1, 16;\n\tand.b32 t1, $1, 0xffff0000;\n\t"
-            "shl.b32 t2, $2, 16;\n\tand.b32 t3, $2, 0xffff0000;\n\t"
-            "mov.b32 f0, t0;\n\tmov.b32 f1, t1;\n\tmov.b32 f2, t2;\n\tmov.b32 f3, t3;\n\t"
-            "cvt.rn.satfinite.e4m3x2.f32 o01, f1, f0;\n\t"
-            "cvt.rn.satfinite.e4m3x2.f32 o23, f3, f2;\n\t"
-            "mov.b32 $0, {o01, o23};\n\t}",
-            "=r,r,r",
-            False,
-        )
-    )
 
 
 # ------------------------------------------------------------------------------------------

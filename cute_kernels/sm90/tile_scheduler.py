@@ -5,9 +5,9 @@ Tiles run over the head groups of token 0, then token 1, ...: tile t is rows [64
 ``ceil(tiles / tiles_per_cta)`` CTAs and CTA b walks tiles b, b + grid, b + 2 grid, ... Split scheduling
 launches a [tiles, splits] grid (``splits`` from the row count of the outputs it is given, ``splits`` times
 q's): CTA (t, p) computes tile t over the p-th of ``splits`` equal ranges of index slots (whole pairs) and
-writes the partial result as output tile p * tiles + t. A tile's work
-(``TileWork``) is its position, the range of index slots to consider (``topk_length`` bounds it) and the
-count of KV blocks and pairs that covers it.
+writes the partial result as output tile p * tiles + t. A tile's work (``TileWork``) is its position, the
+range of index slots to consider (``topk_length`` bounds it) and the count of KV blocks and pairs that
+covers it.
 """
 
 from typing import NamedTuple

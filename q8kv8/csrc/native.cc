@@ -113,7 +113,7 @@ struct Registry {
   TVMFFIObjectHandle split_combine = nullptr;  // the merge of a split launch's partial results (owned, or null)
 };
 
-// Schedule kinds of the registry's variants (native.SCHEDULE_KINDS): one tile per CTA, persistent, split.
+// Schedule kinds of the registry's variants (q8kv8.schedule.ONE_TILE, PERSISTENT, SPLIT).
 enum ScheduleKind : size_t { kOneTile = 0, kPersistent = 1, kSplit = 2, kScheduleKinds = 3 };
 
 // Never destroyed: releasing what it holds may need the interpreter, which is gone when static destructors
@@ -596,8 +596,8 @@ int CallFunction(TVMFFIObjectHandle function, TVMFFIAny* args, int32_t num_args)
   return status;
 }
 
-// Calls the plan's variant with the Python path's arguments (a split plan: then the merge), on `stream` (set as TVM-FFI's environment
-// stream of q's device for the call when set_stream). Returns nullptr with a Python exception set when the
+// Calls the plan's variant with the Python path's arguments (a split plan: then the merge), on `stream` (set
+// as TVM-FFI's environment stream of q's device for the call when set_stream). Returns nullptr with a Python exception set when the
 // call raised, else Py_None (borrowed).
 PyObject* Run(const Views& v, const Plan& plan, bool set_stream, void* stream) {
   // A row-scaled q has no q_scale: the kernel does not read that argument, which gets kv_scale. An absent

@@ -20,12 +20,16 @@ FULL_S_Q = 4096
 HEADS = (8, 16, 32, 48, 96)
 
 
+def _tflops(s_q: int, h_q: int, ms: float) -> float:
+    return 2.0 * s_q * TOPK * h_q * (D_QK + 512) / ms / 1e9
+
+
 def _time(s_q: int, h_q: int, rep: int) -> tuple[float, float]:
     inputs = make_inputs(s_q, S_KV, h_q, D_QK, TOPK, None, "cuda")
     call = lambda: q8kv8.sparse_mla_q8kv8_prefill_fwd(**inputs)  # noqa: E731
     call()
     ms = time_ms(call, rep)
-    return ms, 2.0 * s_q * TOPK * h_q * (D_QK + 512) / ms / 1e9
+    return ms, _tflops(s_q, h_q, ms)
 
 
 def run(rep: int, full_rows: dict[int, float]) -> dict:
@@ -34,7 +38,7 @@ def run(rep: int, full_rows: dict[int, float]) -> dict:
     for h_q in CHUNK_HEADS:  # also the head-count rows' bases (h_q 64, and 128 for 96)
         if h_q not in full:
             full[h_q] = _time(FULL_S_Q, h_q, rep)[0]
-    full_tflops = {h: 2.0 * FULL_S_Q * TOPK * h * (D_QK + 512) / ms / 1e9 for h, ms in full.items()}
+    full_tflops = {h: _tflops(FULL_S_Q, h, ms) for h, ms in full.items()}
     print(f"\nshort chunks (s_kv {S_KV}, d_qk {D_QK}, topk {TOPK}): share of the s_q {FULL_S_Q} TF/s")
     columns = f"{'h_q':>4s} {'s_q':>5s} {'schedule':>18s} | {'ms':>8s} {'TF/s':>6s} {'share':>6s} |"
     print(f"{columns} {'one-tile':>8s} {'x':>5s}")
