@@ -297,7 +297,7 @@ def describe(variant: Variant) -> dict:
 
 def shared_memory_bytes(d_qk: int, precision: str = "default", q_dtype: torch.dtype = FP8) -> int:
     """Dynamic shared memory per CTA of the (d_qk, precision) variant for a q of ``q_dtype``."""
-    return _kernel(d_qk, precision, q_dtype=q_dtype).shared_memory_bytes()
+    return _kernel(d_qk, q_dtype, precision=precision).shared_memory_bytes()
 
 
 def placeholders(int_source: torch.Tensor, float_source: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
