@@ -6,6 +6,10 @@ import math
 HEAD_ALIGNMENT = 64
 """Query heads per CTA (one token's head group, one WGMMA M tile): the head count must be a multiple."""
 
+SMALL_HEAD_COUNTS = (8, 16, 32)
+"""Head counts the small-head kernel runs as they are (a tile is all of one token's heads); any other head
+count that is not a multiple of ``HEAD_ALIGNMENT`` is padded up to one."""
+
 TOPK_ALIGNMENT = 128
 """Top-k slots per gathered pair of KV blocks: ``indices.shape[-1]`` must be a multiple."""
 

@@ -2,9 +2,10 @@
 
 ``run`` is what ``sparse_mla_q8kv8_prefill_fwd`` and the custom ops' implementations execute. The Python
 path checks the call (``q8kv8.contract``), pads the head count to the kernel's multiple of 64 (zero query
-heads, e4m3 or bf16), allocates the outputs and launches the kernel (``q8kv8.kernels``); its first launch of
-each kernel variant on a GPU registers both with the fast path (``q8kv8.native``), which then takes such
-calls.
+heads, e4m3 or bf16; 8, 16 or 32 heads run the small-head kernel unpadded), allocates the
+outputs and launches the kernel (``q8kv8.kernels``); its first launch of each kernel variant on a GPU
+registers both with the fast path (``q8kv8.native``), which then takes such calls (not the small-head
+ones: the fast path takes head counts that are multiples of 64).
 """
 
 import contextlib
@@ -15,7 +16,7 @@ import torch
 
 from q8kv8 import contract, native, schedule
 from q8kv8.contract import check_inputs, check_ranges_enabled, check_topk_length_range
-from q8kv8.metadata import HEAD_ALIGNMENT, padded_num_heads
+from q8kv8.metadata import HEAD_ALIGNMENT, padded_num_heads, small_heads
 from q8kv8.prefill_call import PrefillCall
 
 
@@ -46,7 +47,8 @@ def run(call: PrefillCall) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         lse.fill_(math.inf)
         return out, max_logits, lse
 
-    h_kernel = h_q if h_q % HEAD_ALIGNMENT == 0 else padded_num_heads(h_q)
+    small = small_heads(h_q)  # the small-head kernel: no padding
+    h_kernel = h_q if h_q % HEAD_ALIGNMENT == 0 or small else padded_num_heads(h_q)
     if h_kernel == h_q:
         kernel_q, kernel_sink = q, attn_sink
         kernel_out, kernel_max_logits, kernel_lse = out, max_logits, lse
@@ -82,7 +84,7 @@ def run(call: PrefillCall) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         out.copy_(kernel_out[:, :h_q])
         max_logits.copy_(kernel_max_logits[:, :h_q])
         lse.copy_(kernel_lse[:, :h_q])
-    if q.is_cuda:  # the call's device (the contract checked): Tensor.is_cuda is the cheap test
+    if q.is_cuda and not small:  # the call's device (the contract checked): Tensor.is_cuda is the cheap test
         kind = schedule.kind(problem.tiles_per_cta, problem.splits)
         combine = kernels.load_split_combine() if kind == schedule.SPLIT else None
         device_index = problem.device.index

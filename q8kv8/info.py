@@ -21,7 +21,7 @@ import torch
 
 def info() -> dict:
     """Versions, GPU, kernel variants and cache of this installation (builds or loads the variants)."""
-    from q8kv8 import build, disk_cache, kernels, native, schedule
+    from q8kv8 import build, disk_cache, kernels, metadata, native, schedule
     from q8kv8.metadata import __version__
 
     variants = kernels.listed_variants()
@@ -57,6 +57,8 @@ def info() -> dict:
             f"{schedule.PERSISTENT_MAX_TILES_PER_CTA} tiles per CTA",
             "split": f"one-tile grids of fewer tiles than half the SMs: each tile in up to "
             f"{schedule.SPLIT_MAX_PARTS} parts of >= {schedule.SPLIT_MIN_SLOTS} index slots",
+            "small_heads": f"h_q in {metadata.SMALL_HEAD_COUNTS}: the small-head kernel, one token per CTA, "
+            "no head padding",
         },
     }
 

@@ -8,7 +8,8 @@ tensors (it launches on the caller's current CUDA stream):
   one-tile and persistent, all built when ``q8kv8`` is imported; the sink and ``topk_length`` are runtime
   flags. Its variants for a bfloat16 q (quantised per row in the kernel) are built on first use (or by
   ``load_bf16_q_variants()``), and so are its split variants (a short grid: each tile computed by several
-  CTAs, ``q8kv8.schedule.splits``) with the kernel that merges their partial results;
+  CTAs, ``q8kv8.schedule.splits``) with the kernel that merges their partial results, and its small-head
+  variants (8, 16 or 32 heads: S^T with the heads on the WGMMA's N side, no padding to 64 heads);
 - the paged-cache gather, the query cast and the bf16 attention kernel of the serving path, built on first
   use (or by ``load_serving_variants()``).
 """
@@ -29,7 +30,9 @@ from q8kv8.metadata import (
     PRECISIONS,
     Q_ALIGNMENT_BYTES,
     SINK_FLAG,
+    SMALL_HEAD_COUNTS,
     TOPK_LENGTH_FLAG,
+    small_heads,
 )
 from q8kv8.metadata import SUPPORTED_D_QK as D_QK_VARIANTS
 from q8kv8.schedule import PERSISTENT_PRECISIONS, tiles_per_cta
@@ -48,6 +51,8 @@ _persistent_variants: dict[tuple[int, str], Variant] = {}
 _bf16_q_variants: dict[tuple[int, str, bool], Variant] = {}  # by (d_qk, precision, persistent)
 _split_variants: dict[tuple[int, str, torch.dtype], Variant] = {}  # by (d_qk, precision, q dtype)
 _split_combine: list[Variant] = []  # the merge kernel, once built
+# by (d_qk, precision, heads, q dtype)
+_small_head_variants: dict[tuple[int, str, int, torch.dtype], Variant] = {}
 SPLIT_COMBINE_FUNCTION = "split_combine"
 
 
@@ -57,16 +62,18 @@ def variant_name(
     persistent: bool = False,
     q_dtype: torch.dtype = FP8,
     split: bool = False,
+    heads: int = HEAD_ALIGNMENT,
 ) -> str:
     suffix = "" if precision == "default" else f"_{precision}"
     q_suffix = "_bf16q" if q_dtype == BF16_Q else ""
     schedule_suffix = "_persistent" if persistent else "_split" if split else ""
-    return f"sparse_prefill_sm90_d{d_qk}{q_suffix}{suffix}{schedule_suffix}"
+    heads_suffix = "" if heads == HEAD_ALIGNMENT else f"_h{heads}"
+    return f"sparse_prefill_sm90_d{d_qk}{heads_suffix}{q_suffix}{suffix}{schedule_suffix}"
 
 
 def _kernel(d_qk: int, q_dtype: torch.dtype = FP8, **options):
     """The kernel's configuration object for a q of ``q_dtype`` (``options``: ``SparsePrefillSm90``'s
-    ``precision``, ``persistent``, ``split``)."""
+    ``precision``, ``persistent``, ``split``, ``heads``)."""
     import_dsl()
     from cute_kernels.sm90.sparse_prefill import SparsePrefillSm90
 
@@ -135,7 +142,7 @@ def _fake_attention_args(
 
 def _build_or_load(d_qk: int, precision: str, q_dtype: torch.dtype = FP8, **options) -> Variant:
     """The attention variant with ``d_qk``, ``precision``, a q of ``q_dtype`` and the kernel ``options``
-    (``persistent``, ``split``), built or loaded."""
+    (``persistent``, ``split``, ``heads``), built or loaded."""
     return build_or_load(
         variant_name(d_qk, precision, q_dtype=q_dtype, **options),
         d_qk,
@@ -197,6 +204,37 @@ def load_bf16_q_variants() -> dict[tuple[int, str, bool], Variant]:
         for precision in PERSISTENT_PRECISIONS:
             load_bf16_q_variant(d_qk, precision, persistent=True)
     return dict(_bf16_q_variants)
+
+
+def load_small_head_variant(
+    d_qk: int, precision: str = "default", heads: int = 16, q_dtype: torch.dtype = FP8
+) -> Variant:
+    """Build or load the small-head attention variant (a tile is all ``heads`` heads of a token, one tile per
+    CTA) for ``d_qk``, ``precision`` and a q of ``q_dtype`` (idempotent)."""
+    key = (d_qk, precision, heads, q_dtype)
+    if key not in _small_head_variants:
+        if (
+            d_qk not in D_QK_VARIANTS
+            or precision not in PRECISIONS
+            or heads not in SMALL_HEAD_COUNTS
+            or q_dtype not in KERNEL_Q_DTYPES
+        ):
+            raise ValueError(
+                f"expected d_qk in {D_QK_VARIANTS}, precision in {PRECISIONS}, heads in {SMALL_HEAD_COUNTS} "
+                f"and q dtype in {list(KERNEL_Q_DTYPES)}, got {d_qk}, {precision!r}, {heads}, {q_dtype}"
+            )
+        _small_head_variants[key] = _build_or_load(d_qk, precision, q_dtype, heads=heads)
+    return _small_head_variants[key]
+
+
+def load_small_head_variants() -> dict[tuple[int, str, int, torch.dtype], Variant]:
+    """Build or load every small-head variant; keyed by (d_qk, precision, heads, q dtype)."""
+    for q_dtype in KERNEL_Q_DTYPES:
+        for d_qk in D_QK_VARIANTS:
+            for precision in PRECISIONS:
+                for heads in SMALL_HEAD_COUNTS:
+                    load_small_head_variant(d_qk, precision, heads, q_dtype)
+    return dict(_small_head_variants)
 
 
 def load_split_variant(d_qk: int, precision: str = "default", q_dtype: torch.dtype = FP8) -> Variant:
@@ -261,16 +299,23 @@ def load_split_combine() -> Variant:
 
 def listed_variants() -> list[Variant]:
     """Every attention variant, as the listings show them (``python -m q8kv8.compile``, ``q8kv8.info()``,
-    ``make bench``): ``all_variants()``, then the bfloat16-q variants and the split variants (built or
-    loaded)."""
-    return [*all_variants(), *load_bf16_q_variants().values(), *load_split_variants().values()]
+    ``make bench``): ``all_variants()``, then the bfloat16-q variants, the split variants and the small-head
+    variants (built or loaded)."""
+    return [
+        *all_variants(),
+        *load_bf16_q_variants().values(),
+        *load_split_variants().values(),
+        *load_small_head_variants().values(),
+    ]
 
 
 def q_dtype_of(variant: Variant) -> torch.dtype:
     """The dtype of q that an attention variant takes."""
     if any(variant is v for v in _bf16_q_variants.values()):
         return BF16_Q
-    return next((key[2] for key, v in _split_variants.items() if v is variant), FP8)
+    keyed = [(key[2], v) for key, v in _split_variants.items()]
+    keyed += [(key[3], v) for key, v in _small_head_variants.items()]
+    return next((q_dtype for q_dtype, v in keyed if v is variant), FP8)
 
 
 def describe(variant: Variant) -> dict:
@@ -343,7 +388,8 @@ def launch_sparse_prefill(
     splits: int = 1,
 ) -> Variant:
     """Launch the kernel on validated tensors: q (e4m3 or bfloat16), out, max_logits, lse row-major with a
-    head count that is a multiple of 64; kv and indices with a contiguous last dimension; one-element scales,
+    head count that is a multiple of 64 (or one of ``SMALL_HEAD_COUNTS``: the small-head variant, one
+    tile per CTA); kv and indices with a contiguous last dimension; one-element scales,
     ``q_scale`` None for a bfloat16 q (the variant for a bfloat16 q is then built on its first launch).
     ``schedule``: ``tiles_per_cta``'s answer when the caller has it (the contract memoises it), else
     computed here. ``ready``: the caller knows that q, kv and out meet the alignments of
@@ -353,6 +399,9 @@ def launch_sparse_prefill(
     buffers allocated here, which the merge kernel combines into out, max_logits and lse. Returns the
     (attention) variant it launched."""
     tiles = schedule
+    small = small_heads(q.shape[1])
+    if small:
+        tiles, splits = 0, 1
     if tiles is None:
         tiles = tiles_per_cta(
             q.shape[0] * (q.shape[1] // HEAD_ALIGNMENT),
@@ -362,7 +411,10 @@ def launch_sparse_prefill(
             q.get_device(),
         )
     key = (q.shape[2], precision)
-    if splits > 1:
+    if small:
+        small_key = (*key, q.shape[1], q.dtype)
+        variant = _small_head_variants.get(small_key) or load_small_head_variant(*small_key)
+    elif splits > 1:
         variant = _split_variants.get((*key, q.dtype)) or load_split_variant(*key, q.dtype)
     elif q.dtype == BF16_Q:
         bf16_q_key = (*key, tiles > 0)
@@ -553,12 +605,17 @@ def launch_cast_q_fp8(q, q_scale, out) -> None:
 
 def load_serving_variants() -> dict[str, Variant]:
     """Build or load every kernel of the paged serving path (the four gathers, both query casts, the FP8
-    attention variants for a bfloat16 q and both bf16 attention variants)."""
+    attention variants for a bfloat16 q, the small-head ones included, and both bf16 attention variants)."""
     variants = {v.name: v for v in load_paged_kv_variants().values()}
     for d in (512, 576):
         variant = load_q_cast_variant(d)
         variants[variant.name] = variant
     variants.update({v.name: v for v in load_bf16_q_variants().values()})
+    for d_qk in D_QK_VARIANTS:
+        for precision in PRECISIONS:
+            for heads in SMALL_HEAD_COUNTS:
+                variant = load_small_head_variant(d_qk, precision, heads, BF16_Q)
+                variants[variant.name] = variant
     variants.update({v.name: v for v in load_bf16_variants().values()})
     return variants
 

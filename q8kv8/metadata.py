@@ -9,6 +9,7 @@ from cute_kernels.interface import D_V as D_V
 from cute_kernels.interface import HEAD_ALIGNMENT as HEAD_ALIGNMENT
 from cute_kernels.interface import LOG2_E as LOG2_E
 from cute_kernels.interface import SINK_FLAG as SINK_FLAG
+from cute_kernels.interface import SMALL_HEAD_COUNTS as SMALL_HEAD_COUNTS
 from cute_kernels.interface import SUPPORTED_D_QK as SUPPORTED_D_QK
 from cute_kernels.interface import TOPK_ALIGNMENT as TOPK_ALIGNMENT
 from cute_kernels.interface import TOPK_LENGTH_FLAG as TOPK_LENGTH_FLAG
@@ -45,6 +46,11 @@ kernel writes a fresh buffer that is copied back)."""
 
 PAD_INDEX = -1
 """The index value ``pad_topk`` appends; any index outside ``[0, s_kv)`` is ignored, -1 is the usual one."""
+
+
+def small_heads(h_q: int) -> bool:
+    """Whether a call with ``h_q`` heads runs the small-head kernel (no padding)."""
+    return h_q in SMALL_HEAD_COUNTS
 
 
 def padded_num_heads(h_q: int) -> int:

@@ -16,13 +16,16 @@ when that is at least 2, so that the grid stays one wave and each range keeps tw
 The partial results are float32 (2 KiB per row and range, in L2 at these sizes); the merge is in a fixed
 order, so results are the same bits on every run (not those of the one-tile kernel).
 
+A call with 8, 16 or 32 heads (``q8kv8.metadata.small_heads``) runs the small-head kernel
+(``sparse_prefill.py``, ``heads=h_q``: a CTA per token, no padding to 64 heads), one tile per CTA.
+
 The contract computes the choice once per call signature (``contract.Problem.tiles_per_cta``, memoised
 with the rest of the verdict), so a repeated call pays nothing for it.
 """
 
 import torch
 
-from q8kv8.metadata import HEAD_ALIGNMENT, padded_num_heads
+from q8kv8.metadata import HEAD_ALIGNMENT, padded_num_heads, small_heads
 
 ONE_TILE, PERSISTENT, SPLIT = 0, 1, 2
 """The schedule kinds (a launch's kernel variant): one tile per CTA, persistent, split."""
@@ -80,9 +83,11 @@ def splits(num_tiles: int, topk: int, device_index: int) -> int:
 def choose(
     s_q: int, h_q: int, topk: int, has_topk_length: bool, precision: str, device_index: int
 ) -> tuple[int, int]:
-    """``(tiles_per_cta, splits)`` of a call of ``s_q`` tokens, ``h_q`` heads (padded to a multiple of 64) and
-    ``topk`` slots on CUDA device ``device_index``: the persistent rule first, the split rule for a one-tile
-    launch."""
+    """``(tiles_per_cta, splits)`` of a call of ``s_q`` tokens, ``h_q`` heads (padded to a multiple of 64)
+    and ``topk`` slots on CUDA device ``device_index``: one tile per CTA for small heads, else the persistent
+    rule first, the split rule for a one-tile launch."""
+    if small_heads(h_q):
+        return 0, 1
     num_tiles = s_q * (padded_num_heads(h_q) // HEAD_ALIGNMENT)
     tiles = tiles_per_cta(num_tiles, topk, has_topk_length, precision, device_index)
     return tiles, splits(num_tiles, topk, device_index) if tiles == 0 else 1
@@ -96,7 +101,10 @@ def describe(
     precision: str = "default",
     device_index: int = 0,
 ) -> str:
-    """``choose``'s answer in words: "one tile per CTA", "persistent, k tiles per CTA" or "split in n"."""
+    """``choose``'s answer in words: "one tile per CTA", "small heads, one token per CTA", "persistent, k
+    tiles per CTA" or "split in n"."""
+    if small_heads(h_q):
+        return "small heads, one token per CTA"
     tiles, parts = choose(s_q, h_q, topk, has_topk_length, precision, device_index)
     if tiles:
         return f"persistent, {tiles} tiles per CTA"

@@ -2,8 +2,9 @@
 
 ``SparsePrefill.forward`` = ``q8kv8.paged_gather`` (the rows a batch attends, from the paged cache into a
 reusable ``q8kv8.workspace.SparsePrefillWorkspace``) + ``sparse_mla_q8kv8_prefill_fwd`` on the bfloat16 Q
-(which the kernel quantises to e4m3 itself, one power-of-two scale per (token, head) row; heads padded to a
-multiple of 64 into a reusable buffer only when they are not one already) + slicing the padded heads off.
+(which the kernel quantises to e4m3 itself, one power-of-two scale per (token, head) row; 8, 16 or 32 heads
+as they are, other heads padded to a multiple of 64 into a reusable buffer only when they are not one
+already) + slicing the padded heads off.
 The cache layouts are described in ``q8kv8.kv_layout``.
 
 Nothing here syncs with the GPU: arguments are checked on shapes, dtypes, strides and devices
@@ -24,7 +25,7 @@ import torch
 
 from q8kv8.arguments import require_int
 from q8kv8.kv_layout import LAYOUT_BY_BYTES_PER_TOKEN, KvCacheLayout
-from q8kv8.metadata import D_V, pad_topk, padded_num_heads, topk_length_from_seqlens
+from q8kv8.metadata import D_V, pad_topk, padded_num_heads, small_heads, topk_length_from_seqlens
 from q8kv8.paged_gather import gather_dequant_paged
 from q8kv8.query import pad_attn_sink, pad_q_heads
 from q8kv8.workspace import SparsePrefillWorkspace, _ReusableBuffer
@@ -202,7 +203,8 @@ class SparsePrefill:
         indices = pad_topk(indices)
         topk_length = topk_length_for(seqlens, compress_ratio, indices.shape[2])
         num_rows = page_table.shape[0]
-        h_pad = padded_num_heads(max(h, 1))
+        # The FP8 kernel runs 8, 16 or 32 heads as they are (small-head kernel); the bf16 kernel pads them.
+        h_pad = h if self.backend == "fp8" and small_heads(h) else padded_num_heads(max(h, 1))
         kv_dtype = torch.float8_e4m3fn if self.backend == "fp8" else torch.bfloat16
         if self.workspace is None:
             self.workspace = SparsePrefillWorkspace(q.device, d_qk)

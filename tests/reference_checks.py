@@ -5,7 +5,14 @@ import math
 
 import torch
 
+from q8kv8 import sparse_mla_q8kv8_prefill_fwd
+from q8kv8.reference import sparse_mla_prefill_reference
+
 INT32_MIN, INT32_MAX = -(2**31), 2**31 - 1
+OUT_TOLERANCE = {"default": 4e-2, "accurate": 5e-3}
+"""The one-tile kernel's ``||out - ref|| / ||ref||`` bound per precision (``test_kernel_gpu``)."""
+STAT_TOLERANCE = 1e-2
+"""Its bound on max_logits and lse, relative (absolute below 1)."""
 
 
 def with_every_invalid_index_kind(indices: torch.Tensor, s_kv: int, generator) -> torch.Tensor:
@@ -47,3 +54,17 @@ def assert_outputs_match(outputs, reference, out_tolerance: float, stat_toleranc
         if err.numel():
             assert err.max().item() <= stat_tolerance, f"{name}: max relative error {err.max().item():.3e}"
     return rel
+
+
+def run_and_sync(inputs: dict, **kwargs):
+    """``sparse_mla_q8kv8_prefill_fwd(**inputs, **kwargs)``, waited for."""
+    outputs = sparse_mla_q8kv8_prefill_fwd(**inputs, **kwargs)
+    torch.cuda.synchronize()
+    return outputs
+
+
+def assert_matches_float64_reference(outputs, inputs: dict, precision: str = "default") -> float:
+    """``assert_outputs_match`` against the float64 reference of ``inputs`` with the one-tile kernel's
+    tolerances for ``precision``."""
+    reference = sparse_mla_prefill_reference(**inputs, chunk_rows=32)
+    return assert_outputs_match(outputs, reference, OUT_TOLERANCE[precision], STAT_TOLERANCE)

@@ -12,6 +12,7 @@ import torch
 
 from q8kv8 import contract, schedule, sparse_mla_q8kv8_prefill_fwd
 from q8kv8.contract import InputTypeError, Problem, check_device, check_inputs
+from q8kv8.metadata import small_heads
 from q8kv8.prefill_call import PrefillCall
 
 S_Q, H_Q, S_KV, D_QK, D_V, TOPK = 4, 16, 32, 576, 512, 128
@@ -685,6 +686,7 @@ def test_topk_length_out_of_range_raises(values, low, high):
         (4096, 64, 512, False, "accurate", 4),
         (4096, 64, 2048, False, "accurate", 0),
         (1100, 48, 512, False, "default", 2),  # 48 heads run as 64
+        (4096, 16, 512, False, "default", 0),  # the small-head kernel: one tile per CTA
         (1024, 64, 512, False, "default", 0),
     ],
 )
@@ -710,6 +712,20 @@ def test_problem_carries_the_schedule_for_cuda_devices(
         PrefillCall(**signatures, sm_scale=args["sm_scale"], d_v=args["d_v"], precision=precision)
     )
     assert problem.tiles_per_cta == expected
+
+
+@pytest.mark.parametrize("h_q", [8, 16, 32])
+def test_small_heads_run_the_small_head_kernel_one_tile_per_cta(monkeypatch, h_q):
+    """8, 16 or 32 heads: one tile (token) per CTA, never persistent or split (the same grids with 64 heads
+    are); other head counts below 64 follow the rules of 64."""
+    monkeypatch.setattr(schedule, "_sm_counts", {0: 132})
+    for s_q, topk in ((4096, 512), (8, 2048), (1, 256)):
+        assert schedule.choose(s_q, h_q, topk, False, "default", 0) == (0, 1)
+        assert schedule.describe(s_q, h_q, topk) == "small heads, one token per CTA"
+    assert schedule.choose(4096, 64, 512, False, "default", 0) == (4, 1)
+    assert schedule.choose(8, 64, 2048, False, "default", 0) == (0, 4)
+    assert schedule.choose(8, h_q + 4, 2048, False, "default", 0) == (0, 4)
+    assert small_heads(h_q) and not small_heads(h_q + 4) and not small_heads(64)
 
 
 def offset_by(tensor: torch.Tensor, offset_bytes: int) -> torch.Tensor:

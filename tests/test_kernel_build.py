@@ -131,6 +131,24 @@ def test_split_ptx_runs_the_one_tile_math_and_stores_float32(variants, d_qk, pre
     assert "cvt.rn.bf16x2.f32" in one_tile and "cvt.rn.bf16x2.f32" not in split
 
 
+@pytest.mark.parametrize("q_dtype", [kernels.FP8, kernels.BF16_Q], ids=["e4m3", "bf16"])
+@pytest.mark.parametrize("heads", [8, 16, 32])
+@pytest.mark.parametrize("d_qk, precision", VARIANT_KEYS)
+def test_small_head_variants_fit_and_compute_the_transposed_products(d_qk, precision, heads, q_dtype):
+    """The small-head variants fit as the others do; their QK product is an m64nNk32 WGMMA with the heads on
+    N (d_qk / 32 k-steps), their PV product the one-tile kernel's O^T with N = heads (4 d tiles x 8 k-steps: a
+    pair of blocks, the other consumer's alone, the own alone, per P term), and P^T is stored in 16-bit
+    pairs."""
+    variant = kernels.load_small_head_variant(d_qk, precision, heads, q_dtype)
+    assert_fits_in_registers(variant)
+    ptx = variant.ptx_path.read_text()
+    terms = 2 if precision == "accurate" else 1
+    wgmmas = re.findall(r"wgmma\.mma_async\.sync\.aligned\.m64n(\d+)k32\.f32\.e4m3\.e4m3", ptx)
+    assert set(wgmmas) == {str(heads)}, set(wgmmas)
+    assert len(wgmmas) == d_qk // 32 + 4 * 8 * terms
+    assert "st.shared.b16" in ptx
+
+
 def test_split_combine_builds_and_fits():
     variant = kernels.load_split_combine()
     assert variant.object_path.exists() and variant.ptx_path.exists()

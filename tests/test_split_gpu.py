@@ -8,28 +8,14 @@ import math
 import pytest
 import torch
 from cuda_graphs import capture_and_replay
-from reference_checks import assert_outputs_match
+from reference_checks import assert_matches_float64_reference, run_and_sync
 
 from q8kv8 import eager, native, schedule, sparse_mla_q8kv8_prefill_fwd
 from q8kv8.prefill_call import PrefillCall
-from q8kv8.reference import sparse_mla_prefill_reference
 
 pytestmark = pytest.mark.gpu
 
-OUT_TOLERANCE = {"default": 4e-2, "accurate": 5e-3}
-STAT_TOLERANCE = 1e-2
 Q_DTYPES = pytest.mark.parametrize("q_dtype", [torch.float8_e4m3fn, torch.bfloat16], ids=["e4m3", "bf16"])
-
-
-def run(inputs: dict, **kwargs):
-    outputs = sparse_mla_q8kv8_prefill_fwd(**inputs, **kwargs)
-    torch.cuda.synchronize()
-    return outputs
-
-
-def assert_matches_reference(outputs, inputs, precision="default"):
-    reference = sparse_mla_prefill_reference(**inputs, chunk_rows=32)
-    return assert_outputs_match(outputs, reference, OUT_TOLERANCE[precision], STAT_TOLERANCE)
 
 
 @Q_DTYPES
@@ -42,10 +28,10 @@ def test_matches_reference_and_is_stable(make_inputs, q_dtype, precision, parts,
         9, h_q, 70000, d_qk, topk, device="cuda", with_sink=True, with_topk_length=True, q_dtype=q_dtype
     )
     with eager.forced_splits(parts):
-        first = [t.clone() for t in run(inputs, precision=precision)]
-        second = run(inputs, precision=precision)
+        first = [t.clone() for t in run_and_sync(inputs, precision=precision)]
+        second = run_and_sync(inputs, precision=precision)
     assert all(torch.equal(a, b) for a, b in zip(first, second, strict=True))
-    assert_matches_reference(first, inputs, precision)
+    assert_matches_float64_reference(first, inputs, precision)
 
 
 @pytest.mark.parametrize("parts", [2, 4])
@@ -63,8 +49,8 @@ def test_sentinels_sink_infinities_and_ranges_without_a_valid_slot(make_inputs, 
     inputs["topk_length"][6:8] = torch.tensor([0, 1], dtype=torch.int32)
     inputs["topk_length"][8] = topk // 2 + 1  # the last ranges empty
     with eager.forced_splits(parts):
-        out, max_logits, lse = run(inputs)
-    assert_matches_reference((out, max_logits, lse), inputs)
+        out, max_logits, lse = run_and_sync(inputs)
+    assert_matches_float64_reference((out, max_logits, lse), inputs)
     empty = [2, 3, 6]
     assert (
         (out[empty] == 0).all() and (lse[empty] == math.inf).all() and (max_logits[empty] == -math.inf).all()
@@ -81,12 +67,12 @@ def test_rule_splits_short_grids_only(make_inputs):
     assert schedule.splits(1, 512, 0) == 2  # two pairs of blocks per range at least
     assert schedule.splits(1, 256, 0) == 1
     inputs = make_inputs(sms // 4, 64, 3000, 576, 2048, device="cuda", with_topk_length=True)
-    chosen = [t.clone() for t in run(inputs)]
+    chosen = [t.clone() for t in run_and_sync(inputs)]
     with eager.forced_splits(4):
-        forced = run(inputs)
+        forced = run_and_sync(inputs)
     assert all(torch.equal(a, b) for a, b in zip(chosen, forced, strict=True))
     with eager.forced_splits(1):
-        one_tile = run(inputs)
+        one_tile = run_and_sync(inputs)
     assert not torch.equal(chosen[0], one_tile[0])  # another schedule ran (the same result up to rounding)
 
 
@@ -98,15 +84,15 @@ def test_fast_path_and_cuda_graph_give_the_python_paths_bits(make_inputs, q_dtyp
         20, 64, 3000, 576, 2048, device="cuda", with_sink=True, with_topk_length=True, q_dtype=q_dtype
     )
     native.disable()  # the first call takes the Python path and registers device and variants again
-    expected = [t.clone() for t in run(inputs)]
+    expected = [t.clone() for t in run_and_sync(inputs)]
     if native.load() is None:
         pytest.skip("the C++ fast path did not build")
     call_plan = native.load().plan(PrefillCall(**inputs, out=None, max_logits=None, lse=None))
     assert call_plan[0] == 0 and call_plan[1] > 1, call_plan  # taken, split
-    fast = run(inputs)
+    fast = run_and_sync(inputs)
     assert all(torch.equal(a, b) for a, b in zip(fast, expected, strict=True))
     buffers = [torch.full_like(t, math.nan) for t in expected]
     kwargs = dict(out=buffers[0], max_logits=buffers[1], lse=buffers[2])
-    run(inputs, **kwargs)  # warm-up outside capture
+    run_and_sync(inputs, **kwargs)  # warm-up outside capture
     capture_and_replay(lambda: sparse_mla_q8kv8_prefill_fwd(**inputs, **kwargs), buffers)
     assert all(torch.equal(a, b) for a, b in zip(buffers, expected, strict=True))

@@ -183,17 +183,20 @@ def test_gather_energy_probe_compiles_for_sm90a(tmp_path):
     assert binary.stat().st_size > 0
 
 
-def test_listings_name_every_variant_once_bf16_q_and_split_included():
+def test_listings_name_every_variant_once_bf16_q_split_and_small_heads_included():
     """``listed_variants()`` (what ``python -m q8kv8.compile`` and ``q8kv8.info()`` list): the e4m3-q
     variants, then those for a bfloat16 q (one-tile and persistent, both d_qk and precisions), then the split
-    ones (both q dtypes), each once; each listed with its q dtype."""
+    ones (both q dtypes), then the small-head ones (8, 16, 32 heads), each once; each listed with its q
+    dtype."""
     variants = kernels.listed_variants()
     names = [v.name for v in variants]
     assert names[: len(kernels.all_variants())] == [v.name for v in kernels.all_variants()]
-    bf16_q = [name for name in names if "_bf16q" in name and not name.endswith("_split")]
+    small = [name for name in names if re.search(r"_h(8|16|32)(_|$)", name)]
+    bf16_q = [n for n in names if "_bf16q" in n and not n.endswith("_split") and n not in small]
     split = [name for name in names if name.endswith("_split")]
     assert len(bf16_q) == len(kernels.load_bf16_q_variants()) and len(set(names)) == len(names)
     assert len(split) == len(kernels.load_split_variants()) == 8
+    assert small == [v.name for v in kernels.load_small_head_variants().values()] and len(small) == 24
     for variant in variants:
         assert kernels.describe(variant)["q_dtype"] == ("bf16" if "_bf16q" in variant.name else "e4m3")
 

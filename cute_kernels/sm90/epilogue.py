@@ -37,14 +37,22 @@ def publish_row_stats(row_sum, s_row_sum, tables, warp, quad_row, quad_lane, con
 
 @cute.jit
 def output_scale(
-    row_sum, max_used, numerator, flags, mSink, head_group, row, p_scale_log2: cutlass.Constexpr
+    row_sum,
+    max_used,
+    numerator,
+    flags,
+    mSink,
+    head_group,
+    row,
+    p_scale_log2: cutlass.Constexpr,
+    group_rows: cutlass.Constexpr = B_H,
 ):
     """``numerator / (row_sum + 2^p_scale_log2 exp(sink - max_used))`` of row ``row`` of head group
-    ``head_group`` (the sink term only when the flags say attn_sink is given; ``row_sum`` and
-    ``max_used`` in the exp2 domain), or 0 when ``row_sum`` is 0."""
+    ``head_group`` (of ``group_rows`` heads; the sink term only when the flags say attn_sink is given;
+    ``row_sum`` and ``max_used`` in the exp2 domain), or 0 when ``row_sum`` is 0."""
     denom = row_sum
     if (flags & SINK_FLAG) != 0:
-        sink_log2 = mSink[head_group * B_H + row] * LOG2_E
+        sink_log2 = mSink[head_group * group_rows + row] * LOG2_E
         if const_expr(p_scale_log2 != 0):
             denom += cute.math.exp2(sink_log2 - max_used + p_scale_log2, fastmath=True)
         else:

@@ -5,6 +5,10 @@ A warpgroup's S block is the [64 rows x n columns] f32 accumulator of an m64nNk 
 as element e + 2r + 4j. A block's slot validity is a tuple of 32-bit ballot words, one per 32
 columns, each shifted right by 2t: bit 8(j % 4) + e of word j // 4 is the validity of the thread's
 column 8j + 2t + e. The four threads of a quad (lanes 4g .. 4g + 3) hold the same rows.
+
+The small-head kernel computes the transposed block S^T [64 slots x n heads]: the rows are the block's
+slots and the columns the heads, so a head's maximum is a reduction over the rows: within a warp over
+its eight quad rows (lanes 4g + t, g = 0..7), across the warpgroup's four warps through shared memory.
 """
 
 import cutlass
@@ -12,6 +16,8 @@ import cutlass.cute as cute
 from cutlass import Float32, Uint32
 
 from cute_kernels.sm90.row_gather import slot_valid
+
+WARPS_PER_WG = 4
 
 
 def accumulator_row(warp, quad_row, r):
@@ -93,3 +99,68 @@ def mask_and_row_max(acc_s, valid_bits, scale_log2, publish=None):
             publish(r, row_max)
         row_maxima.append(row_max)
     return row_maxima
+
+
+def slot_rows_valid(mIdx, token, first_slot, warp, quad_row, s_kv, valid_len):
+    """Validity of this thread's two rows of an S^T block whose slot 0 is ``first_slot`` of ``token``'s
+    index row (slots first_slot + 16w + g + 8r, r = 0, 1), and whether all 64 rows of its warp are valid
+    (warp-uniform)."""
+    slots = [first_slot + warp * 16 + quad_row + 8 * r for r in range(2)]
+    valid = [slot_valid(mIdx[token, slot], slot, s_kv, valid_len) for slot in slots]
+    return valid[0], valid[1], cute.arch.vote_all_sync(valid[0] & valid[1])
+
+
+@cute.jit
+def mask_and_column_max(
+    acc_s, rows_valid, scale_log2, s_column_max, buffer, warp, quad_row, quad_lane, barrier_id
+):
+    """S^T block: set the invalid rows (slots) to -inf and return the block's column (head) maxima (exp2
+    domain) of this thread's columns 8j + 2t + e, as a list indexed 2j + e. The warps' maxima meet in
+    ``s_column_max[buffer..., warp, head]`` (``buffer``: the leading coordinates of the warpgroup's table
+    for this block) behind named barrier ``barrier_id`` of the warpgroup's 128 threads. The logit scale
+    ``scale_log2`` (one, or a tuple: column 8j + 2t + e's as entry 2j + e) is handled as in
+    ``mask_and_row_max``."""
+    valid_0, valid_1, all_valid = rows_valid
+    column_groups = cute.size(acc_s) // 4
+    if cutlass.const_expr(isinstance(scale_log2, tuple)):
+        column_scales = scale_log2
+        for j in cutlass.range_constexpr(column_groups):
+            for e in cutlass.range_constexpr(2):
+                if column_scales[2 * j + e] <= 0.0:
+                    for r in cutlass.range_constexpr(2):
+                        acc_s[e + 2 * r + 4 * j] = acc_s[e + 2 * r + 4 * j] * column_scales[2 * j + e]
+    else:
+        column_scales = (scale_log2,) * (2 * column_groups)
+        if scale_log2 <= 0.0:
+            for i in cutlass.range_constexpr(cute.size(acc_s)):
+                acc_s[i] = acc_s[i] * scale_log2
+    if not all_valid:
+        for j in cutlass.range_constexpr(column_groups):
+            for e in cutlass.range_constexpr(2):
+                acc_s[e + 4 * j] = acc_s[e + 4 * j] if valid_0 else -Float32.inf
+                acc_s[e + 2 + 4 * j] = acc_s[e + 2 + 4 * j] if valid_1 else -Float32.inf
+    warp_maxima = []
+    for j in cutlass.range_constexpr(column_groups):
+        for e in cutlass.range_constexpr(2):
+            column_max = cute.arch.fmax(acc_s[e + 4 * j], acc_s[e + 2 + 4 * j])
+            for offset in (4, 8, 16):  # the warp's eight quad rows
+                column_max = cute.arch.fmax(
+                    column_max, cute.arch.shuffle_sync_bfly(column_max, offset=offset)
+                )
+            warp_maxima.append(column_max)
+    if quad_row == 0:
+        for j in cutlass.range_constexpr(column_groups):
+            for e in cutlass.range_constexpr(2):
+                s_column_max[(*buffer, warp, 8 * j + 2 * quad_lane + e)] = warp_maxima[2 * j + e]
+    cute.arch.barrier(barrier_id=barrier_id, number_of_threads=WARPS_PER_WG * 32)
+    column_maxima = []
+    for j in cutlass.range_constexpr(column_groups):
+        for e in cutlass.range_constexpr(2):
+            head = 8 * j + 2 * quad_lane + e
+            column_max = s_column_max[(*buffer, 0, head)]
+            for w in cutlass.range_constexpr(1, WARPS_PER_WG):
+                column_max = cute.arch.fmax(column_max, s_column_max[(*buffer, w, head)])
+            if column_scales[2 * j + e] > 0.0:
+                column_max = column_max * column_scales[2 * j + e]
+            column_maxima.append(column_max)
+    return column_maxima

@@ -10,6 +10,8 @@ class NamedBarrierFp8(enum.IntEnum):
     StatsPublished1 = 4  # (persistent: the mbarriers stats_full[c] instead)
     ScaleReady0 = 5  # consumer c's output scales are in shared memory (its own warpgroup)
     ScaleReady1 = 6
+    ColumnMax0 = 7  # small heads: consumer c's warps published their S^T block's column maxima
+    ColumnMax1 = 8
 
 
 class NamedBarrierBf16(enum.IntEnum):

@@ -8,10 +8,13 @@ of d_v over every block, V^T read from the gathered tiles by ldmatrix.trans (RS 
 ``q_dtype="bf16"`` takes bf16 q and quantises each Q tile in the consumers, a power-of-two scale per row
 folded into that row's logit scale; ``split`` computes each tile as several CTAs, one per range of index
 slots, each writing a partial result (float32 out, max_logits and lse without the sink) that
-``split_combine.py`` merges. Design: docs/kernel.md.
+``split_combine.py`` merges. ``heads`` = 8, 16 or 32 (small heads: a tile is one token's n heads) computes
+the transposed S^T = K . Q^T, the block's slots on the WGMMA's M side and the heads on N, the per-head
+softmax a reduction over M, and P^T stored [head][slot] in the slot order of the V^T fragments. Design:
+docs/kernel.md.
 
-Constraints: h % 64 == 0, topk % 128 == 0, d_qk in {512, 576}, d_v = 512; q, out, max_logits, lse
-row-major; q and kv rows 16-byte aligned; topk_length clamped to [0, topk].
+Constraints: h % 64 == 0 (small heads: h = heads), topk % 128 == 0, d_qk in {512, 576}, d_v = 512; q, out,
+max_logits, lse row-major; q and kv rows 16-byte aligned; topk_length clamped to [0, topk].
 """
 
 import functools
@@ -24,7 +27,7 @@ from cutlass import Float8E4M3FN, Float32, Int32, Int64, Uint32, const_expr
 from cutlass.cute.nvgpu import OperandMajorMode, warpgroup
 
 from cute_kernels import ptx
-from cute_kernels.interface import D_V, SINK_FLAG
+from cute_kernels.interface import D_V, SINK_FLAG, SMALL_HEAD_COUNTS
 from cute_kernels.sm90.cta import (
     B_H,
     CONSUMER_THREADS,
@@ -36,11 +39,18 @@ from cute_kernels.sm90.cta import (
     launch_cta,
 )
 from cute_kernels.sm90.epilogue import output_scale, publish_row_stats, write_max_logits_lse
-from cute_kernels.sm90.mask import accumulator_row, mask_and_row_max, slot_valid_bits
+from cute_kernels.sm90.mask import (
+    WARPS_PER_WG,
+    accumulator_row,
+    mask_and_column_max,
+    mask_and_row_max,
+    slot_rows_valid,
+    slot_valid_bits,
+)
 from cute_kernels.sm90.named_barrier import NamedBarrierFp8
 from cute_kernels.sm90.ring import Ring
 from cute_kernels.sm90.row_gather import RowGather, copy_rows, slot_valid_flag, swizzle_offset
-from cute_kernels.sm90.row_views import load_q_tile, quantize_q_tile
+from cute_kernels.sm90.row_views import Q_THREADS_PER_ROW, load_q_tile, quantize_q_tile
 from cute_kernels.sm90.shared_storage import allocate_shared_storage, tile_region, tile_tensor
 from cute_kernels.sm90.tile_scheduler import TileScheduler, TileWork
 
@@ -60,6 +70,11 @@ L2_LINE_BYTES = 128
 
 PRODUCER_REGS = 24
 CONSUMER_REGS = 240
+# The small-head kernel's producer spills at 24 with an e4m3 q (its Q TMA beside that consumer code); its
+# split keeps 40 + 2 x 232 = 3 x 168, the launch's registers per thread (setmaxregister only moves registers
+# between the CTA's warps: more waits forever).
+SMALL_HEAD_E4M3_PRODUCER_REGS = 40
+SMALL_HEAD_E4M3_CONSUMER_REGS = 232
 Q_DTYPES = ("e4m3", "bf16")
 
 
@@ -112,6 +127,10 @@ class Consumer(NamedTuple):
     mIdx: cute.Tensor
     s_kv: Int32
     scale_log2: object  # q_scale * kv_scale * sm_scale * log2(e); bf16 q: a pair, row r's with its own scale
+    s_column_max: cute.Tensor = (
+        None  # small heads: smem [consumer, buffer, warp, head], the S^T blocks' maxima
+    )
+    s_head_sum: cute.Tensor = None  # small heads: smem [head, 4 consumer + warp], the warps' row sums
 
 
 class SparsePrefillSm90(AttentionKernel):
@@ -127,6 +146,7 @@ class SparsePrefillSm90(AttentionKernel):
         persistent: bool = False,
         q_dtype: str = "e4m3",
         split: bool = False,
+        heads: int = B_H,
     ):
         """``precision``: "default" rounds P to one e4m3 term; "accurate" splits it into two
         (hi = e4m3(p), lo = e4m3(p - hi)) and runs the PV product once per term.
@@ -139,7 +159,9 @@ class SparsePrefillSm90(AttentionKernel):
         (``splits`` from their shapes); CTA (t, p) of a [tiles, splits] grid computes tile t over the p-th of
         ``splits`` equal ranges of whole pairs of index slots and writes output tile p * tiles + t: out in
         float32, normalised over the range, max_logits and lse of the range; the sink is not applied (see
-        ``tile_scheduler``)."""
+        ``tile_scheduler``).
+        ``heads``: 64 (a tile is 64 heads of a token, h a multiple), or one of ``SMALL_HEAD_COUNTS`` (the
+        small-head kernel: a tile is all h = ``heads`` heads of a token; one tile per CTA)."""
         if d_qk not in (512, 576):
             raise ValueError(f"d_qk must be 512 or 576, got {d_qk}")
         if precision not in ("default", "accurate"):
@@ -148,18 +170,28 @@ class SparsePrefillSm90(AttentionKernel):
             raise ValueError(f"q_dtype must be one of {Q_DTYPES}, got {q_dtype!r}")
         if split and persistent:
             raise ValueError("split: one part of a tile per CTA, not persistent")
+        if heads != B_H and heads not in SMALL_HEAD_COUNTS:
+            raise ValueError(f"heads must be {B_H} or one of {SMALL_HEAD_COUNTS}, got {heads}")
+        if heads != B_H and (persistent or split):
+            raise ValueError("small heads: one tile per CTA")
+        self.b_h = heads  # heads per tile: the M side of S (64), or the N side of S^T and O^T (small heads)
+        self.small = heads != B_H
+        self.rows_per_thread = heads // 4 if self.small else 2  # softmax rows (heads) a consumer thread holds
         self.d_qk = d_qk
         self.precision = precision
         self.q_bf16 = q_dtype == "bf16"
+        self.registers = (PRODUCER_REGS, CONSUMER_REGS)  # per thread of the producer, of a consumer
+        if self.small and not self.q_bf16:
+            self.registers = (SMALL_HEAD_E4M3_PRODUCER_REGS, SMALL_HEAD_E4M3_CONSUMER_REGS)
         self.p_terms = 2 if precision == "accurate" else 1  # e4m3 terms P is stored as
         self.persistent = persistent
         self.split = split
-        self.scheduler = TileScheduler(persistent, B_TOPK, split)
+        self.scheduler = TileScheduler(persistent, B_TOPK, split, heads)
         self.k_tile_bytes = B_TOPK * d_qk  # one gathered block in shared memory
-        self.q_tile_bytes = B_H * d_qk
-        self.q_shape = (B_H, d_qk)
+        self.q_tile_bytes = heads * d_qk
+        self.q_shape = (heads, d_qk)
         self.k_shape = (B_TOPK, d_qk, NUM_KV_TILES)
-        self.p_shape = (B_H, B_TOPK, NUM_KV_TILES * self.p_terms)  # [buffer][term] P tiles
+        self.p_shape = (heads, B_TOPK, NUM_KV_TILES * self.p_terms)  # [buffer][term] P tiles
 
     def shared_storage(self):
         """The CTA's shared memory: barriers and row statistics, then the Q, KV block and P tiles."""
@@ -182,6 +214,9 @@ class SparsePrefillSm90(AttentionKernel):
             mbar_stats_full: cute.struct.MemRange[Int64, 2]  # [consumer]: its row statistics are published
             mbar_tile_done: cute.struct.MemRange[Int64, 1]  # consumer 1 finished a tile
             q_row_scale: cute.struct.MemRange[Float32, B_H]  # bf16 q: the Q tile's row scales
+            if self.small:
+                column_max: cute.struct.MemRange[Float32, 2 * 2 * WARPS_PER_WG * self.b_h]
+                head_sum: cute.struct.MemRange[Float32, self.b_h * 2 * WARPS_PER_WG]
             sQ: tile_region(Float8E4M3FN, self.q_shape)
             sK: tile_region(Float8E4M3FN, self.k_shape)
             sP: tile_region(Float8E4M3FN, self.p_shape)
@@ -234,7 +269,7 @@ class SparsePrefillSm90(AttentionKernel):
                 sP_layout,
                 self.shared_storage(),
             ),
-            self.scheduler.grid(views.rows // B_H, views.out_rows // B_H, tiles_per_cta),
+            self.scheduler.grid(views.rows // self.b_h, views.out_rows // self.b_h, tiles_per_cta),
             stream,
         )
 
@@ -286,7 +321,7 @@ class SparsePrefillSm90(AttentionKernel):
         tiles = self.scheduler.cta_tiles(bid, mIdx, mTopkLen, mOut, flags, tiles_per_cta)
 
         if warp_idx < PRODUCER_WARPS:
-            cute.arch.setmaxregister_decrease(PRODUCER_REGS)
+            cute.arch.setmaxregister_decrease(self.registers[0])
             self.produce(
                 tma_atom_q,
                 mQ_tma,
@@ -301,7 +336,7 @@ class SparsePrefillSm90(AttentionKernel):
                 tiles,
             )
         else:
-            cute.arch.setmaxregister_increase(CONSUMER_REGS)
+            cute.arch.setmaxregister_increase(self.registers[1])
             consumer = consumer_index(warp_idx)
             smem_stats = (
                 storage.max_used.get_tensor(cute.make_layout((NUM_KV_TILES, B_H), stride=(B_H, 1))),
@@ -312,6 +347,19 @@ class SparsePrefillSm90(AttentionKernel):
                 storage.max_true.get_tensor(cute.make_layout((B_H, 2))),
                 storage.max_own.get_tensor(cute.make_layout((B_H, 2))),
             )
+            small_tables = ()
+            if const_expr(self.small):
+                small_tables = (
+                    storage.column_max.get_tensor(
+                        cute.make_layout(
+                            (2, 2, WARPS_PER_WG, self.b_h),
+                            stride=(2 * WARPS_PER_WG * self.b_h, WARPS_PER_WG * self.b_h, self.b_h, 1),
+                        )
+                    ),
+                    storage.head_sum.get_tensor(
+                        cute.make_layout((self.b_h, 2 * WARPS_PER_WG), stride=(2 * WARPS_PER_WG, 1))
+                    ),
+                )
             self.consume(
                 consumer,
                 sQ,
@@ -337,6 +385,7 @@ class SparsePrefillSm90(AttentionKernel):
                 sm_scale_log2,
                 flags,
                 tiles,
+                small_tables,
             )
 
     @cute.jit
@@ -421,7 +470,9 @@ class SparsePrefillSm90(AttentionKernel):
         lane = cute.arch.lane_idx()
         if const_expr(not self.q_bf16):
             if warp_idx == 0:
-                load_q_tile(tma_atom_q, mQ_tma, sQ, mbar_q, work.q_tile, B_H, self.d_qk, self.q_tile_bytes)
+                load_q_tile(
+                    tma_atom_q, mQ_tma, sQ, mbar_q, work.q_tile, self.b_h, self.d_qk, self.q_tile_bytes
+                )
 
         for pair in cutlass.range(work.num_pairs, unroll=1):
             ring_pair = pair_base + pair
@@ -484,18 +535,21 @@ class SparsePrefillSm90(AttentionKernel):
         sm_scale_log2,
         flags,
         tiles,
+        small_tables,
     ):
         """WG1/WG2: S and P of own blocks c, c + 2, ..., O^T for half c of d_v over every block (bf16 q:
-        first the tile's Q, see ``load_q_bf16``)."""
+        first the tile's Q, see ``load_q_bf16``; small heads: S^T and P^T)."""
         e4m3 = sQ.element_type
         wtid = cute.arch.thread_idx()[0] % THREADS_PER_WG  # thread index inside the warpgroup
         lane = cute.arch.lane_idx()
 
         # S: the first k-step overwrites (no zeroing pass), the others accumulate. Two MMA
         # objects with fixed flags: a flag set inside a staged branch would escape it.
+        # Small heads: S^T = K . Q^T, the block tile as A.
+        s_tile = (B_TOPK, self.b_h) if const_expr(self.small) else (B_H, B_TOPK)
         tiled_mma_qk, tiled_mma_qk_first = [
             sm90_utils.make_trivial_tiled_mma(
-                e4m3, e4m3, OperandMajorMode.K, OperandMajorMode.K, Float32, (1, 1, 1), (B_H, B_TOPK)
+                e4m3, e4m3, OperandMajorMode.K, OperandMajorMode.K, Float32, (1, 1, 1), s_tile
             )
             for _ in range(2)
         ]
@@ -508,25 +562,30 @@ class SparsePrefillSm90(AttentionKernel):
             OperandMajorMode.K,
             Float32,
             (1, 1, 1),
-            (64, B_H),
+            (64, self.b_h),
             warpgroup.OperandSource.RMEM,
         )
         # O^T always accumulates (zeroed once below).
         tiled_mma_pv.set(warpgroup.Field.ACCUMULATE, True)
         thr_mma_qk = tiled_mma_qk.get_slice(wtid)
         thr_mma_pv = tiled_mma_pv.get_slice(wtid)
-        tSrQ = tiled_mma_qk.make_fragment_A(thr_mma_qk.partition_A(sQ))  # (MMA, 1, d_qk/32)
-        tSrK = tiled_mma_qk.make_fragment_B(thr_mma_qk.partition_B(sK))  # (MMA, 1, d_qk/32, tile)
+        if const_expr(self.small):
+            tSrK = tiled_mma_qk.make_fragment_A(thr_mma_qk.partition_A(sK))  # (MMA, 1, d_qk/32, tile)
+            tSrQ = tiled_mma_qk.make_fragment_B(thr_mma_qk.partition_B(sQ))  # (MMA, 1, d_qk/32)
+        else:
+            tSrQ = tiled_mma_qk.make_fragment_A(thr_mma_qk.partition_A(sQ))  # (MMA, 1, d_qk/32)
+            tSrK = tiled_mma_qk.make_fragment_B(thr_mma_qk.partition_B(sK))  # (MMA, 1, d_qk/32, tile)
         tOrP = tiled_mma_pv.make_fragment_B(thr_mma_pv.partition_B(sP))  # (MMA, 1, 2, buffer*terms+term)
-        acc_s = cute.make_rmem_tensor(thr_mma_qk.partition_shape_C((B_H, B_TOPK)), Float32)
+        acc_s = cute.make_rmem_tensor(thr_mma_qk.partition_shape_C(s_tile), Float32)
         acc_o = [
-            cute.make_rmem_tensor(thr_mma_pv.partition_shape_C((64, B_H)), Float32)
+            cute.make_rmem_tensor(thr_mma_pv.partition_shape_C((64, self.b_h)), Float32)
             for _ in range(D_TILES_PER_CONSUMER)
         ]
-        # Per-row softmax state for rows 16*cwarp + quad_row + 8r, r = 0, 1 (exp2 domain).
-        row_max_own = cute.make_rmem_tensor((2,), Float32)
-        row_max_true = cute.make_rmem_tensor((2,), Float32)
-        row_sum = cute.make_rmem_tensor((2,), Float32)
+        # Per-row softmax state for rows 16*cwarp + quad_row + 8r, r = 0, 1 (exp2 domain); small heads: for
+        # heads 8j + 2*quad_lane + e as entry 2j + e.
+        row_max_own = cute.make_rmem_tensor((self.rows_per_thread,), Float32)
+        row_max_true = cute.make_rmem_tensor((self.rows_per_thread,), Float32)
+        row_sum = cute.make_rmem_tensor((self.rows_per_thread,), Float32)
         tile_state = (acc_o, row_max_own, row_max_true, row_sum)
         if const_expr(not self.persistent and not self.q_bf16):
             self.reset_tile_state(*tile_state)
@@ -569,6 +628,8 @@ class SparsePrefillSm90(AttentionKernel):
             s_kv=cute.size(mKV, mode=[0]),
             # bf16 q: the rows' own scales join in consume_tile
             scale_log2=(mKVScale[0] if const_expr(self.q_bf16) else mQScale[0] * mKVScale[0]) * sm_scale_log2,
+            s_column_max=small_tables[0] if const_expr(self.small) else None,
+            s_head_sum=small_tables[1] if const_expr(self.small) else None,
         )
 
         tile_barriers = (mbar_q, mbar_q_empty)
@@ -603,7 +664,11 @@ class SparsePrefillSm90(AttentionKernel):
                     self.prefetch_next_q(mQ, tile)
             TILE_RING.wait_empty(mbar_q_empty, tile_iter)
         thread = c.index * THREADS_PER_WG + c.warp * 32 + c.lane
-        quantize_q_tile(mQ, tile, thread, sQ_base, q_row_scale.iterator.toint(), B_H, self.d_qk)
+        if const_expr(self.small):  # the first 4 * heads threads (whole warps)
+            if thread < Q_THREADS_PER_ROW * self.b_h:
+                quantize_q_tile(mQ, tile, thread, sQ_base, q_row_scale.iterator.toint(), self.b_h, self.d_qk)
+        else:
+            quantize_q_tile(mQ, tile, thread, sQ_base, q_row_scale.iterator.toint(), B_H, self.d_qk)
         cute.arch.fence_proxy("async.shared", space="cta")  # the stores, seen by the WGMMAs
         cute.arch.mbarrier_arrive(mbar_q)
 
@@ -654,7 +719,7 @@ class SparsePrefillSm90(AttentionKernel):
             q_row_scale = q_source[2]
             c = c._replace(
                 scale_log2=tuple(
-                    q_row_scale[accumulator_row(c.warp, c.quad_row, r)] * c.scale_log2 for r in range(2)
+                    q_row_scale[self.softmax_row(c, r)] * c.scale_log2 for r in range(self.rows_per_thread)
                 )
             )
         if const_expr(self.persistent):
@@ -670,14 +735,32 @@ class SparsePrefillSm90(AttentionKernel):
                     first_slot = own * B_TOPK
                     if const_expr(self.split):
                         first_slot += c.work.slot_base
-                    valid_bits = slot_valid_bits(
-                        c.mIdx, c.work.token, first_slot, c.lane, c.quad_lane, c.s_kv, c.work.valid_len, 2
-                    )
+                    if const_expr(self.small):
+                        valid_bits = slot_rows_valid(
+                            c.mIdx, c.work.token, first_slot, c.warp, c.quad_row, c.s_kv, c.work.valid_len
+                        )
+                    else:
+                        valid_bits = slot_valid_bits(
+                            c.mIdx, c.work.token, first_slot, c.lane, c.quad_lane, c.s_kv, c.work.valid_len, 2
+                        )
                     warpgroup.wait_group(0)  # S(own)
                     if const_expr(self.persistent):
                         if own + 2 >= num_blocks:  # this consumer's last QK of the tile is done
                             cute.arch.mbarrier_arrive(mbar_q_empty)
-                    block_maxima = mask_and_row_max(c.acc_s, valid_bits, c.scale_log2)
+                    if const_expr(self.small):
+                        block_maxima = mask_and_column_max(
+                            c.acc_s,
+                            valid_bits,
+                            c.scale_log2,
+                            c.s_column_max,
+                            (consumer, step % 2),
+                            c.warp,
+                            c.quad_row,
+                            c.quad_lane,
+                            int(NamedBarrierFp8.ColumnMax0) + consumer,
+                        )
+                    else:
+                        block_maxima = mask_and_row_max(c.acc_s, valid_bits, c.scale_log2)
                     if const_expr(self.persistent):
                         if own == 0:  # consumer 0, the tile's first P
                             self.wait_previous_tile(c, tile_iter)
@@ -726,7 +809,10 @@ class SparsePrefillSm90(AttentionKernel):
         warpgroup.fence()
         for k in cutlass.range_constexpr(self.d_qk // 32):
             mma = c.tiled_mma_qk if k > 0 else c.tiled_mma_qk_first  # the first k-step overwrites S
-            cute.gemm(mma, c.acc_s, c.tSrQ[None, None, k], c.tSrK[None, None, k, tile], c.acc_s)
+            if const_expr(self.small):  # S^T = K . Q^T
+                cute.gemm(mma, c.acc_s, c.tSrK[None, None, k, tile], c.tSrQ[None, None, k], c.acc_s)
+            else:
+                cute.gemm(mma, c.acc_s, c.tSrQ[None, None, k], c.tSrK[None, None, k, tile], c.acc_s)
         warpgroup.commit_group()
 
     @cute.jit
@@ -737,14 +823,17 @@ class SparsePrefillSm90(AttentionKernel):
         ring = c.work.block_base + block  # the block's ring position (buffers, phases, moved flag)
         buffer = KV_RING.index(ring)
         # S is still unscaled when the scale is positive (see mask_and_row_max).
-        row_scales = c.scale_log2 if const_expr(isinstance(c.scale_log2, tuple)) else (c.scale_log2,) * 2
-        tile_addr = c.sP_base + buffer * self.p_terms * (B_H * B_TOPK)
+        row_scales = c.scale_log2
+        if const_expr(not isinstance(c.scale_log2, tuple)):
+            row_scales = (c.scale_log2,) * self.rows_per_thread
+        tile_addr = c.sP_base + buffer * self.p_terms * (self.b_h * B_TOPK)
         prev_buffer = KV_RING.index_before(ring)
         if block > 0:
             cute.arch.mbarrier_wait(c.mbar_p_full + prev_buffer, KV_RING.phase(ring - 1))
         moved = False
-        for r in cutlass.range_constexpr(2):
-            row = accumulator_row(c.warp, c.quad_row, r)
+        exponents = []  # small heads: (logit scale, bias) per head, for the P^T stores after the loop
+        for r in cutlass.range_constexpr(self.rows_per_thread):
+            row = self.softmax_row(c, r)
             max_prev = -Float32.inf
             if block > 0:
                 max_prev = c.s_max_used[prev_buffer, row]
@@ -759,17 +848,64 @@ class SparsePrefillSm90(AttentionKernel):
             if max_used != c.row_max_own[r]:  # bring this consumer's sum to the new max
                 c.row_sum[r] = c.row_sum[r] * cute.math.exp2(c.row_max_own[r] - max_used, fastmath=True)
                 c.row_max_own[r] = max_used
-            if c.quad_lane == 0:
+            if self.writes_row(c):
                 c.s_max_used[buffer, row] = max_used
                 c.s_alpha[buffer, row] = alpha
             # Exponent offset: 2^7 folded in; a row with no valid slot so far (max -inf) uses 0.
             bias = (max_used if max_used != -Float32.inf else Float32(0.0)) - P_SCALE_LOG2
             logit_scale = row_scales[r] if row_scales[r] > 0.0 else Float32(1.0)
-            c.row_sum[r] = c.row_sum[r] + self.exp_and_store_p(c, r, row, logit_scale, bias, tile_addr)
+            if const_expr(self.small):
+                exponents.append((logit_scale, bias))
+            else:
+                c.row_sum[r] = c.row_sum[r] + self.exp_and_store_p(c, r, row, logit_scale, bias, tile_addr)
+        if const_expr(self.small):
+            self.exp_and_store_p_transposed(c, exponents, tile_addr)
         if moved:
             c.s_moved[buffer] = ring  # any thread: some row's max moved at this block
         cute.arch.fence_proxy("async.shared", space="cta")
         cute.arch.mbarrier_arrive(c.mbar_p_full + buffer)
+
+    def softmax_row(self, c: Consumer, r):
+        """The row (head) of this thread's softmax state entry ``r``: accumulator row 16w + g + 8r; small
+        heads: column 8j + 2t + e of S^T for r = 2j + e."""
+        if const_expr(self.small):
+            return 8 * (r // 2) + 2 * c.quad_lane + r % 2
+        return accumulator_row(c.warp, c.quad_row, r)
+
+    def writes_row(self, c: Consumer):
+        """Whether this thread writes its rows' entries of the shared softmax tables (one thread per row:
+        the quad's first; small heads: those of quad row 0 in warp 0)."""
+        if const_expr(self.small):
+            return (c.warp == 0) & (c.quad_row == 0)
+        return c.quad_lane == 0
+
+    @cute.jit
+    def exp_and_store_p_transposed(self, c: Consumer, exponents, tile_addr):
+        """Small heads: p = 2^(S^T * scale - bias) of the head's ``exponents`` entry, added to the head's
+        row sum and stored as P^T [head][slot] in e4m3 (accurate: two terms, the lo tile after the hi one).
+
+        The slot order inside a 32-slot k-step is that of ``load_v_fragment_transposed``: position
+        4t + b holds slot [t, t + 8, t + 4, t + 12][b] and position + 16 slot + 16, so this thread's two
+        slots 16w + g + 8r (r = 0, 1) of a head are adjacent: bytes 4 (g % 4) + 2 (g // 4) + r of
+        16-byte chunk w of the head's row."""
+        offset = 4 * (c.quad_row % 4) + 2 * (c.quad_row // 4)
+        for j in cutlass.range_constexpr(self.b_h // 8):
+            p = []
+            for e in cutlass.range_constexpr(2):
+                logit_scale, bias = exponents[2 * j + e]
+                for r in cutlass.range_constexpr(2):
+                    p.append(cute.math.exp2(c.acc_s[e + 2 * r + 4 * j] * logit_scale - bias, fastmath=True))
+                c.row_sum[2 * j + e] = c.row_sum[2 * j + e] + (p[2 * e] + p[2 * e + 1])
+            if const_expr(self.p_terms == 1):
+                words = (ptx.pack_e4m3x4(p[0], p[1], p[2], p[3]),)
+            else:
+                words = ptx.split_e4m3x4_from_f16x2(ptx.pack_f16x2(p[0], p[1]), ptx.pack_f16x2(p[2], p[3]))
+            head = 8 * j + 2 * c.quad_lane
+            addr_lo = tile_addr + swizzle_offset(head, c.warp, SW64_TILE_COLS) + offset
+            addr_hi = tile_addr + swizzle_offset(head + 1, c.warp, SW64_TILE_COLS) + offset
+            for term in cutlass.range_constexpr(self.p_terms):
+                term_offset = term * (self.b_h * B_TOPK)
+                ptx.st_shared_u16_halves(addr_lo + term_offset, addr_hi + term_offset, words[term])
 
     @cute.jit
     def exp_and_store_p(self, c: Consumer, r, row, logit_scale, bias, tile_addr):
@@ -804,15 +940,15 @@ class SparsePrefillSm90(AttentionKernel):
     def rescale_o(self, c: Consumer, buffer):
         """O^T *= alpha of P buffer ``buffer`` per head (column 8j + 2t + e); skipped when the
         warp's alphas are all 1."""
-        alpha_cols = cute.make_rmem_tensor((16,), Float32)
+        alpha_cols = cute.make_rmem_tensor((self.b_h // 4,), Float32)
         needed = False
-        for j in cutlass.range_constexpr(8):
+        for j in cutlass.range_constexpr(self.b_h // 8):
             for e in cutlass.range_constexpr(2):
                 alpha_cols[2 * j + e] = c.s_alpha[buffer, 8 * j + 2 * c.quad_lane + e]
                 needed = needed | (alpha_cols[2 * j + e] != 1.0)
         if cute.arch.make_warp_uniform(Int32(cute.arch.vote_any_sync(needed))) != 0:
             for mt in cutlass.range_constexpr(D_TILES_PER_CONSUMER):
-                for j in cutlass.range_constexpr(8):
+                for j in cutlass.range_constexpr(self.b_h // 8):
                     for r in cutlass.range_constexpr(2):
                         for e in cutlass.range_constexpr(2):
                             i = e + 2 * r + 4 * j
@@ -900,7 +1036,13 @@ class SparsePrefillSm90(AttentionKernel):
         [V[2t][2g], V[2t][2g+1], V[2t+1][2g], V[2t+1][2g+1]]; the permutes gather the e4m3 A
         registers a0 = (d 2g, slots 2t, 2t+1, 8+2t, 9+2t), a1 = the same for d 2g+1, and a2, a3 for
         slots + 16."""
-        addr = tile_base + swizzle_offset(half * 32 + lane, warp, SW64_TILE_COLS)
+        slot = lane
+        if const_expr(self.small):
+            # Matrix i = lane // 8, row q = lane % 8: slot 16 (i // 2) + 4 (i % 2) + q // 2 + 8 (q % 2), so
+            # that a0 holds slots t, t + 8, t + 4, t + 12 (see ``exp_and_store_p_transposed``).
+            matrix, row = lane // 8, lane % 8
+            slot = 16 * (matrix // 2) + 4 * (matrix % 2) + row // 2 + 8 * (row % 2)
+        addr = tile_base + swizzle_offset(half * 32 + slot, warp, SW64_TILE_COLS)
         m0, m1, m2, m3 = ptx.ldmatrix_x4_trans(addr)
         words[4 * ks + 0] = ptx.prmt(m0, m1, 0x6420)
         words[4 * ks + 1] = ptx.prmt(m0, m1, 0x7531)
@@ -914,13 +1056,65 @@ class SparsePrefillSm90(AttentionKernel):
         signals them without waiting: named barrier ``NamedBarrierFp8.StatsPublished0 + c``
         (arrive), persistent: an arrival on ``stats_full[c]``."""
         tables = ((c.s_max_own, c.row_max_own), (c.s_max_true, c.row_max_true))
-        publish_row_stats(c.row_sum, c.s_row_sum, tables, c.warp, c.quad_row, c.quad_lane, c.index)
+        if const_expr(self.small):
+            self.publish_head_stats(c, tables)
+        else:
+            publish_row_stats(c.row_sum, c.s_row_sum, tables, c.warp, c.quad_row, c.quad_lane, c.index)
         if const_expr(self.persistent):
             cute.arch.mbarrier_arrive(c.mbar_stats_full + c.index)
         else:
             cute.arch.barrier_arrive(
                 barrier_id=int(NamedBarrierFp8.StatsPublished0) + c.index, number_of_threads=CONSUMER_THREADS
             )
+
+    @cute.jit
+    def publish_head_stats(self, c: Consumer, tables):
+        """Small heads: per head of this thread, the warp's total of ``row_sum`` (over its eight quad rows)
+        into ``s_head_sum[head, 4 c + warp]``, and each ``(s_table, values)`` entry into
+        ``s_table[head, c]`` (warp 0's quad row 0)."""
+        for r in cutlass.range_constexpr(self.rows_per_thread):
+            head = self.softmax_row(c, r)
+            total = c.row_sum[r]
+            for offset in (4, 8, 16):
+                total += cute.arch.shuffle_sync_bfly(total, offset=offset)
+            if c.quad_row == 0:
+                c.s_head_sum[head, c.index * WARPS_PER_WG + c.warp] = total
+                if c.warp == 0:
+                    for s_table, values in tables:
+                        s_table[head, c.index] = values[r]
+
+    @cute.jit
+    def small_head_scale(self, c: Consumer, kv_scale, flags, mSink, mMaxLogits, mLse):
+        """Small heads, threads 0 .. heads - 1 of each consumer: the output scale of head ``thread`` into
+        ``s_out_scale[head, c]``; consumer 0 writes its max_logits and lse."""
+        head = c.warp * 32 + c.lane
+        if head < self.b_h:
+            last_buffer = KV_RING.index_before(c.work.block_base + c.work.num_blocks)
+            max_used = -Float32.inf  # m_final
+            if c.work.num_blocks > 0:
+                max_used = c.s_max_used[last_buffer, head]
+            scaled_sum = Float32(0.0)
+            for k in cutlass.range_constexpr(2):  # same order in both consumers: same result
+                part = c.s_head_sum[head, k * WARPS_PER_WG]
+                for w in cutlass.range_constexpr(1, WARPS_PER_WG):
+                    part += c.s_head_sum[head, k * WARPS_PER_WG + w]
+                if c.s_max_own[head, k] != max_used:
+                    part = part * cute.math.exp2(c.s_max_own[head, k] - max_used, fastmath=True)
+                scaled_sum += part
+            c.s_out_scale[head, c.index] = output_scale(
+                scaled_sum, max_used, kv_scale, flags, mSink, c.work.head_group, head, P_SCALE_LOG2, self.b_h
+            )
+            if c.index == 0:
+                write_max_logits_lse(
+                    mMaxLogits,
+                    mLse,
+                    c.work.tile * self.b_h + head,
+                    scaled_sum,
+                    max_used,
+                    c.s_max_true,
+                    head,
+                    P_SCALE_LOG2,
+                )
 
     @cute.jit
     def epilogue(self, c: Consumer, tile_iter, mSink, mKVScale, mOut, mMaxLogits, mLse, flags):
@@ -943,6 +1137,34 @@ class SparsePrefillSm90(AttentionKernel):
             cute.arch.barrier(
                 barrier_id=int(NamedBarrierFp8.StatsPublished1) - c.index, number_of_threads=CONSUMER_THREADS
             )
+        if const_expr(self.small):
+            self.small_head_scale(c, kv_scale, flags, mSink, mMaxLogits, mLse)
+        else:
+            self.row_scale(c, kv_scale, flags, mSink, mMaxLogits, mLse)
+        cute.arch.barrier(
+            barrier_id=int(NamedBarrierFp8.ScaleReady0) + c.index, number_of_threads=THREADS_PER_WG
+        )
+
+        out_base = mOut.iterator.toint()
+        out_bytes = mOut.element_type.width // 8
+        for j in cutlass.range_constexpr(self.b_h // 8):
+            for e in cutlass.range_constexpr(2):
+                head = 8 * j + 2 * c.quad_lane + e
+                scale = c.s_out_scale[head, c.index]
+                row_addr = out_base + Int64(c.work.tile * self.b_h + head) * (D_V * out_bytes)
+                for mt in cutlass.range_constexpr(D_TILES_PER_CONSUMER):
+                    d = (c.index * D_TILES_PER_CONSUMER + mt) * 64 + c.warp * 16 + 2 * c.quad_row
+                    lo, hi = c.acc_o[mt][e + 4 * j] * scale, c.acc_o[mt][e + 2 + 4 * j] * scale
+                    if const_expr(self.split):
+                        ptx.st_global_v2_f32(row_addr + d * out_bytes, lo, hi)
+                    else:
+                        word = ptx.pack_bf16x2(lo, hi)
+                        ptx.st_global_u32(row_addr + d * out_bytes, word)
+
+    @cute.jit
+    def row_scale(self, c: Consumer, kv_scale, flags, mSink, mMaxLogits, mLse):
+        """The output scales of this thread's rows into ``s_out_scale[row, c]`` (the quad's first thread);
+        consumer 0 writes their max_logits and lse."""
         last_buffer = KV_RING.index_before(c.work.block_base + c.work.num_blocks)
         for r in cutlass.range_constexpr(2):
             row = accumulator_row(c.warp, c.quad_row, r)
@@ -965,22 +1187,3 @@ class SparsePrefillSm90(AttentionKernel):
                     write_max_logits_lse(
                         mMaxLogits, mLse, out_row, scaled_sum, max_used, c.s_max_true, row, P_SCALE_LOG2
                     )
-        cute.arch.barrier(
-            barrier_id=int(NamedBarrierFp8.ScaleReady0) + c.index, number_of_threads=THREADS_PER_WG
-        )
-
-        out_base = mOut.iterator.toint()
-        out_bytes = mOut.element_type.width // 8
-        for j in cutlass.range_constexpr(8):
-            for e in cutlass.range_constexpr(2):
-                head = 8 * j + 2 * c.quad_lane + e
-                scale = c.s_out_scale[head, c.index]
-                row_addr = out_base + Int64(c.work.tile * B_H + head) * (D_V * out_bytes)
-                for mt in cutlass.range_constexpr(D_TILES_PER_CONSUMER):
-                    d = (c.index * D_TILES_PER_CONSUMER + mt) * 64 + c.warp * 16 + 2 * c.quad_row
-                    lo, hi = c.acc_o[mt][e + 4 * j] * scale, c.acc_o[mt][e + 2 + 4 * j] * scale
-                    if const_expr(self.split):
-                        ptx.st_global_v2_f32(row_addr + d * out_bytes, lo, hi)
-                    else:
-                        word = ptx.pack_bf16x2(lo, hi)
-                        ptx.st_global_u32(row_addr + d * out_bytes, word)

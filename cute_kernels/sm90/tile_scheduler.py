@@ -1,8 +1,9 @@
 """Which (token, head group) tiles a CTA computes: one tile, several (persistent), or a part of one (split).
 
-Tiles run over the head groups of token 0, then token 1, ...: tile t is rows [64 t, 64 t + 64) of the
-(token, head) rows. One-tile scheduling launches a CTA per tile. Persistent scheduling launches
-``ceil(tiles / tiles_per_cta)`` CTAs and CTA b walks tiles b, b + grid, b + 2 grid, ... Split scheduling
+Tiles run over the head groups of token 0, then token 1, ...: tile t is rows [n t, n t + n) of the
+(token, head) rows, n = 64 (or the small-head kernel's head count). One-tile scheduling launches a CTA per
+tile. Persistent scheduling launches ``ceil(tiles / tiles_per_cta)`` CTAs and CTA b walks tiles b, b + grid,
+b + 2 grid, ... Split scheduling
 launches a [tiles, splits] grid (``splits`` from the row count of the outputs it is given, ``splits`` times
 q's): CTA (t, p) computes tile t over the p-th of ``splits`` equal ranges of index slots (whole pairs) and
 writes the partial result as output tile p * tiles + t. A tile's work (``TileWork``) is its position, the
@@ -69,10 +70,11 @@ class TileScheduler:
     """One tile per CTA, or ``persistent``: ``tiles_per_cta`` (a launch argument) per CTA, or ``split``: a
     part of a tile per CTA. Blocks are ``block_rows`` index slots, pairs two blocks."""
 
-    def __init__(self, persistent: bool, block_rows: int, split: bool = False):
+    def __init__(self, persistent: bool, block_rows: int, split: bool = False, tile_rows: int = B_H):
         self.persistent = persistent
         self.split = split
         self.block_rows = block_rows
+        self.tile_rows = tile_rows  # query rows (heads of one token) per tile
 
     def grid(self, num_tiles, out_tiles=None, tiles_per_cta=None):
         """The [x, y] grid of CTAs to launch for ``num_tiles`` tiles (split: ``out_tiles`` output tiles)."""
@@ -86,7 +88,7 @@ class TileScheduler:
         """The tiles of CTA ``bid`` (called while tracing the kernel)."""
         tile_count = 1
         if const_expr(self.persistent):
-            num_tiles = cute.size(mOut, mode=[0]) * (cute.size(mOut, mode=[1]) // B_H)
+            num_tiles = cute.size(mOut, mode=[0]) * (cute.size(mOut, mode=[1]) // self.tile_rows)
             grid = self.grid(num_tiles, tiles_per_cta=tiles_per_cta)[0]
             tile_count = (num_tiles - bid + grid - 1) // grid
         return CtaTiles(bid, tile_count, mIdx, mTopkLen, mOut, flags)
@@ -98,7 +100,7 @@ class TileScheduler:
         if const_expr(self.persistent):  # block and grid indices re-read: nothing kept live for them
             tile = cute.arch.block_idx()[0] + tile_iter * cute.arch.grid_dim()[0]
         topk = cute.size(tiles.mIdx, mode=[1])
-        num_head_groups = cute.size(tiles.mOut, mode=[1]) // B_H
+        num_head_groups = cute.size(tiles.mOut, mode=[1]) // self.tile_rows
         pair_rows = 2 * self.block_rows
         q_tile = tile
         slot_base = 0

@@ -8,7 +8,7 @@ Small enough to run under ``compute-sanitizer`` (memcheck, racecheck):
 K = 4 one CTA walks all four tiles, among them one with no valid slot and one with topk_length 0.
 ``--q-dtype bf16`` passes q in bfloat16 (``q_scale=None``: the kernel quantises each row). ``--splits N``
 forces the split schedule (N parts per tile, merged by the combine kernel; with N = 2 the second range holds
-no valid slot of two rows).
+no valid slot of two rows). ``--heads 8|16|32`` runs that many heads (the small-head kernel).
 """
 
 import argparse
@@ -31,10 +31,11 @@ def main() -> int:
     parser.add_argument("--precision", default="default", choices=("default", "accurate"))
     parser.add_argument("--q-dtype", default="e4m3", choices=("e4m3", "bf16"))
     parser.add_argument("--splits", type=int, default=None, help="force the split schedule's parts per tile")
+    parser.add_argument("--heads", type=int, default=64, help="heads (8, 16, 32: small-head kernel)")
     parser.add_argument("--topk-length", default="256,100,0,200", help="the four rows' topk_length")
     args = parser.parse_args()
     torch.manual_seed(args.seed)
-    s_q, h_q, s_kv, d_qk, topk = 4, 64, 700, 576, 256
+    s_q, h_q, s_kv, d_qk, topk = 4, args.heads, 700, 576, 256
     q = torch.randn(s_q, h_q, d_qk, device="cuda")
     q = q.to(torch.bfloat16 if args.q_dtype == "bf16" else torch.float8_e4m3fn)
     kv = torch.randn(s_kv, 1, d_qk, device="cuda").to(torch.float8_e4m3fn)
