@@ -51,7 +51,7 @@ class Problem(NamedTuple):
     d_v: int
     topk: int
     device: torch.device
-    tiles_per_cta: int = 0  # the kernel schedule (``q8kv8.schedule``): 0 one tile per CTA, k >= 2 persistent
+    tiles_per_cta: int = 0  # the kernel schedule (``q8kv8.schedule``): 0 one tile per CTA, k >= 1 persistent
     # The tensors as they are meet the launch's layout needs (q row-major and 16-byte aligned, kv's base and
     # row stride multiples of 16 bytes, out 4-byte aligned, topk_length and attn_sink contiguous), so the
     # launch may skip its own checks and copies (``kernels.launch_sparse_prefill(..., ready=True)``).

@@ -9,7 +9,8 @@ tensors (it launches on the caller's current CUDA stream):
   flags. Its variants for a bfloat16 q (quantised per row in the kernel) are built on first use (or by
   ``load_bf16_q_variants()``), and so are its split variants (a short grid: each tile computed by several
   CTAs, ``q8kv8.schedule.splits``) with the kernel that merges their partial results, and its small-head
-  variants (8, 16 or 32 heads: S^T with the heads on the WGMMA's N side, no padding to 64 heads);
+  variants (8, 16 or 32 heads: S^T with the heads on the WGMMA's N side, no padding to 64 heads; persistent,
+  ``q8kv8.schedule.small_head_tiles_per_cta`` tokens per CTA);
 - the paged-cache gather, the query cast and the bf16 attention kernel of the serving path, built on first
   use (or by ``load_serving_variants()``).
 """
@@ -35,7 +36,7 @@ from q8kv8.metadata import (
     small_heads,
 )
 from q8kv8.metadata import SUPPORTED_D_QK as D_QK_VARIANTS
-from q8kv8.schedule import PERSISTENT_PRECISIONS, tiles_per_cta
+from q8kv8.schedule import PERSISTENT_PRECISIONS, small_head_tiles_per_cta, tiles_per_cta
 
 EXPORTED_FUNCTION = "sparse_prefill"
 
@@ -209,8 +210,9 @@ def load_bf16_q_variants() -> dict[tuple[int, str, bool], Variant]:
 def load_small_head_variant(
     d_qk: int, precision: str = "default", heads: int = 16, q_dtype: torch.dtype = FP8
 ) -> Variant:
-    """Build or load the small-head attention variant (a tile is all ``heads`` heads of a token, one tile per
-    CTA) for ``d_qk``, ``precision`` and a q of ``q_dtype`` (idempotent)."""
+    """Build or load the small-head attention variant (a tile is all ``heads`` heads of a token; persistent:
+    a CTA walks ``tiles_per_cta`` tiles, one or more) for ``d_qk``, ``precision`` and a q of ``q_dtype``
+    (idempotent)."""
     key = (d_qk, precision, heads, q_dtype)
     if key not in _small_head_variants:
         if (
@@ -223,7 +225,7 @@ def load_small_head_variant(
                 f"expected d_qk in {D_QK_VARIANTS}, precision in {PRECISIONS}, heads in {SMALL_HEAD_COUNTS} "
                 f"and q dtype in {list(KERNEL_Q_DTYPES)}, got {d_qk}, {precision!r}, {heads}, {q_dtype}"
             )
-        _small_head_variants[key] = _build_or_load(d_qk, precision, q_dtype, heads=heads)
+        _small_head_variants[key] = _build_or_load(d_qk, precision, q_dtype, heads=heads, persistent=True)
     return _small_head_variants[key]
 
 
@@ -388,21 +390,23 @@ def launch_sparse_prefill(
     splits: int = 1,
 ) -> Variant:
     """Launch the kernel on validated tensors: q (e4m3 or bfloat16), out, max_logits, lse row-major with a
-    head count that is a multiple of 64 (or one of ``SMALL_HEAD_COUNTS``: the small-head variant, one
-    tile per CTA); kv and indices with a contiguous last dimension; one-element scales,
+    head count that is a multiple of 64 (or one of ``SMALL_HEAD_COUNTS``: the small-head variant, a
+    persistent kernel); kv and indices with a contiguous last dimension; one-element scales,
     ``q_scale`` None for a bfloat16 q (the variant for a bfloat16 q is then built on its first launch).
-    ``schedule``: ``tiles_per_cta``'s answer when the caller has it (the contract memoises it), else
-    computed here. ``ready``: the caller knows that q, kv and out meet the alignments of
-    ``q8kv8.metadata`` (``contract.Problem.launch_ready``), so they are not checked again (else misaligned
-    tensors are copied to aligned ones). ``splits`` > 1 (``q8kv8.schedule.splits``'s answer; only with the
-    one-tile schedule): the split variant computes each tile as ``splits`` partial results, in float32
-    buffers allocated here, which the merge kernel combines into out, max_logits and lse. Returns the
-    (attention) variant it launched."""
+    ``schedule``: ``tiles_per_cta``'s (small heads: ``small_head_tiles_per_cta``'s) answer when the caller
+    has it (the contract memoises it), else computed here. ``ready``: the caller knows that q, kv and out meet
+    the alignments of ``q8kv8.metadata`` (``contract.Problem.launch_ready``), so they are not checked again
+    (else misaligned tensors are copied to aligned ones). ``splits`` > 1 (``q8kv8.schedule.splits``'s
+    answer; only with the one-tile schedule): the split variant computes each tile as ``splits`` partial
+    results, in float32 buffers allocated here, which the merge kernel combines into out, max_logits and
+    lse. Returns the (attention) variant it launched."""
     tiles = schedule
     small = small_heads(q.shape[1])
     if small:
-        tiles, splits = 0, 1
-    if tiles is None:
+        splits = 1
+    if tiles is None and small:
+        tiles = small_head_tiles_per_cta(q.shape[0], q.get_device())
+    elif tiles is None:
         tiles = tiles_per_cta(
             q.shape[0] * (q.shape[1] // HEAD_ALIGNMENT),
             indices.shape[2],

@@ -17,7 +17,11 @@ The partial results are float32 (2 KiB per row and range, in L2 at these sizes);
 order, so results are the same bits on every run (not those of the one-tile kernel).
 
 A call with 8, 16 or 32 heads (``q8kv8.metadata.small_heads``) runs the small-head kernel
-(``sparse_prefill.py``, ``heads=h_q``: a CTA per token, no padding to 64 heads), one tile per CTA.
+(``sparse_prefill.py``, ``heads=h_q``: a tile is one token's heads, no padding to 64 heads), always
+persistent: a tile gathers as many rows as a 64-head one for a fraction of its math, so the per-CTA fixed cost
+(Q load, the first gather's latency, the epilogue) is a large share of it, and a CTA that walks several tokens
+overlaps it with the next token's gather. ``small_head_tiles_per_cta`` tokens per CTA: the count up to 8 that
+keeps the fewest tokens in a row on an SM (waves of CTAs times tokens per CTA; ties: more tokens per CTA).
 
 The contract computes the choice once per call signature (``contract.Problem.tiles_per_cta``, memoised
 with the rest of the verdict), so a repeated call pays nothing for it.
@@ -34,6 +38,7 @@ PERSISTENT_PRECISIONS = ("default", "accurate")
 PERSISTENT_MAX_TOPK = 512
 PERSISTENT_MAX_TILES_PER_CTA = 4
 PERSISTENT_MIN_WAVES = 4
+SMALL_HEAD_MAX_TILES_PER_CTA = 8
 SPLIT_MAX_PARTS = 4
 SPLIT_MIN_SLOTS = 256  # index slots per range: two pairs of blocks
 
@@ -66,6 +71,19 @@ def tiles_per_cta(num_tiles: int, topk: int, has_topk_length: bool, precision: s
     return tiles if tiles >= 2 else 0
 
 
+def small_head_tiles_per_cta(s_q: int, device_index: int) -> int:
+    """The tokens each CTA of a small-head launch of ``s_q`` tokens walks on CUDA device ``device_index``
+    (>= 1: the small-head variants are persistent)."""
+    if forced is not None:
+        return max(forced, 1)
+    sms = sm_count(device_index)
+
+    def token_rounds(tiles: int) -> tuple[int, int]:  # an SM's tokens in a row: waves of CTAs x tiles
+        return ((s_q + tiles - 1) // tiles + sms - 1) // sms * tiles, -tiles
+
+    return min(range(1, SMALL_HEAD_MAX_TILES_PER_CTA + 1), key=token_rounds)
+
+
 def kind(tiles_per_cta: int, splits: int) -> int:
     """The schedule kind of a launch with ``tiles_per_cta`` and ``splits`` (the rules' answers)."""
     return PERSISTENT if tiles_per_cta > 0 else SPLIT if splits > 1 else ONE_TILE
@@ -84,10 +102,10 @@ def choose(
     s_q: int, h_q: int, topk: int, has_topk_length: bool, precision: str, device_index: int
 ) -> tuple[int, int]:
     """``(tiles_per_cta, splits)`` of a call of ``s_q`` tokens, ``h_q`` heads (padded to a multiple of 64)
-    and ``topk`` slots on CUDA device ``device_index``: one tile per CTA for small heads, else the persistent
-    rule first, the split rule for a one-tile launch."""
+    and ``topk`` slots on CUDA device ``device_index``: the small-head rule for small heads, else the
+    persistent rule first, the split rule for a one-tile launch."""
     if small_heads(h_q):
-        return 0, 1
+        return small_head_tiles_per_cta(s_q, device_index), 1
     num_tiles = s_q * (padded_num_heads(h_q) // HEAD_ALIGNMENT)
     tiles = tiles_per_cta(num_tiles, topk, has_topk_length, precision, device_index)
     return tiles, splits(num_tiles, topk, device_index) if tiles == 0 else 1
@@ -101,10 +119,11 @@ def describe(
     precision: str = "default",
     device_index: int = 0,
 ) -> str:
-    """``choose``'s answer in words: "one tile per CTA", "small heads, one token per CTA", "persistent, k
+    """``choose``'s answer in words: "one tile per CTA", "small heads, k tokens per CTA", "persistent, k
     tiles per CTA" or "split in n"."""
+    tiles, parts = choose(s_q, h_q, topk, has_topk_length, precision, device_index)
     if small_heads(h_q):
-        return "small heads, one token per CTA"
+        return f"small heads, {tiles} token{'s' if tiles > 1 else ''} per CTA"
     tiles, parts = choose(s_q, h_q, topk, has_topk_length, precision, device_index)
     if tiles:
         return f"persistent, {tiles} tiles per CTA"

@@ -686,7 +686,8 @@ def test_topk_length_out_of_range_raises(values, low, high):
         (4096, 64, 512, False, "accurate", 4),
         (4096, 64, 2048, False, "accurate", 0),
         (1100, 48, 512, False, "default", 2),  # 48 heads run as 64
-        (4096, 16, 512, False, "default", 0),  # the small-head kernel: one tile per CTA
+        (4096, 16, 512, False, "default", 8),  # the small-head kernel: 8 tokens per CTA
+        (100, 16, 2048, False, "default", 1),  # and one for a short grid
         (1024, 64, 512, False, "default", 0),
     ],
 )
@@ -715,13 +716,18 @@ def test_problem_carries_the_schedule_for_cuda_devices(
 
 
 @pytest.mark.parametrize("h_q", [8, 16, 32])
-def test_small_heads_run_the_small_head_kernel_one_tile_per_cta(monkeypatch, h_q):
-    """8, 16 or 32 heads: one tile (token) per CTA, never persistent or split (the same grids with 64 heads
-    are); other head counts below 64 follow the rules of 64."""
+def test_small_heads_run_the_persistent_small_head_kernel(monkeypatch, h_q):
+    """8, 16 or 32 heads: the persistent small-head kernel, never split (the same grids with 64 heads are),
+    with the tokens per CTA (up to 8) that leave an SM the fewest tokens in a row, the most of those on a tie;
+    other head counts below 64 follow the rules of 64."""
     monkeypatch.setattr(schedule, "_sm_counts", {0: 132})
-    for s_q, topk in ((4096, 512), (8, 2048), (1, 256)):
-        assert schedule.choose(s_q, h_q, topk, False, "default", 0) == (0, 1)
-        assert schedule.describe(s_q, h_q, topk) == "small heads, one token per CTA"
+    assert schedule.SMALL_HEAD_MAX_TILES_PER_CTA == 8
+    # 4096 tokens: 32 in a row with 1, 2, 4 or 8 per CTA, 35 with 7 (5 waves of 586 CTAs); 200: 2 with 1 or 2.
+    cases = ((4096, 512, 8), (8, 2048, 1), (1, 256, 1), (200, 2048, 2), (1000, 2048, 8), (10**6, 2048, 8))
+    for s_q, topk, tiles in cases:
+        assert schedule.choose(s_q, h_q, topk, False, "default", 0) == (tiles, 1)
+        expected = "small heads, 1 token per CTA" if tiles == 1 else f"small heads, {tiles} tokens per CTA"
+        assert schedule.describe(s_q, h_q, topk) == expected
     assert schedule.choose(4096, 64, 512, False, "default", 0) == (4, 1)
     assert schedule.choose(8, 64, 2048, False, "default", 0) == (0, 4)
     assert schedule.choose(8, h_q + 4, 2048, False, "default", 0) == (0, 4)

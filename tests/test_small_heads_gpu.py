@@ -1,8 +1,8 @@
 """The small-head kernel (8, 16 or 32 heads, e4m3 or bf16 q: S^T = K . Q^T, the heads on the WGMMA's N
-side, no padding to 64 heads) on an H100/H200 (``gpu`` marker): against the float64 reference with the
-one-tile kernel's tolerances (``test_kernel_gpu``), both precisions and head dims, the sink,
+side, no padding to 64 heads; persistent) on an H100/H200 (``gpu`` marker): against the float64 reference
+with the one-tile kernel's tolerances (``test_kernel_gpu``), both precisions and head dims, the sink,
 ``topk_length``, every kind of invalid index, the no-valid-slot sentinels exact, zero and negative scales,
-the same bits on every run, and CUDA graphs."""
+the same bits on every run and for every count of tokens per CTA, and CUDA graphs."""
 
 import math
 
@@ -11,7 +11,7 @@ import torch
 from cuda_graphs import capture_and_replay
 from reference_checks import assert_matches_float64_reference, run_and_sync, with_every_invalid_index_kind
 
-from q8kv8 import kernels, schedule, sparse_mla_q8kv8_prefill_fwd
+from q8kv8 import eager, kernels, schedule, sparse_mla_q8kv8_prefill_fwd
 
 pytestmark = pytest.mark.gpu
 
@@ -29,12 +29,32 @@ def test_matches_reference_and_is_stable(make_inputs, h_q, precision, d_qk, topk
     inputs = make_inputs(
         37, h_q, 70000, d_qk, topk, device="cuda", with_sink=True, with_topk_length=True, q_dtype=q_dtype
     )
-    assert schedule.describe(37, h_q, topk) == "small heads, one token per CTA"
+    assert schedule.describe(37, h_q, topk) == "small heads, 1 token per CTA"
     first = [t.clone() for t in run_and_sync(inputs, precision=precision)]
     assert (d_qk, precision, h_q, q_dtype) in kernels._small_head_variants
     second = run_and_sync(inputs, precision=precision)
     assert all(torch.equal(a, b) for a, b in zip(first, second, strict=True))
     assert_matches_float64_reference(first, inputs, precision)
+
+
+@Q_DTYPES
+@HEADS
+@pytest.mark.parametrize("precision", ["default", "accurate"])
+def test_tokens_per_cta_give_the_same_bits(make_inputs, h_q, precision, q_dtype):
+    """A CTA walking 1, 2, 3 or 8 tokens (tokens without a valid slot, and odd and even block counts, among
+    those one CTA walks) gives the bits of one token per CTA, which match the float64 reference."""
+    inputs = make_inputs(
+        45, h_q, 5000, 576, 1024, device="cuda", with_sink=True, with_topk_length=True, q_dtype=q_dtype
+    )
+    inputs["topk_length"][3:12] = torch.tensor([0, 1, 64, 65, 128, 0, 0, 200, 1024], dtype=torch.int32)
+    inputs["indices"][20] = -1
+    results = {}
+    for tiles in (1, 2, 3, 8):
+        with eager.forced_tiles_per_cta(tiles):
+            results[tiles] = [t.clone() for t in run_and_sync(inputs, precision=precision)]
+    assert_matches_float64_reference(results[1], inputs, precision)
+    for tiles in (2, 3, 8):
+        assert all(torch.equal(a, b) for a, b in zip(results[tiles], results[1], strict=True)), tiles
 
 
 @HEADS

@@ -70,11 +70,11 @@ L2_LINE_BYTES = 128
 
 PRODUCER_REGS = 24
 CONSUMER_REGS = 240
-# The small-head kernel's producer spills at 24 with an e4m3 q (its Q TMA beside that consumer code); its
-# split keeps 40 + 2 x 232 = 3 x 168, the launch's registers per thread (setmaxregister only moves registers
-# between the CTA's warps: more waits forever).
-SMALL_HEAD_E4M3_PRODUCER_REGS = 40
-SMALL_HEAD_E4M3_CONSUMER_REGS = 232
+# The small-head kernel's producer (its tile loop beside that consumer code) spills at 24; its split keeps
+# 40 + 2 x 232 = 3 x 168, the launch's registers per thread (setmaxregister only moves registers between the
+# CTA's warps: more waits forever).
+SMALL_HEAD_PRODUCER_REGS = 40
+SMALL_HEAD_CONSUMER_REGS = 232
 Q_DTYPES = ("e4m3", "bf16")
 
 
@@ -161,7 +161,7 @@ class SparsePrefillSm90(AttentionKernel):
         float32, normalised over the range, max_logits and lse of the range; the sink is not applied (see
         ``tile_scheduler``).
         ``heads``: 64 (a tile is 64 heads of a token, h a multiple), or one of ``SMALL_HEAD_COUNTS`` (the
-        small-head kernel: a tile is all h = ``heads`` heads of a token; one tile per CTA)."""
+        small-head kernel: a tile is all h = ``heads`` heads of a token; not with ``split``)."""
         if d_qk not in (512, 576):
             raise ValueError(f"d_qk must be 512 or 576, got {d_qk}")
         if precision not in ("default", "accurate"):
@@ -172,8 +172,8 @@ class SparsePrefillSm90(AttentionKernel):
             raise ValueError("split: one part of a tile per CTA, not persistent")
         if heads != B_H and heads not in SMALL_HEAD_COUNTS:
             raise ValueError(f"heads must be {B_H} or one of {SMALL_HEAD_COUNTS}, got {heads}")
-        if heads != B_H and (persistent or split):
-            raise ValueError("small heads: one tile per CTA")
+        if heads != B_H and split:
+            raise ValueError("small heads: not split")
         self.b_h = heads  # heads per tile: the M side of S (64), or the N side of S^T and O^T (small heads)
         self.small = heads != B_H
         self.rows_per_thread = heads // 4 if self.small else 2  # softmax rows (heads) a consumer thread holds
@@ -182,7 +182,7 @@ class SparsePrefillSm90(AttentionKernel):
         self.q_bf16 = q_dtype == "bf16"
         self.registers = (PRODUCER_REGS, CONSUMER_REGS)  # per thread of the producer, of a consumer
         if self.small and not self.q_bf16:
-            self.registers = (SMALL_HEAD_E4M3_PRODUCER_REGS, SMALL_HEAD_E4M3_CONSUMER_REGS)
+            self.registers = (SMALL_HEAD_PRODUCER_REGS, SMALL_HEAD_CONSUMER_REGS)
         self.p_terms = 2 if precision == "accurate" else 1  # e4m3 terms P is stored as
         self.persistent = persistent
         self.split = split
@@ -500,12 +500,17 @@ class SparsePrefillSm90(AttentionKernel):
         grid size), when it exists. (Measured: 2-4% off the persistent rows with bf16 q; in the one-tile
         kernel a prefetch of tile + SM count made the 64k-context row 3% slower.)"""
         next_tile = tile + cute.arch.grid_dim()[0]
-        if next_tile < cute.size(mQ, mode=[0]) // B_H:
-            tile_bytes = B_H * self.d_qk * 2
-            base = mQ.iterator.toint() + Int64(next_tile) * tile_bytes + cute.arch.lane_idx() * L2_LINE_BYTES
-            lines_per_lane = tile_bytes // (32 * L2_LINE_BYTES)
-            for line in cutlass.range_constexpr(lines_per_lane):  # a line per lane at a time
-                ptx.prefetch_l2(base + line * (32 * L2_LINE_BYTES))
+        if next_tile < cute.size(mQ, mode=[0]) // self.b_h:
+            tile_bytes = self.b_h * self.d_qk * 2
+            lane_offset = cute.arch.lane_idx() * L2_LINE_BYTES
+            base = mQ.iterator.toint() + Int64(next_tile) * tile_bytes + lane_offset
+            line_set = 32 * L2_LINE_BYTES  # a line per lane
+            for line in cutlass.range_constexpr(-(-tile_bytes // line_set)):
+                if const_expr((line + 1) * line_set <= tile_bytes):
+                    ptx.prefetch_l2(base + line * line_set)
+                else:  # small heads: the tile ends inside this set of lines
+                    if lane_offset < tile_bytes - line * line_set:
+                        ptx.prefetch_l2(base + line * line_set)
 
     # ------------------------------------------------------------------------------------
     @cute.jit
@@ -993,10 +998,12 @@ class SparsePrefillSm90(AttentionKernel):
     @cute.jit
     def pv_run(self, c: Consumer, blocks):
         """Queue O^T += V^T . P^T over ``blocks`` (ring positions, one or two) for the 4 d tiles of
-        this consumer's half, one WGMMA group each, at most two in flight (so two A fragments live)."""
+        this consumer's half, one WGMMA group each, at most two in flight (so two A fragments live; one for
+        the persistent small-head kernel with a bf16 q, which spills with two)."""
+        in_flight = 1 if const_expr(self.small and self.q_bf16 and self.persistent) else 2
         for mt in cutlass.range_constexpr(D_TILES_PER_CONSUMER):
-            if const_expr(mt >= 2):
-                warpgroup.wait_group(1)  # the PV two d tiles back has read its A fragment
+            if const_expr(mt >= in_flight):
+                warpgroup.wait_group(in_flight - 1)  # the PV in_flight d tiles back has read its A fragment
             self.issue_pv(c, mt, blocks)
 
     @cute.jit
