@@ -6,22 +6,65 @@ one) for sm_90a (no GPU needed) or loads it when the cache already holds it, and
 its name, where it came from (``compiled`` or ``cache``) and the seconds it took, then the cache
 location. The cache is ``$Q8KV8_CACHE_DIR`` (default ``~/.cache/q8kv8``); see ``q8kv8.build``.
 
+``--jobs N`` builds them in N processes (each variant compiles on one CPU core; the listing then shows where
+each came from in its process). The variants that ``import q8kv8`` builds are built before the command
+starts, in one process, unless ``Q8KV8_COMPILE_AT_IMPORT=0`` is set.
+
 Exits with status 1, printing the one-line ``KernelCompileError``, when a variant fails to build.
 """
 
 import argparse
+import multiprocessing
+import os
 import sys
+from concurrent.futures import ProcessPoolExecutor
+
+COMPILE_AT_IMPORT_ENV = "Q8KV8_COMPILE_AT_IMPORT"
+
+
+def _positive(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
+    return value
+
+
+def _build(loader) -> tuple[str, str, float]:
+    """(In a worker process.) Build or load one variant: its name, where it came from and the seconds."""
+    variant = loader()
+    return variant.name, variant.source, variant.seconds
+
+
+def _build_in_processes(jobs: int) -> dict[str, tuple[str, float]]:
+    """Every listed variant, built or loaded by ``jobs`` worker processes; by name: (from, seconds)."""
+    from q8kv8 import kernels
+
+    previous = os.environ.get(COMPILE_AT_IMPORT_ENV)
+    os.environ[COMPILE_AT_IMPORT_ENV] = "0"  # a worker's import of q8kv8 builds nothing of its own
+    try:
+        context = multiprocessing.get_context("spawn")  # no CUDA or DSL state forked into the workers
+        with ProcessPoolExecutor(jobs, mp_context=context) as pool:
+            results = list(pool.map(_build, kernels.variant_loaders()))
+    finally:
+        if previous is None:
+            del os.environ[COMPILE_AT_IMPORT_ENV]
+        else:
+            os.environ[COMPILE_AT_IMPORT_ENV] = previous
+    return {name: (source, seconds) for name, source, seconds in results}
 
 
 def main(argv: list[str] | None = None) -> int:
-    argparse.ArgumentParser(
+    parser = argparse.ArgumentParser(
         prog="python -m q8kv8.compile",
         description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
-    ).parse_args(argv)
+    )
+    parser.add_argument("--jobs", type=_positive, default=1, help="processes that build (default 1)")
+    args = parser.parse_args(argv)
     from q8kv8 import build, disk_cache, kernels
 
     try:
+        built = _build_in_processes(args.jobs) if args.jobs > 1 else {}
         variants = kernels.listed_variants()
     except build.KernelCompileError as error:
         print(error, file=sys.stderr)
@@ -29,7 +72,8 @@ def main(argv: list[str] | None = None) -> int:
     width = max(32, *(len(variant.name) for variant in variants))
     print(f"{'variant':{width}s} {'from':9s} {'seconds':>8s}")
     for variant in variants:
-        print(f"{variant.name:{width}s} {variant.source:9s} {variant.seconds:8.3f}")
+        source, seconds = built.get(variant.name, (variant.source, variant.seconds))
+        print(f"{variant.name:{width}s} {source:9s} {seconds:8.3f}")
     print(f"cache: {disk_cache.cache_dir()}")
     return 0
 

@@ -17,6 +17,7 @@ tensors (it launches on the caller's current CUDA stream):
 
 from __future__ import annotations
 
+import functools
 from pathlib import Path
 
 import torch
@@ -309,6 +310,24 @@ def listed_variants() -> list[Variant]:
         *load_split_variants().values(),
         *load_small_head_variants().values(),
     ]
+
+
+def variant_loaders() -> list[functools.partial]:
+    """One zero-argument loader per variant that ``listed_variants`` lists (each builds or loads it and
+    returns it), picklable, so that several processes can build them (``python -m q8kv8.compile --jobs``)."""
+    partial = functools.partial
+    loaders = []
+    for d_qk in D_QK_VARIANTS:
+        loaders += [partial(_build_or_load, d_qk, p) for p in PRECISIONS]
+        loaders += [partial(_build_or_load, d_qk, p, persistent=True) for p in PERSISTENT_PRECISIONS]
+        loaders += [partial(load_bf16_q_variant, d_qk, p) for p in PRECISIONS]
+        loaders += [partial(load_bf16_q_variant, d_qk, p, True) for p in PERSISTENT_PRECISIONS]
+        for precision in PRECISIONS:
+            for q_dtype in KERNEL_Q_DTYPES:
+                loaders.append(partial(load_split_variant, d_qk, precision, q_dtype))
+                for heads in SMALL_HEAD_COUNTS:
+                    loaders.append(partial(load_small_head_variant, d_qk, precision, heads, q_dtype))
+    return loaders
 
 
 def q_dtype_of(variant: Variant) -> torch.dtype:

@@ -54,6 +54,31 @@ def test_compile_main_prints_what_this_process_built(variants, capsys):
     assert f"cache: {disk_cache.cache_dir()}" in out
 
 
+def test_compile_jobs_builds_every_listed_variant_in_worker_processes(variants, capsys):
+    """``--jobs 2``: two spawned workers build (here: load from the cache) every listed variant; the listing
+    is the same as with one process, each line saying where its worker got it."""
+    assert compile_command.main(["--jobs", "2"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    listed = [variant.name for variant in kernels.listed_variants()]
+    assert [line.split()[0] for line in lines[1:-1]] == listed
+    assert all(line.split()[1] in ("cache", "compiled") for line in lines[1:-1])
+    assert lines[-1] == f"cache: {disk_cache.cache_dir()}"
+    assert "Q8KV8_COMPILE_AT_IMPORT" not in os.environ or os.environ["Q8KV8_COMPILE_AT_IMPORT"] != "0"
+
+
+def test_compile_jobs_must_be_positive(capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        compile_command.main(["--jobs", "0"])
+    assert exit_info.value.code == 2 and "must be at least 1" in capsys.readouterr().err
+
+
+def test_variant_loaders_build_exactly_the_listed_variants():
+    """``kernels.variant_loaders()`` (what ``--jobs`` hands the workers): one loader per listed variant."""
+    names = [loader().name for loader in kernels.variant_loaders()]
+    assert sorted(names) == sorted(variant.name for variant in kernels.listed_variants())
+    assert len(set(names)) == len(names)
+
+
 def test_compile_main_reports_a_failure_in_one_line(monkeypatch, capsys):
     def fail():
         raise build.KernelCompileError("q8kv8: building kernel variant v for sm_90a failed: E: boom")
