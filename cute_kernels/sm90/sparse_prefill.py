@@ -70,11 +70,11 @@ L2_LINE_BYTES = 128
 
 PRODUCER_REGS = 24
 CONSUMER_REGS = 240
-# The small-head kernel's producer (its tile loop beside that consumer code) spills at 24; its split keeps
-# 40 + 2 x 232 = 3 x 168, the launch's registers per thread (setmaxregister only moves registers between the
-# CTA's warps: more waits forever).
-SMALL_HEAD_PRODUCER_REGS = 40
-SMALL_HEAD_CONSUMER_REGS = 232
+# The small-head kernel's producer spills at 24 with an e4m3 q (its Q TMA beside that consumer code); its
+# split keeps 40 + 2 x 232 = 3 x 168, the launch's registers per thread (setmaxregister only moves registers
+# between the CTA's warps: more waits forever).
+SMALL_HEAD_E4M3_PRODUCER_REGS = 40
+SMALL_HEAD_E4M3_CONSUMER_REGS = 232
 Q_DTYPES = ("e4m3", "bf16")
 
 
@@ -182,7 +182,7 @@ class SparsePrefillSm90(AttentionKernel):
         self.q_bf16 = q_dtype == "bf16"
         self.registers = (PRODUCER_REGS, CONSUMER_REGS)  # per thread of the producer, of a consumer
         if self.small and not self.q_bf16:
-            self.registers = (SMALL_HEAD_PRODUCER_REGS, SMALL_HEAD_CONSUMER_REGS)
+            self.registers = (SMALL_HEAD_E4M3_PRODUCER_REGS, SMALL_HEAD_E4M3_CONSUMER_REGS)
         self.p_terms = 2 if precision == "accurate" else 1  # e4m3 terms P is stored as
         self.persistent = persistent
         self.split = split
