@@ -16,7 +16,7 @@ import torch
 
 from q8kv8 import contract, native, schedule
 from q8kv8.contract import check_inputs, check_ranges_enabled, check_topk_length_range
-from q8kv8.metadata import HEAD_ALIGNMENT, padded_num_heads, small_heads
+from q8kv8.metadata import fp8_kernel_heads, small_heads
 from q8kv8.prefill_call import PrefillCall
 
 
@@ -47,8 +47,7 @@ def run(call: PrefillCall) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         lse.fill_(math.inf)
         return out, max_logits, lse
 
-    small = small_heads(h_q)  # the small-head kernel: no padding
-    h_kernel = h_q if h_q % HEAD_ALIGNMENT == 0 or small else padded_num_heads(h_q)
+    h_kernel = fp8_kernel_heads(h_q)
     if h_kernel == h_q:
         kernel_q, kernel_sink = q, attn_sink
         kernel_out, kernel_max_logits, kernel_lse = out, max_logits, lse
@@ -84,7 +83,9 @@ def run(call: PrefillCall) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         out.copy_(kernel_out[:, :h_q])
         max_logits.copy_(kernel_max_logits[:, :h_q])
         lse.copy_(kernel_lse[:, :h_q])
-    if q.is_cuda and not small:  # the call's device (the contract checked): Tensor.is_cuda is the cheap test
+    # The call's device (the contract checked): Tensor.is_cuda is the cheap test. The fast path has no
+    # small-head variants.
+    if q.is_cuda and not small_heads(h_q):
         kind = schedule.kind(problem.tiles_per_cta, problem.splits)
         combine = kernels.load_split_combine() if kind == schedule.SPLIT else None
         device_index = problem.device.index

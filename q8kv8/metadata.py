@@ -60,6 +60,12 @@ def padded_num_heads(h_q: int) -> int:
     return -(-h_q // HEAD_ALIGNMENT) * HEAD_ALIGNMENT
 
 
+def fp8_kernel_heads(h_q: int) -> int:
+    """The head count the FP8 kernel runs a call of ``h_q`` heads with: ``h_q`` itself when it is a multiple
+    of 64 (0 included) or one of ``SMALL_HEAD_COUNTS`` (the small-head kernel), else ``padded_num_heads``."""
+    return h_q if h_q % HEAD_ALIGNMENT == 0 or small_heads(h_q) else padded_num_heads(h_q)
+
+
 def pad_topk(indices: torch.Tensor) -> torch.Tensor:
     """Pad the last dim of ``indices`` with -1 up to a non-zero multiple of 128.
 

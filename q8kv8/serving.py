@@ -25,7 +25,7 @@ import torch
 
 from q8kv8.arguments import require_int
 from q8kv8.kv_layout import LAYOUT_BY_BYTES_PER_TOKEN, KvCacheLayout
-from q8kv8.metadata import D_V, pad_topk, padded_num_heads, small_heads, topk_length_from_seqlens
+from q8kv8.metadata import D_V, fp8_kernel_heads, pad_topk, padded_num_heads, topk_length_from_seqlens
 from q8kv8.paged_gather import gather_dequant_paged
 from q8kv8.query import pad_attn_sink, pad_q_heads
 from q8kv8.workspace import SparsePrefillWorkspace, _ReusableBuffer
@@ -204,7 +204,7 @@ class SparsePrefill:
         topk_length = topk_length_for(seqlens, compress_ratio, indices.shape[2])
         num_rows = page_table.shape[0]
         # The FP8 kernel runs 8, 16 or 32 heads as they are (small-head kernel); the bf16 kernel pads them.
-        h_pad = h if self.backend == "fp8" and small_heads(h) else padded_num_heads(max(h, 1))
+        h_pad = (fp8_kernel_heads if self.backend == "fp8" else padded_num_heads)(max(h, 1))
         kv_dtype = torch.float8_e4m3fn if self.backend == "fp8" else torch.bfloat16
         if self.workspace is None:
             self.workspace = SparsePrefillWorkspace(q.device, d_qk)

@@ -127,9 +127,8 @@ class Consumer(NamedTuple):
     mIdx: cute.Tensor
     s_kv: Int32
     scale_log2: object  # q_scale * kv_scale * sm_scale * log2(e); bf16 q: a pair, row r's with its own scale
-    s_column_max: cute.Tensor = (
-        None  # small heads: smem [consumer, buffer, warp, head], the S^T blocks' maxima
-    )
+    # Small heads only: smem [consumer, buffer, warp, head], the S^T blocks' maxima
+    s_column_max: cute.Tensor = None
     s_head_sum: cute.Tensor = None  # small heads: smem [head, 4 consumer + warp], the warps' row sums
 
 
@@ -184,6 +183,9 @@ class SparsePrefillSm90(AttentionKernel):
         if self.small and not self.q_bf16:
             self.registers = (SMALL_HEAD_E4M3_PRODUCER_REGS, SMALL_HEAD_E4M3_CONSUMER_REGS)
         self.p_terms = 2 if precision == "accurate" else 1  # e4m3 terms P is stored as
+        # PV WGMMA groups (d tiles) in flight, each with its V^T fragment live: two, one for the persistent
+        # small-head kernel with a bf16 q (which spills 40-56 B with two at 24 / 240 / 240 registers).
+        self.pv_groups_in_flight = 1 if self.small and self.q_bf16 and persistent else 2
         self.persistent = persistent
         self.split = split
         self.scheduler = TileScheduler(persistent, B_TOPK, split, heads)
@@ -998,9 +1000,9 @@ class SparsePrefillSm90(AttentionKernel):
     @cute.jit
     def pv_run(self, c: Consumer, blocks):
         """Queue O^T += V^T . P^T over ``blocks`` (ring positions, one or two) for the 4 d tiles of
-        this consumer's half, one WGMMA group each, at most two in flight (so two A fragments live; one for
-        the persistent small-head kernel with a bf16 q, which spills with two)."""
-        in_flight = 1 if const_expr(self.small and self.q_bf16 and self.persistent) else 2
+        this consumer's half, one WGMMA group each, at most ``pv_groups_in_flight`` in flight (as many A
+        fragments live)."""
+        in_flight = self.pv_groups_in_flight
         for mt in cutlass.range_constexpr(D_TILES_PER_CONSUMER):
             if const_expr(mt >= in_flight):
                 warpgroup.wait_group(in_flight - 1)  # the PV in_flight d tiles back has read its A fragment
@@ -1091,23 +1093,35 @@ class SparsePrefillSm90(AttentionKernel):
                         s_table[head, c.index] = values[r]
 
     @cute.jit
+    def final_row_stats(self, c: Consumer, row, last_buffer):
+        """Row (small heads: head) ``row``'s m_final, the max that the P of the tile's last block (in P buffer
+        ``last_buffer``) is relative to, and its sum of 2^7 P over all slots relative to m_final: both
+        consumers' parts (small heads: each the sum of its warps' parts), in the same order in both
+        consumers, so both get the same result."""
+        max_used = -Float32.inf
+        if c.work.num_blocks > 0:
+            max_used = c.s_max_used[last_buffer, row]
+        scaled_sum = Float32(0.0)
+        for k in cutlass.range_constexpr(2):
+            if const_expr(self.small):
+                part = c.s_head_sum[row, k * WARPS_PER_WG]
+                for w in cutlass.range_constexpr(1, WARPS_PER_WG):
+                    part += c.s_head_sum[row, k * WARPS_PER_WG + w]
+            else:
+                part = c.s_row_sum[row, k]
+            if c.s_max_own[row, k] != max_used:
+                part = part * cute.math.exp2(c.s_max_own[row, k] - max_used, fastmath=True)
+            scaled_sum += part
+        return max_used, scaled_sum
+
+    @cute.jit
     def small_head_scale(self, c: Consumer, kv_scale, flags, mSink, mMaxLogits, mLse):
         """Small heads, threads 0 .. heads - 1 of each consumer: the output scale of head ``thread`` into
         ``s_out_scale[head, c]``; consumer 0 writes its max_logits and lse."""
         head = c.warp * 32 + c.lane
         if head < self.b_h:
             last_buffer = KV_RING.index_before(c.work.block_base + c.work.num_blocks)
-            max_used = -Float32.inf  # m_final
-            if c.work.num_blocks > 0:
-                max_used = c.s_max_used[last_buffer, head]
-            scaled_sum = Float32(0.0)
-            for k in cutlass.range_constexpr(2):  # same order in both consumers: same result
-                part = c.s_head_sum[head, k * WARPS_PER_WG]
-                for w in cutlass.range_constexpr(1, WARPS_PER_WG):
-                    part += c.s_head_sum[head, k * WARPS_PER_WG + w]
-                if c.s_max_own[head, k] != max_used:
-                    part = part * cute.math.exp2(c.s_max_own[head, k] - max_used, fastmath=True)
-                scaled_sum += part
+            max_used, scaled_sum = self.final_row_stats(c, head, last_buffer)
             c.s_out_scale[head, c.index] = output_scale(
                 scaled_sum, max_used, kv_scale, flags, mSink, c.work.head_group, head, P_SCALE_LOG2, self.b_h
             )
@@ -1176,15 +1190,7 @@ class SparsePrefillSm90(AttentionKernel):
         for r in cutlass.range_constexpr(2):
             row = accumulator_row(c.warp, c.quad_row, r)
             out_row = c.work.tile * B_H + row
-            max_used = -Float32.inf  # m_final
-            if c.work.num_blocks > 0:
-                max_used = c.s_max_used[last_buffer, row]
-            scaled_sum = Float32(0.0)  # sum of 2^7 P over all slots, relative to m_final
-            for k in cutlass.range_constexpr(2):  # same order in both consumers: same result
-                part = c.s_row_sum[row, k]
-                if c.s_max_own[row, k] != max_used:
-                    part = part * cute.math.exp2(c.s_max_own[row, k] - max_used, fastmath=True)
-                scaled_sum += part
+            max_used, scaled_sum = self.final_row_stats(c, row, last_buffer)
             out_scale = output_scale(
                 scaled_sum, max_used, kv_scale, flags, mSink, c.work.head_group, row, P_SCALE_LOG2
             )

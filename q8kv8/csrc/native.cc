@@ -597,8 +597,8 @@ int CallFunction(TVMFFIObjectHandle function, TVMFFIAny* args, int32_t num_args)
 }
 
 // Calls the plan's variant with the Python path's arguments (a split plan: then the merge), on `stream` (set
-// as TVM-FFI's environment stream of q's device for the call when set_stream). Returns nullptr with a Python exception set when the
-// call raised, else Py_None (borrowed).
+// as TVM-FFI's environment stream of q's device for the call when set_stream). Returns nullptr with a Python
+// exception set when the call raised, else Py_None (borrowed).
 PyObject* Run(const Views& v, const Plan& plan, bool set_stream, void* stream) {
   // A row-scaled q has no q_scale: the kernel does not read that argument, which gets kv_scale. An absent
   // topk_length / attn_sink is passed as a view of the call's own one-element scales (q_scale's bytes as
