@@ -135,23 +135,6 @@ def st_shared_u32(smem_addr, value, *, loc=None, ip=None) -> None:
 
 
 @dsl_user_op
-def st_shared_u16_halves(lo_addr, hi_addr, value, *, loc=None, ip=None) -> None:
-    """Store the low 16 bits of ``value`` at shared address ``lo_addr`` and the high 16 at ``hi_addr``."""
-    inline_asm(
-        None,
-        [
-            Int32(lo_addr).ir_value(loc=loc, ip=ip),
-            Int32(hi_addr).ir_value(loc=loc, ip=ip),
-            Uint32(value).ir_value(loc=loc, ip=ip),
-        ],
-        "{\n\t.reg .b16 lo, hi;\n\tmov.b32 {lo, hi}, $2;\n\t"
-        "st.shared.b16 [$0], lo;\n\tst.shared.b16 [$1], hi;\n\t}",
-        "r,r,r",
-        True,
-    )
-
-
-@dsl_user_op
 def st_global_u32(gmem_addr, value, *, loc=None, ip=None) -> None:
     inline_asm(
         None,

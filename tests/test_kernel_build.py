@@ -137,8 +137,8 @@ def test_split_ptx_runs_the_one_tile_math_and_stores_float32(variants, d_qk, pre
 def test_small_head_variants_fit_and_compute_the_transposed_products(d_qk, precision, heads, q_dtype):
     """The small-head variants fit as the others do; their QK product is an m64nNk32 WGMMA with the heads on
     N (d_qk / 32 k-steps), their PV product the one-tile kernel's O^T with N = heads (4 d tiles x 8 k-steps: a
-    pair of blocks, the other consumer's alone, the own alone, per P term), and P^T is stored in 16-bit
-    pairs."""
+    pair of blocks, the other consumer's alone, the own alone, per P term), and P^T is stored in whole 32-bit
+    words (two lanes' slots of one head, joined by a shuffle), no 16-bit stores."""
     variant = kernels.load_small_head_variant(d_qk, precision, heads, q_dtype)
     assert_fits_in_registers(variant)
     ptx = variant.ptx_path.read_text()
@@ -146,7 +146,7 @@ def test_small_head_variants_fit_and_compute_the_transposed_products(d_qk, preci
     wgmmas = re.findall(r"wgmma\.mma_async\.sync\.aligned\.m64n(\d+)k32\.f32\.e4m3\.e4m3", ptx)
     assert set(wgmmas) == {str(heads)}, set(wgmmas)
     assert len(wgmmas) == d_qk // 32 + 4 * 8 * terms
-    assert "st.shared.b16" in ptx
+    assert "st.shared.b32" in ptx and "st.shared.b16" not in ptx
 
 
 def test_split_combine_builds_and_fits():

@@ -737,6 +737,7 @@ class SparsePrefillSm90(AttentionKernel):
             # (when it exists); see consumer_steps.
             for step in cutlass.range(consumer_steps(num_blocks, consumer), unroll=1):
                 own = 2 * step + consumer
+                own_moved = Int32(0)
                 if own < num_blocks:
                     self.issue_qk(c, own)
                     first_slot = own * B_TOPK
@@ -771,10 +772,10 @@ class SparsePrefillSm90(AttentionKernel):
                     if const_expr(self.persistent):
                         if own == 0:  # consumer 0, the tile's first P
                             self.wait_previous_tile(c, tile_iter)
-                    self.softmax_own(c, own, block_maxima)
+                    own_moved = self.softmax_own(c, own, block_maxima)
                     if own + 2 >= num_blocks:  # this consumer's last own block
                         self.publish_row_stats(c)
-                self.accumulate_pv(c, own - 1, own)
+                self.accumulate_pv(c, own - 1, own, own_moved)
                 # Drained at the end of each step: WGMMAs in flight across the loop's back edge
                 # make ptxas serialise them (C7520/C7513).
                 warpgroup.wait_group(0)
@@ -826,7 +827,8 @@ class SparsePrefillSm90(AttentionKernel):
     def softmax_own(self, c: Consumer, block, block_maxima):
         """Softmax of an own block: m_block from m_{block-1} (published by the other consumer)
         and the block's maxima, then P = e4m3(2^7 exp2(S - m_block)) with m_block, alpha_block
-        and the moved flag, published by ``p_full``; accumulates this consumer's row sums."""
+        and the moved flag, published by ``p_full``; accumulates this consumer's row sums. Small heads:
+        returns the moved flag (warp-uniform: every warp holds every head's maxima); else 0."""
         ring = c.work.block_base + block  # the block's ring position (buffers, phases, moved flag)
         buffer = KV_RING.index(ring)
         # S is still unscaled when the scale is positive (see mask_and_row_max).
@@ -871,6 +873,10 @@ class SparsePrefillSm90(AttentionKernel):
             c.s_moved[buffer] = ring  # any thread: some row's max moved at this block
         cute.arch.fence_proxy("async.shared", space="cta")
         cute.arch.mbarrier_arrive(c.mbar_p_full + buffer)
+        own_moved = Int32(0)
+        if const_expr(self.small):
+            own_moved = cute.arch.make_warp_uniform(Int32(cute.arch.vote_any_sync(moved)))
+        return own_moved
 
     def softmax_row(self, c: Consumer, r):
         """The row (head) of this thread's softmax state entry ``r``: accumulator row 16w + g + 8r; small
@@ -891,11 +897,13 @@ class SparsePrefillSm90(AttentionKernel):
         """Small heads: p = 2^(S^T * scale - bias) of the head's ``exponents`` entry, added to the head's
         row sum and stored as P^T [head][slot] in e4m3 (accurate: two terms, the lo tile after the hi one).
 
-        The slot order inside a 32-slot k-step is that of ``load_v_fragment_transposed``: position
-        4t + b holds slot [t, t + 8, t + 4, t + 12][b] and position + 16 slot + 16, so this thread's two
-        slots 16w + g + 8r (r = 0, 1) of a head are adjacent: bytes 4 (g % 4) + 2 (g // 4) + r of
-        16-byte chunk w of the head's row."""
-        offset = 4 * (c.quad_row % 4) + 2 * (c.quad_row // 4)
+        The slot order inside a 32-slot k-step is the 64-head kernel's (``load_v_fragment``): position
+        4t + b holds slot [2t, 2t + 1, 8 + 2t, 9 + 2t][b], position + 16 slot + 16. This thread's slots
+        16w + g + 8r (r = 0, 1) sit in word g // 2 of chunk w of a head's row, beside those of quad row
+        g ^ 1 (lane ^ 4): the two lanes swap one head's pair by a shuffle, and each stores one head's
+        whole word (even g: head 8j + 2t, odd g: 8j + 2t + 1), one 32-bit store per term."""
+        odd = (c.lane >> 2) & 1  # g % 2
+        word_offset = (c.lane >> 3) << 2  # 4 (g // 2)
         for j in cutlass.range_constexpr(self.b_h // 8):
             p = []
             for e in cutlass.range_constexpr(2):
@@ -903,16 +911,25 @@ class SparsePrefillSm90(AttentionKernel):
                 for r in cutlass.range_constexpr(2):
                     p.append(cute.math.exp2(c.acc_s[e + 2 * r + 4 * j] * logit_scale - bias, fastmath=True))
                 c.row_sum[2 * j + e] = c.row_sum[2 * j + e] + (p[2 * e] + p[2 * e + 1])
+            # words[term]: bytes [head 2t: slot g, g + 8; head 2t + 1: slot g, g + 8]
             if const_expr(self.p_terms == 1):
                 words = (ptx.pack_e4m3x4(p[0], p[1], p[2], p[3]),)
             else:
                 words = ptx.split_e4m3x4_from_f16x2(ptx.pack_f16x2(p[0], p[1]), ptx.pack_f16x2(p[2], p[3]))
-            head = 8 * j + 2 * c.quad_lane
-            addr_lo = tile_addr + swizzle_offset(head, c.warp, SW64_TILE_COLS) + offset
-            addr_hi = tile_addr + swizzle_offset(head + 1, c.warp, SW64_TILE_COLS) + offset
+            # The bytes of the other lane's head (its e is 1 - this lane's), of the hi term then the lo term;
+            # then this lane's word per term: its own bytes and the received ones, slot g (even lane) first.
+            lo_term = words[self.p_terms - 1]
+            sent = ptx.prmt(words[0], lo_term, 0x5410) if odd == 1 else ptx.prmt(words[0], lo_term, 0x7632)
+            received = Uint32(cute.arch.shuffle_sync_bfly(Int32(sent), offset=4))
+            head = 8 * j + 2 * c.quad_lane + odd
+            addr = tile_addr + swizzle_offset(head, c.warp, SW64_TILE_COLS) + word_offset
             for term in cutlass.range_constexpr(self.p_terms):
-                term_offset = term * (self.b_h * B_TOPK)
-                ptx.st_shared_u16_halves(addr_lo + term_offset, addr_hi + term_offset, words[term])
+                own = words[term]
+                if const_expr(term == 0):
+                    word = ptx.prmt(own, received, 0x3524) if odd == 1 else ptx.prmt(own, received, 0x5140)
+                else:
+                    word = ptx.prmt(own, received, 0x3726) if odd == 1 else ptx.prmt(own, received, 0x7160)
+                ptx.st_shared_u32(addr + term * (self.b_h * B_TOPK), word)
 
     @cute.jit
     def exp_and_store_p(self, c: Consumer, r, row, logit_scale, bias, tile_addr):
@@ -962,9 +979,10 @@ class SparsePrefillSm90(AttentionKernel):
                             c.acc_o[mt][i] = c.acc_o[mt][i] * alpha_cols[2 * j + e]
 
     @cute.jit
-    def accumulate_pv(self, c: Consumer, prev, own):
+    def accumulate_pv(self, c: Consumer, prev, own, own_moved):
         """O^T += V^T . P^T over block ``prev`` (the other consumer's; none when < 0) and block
-        ``own`` (none when past the tile's last block), each after its O rescale."""
+        ``own`` (none when past the tile's last block), each after its O rescale (small heads: ``own``'s
+        moved flag is ``own_moved``, from ``softmax_own``)."""
         has_prev = prev >= 0
         has_own = own < c.work.num_blocks
         prev = c.work.block_base + prev  # ring positions from here on
@@ -981,7 +999,10 @@ class SparsePrefillSm90(AttentionKernel):
             if has_own:
                 # Own P is this warpgroup's: wait for all of it (and the moved flag).
                 KV_RING.wait(c.mbar_p_full, own)
-                split = cute.arch.make_warp_uniform(Int32(c.s_moved[KV_RING.index(own)] == own))
+                if const_expr(self.small):
+                    split = own_moved
+                else:
+                    split = cute.arch.make_warp_uniform(Int32(c.s_moved[KV_RING.index(own)] == own))
         if has_prev & has_own & (split == 0):
             self.pv_run(c, (prev, own))
             KV_RING.arrive(c.mbar_kv_empty, prev)
@@ -1045,13 +1066,7 @@ class SparsePrefillSm90(AttentionKernel):
         [V[2t][2g], V[2t][2g+1], V[2t+1][2g], V[2t+1][2g+1]]; the permutes gather the e4m3 A
         registers a0 = (d 2g, slots 2t, 2t+1, 8+2t, 9+2t), a1 = the same for d 2g+1, and a2, a3 for
         slots + 16."""
-        slot = lane
-        if const_expr(self.small):
-            # Matrix i = lane // 8, row q = lane % 8: slot 16 (i // 2) + 4 (i % 2) + q // 2 + 8 (q % 2), so
-            # that a0 holds slots t, t + 8, t + 4, t + 12 (see ``exp_and_store_p_transposed``).
-            matrix, row = lane // 8, lane % 8
-            slot = 16 * (matrix // 2) + 4 * (matrix % 2) + row // 2 + 8 * (row % 2)
-        addr = tile_base + swizzle_offset(half * 32 + slot, warp, SW64_TILE_COLS)
+        addr = tile_base + swizzle_offset(half * 32 + lane, warp, SW64_TILE_COLS)
         m0, m1, m2, m3 = ptx.ldmatrix_x4_trans(addr)
         words[4 * ks + 0] = ptx.prmt(m0, m1, 0x6420)
         words[4 * ks + 1] = ptx.prmt(m0, m1, 0x7531)
