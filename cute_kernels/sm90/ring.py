@@ -4,9 +4,7 @@ A ring of ``size`` buffers is used in order by positions g = 0, 1, 2, ...: posit
 ``g % size`` and phase ``(g // size) % 2`` of that buffer's barriers (each barrier completes once per
 use of its buffer, so its phase alternates). A producer waits on a buffer's *empty* barrier with the
 phase flipped: the first wait of each buffer passes at once. Positions are plain integers (Python or
-DSL Int32, never negative), so a loop needs no state carried across its back edge. For a power-of-two
-size the index and phase are masks and shifts: on a signed Int32, ``%`` and ``//`` round toward minus
-infinity and cost a dependent chain of sign fix-ups on every wait.
+DSL Int32, never negative), so a loop needs no state carried across its back edge.
 """
 
 from typing import NamedTuple
@@ -19,18 +17,14 @@ class Ring(NamedTuple):
 
     def index(self, position):
         """The buffer position ``position`` uses."""
-        if self.size & (self.size - 1) == 0:
-            return position & (self.size - 1)
         return position % self.size
 
     def index_before(self, position):
         """The buffer of ``position - 1`` (for position 0: the ring's last buffer)."""
-        return self.index(position + self.size - 1)
+        return (position + self.size - 1) % self.size
 
     def phase(self, position):
         """The phase of the buffer's barriers that position ``position`` waits on."""
-        if self.size & (self.size - 1) == 0:
-            return (position >> (self.size.bit_length() - 1)) & 1
         return (position // self.size) % 2
 
     def wait(self, mbar, position) -> None:

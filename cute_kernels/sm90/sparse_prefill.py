@@ -737,29 +737,45 @@ class SparsePrefillSm90(AttentionKernel):
             # (when it exists); see consumer_steps.
             for step in cutlass.range(consumer_steps(num_blocks, consumer), unroll=1):
                 own = 2 * step + consumer
-                if const_expr(self.small):
-                    self.small_head_step(c, own, step, tile_iter, mbar_q_empty)
-                else:
-                    if own < num_blocks:
-                        self.issue_qk(c, own)
-                        first_slot = own * B_TOPK
-                        if const_expr(self.split):
-                            first_slot += c.work.slot_base
+                own_moved = Int32(0)
+                if own < num_blocks:
+                    self.issue_qk(c, own)
+                    first_slot = own * B_TOPK
+                    if const_expr(self.split):
+                        first_slot += c.work.slot_base
+                    if const_expr(self.small):
+                        valid_bits = slot_rows_valid(
+                            c.mIdx, c.work.token, first_slot, c.warp, c.quad_row, c.s_kv, c.work.valid_len
+                        )
+                    else:
                         valid_bits = slot_valid_bits(
                             c.mIdx, c.work.token, first_slot, c.lane, c.quad_lane, c.s_kv, c.work.valid_len, 2
                         )
-                        warpgroup.wait_group(0)  # S(own)
-                        if const_expr(self.persistent):
-                            if own + 2 >= num_blocks:  # this consumer's last QK of the tile is done
-                                cute.arch.mbarrier_arrive(mbar_q_empty)
+                    warpgroup.wait_group(0)  # S(own)
+                    if const_expr(self.persistent):
+                        if own + 2 >= num_blocks:  # this consumer's last QK of the tile is done
+                            cute.arch.mbarrier_arrive(mbar_q_empty)
+                    if const_expr(self.small):
+                        block_maxima = mask_and_column_max(
+                            c.acc_s,
+                            valid_bits,
+                            c.scale_log2,
+                            c.s_column_max,
+                            (consumer, step % 2),
+                            c.warp,
+                            c.quad_row,
+                            c.quad_lane,
+                            int(NamedBarrierFp8.ColumnMax0) + consumer,
+                        )
+                    else:
                         block_maxima = mask_and_row_max(c.acc_s, valid_bits, c.scale_log2)
-                        if const_expr(self.persistent):
-                            if own == 0:  # consumer 0, the tile's first P
-                                self.wait_previous_tile(c, tile_iter)
-                        self.softmax_own(c, own, block_maxima)
-                        if own + 2 >= num_blocks:  # this consumer's last own block
-                            self.publish_row_stats(c)
-                    self.accumulate_pv(c, own - 1, own)
+                    if const_expr(self.persistent):
+                        if own == 0:  # consumer 0, the tile's first P
+                            self.wait_previous_tile(c, tile_iter)
+                    own_moved = self.softmax_own(c, own, block_maxima)
+                    if own + 2 >= num_blocks:  # this consumer's last own block
+                        self.publish_row_stats(c)
+                self.accumulate_pv(c, own - 1, own, own_moved)
                 # Drained at the end of each step: WGMMAs in flight across the loop's back edge
                 # make ptxas serialise them (C7520/C7513).
                 warpgroup.wait_group(0)
@@ -783,57 +799,6 @@ class SparsePrefillSm90(AttentionKernel):
         if const_expr(self.persistent):
             if consumer == 1:  # consumer 1 has read everything of the tile that consumer 0 rewrites
                 cute.arch.mbarrier_arrive(c.mbar_tile_done)
-
-    @cute.jit
-    def small_head_step(self, c: Consumer, own, step, tile_iter, mbar_q_empty):
-        """Small heads, step ``step`` of the loop (own block ``own``). At these head counts a block's QK
-        and PV products are short and a step is a chain of latencies, so the own block's QK is queued
-        first and the other consumer's block ``own - 1`` is accumulated while it runs; then the own
-        block's mask, column maxima and softmax, and its PV after the O^T rescale its max move needs
-        (this warpgroup's own moved flag, from ``softmax_own``)."""
-        num_blocks = c.work.num_blocks
-        if own < num_blocks:
-            self.issue_qk(c, own)
-            valid_bits = slot_rows_valid(
-                c.mIdx, c.work.token, own * B_TOPK, c.warp, c.quad_row, c.s_kv, c.work.valid_len
-            )
-            if own > 0:
-                self.accumulate_other_block(c, own - 1)
-            warpgroup.wait_group(0)  # S(own), and the PV of block own - 1
-            if own + 2 >= num_blocks:  # this consumer's last QK of the tile is done
-                cute.arch.mbarrier_arrive(mbar_q_empty)
-            block_maxima = mask_and_column_max(
-                c.acc_s,
-                valid_bits,
-                c.scale_log2,
-                c.s_column_max,
-                (c.index, step % 2),
-                c.warp,
-                c.quad_row,
-                c.quad_lane,
-                int(NamedBarrierFp8.ColumnMax0) + c.index,
-            )
-            if own == 0:  # consumer 0, the tile's first P
-                self.wait_previous_tile(c, tile_iter)
-            moved = self.softmax_own(c, own, block_maxima)
-            if own + 2 >= num_blocks:  # this consumer's last own block
-                self.publish_row_stats(c)
-            ring = c.work.block_base + own
-            KV_RING.wait(c.mbar_p_full, ring)  # all of the warpgroup's P^T
-            if moved != 0:
-                self.rescale_o(c, KV_RING.index(ring))
-            self.pv_run(c, (ring,))
-            KV_RING.arrive(c.mbar_kv_empty, ring)
-        else:  # the tile's last block is the other consumer's
-            self.accumulate_other_block(c, own - 1)
-
-    @cute.jit
-    def accumulate_other_block(self, c: Consumer, block):
-        """Small heads: O^T += V^T . P^T over the other consumer's block ``block``, after its O^T rescale."""
-        ring = c.work.block_base + block
-        self.settle_other_block(c, ring)
-        self.pv_run(c, (ring,))
-        KV_RING.arrive(c.mbar_kv_empty, ring)
 
     @cute.jit
     def wait_previous_tile(self, c: Consumer, tile_iter):
@@ -1014,32 +979,30 @@ class SparsePrefillSm90(AttentionKernel):
                             c.acc_o[mt][i] = c.acc_o[mt][i] * alpha_cols[2 * j + e]
 
     @cute.jit
-    def settle_other_block(self, c: Consumer, ring):
-        """Wait for the other consumer's block at ring position ``ring`` (its P, maxima and moved flag, and
-        its gathered rows), then rescale O^T by its alpha when its max moved."""
-        buffer = KV_RING.index(ring)
-        phase = KV_RING.phase(ring)
-        cute.arch.mbarrier_wait(c.mbar_p_full + buffer, phase)  # P, m, alpha of the block
-        cute.arch.mbarrier_wait(c.mbar_kv_full + buffer, phase)  # its cp.async writes
-        if c.s_moved[buffer] == ring:
-            warpgroup.wait_group(0)  # nothing in flight; tells ptxas O is settled (else C7515)
-            self.rescale_o(c, buffer)
-
-    @cute.jit
-    def accumulate_pv(self, c: Consumer, prev, own):
+    def accumulate_pv(self, c: Consumer, prev, own, own_moved):
         """O^T += V^T . P^T over block ``prev`` (the other consumer's; none when < 0) and block
-        ``own`` (none when past the tile's last block), each after its O rescale."""
+        ``own`` (none when past the tile's last block), each after its O rescale (small heads: ``own``'s
+        moved flag is ``own_moved``, from ``softmax_own``)."""
         has_prev = prev >= 0
         has_own = own < c.work.num_blocks
         prev = c.work.block_base + prev  # ring positions from here on
         own = c.work.block_base + own
         split = Int32(0)
         if has_prev:
-            self.settle_other_block(c, prev)
+            prev_buffer = KV_RING.index(prev)
+            phase = KV_RING.phase(prev)
+            cute.arch.mbarrier_wait(c.mbar_p_full + prev_buffer, phase)  # P, m, alpha of prev
+            cute.arch.mbarrier_wait(c.mbar_kv_full + prev_buffer, phase)  # its cp.async writes
+            if c.s_moved[prev_buffer] == prev:
+                warpgroup.wait_group(0)  # nothing in flight; tells ptxas O is settled (else C7515)
+                self.rescale_o(c, prev_buffer)
             if has_own:
                 # Own P is this warpgroup's: wait for all of it (and the moved flag).
                 KV_RING.wait(c.mbar_p_full, own)
-                split = cute.arch.make_warp_uniform(Int32(c.s_moved[KV_RING.index(own)] == own))
+                if const_expr(self.small):
+                    split = own_moved
+                else:
+                    split = cute.arch.make_warp_uniform(Int32(c.s_moved[KV_RING.index(own)] == own))
         if has_prev & has_own & (split == 0):
             self.pv_run(c, (prev, own))
             KV_RING.arrive(c.mbar_kv_empty, prev)
