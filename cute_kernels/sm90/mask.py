@@ -101,17 +101,12 @@ def mask_and_row_max(acc_s, valid_bits, scale_log2, publish=None):
     return row_maxima
 
 
-def slot_row_indices(mIdx, token, first_slot, warp, quad_row):
-    """The index-row entries of this thread's two rows of an S^T block whose slot 0 is ``first_slot`` of
-    ``token``'s index row: slots first_slot + 16w + g + 8r, r = 0, 1."""
-    return tuple(mIdx[token, first_slot + warp * 16 + quad_row + 8 * r] for r in range(2))
-
-
-def slot_rows_valid(indices, first_slot, warp, quad_row, s_kv, valid_len):
-    """Validity of this thread's two rows of that S^T block (their ``slot_row_indices``), and whether all
-    64 rows of its warp are valid (warp-uniform)."""
+def slot_rows_valid(mIdx, token, first_slot, warp, quad_row, s_kv, valid_len):
+    """Validity of this thread's two rows of an S^T block whose slot 0 is ``first_slot`` of ``token``'s
+    index row (slots first_slot + 16w + g + 8r, r = 0, 1), and whether all 64 rows of its warp are valid
+    (warp-uniform)."""
     slots = [first_slot + warp * 16 + quad_row + 8 * r for r in range(2)]
-    valid = [slot_valid(indices[r], slots[r], s_kv, valid_len) for r in range(2)]
+    valid = [slot_valid(mIdx[token, slot], slot, s_kv, valid_len) for slot in slots]
     return valid[0], valid[1], cute.arch.vote_all_sync(valid[0] & valid[1])
 
 

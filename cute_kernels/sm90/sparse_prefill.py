@@ -44,7 +44,6 @@ from cute_kernels.sm90.mask import (
     accumulator_row,
     mask_and_column_max,
     mask_and_row_max,
-    slot_row_indices,
     slot_rows_valid,
     slot_valid_bits,
 )
@@ -71,11 +70,11 @@ L2_LINE_BYTES = 128
 
 PRODUCER_REGS = 24
 CONSUMER_REGS = 240
-# The small-head kernel's producer spills at 24 (its Q TMA, and its share of the prologue's values beside
-# that consumer code); its split keeps 40 + 2 x 232 = 3 x 168, the launch's registers per thread
-# (setmaxregister only moves registers between the CTA's warps: more waits forever).
-SMALL_HEAD_PRODUCER_REGS = 40
-SMALL_HEAD_CONSUMER_REGS = 232
+# The small-head kernel's producer spills at 24 with an e4m3 q (its Q TMA beside that consumer code); its
+# split keeps 40 + 2 x 232 = 3 x 168, the launch's registers per thread (setmaxregister only moves registers
+# between the CTA's warps: more waits forever).
+SMALL_HEAD_E4M3_PRODUCER_REGS = 40
+SMALL_HEAD_E4M3_CONSUMER_REGS = 232
 Q_DTYPES = ("e4m3", "bf16")
 
 
@@ -181,11 +180,11 @@ class SparsePrefillSm90(AttentionKernel):
         self.precision = precision
         self.q_bf16 = q_dtype == "bf16"
         self.registers = (PRODUCER_REGS, CONSUMER_REGS)  # per thread of the producer, of a consumer
-        if self.small:
-            self.registers = (SMALL_HEAD_PRODUCER_REGS, SMALL_HEAD_CONSUMER_REGS)
+        if self.small and not self.q_bf16:
+            self.registers = (SMALL_HEAD_E4M3_PRODUCER_REGS, SMALL_HEAD_E4M3_CONSUMER_REGS)
         self.p_terms = 2 if precision == "accurate" else 1  # e4m3 terms P is stored as
         # PV WGMMA groups (d tiles) in flight, each with its V^T fragment live: two, one for the persistent
-        # small-head kernel with a bf16 q (which spills 40-56 B with two, at 240 registers and at 232).
+        # small-head kernel with a bf16 q (which spills 40-56 B with two at 24 / 240 / 240 registers).
         self.pv_groups_in_flight = 1 if self.small and self.q_bf16 and persistent else 2
         self.persistent = persistent
         self.split = split
@@ -734,36 +733,52 @@ class SparsePrefillSm90(AttentionKernel):
             if num_blocks <= consumer:  # no QK here
                 cute.arch.mbarrier_arrive(mbar_q_empty)
         if num_blocks > 0:
-            if const_expr(self.small):
-                self.small_head_steps(c, tile_iter, mbar_q_empty)
-            else:
-                # Step i: own block 2i + c (when it exists) and the other consumer's block 2i + c - 1
-                # (when it exists); see consumer_steps.
-                for step in cutlass.range(consumer_steps(num_blocks, consumer), unroll=1):
-                    own = 2 * step + consumer
-                    if own < num_blocks:
-                        self.issue_qk(c, own)
-                        first_slot = own * B_TOPK
-                        if const_expr(self.split):
-                            first_slot += c.work.slot_base
+            # Step i: own block 2i + c (when it exists) and the other consumer's block 2i + c - 1
+            # (when it exists); see consumer_steps.
+            for step in cutlass.range(consumer_steps(num_blocks, consumer), unroll=1):
+                own = 2 * step + consumer
+                own_moved = Int32(0)
+                if own < num_blocks:
+                    self.issue_qk(c, own)
+                    first_slot = own * B_TOPK
+                    if const_expr(self.split):
+                        first_slot += c.work.slot_base
+                    if const_expr(self.small):
+                        valid_bits = slot_rows_valid(
+                            c.mIdx, c.work.token, first_slot, c.warp, c.quad_row, c.s_kv, c.work.valid_len
+                        )
+                    else:
                         valid_bits = slot_valid_bits(
                             c.mIdx, c.work.token, first_slot, c.lane, c.quad_lane, c.s_kv, c.work.valid_len, 2
                         )
-                        warpgroup.wait_group(0)  # S(own)
-                        if const_expr(self.persistent):
-                            if own + 2 >= num_blocks:  # this consumer's last QK of the tile is done
-                                cute.arch.mbarrier_arrive(mbar_q_empty)
+                    warpgroup.wait_group(0)  # S(own)
+                    if const_expr(self.persistent):
+                        if own + 2 >= num_blocks:  # this consumer's last QK of the tile is done
+                            cute.arch.mbarrier_arrive(mbar_q_empty)
+                    if const_expr(self.small):
+                        block_maxima = mask_and_column_max(
+                            c.acc_s,
+                            valid_bits,
+                            c.scale_log2,
+                            c.s_column_max,
+                            (consumer, step % 2),
+                            c.warp,
+                            c.quad_row,
+                            c.quad_lane,
+                            int(NamedBarrierFp8.ColumnMax0) + consumer,
+                        )
+                    else:
                         block_maxima = mask_and_row_max(c.acc_s, valid_bits, c.scale_log2)
-                        if const_expr(self.persistent):
-                            if own == 0:  # consumer 0, the tile's first P
-                                self.wait_previous_tile(c, tile_iter)
-                        self.softmax_own(c, own, block_maxima)
-                        if own + 2 >= num_blocks:  # this consumer's last own block
-                            self.publish_row_stats(c)
-                    self.accumulate_pv(c, own - 1, own, Int32(0))
-                    # Drained at the end of each step: WGMMAs in flight across the loop's back edge
-                    # make ptxas serialise them (C7520/C7513).
-                    warpgroup.wait_group(0)
+                    if const_expr(self.persistent):
+                        if own == 0:  # consumer 0, the tile's first P
+                            self.wait_previous_tile(c, tile_iter)
+                    own_moved = self.softmax_own(c, own, block_maxima)
+                    if own + 2 >= num_blocks:  # this consumer's last own block
+                        self.publish_row_stats(c)
+                self.accumulate_pv(c, own - 1, own, own_moved)
+                # Drained at the end of each step: WGMMAs in flight across the loop's back edge
+                # make ptxas serialise them (C7520/C7513).
+                warpgroup.wait_group(0)
         if num_blocks <= consumer:  # owned no block: nothing was published in the loop
             if const_expr(self.persistent):
                 if num_blocks == 0:  # no p_full chain orders the statistics after the previous tile's
@@ -784,59 +799,6 @@ class SparsePrefillSm90(AttentionKernel):
         if const_expr(self.persistent):
             if consumer == 1:  # consumer 1 has read everything of the tile that consumer 0 rewrites
                 cute.arch.mbarrier_arrive(c.mbar_tile_done)
-
-    @cute.jit
-    def small_head_steps(self, c: Consumer, tile_iter, mbar_q_empty):
-        """Small heads: the step loop of a tile with blocks (see ``consumer_steps``). At these head counts a
-        block's products are short and a step is a chain of latencies whose critical path is the lazy-max
-        chain (the other consumer waits on each softmax), so a step starts at its own block's mask and
-        softmax: the QK of the consumer's next own block is queued at the end of the step before, behind
-        the PV products, with the validity of its rows (``valid``: bit r row r, bit 2 the warp's all)."""
-        num_blocks = c.work.num_blocks
-        valid = Int32(0)
-        if c.index < num_blocks:  # the first own block's QK
-            valid = self.queue_small_head_qk(c, c.index)
-        for step in cutlass.range(consumer_steps(num_blocks, c.index), unroll=1):
-            own = 2 * step + c.index
-            own_moved = Int32(0)
-            if own < num_blocks:  # S(own) is complete
-                if own + 2 >= num_blocks:  # this consumer's last QK of the tile is done
-                    cute.arch.mbarrier_arrive(mbar_q_empty)
-                block_maxima = mask_and_column_max(
-                    c.acc_s,
-                    ((valid & 1) != 0, (valid & 2) != 0, (valid & 4) != 0),
-                    c.scale_log2,
-                    c.s_column_max,
-                    (c.index, step % 2),
-                    c.warp,
-                    c.quad_row,
-                    c.quad_lane,
-                    int(NamedBarrierFp8.ColumnMax0) + c.index,
-                )
-                if own == 0:  # consumer 0, the tile's first P
-                    self.wait_previous_tile(c, tile_iter)
-                own_moved = self.softmax_own(c, own, block_maxima)
-                if own + 2 >= num_blocks:  # this consumer's last own block
-                    self.publish_row_stats(c)
-            self.accumulate_pv(c, own - 1, own, own_moved)
-            if own + 2 < num_blocks:
-                valid = self.queue_small_head_qk(c, own + 2)
-            # Drained at the end of each step: WGMMAs in flight across the loop's back edge
-            # make ptxas serialise them (C7520/C7513).
-            warpgroup.wait_group(0)
-
-    @cute.jit
-    def queue_small_head_qk(self, c: Consumer, block):
-        """Small heads: S^T of own block ``block`` (waited for here, behind any PV products in flight) and
-        its rows' validity bits (see ``small_head_steps``)."""
-        self.issue_qk(c, block)
-        first_slot = block * B_TOPK
-        indices = slot_row_indices(c.mIdx, c.work.token, first_slot, c.warp, c.quad_row)
-        warpgroup.wait_group(0)
-        valid_0, valid_1, all_valid = slot_rows_valid(
-            indices, first_slot, c.warp, c.quad_row, c.s_kv, c.work.valid_len
-        )
-        return Int32(valid_0) | (Int32(valid_1) << 1) | (Int32(all_valid) << 2)
 
     @cute.jit
     def wait_previous_tile(self, c: Consumer, tile_iter):
