@@ -16,9 +16,10 @@ from cute_kernels.sm90.shared_storage import tile_layouts
 
 B_H = HEAD_ALIGNMENT  # query rows (heads of one token) per CTA
 THREADS_PER_WG = 128
+WARPS_PER_WG = THREADS_PER_WG // 32
 NUM_THREADS = 3 * THREADS_PER_WG  # producer + two consumers
 CONSUMER_THREADS = 2 * THREADS_PER_WG
-PRODUCER_WARPS = THREADS_PER_WG // 32  # warps 0-3; warps 4-7 are consumer 0, warps 8-11 consumer 1
+PRODUCER_WARPS = WARPS_PER_WG  # warps 0-3; warps 4-7 are consumer 0, warps 8-11 consumer 1
 
 
 def consumer_index(warp_idx):

@@ -15,9 +15,8 @@ import cutlass
 import cutlass.cute as cute
 from cutlass import Float32, Uint32
 
+from cute_kernels.sm90.cta import THREADS_PER_WG, WARPS_PER_WG
 from cute_kernels.sm90.row_gather import slot_valid
-
-WARPS_PER_WG = 4
 
 
 def accumulator_row(warp, quad_row, r):
@@ -152,7 +151,7 @@ def mask_and_column_max(
         for j in cutlass.range_constexpr(column_groups):
             for e in cutlass.range_constexpr(2):
                 s_column_max[(*buffer, warp, 8 * j + 2 * quad_lane + e)] = warp_maxima[2 * j + e]
-    cute.arch.barrier(barrier_id=barrier_id, number_of_threads=WARPS_PER_WG * 32)
+    cute.arch.barrier(barrier_id=barrier_id, number_of_threads=THREADS_PER_WG)
     column_maxima = []
     for j in cutlass.range_constexpr(column_groups):
         for e in cutlass.range_constexpr(2):

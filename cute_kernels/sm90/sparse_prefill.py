@@ -33,6 +33,7 @@ from cute_kernels.sm90.cta import (
     CONSUMER_THREADS,
     PRODUCER_WARPS,
     THREADS_PER_WG,
+    WARPS_PER_WG,
     AttentionKernel,
     consumer_index,
     init_cta,
@@ -40,7 +41,6 @@ from cute_kernels.sm90.cta import (
 )
 from cute_kernels.sm90.epilogue import output_scale, publish_row_stats, write_max_logits_lse
 from cute_kernels.sm90.mask import (
-    WARPS_PER_WG,
     accumulator_row,
     mask_and_column_max,
     mask_and_row_max,
