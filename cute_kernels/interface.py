@@ -4,11 +4,12 @@ DSL import, so that the host package reads them from here without loading the DS
 import math
 
 HEAD_ALIGNMENT = 64
-"""Query heads per CTA (one token's head group, one WGMMA M tile): the head count must be a multiple."""
+"""Query heads per tile (one token's head group, one WGMMA M tile): a token of h heads is ceil(h / 64)
+tiles, the last one partly filled when 64 does not divide h."""
 
 SMALL_HEAD_COUNTS = (8, 16, 32)
-"""Head counts the small-head kernel runs as they are (a tile is all of one token's heads); any other head
-count that is not a multiple of ``HEAD_ALIGNMENT`` is padded up to one."""
+"""Head counts the small-head kernel runs (a tile is all of one token's heads); any other head count runs
+in tiles of ``HEAD_ALIGNMENT`` heads."""
 
 TOPK_ALIGNMENT = 128
 """Top-k slots per gathered pair of KV blocks: ``indices.shape[-1]`` must be a multiple."""

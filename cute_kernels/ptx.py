@@ -146,6 +146,22 @@ def st_global_u32(gmem_addr, value, *, loc=None, ip=None) -> None:
 
 
 @dsl_user_op
+def st_global_u32_if(gmem_addr, value, store, *, loc=None, ip=None) -> None:
+    """``st_global_u32`` when ``store`` (an Int32) is non-zero: a predicated store, no branch."""
+    inline_asm(
+        None,
+        [
+            Int64(gmem_addr).ir_value(loc=loc, ip=ip),
+            Uint32(value).ir_value(loc=loc, ip=ip),
+            Int32(store).ir_value(loc=loc, ip=ip),
+        ],
+        "{ .reg .pred p; setp.ne.b32 p, $2, 0; @p st.global.b32 [$0], $1; }",
+        "l,r,r",
+        True,
+    )
+
+
+@dsl_user_op
 def pack_f16x2(x0, x1, *, loc=None, ip=None) -> Uint32:
     """Two f32 rounded to f16 (RN) and packed, x0 in the low half."""
     return Uint32(
@@ -274,6 +290,20 @@ def st_global_v2_f32(gmem_addr, x0, x1, *, loc=None, ip=None) -> None:
         [Int64(gmem_addr).ir_value(loc=loc, ip=ip)] + [Float32(x).ir_value(loc=loc, ip=ip) for x in (x0, x1)],
         "st.global.v2.f32 [$0], {$1, $2};",
         "l,f,f",
+        True,
+    )
+
+
+@dsl_user_op
+def st_global_v2_f32_if(gmem_addr, x0, x1, store, *, loc=None, ip=None) -> None:
+    """``st_global_v2_f32`` when ``store`` (an Int32) is non-zero: a predicated store, no branch."""
+    inline_asm(
+        None,
+        [Int64(gmem_addr).ir_value(loc=loc, ip=ip)]
+        + [Float32(x).ir_value(loc=loc, ip=ip) for x in (x0, x1)]
+        + [Int32(store).ir_value(loc=loc, ip=ip)],
+        "{ .reg .pred p; setp.ne.b32 p, $3, 0; @p st.global.v2.f32 [$0], {$1, $2}; }",
+        "l,f,f,r",
         True,
     )
 

@@ -1,11 +1,10 @@
 """One eager call of the sparse prefill: the C++ fast path when it takes the call, else the Python path.
 
 ``run`` is what ``sparse_mla_q8kv8_prefill_fwd`` and the custom ops' implementations execute. The Python
-path checks the call (``q8kv8.contract``), pads the head count to the kernel's multiple of 64 (zero query
-heads, e4m3 or bf16; 8, 16 or 32 heads run the small-head kernel unpadded), allocates the
-outputs and launches the kernel (``q8kv8.kernels``); its first launch of each kernel variant on a GPU
-registers both with the fast path (``q8kv8.native``), which then takes such calls (not the small-head
-ones: the fast path takes head counts that are multiples of 64).
+path checks the call (``q8kv8.contract``), allocates the outputs and launches the kernel (``q8kv8.kernels``;
+any head count as it is: 8, 16 or 32 heads run the small-head kernel, others tiles of 64 heads, a token's
+last tile partly filled); its first launch of each kernel variant on a GPU registers both with the fast path
+(``q8kv8.native``), which then takes such calls (not the small-head ones).
 """
 
 import contextlib
@@ -16,7 +15,7 @@ import torch
 
 from q8kv8 import contract, native, schedule
 from q8kv8.contract import check_inputs, check_ranges_enabled, check_topk_length_range
-from q8kv8.metadata import fp8_kernel_heads, small_heads
+from q8kv8.metadata import small_heads
 from q8kv8.prefill_call import PrefillCall
 
 
@@ -47,42 +46,29 @@ def run(call: PrefillCall) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         lse.fill_(math.inf)
         return out, max_logits, lse
 
-    h_kernel = fp8_kernel_heads(h_q)
-    if h_kernel == h_q:
-        kernel_q, kernel_sink = q, attn_sink
-        kernel_out, kernel_max_logits, kernel_lse = out, max_logits, lse
-    else:
-        kernel_q = _pad_dim(q, 1, h_kernel, 0.0)
-        kernel_sink = None if attn_sink is None else _pad_dim(attn_sink, 0, h_kernel, -math.inf)
-        kernel_out, kernel_max_logits, kernel_lse = output_buffers(q, h_kernel, problem.d_v)
-
     kernels = sys.modules.get("q8kv8.kernels") or _import_kernels()
-    ready = problem.launch_ready and h_kernel == h_q  # the contract saw these tensors meet the launch's needs
+    ready = problem.launch_ready  # the contract saw these tensors meet the launch's needs
     if not ready:
-        kernel_q = kernel_q.contiguous()
+        q = q.contiguous()
         topk_length = None if topk_length is None else topk_length.contiguous()
-        kernel_sink = None if kernel_sink is None else kernel_sink.contiguous()
+        attn_sink = None if attn_sink is None else attn_sink.contiguous()
     variant = kernels.launch_sparse_prefill(
-        kernel_q,
+        q,
         call.kv,
         call.indices,
         topk_length,
-        kernel_sink,
+        attn_sink,
         call.q_scale,
         call.kv_scale,
         float(call.sm_scale),
-        kernel_out,
-        kernel_max_logits,
-        kernel_lse,
+        out,
+        max_logits,
+        lse,
         call.precision,
         problem.tiles_per_cta,
         ready,
         problem.splits,
     )
-    if h_kernel != h_q:
-        out.copy_(kernel_out[:, :h_q])
-        max_logits.copy_(kernel_max_logits[:, :h_q])
-        lse.copy_(kernel_lse[:, :h_q])
     # The call's device (the contract checked): Tensor.is_cuda is the cheap test. The fast path has no
     # small-head variants.
     if q.is_cuda and not small_heads(h_q):
@@ -131,13 +117,6 @@ def _forced_schedule(tiles: int | None, splits: int):
     finally:
         schedule.forced, schedule.forced_splits = previous
         contract.clear_memo()
-
-
-def _pad_dim(tensor: torch.Tensor, dim: int, size: int, value: float) -> torch.Tensor:
-    """``tensor`` extended along ``dim`` to ``size`` with ``value`` (a new contiguous tensor)."""
-    padding_shape = list(tensor.shape)
-    padding_shape[dim] = size - tensor.shape[dim]
-    return torch.cat([tensor, tensor.new_full(padding_shape, value)], dim=dim)
 
 
 def _import_kernels():

@@ -57,7 +57,8 @@ def info() -> dict:
             f"{schedule.PERSISTENT_MAX_TILES_PER_CTA} tiles per CTA",
             "split": f"one-tile grids of fewer tiles than half the SMs: each tile in up to "
             f"{schedule.SPLIT_MAX_PARTS} parts of >= {schedule.SPLIT_MIN_SLOTS} index slots",
-            "small_heads": f"h_q in {metadata.SMALL_HEAD_COUNTS}: the small-head kernel, no head padding, "
+            "small_heads": f"h_q in {metadata.SMALL_HEAD_COUNTS}: the small-head kernel (a tile is a "
+            "token's heads), "
             f"persistent: up to {schedule.SMALL_HEAD_MAX_TILES_PER_CTA} tokens per CTA, the count that keeps "
             "the fewest tokens in a row on an SM",
         },

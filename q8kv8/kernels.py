@@ -9,8 +9,8 @@ tensors (it launches on the caller's current CUDA stream):
   flags. Its variants for a bfloat16 q (quantised per row in the kernel) are built on first use (or by
   ``load_bf16_q_variants()``), and so are its split variants (a short grid: each tile computed by several
   CTAs, ``q8kv8.schedule.splits``) with the kernel that merges their partial results, and its small-head
-  variants (8, 16 or 32 heads: S^T with the heads on the WGMMA's N side, no padding to 64 heads; persistent,
-  ``q8kv8.schedule.small_head_tiles_per_cta`` tokens per CTA);
+  variants (8, 16 or 32 heads: S^T with the heads on the WGMMA's N side, a tile is a token's heads;
+  persistent, ``q8kv8.schedule.small_head_tiles_per_cta`` tokens per CTA);
 - the paged-cache gather, the query cast and the bf16 attention kernel of the serving path, built on first
   use (or by ``load_serving_variants()``).
 """
@@ -34,6 +34,7 @@ from q8kv8.metadata import (
     SINK_FLAG,
     SMALL_HEAD_COUNTS,
     TOPK_LENGTH_FLAG,
+    head_groups,
     small_heads,
 )
 from q8kv8.metadata import SUPPORTED_D_QK as D_QK_VARIANTS
@@ -409,16 +410,16 @@ def launch_sparse_prefill(
     splits: int = 1,
 ) -> Variant:
     """Launch the kernel on validated tensors: q (e4m3 or bfloat16), out, max_logits, lse row-major with a
-    head count that is a multiple of 64 (or one of ``SMALL_HEAD_COUNTS``: the small-head variant, a
-    persistent kernel); kv and indices with a contiguous last dimension; one-element scales,
-    ``q_scale`` None for a bfloat16 q (the variant for a bfloat16 q is then built on its first launch).
-    ``schedule``: ``tiles_per_cta``'s (small heads: ``small_head_tiles_per_cta``'s) answer when the caller
-    has it (the contract memoises it), else computed here. ``ready``: the caller knows that q, kv and out meet
-    the alignments of ``q8kv8.metadata`` (``contract.Problem.launch_ready``), so they are not checked again
-    (else misaligned tensors are copied to aligned ones). ``splits`` > 1 (``q8kv8.schedule.splits``'s
+    head count (one of ``SMALL_HEAD_COUNTS``: the small-head variant, a persistent kernel; any other: tiles of
+    64 heads, a token's last one partly filled); kv and indices with a contiguous last dimension; one-element
+    scales, ``q_scale`` None for a bfloat16 q (the variant for a bfloat16 q is then built on its first
+    launch). ``schedule``: ``tiles_per_cta``'s (small heads: ``small_head_tiles_per_cta``'s) answer when the
+    caller has it (the contract memoises it), else computed here. ``ready``: the caller knows that q, kv and
+    out meet the alignments of ``q8kv8.metadata`` (``contract.Problem.launch_ready``), so they are not checked
+    again (else misaligned tensors are copied to aligned ones). ``splits`` > 1 (``q8kv8.schedule.splits``'s
     answer; only with the one-tile schedule): the split variant computes each tile as ``splits`` partial
-    results, in float32 buffers allocated here, which the merge kernel combines into out, max_logits and
-    lse. Returns the (attention) variant it launched."""
+    results, in float32 buffers allocated here, which the merge kernel combines into out, max_logits and lse.
+    Returns the (attention) variant it launched."""
     tiles = schedule
     small = small_heads(q.shape[1])
     if small:
@@ -427,7 +428,7 @@ def launch_sparse_prefill(
         tiles = small_head_tiles_per_cta(q.shape[0], q.get_device())
     elif tiles is None:
         tiles = tiles_per_cta(
-            q.shape[0] * (q.shape[1] // HEAD_ALIGNMENT),
+            q.shape[0] * head_groups(q.shape[1]),
             indices.shape[2],
             topk_length is not None,
             precision,
@@ -703,7 +704,7 @@ def launch_sparse_prefill_bf16(
     q, kv, indices, topk_length, attn_sink, sm_scale, out, max_logits, lse
 ) -> None:
     """Launch the bf16 kernel on validated tensors (the hook ``serving._cuda_attention_bf16`` calls):
-    q [s_q, h, d_qk] bf16 row-major with h a multiple of 64, kv [s_kv, 1, d_qk] bf16 (last dim
+    q [s_q, h, d_qk] bf16 row-major (any h), kv [s_kv, 1, d_qk] bf16 (last dim
     contiguous), indices [s_q, 1, topk] int32 (last dim contiguous, topk a multiple of 128),
     topk_length [s_q] int32 or None, attn_sink [h] float32 or None, out [s_q, h, 512] bf16, max_logits
     and lse [s_q, h] float32, all row-major. Launches on the current stream; no host sync."""

@@ -49,21 +49,21 @@ PAD_INDEX = -1
 
 
 def small_heads(h_q: int) -> bool:
-    """Whether a call with ``h_q`` heads runs the small-head kernel (no padding)."""
+    """Whether a call with ``h_q`` heads runs the small-head kernel (a tile is all heads of a token)."""
     return h_q in SMALL_HEAD_COUNTS
 
 
+def head_groups(h_q: int) -> int:
+    """The tiles of 64 heads of a token of ``h_q`` heads (not small heads): ceil(h_q / 64)."""
+    return -(-h_q // HEAD_ALIGNMENT)
+
+
 def padded_num_heads(h_q: int) -> int:
-    """The head count the kernel runs with: ``h_q`` rounded up to a multiple of 64."""
+    """``h_q`` rounded up to a multiple of 64: the head count of the head-padded Q buffers of SGLang's
+    interface (``q8kv8.sglang``). The kernels themselves take any head count as it is."""
     if h_q < 1:
         raise ValueError(f"h_q: expected at least 1 head, got {h_q}")
     return -(-h_q // HEAD_ALIGNMENT) * HEAD_ALIGNMENT
-
-
-def fp8_kernel_heads(h_q: int) -> int:
-    """The head count the FP8 kernel runs a call of ``h_q`` heads with: ``h_q`` itself when it is a multiple
-    of 64 (0 included) or one of ``SMALL_HEAD_COUNTS`` (the small-head kernel), else ``padded_num_heads``."""
-    return h_q if h_q % HEAD_ALIGNMENT == 0 or small_heads(h_q) else padded_num_heads(h_q)
 
 
 def pad_topk(indices: torch.Tensor) -> torch.Tensor:

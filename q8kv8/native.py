@@ -57,6 +57,7 @@ def constants() -> dict:
     return {
         "fields": PrefillCall._fields,
         "supported_d_qk": metadata.SUPPORTED_D_QK,
+        "small_head_counts": metadata.SMALL_HEAD_COUNTS,
         "q_dtypes": metadata.Q_DTYPES,
         "row_scaled_q_dtypes": metadata.ROW_SCALED_Q_DTYPES,
         "d_v": metadata.D_V,

@@ -1,4 +1,4 @@
-"""The query side of the serving path: Q cast to e4m3 into head-padded buffers, its scale, head padding.
+"""The query side of SGLang's interface: Q cast to e4m3 into head-padded buffers, and its scale.
 
 On a GPU ``cast_q_fp8`` is one CuTe DSL kernel (``cute_kernels/sm90/q_cast.py``); on CPU PyTorch does the
 same, bit for bit. No host sync.
@@ -6,7 +6,6 @@ same, bit for bit. No host sync.
 
 from __future__ import annotations
 
-import math
 import numbers
 
 import torch
@@ -87,31 +86,3 @@ def dynamic_q_scale(q: torch.Tensor) -> torch.Tensor:
     amax = q.detach().abs().amax().float() if q.numel() else q.new_zeros((), dtype=torch.float32)
     tiny = torch.finfo(torch.float32).tiny
     return torch.exp2(torch.ceil(torch.log2(torch.clamp_min(amax / E4M3_MAX, tiny)))).reshape(1)
-
-
-def pad_attn_sink(attn_sink: torch.Tensor, num_heads: int, out: torch.Tensor | None = None) -> torch.Tensor:
-    """``attn_sink`` ([h] float32) extended to ``num_heads`` with -inf (padding heads have no sink)."""
-    if not isinstance(attn_sink, torch.Tensor) or attn_sink.dtype != torch.float32 or attn_sink.dim() != 1:
-        raise TypeError("attn_sink: expected a 1-D float32 tensor [h]")
-    h = attn_sink.shape[0]
-    if num_heads < h:
-        raise ValueError(f"num_heads: expected at least {h} (the sink's heads), got {num_heads}")
-    if out is None:
-        out = torch.empty(num_heads, dtype=torch.float32, device=attn_sink.device)
-    else:
-        check_buffer("out", out, (num_heads,), torch.float32)
-    out[:h].copy_(attn_sink)
-    out[h:].fill_(-math.inf)
-    return out
-
-
-def pad_q_heads(q: torch.Tensor, num_heads: int, out: torch.Tensor | None = None) -> torch.Tensor:
-    """``q`` ([s_q, h, d]) extended to ``num_heads`` heads with zeros, same dtype."""
-    s_q, h, d = q.shape
-    if out is None:
-        out = torch.empty((s_q, num_heads, d), dtype=q.dtype, device=q.device)
-    else:
-        check_buffer("out", out, (s_q, num_heads, d), q.dtype)
-    out[:, :h].copy_(q)
-    out[:, h:].zero_()
-    return out

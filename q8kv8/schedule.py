@@ -1,13 +1,13 @@
 """Which kernel schedule a call runs: one tile per CTA, the persistent kernel walking several, or the split
 kernel computing each tile as several CTAs.
 
-The persistent kernel (``cute_kernels/sm90/sparse_prefill.py``, ``persistent=True``: each CTA walks up to
-four (token, 64 heads) tiles; its producer loads the next tile's Q and gathers its first rows during the
-current tile's tail, and the current tile's out stores drain during the next tile's math) pays on short
-tiles and costs on long ones (docs/perf-notes.md has the measurements). So it runs, for either precision,
-when topk <= 512 or topk_length is given (short rows are what topk_length is for), with
-min(4, tiles // (4 * SMs)) tiles per CTA when that is at least 2 (the grid keeps four waves of CTAs or
-more). Results are bitwise those of the one-tile kernel, so the choice only ever changes the time.
+The persistent kernel (``cute_kernels/sm90/sparse_prefill.py``, ``persistent=True``: each CTA walks up to four
+(token, 64 heads) tiles (a token of h_q heads has ceil(h_q / 64)); its producer loads the next tile's Q and
+gathers its first rows during the current tile's tail, and the current tile's out stores drain during the next
+tile's math) pays on short tiles and costs on long ones (docs/perf-notes.md has the measurements). So it runs,
+for either precision, when topk <= 512 or topk_length is given (short rows are what topk_length is for), with
+min(4, tiles // (4 * SMs)) tiles per CTA when that is at least 2 (the grid keeps four waves of CTAs or more).
+Results are bitwise those of the one-tile kernel, so the choice only ever changes the time.
 
 A short grid (fewer tiles than half the SMs: a short prefill chunk) leaves SMs idle. Then each tile is split
 into ``splits`` ranges of index slots, one CTA each (``sparse_prefill.py``, ``split=True``), and a small
@@ -17,7 +17,7 @@ The partial results are float32 (2 KiB per row and range, in L2 at these sizes);
 order, so results are the same bits on every run (not those of the one-tile kernel).
 
 A call with 8, 16 or 32 heads (``q8kv8.metadata.small_heads``) runs the small-head kernel
-(``sparse_prefill.py``, ``heads=h_q``: a tile is one token's heads, no padding to 64 heads), always
+(``sparse_prefill.py``, ``heads=h_q``: a tile is one token's heads), always
 persistent: a tile gathers as many rows as a 64-head one for a fraction of its math, so the per-CTA fixed cost
 (Q load, the first gather's latency, the epilogue) is a large share of it, and a CTA that walks several tokens
 overlaps it with the next token's gather. ``small_head_tiles_per_cta`` tokens per CTA: the count up to 8 that
@@ -29,7 +29,7 @@ with the rest of the verdict), so a repeated call pays nothing for it.
 
 import torch
 
-from q8kv8.metadata import HEAD_ALIGNMENT, padded_num_heads, small_heads
+from q8kv8.metadata import head_groups, small_heads
 
 ONE_TILE, PERSISTENT, SPLIT = 0, 1, 2
 """The schedule kinds (a launch's kernel variant): one tile per CTA, persistent, split."""
@@ -101,12 +101,12 @@ def splits(num_tiles: int, topk: int, device_index: int) -> int:
 def choose(
     s_q: int, h_q: int, topk: int, has_topk_length: bool, precision: str, device_index: int
 ) -> tuple[int, int]:
-    """``(tiles_per_cta, splits)`` of a call of ``s_q`` tokens, ``h_q`` heads (padded to a multiple of 64)
+    """``(tiles_per_cta, splits)`` of a call of ``s_q`` tokens, ``h_q`` heads (ceil(h_q / 64) tiles a token)
     and ``topk`` slots on CUDA device ``device_index``: the small-head rule for small heads, else the
     persistent rule first, the split rule for a one-tile launch."""
     if small_heads(h_q):
         return small_head_tiles_per_cta(s_q, device_index), 1
-    num_tiles = s_q * (padded_num_heads(h_q) // HEAD_ALIGNMENT)
+    num_tiles = s_q * head_groups(h_q)
     tiles = tiles_per_cta(num_tiles, topk, has_topk_length, precision, device_index)
     return tiles, splits(num_tiles, topk, device_index) if tiles == 0 else 1
 

@@ -2,9 +2,8 @@
 
 ``SparsePrefill.forward`` = ``q8kv8.paged_gather`` (the rows a batch attends, from the paged cache into a
 reusable ``q8kv8.workspace.SparsePrefillWorkspace``) + ``sparse_mla_q8kv8_prefill_fwd`` on the bfloat16 Q
-(which the kernel quantises to e4m3 itself, one power-of-two scale per (token, head) row; 8, 16 or 32 heads
-as they are, other heads padded to a multiple of 64 into a reusable buffer only when they are not one
-already) + slicing the padded heads off.
+(which the kernel quantises to e4m3 itself, one power-of-two scale per (token, head) row; any head count as
+it is, copied into a reusable buffer only when it is not contiguous).
 The cache layouts are described in ``q8kv8.kv_layout``.
 
 Nothing here syncs with the GPU: arguments are checked on shapes, dtypes, strides and devices
@@ -25,9 +24,8 @@ import torch
 
 from q8kv8.arguments import require_int
 from q8kv8.kv_layout import LAYOUT_BY_BYTES_PER_TOKEN, KvCacheLayout
-from q8kv8.metadata import D_V, fp8_kernel_heads, pad_topk, padded_num_heads, topk_length_from_seqlens
+from q8kv8.metadata import D_V, pad_topk, topk_length_from_seqlens
 from q8kv8.paged_gather import gather_dequant_paged
-from q8kv8.query import pad_attn_sink, pad_q_heads
 from q8kv8.workspace import SparsePrefillWorkspace, _ReusableBuffer
 
 BACKENDS = ("auto", "bf16", "fp8")
@@ -63,7 +61,7 @@ def _cuda_attention_fp8(q, kv, indices, sm_scale, q_scale, kv_scale, attn_sink, 
 def _cuda_attention_bf16(q, kv, indices, sm_scale, attn_sink, topk_length):
     """The bf16 kernel (``cute_kernels/sm90/sparse_prefill_bf16.py``) through
     ``q8kv8.kernels.launch_sparse_prefill_bf16(q, kv, indices, topk_length, attn_sink, sm_scale, out,
-    max_logits, lse)``: q [s_q, h, d_qk] bf16 row-major with h a multiple of 64, kv [s_kv, 1, d_qk] bf16,
+    max_logits, lse)``: q [s_q, h, d_qk] bf16 row-major (any h >= 1), kv [s_kv, 1, d_qk] bf16,
     indices [s_q, 1, topk] int32 (topk a multiple of 128), topk_length [s_q] int32 or None, attn_sink
     [h] float32 or None, out [s_q, h, 512] bf16, max_logits and lse [s_q, h] float32.
     """
@@ -148,7 +146,6 @@ class SparsePrefill:
         self.workspace = workspace
         self.kernels = kernels if kernels is not None else cuda_kernels()
         self._q = _ReusableBuffer()
-        self._sink = _ReusableBuffer()
         self._ones: dict[torch.device, torch.Tensor] = {}
 
     def forward(
@@ -190,11 +187,10 @@ class SparsePrefill:
             sm_scale: softmax scale.
             attn_sink: optional [h] float32 per-head sink.
 
-        Returns ``out`` [s_q, h, 512] bfloat16, ``max_logits`` and ``lse`` [s_q, h] float32 (the
-        contract of ``sparse_mla_q8kv8_prefill_fwd``; views of head-padded results when h is not a
-        multiple of 64). The FP8 backend hands the kernel the bfloat16 Q, which it quantises to e4m3
-        itself with a power-of-two scale per (token, head) row (``q8kv8.reference.quantize_q_rows``), and
-        the KV rows in e4m3 with scale 1.0 after dequantisation.
+        Returns ``out`` [s_q, h, 512] bfloat16, ``max_logits`` and ``lse`` [s_q, h] float32 (the contract of
+        ``sparse_mla_q8kv8_prefill_fwd``). The FP8 backend hands the kernel the bfloat16 Q, which it quantises
+        to e4m3 itself with a power-of-two scale per (token, head) row (``q8kv8.reference.quantize_q_rows``),
+        and the KV rows in e4m3 with scale 1.0 after dequantisation.
         """
         layout, page_size = paged_cache_geometry(cache)
         s_q, h, d_qk = self._check(q, cache, layout, page_table, indices, seqlens, sm_scale, attn_sink)
@@ -203,21 +199,17 @@ class SparsePrefill:
         indices = pad_topk(indices)
         topk_length = topk_length_for(seqlens, compress_ratio, indices.shape[2])
         num_rows = page_table.shape[0]
-        # The FP8 kernel runs 8, 16 or 32 heads as they are (small-head kernel); the bf16 kernel pads them.
-        h_pad = (fp8_kernel_heads if self.backend == "fp8" else padded_num_heads)(max(h, 1))
         kv_dtype = torch.float8_e4m3fn if self.backend == "fp8" else torch.bfloat16
         if self.workspace is None:
             self.workspace = SparsePrefillWorkspace(q.device, d_qk)
         kv = self.workspace.get(num_rows + self.extra_rows, kv_dtype, d_qk)
         self.kernels.gather(cache, page_table, page_size, layout, kv_dtype, self.extra_rows, kv)
         kv = kv[:num_rows]
-        sink = None
-        if attn_sink is not None:
-            sink = pad_attn_sink(attn_sink, h_pad, self._sink.view((h_pad,), torch.float32, q.device))
-        if h_pad == h and q.is_contiguous():
-            kernel_q = q  # the kernels read bfloat16 Q as it is
-        else:
-            kernel_q = pad_q_heads(q, h_pad, self._q.view((s_q, h_pad, d_qk), torch.bfloat16, q.device))
+        sink = None if attn_sink is None else attn_sink.contiguous()
+        kernel_q = q  # the kernels read bfloat16 Q as it is, any head count
+        if not q.is_contiguous():
+            kernel_q = self._q.view((s_q, h, d_qk), torch.bfloat16, q.device)
+            kernel_q.copy_(q)
         if self.backend == "fp8":
             out, max_logits, lse = self.kernels.attention_fp8(
                 kernel_q, kv, indices, sm_scale, None, self._one(q.device), sink, topk_length
@@ -226,8 +218,6 @@ class SparsePrefill:
             out, max_logits, lse = self.kernels.attention_bf16(
                 kernel_q, kv, indices, sm_scale, sink, topk_length
             )
-        if h_pad != h:
-            out, max_logits, lse = out[:, :h], max_logits[:, :h], lse[:, :h]
         return out, max_logits, lse
 
     __call__ = forward

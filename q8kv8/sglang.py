@@ -4,8 +4,8 @@ An engine written against SGLang's ``sparse_mla_q8kv8_prefill_fwd`` and its Deep
 (``q8kv8_padded_num_heads``, ``cast_q_fp8_for_q8kv8_prefill``, ``gather_dequant_requant_fp8_paged``) can
 import these instead; each is built on q8kv8's own function and keeps SGLang's arguments and results:
 
-- ``q8kv8_padded_num_heads(num_heads)``: the head count the kernel runs (a multiple of 64; q8kv8 has no
-  upper bound).
+- ``q8kv8_padded_num_heads(num_heads)``: ``num_heads`` rounded up to a multiple of 64, the head count of
+  the head-padded buffers SGLang's wrapper passes (q8kv8 also takes any head count unpadded).
 - ``cast_q_fp8_for_q8kv8_prefill(q, padded_num_heads=None, out=None) -> (q_fp8, q_scale)``: Q cast to e4m3
   with scale 1.0 (rounded to nearest even, saturating at +-448) into a head-padded buffer whose padding
   heads are zero; ``q_scale`` is a 0-d float32 one.
@@ -43,7 +43,7 @@ FP8 = torch.float8_e4m3fn
 
 
 def q8kv8_padded_num_heads(num_heads: int) -> int:
-    """``num_heads`` rounded up to a multiple of 64 (the kernel's head group); ValueError unless positive."""
+    """``num_heads`` rounded up to a multiple of 64 (a tile's heads); ValueError unless positive."""
     if isinstance(num_heads, bool) or not isinstance(num_heads, numbers.Integral) or num_heads <= 0:
         raise ValueError(f"num_heads must be positive, got {num_heads!r}")
     return padded_num_heads(int(num_heads))

@@ -685,7 +685,7 @@ def test_topk_length_out_of_range_raises(values, low, high):
         (4096, 64, 2048, False, "default", 0),
         (4096, 64, 512, False, "accurate", 4),
         (4096, 64, 2048, False, "accurate", 0),
-        (1100, 48, 512, False, "default", 2),  # 48 heads run as 64
+        (1100, 48, 512, False, "default", 2),  # 48 heads: one tile of 64 rows a token
         (4096, 16, 512, False, "default", 8),  # the small-head kernel: 8 tokens per CTA
         (100, 16, 2048, False, "default", 1),  # and one for a short grid
         (1024, 64, 512, False, "default", 0),

@@ -13,7 +13,7 @@ import torch
 from reference_checks import assert_outputs_match, with_every_invalid_index_kind
 
 from q8kv8 import sparse_mla_q8kv8_prefill_fwd, topk_length_from_seqlens
-from q8kv8.eager import forced_tiles_per_cta
+from q8kv8.eager import forced_splits, forced_tiles_per_cta
 from q8kv8.reference import sparse_mla_prefill_reference
 
 pytestmark = pytest.mark.gpu
@@ -105,9 +105,48 @@ def test_zero_and_negative_scales(make_inputs, q_scale, kv_scale):
 
 
 @pytest.mark.parametrize("h_q", [16, 48, 96])
-def test_head_counts_padded(make_inputs, h_q):
+def test_head_counts_not_a_multiple_of_64(make_inputs, h_q):
     inputs = make_inputs(9, h_q, 1000, 576, 128, device="cuda", with_sink=True, with_topk_length=True)
     assert_matches_reference(run_kernel(inputs), inputs)
+
+
+SCHEDULES = {
+    "one tile": lambda: forced_tiles_per_cta(0),
+    "persistent": lambda: forced_tiles_per_cta(2),
+    "split": lambda: forced_splits(2),
+}
+
+
+@pytest.mark.parametrize("schedule", list(SCHEDULES))
+@pytest.mark.parametrize("q_dtype", [torch.float8_e4m3fn, torch.bfloat16], ids=["e4m3", "bf16"])
+@pytest.mark.parametrize("precision", ["default", "accurate"])
+@pytest.mark.parametrize("h_q", [3, 48, 100])
+def test_partly_filled_head_tiles_write_only_their_heads(make_inputs, h_q, precision, q_dtype, schedule):
+    """h_q not a multiple of 64: a token's last tile of 64 rows holds fewer of its heads (the other rows are
+    the next token's heads, zeros past q's end). Every schedule and q dtype matches the reference, writes
+    every output row (poisoned before) and nothing past the outputs' last row."""
+    s_q = 7
+    inputs = make_inputs(
+        s_q, h_q, 1000, 576, 256, device="cuda", with_sink=True, with_topk_length=True, q_dtype=q_dtype
+    )
+    inputs["topk_length"][2] = 0  # a token without a valid slot: the sentinels
+    poisoned = (
+        torch.full((s_q + 1, h_q, 512), math.nan, dtype=torch.bfloat16, device="cuda"),
+        torch.full((s_q + 1, h_q), math.nan, device="cuda"),
+        torch.full((s_q + 1, h_q), math.nan, device="cuda"),
+    )
+    with SCHEDULES[schedule]():
+        result = run_kernel(
+            inputs,
+            precision=precision,
+            out=poisoned[0][:s_q],
+            max_logits=poisoned[1][:s_q],
+            lse=poisoned[2][:s_q],
+        )
+    tolerance = ACCURATE_OUT_TOLERANCE if precision == "accurate" else OUT_TOLERANCE
+    assert_matches_reference(result, inputs, out_tolerance=tolerance)
+    for buffer in poisoned:  # the row past the outputs: untouched
+        assert buffer[s_q].isnan().all()
 
 
 def test_poisoned_outputs_fully_written(make_inputs):

@@ -176,6 +176,9 @@ def python_path_launch(fast, args: dict):
         (40, 128, 2048, True, False),  # full rows: the one-tile kernel
         (1, 64, 2048, True, True),  # 1 tile on 2 stand-in SMs: split in 2, then merged
         (1, 64, 512, False, False),
+        (5, 48, 256, True, True),  # a token's heads in one partly filled tile
+        (20, 48, 512, True, True),  # 20 tiles: 2 per CTA
+        (3, 96, 512, True, False),  # two tiles a token, the second partly filled
     ],
 )
 def test_launches_what_the_python_path_launches(
@@ -316,7 +319,7 @@ def _declined_cases(args: dict, randn_fp8) -> dict:
     for name in ("out", "max_logits", "lse"):
         h16[name] = args[name][:, :16].clone()
     return {
-        "heads need padding": h16,
+        "small heads": h16,
         "q misaligned": {**args, "q": offset_by(args["q"], 1)},
         "q strided": {**args, "q": args["q"].transpose(0, 1).contiguous().transpose(0, 1)},
         "kv misaligned": {**args, "kv": offset_by(args["kv"], 8)},
@@ -359,7 +362,7 @@ class StrSubclass(str):
 @pytest.mark.parametrize(
     "case",
     [
-        "heads need padding", "q misaligned", "q strided", "kv misaligned", "kv row stride", "out misaligned",
+        "small heads", "q misaligned", "q strided", "kv misaligned", "kv row stride", "out misaligned",
         "topk_length strided", "attn_sink strided", "empty kv", "q_scale 0-d", "kv_scale [1, 1]",
         "sm_scale an int", "no out buffer", "no lse buffer", "q on another device", "q a subclass",
         "q_scale a negative view", "attn_sink a negative view", "sm_scale a float subclass",
@@ -376,13 +379,13 @@ def test_declines_what_needs_the_python_path(fast, valid_args, randn_fp8, case):
 
 def _bf16_q_declined_cases(args: dict) -> dict:
     """Valid bfloat16-q calls that the fast path must leave to Python."""
-    h48 = dict(args)
-    h48["q"] = args["q"][:, :48].contiguous()
-    h48["attn_sink"] = args["attn_sink"][:48].contiguous()
+    h16 = dict(args)
+    h16["q"] = args["q"][:, :16].contiguous()
+    h16["attn_sink"] = args["attn_sink"][:16].contiguous()
     for name in ("out", "max_logits", "lse"):
-        h48[name] = args[name][:, :48].clone()
+        h16[name] = args[name][:, :16].clone()
     return {
-        "heads need padding": h48,
+        "small heads": h16,
         "q 8 bytes off 16": {**args, "q": offset_by(args["q"], 8)},
         "q strided": {**args, "q": args["q"].transpose(0, 1).contiguous().transpose(0, 1)},
         "q a negative view": {**args, "q": torch._neg_view(args["q"])},
@@ -394,7 +397,7 @@ def _bf16_q_declined_cases(args: dict) -> dict:
 
 @pytest.mark.parametrize(
     "case",
-    ["heads need padding", "q 8 bytes off 16", "q strided", "q a negative view", "q a subclass", "empty kv",
+    ["small heads", "q 8 bytes off 16", "q strided", "q a negative view", "q a subclass", "empty kv",
      "no out buffer"],
 )  # fmt: skip
 def test_declines_bf16_q_calls_that_need_the_python_path(fast, valid_bf16_q_args, case):
@@ -458,7 +461,7 @@ def test_decline_reason_names_the_check(fast, valid_args, monkeypatch):
     assert reason(call) == ""
     assert reason(call._replace(d_v=256)) == f"d_v is not the Python int {D_V}"
     assert reason(call._replace(lse=valid_args["max_logits"])) == "two output buffers overlap"
-    assert "needs padding" in reason(call._replace(q=valid_args["q"][:, :16]))
+    assert "small-head" in reason(call._replace(q=valid_args["q"][:, :16]))
     assert reason(call._replace(q=valid_args["q"].as_subclass(TensorSubclass))).startswith(
         "q is not a tensor"
     )

@@ -21,7 +21,7 @@ from reference_checks import assert_outputs_match
 
 from q8kv8 import kv_layout, paged_gather, query, serving
 from q8kv8.paged_gather import gather_dequant_requant_fp8_paged
-from q8kv8.query import cast_q_fp8, dynamic_q_scale, pad_attn_sink
+from q8kv8.query import cast_q_fp8, dynamic_q_scale
 from q8kv8.reference import gather_dequant_paged_reference, reference_kernels, sparse_mla_prefill_reference
 from q8kv8.serving import SparsePrefill
 from q8kv8.workspace import SparsePrefillWorkspace, indexed_device
@@ -321,14 +321,6 @@ def test_dynamic_q_scale_is_the_smallest_sufficient_power_of_two(generator):
     assert dynamic_q_scale(torch.zeros(2, 3, 512, dtype=BF16)).item() == torch.finfo(torch.float32).tiny
 
 
-def test_pad_attn_sink():
-    sink = torch.tensor([0.5, -1.0, 2.0])
-    padded = pad_attn_sink(sink, 64)
-    assert torch.equal(padded[:3], sink) and (padded[3:] == -math.inf).all()
-    out = torch.zeros(64)
-    assert pad_attn_sink(sink, 64, out) is out and torch.equal(out, padded)
-
-
 @pytest.mark.parametrize("h", [3, 64, 100])
 def test_padded_heads_do_not_change_real_heads(generator, h):
     """The float64 reference on the padded Q (zero heads) and sink (-inf) equals the unpadded call."""
@@ -339,9 +331,8 @@ def test_padded_heads_do_not_change_real_heads(generator, h):
     topk_length = torch.tensor([0, 5, 128, 64, 1, 100], dtype=torch.int32)
     scale = dynamic_q_scale(q)
     q8 = cast_q_fp8(q, scale)
-    padded = sparse_mla_prefill_reference(
-        q8, kv, indices, 0.04, scale, 1.0, 512, pad_attn_sink(sink, q8.shape[1]), topk_length
-    )
+    padded_sink = torch.cat([sink, torch.full((q8.shape[1] - h,), -math.inf)])
+    padded = sparse_mla_prefill_reference(q8, kv, indices, 0.04, scale, 1.0, 512, padded_sink, topk_length)
     plain = sparse_mla_prefill_reference(q8[:, :h], kv, indices, 0.04, scale, 1.0, 512, sink, topk_length)
     for a, b in zip(padded, plain, strict=True):
         assert torch.allclose(a[:, :h], b, rtol=1e-12, atol=1e-12, equal_nan=True)
@@ -523,9 +514,8 @@ def recording_kernels(calls: list):
 @pytest.mark.parametrize("h", [128, 48])
 def test_pipeline_hands_the_kernel_the_bf16_q(generator, backend, h):
     """The FP8 backend passes the bfloat16 Q with ``q_scale=None`` (the kernel scales each row; no Q cast, no
-    per-tensor scale) and the cached one-element kv_scale 1.0: Q itself when its heads are a multiple of 64
-    and it is contiguous, else Q with zero heads appended in a reusable bfloat16 buffer (the bf16 backend
-    likewise, without scales)."""
+    per-tensor scale) and the cached one-element kv_scale 1.0: Q itself, any head count (the bf16 backend
+    likewise, without scales); a strided Q is copied into a reusable contiguous bfloat16 buffer."""
     batch = make_batch("v32", 64, 0, h=h, topk=16, generator=generator)
     calls = []
     prefill = SparsePrefill(
@@ -535,23 +525,20 @@ def test_pipeline_hands_the_kernel_the_bf16_q(generator, backend, h):
     first = prefill.forward(*args)
     second = prefill.forward(*args)
     assert all(torch.equal(a, b) for a, b in zip(first, second, strict=True))
+    assert all(t.shape[:2] == (batch["q"].shape[0], h) for t in first)
     q = batch["q"]
     for call in calls:
-        assert call["q"].dtype == BF16 and call["q"].shape == (q.shape[0], -(-h // 64) * 64, 576)
-        assert (call["q"] is q) == (h % 64 == 0)
-        assert torch.equal(call["q"][:, :h], q) and (call["q"][:, h:] == 0).all()
+        assert call["q"] is q
         if backend == "fp8":
             assert call["q_scale"] is None
             assert call["kv_scale"] is calls[0]["kv_scale"] and call["kv_scale"].tolist() == [1.0]
-    if h % 64:
-        assert calls[0]["q"].data_ptr() == calls[1]["q"].data_ptr()  # the buffer is reused
-        assert prefill._q.allocations == 1
-    else:
-        assert prefill._q.allocations == 0
-    strided = q.transpose(0, 1).contiguous().transpose(0, 1)  # heads a multiple of 64 or not: copied
-    prefill.forward(strided, *args[1:])
-    assert calls[-1]["q"] is not strided and calls[-1]["q"].is_contiguous()
-    assert torch.equal(calls[-1]["q"][:, :h], q)
+    assert prefill._q.allocations == 0
+    strided = q.transpose(0, 1).contiguous().transpose(0, 1)
+    for _ in range(2):
+        prefill.forward(strided, *args[1:])
+        assert calls[-1]["q"] is not strided and calls[-1]["q"].is_contiguous()
+        assert torch.equal(calls[-1]["q"], q)
+    assert calls[-1]["q"].data_ptr() == calls[-2]["q"].data_ptr() and prefill._q.allocations == 1
 
 
 def test_pipeline_fp8_backend_quantises_each_row_of_q_with_its_own_scale(generator):

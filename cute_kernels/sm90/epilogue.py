@@ -15,7 +15,6 @@ import cutlass.cute as cute
 from cutlass import Float32, const_expr
 
 from cute_kernels.interface import LOG2_E, SINK_FLAG
-from cute_kernels.sm90.cta import B_H
 from cute_kernels.sm90.mask import accumulator_row, quad_sum
 
 LN_2 = math.log(2.0)
@@ -42,17 +41,15 @@ def output_scale(
     numerator,
     flags,
     mSink,
-    head_group,
-    row,
+    head,
     p_scale_log2: cutlass.Constexpr,
-    group_rows: cutlass.Constexpr = B_H,
 ):
-    """``numerator / (row_sum + 2^p_scale_log2 exp(sink - max_used))`` of row ``row`` of head group
-    ``head_group`` (of ``group_rows`` heads; the sink term only when the flags say attn_sink is given;
-    ``row_sum`` and ``max_used`` in the exp2 domain), or 0 when ``row_sum`` is 0."""
+    """``numerator / (row_sum + 2^p_scale_log2 exp(sink - max_used))`` of a row of head ``head`` (the sink
+    term only when the flags say attn_sink is given; ``row_sum`` and ``max_used`` in the exp2 domain), or 0
+    when ``row_sum`` is 0."""
     denom = row_sum
     if (flags & SINK_FLAG) != 0:
-        sink_log2 = mSink[head_group * group_rows + row] * LOG2_E
+        sink_log2 = mSink[head] * LOG2_E
         if const_expr(p_scale_log2 != 0):
             denom += cute.math.exp2(sink_log2 - max_used + p_scale_log2, fastmath=True)
         else:

@@ -62,11 +62,13 @@ def make_q_tma_atom(q_view, sQ_layout, q_shape):
     return cpasync.make_tiled_tma_atom(cpasync.CopyBulkTensorTileG2SOp(), q_view, sQ_layout, q_shape)
 
 
-def load_q_tile(tma_atom_q, mQ_tma, sQ, mbar_q, tile, tile_rows: int, d_qk: int, tile_bytes: int) -> None:
-    """Queue the TMA copy of Q tile ``tile`` (rows ``tile * tile_rows`` onwards of the [rows, d_qk] view
-    ``mQ_tma``) into ``sQ``, completing on ``mbar_q`` (one elected thread arms it with ``tile_bytes``).
-    Called by one warp while tracing the kernel."""
-    gQ = cute.local_tile(mQ_tma, (tile_rows, d_qk), (tile, 0))
+def load_q_tile(
+    tma_atom_q, mQ_tma, sQ, mbar_q, first_row, tile_rows: int, d_qk: int, tile_bytes: int
+) -> None:
+    """Queue the TMA copy of the Q tile of rows ``first_row`` .. ``first_row + tile_rows - 1`` of the
+    [rows, d_qk] view ``mQ_tma`` (rows past its end read as zeros) into ``sQ``, completing on ``mbar_q``
+    (one elected thread arms it with ``tile_bytes``). Called by one warp while tracing the kernel."""
+    gQ = cute.local_tile(cute.domain_offset((first_row, 0), mQ_tma), (tile_rows, d_qk), (0, 0))
     tQsQ, tQgQ = cpasync.tma_partition(
         tma_atom_q, 0, cute.make_layout(1), cute.group_modes(sQ, 0, 2), cute.group_modes(gQ, 0, 2)
     )
@@ -77,12 +79,20 @@ def load_q_tile(tma_atom_q, mQ_tma, sQ, mbar_q, tile, tile_rows: int, d_qk: int,
 
 @cute.jit
 def quantize_q_tile(
-    q_view, tile, thread, sQ_base, row_scale_base, tile_rows: cutlass.Constexpr, d_qk: cutlass.Constexpr
+    q_view,
+    first_row,
+    thread,
+    sQ_base,
+    row_scale_base,
+    tile_rows: cutlass.Constexpr,
+    d_qk: cutlass.Constexpr,
+    last_row=None,
 ) -> None:
-    """Rows ``tile * tile_rows`` onwards of the bf16 q view ([rows, d_qk] row-major, 16-byte aligned) into
-    the e4m3 Q tile at shared address ``sQ_base`` (64-byte-swizzled, K-major: the layout the TMA of an e4m3
-    tile writes), with ``tile_rows * 4`` threads (``thread``: 0 .. tile_rows * 4 - 1): four per row, each
-    16 values of every 64-column tile.
+    """Rows ``first_row`` .. ``first_row + tile_rows - 1`` of the bf16 q view ([rows, d_qk] row-major,
+    16-byte aligned) into the e4m3 Q tile at shared address ``sQ_base`` (64-byte-swizzled, K-major: the
+    layout the TMA of an e4m3 tile writes), with ``tile_rows * 4`` threads (``thread``: 0 .. tile_rows * 4 -
+    1): four per row, each 16 values of every 64-column tile. With ``last_row`` (the view's last row, when
+    the tile may end past it) a row past it is read from ``last_row`` instead.
 
     Row r is stored as e4m3(q_r / s_r) with s_r = 2^e, e the least integer with max|q_r| <= 448 * 2^e
     (at least -126; e = 0 for a zero row): exact scaling, no saturation. s_r goes to the float32 table at
@@ -90,7 +100,10 @@ def quantize_q_tile(
     row = thread // Q_THREADS_PER_ROW
     part = thread % Q_THREADS_PER_ROW
     col_tiles = d_qk // 64
-    row_addr = q_view.iterator.toint() + Int64(tile * tile_rows + row) * (d_qk * 2) + part * 32
+    source_row = first_row + row
+    if cutlass.const_expr(last_row is not None):
+        source_row = cutlass.min(source_row, last_row)
+    row_addr = q_view.iterator.toint() + Int64(source_row) * (d_qk * 2) + part * 32
     words = []
     for col_tile in cutlass.range_constexpr(col_tiles):  # every load in flight before the first use
         words.append(

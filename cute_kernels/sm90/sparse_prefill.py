@@ -13,8 +13,9 @@ the transposed S^T = K . Q^T, the block's slots on the WGMMA's M side and the he
 softmax a reduction over M, and P^T stored [head][slot] in the slot order of the V^T fragments. Design:
 docs/kernel.md.
 
-Constraints: h % 64 == 0 (small heads: h = heads), topk % 128 == 0, d_qk in {512, 576}, d_v = 512; q, out,
-max_logits, lse row-major; q and kv rows 16-byte aligned; topk_length clamped to [0, topk].
+Constraints: h >= 1 (a token's last tile of 64 heads may be partly filled; small heads: h = heads),
+topk % 128 == 0, d_qk in {512, 576}, d_v = 512; q, out, max_logits, lse row-major; q and kv rows 16-byte
+aligned; topk_length clamped to [0, topk].
 """
 
 import functools
@@ -52,7 +53,7 @@ from cute_kernels.sm90.ring import Ring
 from cute_kernels.sm90.row_gather import RowGather, copy_rows, slot_valid_flag, swizzle_offset
 from cute_kernels.sm90.row_views import Q_THREADS_PER_ROW, load_q_tile, quantize_q_tile
 from cute_kernels.sm90.shared_storage import allocate_shared_storage, tile_region, tile_tensor
-from cute_kernels.sm90.tile_scheduler import TileScheduler, TileWork
+from cute_kernels.sm90.tile_scheduler import TileScheduler, TileWork, plain_int32
 
 B_TOPK = 64  # gathered KV rows per block: the N tile of S and two k-steps of the PV product
 PAIR = 2 * B_TOPK  # rows per gathered pair (two blocks, one per producer half)
@@ -188,7 +189,7 @@ class SparsePrefillSm90(AttentionKernel):
         self.pv_groups_in_flight = 1 if self.small and self.q_bf16 and persistent else 2
         self.persistent = persistent
         self.split = split
-        self.scheduler = TileScheduler(persistent, B_TOPK, split, heads)
+        self.scheduler = TileScheduler(persistent, B_TOPK, split, heads, whole_token=self.small)
         self.k_tile_bytes = B_TOPK * d_qk  # one gathered block in shared memory
         self.q_tile_bytes = heads * d_qk
         self.q_shape = (heads, d_qk)
@@ -271,7 +272,11 @@ class SparsePrefillSm90(AttentionKernel):
                 sP_layout,
                 self.shared_storage(),
             ),
-            self.scheduler.grid(views.rows // self.b_h, views.out_rows // self.b_h, tiles_per_cta),
+            self.scheduler.grid(
+                self.scheduler.num_tiles(cute.size(mQ, mode=[0]), cute.size(mQ, mode=[1])),
+                views.out_rows // views.rows,
+                tiles_per_cta,
+            ),
             stream,
         )
 
@@ -320,7 +325,7 @@ class SparsePrefillSm90(AttentionKernel):
         barriers = (mbar_q, mbar_q_empty, mbar_kv_full, mbar_kv_empty, mbar_p_full, s_moved, *handover)
         init_cta(warp_idx, tma_atom_q, functools.partial(self.init_barriers, *barriers))
 
-        tiles = self.scheduler.cta_tiles(bid, mIdx, mTopkLen, mOut, flags, tiles_per_cta)
+        tiles = self.scheduler.cta_tiles(bid, mIdx, mTopkLen, cute.size(mOut, mode=[1]), flags, tiles_per_cta)
 
         if warp_idx < PRODUCER_WARPS:
             cute.arch.setmaxregister_decrease(self.registers[0])
@@ -455,26 +460,38 @@ class SparsePrefillSm90(AttentionKernel):
                 if const_expr(not self.q_bf16):
                     if warp_idx == 0:
                         TILE_RING.wait_empty(mbar_q_empty, tile_iter)
-                self.produce_tile(*tile_inputs, work, pair_base, geometry)
+                q_row = self.scheduler.first_q_row(work.tile, tiles.heads)
+                self.produce_tile(*tile_inputs, work, q_row, pair_base, geometry)
                 pair_base += work.num_pairs
         else:
-            self.produce_tile(*tile_inputs, self.scheduler.work(tiles, 0, 0), 0, geometry)
+            work = self.scheduler.work(tiles, 0, 0)
+            q_row = self.scheduler.first_q_row(work.tile, tiles.heads)
+            self.produce_tile(*tile_inputs, work, q_row, 0, geometry)
         ptx.cp_async_wait_all()
 
     @cute.jit
     def produce_tile(
-        self, tma_atom_q, mQ_tma, sQ, mIdx, mbar_q, mbar_kv_full, mbar_kv_empty, work, pair_base, geometry
+        self,
+        tma_atom_q,
+        mQ_tma,
+        sQ,
+        mIdx,
+        mbar_q,
+        mbar_kv_full,
+        mbar_kv_empty,
+        work,
+        q_row,
+        pair_base,
+        geometry,
     ):
-        """One tile's Q (warp 0; not for bf16 q) and pairs; the CTA's earlier tiles gathered ``pair_base``
-        pairs."""
+        """One tile's Q (rows ``q_row`` onwards; warp 0; not for bf16 q) and pairs; the CTA's earlier tiles
+        gathered ``pair_base`` pairs."""
         gather, block_in_pair, row_base, lane_row = geometry
         warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
         lane = cute.arch.lane_idx()
         if const_expr(not self.q_bf16):
             if warp_idx == 0:
-                load_q_tile(
-                    tma_atom_q, mQ_tma, sQ, mbar_q, work.q_tile, self.b_h, self.d_qk, self.q_tile_bytes
-                )
+                load_q_tile(tma_atom_q, mQ_tma, sQ, mbar_q, q_row, self.b_h, self.d_qk, self.q_tile_bytes)
 
         for pair in cutlass.range(work.num_pairs, unroll=1):
             ring_pair = pair_base + pair
@@ -497,22 +514,33 @@ class SparsePrefillSm90(AttentionKernel):
             cute.arch.cp_async_mbarrier_arrive_noinc(full_barrier)
 
     @cute.jit
-    def prefetch_next_q(self, mQ, tile):
+    def prefetch_next_q(self, mQ, tile, heads):
         """Persistent, bf16 q (one consumer warp): prefetch into L2 the Q rows of the CTA's next tile (tile +
-        grid size), when it exists. (Measured: 2-4% off the persistent rows with bf16 q; in the one-tile
-        kernel a prefetch of tile + SM count made the 64k-context row 3% slower.)"""
+        grid size), when it exists; ``heads``: h. (Measured: 2-4% off the persistent rows with bf16 q; in the
+        one-tile kernel a prefetch of tile + SM count made the 64k-context row 3% slower.)"""
+        rows = plain_int32(cute.size(mQ, mode=[0]))
         next_tile = tile + cute.arch.grid_dim()[0]
-        if next_tile < cute.size(mQ, mode=[0]) // self.b_h:
-            tile_bytes = self.b_h * self.d_qk * 2
+        num_tiles = (
+            rows // self.b_h if const_expr(self.small) else self.scheduler.num_tiles(rows // heads, heads)
+        )
+        if next_tile < num_tiles:
+            row_bytes = self.d_qk * 2
+            tile_bytes = self.b_h * row_bytes
             lane_offset = cute.arch.lane_idx() * L2_LINE_BYTES
-            base = mQ.iterator.toint() + Int64(next_tile) * tile_bytes + lane_offset
+            first_row = self.scheduler.first_q_row(next_tile, heads)
+            base = mQ.iterator.toint() + Int64(first_row) * row_bytes + lane_offset
+            # Bytes of the tile inside q (a token's last head group may end past q's last row).
+            tile_end = cutlass.min(Int64(rows - first_row) * row_bytes, Int64(tile_bytes))
             line_set = 32 * L2_LINE_BYTES  # a line per lane
             for line in cutlass.range_constexpr(-(-tile_bytes // line_set)):
-                if const_expr((line + 1) * line_set <= tile_bytes):
-                    ptx.prefetch_l2(base + line * line_set)
-                else:  # small heads: the tile ends inside this set of lines
-                    if lane_offset < tile_bytes - line * line_set:
+                if const_expr(self.small):
+                    if const_expr((line + 1) * line_set <= tile_bytes):
                         ptx.prefetch_l2(base + line * line_set)
+                    else:  # the tile ends inside this set of lines
+                        if lane_offset < tile_bytes - line * line_set:
+                            ptx.prefetch_l2(base + line * line_set)
+                elif lane_offset + line * line_set < tile_end:
+                    ptx.prefetch_l2(base + line * line_set)
 
     # ------------------------------------------------------------------------------------
     @cute.jit
@@ -647,19 +675,19 @@ class SparsePrefillSm90(AttentionKernel):
             for tile_iter in cutlass.range(tiles.count, unroll=1):
                 work = self.scheduler.work(tiles, tile_iter, 2 * pair_base)
                 if const_expr(self.q_bf16):
-                    self.load_q_bf16(c, work.q_tile, tile_iter, q_source, mbar_q, mbar_q_empty)
+                    self.load_q_bf16(c, work, tiles.heads, tile_iter, q_source, mbar_q, mbar_q_empty)
                 self.reset_tile_state(*tile_state)
                 self.consume_tile(c._replace(work=work), tile_iter, *tile_barriers, epilogue_args, q_source)
                 pair_base += work.num_pairs
         else:
             work = self.scheduler.work(tiles, 0, 0)
             if const_expr(self.q_bf16):
-                self.load_q_bf16(c, work.q_tile, 0, q_source, mbar_q, mbar_q_empty)
+                self.load_q_bf16(c, work, tiles.heads, 0, q_source, mbar_q, mbar_q_empty)
                 self.reset_tile_state(*tile_state)
             self.consume_tile(c._replace(work=work), 0, *tile_barriers, epilogue_args, q_source)
 
     @cute.jit
-    def load_q_bf16(self, c: Consumer, tile, tile_iter, q_source, mbar_q, mbar_q_empty):
+    def load_q_bf16(self, c: Consumer, work, heads, tile_iter, q_source, mbar_q, mbar_q_empty):
         """bf16 q, both consumers: the tile's Q rows, quantised into the shared Q tile with their scales
         (``quantize_q_tile``: this thread's part of row 32 c + 4 w + g / 4 ...), then an arrival on
         ``q_full`` (all 256 threads: the tile is complete when it completes). Persistent: first wait until
@@ -668,14 +696,18 @@ class SparsePrefillSm90(AttentionKernel):
         if const_expr(self.persistent):
             if c.index == 0:
                 if c.warp == 0:
-                    self.prefetch_next_q(mQ, tile)
+                    self.prefetch_next_q(mQ, work.tile, heads)
             TILE_RING.wait_empty(mbar_q_empty, tile_iter)
         thread = c.index * THREADS_PER_WG + c.warp * 32 + c.lane
+        q_row = self.scheduler.first_q_row(work.tile, heads)
         if const_expr(self.small):  # the first 4 * heads threads (whole warps)
             if thread < Q_THREADS_PER_ROW * self.b_h:
-                quantize_q_tile(mQ, tile, thread, sQ_base, q_row_scale.iterator.toint(), self.b_h, self.d_qk)
-        else:
-            quantize_q_tile(mQ, tile, thread, sQ_base, q_row_scale.iterator.toint(), B_H, self.d_qk)
+                quantize_q_tile(mQ, q_row, thread, sQ_base, q_row_scale.iterator.toint(), self.b_h, self.d_qk)
+        else:  # a token's last head group may end past q's last row
+            last_row = plain_int32(cute.size(mQ, mode=[0])) - 1
+            quantize_q_tile(
+                mQ, q_row, thread, sQ_base, q_row_scale.iterator.toint(), B_H, self.d_qk, last_row
+            )
         cute.arch.fence_proxy("async.shared", space="cta")  # the stores, seen by the WGMMAs
         cute.arch.mbarrier_arrive(mbar_q)
 
@@ -1130,7 +1162,7 @@ class SparsePrefillSm90(AttentionKernel):
         return max_used, scaled_sum
 
     @cute.jit
-    def small_head_scale(self, c: Consumer, kv_scale, flags, mSink, mMaxLogits, mLse):
+    def small_head_scale(self, c: Consumer, rows, kv_scale, flags, mSink, mMaxLogits, mLse):
         """Small heads, threads 0 .. heads - 1 of each consumer: the output scale of head ``thread`` into
         ``s_out_scale[head, c]``; consumer 0 writes its max_logits and lse."""
         head = c.warp * 32 + c.lane
@@ -1138,13 +1170,13 @@ class SparsePrefillSm90(AttentionKernel):
             last_buffer = KV_RING.index_before(c.work.block_base + c.work.num_blocks)
             max_used, scaled_sum = self.final_row_stats(c, head, last_buffer)
             c.s_out_scale[head, c.index] = output_scale(
-                scaled_sum, max_used, kv_scale, flags, mSink, c.work.head_group, head, P_SCALE_LOG2, self.b_h
+                scaled_sum, max_used, kv_scale, flags, mSink, head, P_SCALE_LOG2
             )
             if c.index == 0:
                 write_max_logits_lse(
                     mMaxLogits,
                     mLse,
-                    c.work.tile * self.b_h + head,
+                    rows.out_row + head,
                     scaled_sum,
                     max_used,
                     c.s_max_true,
@@ -1173,45 +1205,62 @@ class SparsePrefillSm90(AttentionKernel):
             cute.arch.barrier(
                 barrier_id=int(NamedBarrierFp8.StatsPublished1) - c.index, number_of_threads=CONSUMER_THREADS
             )
+        # Computed here, from the tile index: nothing of it is live during the tile's blocks.
+        rows = self.scheduler.rows(
+            c.work.tile, plain_int32(cute.size(mOut, mode=[1])), plain_int32(cute.size(c.mIdx, mode=[0]))
+        )
         if const_expr(self.small):
-            self.small_head_scale(c, kv_scale, flags, mSink, mMaxLogits, mLse)
+            self.small_head_scale(c, rows, kv_scale, flags, mSink, mMaxLogits, mLse)
         else:
-            self.row_scale(c, kv_scale, flags, mSink, mMaxLogits, mLse)
+            self.row_scale(c, rows, kv_scale, flags, mSink, mMaxLogits, mLse)
         cute.arch.barrier(
             barrier_id=int(NamedBarrierFp8.ScaleReady0) + c.index, number_of_threads=THREADS_PER_WG
         )
 
         out_base = mOut.iterator.toint()
         out_bytes = mOut.element_type.width // 8
+        # This thread's heads 8j + 2t + e of the tile; those below head_rows are the token's (the others
+        # are not stored: predicated stores, no branches).
+        own_rows = rows.head_rows - 2 * c.quad_lane
         for j in cutlass.range_constexpr(self.b_h // 8):
             for e in cutlass.range_constexpr(2):
                 head = 8 * j + 2 * c.quad_lane + e
                 scale = c.s_out_scale[head, c.index]
-                row_addr = out_base + Int64(c.work.tile * self.b_h + head) * (D_V * out_bytes)
+                row_addr = out_base + Int64(rows.out_row + head) * (D_V * out_bytes)
+                store = None if const_expr(self.small) else Int32(8 * j + e < own_rows)
                 for mt in cutlass.range_constexpr(D_TILES_PER_CONSUMER):
                     d = (c.index * D_TILES_PER_CONSUMER + mt) * 64 + c.warp * 16 + 2 * c.quad_row
                     lo, hi = c.acc_o[mt][e + 4 * j] * scale, c.acc_o[mt][e + 2 + 4 * j] * scale
-                    if const_expr(self.split):
-                        ptx.st_global_v2_f32(row_addr + d * out_bytes, lo, hi)
+                    addr = row_addr + d * out_bytes
+                    if const_expr(self.split):  # not with small heads
+                        ptx.st_global_v2_f32_if(addr, lo, hi, store)
+                    elif const_expr(store is None):
+                        ptx.st_global_u32(addr, ptx.pack_bf16x2(lo, hi))
                     else:
-                        word = ptx.pack_bf16x2(lo, hi)
-                        ptx.st_global_u32(row_addr + d * out_bytes, word)
+                        ptx.st_global_u32_if(addr, ptx.pack_bf16x2(lo, hi), store)
 
     @cute.jit
-    def row_scale(self, c: Consumer, kv_scale, flags, mSink, mMaxLogits, mLse):
+    def row_scale(self, c: Consumer, rows, kv_scale, flags, mSink, mMaxLogits, mLse):
         """The output scales of this thread's rows into ``s_out_scale[row, c]`` (the quad's first thread);
         consumer 0 writes their max_logits and lse."""
         last_buffer = KV_RING.index_before(c.work.block_base + c.work.num_blocks)
         for r in cutlass.range_constexpr(2):
             row = accumulator_row(c.warp, c.quad_row, r)
-            out_row = c.work.tile * B_H + row
             max_used, scaled_sum = self.final_row_stats(c, row, last_buffer)
-            out_scale = output_scale(
-                scaled_sum, max_used, kv_scale, flags, mSink, c.work.head_group, row, P_SCALE_LOG2
-            )
+            # A row past the token's heads (not written) reads the sink of its last head.
+            head = rows.first_head + cutlass.min(row, rows.head_rows - 1)
+            out_scale = output_scale(scaled_sum, max_used, kv_scale, flags, mSink, head, P_SCALE_LOG2)
             if c.quad_lane == 0:
                 c.s_out_scale[row, c.index] = out_scale
                 if c.index == 0:
-                    write_max_logits_lse(
-                        mMaxLogits, mLse, out_row, scaled_sum, max_used, c.s_max_true, row, P_SCALE_LOG2
-                    )
+                    if row < rows.head_rows:
+                        write_max_logits_lse(
+                            mMaxLogits,
+                            mLse,
+                            rows.out_row + row,
+                            scaled_sum,
+                            max_used,
+                            c.s_max_true,
+                            row,
+                            P_SCALE_LOG2,
+                        )

@@ -36,7 +36,7 @@ from cute_kernels.sm90.ring import Ring
 from cute_kernels.sm90.row_gather import RowGather, copy_rows, slot_valid_flag, swizzle_offset
 from cute_kernels.sm90.row_views import load_q_tile
 from cute_kernels.sm90.shared_storage import allocate_shared_storage, tile_region, tile_tensor
-from cute_kernels.sm90.tile_scheduler import TileScheduler, TileWork
+from cute_kernels.sm90.tile_scheduler import TileScheduler, TileWork, plain_int32
 
 B_TOPK = 32  # gathered KV rows per block: the N tile of S, two k-steps of the PV product
 PAIR = 2 * B_TOPK  # rows per loop iteration (one block per consumer)
@@ -178,7 +178,7 @@ class SparsePrefillBf16Sm90(AttentionKernel):
                 sV_outer,
                 self.shared_storage(),
             ),
-            self.scheduler.grid(views.rows // B_H),
+            self.scheduler.grid(self.scheduler.num_tiles(cute.size(mQ, mode=[0]), cute.size(mQ, mode=[1]))),
             stream,
         )
 
@@ -220,11 +220,14 @@ class SparsePrefillBf16Sm90(AttentionKernel):
             warp_idx, tma_atom_q, functools.partial(self.init_barriers, mbar_q, mbar_kv_full, mbar_kv_empty)
         )
 
-        work = self.scheduler.work(self.scheduler.cta_tiles(bid, mIdx, mTopkLen, mOut, flags), 0, 0)
+        tiles = self.scheduler.cta_tiles(bid, mIdx, mTopkLen, cute.size(mOut, mode=[1]), flags)
+        work = self.scheduler.work(tiles, 0, 0)
 
         if warp_idx < PRODUCER_WARPS:
             cute.arch.setmaxregister_decrease(PRODUCER_REGS)
-            self.produce(tma_atom_q, mQ_tma, sQ, sK, mKV, mIdx, mbar_q, mbar_kv_full, mbar_kv_empty, work)
+            self.produce(
+                tma_atom_q, mQ_tma, sQ, sK, mKV, mIdx, mbar_q, mbar_kv_full, mbar_kv_empty, work, tiles.heads
+            )
         else:
             cute.arch.setmaxregister_increase(CONSUMER_REGS)
             consumer = consumer_index(warp_idx)
@@ -266,12 +269,15 @@ class SparsePrefillBf16Sm90(AttentionKernel):
 
     # ------------------------------------------------------------------------------------
     @cute.jit
-    def produce(self, tma_atom_q, mQ_tma, sQ, sK, mKV, mIdx, mbar_q, mbar_kv_full, mbar_kv_empty, work):
-        """WG0: Q by TMA (one thread), then the block-by-block row gather into the ring."""
+    def produce(
+        self, tma_atom_q, mQ_tma, sQ, sK, mKV, mIdx, mbar_q, mbar_kv_full, mbar_kv_empty, work, heads
+    ):
+        """WG0: Q by TMA (one thread), then the block-by-block row gather into the ring; ``heads``: h."""
         warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
         lane = cute.arch.lane_idx()
         if warp_idx == 0:
-            load_q_tile(tma_atom_q, mQ_tma, sQ, mbar_q, work.tile, B_H, self.d_qk, self.q_tile_bytes)
+            q_row = self.scheduler.first_q_row(work.tile, heads)
+            load_q_tile(tma_atom_q, mQ_tma, sQ, mbar_q, q_row, B_H, self.d_qk, self.q_tile_bytes)
 
         # Lane: 16-byte chunk lane % 8 of each 128-byte column tile (of rows row0 and row0 + 4).
         gather = RowGather(mKV, sK, self.d_qk, lane, SW128_ROW_BYTES, B_TOPK)
@@ -534,21 +540,24 @@ class SparsePrefillBf16Sm90(AttentionKernel):
         publish_row_stats(c.row_sum, c.s_row_sum, tables, c.warp, c.quad_row, c.quad_lane, c.index)
         cute.arch.barrier(barrier_id=NamedBarrierBf16.SumReady, number_of_threads=CONSUMER_THREADS)
         out_base = mOut.iterator.toint()
+        rows = self.scheduler.rows(c.work.tile, plain_int32(cute.size(mOut, mode=[1])))
         for r in cutlass.range_constexpr(2):
             row = accumulator_row(c.warp, c.quad_row, r)
-            out_row = c.work.tile * B_H + row
-            row_total = c.s_row_sum[row, 0] + c.s_row_sum[row, 1]
-            max_used = c.row_max_used[r]
-            out_scale = output_scale(
-                row_total, max_used, Float32(1.0), flags, mSink, c.work.head_group, row, 0
-            )
-            if c.quad_lane == 0:
-                if c.index == 0:
-                    write_max_logits_lse(mMaxLogits, mLse, out_row, row_total, max_used, c.s_max_true, row, 0)
-            row_addr = out_base + Int64(out_row) * (D_V * ELEM_BYTES)
-            for j in cutlass.range_constexpr(D_V_PER_CONSUMER // 8):
-                d = c.index * D_V_PER_CONSUMER + 8 * j + 2 * c.quad_lane
-                word = ptx.pack_bf16x2(
-                    c.acc_o[2 * r + 4 * j] * out_scale, c.acc_o[1 + 2 * r + 4 * j] * out_scale
-                )
-                ptx.st_global_u32(row_addr + d * ELEM_BYTES, word)
+            if row < rows.head_rows:  # a row of the token's heads (the others are not written)
+                out_row = rows.out_row + row
+                row_total = c.s_row_sum[row, 0] + c.s_row_sum[row, 1]
+                max_used = c.row_max_used[r]
+                head = rows.first_head + row
+                out_scale = output_scale(row_total, max_used, Float32(1.0), flags, mSink, head, 0)
+                if c.quad_lane == 0:
+                    if c.index == 0:
+                        write_max_logits_lse(
+                            mMaxLogits, mLse, out_row, row_total, max_used, c.s_max_true, row, 0
+                        )
+                row_addr = out_base + Int64(out_row) * (D_V * ELEM_BYTES)
+                for j in cutlass.range_constexpr(D_V_PER_CONSUMER // 8):
+                    d = c.index * D_V_PER_CONSUMER + 8 * j + 2 * c.quad_lane
+                    word = ptx.pack_bf16x2(
+                        c.acc_o[2 * r + 4 * j] * out_scale, c.acc_o[1 + 2 * r + 4 * j] * out_scale
+                    )
+                    ptx.st_global_u32(row_addr + d * ELEM_BYTES, word)

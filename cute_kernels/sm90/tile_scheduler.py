@@ -1,13 +1,15 @@
 """Which (token, head group) tiles a CTA computes: one tile, several (persistent), or a part of one (split).
 
-Tiles run over the head groups of token 0, then token 1, ...: tile t is rows [n t, n t + n) of the
-(token, head) rows, n = 64 (or the small-head kernel's head count). One-tile scheduling launches a CTA per
-tile. Persistent scheduling launches ``ceil(tiles / tiles_per_cta)`` CTAs and CTA b walks tiles b, b + grid,
-b + 2 grid, ... Split scheduling
+Tiles run over the head groups of token 0, then token 1, ...: a token's h heads form ceil(h / n) groups of n =
+64 heads (or the small-head kernel's head count, n = h), and tile t = token * groups + group is rows [token *
+h + group * n, + n) of the (token, head) rows. When n does not divide h, a token's last group has fewer of its
+heads (``TileRows.head_rows``): its other rows are the next token's first heads (zeros past the last row),
+computed and not written. One-tile scheduling launches a CTA per tile. Persistent scheduling launches
+``ceil(tiles / tiles_per_cta)`` CTAs and CTA b walks tiles b, b + grid, b + 2 grid, ... Split scheduling
 launches a [tiles, splits] grid (``splits`` from the row count of the outputs it is given, ``splits`` times
 q's): CTA (t, p) computes tile t over the p-th of ``splits`` equal ranges of index slots (whole pairs) and
-writes the partial result as output tile p * tiles + t. A tile's work (``TileWork``) is its position, the
-range of index slots to consider (``topk_length`` bounds it) and the count of KV blocks and pairs that
+writes the partial result to output rows p * s_q * h onwards. A tile's work (``TileWork``) is its position,
+the range of index slots to consider (``topk_length`` bounds it) and the count of KV blocks and pairs that
 covers it.
 """
 
@@ -46,17 +48,15 @@ class CtaTiles(NamedTuple):
     count: Int32  # how many tiles (1 unless persistent)
     mIdx: cute.Tensor  # [s_q, topk] indices
     mTopkLen: cute.Tensor
-    mOut: cute.Tensor  # [s_q, h, d_v] (split: [splits * s_q, h, d_v]): the tile count
+    heads: Int32  # h, the heads of a token
     flags: Int32
 
 
 class TileWork(NamedTuple):
-    """One work tile of a CTA (trace-time bundle of runtime values)."""
+    """One work tile of a CTA (trace-time bundle of runtime values). Its rows: ``TileScheduler.rows``."""
 
-    tile: Int32  # output row tile [64 * tile, 64 * tile + 64) (of the partial rows when split)
-    q_tile: Int32  # row tile of the (token, head) rows of q (tile unless split)
+    tile: Int32  # the tile's index: token * head groups + head group
     token: Int32
-    head_group: Int32
     slot_base: Int32  # the first index slot of the work (0 unless split: a multiple of the pair rows)
     valid_len: Int32  # slots below it are considered: topk_length clamped to [0, topk] (topk when not
     # given), split: also to the end of the work's range
@@ -66,51 +66,98 @@ class TileWork(NamedTuple):
     # block b has ring position block_base + b
 
 
+class TileRows(NamedTuple):
+    """Where a tile's rows are (trace-time bundle of runtime values, computed where used: nothing of it
+    stays live across a tile's blocks)."""
+
+    q_row: Int32  # the tile's first (token, head) row of q: token * h + head group * tile rows
+    out_row: Int32  # its first row of out, max_logits and lse (q_row; split: part * s_q * h + q_row)
+    first_head: Int32  # the head of its first row (indexes attn_sink)
+    head_rows: Int32  # its rows that are heads of its token (the tile rows, fewer in a token's last group)
+
+
 class TileScheduler:
     """One tile per CTA, or ``persistent``: ``tiles_per_cta`` (a launch argument) per CTA, or ``split``: a
-    part of a tile per CTA. Blocks are ``block_rows`` index slots, pairs two blocks."""
+    part of a tile per CTA. Blocks are ``block_rows`` index slots, pairs two blocks. ``whole_token``: a tile
+    is all heads of a token (the small-head kernel, h = ``tile_rows``), else h is any head count."""
 
-    def __init__(self, persistent: bool, block_rows: int, split: bool = False, tile_rows: int = B_H):
+    def __init__(
+        self, persistent: bool, block_rows: int, split: bool = False, tile_rows: int = B_H, whole_token=False
+    ):
         self.persistent = persistent
         self.split = split
         self.block_rows = block_rows
         self.tile_rows = tile_rows  # query rows (heads of one token) per tile
+        self.whole_token = whole_token
 
-    def grid(self, num_tiles, out_tiles=None, tiles_per_cta=None):
-        """The [x, y] grid of CTAs to launch for ``num_tiles`` tiles (split: ``out_tiles`` output tiles)."""
+    def head_groups(self, heads):
+        """Tiles per token: ceil(h / tile rows)."""
+        if const_expr(self.whole_token):
+            return 1
+        return (heads + self.tile_rows - 1) // self.tile_rows
+
+    def num_tiles(self, s_q, heads):
+        """The tiles of s_q tokens of h heads."""
+        return s_q * self.head_groups(heads)
+
+    def grid(self, num_tiles, splits=1, tiles_per_cta=None):
+        """The [x, y] grid of CTAs to launch for ``num_tiles`` tiles (split: each in ``splits`` parts)."""
         if const_expr(self.persistent):
             return [(num_tiles + tiles_per_cta - 1) // tiles_per_cta, 1]
         if const_expr(self.split):
-            return [num_tiles, out_tiles // num_tiles]
+            return [num_tiles, splits]
         return [num_tiles, 1]
 
-    def cta_tiles(self, bid, mIdx, mTopkLen, mOut, flags, tiles_per_cta=None) -> CtaTiles:
-        """The tiles of CTA ``bid`` (called while tracing the kernel)."""
+    def cta_tiles(self, bid, mIdx, mTopkLen, heads, flags, tiles_per_cta=None) -> CtaTiles:
+        """The tiles of CTA ``bid`` (called while tracing the kernel); ``heads``: h."""
         tile_count = 1
+        heads = plain_int32(heads)
         if const_expr(self.persistent):
-            num_tiles = cute.size(mOut, mode=[0]) * (cute.size(mOut, mode=[1]) // self.tile_rows)
+            num_tiles = self.num_tiles(plain_int32(cute.size(mIdx, mode=[0])), heads)
             grid = self.grid(num_tiles, tiles_per_cta=tiles_per_cta)[0]
             tile_count = (num_tiles - bid + grid - 1) // grid
-        return CtaTiles(bid, tile_count, mIdx, mTopkLen, mOut, flags)
+        return CtaTiles(bid, tile_count, mIdx, mTopkLen, heads, flags)
+
+    def first_q_row(self, tile, heads):
+        """The first (token, head) row of q of tile ``tile`` of tokens of ``heads`` (h) heads."""
+        if const_expr(self.whole_token):
+            return tile * self.tile_rows
+        groups = self.head_groups(heads)
+        token = tile // groups
+        return token * heads + (tile - token * groups) * self.tile_rows
+
+    def rows(self, tile, heads, s_q=None) -> TileRows:
+        """The rows of tile ``tile`` of ``s_q`` tokens of ``heads`` (h) heads (``s_q``: split only, where
+        the partial results of part p start at row p * s_q * h)."""
+        if const_expr(self.whole_token):
+            q_row = tile * self.tile_rows
+            first_head, head_rows = 0, self.tile_rows
+        else:
+            groups = self.head_groups(heads)
+            token = tile // groups
+            first_head = (tile - token * groups) * self.tile_rows
+            q_row = token * heads + first_head
+            head_rows = cutlass.min(heads - first_head, self.tile_rows)
+        out_row = q_row
+        if const_expr(self.split):
+            out_row = cute.arch.block_idx()[1] * (s_q * heads) + q_row
+        return TileRows(q_row, out_row, first_head, head_rows)
 
     def work(self, tiles: CtaTiles, tile_iter, block_base) -> TileWork:
-        """Iteration ``tile_iter`` of the CTA's tile loop: its tile, token, head group and valid slot
-        count (reads ``topk_length[token]``)."""
+        """Iteration ``tile_iter`` of the CTA's tile loop: its tile, token and valid slot count (reads
+        ``topk_length[token]``)."""
         tile = tiles.first
         if const_expr(self.persistent):  # block and grid indices re-read: nothing kept live for them
             tile = cute.arch.block_idx()[0] + tile_iter * cute.arch.grid_dim()[0]
         topk = cute.size(tiles.mIdx, mode=[1])
-        num_head_groups = cute.size(tiles.mOut, mode=[1]) // self.tile_rows
         pair_rows = 2 * self.block_rows
-        q_tile = tile
+        token = tile // self.head_groups(tiles.heads)
         slot_base = 0
         if const_expr(self.split):  # block (tile, part) of a [tiles, splits] grid
             _, part, _ = cute.arch.block_idx()
             splits = cute.arch.grid_dim()[1]
-            tile = part * cute.arch.grid_dim()[0] + q_tile
             pairs_per_part = (topk + splits * pair_rows - 1) // (splits * pair_rows)
             slot_base = cute.arch.make_warp_uniform(part * pairs_per_part * pair_rows)
-        token = q_tile // num_head_groups
         valid_len = valid_slot_count(tiles.mTopkLen, token, topk, tiles.flags)
         slot_count = valid_len
         if const_expr(self.split):
@@ -118,9 +165,7 @@ class TileScheduler:
             slot_count = cutlass.max(valid_len - slot_base, 0)
         return TileWork(
             tile=tile,
-            q_tile=q_tile,
             token=token,
-            head_group=plain_int32(q_tile - token * num_head_groups),  # indexes attn_sink
             slot_base=slot_base,
             valid_len=valid_len,
             num_blocks=(slot_count + self.block_rows - 1) // self.block_rows,

@@ -77,6 +77,7 @@ struct Config {
   Py_ssize_t num_fields = 0;
   Py_ssize_t field_index[kNumFields] = {};
   std::vector<int64_t> supported_d_qk;
+  std::vector<int64_t> small_head_counts;  // head counts of the small-head kernel (the Python path runs them)
   std::vector<DLDataType> q_dtypes;  // the dtypes q may have
   std::vector<bool> q_row_scaled;  // per q dtype: scaled per row by the kernel (q_scale None)
   int64_t d_v = 0;
@@ -359,9 +360,9 @@ Plan Check(const Views& v) {
   }
   const int64_t s_q = q.shape[0], h_q = q.shape[1], d_qk = q.shape[2];
   const int64_t s_kv = kv.shape[0], topk = indices.shape[2];
-  if (s_q < 1 || s_kv < 1 || h_q < 1 || h_q % c.head_alignment != 0) {
-    return Declined("s_q, s_kv or h_q is 0, or h_q needs padding to a multiple of " +
-                    std::to_string(c.head_alignment));
+  if (s_q < 1 || s_kv < 1 || h_q < 1) return Declined("s_q, s_kv or h_q is 0");
+  if (std::find(c.small_head_counts.begin(), c.small_head_counts.end(), h_q) != c.small_head_counts.end()) {
+    return Declined("h_q runs the small-head kernel");
   }
   const auto d_qk_found = std::find(c.supported_d_qk.begin(), c.supported_d_qk.end(), d_qk);
   if (kv.shape[1] != 1 || d_qk_found == c.supported_d_qk.end() || kv.shape[2] != d_qk) {
@@ -418,7 +419,7 @@ Plan Check(const Views& v) {
     return Declined("q, kv or out does not meet the launch's alignment");
   }
 
-  const int64_t num_tiles = s_q * (h_q / c.head_alignment);
+  const int64_t num_tiles = s_q * ((h_q + c.head_alignment - 1) / c.head_alignment);
   const int64_t tiles = TilesPerCta(num_tiles, topk, v.has_topk_length, v.precision, device->sm_count);
   const int64_t splits = tiles == 0 ? Splits(num_tiles, topk, device->sm_count) : 1;
   const size_t kind = tiles > 0 ? kPersistent : splits > 1 ? kSplit : kOneTile;
@@ -805,13 +806,16 @@ bool Configure(PyObject* constants, Config* c) {
   }
   Py_DECREF(fields);
 
-  PyObject* d_qk = GetSequence(constants, "supported_d_qk");
-  if (d_qk == nullptr) return false;
-  for (Py_ssize_t i = 0; i < PyTuple_GET_SIZE(d_qk); ++i) {
-    c->supported_d_qk.push_back(PyLong_AsLongLong(PyTuple_GET_ITEM(d_qk, i)));
+  for (const auto& [name, values] : {std::pair<const char*, std::vector<int64_t>*>{"supported_d_qk", &c->supported_d_qk},
+                                     {"small_head_counts", &c->small_head_counts}}) {
+    PyObject* sequence = GetSequence(constants, name);
+    if (sequence == nullptr) return false;
+    for (Py_ssize_t i = 0; i < PyTuple_GET_SIZE(sequence); ++i) {
+      values->push_back(PyLong_AsLongLong(PyTuple_GET_ITEM(sequence, i)));
+    }
+    Py_DECREF(sequence);
+    if (PyErr_Occurred()) return false;
   }
-  Py_DECREF(d_qk);
-  if (PyErr_Occurred()) return false;
 
   PyObject* q_dtypes = GetSequence(constants, "q_dtypes");
   if (q_dtypes == nullptr) return false;

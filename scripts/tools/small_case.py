@@ -8,7 +8,8 @@ Small enough to run under ``compute-sanitizer`` (memcheck, racecheck):
 K = 4 one CTA walks all four tiles, among them one with no valid slot and one with topk_length 0.
 ``--q-dtype bf16`` passes q in bfloat16 (``q_scale=None``: the kernel quantises each row). ``--splits N``
 forces the split schedule (N parts per tile, merged by the combine kernel; with N = 2 the second range holds
-no valid slot of two rows). ``--heads 8|16|32`` runs that many heads (the small-head kernel).
+no valid slot of two rows). ``--heads N`` runs N heads (8, 16, 32: the small-head kernel; a count that 64
+does not divide, 48 or 100 say: each token's last tile of 64 rows partly filled).
 """
 
 import argparse
