@@ -3,6 +3,7 @@ in registers, and are cached on disk (CPU tests, run in CI)."""
 
 import os
 import re
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -196,3 +197,67 @@ def test_second_import_hits_the_disk_cache_and_damage_is_rebuilt(tmp_path):
     third = _import_in_subprocess(tmp_path)
     assert (third["hits"], third["misses"], third["rebuilt"]) == (count - 1, 1, 1)
     assert (tmp_path / objects[0].relative_to(tmp_path)).stat().st_size > 1000
+
+
+def _disassembler():
+    """nvdisasm on PATH or in the CUDA toolkit beside ptxas (None when neither has it)."""
+    found = shutil.which("nvdisasm")
+    ptxas = shutil.which("ptxas")
+    if found is None and ptxas is not None:
+        candidate = Path(ptxas).resolve().parent / "nvdisasm"
+        found = str(candidate) if candidate.exists() else None
+    return found
+
+
+def uniform_registers_read_unwritten(sass: str) -> set[str]:
+    """The uniform registers that a row copy (``LDGSTS``) reads and no earlier instruction (in address
+    order) writes. The copies' registers are set before the gather loops, so a register in this set is
+    read uninitialised: ptxas has emitted ``LDGSTS [R + UR0], desc[UR1]`` with nothing writing UR0 or UR1,
+    an illegal instruction at run time."""
+    written, unwritten = set(), set()
+    for match in re.finditer(r"/\*[0-9a-f]{4,}\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_.]*)\s+([^;]*);", sass):
+        opcode, operands = match.groups()
+        registers = re.findall(r"\bUR(\d+)\b", operands)
+        if opcode.startswith("LDGSTS"):
+            unwritten.update(f"UR{r}" for r in registers if f"UR{r}" not in written)
+            continue
+        destination = re.findall(r"\bUR(\d+)\b", operands.split(",")[0])
+        width = 4 if ".128" in opcode else 2 if ".64" in opcode else 1
+        written.update(f"UR{int(r) + i}" for r in destination for i in range(width))
+    return unwritten
+
+
+def _gather_variants():
+    """Every attention variant with a row gather: (name, variant) for the FP8 kernel's schedules, q dtypes
+    and head counts, and the bf16 kernel."""
+    found = []
+    for d_qk, precision in VARIANT_KEYS:
+        for q_dtype in (kernels.FP8, kernels.BF16_Q):
+            found.append(kernels.load_split_variant(d_qk, precision, q_dtype))
+            for heads in (8, 16, 32):
+                found.append(kernels.load_small_head_variant(d_qk, precision, heads, q_dtype))
+        for persistent in (False, True):
+            found.append(kernels.load_bf16_q_variant(d_qk, precision, persistent))
+    found += kernels.all_variants()
+    found += [kernels.load_bf16_variant(d_qk) for d_qk in (512, 576)]
+    return found
+
+
+def test_row_copies_read_only_uniform_registers_they_set(tmp_path):
+    """The SASS of every variant with a row gather (ptxas on its PTX, nvdisasm): each ``LDGSTS`` reads only
+    uniform registers an earlier instruction writes (see ``cute_kernels.sm90.row_gather.copy_rows``)."""
+    ptxas, disassembler = shutil.which("ptxas"), _disassembler()
+    if ptxas is None or disassembler is None:
+        pytest.skip("ptxas or nvdisasm is not on PATH")
+    failures = {}
+    for variant in _gather_variants():
+        cubin = tmp_path / f"{variant.name}.cubin"
+        subprocess.run(
+            [ptxas, f"-arch={build.TARGET_ARCH}", str(variant.ptx_path), "-o", str(cubin)], check=True
+        )
+        sass = subprocess.run([disassembler, "-c", str(cubin)], capture_output=True, text=True, check=True)
+        assert "LDGSTS" in sass.stdout, variant.name
+        unwritten = uniform_registers_read_unwritten(sass.stdout)
+        if unwritten:
+            failures[variant.name] = sorted(unwritten)
+    assert not failures, failures

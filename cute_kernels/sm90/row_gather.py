@@ -65,7 +65,13 @@ class RowGather:
 def copy_rows(gather: RowGather, tile_base, first_row, rows) -> None:
     """Queue the copies of ``rows``, each ``(offset, kv_row, valid)``: kv row ``kv_row`` into row
     ``first_row + offset`` of the block tile at shared address ``tile_base`` (``valid`` 1), or zeros
-    there (``valid`` 0). The copies of all rows go one column tile after another."""
+    there (``valid`` 0). The copies of all rows go one column tile after another.
+
+    ``tile_base`` is first passed through a shuffle: with a warp-uniform base ptxas may address the copies
+    as [R + UR] beside the cache-policy descriptor's UR, and it has emitted that form reading uniform
+    registers that nothing writes (an illegal instruction at run time; ``tests/test_kernel_build.py`` checks
+    every variant's SASS for it). A per-thread base keeps the whole address in a vector register."""
+    tile_base = cute.arch.shuffle_sync(tile_base, 0)
     sources = [
         gather.kv_base + Int64(kv_row * valid) * gather.kv_row_stride + gather.chunk16 * CHUNK_BYTES
         for _, kv_row, valid in rows

@@ -4,7 +4,8 @@ Short chunks (s_q 64, 132, 437, 1024 at h_q 64 and 128; 64k context, d_qk 576, t
 of the call as the rules schedule it, its share of the s_q 4096 TF/s of the same head count (timed in the
 main table, or here when that row did not run), and the time with the split schedule off (the one-tile kernel)
 when the rules split. Head counts (h_q 8, 16, 32, 48, 96 at s_q 4096): the time relative to h_q 64 (and 96 to
-128); 8, 16 and 32 run the small-head kernel, 48 and 96 padded to a multiple of 64.
+128); 8, 16 and 32 run the small-head kernel, 48 and 96 tiles of 64 heads (a token's last one partly
+filled).
 """
 
 from __future__ import annotations
