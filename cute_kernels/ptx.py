@@ -135,30 +135,21 @@ def st_shared_u32(smem_addr, value, *, loc=None, ip=None) -> None:
 
 
 @dsl_user_op
-def st_global_u32(gmem_addr, value, *, loc=None, ip=None) -> None:
-    inline_asm(
-        None,
-        [Int64(gmem_addr).ir_value(loc=loc, ip=ip), Uint32(value).ir_value(loc=loc, ip=ip)],
-        "st.global.b32 [$0], $1;",
-        "l,r",
-        True,
-    )
-
-
-@dsl_user_op
-def st_global_u32_if(gmem_addr, value, store, *, loc=None, ip=None) -> None:
-    """``st_global_u32`` when ``store`` (an Int32) is non-zero: a predicated store, no branch."""
-    inline_asm(
-        None,
-        [
-            Int64(gmem_addr).ir_value(loc=loc, ip=ip),
-            Uint32(value).ir_value(loc=loc, ip=ip),
-            Int32(store).ir_value(loc=loc, ip=ip),
-        ],
-        "{ .reg .pred p; setp.ne.b32 p, $2, 0; @p st.global.b32 [$0], $1; }",
-        "l,r,r",
-        True,
-    )
+def st_global_u32(gmem_addr, value, store=None, *, loc=None, ip=None) -> None:
+    """Store 32 bits at ``gmem_addr``; with ``store`` (an Int32), only when it is non-zero (a predicated
+    store, no branch)."""
+    operands = [Int64(gmem_addr).ir_value(loc=loc, ip=ip), Uint32(value).ir_value(loc=loc, ip=ip)]
+    if store is None:
+        inline_asm(None, operands, "st.global.b32 [$0], $1;", "l,r", True)
+    else:
+        operands.append(Int32(store).ir_value(loc=loc, ip=ip))
+        inline_asm(
+            None,
+            operands,
+            "{ .reg .pred p; setp.ne.b32 p, $2, 0; @p st.global.b32 [$0], $1; }",
+            "l,r,r",
+            True,
+        )
 
 
 @dsl_user_op
@@ -283,29 +274,18 @@ def st_global_v2(gmem_addr, w0, w1, *, loc=None, ip=None) -> None:
 
 
 @dsl_user_op
-def st_global_v2_f32(gmem_addr, x0, x1, *, loc=None, ip=None) -> None:
-    """Store two f32 at ``gmem_addr`` (8-byte aligned): ``x0`` first."""
-    inline_asm(
-        None,
-        [Int64(gmem_addr).ir_value(loc=loc, ip=ip)] + [Float32(x).ir_value(loc=loc, ip=ip) for x in (x0, x1)],
-        "st.global.v2.f32 [$0], {$1, $2};",
-        "l,f,f",
-        True,
-    )
-
-
-@dsl_user_op
-def st_global_v2_f32_if(gmem_addr, x0, x1, store, *, loc=None, ip=None) -> None:
-    """``st_global_v2_f32`` when ``store`` (an Int32) is non-zero: a predicated store, no branch."""
-    inline_asm(
-        None,
-        [Int64(gmem_addr).ir_value(loc=loc, ip=ip)]
-        + [Float32(x).ir_value(loc=loc, ip=ip) for x in (x0, x1)]
-        + [Int32(store).ir_value(loc=loc, ip=ip)],
-        "{ .reg .pred p; setp.ne.b32 p, $3, 0; @p st.global.v2.f32 [$0], {$1, $2}; }",
-        "l,f,f,r",
-        True,
-    )
+def st_global_v2_f32(gmem_addr, x0, x1, store=None, *, loc=None, ip=None) -> None:
+    """Store two f32 at ``gmem_addr`` (8-byte aligned): ``x0`` first; with ``store`` (an Int32), only when it
+    is non-zero (a predicated store, no branch)."""
+    operands = [Int64(gmem_addr).ir_value(loc=loc, ip=ip)] + [
+        Float32(x).ir_value(loc=loc, ip=ip) for x in (x0, x1)
+    ]
+    if store is None:
+        inline_asm(None, operands, "st.global.v2.f32 [$0], {$1, $2};", "l,f,f", True)
+    else:
+        operands.append(Int32(store).ir_value(loc=loc, ip=ip))
+        predicated = "{ .reg .pred p; setp.ne.b32 p, $3, 0; @p st.global.v2.f32 [$0], {$1, $2}; }"
+        inline_asm(None, operands, predicated, "l,f,f,r", True)
 
 
 @dsl_user_op

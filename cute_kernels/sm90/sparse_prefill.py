@@ -1232,12 +1232,10 @@ class SparsePrefillSm90(AttentionKernel):
                     d = (c.index * D_TILES_PER_CONSUMER + mt) * 64 + c.warp * 16 + 2 * c.quad_row
                     lo, hi = c.acc_o[mt][e + 4 * j] * scale, c.acc_o[mt][e + 2 + 4 * j] * scale
                     addr = row_addr + d * out_bytes
-                    if const_expr(self.split):  # not with small heads
-                        ptx.st_global_v2_f32_if(addr, lo, hi, store)
-                    elif const_expr(store is None):
-                        ptx.st_global_u32(addr, ptx.pack_bf16x2(lo, hi))
+                    if const_expr(self.split):
+                        ptx.st_global_v2_f32(addr, lo, hi, store)
                     else:
-                        ptx.st_global_u32_if(addr, ptx.pack_bf16x2(lo, hi), store)
+                        ptx.st_global_u32(addr, ptx.pack_bf16x2(lo, hi), store)
 
     @cute.jit
     def row_scale(self, c: Consumer, rows, kv_scale, flags, mSink, mMaxLogits, mLse):
