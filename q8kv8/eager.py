@@ -4,7 +4,7 @@
 path checks the call (``q8kv8.contract``), allocates the outputs and launches the kernel (``q8kv8.kernels``;
 any head count as it is: 8, 16 or 32 heads run the small-head kernel, others tiles of 64 heads, a token's
 last tile partly filled); its first launch of each kernel variant on a GPU registers both with the fast path
-(``q8kv8.native``), which then takes such calls (not the small-head ones).
+(``q8kv8.native``), which then takes such calls.
 """
 
 import contextlib
@@ -15,7 +15,7 @@ import torch
 
 from q8kv8 import contract, native, schedule
 from q8kv8.contract import check_inputs, check_ranges_enabled, check_topk_length_range
-from q8kv8.metadata import small_heads
+from q8kv8.metadata import HEAD_ALIGNMENT, small_heads
 from q8kv8.prefill_call import PrefillCall
 
 
@@ -69,13 +69,13 @@ def run(call: PrefillCall) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         ready,
         problem.splits,
     )
-    # The call's device (the contract checked): Tensor.is_cuda is the cheap test. The fast path has no
-    # small-head variants.
-    if q.is_cuda and not small_heads(h_q):
+    # The call's device (the contract checked): Tensor.is_cuda is the cheap test.
+    if q.is_cuda:
         kind = schedule.kind(problem.tiles_per_cta, problem.splits)
         combine = kernels.load_split_combine() if kind == schedule.SPLIT else None
+        heads = h_q if small_heads(h_q) else HEAD_ALIGNMENT
         device_index = problem.device.index
-        native.note_launch(device_index, problem.d_qk, call.precision, kind, variant, q.dtype, combine)
+        native.note_launch(device_index, problem.d_qk, call.precision, kind, variant, q.dtype, combine, heads)
     return out, max_logits, lse
 
 

@@ -73,6 +73,7 @@ def constants() -> dict:
         "sink_flag": metadata.SINK_FLAG,
         "persistent_max_topk": schedule.PERSISTENT_MAX_TOPK,
         "persistent_max_tiles_per_cta": schedule.PERSISTENT_MAX_TILES_PER_CTA,
+        "small_head_max_tiles_per_cta": schedule.SMALL_HEAD_MAX_TILES_PER_CTA,
         "persistent_min_waves": schedule.PERSISTENT_MIN_WAVES,
         "split_max_parts": schedule.SPLIT_MAX_PARTS,
         "split_min_slots": schedule.SPLIT_MIN_SLOTS,
@@ -154,11 +155,13 @@ def register_variant(
     schedule_kind: int,
     function,
     q_dtype: torch.dtype = torch.float8_e4m3fn,
+    heads: int = metadata.HEAD_ALIGNMENT,
 ) -> None:
     """Let ``extension`` launch ``function`` (a ``tvm_ffi.Function``: the kernel variant the Python path
     launches for ``d_qk``, ``precision``, the schedule kind (``schedule.ONE_TILE``, ``PERSISTENT`` or
-    ``SPLIT``) and a q of ``q_dtype``); it holds a reference until replaced or reset."""
-    extension.register_variant(d_qk, precision, schedule_kind, function.__chandle__(), q_dtype)
+    ``SPLIT``), a q of ``q_dtype`` and tiles of ``heads`` heads: 64, or a small-head count, whose variant is
+    persistent); it holds a reference until replaced or reset."""
+    extension.register_variant(d_qk, precision, schedule_kind, function.__chandle__(), q_dtype, heads)
 
 
 def note_launch(
@@ -169,16 +172,18 @@ def note_launch(
     variant,
     q_dtype: torch.dtype = torch.float8_e4m3fn,
     split_combine=None,
+    heads: int = metadata.HEAD_ALIGNMENT,
 ) -> None:
     """Called by the Python path after each launch on a CUDA device (whose capability the contract has then
     checked): the first launch on the device registers it, the first of each kernel variant (``variant``,
-    a ``kernels.Variant``, for a q of ``q_dtype`` and a schedule kind of ``schedule``; with ``SPLIT``, also
-    ``split_combine``, the merge kernel's ``kernels.Variant``) registers the variant, and from then on
+    a ``kernels.Variant``, for a q of ``q_dtype``, a schedule kind of ``schedule`` and tiles of ``heads``
+    heads; with ``SPLIT``, also ``split_combine``, the merge kernel's ``kernels.Variant``) registers the
+    variant, and from then on
     ``launch`` takes such calls. Only with one visible GPU (the extension launches on the current device),
     never while ``suspended``, and only for a variant that is a ``tvm_ffi.Function`` (the compiled kernels
     are)."""
     global launch, _gpu_count
-    key = (device_index, d_qk, precision, schedule_kind, q_dtype)
+    key = (device_index, d_qk, precision, schedule_kind, q_dtype, heads)
     if key in _registered or _suspended or device_index < 0:
         return
     if _gpu_count is None:
@@ -197,7 +202,7 @@ def note_launch(
     if device_index not in _registered_devices:
         extension.register_device(KDL_CUDA, device_index, schedule.sm_count(device_index))
         _registered_devices.add(device_index)
-    register_variant(extension, d_qk, precision, schedule_kind, variant.function, q_dtype)
+    register_variant(extension, d_qk, precision, schedule_kind, variant.function, q_dtype, heads)
     _registered.add(key)
     launch = extension.launch
 

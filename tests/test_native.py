@@ -31,7 +31,7 @@ from q8kv8 import (  # noqa: E402
     schedule,
     sparse_mla_q8kv8_prefill_fwd,
 )
-from q8kv8.metadata import D_V, PRECISIONS, SUPPORTED_D_QK  # noqa: E402
+from q8kv8.metadata import D_V, PRECISIONS, SMALL_HEAD_COUNTS, SUPPORTED_D_QK  # noqa: E402
 from q8kv8.prefill_call import PrefillCall  # noqa: E402
 
 pytestmark = pytest.mark.skipif(
@@ -62,9 +62,17 @@ def fast(monkeypatch):
         # The tensors are views valid during the call only: recorded as (address, shape, strides, dtype).
         return tvm_ffi.convert(lambda *args: calls.append((key, normalized(args))))
 
-    variants, persistent_variants, bf16_q_variants, split_variants = {}, {}, {}, {}
+    variants, persistent_variants, bf16_q_variants, split_variants, small_variants = {}, {}, {}, {}, {}
     for d_qk in SUPPORTED_D_QK:
         for precision in PRECISIONS:
+            for heads, q_dtype in itertools.product(SMALL_HEAD_COUNTS, (FP8, BF16)):
+                function = recorder((d_qk, precision, heads, str(q_dtype)))
+                small_variants[d_qk, precision, heads, q_dtype] = types.SimpleNamespace(
+                    function=function, name="recorder", d_qk=d_qk
+                )
+                native.register_variant(
+                    extension, d_qk, precision, schedule.PERSISTENT, function, q_dtype, heads
+                )
             for q_dtype in (FP8, BF16):
                 function = recorder((d_qk, precision, "split", str(q_dtype)))
                 split_variants[d_qk, precision, q_dtype] = types.SimpleNamespace(
@@ -88,6 +96,7 @@ def fast(monkeypatch):
     monkeypatch.setattr(kernels, "_variants", variants)
     monkeypatch.setattr(kernels, "_persistent_variants", persistent_variants)
     monkeypatch.setattr(kernels, "_bf16_q_variants", bf16_q_variants)
+    monkeypatch.setattr(kernels, "_small_head_variants", small_variants)
     monkeypatch.setattr(schedule, "_sm_counts", {0: SM_COUNT, None: SM_COUNT, -1: SM_COUNT})
     monkeypatch.setattr(contract, "check_device", lambda named_devices: None)  # CPU tensors pass it
     monkeypatch.setattr(contract, "_memo", {})
@@ -179,6 +188,9 @@ def python_path_launch(fast, args: dict):
         (5, 48, 256, True, True),  # a token's heads in one partly filled tile
         (20, 48, 512, True, True),  # 20 tiles: 2 per CTA
         (3, 96, 512, True, False),  # two tiles a token, the second partly filled
+        (6, 16, 512, True, True),  # the small-head kernel: 3 tokens per CTA on 2 stand-in SMs
+        (40, 8, 2048, False, True),  # 8 tokens per CTA
+        (1, 32, 2048, True, False),  # one token: never split
     ],
 )
 def test_launches_what_the_python_path_launches(
@@ -203,8 +215,12 @@ def test_launches_what_the_python_path_launches(
     expected_schedule, expected_launches = python_path_launch(fast, args)
     expected_key, expected_arguments = expected_launches[0]
     split = expected_schedule[1] > 1
-    assert split == (len(expected_launches) == 2) == (s_q == 1)
-    assert split or (len(expected_key) == 4) == (q_dtype == BF16)  # the bfloat16-q variant
+    small = h_q in SMALL_HEAD_COUNTS
+    assert split == (len(expected_launches) == 2) == (s_q == 1 and not small)
+    if small:  # the small-head variant of the q dtype
+        assert expected_key == (d_qk, precision, h_q, str(q_dtype)) and expected_schedule[0] >= 1
+    else:
+        assert split or (len(expected_key) == 4) == (q_dtype == BF16)  # the bfloat16-q variant
     if q_dtype == BF16:
         kv_scale = (args["kv_scale"].data_ptr(), (1,), (1,))
         assert expected_arguments[5][:3] == kv_scale  # in q_scale's place
@@ -247,12 +263,12 @@ def test_launches_what_the_python_path_launches(
 
 
 def test_schedule_is_the_python_rule_over_a_grid(fast, monkeypatch, generator):
-    """The extension's copies of ``schedule.tiles_per_cta`` and ``schedule.splits`` (on the constants it was
-    configured with) give the Python rules' answers over a grid of extents, SM counts, top-k, topk_length and
-    precisions."""
-    compared = split = 0
+    """The extension's copies of ``schedule.tiles_per_cta``, ``schedule.splits`` and
+    ``schedule.small_head_tiles_per_cta`` (on the constants it was configured with) give the Python rules'
+    answers over a grid of extents, head counts, SM counts, top-k, topk_length and precisions."""
+    compared = split = small = 0
     for s_q, h_q, topk in itertools.product(
-        (1, 2, 7, 8, 9, 16, 17, 40), (64, 128, 192), (128, 512, 640, 2048)
+        (1, 2, 7, 8, 9, 16, 17, 40, 263), (8, 16, 32, 48, 64, 128, 192), (128, 512, 640, 2048)
     ):
         q = torch.zeros(s_q, h_q, 512, dtype=torch.float8_e4m3fn)
         kv = torch.zeros(2, 1, 512, dtype=torch.float8_e4m3fn)
@@ -271,8 +287,10 @@ def test_schedule_is_the_python_rule_over_a_grid(fast, monkeypatch, generator):
             )
             compared += 1 if tiles else 0
             split += 1 if splits > 1 else 0
+            small += 1 if tiles > 1 and h_q in SMALL_HEAD_COUNTS else 0
     assert compared > 100  # the grid reaches the persistent schedule, not only the one-tile kernel
     assert split > 20  # and the split one
+    assert small > 100  # and small-head launches of several tokens per CTA
 
 
 @pytest.mark.parametrize(
@@ -313,13 +331,7 @@ def test_declines_every_contract_violation_of_a_bf16_q_call(
 
 def _declined_cases(args: dict, randn_fp8) -> dict:
     """Valid calls (or calls outside the C++ checks' scope) that the fast path must leave to Python."""
-    h16 = dict(args)
-    h16["q"] = args["q"][:, :16].contiguous()
-    h16["attn_sink"] = args["attn_sink"][:16].contiguous()
-    for name in ("out", "max_logits", "lse"):
-        h16[name] = args[name][:, :16].clone()
     return {
-        "small heads": h16,
         "q misaligned": {**args, "q": offset_by(args["q"], 1)},
         "q strided": {**args, "q": args["q"].transpose(0, 1).contiguous().transpose(0, 1)},
         "kv misaligned": {**args, "kv": offset_by(args["kv"], 8)},
@@ -362,7 +374,7 @@ class StrSubclass(str):
 @pytest.mark.parametrize(
     "case",
     [
-        "small heads", "q misaligned", "q strided", "kv misaligned", "kv row stride", "out misaligned",
+        "q misaligned", "q strided", "kv misaligned", "kv row stride", "out misaligned",
         "topk_length strided", "attn_sink strided", "empty kv", "q_scale 0-d", "kv_scale [1, 1]",
         "sm_scale an int", "no out buffer", "no lse buffer", "q on another device", "q a subclass",
         "q_scale a negative view", "attn_sink a negative view", "sm_scale a float subclass",
@@ -379,13 +391,7 @@ def test_declines_what_needs_the_python_path(fast, valid_args, randn_fp8, case):
 
 def _bf16_q_declined_cases(args: dict) -> dict:
     """Valid bfloat16-q calls that the fast path must leave to Python."""
-    h16 = dict(args)
-    h16["q"] = args["q"][:, :16].contiguous()
-    h16["attn_sink"] = args["attn_sink"][:16].contiguous()
-    for name in ("out", "max_logits", "lse"):
-        h16[name] = args[name][:, :16].clone()
     return {
-        "small heads": h16,
         "q 8 bytes off 16": {**args, "q": offset_by(args["q"], 8)},
         "q strided": {**args, "q": args["q"].transpose(0, 1).contiguous().transpose(0, 1)},
         "q a negative view": {**args, "q": torch._neg_view(args["q"])},
@@ -397,7 +403,7 @@ def _bf16_q_declined_cases(args: dict) -> dict:
 
 @pytest.mark.parametrize(
     "case",
-    ["small heads", "q 8 bytes off 16", "q strided", "q a negative view", "q a subclass", "empty kv",
+    ["q 8 bytes off 16", "q strided", "q a negative view", "q a subclass", "empty kv",
      "no out buffer"],
 )  # fmt: skip
 def test_declines_bf16_q_calls_that_need_the_python_path(fast, valid_bf16_q_args, case):
@@ -461,7 +467,6 @@ def test_decline_reason_names_the_check(fast, valid_args, monkeypatch):
     assert reason(call) == ""
     assert reason(call._replace(d_v=256)) == f"d_v is not the Python int {D_V}"
     assert reason(call._replace(lse=valid_args["max_logits"])) == "two output buffers overlap"
-    assert "small-head" in reason(call._replace(q=valid_args["q"][:, :16]))
     assert reason(call._replace(q=valid_args["q"].as_subclass(TensorSubclass))).startswith(
         "q is not a tensor"
     )
@@ -580,7 +585,7 @@ def test_note_launch_registers_once_per_variant_and_again_after_disable(fast, mo
     for _ in range(2):
         native.note_launch(0, D_QK, "default", schedule.ONE_TILE, variant)
         assert native.launch is native.load().launch
-        assert native._registered == {(0, D_QK, "default", schedule.ONE_TILE, FP8)}
+        assert native._registered == {(0, D_QK, "default", schedule.ONE_TILE, FP8, 64)}
         assert native._registered_devices == {0}
         with native.suspended():
             assert native.launch is None
@@ -591,9 +596,12 @@ def test_note_launch_registers_once_per_variant_and_again_after_disable(fast, mo
     bf16_q_variant = kernels._bf16_q_variants[D_QK, "default", False]
     native.note_launch(0, D_QK, "default", schedule.ONE_TILE, variant)
     native.note_launch(0, D_QK, "default", schedule.ONE_TILE, bf16_q_variant, BF16)  # a variant of its own
+    small_variant = kernels._small_head_variants[D_QK, "default", 16, FP8]
+    native.note_launch(0, D_QK, "default", schedule.PERSISTENT, small_variant, FP8, None, 16)  # its own too
     assert native._registered == {
-        (0, D_QK, "default", schedule.ONE_TILE, FP8),
-        (0, D_QK, "default", schedule.ONE_TILE, BF16),
+        (0, D_QK, "default", schedule.ONE_TILE, FP8, 64),
+        (0, D_QK, "default", schedule.ONE_TILE, BF16, 64),
+        (0, D_QK, "default", schedule.PERSISTENT, FP8, 16),
     }
 
 
@@ -614,10 +622,10 @@ def test_the_python_path_notes_its_gpu_launches(monkeypatch, fake_kernels, make_
         eager, "check_inputs", lambda call: problem._replace(device=torch.device("cuda", 0), tiles_per_cta=2)
     )
     sparse_mla_q8kv8_prefill_fwd(**{**args, "q": args["q"].as_subclass(CudaLooking)}, precision="accurate")
-    assert noted == [(0, D_QK, "accurate", schedule.PERSISTENT, launched, FP8, None)]
+    assert noted == [(0, D_QK, "accurate", schedule.PERSISTENT, launched, FP8, None, 64)]
     bf16_q = args["q"].to(BF16).as_subclass(CudaLooking)
     sparse_mla_q8kv8_prefill_fwd(**{**args, "q": bf16_q, "q_scale": None})
-    assert noted[1:] == [(0, D_QK, "default", schedule.PERSISTENT, launched, BF16, None)]
+    assert noted[1:] == [(0, D_QK, "default", schedule.PERSISTENT, launched, BF16, None, 64)]
     # A split schedule: the split variant, with the merge kernel to register beside it.
     merge = types.SimpleNamespace(function=object())
     fake.load_split_combine = lambda: merge
@@ -625,7 +633,17 @@ def test_the_python_path_notes_its_gpu_launches(monkeypatch, fake_kernels, make_
         eager, "check_inputs", lambda call: problem._replace(device=torch.device("cuda", 0), splits=3)
     )
     sparse_mla_q8kv8_prefill_fwd(**{**args, "q": args["q"].as_subclass(CudaLooking)})
-    assert noted[2:] == [(0, D_QK, "default", schedule.SPLIT, launched, FP8, merge)]
+    assert noted[2:] == [(0, D_QK, "default", schedule.SPLIT, launched, FP8, merge, 64)]
+    # Small heads: the small-head variant, with its head count.
+    small = make_inputs(S_Q, 16, S_KV, D_QK, TOPK)
+    small_problem = contract.check_inputs(PrefillCall(**small))
+    monkeypatch.setattr(
+        eager,
+        "check_inputs",
+        lambda call: small_problem._replace(device=torch.device("cuda", 0), tiles_per_cta=3),
+    )
+    sparse_mla_q8kv8_prefill_fwd(**{**small, "q": small["q"].as_subclass(CudaLooking)})
+    assert noted[3:] == [(0, D_QK, "default", schedule.PERSISTENT, launched, FP8, None, 16)]
 
 
 class CudaLooking(torch.Tensor):

@@ -35,8 +35,17 @@ def nan_like(outputs):
 @pytest.mark.parametrize("precision", ["default", "accurate"])
 @pytest.mark.parametrize(
     ("s_q", "h_q", "d_qk", "topk", "with_extras"),
-    # (1100, 64, ...): the persistent schedule (k = 2); (20, 64, ...): the split one (4 parts)
-    [(37, 128, 576, 512, False), (1100, 64, 512, 256, True), (20, 64, 576, 2048, True)],
+    # (1100, 64, ...): the persistent schedule (k = 2); (20, 64, ...): the split one (4 parts);
+    # (9, 48, ...): split in 2, partly filled head tiles; (300, 16, ...), (5, 8, ...): the small-head kernel
+    # (3 and 1 tokens per CTA)
+    [
+        (37, 128, 576, 512, False),
+        (1100, 64, 512, 256, True),
+        (20, 64, 576, 2048, True),
+        (9, 48, 576, 512, True),
+        (300, 16, 576, 2048, True),
+        (5, 8, 512, 256, False),
+    ],
 )
 def test_fast_path_matches_the_python_path_bitwise(
     make_inputs, python_path_tripwire, precision, s_q, h_q, d_qk, topk, with_extras, q_dtype

@@ -77,7 +77,7 @@ struct Config {
   Py_ssize_t num_fields = 0;
   Py_ssize_t field_index[kNumFields] = {};
   std::vector<int64_t> supported_d_qk;
-  std::vector<int64_t> small_head_counts;  // head counts of the small-head kernel (the Python path runs them)
+  std::vector<int64_t> small_head_counts;  // head counts of the small-head kernel (a tile is a token's heads)
   std::vector<DLDataType> q_dtypes;  // the dtypes q may have
   std::vector<bool> q_row_scaled;  // per q dtype: scaled per row by the kernel (q_scale None)
   int64_t d_v = 0;
@@ -93,6 +93,7 @@ struct Config {
   int64_t sink_flag = 0;
   int64_t persistent_max_topk = 0;
   int64_t persistent_max_tiles_per_cta = 0;
+  int64_t small_head_max_tiles_per_cta = 0;
   int64_t persistent_min_waves = 0;
   int64_t split_max_parts = 0;
   int64_t split_min_slots = 0;
@@ -109,7 +110,8 @@ struct Device {
 struct Registry {
   Config config;
   std::vector<Device> devices;
-  // TVM-FFI functions (owned references, or null), [q dtype][d_qk][precision][schedule kind].
+  // TVM-FFI functions (owned references, or null), [q dtype][d_qk][precision][schedule kind][heads]: heads 0
+  // the tiles of 64 heads, 1 + i the small-head kernel of small_head_counts[i].
   std::vector<TVMFFIObjectHandle> variants;
   TVMFFIObjectHandle split_combine = nullptr;  // the merge of a split launch's partial results (owned, or null)
 };
@@ -288,6 +290,21 @@ int64_t TilesPerCta(int64_t num_tiles, int64_t topk, bool has_topk_length, size_
   return tiles >= 2 ? tiles : 0;
 }
 
+// schedule.small_head_tiles_per_cta (without a forced answer): the tokens per CTA, up to the maximum, that
+// keep the fewest tokens in a row on an SM (waves of CTAs times tokens per CTA); on a tie the most.
+int64_t SmallHeadTilesPerCta(int64_t s_q, int64_t sm_count) {
+  const Config& c = registry.config;
+  int64_t best = 1, best_rounds = -1;
+  for (int64_t tiles = 1; tiles <= c.small_head_max_tiles_per_cta; ++tiles) {
+    const int64_t rounds = ((s_q + tiles - 1) / tiles + sm_count - 1) / sm_count * tiles;
+    if (best_rounds < 0 || rounds <= best_rounds) {
+      best = tiles;
+      best_rounds = rounds;
+    }
+  }
+  return best;
+}
+
 // schedule.splits (without a forced answer: the fast path is suspended while one is set).
 int64_t Splits(int64_t num_tiles, int64_t topk, int64_t sm_count) {
   const Config& c = registry.config;
@@ -296,12 +313,21 @@ int64_t Splits(int64_t num_tiles, int64_t topk, int64_t sm_count) {
   return parts >= 2 ? parts : 1;
 }
 
-// The registry's slot of a variant: [q dtype][d_qk][precision][schedule kind], by index into the Config's
-// lists.
-size_t VariantIndex(size_t q_dtype, size_t d_qk, size_t precision, size_t schedule_kind) {
+// The registry's slot of a variant: [q dtype][d_qk][precision][schedule kind][heads], by index into the
+// Config's lists (heads: 0 for tiles of 64 heads, 1 + i for small_head_counts[i]).
+size_t VariantIndex(size_t q_dtype, size_t d_qk, size_t precision, size_t schedule_kind, size_t heads) {
   const Config& c = registry.config;
-  return ((q_dtype * c.supported_d_qk.size() + d_qk) * c.precisions.size() + precision) * kScheduleKinds +
-         schedule_kind;
+  const size_t kind = ((q_dtype * c.supported_d_qk.size() + d_qk) * c.precisions.size() + precision) *
+                          kScheduleKinds +
+                      schedule_kind;
+  return kind * (1 + c.small_head_counts.size()) + heads;
+}
+
+// The registry's heads slot of a call of h_q heads: 1 + i when h_q is small_head_counts[i], else 0.
+size_t HeadsSlot(int64_t h_q) {
+  const Config& c = registry.config;
+  const auto found = std::find(c.small_head_counts.begin(), c.small_head_counts.end(), h_q);
+  return found == c.small_head_counts.end() ? 0 : 1 + static_cast<size_t>(found - c.small_head_counts.begin());
 }
 
 // The outputs' checks (contract._check_signatures, _check_no_overlap, Problem.launch_ready for out): an
@@ -361,9 +387,6 @@ Plan Check(const Views& v) {
   const int64_t s_q = q.shape[0], h_q = q.shape[1], d_qk = q.shape[2];
   const int64_t s_kv = kv.shape[0], topk = indices.shape[2];
   if (s_q < 1 || s_kv < 1 || h_q < 1) return Declined("s_q, s_kv or h_q is 0");
-  if (std::find(c.small_head_counts.begin(), c.small_head_counts.end(), h_q) != c.small_head_counts.end()) {
-    return Declined("h_q runs the small-head kernel");
-  }
   const auto d_qk_found = std::find(c.supported_d_qk.begin(), c.supported_d_qk.end(), d_qk);
   if (kv.shape[1] != 1 || d_qk_found == c.supported_d_qk.end() || kv.shape[2] != d_qk) {
     return Declined("kv's shape does not match q's, or d_qk is not supported");
@@ -419,12 +442,19 @@ Plan Check(const Views& v) {
     return Declined("q, kv or out does not meet the launch's alignment");
   }
 
-  const int64_t num_tiles = s_q * ((h_q + c.head_alignment - 1) / c.head_alignment);
-  const int64_t tiles = TilesPerCta(num_tiles, topk, v.has_topk_length, v.precision, device->sm_count);
-  const int64_t splits = tiles == 0 ? Splits(num_tiles, topk, device->sm_count) : 1;
+  // schedule.choose: the small-head kernel (persistent, never split), else tiles of 64 heads.
+  const size_t heads = HeadsSlot(h_q);
+  int64_t tiles = 0, splits = 1;
+  if (heads > 0) {
+    tiles = SmallHeadTilesPerCta(s_q, device->sm_count);
+  } else {
+    const int64_t num_tiles = s_q * ((h_q + c.head_alignment - 1) / c.head_alignment);
+    tiles = TilesPerCta(num_tiles, topk, v.has_topk_length, v.precision, device->sm_count);
+    splits = tiles == 0 ? Splits(num_tiles, topk, device->sm_count) : 1;
+  }
   const size_t kind = tiles > 0 ? kPersistent : splits > 1 ? kSplit : kOneTile;
   const size_t d_qk_index = static_cast<size_t>(d_qk_found - c.supported_d_qk.begin());
-  TVMFFIObjectHandle variant = registry.variants[VariantIndex(q_dtype, d_qk_index, v.precision, kind)];
+  TVMFFIObjectHandle variant = registry.variants[VariantIndex(q_dtype, d_qk_index, v.precision, kind, heads)];
   if (variant == nullptr || (splits > 1 && registry.split_combine == nullptr)) {
     return Declined("the kernel variant is not registered");
   }
@@ -891,6 +921,7 @@ bool Configure(PyObject* constants, Config* c) {
          GetInt(constants, "sink_flag", &c->sink_flag, 1) &&
          GetInt(constants, "persistent_max_topk", &c->persistent_max_topk, 0) &&
          GetInt(constants, "persistent_max_tiles_per_cta", &c->persistent_max_tiles_per_cta, 0) &&
+         GetInt(constants, "small_head_max_tiles_per_cta", &c->small_head_max_tiles_per_cta, 1) &&
          GetInt(constants, "persistent_min_waves", &c->persistent_min_waves, 1) &&
          GetInt(constants, "split_max_parts", &c->split_max_parts, 1) &&
          GetInt(constants, "split_min_slots", &c->split_min_slots, 1);
@@ -908,7 +939,8 @@ PyObject* ConfigureCall(PyObject* /*module*/, PyObject* constants) {
     return nullptr;
   }
   const Config& c = registry.config;
-  registry.variants.assign(c.q_dtypes.size() * c.supported_d_qk.size() * c.precisions.size() * kScheduleKinds,
+  registry.variants.assign(c.q_dtypes.size() * c.supported_d_qk.size() * c.precisions.size() * kScheduleKinds *
+                               (1 + c.small_head_counts.size()),
                            nullptr);
   registry.config.configured = true;
   Py_RETURN_NONE;
@@ -952,19 +984,21 @@ bool IsFunctionHandle(void* handle, const char* caller) {
   return false;
 }
 
-// register_variant(d_qk, precision, schedule_kind, handle, q_dtype): a kernel variant of a schedule kind (0 one
-// tile per CTA, 1 persistent, 2 split) for a q of q_dtype (a torch dtype), the TVM-FFI function whose object
-// handle (tvm_ffi.Function.__chandle__()) is `handle`; referenced until replaced or reset.
+// register_variant(d_qk, precision, schedule_kind, handle, q_dtype, heads): a kernel variant of a schedule kind
+// (0 one tile per CTA, 1 persistent, 2 split) for a q of q_dtype (a torch dtype) and tiles of `heads` heads (the
+// head alignment, or a small-head count: its persistent variant), the TVM-FFI function whose object handle
+// (tvm_ffi.Function.__chandle__()) is `handle`; referenced until replaced or reset.
 PyObject* RegisterVariant(PyObject* /*module*/, PyObject* const* args, Py_ssize_t nargs) {
-  if (nargs != 5) {
+  if (nargs != 6) {
     PyErr_Format(PyExc_TypeError,
-                 "register_variant(d_qk, precision, schedule_kind, handle, q_dtype) takes 5 arguments");
+                 "register_variant(d_qk, precision, schedule_kind, handle, q_dtype, heads) takes 6 arguments");
     return nullptr;
   }
   const Config& c = registry.config;
   const long long d_qk = PyLong_AsLongLong(args[0]);
   const long long kind = PyLong_AsLongLong(args[2]);
   void* handle = PyLong_AsVoidPtr(args[3]);
+  const long long heads = PyLong_AsLongLong(args[5]);
   if (PyErr_Occurred()) return nullptr;
   const auto d_qk_found = std::find(c.supported_d_qk.begin(), c.supported_d_qk.end(), d_qk);
   size_t precision = c.precisions.size();
@@ -978,18 +1012,20 @@ PyObject* RegisterVariant(PyObject* /*module*/, PyObject* const* args, Py_ssize_
       if (SameDtype(dtype, c.q_dtypes[i])) q_dtype = i;
     }
   }
+  const size_t heads_slot = HeadsSlot(heads);
   if (!c.configured || d_qk_found == c.supported_d_qk.end() || precision == c.precisions.size() ||
-      q_dtype == c.q_dtypes.size() || kind < 0 || kind >= static_cast<long long>(kScheduleKinds)) {
+      q_dtype == c.q_dtypes.size() || kind < 0 || kind >= static_cast<long long>(kScheduleKinds) ||
+      (heads_slot == 0 && heads != c.head_alignment) || (heads_slot > 0 && kind != kPersistent)) {
     PyErr_Format(PyExc_ValueError,
                  "register_variant: not configured, or no variant d_qk %lld, precision %R, schedule kind %R, "
-                 "q dtype %R",
-                 d_qk, args[1], args[2], args[4]);
+                 "q dtype %R, heads %R",
+                 d_qk, args[1], args[2], args[4], args[5]);
     return nullptr;
   }
   if (!IsFunctionHandle(handle, "register_variant")) return nullptr;
   const size_t d_qk_index = static_cast<size_t>(d_qk_found - c.supported_d_qk.begin());
   TVMFFIObjectHandle& slot =
-      registry.variants[VariantIndex(q_dtype, d_qk_index, precision, static_cast<size_t>(kind))];
+      registry.variants[VariantIndex(q_dtype, d_qk_index, precision, static_cast<size_t>(kind), heads_slot)];
   TVMFFIObjectIncRef(handle);
   if (slot != nullptr) TVMFFIObjectDecRef(slot);
   slot = handle;
@@ -1031,7 +1067,7 @@ PyMethodDef methods[] = {
     Q8KV8_METHOD("register_device", RegisterDevice, METH_FASTCALL,
                  "register_device(device_type, device_id, sm_count)"),
     Q8KV8_METHOD("register_variant", RegisterVariant, METH_FASTCALL,
-                 "register_variant(d_qk, precision, schedule_kind, handle, q_dtype)"),
+                 "register_variant(d_qk, precision, schedule_kind, handle, q_dtype, heads)"),
     Q8KV8_METHOD("register_split_combine", RegisterSplitCombine, METH_O, "register_split_combine(handle)"),
     {nullptr, nullptr, 0, nullptr},
 };
