@@ -109,19 +109,27 @@ def test_configuration_and_registration_errors(extension):
     fp8 = torch.float8_e4m3fn
     one_tile, split = schedule.ONE_TILE, schedule.SPLIT
     with pytest.raises(ValueError, match="no variant d_qk 128"):
-        extension.register_variant(128, "default", one_tile, function, fp8)
+        extension.register_variant(128, "default", one_tile, function, fp8, 64)
     with pytest.raises(ValueError, match="no variant d_qk 576, precision 'fast'"):
-        extension.register_variant(576, "fast", one_tile, function, fp8)
+        extension.register_variant(576, "fast", one_tile, function, fp8, 64)
     with pytest.raises(ValueError, match=r"precision 'default', schedule kind 0, q dtype torch.float16"):
-        extension.register_variant(576, "default", one_tile, function, torch.float16)
+        extension.register_variant(576, "default", one_tile, function, torch.float16, 64)
     with pytest.raises(ValueError, match="q dtype 'bf16'"):
-        extension.register_variant(576, "default", split, function, "bf16")
+        extension.register_variant(576, "default", split, function, "bf16", 64)
     with pytest.raises(ValueError, match="schedule kind 3,"):
-        extension.register_variant(576, "default", 3, function, fp8)
-    with pytest.raises(TypeError, match="takes 5 arguments"):
-        extension.register_variant(576, "default", one_tile, function)
+        extension.register_variant(576, "default", 3, function, fp8, 64)
+    with pytest.raises(
+        ValueError, match="q dtype torch.float8_e4m3fn, heads 48"
+    ):  # neither 64 nor small heads
+        extension.register_variant(576, "default", one_tile, function, fp8, 48)
+    with pytest.raises(
+        ValueError, match="schedule kind 0, q dtype torch.float8_e4m3fn, heads 16"
+    ):  # persistent only
+        extension.register_variant(576, "default", one_tile, function, fp8, 16)
+    with pytest.raises(TypeError, match="takes 6 arguments"):
+        extension.register_variant(576, "default", one_tile, function, fp8)
     with pytest.raises(TypeError, match="register_variant: handle is not a TVM-FFI function"):
-        extension.register_variant(576, "default", one_tile, tvm_ffi.convert([1, 2]).__chandle__(), fp8)
+        extension.register_variant(576, "default", one_tile, tvm_ffi.convert([1, 2]).__chandle__(), fp8, 64)
     with pytest.raises(TypeError, match="register_split_combine: handle is not a TVM-FFI function"):
         extension.register_split_combine(tvm_ffi.convert([1, 2]).__chandle__())
     with pytest.raises(ValueError, match="sm_count < 1"):
