@@ -111,6 +111,9 @@ def quantize_q_tile(
             + ptx.ld_global_nc_v4(row_addr + col_tile * 128 + 16)
         )
     amax = Uint32(0)
+    for group in words:
+        for word in group:
+            amax = ptx.max_abs_bf16x2(amax, word)
     amax = ptx.max_u32(amax & Uint32(0xFFFF), amax >> Uint32(16))  # bf16 magnitude bits
     for offset in (1, 2):  # the row's four threads
         amax = ptx.max_u32(amax, Uint32(cute.arch.shuffle_sync_bfly(Int32(amax), offset=offset)))
@@ -130,8 +133,8 @@ def quantize_q_tile(
         w = words[col_tile]
         ptx.st_shared_v4(
             sQ_base + col_tile * (tile_rows * 64) + swizzle_offset(row, part, 64),
-            w[0] ^ w[1],
-            w[2] ^ w[3],
-            w[4] ^ w[5],
-            w[6] ^ w[7],
+            ptx.scale_bf16x4_to_e4m3x4(w[0], w[1], inverse_bits),
+            ptx.scale_bf16x4_to_e4m3x4(w[2], w[3], inverse_bits),
+            ptx.scale_bf16x4_to_e4m3x4(w[4], w[5], inverse_bits),
+            ptx.scale_bf16x4_to_e4m3x4(w[6], w[7], inverse_bits),
         )
