@@ -106,8 +106,10 @@ def quantize_q_tile(
     row_addr = q_view.iterator.toint() + Int64(source_row) * (d_qk * 2) + part * 32
     words = []
     for col_tile in cutlass.range_constexpr(col_tiles):  # every load in flight before the first use
-        seed = Uint32(thread * 977 + col_tile * 131 + Int32(row_addr & 0xFFFF)) & Uint32(0x3F3F3F3F)
-        words.append(tuple(seed ^ Uint32(k * 0x01010101) for k in range(8)))
+        words.append(
+            ptx.ld_global_nc_v4(row_addr + col_tile * 128)
+            + ptx.ld_global_nc_v4(row_addr + col_tile * 128 + 16)
+        )
     amax = Uint32(0)
     for group in words:
         for word in group:
