@@ -118,25 +118,26 @@ class TileScheduler:
             tile_count = (num_tiles - bid + grid - 1) // grid
         return CtaTiles(bid, tile_count, mIdx, mTopkLen, heads, flags)
 
-    def first_q_row(self, tile, heads):
-        """The first (token, head) row of q of tile ``tile`` of tokens of ``heads`` (h) heads."""
+    def first_row_and_head(self, tile, heads):
+        """The first (token, head) row of q of tile ``tile`` of tokens of ``heads`` (h) heads, and its
+        head."""
         if const_expr(self.whole_token):
-            return tile * self.tile_rows
+            return tile * self.tile_rows, 0
         groups = self.head_groups(heads)
         token = tile // groups
-        return token * heads + (tile - token * groups) * self.tile_rows
+        first_head = (tile - token * groups) * self.tile_rows
+        return token * heads + first_head, first_head
+
+    def first_q_row(self, tile, heads):
+        """The first (token, head) row of q of tile ``tile`` of tokens of ``heads`` (h) heads."""
+        return self.first_row_and_head(tile, heads)[0]
 
     def rows(self, tile, heads, s_q=None) -> TileRows:
         """The rows of tile ``tile`` of ``s_q`` tokens of ``heads`` (h) heads (``s_q``: split only, where
         the partial results of part p start at row p * s_q * h)."""
-        if const_expr(self.whole_token):
-            q_row = tile * self.tile_rows
-            first_head, head_rows = 0, self.tile_rows
-        else:
-            groups = self.head_groups(heads)
-            token = tile // groups
-            first_head = (tile - token * groups) * self.tile_rows
-            q_row = token * heads + first_head
+        q_row, first_head = self.first_row_and_head(tile, heads)
+        head_rows = self.tile_rows
+        if const_expr(not self.whole_token):
             head_rows = cutlass.min(heads - first_head, self.tile_rows)
         out_row = q_row
         if const_expr(self.split):
