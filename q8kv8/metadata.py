@@ -63,7 +63,7 @@ def padded_num_heads(h_q: int) -> int:
     interface (``q8kv8.sglang``). The kernels themselves take any head count as it is."""
     if h_q < 1:
         raise ValueError(f"h_q: expected at least 1 head, got {h_q}")
-    return -(-h_q // HEAD_ALIGNMENT) * HEAD_ALIGNMENT
+    return head_groups(h_q) * HEAD_ALIGNMENT
 
 
 def pad_topk(indices: torch.Tensor) -> torch.Tensor:

@@ -178,10 +178,9 @@ def note_launch(
     checked): the first launch on the device registers it, the first of each kernel variant (``variant``,
     a ``kernels.Variant``, for a q of ``q_dtype``, a schedule kind of ``schedule`` and tiles of ``heads``
     heads; with ``SPLIT``, also ``split_combine``, the merge kernel's ``kernels.Variant``) registers the
-    variant, and from then on
-    ``launch`` takes such calls. Only with one visible GPU (the extension launches on the current device),
-    never while ``suspended``, and only for a variant that is a ``tvm_ffi.Function`` (the compiled kernels
-    are)."""
+    variant, and from then on ``launch`` takes such calls. Only with one visible GPU (the extension launches
+    on the current device), never while ``suspended``, and only for a variant that is a ``tvm_ffi.Function``
+    (the compiled kernels are)."""
     global launch, _gpu_count
     key = (device_index, d_qk, precision, schedule_kind, q_dtype, heads)
     if key in _registered or _suspended or device_index < 0:
