@@ -71,6 +71,17 @@ def time_ms(fn, rep_ms: int) -> float:
         return sorted(times)[len(times) // 2]
 
 
+def time_interleaved_ms(arms: dict, rep_ms: int, rounds: int = 3) -> dict:
+    """``{name: ms}`` for the callables of ``arms``, timed in ``rounds`` interleaved rounds (each arm
+    ``rep_ms / rounds`` per round, in turn) and reduced to the median of its rounds: the arms then see
+    the same clocks, which drift with power over a run."""
+    times = {name: [] for name in arms}
+    for _ in range(rounds):
+        for name, fn in arms.items():
+            times[name].append(time_ms(fn, max(rep_ms // rounds, 20)))
+    return {name: sorted(values)[len(values) // 2] for name, values in times.items()}
+
+
 def check(inputs: dict, outputs, rows: int = 32) -> float:
     """||out - ref|| / ||ref|| on the first ``rows`` query rows (float64 reference)."""
     sub = {
