@@ -10,11 +10,11 @@ min(4, tiles // (4 * SMs)) tiles per CTA when that is at least 2 (the grid keeps
 Results are bitwise those of the one-tile kernel, so the choice only ever changes the time.
 
 A short grid (fewer tiles than half the SMs: a short prefill chunk) leaves SMs idle. Then each tile is split
-into ``splits`` ranges of index slots, one CTA each (``sparse_prefill.py``, ``split=True``), the tile's CTAs a
-cluster that merges their results through shared memory: ``splits`` is the largest of 2 and 4 (the part
-counts that divide a consumer's four d tiles) not above ``min(4, SMs // tiles, topk // 256)``, so that the
-grid stays one wave and each range keeps two pairs of blocks or more. The merge is in a fixed order, so
-results are the same bits on every run (not those of the one-tile kernel).
+into ``splits`` ranges of index slots, one CTA each (``sparse_prefill.py``, ``split=True``), and a small
+kernel merges their partial results (``split_combine.py``): ``splits = min(4, SMs // tiles, topk // 256)``
+when that is at least 2, so that the grid stays one wave and each range keeps two pairs of blocks or more.
+The partial results are float32 (2 KiB per row and range, in L2 at these sizes); the merge is in a fixed
+order, so results are the same bits on every run (not those of the one-tile kernel).
 
 A call with 8, 16 or 32 heads (``q8kv8.metadata.small_heads``) runs the small-head kernel
 (``sparse_prefill.py``, ``heads=h_q``: a tile is one token's heads), always
@@ -29,7 +29,7 @@ with the rest of the verdict), so a repeated call pays nothing for it.
 
 import torch
 
-from q8kv8.metadata import SPLIT_PARTS, head_groups, small_heads
+from q8kv8.metadata import head_groups, small_heads
 
 ONE_TILE, PERSISTENT, SPLIT = 0, 1, 2
 """The schedule kinds (a launch's kernel variant): one tile per CTA, persistent, split."""
@@ -39,7 +39,7 @@ PERSISTENT_MAX_TOPK = 512
 PERSISTENT_MAX_TILES_PER_CTA = 4
 PERSISTENT_MIN_WAVES = 4
 SMALL_HEAD_MAX_TILES_PER_CTA = 8
-SPLIT_MAX_PARTS = max(SPLIT_PARTS)
+SPLIT_MAX_PARTS = 4
 SPLIT_MIN_SLOTS = 256  # index slots per range: two pairs of blocks
 
 _sm_counts: dict[int, int] = {}  # multiprocessors per CUDA device index
@@ -95,7 +95,7 @@ def splits(num_tiles: int, topk: int, device_index: int) -> int:
     if forced_splits is not None:
         return forced_splits
     parts = min(SPLIT_MAX_PARTS, sm_count(device_index) // max(num_tiles, 1), topk // SPLIT_MIN_SLOTS)
-    return max((p for p in SPLIT_PARTS if p <= parts), default=1)
+    return parts if parts >= 2 else 1
 
 
 def choose(

@@ -27,6 +27,7 @@ Q_THREADS_PER_ROW = 4  # consumer threads that quantise one row: 16 values of ev
 
 class RowViews(NamedTuple):
     rows: object  # s_q * h, the number of query rows (64 per CTA)
+    out_rows: object  # the rows of max_logits and lse (rows, or a multiple for partial results)
     q: cute.Tensor  # [rows, d_qk]
     kv: cute.Tensor  # [s_kv, d_qk], kv's row stride
     indices: cute.Tensor  # [s_q, topk], indices' row stride
@@ -37,8 +38,10 @@ class RowViews(NamedTuple):
 def make_row_views(mQ, mKV, mIdx, mMaxLogits, mLse, d_qk: int) -> RowViews:
     """The row views of a launch's tensors (called while tracing a ``@cute.jit`` function)."""
     rows = cute.size(mQ, mode=[0]) * cute.size(mQ, mode=[1])
+    out_rows = cute.size(mMaxLogits, mode=[0]) * cute.size(mMaxLogits, mode=[1])
     return RowViews(
         rows=rows,
+        out_rows=out_rows,
         q=cute.make_tensor(mQ.iterator, cute.make_layout((rows, d_qk), stride=(d_qk, 1))),
         kv=cute.make_tensor(
             mKV.iterator, cute.make_layout((cute.size(mKV, mode=[0]), d_qk), stride=(mKV.stride[0], 1))
@@ -49,8 +52,8 @@ def make_row_views(mQ, mKV, mIdx, mMaxLogits, mLse, d_qk: int) -> RowViews:
                 (cute.size(mIdx, mode=[0]), cute.size(mIdx, mode=[2])), stride=(mIdx.stride[0], 1)
             ),
         ),
-        max_logits=cute.make_tensor(mMaxLogits.iterator, cute.make_layout(rows)),
-        lse=cute.make_tensor(mLse.iterator, cute.make_layout(rows)),
+        max_logits=cute.make_tensor(mMaxLogits.iterator, cute.make_layout(out_rows)),
+        lse=cute.make_tensor(mLse.iterator, cute.make_layout(out_rows)),
     )
 
 
