@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import statistics
+
 import torch
 
 from q8kv8.reference import sparse_mla_prefill_reference
@@ -68,7 +70,7 @@ def time_ms(fn, rep_ms: int) -> float:
             end.record()
             end.synchronize()
             times.append(start.elapsed_time(end))
-        return sorted(times)[len(times) // 2]
+        return statistics.median_high(times)
 
 
 def time_interleaved_ms(arms: dict, rep_ms: int, rounds: int = 3) -> dict:
@@ -79,7 +81,7 @@ def time_interleaved_ms(arms: dict, rep_ms: int, rounds: int = 3) -> dict:
     for _ in range(rounds):
         for name, fn in arms.items():
             times[name].append(time_ms(fn, max(rep_ms // rounds, 20)))
-    return {name: sorted(values)[len(values) // 2] for name, values in times.items()}
+    return {name: statistics.median_high(values) for name, values in times.items()}
 
 
 def check(inputs: dict, outputs, rows: int = 32) -> float:
