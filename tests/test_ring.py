@@ -15,3 +15,12 @@ def test_index_and_phase_follow_the_position(size):
         assert ring.index(position) == position % size
         assert ring.phase(position) == (position // size) % 2
         assert ring.index_before(position) == (position - 1) % size
+
+
+@pytest.mark.parametrize("size", [1, 2, 4, 8])
+def test_index_by_mask_is_the_same_index(size):
+    ring, masked = Ring(size), Ring(size, index_by_mask=True)
+    for position in range(300):
+        assert masked.index(position) == ring.index(position)
+        assert masked.index_before(position) == ring.index_before(position)
+        assert masked.phase(position) == ring.phase(position)

@@ -6,8 +6,9 @@ use of its buffer, so its phase alternates). A producer waits on a buffer's *emp
 phase flipped: the first wait of each buffer passes at once. Positions are plain integers (Python or
 DSL Int32, never negative), so a loop needs no state carried across its back edge. For a power-of-two
 size the phase is a shift and a mask: on a signed Int32, ``//`` and ``%`` round toward minus infinity and
-cost a dependent chain of sign fix-ups on every wait. (The index stays ``%``: as a mask it moves ptxas's
-register allocation in the 64-head persistent variants, which then spill.)
+cost a dependent chain of sign fix-ups on every wait. The index is a mask too where a kernel asks for it
+(``index_by_mask``): the small-head kernel does; in the 64-head persistent variants a mask moves ptxas's
+register allocation and they spill, so they keep ``%``.
 """
 
 from typing import NamedTuple
@@ -17,9 +18,12 @@ import cutlass.cute as cute
 
 class Ring(NamedTuple):
     size: int  # buffers in the ring
+    index_by_mask: bool = False  # a power-of-two ring's index as ``position & (size - 1)``
 
     def index(self, position):
         """The buffer position ``position`` uses."""
+        if self.index_by_mask and self.size & (self.size - 1) == 0:
+            return position & (self.size - 1)
         return position % self.size
 
     def index_before(self, position):

@@ -60,8 +60,6 @@ PAIR = 2 * B_TOPK  # rows per gathered pair (two blocks, one per producer half)
 D_TILES_PER_CONSUMER = 4  # 64-wide d tiles of O^T per consumer (256 of d_v)
 NUM_STAGES = 2  # pairs of KV blocks in flight
 NUM_KV_TILES = 2 * NUM_STAGES  # block tiles; block b uses tile b % 4 (and P buffer b % 4)
-PAIR_RING = Ring(NUM_STAGES)  # pair p: the KV tiles 2 (p % 2) and 2 (p % 2) + 1
-KV_RING = Ring(NUM_KV_TILES)  # block g: KV tile, P buffer and their barriers g % 4
 TILE_RING = Ring(1)  # q_full, q_empty, stats_full, tile_done: the CTA's tile i uses phase i % 2
 P_SCALE_LOG2 = 7  # P is stored as e4m3(p * 2^7); undone in the epilogue
 RESCALE_THRESHOLD = 1.75  # log2 units; 2^(P_SCALE_LOG2 + RESCALE_THRESHOLD) = 430 < 448
@@ -176,6 +174,11 @@ class SparsePrefillSm90(AttentionKernel):
             raise ValueError("small heads: not split")
         self.b_h = heads  # heads per tile: the M side of S (64), or the N side of S^T and O^T (small heads)
         self.small = heads != B_H
+        # Pair p uses the KV tiles 2 (p % 2) and 2 (p % 2) + 1; block g its KV tile, P buffer and their
+        # barriers g % 4. The small-head kernel indexes them by mask (2-3% faster); the 64-head persistent
+        # variants spill with it (see ring.py).
+        self.pair_ring = Ring(NUM_STAGES, index_by_mask=self.small)
+        self.kv_ring = Ring(NUM_KV_TILES, index_by_mask=self.small)
         self.rows_per_thread = heads // 4 if self.small else 2  # softmax rows (heads) a consumer thread holds
         self.d_qk = d_qk
         self.precision = precision
@@ -495,8 +498,8 @@ class SparsePrefillSm90(AttentionKernel):
 
         for pair in cutlass.range(work.num_pairs, unroll=1):
             ring_pair = pair_base + pair
-            stage = PAIR_RING.index(ring_pair)
-            phase = PAIR_RING.phase(ring_pair)
+            stage = self.pair_ring.index(ring_pair)
+            phase = self.pair_ring.phase(ring_pair)
             full_barrier = mbar_kv_full + stage * 2 + block_in_pair
             empty_barrier = mbar_kv_empty + stage * 2 + block_in_pair
             slot = pair * PAIR + warp_idx * 32 + lane
@@ -822,10 +825,10 @@ class SparsePrefillSm90(AttentionKernel):
         if const_expr(self.persistent):
             if num_blocks % 2 == 1:  # the last pair's zero-filled second block
                 ring = c.work.block_base + num_blocks
-                KV_RING.wait(c.mbar_kv_full, ring)
-                KV_RING.arrive(c.mbar_kv_empty, ring)
+                self.kv_ring.wait(c.mbar_kv_full, ring)
+                self.kv_ring.arrive(c.mbar_kv_empty, ring)
                 if consumer == 1:  # its owner (odd index)
-                    KV_RING.arrive(c.mbar_p_full, ring)
+                    self.kv_ring.arrive(c.mbar_p_full, ring)
 
         self.epilogue(c, tile_iter, *epilogue_args)
         if const_expr(self.persistent):
@@ -844,8 +847,8 @@ class SparsePrefillSm90(AttentionKernel):
     def issue_qk(self, c: Consumer, block):
         """Queue S = Q . K_block^T (one WGMMA group)."""
         ring = c.work.block_base + block
-        tile = KV_RING.index(ring)
-        cute.arch.mbarrier_wait(c.mbar_kv_full + tile, KV_RING.phase(ring))
+        tile = self.kv_ring.index(ring)
+        cute.arch.mbarrier_wait(c.mbar_kv_full + tile, self.kv_ring.phase(ring))
         warpgroup.fence()
         for k in cutlass.range_constexpr(self.d_qk // 32):
             mma = c.tiled_mma_qk if k > 0 else c.tiled_mma_qk_first  # the first k-step overwrites S
@@ -862,15 +865,15 @@ class SparsePrefillSm90(AttentionKernel):
         and the moved flag, published by ``p_full``; accumulates this consumer's row sums. Small heads:
         returns the moved flag (warp-uniform: every warp holds every head's maxima); else 0."""
         ring = c.work.block_base + block  # the block's ring position (buffers, phases, moved flag)
-        buffer = KV_RING.index(ring)
+        buffer = self.kv_ring.index(ring)
         # S is still unscaled when the scale is positive (see mask_and_row_max).
         row_scales = c.scale_log2
         if const_expr(not isinstance(c.scale_log2, tuple)):
             row_scales = (c.scale_log2,) * self.rows_per_thread
         tile_addr = c.sP_base + buffer * self.p_terms * (self.b_h * B_TOPK)
-        prev_buffer = KV_RING.index_before(ring)
+        prev_buffer = self.kv_ring.index_before(ring)
         if block > 0:
-            cute.arch.mbarrier_wait(c.mbar_p_full + prev_buffer, KV_RING.phase(ring - 1))
+            cute.arch.mbarrier_wait(c.mbar_p_full + prev_buffer, self.kv_ring.phase(ring - 1))
         moved = False
         exponents = []  # small heads: (logit scale, bias) per head, for the P^T stores after the loop
         for r in cutlass.range_constexpr(self.rows_per_thread):
@@ -1021,8 +1024,8 @@ class SparsePrefillSm90(AttentionKernel):
         own = c.work.block_base + own
         split = Int32(0)
         if has_prev:
-            prev_buffer = KV_RING.index(prev)
-            phase = KV_RING.phase(prev)
+            prev_buffer = self.kv_ring.index(prev)
+            phase = self.kv_ring.phase(prev)
             cute.arch.mbarrier_wait(c.mbar_p_full + prev_buffer, phase)  # P, m, alpha of prev
             cute.arch.mbarrier_wait(c.mbar_kv_full + prev_buffer, phase)  # its cp.async writes
             if c.s_moved[prev_buffer] == prev:
@@ -1030,25 +1033,25 @@ class SparsePrefillSm90(AttentionKernel):
                 self.rescale_o(c, prev_buffer)
             if has_own:
                 # Own P is this warpgroup's: wait for all of it (and the moved flag).
-                KV_RING.wait(c.mbar_p_full, own)
+                self.kv_ring.wait(c.mbar_p_full, own)
                 if const_expr(self.small):
                     split = own_moved
                 else:
-                    split = cute.arch.make_warp_uniform(Int32(c.s_moved[KV_RING.index(own)] == own))
+                    split = cute.arch.make_warp_uniform(Int32(c.s_moved[self.kv_ring.index(own)] == own))
         if has_prev & has_own & (split == 0):
             self.pv_run(c, (prev, own))
-            KV_RING.arrive(c.mbar_kv_empty, prev)
-            KV_RING.arrive(c.mbar_kv_empty, own)
+            self.kv_ring.arrive(c.mbar_kv_empty, prev)
+            self.kv_ring.arrive(c.mbar_kv_empty, own)
         else:
             if has_prev:
                 self.pv_run(c, (prev,))
-                KV_RING.arrive(c.mbar_kv_empty, prev)
+                self.kv_ring.arrive(c.mbar_kv_empty, prev)
                 warpgroup.wait_group(0)  # drained inside this branch (else ptxas serialises: C7512)
             if has_own:
                 if split != 0:  # own block moved the max: rescale between the two products
-                    self.rescale_o(c, KV_RING.index(own))
+                    self.rescale_o(c, self.kv_ring.index(own))
                 self.pv_run(c, (own,))
-                KV_RING.arrive(c.mbar_kv_empty, own)
+                self.kv_ring.arrive(c.mbar_kv_empty, own)
 
     @cute.jit
     def pv_run(self, c: Consumer, blocks):
@@ -1072,7 +1075,7 @@ class SparsePrefillSm90(AttentionKernel):
         words = cute.recast_tensor(frag, Uint32)
         d_tile = c.index * D_TILES_PER_CONSUMER + mt  # 64-column tile of d (0..7)
         for i, block in enumerate(blocks):
-            tile_base = c.sK_base + KV_RING.index(block) * self.k_tile_bytes + d_tile * TILE_ROW_GROUP_BYTES
+            tile_base = c.sK_base + self.kv_ring.index(block) * self.k_tile_bytes + d_tile * TILE_ROW_GROUP_BYTES
             for half in cutlass.range_constexpr(2):
                 self.load_v_fragment(words, 2 * i + half, tile_base, half, c.warp, c.lane)
         warpgroup.fence()
@@ -1083,7 +1086,7 @@ class SparsePrefillSm90(AttentionKernel):
                         c.tiled_mma_pv,
                         c.acc_o[mt],
                         frag[None, None, 2 * i + half],
-                        c.tOrP[None, None, half, KV_RING.index(block) * self.p_terms + term],
+                        c.tOrP[None, None, half, self.kv_ring.index(block) * self.p_terms + term],
                         c.acc_o[mt],
                     )
         warpgroup.commit_group()
@@ -1167,7 +1170,7 @@ class SparsePrefillSm90(AttentionKernel):
         ``s_out_scale[head, c]``; consumer 0 writes its max_logits and lse."""
         head = c.warp * 32 + c.lane
         if head < self.b_h:
-            last_buffer = KV_RING.index_before(c.work.block_base + c.work.num_blocks)
+            last_buffer = self.kv_ring.index_before(c.work.block_base + c.work.num_blocks)
             max_used, scaled_sum = self.final_row_stats(c, head, last_buffer)
             c.s_out_scale[head, c.index] = output_scale(
                 scaled_sum, max_used, kv_scale, flags, mSink, head, P_SCALE_LOG2
@@ -1241,7 +1244,7 @@ class SparsePrefillSm90(AttentionKernel):
     def row_scale(self, c: Consumer, rows, kv_scale, flags, mSink, mMaxLogits, mLse):
         """The output scales of this thread's rows into ``s_out_scale[row, c]`` (the quad's first thread);
         consumer 0 writes their max_logits and lse."""
-        last_buffer = KV_RING.index_before(c.work.block_base + c.work.num_blocks)
+        last_buffer = self.kv_ring.index_before(c.work.block_base + c.work.num_blocks)
         for r in cutlass.range_constexpr(2):
             row = accumulator_row(c.warp, c.quad_row, r)
             max_used, scaled_sum = self.final_row_stats(c, row, last_buffer)
