@@ -87,7 +87,6 @@ def quantize_q_tile(
     tile_rows: cutlass.Constexpr,
     d_qk: cutlass.Constexpr,
     last_row=None,
-    load_group: cutlass.Constexpr = None,
 ) -> None:
     """Rows ``first_row`` .. ``first_row + tile_rows - 1`` of the bf16 q view ([rows, d_qk] row-major,
     16-byte aligned) into the e4m3 Q tile at shared address ``sQ_base`` (64-byte-swizzled, K-major: the
@@ -105,24 +104,16 @@ def quantize_q_tile(
     if cutlass.const_expr(last_row is not None):
         source_row = cutlass.min(source_row, last_row)
     row_addr = q_view.iterator.toint() + Int64(source_row) * (d_qk * 2) + part * 32
-    group = col_tiles if cutlass.const_expr(load_group is None) else load_group
     words = []
-    amax = Uint32(0)
-    if cutlass.const_expr(group == col_tiles):  # every load in flight before the first use
-        words = [
+    for col_tile in cutlass.range_constexpr(col_tiles):  # every load in flight before the first use
+        words.append(
             ptx.ld_global_nc_v4(row_addr + col_tile * 128)
             + ptx.ld_global_nc_v4(row_addr + col_tile * 128 + 16)
-            for col_tile in range(col_tiles)
-        ]
-        for tile_words in words:
-            for word in tile_words:
-                amax = ptx.max_abs_bf16x2(amax, word)
-    else:  # two passes (the maximum, then the conversion), ``group`` column tiles of loads at a time
-        for first in cutlass.range(0, col_tiles, group, unroll=1):
-            for k in cutlass.range_constexpr(group):
-                addr = row_addr + (first + k) * 128
-                for word in ptx.ld_global_nc_v4(addr) + ptx.ld_global_nc_v4(addr + 16):
-                    amax = ptx.max_abs_bf16x2(amax, word)
+        )
+    amax = Uint32(0)
+    for group in words:
+        for word in group:
+            amax = ptx.max_abs_bf16x2(amax, word)
     amax = ptx.max_u32(amax & Uint32(0xFFFF), amax >> Uint32(16))  # bf16 magnitude bits
     for offset in (1, 2):  # the row's four threads
         amax = ptx.max_u32(amax, Uint32(cute.arch.shuffle_sync_bfly(Int32(amax), offset=offset)))
@@ -138,30 +129,12 @@ def quantize_q_tile(
     inverse_bits = Uint32((127 - exponent) << 23)  # 2^-e
     if part == 0:
         ptx.st_shared_u32(row_scale_base + row * 4, Uint32((127 + exponent) << 23))
-    if cutlass.const_expr(group == col_tiles):
-        for col_tile in cutlass.range_constexpr(col_tiles):
-            store_e4m3_chunk(
-                sQ_base + col_tile * (tile_rows * 64) + swizzle_offset(row, part, 64),
-                words[col_tile],
-                inverse_bits,
-            )
-    else:
-        for first in cutlass.range(0, col_tiles, group, unroll=1):
-            for k in cutlass.range_constexpr(group):
-                addr = row_addr + (first + k) * 128
-                w = ptx.ld_global_nc_v4(addr) + ptx.ld_global_nc_v4(addr + 16)
-                store_e4m3_chunk(
-                    sQ_base + (first + k) * (tile_rows * 64) + swizzle_offset(row, part, 64), w, inverse_bits
-                )
-
-
-@cute.jit
-def store_e4m3_chunk(smem_addr, w, inverse_bits):
-    """16 bf16 values (eight words) times 2^-e, as 16 e4m3 bytes at ``smem_addr``."""
-    ptx.st_shared_v4(
-        smem_addr,
-        ptx.scale_bf16x4_to_e4m3x4(w[0], w[1], inverse_bits),
-        ptx.scale_bf16x4_to_e4m3x4(w[2], w[3], inverse_bits),
-        ptx.scale_bf16x4_to_e4m3x4(w[4], w[5], inverse_bits),
-        ptx.scale_bf16x4_to_e4m3x4(w[6], w[7], inverse_bits),
-    )
+    for col_tile in cutlass.range_constexpr(col_tiles):
+        w = words[col_tile]
+        ptx.st_shared_v4(
+            sQ_base + col_tile * (tile_rows * 64) + swizzle_offset(row, part, 64),
+            ptx.scale_bf16x4_to_e4m3x4(w[0], w[1], inverse_bits),
+            ptx.scale_bf16x4_to_e4m3x4(w[2], w[3], inverse_bits),
+            ptx.scale_bf16x4_to_e4m3x4(w[4], w[5], inverse_bits),
+            ptx.scale_bf16x4_to_e4m3x4(w[6], w[7], inverse_bits),
+        )

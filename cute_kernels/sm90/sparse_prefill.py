@@ -674,47 +674,42 @@ class SparsePrefillSm90(AttentionKernel):
         epilogue_args = (mSink, mKVScale, mOut, mMaxLogits, mLse, flags)
         q_source = (mQ, sQ.iterator.toint(), q_row_scale) if const_expr(self.q_bf16) else None
         if const_expr(self.persistent):
-            if const_expr(self.q_bf16):  # the first tile's Q; each tile prepares the next one's
-                self.load_q_bf16(c, tiles.first, tiles.heads, 0, q_source, mbar_q, mbar_q_empty)
             pair_base = Int32(0)  # pairs of the CTA's earlier tiles (the producer counts the same)
             for tile_iter in cutlass.range(tiles.count, unroll=1):
                 work = self.scheduler.work(tiles, tile_iter, 2 * pair_base)
                 if const_expr(self.q_bf16):
-                    if c.index == 0:
-                        if c.warp == 0:
-                            self.prefetch_next_q(q_source[0], work.tile, tiles.heads)
+                    self.load_q_bf16(c, work, tiles.heads, tile_iter, q_source, mbar_q, mbar_q_empty)
                 self.reset_tile_state(*tile_state)
-                self.consume_tile(
-                    c._replace(work=work), tile_iter, *tile_barriers, epilogue_args, q_source, tiles
-                )
+                self.consume_tile(c._replace(work=work), tile_iter, *tile_barriers, epilogue_args, q_source)
                 pair_base += work.num_pairs
         else:
             work = self.scheduler.work(tiles, 0, 0)
             if const_expr(self.q_bf16):
-                self.load_q_bf16(c, work.tile, tiles.heads, 0, q_source, mbar_q, mbar_q_empty)
+                self.load_q_bf16(c, work, tiles.heads, 0, q_source, mbar_q, mbar_q_empty)
                 self.reset_tile_state(*tile_state)
-            self.consume_tile(c._replace(work=work), 0, *tile_barriers, epilogue_args, q_source, tiles)
+            self.consume_tile(c._replace(work=work), 0, *tile_barriers, epilogue_args, q_source)
 
     @cute.jit
-    def load_q_bf16(
-        self, c: Consumer, tile, heads, tile_iter, q_source, mbar_q, mbar_q_empty, load_group=None
-    ):
-        """bf16 q, both consumers: the Q rows of tile ``tile`` (the CTA's tile ``tile_iter``), quantised into
-        the shared Q tile with their scales (``quantize_q_tile``: this thread's part of row 32 c + 4 w + g / 4
-        ...), then an arrival on ``q_full`` (all 256 threads: the tile is complete when it completes).
-        Persistent: first wait until both consumers' QKs of the previous tile are done (``q_empty``)."""
+    def load_q_bf16(self, c: Consumer, work, heads, tile_iter, q_source, mbar_q, mbar_q_empty):
+        """bf16 q, both consumers: the tile's Q rows, quantised into the shared Q tile with their scales
+        (``quantize_q_tile``: this thread's part of row 32 c + 4 w + g / 4 ...), then an arrival on
+        ``q_full`` (all 256 threads: the tile is complete when it completes). Persistent: first wait until
+        both consumers' QKs of the previous tile are done (``q_empty``)."""
         mQ, sQ_base, q_row_scale = q_source
         if const_expr(self.persistent):
+            if c.index == 0:
+                if c.warp == 0:
+                    self.prefetch_next_q(mQ, work.tile, heads)
             TILE_RING.wait_empty(mbar_q_empty, tile_iter)
         thread = c.index * THREADS_PER_WG + c.warp * 32 + c.lane
-        q_row = self.scheduler.first_q_row(tile, heads)
+        q_row = self.scheduler.first_q_row(work.tile, heads)
         if const_expr(self.small):  # the first 4 * heads threads (whole warps)
             if thread < Q_THREADS_PER_ROW * self.b_h:
                 quantize_q_tile(mQ, q_row, thread, sQ_base, q_row_scale.iterator.toint(), self.b_h, self.d_qk)
         else:  # a token's last head group may end past q's last row
             last_row = plain_int32(cute.size(mQ, mode=[0])) - 1
             quantize_q_tile(
-                mQ, q_row, thread, sQ_base, q_row_scale.iterator.toint(), B_H, self.d_qk, last_row, load_group
+                mQ, q_row, thread, sQ_base, q_row_scale.iterator.toint(), B_H, self.d_qk, last_row
             )
         cute.arch.fence_proxy("async.shared", space="cta")  # the stores, seen by the WGMMAs
         cute.arch.mbarrier_arrive(mbar_q)
@@ -730,9 +725,8 @@ class SparsePrefillSm90(AttentionKernel):
         row_sum.fill(0.0)
 
     @cute.jit
-    def consume_tile(self, c: Consumer, tile_iter, mbar_q, mbar_q_empty, epilogue_args, q_source, tiles):
-        """One tile: the step loop over its blocks, then the epilogue (persistent with a bf16 q: the next
-        tile's Q before it, see ``load_q_bf16``).
+    def consume_tile(self, c: Consumer, tile_iter, mbar_q, mbar_q_empty, epilogue_args, q_source):
+        """One tile: the step loop over its blocks, then the epilogue.
 
         Persistent, besides: each consumer releases Q (``q_empty``) once its last QK of the tile
         has completed; after an odd block count both release the pair's zero-filled extra block,
@@ -836,22 +830,6 @@ class SparsePrefillSm90(AttentionKernel):
                 if consumer == 1:  # its owner (odd index)
                     self.kv_ring.arrive(c.mbar_p_full, ring)
 
-        if const_expr(self.persistent and self.q_bf16):
-            # The next tile's Q (once both consumers' last QKs of this one are done), before this tile's
-            # epilogue: the first consumer to start the next tile then waits for the other's loop, not
-            # for its epilogue too.
-            if tile_iter + 1 < tiles.count:
-                next_tile = c.work.tile + cute.arch.grid_dim()[0]
-                self.load_q_bf16(
-                    c,
-                    next_tile,
-                    tiles.heads,
-                    tile_iter + 1,
-                    q_source,
-                    mbar_q,
-                    mbar_q_empty,
-                    load_group=3 if self.d_qk % (3 * 64) == 0 else 2,
-                )
         self.epilogue(c, tile_iter, *epilogue_args)
         if const_expr(self.persistent):
             if consumer == 1:  # consumer 1 has read everything of the tile that consumer 0 rewrites
