@@ -1075,7 +1075,9 @@ class SparsePrefillSm90(AttentionKernel):
         words = cute.recast_tensor(frag, Uint32)
         d_tile = c.index * D_TILES_PER_CONSUMER + mt  # 64-column tile of d (0..7)
         for i, block in enumerate(blocks):
-            tile_base = c.sK_base + self.kv_ring.index(block) * self.k_tile_bytes + d_tile * TILE_ROW_GROUP_BYTES
+            tile_base = (
+                c.sK_base + self.kv_ring.index(block) * self.k_tile_bytes + d_tile * TILE_ROW_GROUP_BYTES
+            )
             for half in cutlass.range_constexpr(2):
                 self.load_v_fragment(words, 2 * i + half, tile_base, half, c.warp, c.lane)
         warpgroup.fence()
