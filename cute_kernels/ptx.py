@@ -370,3 +370,103 @@ def st_shared_v4(smem_addr, w0, w1, w2, w3, *, loc=None, ip=None) -> None:
 def prefetch_l2(gmem_addr, *, loc=None, ip=None) -> None:
     """Prefetch the L2 line of ``gmem_addr``."""
     inline_asm(None, [Int64(gmem_addr).ir_value(loc=loc, ip=ip)], "prefetch.global.L2 [$0];", "l", True)
+
+
+# ------------------------------------------------------------------------------------------------
+# Thread-block clusters: another CTA's shared memory (``mapa``), signalled by mbarriers.
+# ------------------------------------------------------------------------------------------------
+@dsl_user_op
+def ld_shared_v4_f32(smem_addr, *, loc=None, ip=None):
+    """16-byte shared load: four f32."""
+    res = inline_asm(
+        llvm.StructType.get_literal([T.f32()] * 4),
+        [Int32(smem_addr).ir_value(loc=loc, ip=ip)],
+        "ld.shared.v4.f32 {$0, $1, $2, $3}, [$4];",
+        "=f,=f,=f,=f,r",
+        True,
+    )
+    return tuple(Float32(llvm.extractvalue(T.f32(), res, [i], loc=loc, ip=ip)) for i in range(4))
+
+
+@dsl_user_op
+def st_shared_v4_f32(smem_addr, x0, x1, x2, x3, *, loc=None, ip=None) -> None:
+    """16-byte shared store of four f32."""
+    inline_asm(
+        None,
+        [Int32(smem_addr).ir_value(loc=loc, ip=ip)]
+        + [Float32(x).ir_value(loc=loc, ip=ip) for x in (x0, x1, x2, x3)],
+        "st.shared.v4.f32 [$0], {$1, $2, $3, $4};",
+        "r,f,f,f,f",
+        True,
+    )
+
+
+@dsl_user_op
+def ld_shared_v2_f32(smem_addr, *, loc=None, ip=None):
+    """8-byte shared load: two f32."""
+    res = inline_asm(
+        llvm.StructType.get_literal([T.f32()] * 2),
+        [Int32(smem_addr).ir_value(loc=loc, ip=ip)],
+        "ld.shared.v2.f32 {$0, $1}, [$2];",
+        "=f,=f,r",
+        True,
+    )
+    return tuple(Float32(llvm.extractvalue(T.f32(), res, [i], loc=loc, ip=ip)) for i in range(2))
+
+
+@dsl_user_op
+def st_async_cluster_f32(smem_addr, mbar_addr, cta_rank, values, *, loc=None, ip=None) -> None:
+    """``st.async`` of two or four f32 ``values`` to the shared address ``smem_addr`` of the cluster's CTA
+    ``cta_rank`` (this CTA's addresses, mapped there), its completion counted in bytes on that CTA's mbarrier
+    at ``mbar_addr`` (``mbarrier::complete_tx``)."""
+    n = len(values)
+    words = ", ".join(f"${i + 3}" for i in range(n))
+    inline_asm(
+        None,
+        [
+            Int32(smem_addr).ir_value(loc=loc, ip=ip),
+            Int32(mbar_addr).ir_value(loc=loc, ip=ip),
+            Int32(cta_rank).ir_value(loc=loc, ip=ip),
+        ]
+        + [Float32(v).ir_value(loc=loc, ip=ip) for v in values],
+        "{ .reg .b32 remote_data, remote_mbar;\n"
+        "mapa.shared::cluster.u32 remote_data, $0, $2;\n"
+        "mapa.shared::cluster.u32 remote_mbar, $1, $2;\n"
+        f"st.async.shared::cluster.mbarrier::complete_tx::bytes.v{n}.f32"
+        f" [remote_data], {{{words}}}, [remote_mbar];\n"
+        "}",
+        "r,r,r," + ",".join(["f"] * n),
+        True,
+    )
+
+
+@dsl_user_op
+def mbarrier_arrive_cluster(mbar_addr, cta_rank, *, loc=None, ip=None) -> None:
+    """Arrive (release, cluster scope) on the mbarrier at ``mbar_addr`` of the cluster's CTA ``cta_rank``."""
+    inline_asm(
+        None,
+        [Int32(mbar_addr).ir_value(loc=loc, ip=ip), Int32(cta_rank).ir_value(loc=loc, ip=ip)],
+        "{ .reg .b32 remote_mbar;\n"
+        "mapa.shared::cluster.u32 remote_mbar, $0, $1;\n"
+        "mbarrier.arrive.release.cluster.shared::cluster.b64 _, [remote_mbar];\n"
+        "}",
+        "r,r",
+        True,
+    )
+
+
+@dsl_user_op
+def mbarrier_wait_cluster(mbar_addr, phase, *, loc=None, ip=None) -> None:
+    """Wait (acquire, cluster scope) for the completion of phase ``phase`` of this CTA's mbarrier at
+    ``mbar_addr``: what other CTAs of the cluster released with their arrivals is visible after it."""
+    inline_asm(
+        None,
+        [Int32(mbar_addr).ir_value(loc=loc, ip=ip), Int32(phase).ir_value(loc=loc, ip=ip)],
+        "{ .reg .pred done;\n"
+        "wait_cluster:\n"
+        "mbarrier.try_wait.parity.acquire.cluster.shared::cta.b64 done, [$0], $1;\n"
+        "@!done bra wait_cluster;\n"
+        "}",
+        "r,r",
+        True,
+    )

@@ -72,10 +72,9 @@ def run(call: PrefillCall) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     # The call's device (the contract checked): Tensor.is_cuda is the cheap test.
     if q.is_cuda:
         kind = schedule.kind(problem.tiles_per_cta, problem.splits)
-        combine = kernels.load_split_combine() if kind == schedule.SPLIT else None
         heads = h_q if small_heads(h_q) else HEAD_ALIGNMENT
         device_index = problem.device.index
-        native.note_launch(device_index, problem.d_qk, call.precision, kind, variant, q.dtype, combine, heads)
+        native.note_launch(device_index, problem.d_qk, call.precision, kind, variant, q.dtype, heads)
     return out, max_logits, lse
 
 
@@ -101,7 +100,10 @@ def forced_tiles_per_cta(tiles: int):
 
 def forced_splits(parts: int):
     """Tests and experiments: every launch inside that runs the one-tile schedule splits each tile into
-    ``parts`` (1: none), through the Python path (the fast path is suspended meanwhile)."""
+    ``parts`` (1: none; else one of ``schedule.SPLIT_PARTS``), through the Python path (the fast path is
+    suspended meanwhile)."""
+    if parts != 1 and parts not in schedule.SPLIT_PARTS:
+        raise ValueError(f"parts: expected 1 or one of {schedule.SPLIT_PARTS}, got {parts}")
     return _forced_schedule(schedule.forced, parts)
 
 

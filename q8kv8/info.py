@@ -55,8 +55,9 @@ def info() -> dict:
             "persistent": f"topk <= {schedule.PERSISTENT_MAX_TOPK} or topk_length given, and at least "
             f"{2 * schedule.PERSISTENT_MIN_WAVES} waves of tiles: up to "
             f"{schedule.PERSISTENT_MAX_TILES_PER_CTA} tiles per CTA",
-            "split": f"one-tile grids of fewer tiles than half the SMs: each tile in up to "
-            f"{schedule.SPLIT_MAX_PARTS} parts of >= {schedule.SPLIT_MIN_SLOTS} index slots",
+            "split": f"one-tile grids of at most half as many tiles as SMs: each tile in "
+            f"{' or '.join(map(str, schedule.SPLIT_PARTS))} parts of >= {schedule.SPLIT_MIN_SLOTS} index "
+            "slots, one cluster of CTAs a tile",
             "small_heads": f"h_q in {metadata.SMALL_HEAD_COUNTS}: the small-head kernel (a tile is a "
             "token's heads), "
             f"persistent: up to {schedule.SMALL_HEAD_MAX_TILES_PER_CTA} tokens per CTA, the count that keeps "

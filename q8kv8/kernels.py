@@ -7,8 +7,8 @@ tensors (it launches on the caller's current CUDA stream):
 - the FP8 attention kernel (``cute_kernels/sm90/sparse_prefill.py``), variants by ``(d_qk, precision)``,
   one-tile and persistent, all built when ``q8kv8`` is imported; the sink and ``topk_length`` are runtime
   flags. Its variants for a bfloat16 q (quantised per row in the kernel) are built on first use (or by
-  ``load_bf16_q_variants()``), and so are its split variants (a short grid: each tile computed by several
-  CTAs, ``q8kv8.schedule.splits``) with the kernel that merges their partial results, and its small-head
+  ``load_bf16_q_variants()``), and so are its split variants (a short grid: each tile computed by a cluster
+  of 2 or 4 CTAs, ``q8kv8.schedule.splits``, which merge their results), and its small-head
   variants (8, 16 or 32 heads: S^T with the heads on the WGMMA's N side, a tile is a token's heads;
   persistent, ``q8kv8.schedule.small_head_tiles_per_cta`` tokens per CTA);
 - the paged-cache gather, the query cast and the bf16 attention kernel of the serving path, built on first
@@ -53,10 +53,8 @@ _variants: dict[tuple[int, str], Variant] = {}
 _persistent_variants: dict[tuple[int, str], Variant] = {}
 _bf16_q_variants: dict[tuple[int, str, bool], Variant] = {}  # by (d_qk, precision, persistent)
 _split_variants: dict[tuple[int, str, torch.dtype], Variant] = {}  # by (d_qk, precision, q dtype)
-_split_combine: list[Variant] = []  # the merge kernel, once built
 # by (d_qk, precision, heads, q dtype)
 _small_head_variants: dict[tuple[int, str, int, torch.dtype], Variant] = {}
-SPLIT_COMBINE_FUNCTION = "split_combine"
 
 
 def variant_name(
@@ -91,25 +89,19 @@ def _compile(d_qk: int, dump_dir: Path, q_dtype: torch.dtype = FP8, **kernel_opt
     from cutlass import BFloat16, Float8E4M3FN, Int32
 
     q_type = BFloat16 if q_dtype == BF16_Q else Float8E4M3FN
-    split = kernel_options.get("split", False)
-    args = _fake_attention_args(cute, Float8E4M3FN, d_qk, with_scales=True, q_type=q_type, partial=split)
-    args = (*args[:-1], Int32(1), args[-1])  # tiles_per_cta, before the stream
+    args = _fake_attention_args(cute, Float8E4M3FN, d_qk, with_scales=True, q_type=q_type)
+    args = (*args[:-1], Int32(1), args[-1])  # schedule_count (tiles per CTA, or parts), before the stream
     return compile_for_tvm_ffi(_kernel(d_qk, q_dtype=q_dtype, **kernel_options), args, dump_dir)
 
 
-def _fake_attention_args(
-    cute, element_type, d_qk: int, with_scales: bool, q_type=None, partial=False
-) -> tuple:
+def _fake_attention_args(cute, element_type, d_qk: int, with_scales: bool, q_type=None) -> tuple:
     """The launch arguments of an attention kernel (FP8 or bf16) as fake tensors with dynamic extents:
     q, kv, indices, topk_length, attn_sink, [q_scale, kv_scale,] out, max_logits, lse, the logit scale,
-    the flags and the stream. ``q_type``: q's element type when it is not ``element_type`` (kv's).
-    ``partial``: out, max_logits and lse are a split launch's partial results (their own row count, out in
-    float32)."""
+    the flags and the stream. ``q_type``: q's element type when it is not ``element_type`` (kv's)."""
     from cutlass import BFloat16, Float32, Int32
 
     fake = cute.runtime.make_fake_compact_tensor
     s_q, heads, s_kv, topk = cute.sym_int(), cute.sym_int(), cute.sym_int(), cute.sym_int()
-    out_rows = cute.sym_int() if partial else s_q
     row_major = (2, 1, 0)
     kv_stride_elements = 16 * 8 // element_type.width  # kv rows: any 16-byte multiple row stride
     scales = (
@@ -129,14 +121,9 @@ def _fake_attention_args(
         fake(Int32, (cute.sym_int(),), assumed_align=4),  # topk_length
         fake(Float32, (cute.sym_int(),), assumed_align=4),  # attn_sink
         *scales,  # q_scale, kv_scale (FP8 only)
-        fake(  # out
-            Float32 if partial else BFloat16,
-            (out_rows, heads, D_V),
-            stride_order=row_major,
-            assumed_align=8 if partial else 4,
-        ),
-        fake(Float32, (out_rows, heads), stride_order=(1, 0), assumed_align=4),  # max_logits
-        fake(Float32, (out_rows, heads), stride_order=(1, 0), assumed_align=4),  # lse
+        fake(BFloat16, (s_q, heads, D_V), stride_order=row_major, assumed_align=4),  # out
+        fake(Float32, (s_q, heads), stride_order=(1, 0), assumed_align=4),  # max_logits
+        fake(Float32, (s_q, heads), stride_order=(1, 0), assumed_align=4),  # lse
         Float32(1.0),  # sm_scale * log2(e)
         Int32(0),  # flags
         cute.runtime.make_fake_stream(use_tvm_ffi_env_stream=True),
@@ -242,8 +229,8 @@ def load_small_head_variants() -> dict[tuple[int, str, int, torch.dtype], Varian
 
 
 def load_split_variant(d_qk: int, precision: str = "default", q_dtype: torch.dtype = FP8) -> Variant:
-    """Build or load the split attention variant (partial results of ranges of index slots, merged by
-    ``load_split_combine()``'s kernel) for ``d_qk``, ``precision`` and a q of ``q_dtype`` (idempotent)."""
+    """Build or load the split attention variant (a tile's ranges of index slots computed by the CTAs of a
+    cluster, which merge their results) for ``d_qk``, ``precision`` and a q of ``q_dtype`` (idempotent)."""
     key = (d_qk, precision, q_dtype)
     if key not in _split_variants:
         if d_qk not in D_QK_VARIANTS or precision not in PRECISIONS or q_dtype not in KERNEL_Q_DTYPES:
@@ -262,43 +249,6 @@ def load_split_variants() -> dict[tuple[int, str, torch.dtype], Variant]:
             for q_dtype in KERNEL_Q_DTYPES:
                 load_split_variant(d_qk, precision, q_dtype)
     return dict(_split_variants)
-
-
-def _compile_split_combine(dump_dir: Path):
-    cutlass, cute = import_dsl()
-    from cutlass import BFloat16, Float32, Int32
-
-    from cute_kernels.sm90.split_combine import SplitCombineSm90
-
-    fake = cute.runtime.make_fake_compact_tensor
-    parts, s_q, heads = cute.sym_int(), cute.sym_int(), cute.sym_int()
-    args = (
-        fake(Float32, (parts, heads, D_V), stride_order=(2, 1, 0), assumed_align=16),  # partial out
-        fake(Float32, (parts, heads), stride_order=(1, 0), assumed_align=4),  # partial max_logits
-        fake(Float32, (parts, heads), stride_order=(1, 0), assumed_align=4),  # partial lse
-        fake(Float32, (cute.sym_int(),), assumed_align=4),  # attn_sink
-        fake(BFloat16, (s_q, heads, D_V), stride_order=(2, 1, 0), assumed_align=8),  # out
-        fake(Float32, (s_q, heads), stride_order=(1, 0), assumed_align=4),  # max_logits
-        fake(Float32, (s_q, heads), stride_order=(1, 0), assumed_align=4),  # lse
-        Int32(0),  # flags
-        cute.runtime.make_fake_stream(use_tvm_ffi_env_stream=True),
-    )
-    return compile_for_tvm_ffi(SplitCombineSm90(), args, dump_dir)
-
-
-def load_split_combine() -> Variant:
-    """Build or load the kernel that merges a split launch's partial results (idempotent)."""
-    if not _split_combine:
-        _split_combine.append(
-            build_or_load(
-                "split_combine_sm90",
-                D_V,
-                _compile_split_combine,
-                SPLIT_COMBINE_FUNCTION,
-                cache_stats,
-            )
-        )
-    return _split_combine[0]
 
 
 def listed_variants() -> list[Variant]:
@@ -417,8 +367,8 @@ def launch_sparse_prefill(
     caller has it (the contract memoises it), else computed here. ``ready``: the caller knows that q, kv and
     out meet the alignments of ``q8kv8.metadata`` (``contract.Problem.launch_ready``), so they are not checked
     again (else misaligned tensors are copied to aligned ones). ``splits`` > 1 (``q8kv8.schedule.splits``'s
-    answer; only with the one-tile schedule): the split variant computes each tile as ``splits`` partial
-    results, in float32 buffers allocated here, which the merge kernel combines into out, max_logits and lse.
+    answer, 2 or 4; only with the one-tile schedule): the split variant computes each tile with a cluster of
+    ``splits`` CTAs, one per range of index slots, which merge their results.
     Returns the (attention) variant it launched."""
     tiles = schedule
     small = small_heads(q.shape[1])
@@ -462,16 +412,6 @@ def launch_sparse_prefill(
     no_topk_length, no_sink = placeholders(q_scale, kv_scale)
     sink = no_sink if attn_sink is None else attn_sink
     flags = (TOPK_LENGTH_FLAG if topk_length is not None else 0) | (SINK_FLAG if attn_sink is not None else 0)
-    results = (kernel_out, max_logits, lse)
-    if splits > 1:  # one float32 buffer: partial out, then partial max_logits and lse (as the fast path)
-        rows = splits * q.shape[0] * q.shape[1]
-        partial = torch.empty(rows * (D_V + 2), dtype=torch.float32, device=q.device)
-        partial_rows = (splits * q.shape[0], q.shape[1])
-        results = (
-            partial[: rows * D_V].view(*partial_rows, D_V),
-            partial[rows * D_V : rows * (D_V + 1)].view(partial_rows),
-            partial[rows * (D_V + 1) :].view(partial_rows),
-        )
     _call_on_device_of(
         q,
         variant.function,
@@ -482,14 +422,13 @@ def launch_sparse_prefill(
         sink,
         q_scale,
         kv_scale,
-        *results,
+        kernel_out,
+        max_logits,
+        lse,
         sm_scale * LOG2_E,
         flags,
-        tiles or 1,
+        splits if splits > 1 else tiles or 1,  # schedule_count
     )
-    if splits > 1:
-        combine = _split_combine[0] if _split_combine else load_split_combine()
-        _call_on_device_of(q, combine.function, *results, sink, kernel_out, max_logits, lse, flags)
     if kernel_out is not out:
         out.copy_(kernel_out)
     return variant

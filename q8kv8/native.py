@@ -75,7 +75,8 @@ def constants() -> dict:
         "persistent_max_tiles_per_cta": schedule.PERSISTENT_MAX_TILES_PER_CTA,
         "small_head_max_tiles_per_cta": schedule.SMALL_HEAD_MAX_TILES_PER_CTA,
         "persistent_min_waves": schedule.PERSISTENT_MIN_WAVES,
-        "split_max_parts": schedule.SPLIT_MAX_PARTS,
+        "split_parts": schedule.SPLIT_PARTS,
+        "split_cluster_sms": schedule.SPLIT_CLUSTER_SMS,
         "split_min_slots": schedule.SPLIT_MIN_SLOTS,
         "error_kinds": error_kinds,
     }
@@ -171,16 +172,14 @@ def note_launch(
     schedule_kind: int,
     variant,
     q_dtype: torch.dtype = torch.float8_e4m3fn,
-    split_combine=None,
     heads: int = metadata.HEAD_ALIGNMENT,
 ) -> None:
     """Called by the Python path after each launch on a CUDA device (whose capability the contract has then
     checked): the first launch on the device registers it, the first of each kernel variant (``variant``,
     a ``kernels.Variant``, for a q of ``q_dtype``, a schedule kind of ``schedule`` and tiles of ``heads``
-    heads; with ``SPLIT``, also ``split_combine``, the merge kernel's ``kernels.Variant``) registers the
-    variant, and from then on ``launch`` takes such calls. Only with one visible GPU (the extension launches
-    on the current device), never while ``suspended``, and only for a variant that is a ``tvm_ffi.Function``
-    (the compiled kernels are)."""
+    heads) registers the variant, and from then on ``launch`` takes such calls. Only with one visible GPU
+    (the extension launches on the current device), never while ``suspended``, and only for a variant that is
+    a ``tvm_ffi.Function`` (the compiled kernels are)."""
     global launch, _gpu_count
     key = (device_index, d_qk, precision, schedule_kind, q_dtype, heads)
     if key in _registered or _suspended or device_index < 0:
@@ -194,10 +193,6 @@ def note_launch(
 
     if not isinstance(variant.function, tvm_ffi.Function):
         return
-    if schedule_kind == schedule.SPLIT:
-        if split_combine is None or not isinstance(split_combine.function, tvm_ffi.Function):
-            return
-        extension.register_split_combine(split_combine.function.__chandle__())
     if device_index not in _registered_devices:
         extension.register_device(KDL_CUDA, device_index, schedule.sm_count(device_index))
         _registered_devices.add(device_index)

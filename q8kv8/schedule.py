@@ -9,12 +9,15 @@ for either precision, when topk <= 512 or topk_length is given (short rows are w
 min(4, tiles // (4 * SMs)) tiles per CTA when that is at least 2 (the grid keeps four waves of CTAs or more).
 Results are bitwise those of the one-tile kernel, so the choice only ever changes the time.
 
-A short grid (fewer tiles than half the SMs: a short prefill chunk) leaves SMs idle. Then each tile is split
-into ``splits`` ranges of index slots, one CTA each (``sparse_prefill.py``, ``split=True``), and a small
-kernel merges their partial results (``split_combine.py``): ``splits = min(4, SMs // tiles, topk // 256)``
-when that is at least 2, so that the grid stays one wave and each range keeps two pairs of blocks or more.
-The partial results are float32 (2 KiB per row and range, in L2 at these sizes); the merge is in a fixed
-order, so results are the same bits on every run (not those of the one-tile kernel).
+A short grid (at most half as many tiles as SMs: a short prefill chunk) leaves SMs idle. Then each tile is
+split into ``splits`` ranges of index slots, one CTA each (``sparse_prefill.py``, ``split=True``), the
+tile's CTAs a cluster that merges their results through shared memory: ``splits`` is the largest p of 2
+and 4 (the part counts that divide a consumer's four d tiles) with tiles * ``SPLIT_CLUSTER_SMS[p]`` <= SMs
+and p * 256 <= topk, so that all clusters run at once and each range keeps two pairs of blocks or more. A
+cluster's CTAs run in one GPC, one per SM (each takes all of an SM's shared memory), and a GPC's SMs need
+not be a multiple of 4: on the 132-SM H200 28 clusters of 4 ran at once and 32 did not, so a tile split
+in 4 is counted as 5 SMs. The merge is in a fixed order, so results are the same bits on every run (not
+those of the one-tile kernel).
 
 A call with 8, 16 or 32 heads (``q8kv8.metadata.small_heads``) runs the small-head kernel
 (``sparse_prefill.py``, ``heads=h_q``: a tile is one token's heads), always
@@ -29,7 +32,7 @@ with the rest of the verdict), so a repeated call pays nothing for it.
 
 import torch
 
-from q8kv8.metadata import head_groups, small_heads
+from q8kv8.metadata import SPLIT_PARTS, head_groups, small_heads
 
 ONE_TILE, PERSISTENT, SPLIT = 0, 1, 2
 """The schedule kinds (a launch's kernel variant): one tile per CTA, persistent, split."""
@@ -39,8 +42,9 @@ PERSISTENT_MAX_TOPK = 512
 PERSISTENT_MAX_TILES_PER_CTA = 4
 PERSISTENT_MIN_WAVES = 4
 SMALL_HEAD_MAX_TILES_PER_CTA = 8
-SPLIT_MAX_PARTS = 4
+SPLIT_MAX_PARTS = max(SPLIT_PARTS)
 SPLIT_MIN_SLOTS = 256  # index slots per range: two pairs of blocks
+SPLIT_CLUSTER_SMS = (2, 5)  # SMs counted for a tile split in SPLIT_PARTS[i] (see above)
 
 _sm_counts: dict[int, int] = {}  # multiprocessors per CUDA device index
 
@@ -94,8 +98,9 @@ def splits(num_tiles: int, topk: int, device_index: int) -> int:
     ``device_index`` (1: not split)."""
     if forced_splits is not None:
         return forced_splits
-    parts = min(SPLIT_MAX_PARTS, sm_count(device_index) // max(num_tiles, 1), topk // SPLIT_MIN_SLOTS)
-    return parts if parts >= 2 else 1
+    sms, tiles = sm_count(device_index), max(num_tiles, 1)
+    fitting = [p for p, need in zip(SPLIT_PARTS, SPLIT_CLUSTER_SMS, strict=True) if tiles * need <= sms]
+    return max((p for p in fitting if p * SPLIT_MIN_SLOTS <= topk), default=1)
 
 
 def choose(

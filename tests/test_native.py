@@ -48,7 +48,7 @@ DECLINED = -1
 @pytest.fixture
 def fast(monkeypatch):
     """The built extension, configured, with CPU device 0 registered and recording kernel variants for every
-    (d_qk, precision, schedule kind) and q dtype (e4m3, bfloat16) and the split merge; ``fast.calls`` lists
+    (d_qk, precision, schedule kind) and q dtype (e4m3, bfloat16); ``fast.calls`` lists
     ``(variant key, arguments)`` of each launch, from either path. Restored to nothing registered
     afterwards."""
     import tvm_ffi
@@ -88,11 +88,8 @@ def fast(monkeypatch):
                     function=function, name="recorder", d_qk=d_qk
                 )
                 native.register_variant(extension, d_qk, precision, persistent, function, BF16)
-    combine = recorder("split combine")
-    extension.register_split_combine(combine.__chandle__())
     extension.register_device(KDL_CPU, 0, SM_COUNT)
     monkeypatch.setattr(kernels, "_split_variants", split_variants)
-    monkeypatch.setattr(kernels, "_split_combine", [types.SimpleNamespace(function=combine, name="recorder")])
     monkeypatch.setattr(kernels, "_variants", variants)
     monkeypatch.setattr(kernels, "_persistent_variants", persistent_variants)
     monkeypatch.setattr(kernels, "_bf16_q_variants", bf16_q_variants)
@@ -141,20 +138,9 @@ def normalized(arguments: tuple) -> list:
     return result
 
 
-def without_partial_addresses(launches: list) -> list:
-    """``(key, arguments)`` launches with the addresses of a split launch's partial results (buffers of each
-    path's own) left out: the attention kernel's out, max_logits, lse and the merge's first three tensors."""
-    if len(launches) == 1:
-        return launches
-    (key, arguments), (merge_key, merge_arguments) = launches
-    arguments = [a[1:] if 7 <= i < 10 else a for i, a in enumerate(arguments)]
-    merge_arguments = [a[1:] if i < 3 else a for i, a in enumerate(merge_arguments)]
-    return [(key, arguments), (merge_key, merge_arguments)]
-
-
 def python_path_launch(fast, args: dict):
     """What the Python path launches for ``args``: its schedule ``(tiles per CTA, splits)`` and its
-    ``(variant key, arguments)`` launches (two for a split schedule: the attention kernel, the merge)."""
+    ``(variant key, arguments)`` launch."""
     problem = contract.check_inputs(PrefillCall(**args))
     assert problem.launch_ready
     # The schedule the contract gives a CUDA device (for CPU tensors it says 0), on the stand-in SM count.
@@ -166,9 +152,9 @@ def python_path_launch(fast, args: dict):
         args["kv_scale"], float(args["sm_scale"]), args["out"], args["max_logits"], args["lse"],
         args["precision"], tiles, True, splits,
     )  # fmt: skip
-    launches = [fast.calls.pop(0) for _ in range(2 if splits > 1 else 1)]
+    launch = fast.calls.pop(0)
     assert not fast.calls
-    return (tiles, splits), launches
+    return (tiles, splits), launch
 
 
 @pytest.mark.parametrize("q_dtype", [FP8, BF16], ids=["e4m3", "bf16"])
@@ -183,7 +169,7 @@ def python_path_launch(fast, args: dict):
         (16, 64, 512, True, True),  # 16 tiles on 2 stand-in SMs: the persistent schedule (2 tiles per CTA)
         (40, 128, 2048, False, True),  # 80 tiles: 4 per CTA
         (40, 128, 2048, True, False),  # full rows: the one-tile kernel
-        (1, 64, 2048, True, True),  # 1 tile on 2 stand-in SMs: split in 2, then merged
+        (1, 64, 2048, True, True),  # 1 tile on 2 stand-in SMs: split in 2, merged in the cluster
         (1, 64, 512, False, False),
         (5, 48, 256, True, True),  # a token's heads in one partly filled tile
         (20, 48, 512, True, True),  # 20 tiles: 2 per CTA
@@ -198,7 +184,7 @@ def test_launches_what_the_python_path_launches(
 ):
     """Same variant, schedule and arguments (for a bfloat16 q: the bfloat16-q variant, with kv_scale in
     q_scale's place and, without topk_length, kv_scale's bytes as its placeholder; a split schedule: the
-    split variant on partial results of the same shapes, then the merge)."""
+    split variant, with the part count as its last argument)."""
     args = with_buffers(
         make_inputs(
             s_q,
@@ -212,11 +198,12 @@ def test_launches_what_the_python_path_launches(
         )
     )
     args["precision"] = precision
-    expected_schedule, expected_launches = python_path_launch(fast, args)
-    expected_key, expected_arguments = expected_launches[0]
+    expected_schedule, expected_launch = python_path_launch(fast, args)
+    expected_key, expected_arguments = expected_launch
     split = expected_schedule[1] > 1
     small = h_q in SMALL_HEAD_COUNTS
-    assert split == (len(expected_launches) == 2) == (s_q == 1 and not small)
+    assert split == (s_q == 1 and not small)
+    assert expected_arguments[-1] == (expected_schedule[1] if split else max(expected_schedule[0], 1))
     if small:  # the small-head variant of the q dtype
         assert expected_key == (d_qk, precision, h_q, str(q_dtype)) and expected_schedule[0] >= 1
     else:
@@ -231,7 +218,7 @@ def test_launches_what_the_python_path_launches(
     buffers = args["out"], args["max_logits"], args["lse"]
     returned = fast.extension.launch(call)
     assert all(a is b for a, b in zip(returned, buffers, strict=True))
-    assert without_partial_addresses(fast.calls) == without_partial_addresses(expected_launches)
+    assert fast.calls == [expected_launch]
     fast.calls.clear()
     # Allocating: the same launch on three new outputs, which the extension returns.
     allocating = call._replace(out=None, max_logits=None, lse=None)
@@ -241,19 +228,6 @@ def test_launches_what_the_python_path_launches(
         (s_q, h_q, D_V), torch.bfloat16, (s_q, h_q), torch.float32, (s_q, h_q), torch.float32,
     )  # fmt: skip
     new_outputs = [(t.data_ptr(), tuple(t.shape), t.stride()) for t in (out, max_logits, lse)]
-    if split:  # the merge writes the new outputs
-        launches, expected = (
-            without_partial_addresses(fast.calls),
-            without_partial_addresses(expected_launches),
-        )
-        assert launches[0] == expected[0]
-        (key, arguments), (expected_key, expected_arguments) = launches[1], expected[1]
-        assert (key, arguments[:4], [a[:3] for a in arguments[4:7]], arguments[7:]) == (
-            expected_key, expected_arguments[:4], new_outputs, expected_arguments[7:],
-        )  # fmt: skip
-        assert [a[3] for a in arguments[4:7]] == [a[3] for a in expected_arguments[4:7]]  # dtypes
-        fast.calls.clear()
-        return
     key, arguments = fast.calls.pop()
     assert (key, arguments[:7], [a[:3] for a in arguments[7:10]], arguments[10:]) == (
         expected_key, expected_arguments[:7], new_outputs, expected_arguments[10:],
@@ -597,7 +571,7 @@ def test_note_launch_registers_once_per_variant_and_again_after_disable(fast, mo
     native.note_launch(0, D_QK, "default", schedule.ONE_TILE, variant)
     native.note_launch(0, D_QK, "default", schedule.ONE_TILE, bf16_q_variant, BF16)  # a variant of its own
     small_variant = kernels._small_head_variants[D_QK, "default", 16, FP8]
-    native.note_launch(0, D_QK, "default", schedule.PERSISTENT, small_variant, FP8, None, 16)  # its own too
+    native.note_launch(0, D_QK, "default", schedule.PERSISTENT, small_variant, FP8, 16)  # its own too
     assert native._registered == {
         (0, D_QK, "default", schedule.ONE_TILE, FP8, 64),
         (0, D_QK, "default", schedule.ONE_TILE, BF16, 64),
@@ -609,7 +583,7 @@ def test_the_python_path_notes_its_gpu_launches(monkeypatch, fake_kernels, make_
     """``eager`` (not the kernels module) registers with the fast path, after a launch on a CUDA device whose
     capability the contract checked: the variant the launch returned, for the schedule the contract chose."""
     launched = types.SimpleNamespace(function=object())
-    fake = fake_kernels(lambda *args: launched)
+    fake_kernels(lambda *args: launched)
     monkeypatch.setattr(native, "launch", None)
     args = make_inputs(S_Q, H_Q, S_KV, D_QK, TOPK)
     noted = []
@@ -622,18 +596,16 @@ def test_the_python_path_notes_its_gpu_launches(monkeypatch, fake_kernels, make_
         eager, "check_inputs", lambda call: problem._replace(device=torch.device("cuda", 0), tiles_per_cta=2)
     )
     sparse_mla_q8kv8_prefill_fwd(**{**args, "q": args["q"].as_subclass(CudaLooking)}, precision="accurate")
-    assert noted == [(0, D_QK, "accurate", schedule.PERSISTENT, launched, FP8, None, 64)]
+    assert noted == [(0, D_QK, "accurate", schedule.PERSISTENT, launched, FP8, 64)]
     bf16_q = args["q"].to(BF16).as_subclass(CudaLooking)
     sparse_mla_q8kv8_prefill_fwd(**{**args, "q": bf16_q, "q_scale": None})
-    assert noted[1:] == [(0, D_QK, "default", schedule.PERSISTENT, launched, BF16, None, 64)]
-    # A split schedule: the split variant, with the merge kernel to register beside it.
-    merge = types.SimpleNamespace(function=object())
-    fake.load_split_combine = lambda: merge
+    assert noted[1:] == [(0, D_QK, "default", schedule.PERSISTENT, launched, BF16, 64)]
+    # A split schedule: the split variant.
     monkeypatch.setattr(
-        eager, "check_inputs", lambda call: problem._replace(device=torch.device("cuda", 0), splits=3)
+        eager, "check_inputs", lambda call: problem._replace(device=torch.device("cuda", 0), splits=4)
     )
     sparse_mla_q8kv8_prefill_fwd(**{**args, "q": args["q"].as_subclass(CudaLooking)})
-    assert noted[2:] == [(0, D_QK, "default", schedule.SPLIT, launched, FP8, merge, 64)]
+    assert noted[2:] == [(0, D_QK, "default", schedule.SPLIT, launched, FP8, 64)]
     # Small heads: the small-head variant, with its head count.
     small = make_inputs(S_Q, 16, S_KV, D_QK, TOPK)
     small_problem = contract.check_inputs(PrefillCall(**small))
@@ -643,7 +615,7 @@ def test_the_python_path_notes_its_gpu_launches(monkeypatch, fake_kernels, make_
         lambda call: small_problem._replace(device=torch.device("cuda", 0), tiles_per_cta=3),
     )
     sparse_mla_q8kv8_prefill_fwd(**{**small, "q": small["q"].as_subclass(CudaLooking)})
-    assert noted[3:] == [(0, D_QK, "default", schedule.PERSISTENT, launched, FP8, None, 16)]
+    assert noted[3:] == [(0, D_QK, "default", schedule.PERSISTENT, launched, FP8, 16)]
 
 
 class CudaLooking(torch.Tensor):

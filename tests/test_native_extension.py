@@ -130,8 +130,6 @@ def test_configuration_and_registration_errors(extension):
         extension.register_variant(576, "default", one_tile, function, fp8)
     with pytest.raises(TypeError, match="register_variant: handle is not a TVM-FFI function"):
         extension.register_variant(576, "default", one_tile, tvm_ffi.convert([1, 2]).__chandle__(), fp8, 64)
-    with pytest.raises(TypeError, match="register_split_combine: handle is not a TVM-FFI function"):
-        extension.register_split_combine(tvm_ffi.convert([1, 2]).__chandle__())
     with pytest.raises(ValueError, match="sm_count < 1"):
         extension.register_device(1, 0, 0)
     constants = native.constants()

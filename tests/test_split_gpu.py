@@ -1,5 +1,5 @@
-"""The split schedule (a short grid: each tile computed by several CTAs over ranges of its index slots, their
-partial results merged) on an H100/H200 (``gpu`` marker): against the float64 reference with the one-tile
+"""The split schedule (a short grid: each tile computed by a cluster of CTAs over ranges of its index slots,
+which merge their results) on an H100/H200 (``gpu`` marker): against the float64 reference with the one-tile
 kernel's tolerances (``test_kernel_gpu``), the no-valid-slot sentinels exact, the same bits on every run, the
 rule's choice, the C++ fast path and CUDA graphs."""
 
@@ -20,7 +20,7 @@ Q_DTYPES = pytest.mark.parametrize("q_dtype", [torch.float8_e4m3fn, torch.bfloat
 
 @Q_DTYPES
 @pytest.mark.parametrize("precision", ["default", "accurate"])
-@pytest.mark.parametrize("parts", [2, 3, 4])
+@pytest.mark.parametrize("parts", schedule.SPLIT_PARTS)
 @pytest.mark.parametrize(("d_qk", "h_q", "topk"), [(576, 64, 2048), (512, 128, 512)])
 def test_matches_reference_and_is_stable(make_inputs, q_dtype, precision, parts, d_qk, h_q, topk):
     """Sink, topk_length and invalid indices; the second run gives the same bits."""
@@ -34,7 +34,7 @@ def test_matches_reference_and_is_stable(make_inputs, q_dtype, precision, parts,
     assert_matches_float64_reference(first, inputs, precision)
 
 
-@pytest.mark.parametrize("parts", [2, 4])
+@pytest.mark.parametrize("parts", schedule.SPLIT_PARTS)
 def test_sentinels_sink_infinities_and_ranges_without_a_valid_slot(make_inputs, parts):
     """Rows with no valid slot hold the sentinels exactly; a sink of +inf zeroes out, -inf drops out; rows
     whose valid slots lie in one range (topk_length short, or the indices of the other ranges invalid)."""
@@ -62,6 +62,7 @@ def test_rule_splits_short_grids_only(make_inputs):
     """The rule's choice: a short grid is split (and gives the forced schedule's bits), a full one is not."""
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     assert schedule.splits(sms // 4, 2048, 0) == 4
+    assert schedule.splits(sms // 3, 2048, 0) == 2  # 3 parts would not divide the d tiles
     assert schedule.splits(sms // 2, 2048, 0) == 2
     assert schedule.splits(sms // 2 + 1, 2048, 0) == 1
     assert schedule.splits(1, 512, 0) == 2  # two pairs of blocks per range at least
@@ -79,7 +80,7 @@ def test_rule_splits_short_grids_only(make_inputs):
 @Q_DTYPES
 def test_fast_path_and_cuda_graph_give_the_python_paths_bits(make_inputs, q_dtype):
     """The rule splits this grid; the C++ fast path (registered by the first call) launches the split variant
-    and the merge with the Python path's results, on the current stream and inside a CUDA graph capture."""
+    with the Python path's results, on the current stream and inside a CUDA graph capture."""
     inputs = make_inputs(
         20, 64, 3000, 576, 2048, device="cuda", with_sink=True, with_topk_length=True, q_dtype=q_dtype
     )

@@ -42,11 +42,20 @@ def init_cta(warp_idx, tma_atom_q, init_barriers):
     cute.arch.sync_threads()
 
 
-def launch_cta(kernel, grid, stream) -> None:
-    """Launch ``kernel`` (a ``@cute.kernel`` call) on a ``grid`` ([x, y]) of CTAs of NUM_THREADS threads.
-    Dynamic shared memory is the size of the SharedStorage struct it allocates; ``min_blocks_per_mp=1``
-    (without it ``setmaxregister`` is ignored)."""
-    kernel.launch(grid=[*grid, 1], block=[NUM_THREADS, 1, 1], stream=stream, min_blocks_per_mp=1)
+def launch_cta(kernel, grid, stream, cluster=None) -> None:
+    """Launch ``kernel`` (a ``@cute.kernel`` call) on a ``grid`` ([x, y]) of CTAs of NUM_THREADS threads, in
+    clusters of ``cluster`` ([x, y], may be dynamic) CTAs when given. Dynamic shared memory is the size of the
+    SharedStorage struct it allocates; ``min_blocks_per_mp=1`` (without it ``setmaxregister`` is ignored)."""
+    if cluster is None:
+        kernel.launch(grid=[*grid, 1], block=[NUM_THREADS, 1, 1], stream=stream, min_blocks_per_mp=1)
+    else:
+        kernel.launch(
+            grid=[*grid, 1],
+            block=[NUM_THREADS, 1, 1],
+            cluster=[*cluster, 1],
+            stream=stream,
+            min_blocks_per_mp=1,
+        )
 
 
 class AttentionKernel:

@@ -61,19 +61,26 @@ def output_scale(
 
 
 @cute.jit
+def max_logits_and_lse(row_sum, max_used, s_max_true, row, p_scale_log2: cutlass.Constexpr):
+    """``(max_logits, lse)`` of a row from its total ``row_sum`` of 2^p_scale_log2 P relative to
+    ``max_used`` and the consumers' exact maxima ``s_max_true[row, consumer]``; (-inf, +inf) when
+    ``row_sum`` is 0."""
+    max_logits = -Float32.inf
+    lse = Float32.inf
+    if row_sum > 0.0:
+        max_logits = cute.arch.fmax(s_max_true[row, 0], s_max_true[row, 1]) * LN_2
+        if const_expr(p_scale_log2 != 0):
+            lse = (max_used + cute.math.log2(row_sum, fastmath=True) - p_scale_log2) * LN_2
+        else:
+            lse = (max_used + cute.math.log2(row_sum, fastmath=True)) * LN_2
+    return max_logits, lse
+
+
+@cute.jit
 def write_max_logits_lse(
     mMaxLogits, mLse, out_row, row_sum, max_used, s_max_true, row, p_scale_log2: cutlass.Constexpr
 ):
-    """max_logits and lse of ``out_row`` from the row's total ``row_sum`` of 2^p_scale_log2 P relative
-    to ``max_used`` and the consumers' exact maxima ``s_max_true[row, consumer]``."""
-    if row_sum > 0.0:
-        true_max = cute.arch.fmax(s_max_true[row, 0], s_max_true[row, 1])
-        mMaxLogits[out_row] = true_max * LN_2
-        if const_expr(p_scale_log2 != 0):
-            log2_sum = cute.math.log2(row_sum, fastmath=True) - p_scale_log2
-            mLse[out_row] = (max_used + log2_sum) * LN_2
-        else:
-            mLse[out_row] = (max_used + cute.math.log2(row_sum, fastmath=True)) * LN_2
-    else:
-        mMaxLogits[out_row] = -Float32.inf
-        mLse[out_row] = Float32.inf
+    """``max_logits_and_lse`` of a row, written to ``out_row`` of max_logits and lse."""
+    max_logits, lse = max_logits_and_lse(row_sum, max_used, s_max_true, row, p_scale_log2)
+    mMaxLogits[out_row] = max_logits
+    mLse[out_row] = lse

@@ -12,6 +12,8 @@ class NamedBarrierFp8(enum.IntEnum):
     ScaleReady1 = 6
     ColumnMax0 = 7  # small heads: consumer c's warps published their S^T block's column maxima
     ColumnMax1 = 8
+    RingFree = 9  # split: the consumers' loops and the producer's copies are done (its KV tiles are free)
+    WeightsReady = 10  # split: the merge weights of every row are in shared memory (both consumers)
 
 
 class NamedBarrierBf16(enum.IntEnum):

@@ -1,9 +1,8 @@
 """Row views of the sparse prefill's global tensors, shared by the FP8 and bf16 attention kernels.
 
 The kernels address query rows as (token, head) pairs: ``q`` [s_q, h, d_qk] becomes [s_q * h, d_qk]
-(row-major, the source of the Q tiles), ``max_logits`` and ``lse`` [n, h] (n = s_q, or a multiple for a
-split launch's partial results) become [n * h]; ``kv`` [s_kv, 1, d_qk] and ``indices`` [s_q, 1, topk] drop
-their middle mode and keep their (dynamic) row strides.
+(row-major, the source of the Q tiles), ``max_logits`` and ``lse`` [s_q, h] become [s_q * h]; ``kv``
+[s_kv, 1, d_qk] and ``indices`` [s_q, 1, topk] drop their middle mode and keep their (dynamic) row strides.
 ``load_q_tile`` loads one CTA's e4m3 Q tile from the q view by TMA; ``quantize_q_tile`` loads a
 bf16 Q tile with the threads of the consumer warpgroups and stores it in e4m3, each row with its own
 power-of-two scale.
@@ -27,7 +26,6 @@ Q_THREADS_PER_ROW = 4  # consumer threads that quantise one row: 16 values of ev
 
 class RowViews(NamedTuple):
     rows: object  # s_q * h, the number of query rows (64 per CTA)
-    out_rows: object  # the rows of max_logits and lse (rows, or a multiple for partial results)
     q: cute.Tensor  # [rows, d_qk]
     kv: cute.Tensor  # [s_kv, d_qk], kv's row stride
     indices: cute.Tensor  # [s_q, topk], indices' row stride
@@ -38,10 +36,8 @@ class RowViews(NamedTuple):
 def make_row_views(mQ, mKV, mIdx, mMaxLogits, mLse, d_qk: int) -> RowViews:
     """The row views of a launch's tensors (called while tracing a ``@cute.jit`` function)."""
     rows = cute.size(mQ, mode=[0]) * cute.size(mQ, mode=[1])
-    out_rows = cute.size(mMaxLogits, mode=[0]) * cute.size(mMaxLogits, mode=[1])
     return RowViews(
         rows=rows,
-        out_rows=out_rows,
         q=cute.make_tensor(mQ.iterator, cute.make_layout((rows, d_qk), stride=(d_qk, 1))),
         kv=cute.make_tensor(
             mKV.iterator, cute.make_layout((cute.size(mKV, mode=[0]), d_qk), stride=(mKV.stride[0], 1))
@@ -52,8 +48,8 @@ def make_row_views(mQ, mKV, mIdx, mMaxLogits, mLse, d_qk: int) -> RowViews:
                 (cute.size(mIdx, mode=[0]), cute.size(mIdx, mode=[2])), stride=(mIdx.stride[0], 1)
             ),
         ),
-        max_logits=cute.make_tensor(mMaxLogits.iterator, cute.make_layout(out_rows)),
-        lse=cute.make_tensor(mLse.iterator, cute.make_layout(out_rows)),
+        max_logits=cute.make_tensor(mMaxLogits.iterator, cute.make_layout(rows)),
+        lse=cute.make_tensor(mLse.iterator, cute.make_layout(rows)),
     )
 
 

@@ -6,9 +6,9 @@ under a lazy running max chained from one consumer to the other) and each accumu
 of d_v over every block, V^T read from the gathered tiles by ldmatrix.trans (RS WGMMA).
 ``precision="accurate"`` stores P as two e4m3 terms; ``persistent`` walks several tiles per CTA;
 ``q_dtype="bf16"`` takes bf16 q and quantises each Q tile in the consumers, a power-of-two scale per row
-folded into that row's logit scale; ``split`` computes each tile as several CTAs, one per range of index
-slots, each writing a partial result (float32 out, max_logits and lse without the sink) that
-``split_combine.py`` merges. ``heads`` = 8, 16 or 32 (small heads: a tile is one token's n heads) computes
+folded into that row's logit scale; ``split`` computes each tile as a cluster of 2 or 4 CTAs, one per
+range of index slots, which merge their results through distributed shared memory (``merge_parts``).
+``heads`` = 8, 16 or 32 (small heads: a tile is one token's n heads) computes
 the transposed S^T = K . Q^T, the block's slots on the WGMMA's M side and the heads on N, the per-head
 softmax a reduction over M, and P^T stored [head][slot] in the slot order of the V^T fragments. Design:
 docs/kernel.md.
@@ -28,10 +28,11 @@ from cutlass import Float8E4M3FN, Float32, Int32, Int64, Uint32, const_expr
 from cutlass.cute.nvgpu import OperandMajorMode, warpgroup
 
 from cute_kernels import ptx
-from cute_kernels.interface import D_V, SINK_FLAG, SMALL_HEAD_COUNTS
+from cute_kernels.interface import D_V, LOG2_E, SINK_FLAG, SMALL_HEAD_COUNTS, SPLIT_PARTS
 from cute_kernels.sm90.cta import (
     B_H,
     CONSUMER_THREADS,
+    NUM_THREADS,
     PRODUCER_WARPS,
     THREADS_PER_WG,
     WARPS_PER_WG,
@@ -40,7 +41,13 @@ from cute_kernels.sm90.cta import (
     init_cta,
     launch_cta,
 )
-from cute_kernels.sm90.epilogue import output_scale, publish_row_stats, write_max_logits_lse
+from cute_kernels.sm90.epilogue import (
+    LN_2,
+    max_logits_and_lse,
+    output_scale,
+    publish_row_stats,
+    write_max_logits_lse,
+)
 from cute_kernels.sm90.mask import (
     accumulator_row,
     mask_and_column_max,
@@ -66,6 +73,14 @@ RESCALE_THRESHOLD = 1.75  # log2 units; 2^(P_SCALE_LOG2 + RESCALE_THRESHOLD) = 4
 SW64_TILE_COLS = 64  # bytes per row of one 64-byte-swizzled column tile
 TILE_ROW_GROUP_BYTES = B_TOPK * SW64_TILE_COLS  # one [64 rows x 64 B] swizzle column tile
 L2_LINE_BYTES = 128
+# Split: the parts of a tile run as one cluster and merge through shared memory (``merge_parts``). Part p
+# owns d tiles mt // (D_TILES_PER_CONSUMER / splits) == p of both consumers; the others' fragments of them (a
+# d tile's 32 f32 per consumer thread: 16 KiB a consumer) and every part's row statistics land in its KV
+# tiles, free once its loop is done.
+FRAGMENT_BYTES = THREADS_PER_WG * 32 * 4  # one d tile of O^T of one consumer
+SPLIT_STATS_OFFSET = 3 * 2 * FRAGMENT_BYTES  # the received fragments come first: at most 3 senders x 2 tiles
+SPLIT_STATS_BYTES = B_H * 8  # a part's (max_logits, lse) per row
+SPLIT_WEIGHTS_OFFSET = SPLIT_STATS_OFFSET + max(SPLIT_PARTS) * SPLIT_STATS_BYTES  # [row][part] merge weights
 
 PRODUCER_REGS = 24
 CONSUMER_REGS = 240
@@ -123,6 +138,8 @@ class Consumer(NamedTuple):
     mbar_p_full: cute.Pointer
     mbar_stats_full: cute.Pointer  # persistent: [consumer], see consume_tile (None otherwise)
     mbar_tile_done: cute.Pointer  # persistent: see consume_tile (None otherwise)
+    mbar_merge_full: cute.Pointer  # split: completed by the other parts' fragments (None otherwise)
+    mbar_peers_free: cute.Pointer  # split: the other parts arrive when their KV tiles are free (else None)
     mIdx: cute.Tensor
     s_kv: Int32
     scale_log2: object  # q_scale * kv_scale * sm_scale * log2(e); bf16 q: a pair, row r's with its own scale
@@ -153,11 +170,10 @@ class SparsePrefillSm90(AttentionKernel):
         finish the current one, whose out stores then drain during the next tile's math.
         ``q_dtype``: "e4m3" (q in e4m3, scaled by ``q_scale``, loaded by TMA) or "bf16" (q in bf16,
         ``q_scale`` not read: the consumers quantise each tile, see ``quantize_q_tile``).
-        ``split`` (not with ``persistent``): out, max_logits and lse have ``splits`` times the rows of q
-        (``splits`` from their shapes); CTA (t, p) of a [tiles, splits] grid computes tile t over the p-th of
-        ``splits`` equal ranges of whole pairs of index slots and writes output tile p * tiles + t: out in
-        float32, normalised over the range, max_logits and lse of the range; the sink is not applied (see
-        ``tile_scheduler``).
+        ``split`` (not with ``persistent``): CTA (t, p) of a [tiles, splits] grid (``splits`` in {2, 4},
+        the launch's ``schedule_count``) computes tile t over the p-th of ``splits`` equal ranges of whole
+        pairs of index slots (see ``tile_scheduler``); the ``splits`` CTAs of a tile form a cluster and merge
+        their results through shared memory (``merge_parts``).
         ``heads``: 64 (a tile is 64 heads of a token, h a multiple), or one of ``SMALL_HEAD_COUNTS`` (the
         small-head kernel: a tile is all h = ``heads`` heads of a token; not with ``split``)."""
         if d_qk not in (512, 576):
@@ -220,6 +236,9 @@ class SparsePrefillSm90(AttentionKernel):
             mbar_stats_full: cute.struct.MemRange[Int64, 2]  # [consumer]: its row statistics are published
             mbar_tile_done: cute.struct.MemRange[Int64, 1]  # consumer 1 finished a tile
             q_row_scale: cute.struct.MemRange[Float32, B_H]  # bf16 q: the Q tile's row scales
+            if self.split:
+                mbar_merge_full: cute.struct.MemRange[Int64, 1]  # the other parts' fragments have landed
+                mbar_peers_free: cute.struct.MemRange[Int64, 1]  # the other parts' KV tiles are free
             if self.small:
                 column_max: cute.struct.MemRange[Float32, 2 * 2 * WARPS_PER_WG * self.b_h]
                 head_sum: cute.struct.MemRange[Float32, self.b_h * 2 * WARPS_PER_WG]
@@ -242,12 +261,12 @@ class SparsePrefillSm90(AttentionKernel):
         mSink: cute.Tensor,  # [h] f32 (read when flags & 2)
         mQScale: cute.Tensor,  # [1] f32
         mKVScale: cute.Tensor,  # [1] f32
-        mOut: cute.Tensor,  # [s_q, h, 512] bf16, row-major (split: [splits * s_q, h, 512] f32)
-        mMaxLogits: cute.Tensor,  # [s_q, h] f32, row-major (split: [splits * s_q, h])
-        mLse: cute.Tensor,  # [s_q, h] f32, row-major (split: [splits * s_q, h])
+        mOut: cute.Tensor,  # [s_q, h, 512] bf16, row-major
+        mMaxLogits: cute.Tensor,  # [s_q, h] f32, row-major
+        mLse: cute.Tensor,  # [s_q, h] f32, row-major
         sm_scale_log2: Float32,  # sm_scale * log2(e)
         flags: Int32,  # bit 0: topk_length given, bit 1: attn_sink given
-        tiles_per_cta: Int32,  # persistent: tiles each CTA walks (the grid is ceil(tiles / it))
+        schedule_count: Int32,  # persistent: tiles per CTA (the grid is ceil(tiles / it)); split: parts
         stream,
     ):
         views, layouts, tma_atom_q, tma_tensor_q = self.host_setup(
@@ -269,7 +288,7 @@ class SparsePrefillSm90(AttentionKernel):
                 views.lse,
                 sm_scale_log2,
                 flags,
-                tiles_per_cta,
+                schedule_count,
                 sQ_layout,
                 sK_layout,
                 sP_layout,
@@ -277,10 +296,11 @@ class SparsePrefillSm90(AttentionKernel):
             ),
             self.scheduler.grid(
                 self.scheduler.num_tiles(cute.size(mQ, mode=[0]), cute.size(mQ, mode=[1])),
-                views.out_rows // views.rows,
-                tiles_per_cta,
+                schedule_count,
+                schedule_count,
             ),
             stream,
+            cluster=[1, schedule_count] if const_expr(self.split) else None,
         )
 
     # ------------------------------------------------------------------------------------
@@ -302,7 +322,7 @@ class SparsePrefillSm90(AttentionKernel):
         mLse: cute.Tensor,
         sm_scale_log2: Float32,
         flags: Int32,
-        tiles_per_cta: Int32,
+        schedule_count: Int32,
         sQ_layout: cute.ComposedLayout,
         sK_layout: cute.ComposedLayout,
         sP_layout: cute.ComposedLayout,
@@ -325,10 +345,16 @@ class SparsePrefillSm90(AttentionKernel):
         handover = (None, None)  # persistent: mbar_stats_full, mbar_tile_done
         if const_expr(self.persistent):
             handover = (storage.mbar_stats_full.data_ptr(), storage.mbar_tile_done.data_ptr())
+        merge_barriers = (None, None)  # split: mbar_merge_full, mbar_peers_free
+        if const_expr(self.split):
+            merge_barriers = (storage.mbar_merge_full.data_ptr(), storage.mbar_peers_free.data_ptr())
         barriers = (mbar_q, mbar_q_empty, mbar_kv_full, mbar_kv_empty, mbar_p_full, s_moved, *handover)
-        init_cta(warp_idx, tma_atom_q, functools.partial(self.init_barriers, *barriers))
+        init_cta(warp_idx, tma_atom_q, functools.partial(self.init_barriers, *barriers, *merge_barriers))
+        if const_expr(self.split):  # the cluster's barriers are initialised before any CTA signals another's
+            cute.arch.cluster_arrive_relaxed()
 
-        tiles = self.scheduler.cta_tiles(bid, mIdx, mTopkLen, cute.size(mOut, mode=[1]), flags, tiles_per_cta)
+        heads = cute.size(mOut, mode=[1])
+        tiles = self.scheduler.cta_tiles(bid, mIdx, mTopkLen, heads, flags, schedule_count)
 
         if warp_idx < PRODUCER_WARPS:
             cute.arch.setmaxregister_decrease(self.registers[0])
@@ -392,6 +418,7 @@ class SparsePrefillSm90(AttentionKernel):
                 mbar_kv_empty,
                 mbar_p_full,
                 handover,
+                merge_barriers,
                 sm_scale_log2,
                 flags,
                 tiles,
@@ -409,12 +436,15 @@ class SparsePrefillSm90(AttentionKernel):
         s_moved,
         mbar_stats_full,
         mbar_tile_done,
+        mbar_merge_full,
+        mbar_peers_free,
     ):
         """(One thread.) q_full: the TMA; q_empty: both consumers; per block tile, kv_full: the 64
         threads gathering it (cp.async arrivals; bf16 q: every consumer thread, after quantising its part),
         kv_empty: both consumers, p_full: its owner's
         warpgroup; no block has moved the max yet. Persistent: stats_full[c]: consumer c's warpgroup;
-        tile_done: consumer 1's warpgroup."""
+        tile_done: consumer 1's warpgroup. Split: merge_full: one arrival (with the bytes expected) and the
+        other parts' stores; peers_free: one arrival from each other part."""
         cute.arch.mbarrier_init(mbar_q, CONSUMER_THREADS if const_expr(self.q_bf16) else 1)
         cute.arch.mbarrier_init(mbar_q_empty, CONSUMER_THREADS)
         for i in cutlass.range_constexpr(NUM_KV_TILES):
@@ -426,6 +456,9 @@ class SparsePrefillSm90(AttentionKernel):
             for consumer in cutlass.range_constexpr(2):
                 cute.arch.mbarrier_init(mbar_stats_full + consumer, THREADS_PER_WG)
             cute.arch.mbarrier_init(mbar_tile_done, THREADS_PER_WG)
+        if const_expr(self.split):
+            cute.arch.mbarrier_init(mbar_merge_full, 1)
+            cute.arch.mbarrier_init(mbar_peers_free, cute.arch.grid_dim()[1] - 1)
 
     # ------------------------------------------------------------------------------------
     @cute.jit
@@ -471,6 +504,8 @@ class SparsePrefillSm90(AttentionKernel):
             q_row = self.scheduler.first_q_row(work.tile, tiles.heads)
             self.produce_tile(*tile_inputs, work, q_row, 0, geometry)
         ptx.cp_async_wait_all()
+        if const_expr(self.split):  # no copy of this CTA lands in its KV tiles from here on
+            cute.arch.barrier_arrive(barrier_id=int(NamedBarrierFp8.RingFree), number_of_threads=NUM_THREADS)
 
     @cute.jit
     def produce_tile(
@@ -570,6 +605,7 @@ class SparsePrefillSm90(AttentionKernel):
         mbar_kv_empty,
         mbar_p_full,
         handover,
+        merge_barriers,
         sm_scale_log2,
         flags,
         tiles,
@@ -662,6 +698,8 @@ class SparsePrefillSm90(AttentionKernel):
             mbar_p_full=mbar_p_full,
             mbar_stats_full=handover[0],
             mbar_tile_done=handover[1],
+            mbar_merge_full=merge_barriers[0],
+            mbar_peers_free=merge_barriers[1],
             mIdx=mIdx,
             s_kv=cute.size(mKV, mode=[0]),
             # bf16 q: the rows' own scales join in consume_tile
@@ -1181,7 +1219,7 @@ class SparsePrefillSm90(AttentionKernel):
                 write_max_logits_lse(
                     mMaxLogits,
                     mLse,
-                    rows.out_row + head,
+                    rows.q_row + head,
                     scaled_sum,
                     max_used,
                     c.s_max_true,
@@ -1192,10 +1230,12 @@ class SparsePrefillSm90(AttentionKernel):
     @cute.jit
     def epilogue(self, c: Consumer, tile_iter, mSink, mKVScale, mOut, mMaxLogits, mLse, flags):
         """Normalise O, apply kv_scale and the sink, write out (bf16), max_logits and lse of the CTA's
-        tile ``tile_iter`` (split: out in float32, without the sink)."""
+        tile ``tile_iter`` (split: this part's result, merged with the other parts' by ``merge_parts``)."""
         kv_scale = mKVScale[0]
+        scale_flags = flags
         if const_expr(self.split):
-            flags = flags & ~SINK_FLAG  # the partial results leave the sink to the combine
+            scale_flags = flags & ~SINK_FLAG  # a part's scales normalise over its range; the merge adds sinks
+            self.open_merge(c)
         # O (both halves) is relative to the last block's max, m_final; both consumers waited for
         # the last block's p_full in their last step. The other consumer published its row
         # statistics after its last own softmax (``publish_row_stats``), usually while this one
@@ -1211,16 +1251,22 @@ class SparsePrefillSm90(AttentionKernel):
                 barrier_id=int(NamedBarrierFp8.StatsPublished1) - c.index, number_of_threads=CONSUMER_THREADS
             )
         # Computed here, from the tile index: nothing of it is live during the tile's blocks.
-        rows = self.scheduler.rows(
-            c.work.tile, plain_int32(cute.size(mOut, mode=[1])), plain_int32(cute.size(c.mIdx, mode=[0]))
-        )
+        rows = self.scheduler.rows(c.work.tile, plain_int32(cute.size(mOut, mode=[1])))
         if const_expr(self.small):
             self.small_head_scale(c, rows, kv_scale, flags, mSink, mMaxLogits, mLse)
         else:
-            self.row_scale(c, rows, kv_scale, flags, mSink, mMaxLogits, mLse)
+            self.row_scale(c, rows, kv_scale, scale_flags, mSink, mMaxLogits, mLse)
         cute.arch.barrier(
             barrier_id=int(NamedBarrierFp8.ScaleReady0) + c.index, number_of_threads=THREADS_PER_WG
         )
+        if const_expr(self.split):
+            self.merge_parts(c, rows, flags, mSink, mOut, mMaxLogits, mLse)
+        else:
+            self.store_out(c, rows, mOut)
+
+    @cute.jit
+    def store_out(self, c: Consumer, rows, mOut):
+        """This consumer's half of out: O^T times the rows' output scales, in bf16."""
 
         out_base = mOut.iterator.toint()
         out_bytes = mOut.element_type.width // 8
@@ -1231,21 +1277,170 @@ class SparsePrefillSm90(AttentionKernel):
             for e in cutlass.range_constexpr(2):
                 head = 8 * j + 2 * c.quad_lane + e
                 scale = c.s_out_scale[head, c.index]
-                row_addr = out_base + Int64(rows.out_row + head) * (D_V * out_bytes)
+                row_addr = out_base + Int64(rows.q_row + head) * (D_V * out_bytes)
                 store = None if const_expr(self.small) else Int32(8 * j + e < own_rows)
                 for mt in cutlass.range_constexpr(D_TILES_PER_CONSUMER):
                     d = (c.index * D_TILES_PER_CONSUMER + mt) * 64 + c.warp * 16 + 2 * c.quad_row
                     lo, hi = c.acc_o[mt][e + 4 * j] * scale, c.acc_o[mt][e + 2 + 4 * j] * scale
-                    addr = row_addr + d * out_bytes
-                    if const_expr(self.split):
-                        ptx.st_global_v2_f32(addr, lo, hi, store)
-                    else:
-                        ptx.st_global_u32(addr, ptx.pack_bf16x2(lo, hi), store)
+                    ptx.st_global_u32(row_addr + d * out_bytes, ptx.pack_bf16x2(lo, hi), store)
+
+    @cute.jit
+    def publish_part_stats(self, c: Consumer, row, scaled_sum, max_used):
+        """Split: this part's (max_logits, lse) of ``row`` into row ``row`` of its statistics table in every
+        part (itself included), counted on their ``merge_full``."""
+        part = cute.arch.block_idx()[1]
+        splits = cute.arch.grid_dim()[1]
+        stats = max_logits_and_lse(scaled_sum, max_used, c.s_max_true, row, P_SCALE_LOG2)
+        address = c.sK_base + SPLIT_STATS_OFFSET + (part * B_H + row) * 8
+        for p in cutlass.range_constexpr(max(SPLIT_PARTS)):
+            if p < splits:
+                ptx.st_async_cluster_f32(address, c.mbar_merge_full.toint(), p, stats)
+
+    @cute.jit
+    def open_merge(self, c: Consumer):
+        """Split, the epilogue's start: once this CTA's loop and copies are done (``RingFree``, with the
+        producer), its KV tiles may receive the other parts' results: tell them (one arrival each on their
+        ``peers_free``), expect their bytes on ``merge_full``, and wait until theirs are free too."""
+        cute.arch.barrier(barrier_id=int(NamedBarrierFp8.RingFree), number_of_threads=NUM_THREADS)
+        cute.arch.cluster_wait()  # every CTA of the cluster has initialised its barriers
+        part = cute.arch.block_idx()[1]
+        splits = cute.arch.grid_dim()[1]
+        if c.index == 0:
+            if c.warp == 0:
+                if c.lane == 0:
+                    for p in cutlass.range_constexpr(max(SPLIT_PARTS)):
+                        if p < splits:
+                            if p != part:
+                                ptx.mbarrier_arrive_cluster(c.mbar_peers_free.toint(), p)
+                    tiles_per_part = D_TILES_PER_CONSUMER // splits
+                    received = (splits - 1) * tiles_per_part * 2 * FRAGMENT_BYTES + splits * SPLIT_STATS_BYTES
+                    cute.arch.mbarrier_arrive_and_expect_tx(c.mbar_merge_full, received)
+        ptx.mbarrier_wait_cluster(c.mbar_peers_free.toint(), 0)
+
+    @cute.jit
+    def merge_parts(self, c: Consumer, rows, flags, mSink, mOut, mMaxLogits, mLse):
+        """Split: the tile's result from its parts' (one per CTA of the cluster, ``splits`` of them).
+
+        Each part has published its (max_logits, lse) per row, over its range and without the sink, to
+        every part (``row_scale``). Part p owns d tiles mt with mt // (4 / splits) == p of both consumers:
+        the other parts store their O^T fragments of them, times their output scales (normalised over
+        their ranges), into its KV tiles, where the thread of the same consumer and index reads them. Over
+        the parts with a valid slot, in part order (the same bits on every run): L = max lse_p,
+        t = sum exp(lse_p - L), out = sum exp(lse_p - L) / (t + exp(sink - L)) out_p,
+        lse = L + log t, max_logits = max max_logits_p; a row without a valid slot: out 0, -inf, +inf."""
+        part = cute.arch.block_idx()[1]
+        splits = cute.arch.grid_dim()[1]
+        tiles_per_part = D_TILES_PER_CONSUMER // splits
+        for mt in cutlass.range_constexpr(D_TILES_PER_CONSUMER):  # the d tiles other parts own: to them
+            owner = mt // tiles_per_part
+            if owner != part:
+                for j in cutlass.range_constexpr(B_H // 8):
+                    scales = (
+                        c.s_out_scale[8 * j + 2 * c.quad_lane, c.index],
+                        c.s_out_scale[8 * j + 2 * c.quad_lane + 1, c.index],
+                    )
+                    ptx.st_async_cluster_f32(
+                        self.fragment_address(c, part, owner, mt, tiles_per_part, j),
+                        c.mbar_merge_full.toint(),
+                        owner,
+                        [c.acc_o[mt][4 * j + k] * scales[k % 2] for k in range(4)],
+                    )
+        ptx.mbarrier_wait_cluster(c.mbar_merge_full.toint(), 0)  # every part's statistics and fragments
+        if c.index == 0:
+            if c.warp < B_H // 32:  # one thread per row: its parts' weights
+                self.merge_weights(c, c.warp * 32 + c.lane, rows, flags, mSink, mMaxLogits, mLse)
+        cute.arch.barrier(barrier_id=int(NamedBarrierFp8.WeightsReady), number_of_threads=CONSUMER_THREADS)
+        weights_base = c.sK_base + SPLIT_WEIGHTS_OFFSET
+        out_base = mOut.iterator.toint()
+        own_rows = rows.head_rows - 2 * c.quad_lane
+        for j in cutlass.range_constexpr(B_H // 8):
+            head = 8 * j + 2 * c.quad_lane  # and head + 1: values 4j, 4j + 2 and 4j + 1, 4j + 3
+            weights = (
+                ptx.ld_shared_v4_f32(weights_base + head * 16),
+                ptx.ld_shared_v4_f32(weights_base + (head + 1) * 16),
+            )
+            own_scales = (c.s_out_scale[head, c.index], c.s_out_scale[head + 1, c.index])
+            for mt in cutlass.range_constexpr(D_TILES_PER_CONSUMER):
+                if mt // tiles_per_part == part:
+                    merged = cute.make_rmem_tensor((4,), Float32)
+                    merged.fill(0.0)
+                    for p in cutlass.range_constexpr(max(SPLIT_PARTS)):
+                        if p < splits:
+                            values = cute.make_rmem_tensor((4,), Float32)
+                            if p == part:
+                                for k in cutlass.range_constexpr(4):
+                                    values[k] = c.acc_o[mt][4 * j + k] * own_scales[k % 2]
+                            else:
+                                received = ptx.ld_shared_v4_f32(
+                                    self.fragment_address(c, p, part, mt, tiles_per_part, j)
+                                )
+                                for k in cutlass.range_constexpr(4):
+                                    values[k] = received[k]
+                            for k in cutlass.range_constexpr(4):
+                                merged[k] += weights[k % 2][p] * values[k]
+                    d = (c.index * D_TILES_PER_CONSUMER + mt) * 64 + c.warp * 16 + 2 * c.quad_row
+                    for e in cutlass.range_constexpr(2):
+                        addr = out_base + (Int64(rows.q_row + head + e) * D_V + d) * 2
+                        store = Int32(8 * j + e < own_rows)
+                        ptx.st_global_u32(addr, ptx.pack_bf16x2(merged[e], merged[e + 2]), store)
+
+    @cute.jit
+    def merge_weights(self, c: Consumer, row, rows, flags, mSink, mMaxLogits, mLse):
+        """Split, one thread per row: from every part's (max_logits, lse) of ``row`` (statistics table), the
+        weights exp(lse_p - L) / (t + exp(sink - L)) of the parts into the weights table ([row][part], 0 for a
+        part without a valid slot and for every part of a row without one); part 0 writes the row's
+        max_logits and lse (see ``merge_parts``)."""
+        splits = cute.arch.grid_dim()[1]
+        stats_base = c.sK_base + SPLIT_STATS_OFFSET
+        lse_max = -Float32.inf
+        max_logits = -Float32.inf
+        for p in cutlass.range_constexpr(max(SPLIT_PARTS)):
+            if p < splits:
+                part_max, part_lse = ptx.ld_shared_v2_f32(stats_base + (p * B_H + row) * 8)
+                max_logits = cute.arch.fmax(max_logits, part_max)
+                if part_max > -Float32.inf:
+                    lse_max = cute.arch.fmax(lse_max, part_lse)
+        terms = cute.make_rmem_tensor((max(SPLIT_PARTS),), Float32)
+        terms.fill(0.0)
+        total = Float32(0.0)
+        for p in cutlass.range_constexpr(max(SPLIT_PARTS)):
+            if p < splits:
+                part_max, part_lse = ptx.ld_shared_v2_f32(stats_base + (p * B_H + row) * 8)
+                if part_max > -Float32.inf:
+                    terms[p] = cute.math.exp2((part_lse - lse_max) * LOG2_E, fastmath=True)
+                    total += terms[p]
+        scale = Float32(0.0)
+        if lse_max > -Float32.inf:
+            denom = total
+            if (flags & SINK_FLAG) != 0:
+                sink_head = rows.first_head + cutlass.min(row, rows.head_rows - 1)
+                denom += cute.math.exp2((mSink[sink_head] - lse_max) * LOG2_E, fastmath=True)
+            scale = 1.0 / denom
+        weights = [terms[p] * scale for p in range(max(SPLIT_PARTS))]
+        ptx.st_shared_v4_f32(c.sK_base + SPLIT_WEIGHTS_OFFSET + row * 16, *weights)
+        if cute.arch.block_idx()[1] == 0:
+            if row < rows.head_rows:
+                lse = Float32.inf
+                if lse_max > -Float32.inf:
+                    lse = (lse_max * LOG2_E + cute.math.log2(total, fastmath=True)) * LN_2
+                mMaxLogits[rows.q_row + row] = max_logits
+                mLse[rows.q_row + row] = lse
+
+    @cute.jit
+    def fragment_address(self, c: Consumer, sender, owner, mt, tiles_per_part, j):
+        """Split: where, in the KV tiles of part ``owner``, part ``sender`` stores (and the owner's thread of
+        the same consumer and index reads) this thread's values 4j .. 4j + 3 of d tile ``mt``: slot
+        (sender's index among the owner's senders, consumer, d tile among the owner's), then [j][thread] in
+        16-byte units, so that a warp's 16-byte accesses are contiguous."""
+        sender_index = sender - Int32(sender > owner)
+        slot = (sender_index * 2 + c.index) * tiles_per_part + mt - owner * tiles_per_part
+        return c.sK_base + ((slot * (B_H // 8) + j) * THREADS_PER_WG + c.warp * 32 + c.lane) * 16
 
     @cute.jit
     def row_scale(self, c: Consumer, rows, kv_scale, flags, mSink, mMaxLogits, mLse):
         """The output scales of this thread's rows into ``s_out_scale[row, c]`` (the quad's first thread);
-        consumer 0 writes their max_logits and lse."""
+        consumer 0 writes their max_logits and lse (split: publishes them to every part, see
+        ``merge_parts``)."""
         last_buffer = self.kv_ring.index_before(c.work.block_base + c.work.num_blocks)
         for r in cutlass.range_constexpr(2):
             row = accumulator_row(c.warp, c.quad_row, r)
@@ -1256,11 +1451,13 @@ class SparsePrefillSm90(AttentionKernel):
             if c.quad_lane == 0:
                 c.s_out_scale[row, c.index] = out_scale
                 if c.index == 0:
-                    if row < rows.head_rows:
+                    if const_expr(self.split):
+                        self.publish_part_stats(c, row, scaled_sum, max_used)
+                    elif row < rows.head_rows:
                         write_max_logits_lse(
                             mMaxLogits,
                             mLse,
-                            rows.out_row + row,
+                            rows.q_row + row,
                             scaled_sum,
                             max_used,
                             c.s_max_true,

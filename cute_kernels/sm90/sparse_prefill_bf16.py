@@ -544,7 +544,7 @@ class SparsePrefillBf16Sm90(AttentionKernel):
         for r in cutlass.range_constexpr(2):
             row = accumulator_row(c.warp, c.quad_row, r)
             if row < rows.head_rows:  # a row of the token's heads (the others are not written)
-                out_row = rows.out_row + row
+                out_row = rows.q_row + row
                 row_total = c.s_row_sum[row, 0] + c.s_row_sum[row, 1]
                 max_used = c.row_max_used[r]
                 head = rows.first_head + row

@@ -6,11 +6,10 @@ h + group * n, + n) of the (token, head) rows. When n does not divide h, a token
 heads (``TileRows.head_rows``): its other rows are the next token's first heads (zeros past the last row),
 computed and not written. One-tile scheduling launches a CTA per tile. Persistent scheduling launches
 ``ceil(tiles / tiles_per_cta)`` CTAs and CTA b walks tiles b, b + grid, b + 2 grid, ... Split scheduling
-launches a [tiles, splits] grid (``splits`` from the row count of the outputs it is given, ``splits`` times
-q's): CTA (t, p) computes tile t over the p-th of ``splits`` equal ranges of index slots (whole pairs) and
-writes the partial result to output rows p * s_q * h onwards. A tile's work (``TileWork``) is its position,
-the range of index slots to consider (``topk_length`` bounds it) and the count of KV blocks and pairs that
-covers it.
+launches a [tiles, splits] grid: CTA (t, p) computes tile t over the p-th of ``splits`` equal ranges of index
+slots (whole pairs), and the tile's ``splits`` CTAs (a cluster) merge their results. A tile's work
+(``TileWork``) is its position, the range of index slots to consider (``topk_length`` bounds it) and the
+count of KV blocks and pairs that covers it.
 """
 
 from typing import NamedTuple
@@ -70,8 +69,7 @@ class TileRows(NamedTuple):
     """Where a tile's rows are (trace-time bundle of runtime values, computed where used: nothing of it
     stays live across a tile's blocks)."""
 
-    q_row: Int32  # the tile's first (token, head) row of q: token * h + head group * tile rows
-    out_row: Int32  # its first row of out, max_logits and lse (q_row; split: part * s_q * h + q_row)
+    q_row: Int32  # its first (token, head) row of q, out, max_logits and lse: token * h + group * tile rows
     first_head: Int32  # the head of its first row (indexes attn_sink)
     head_rows: Int32  # its rows that are heads of its token (the tile rows, fewer in a token's last group)
 
@@ -132,17 +130,13 @@ class TileScheduler:
         """The first (token, head) row of q of tile ``tile`` of tokens of ``heads`` (h) heads."""
         return self.first_row_and_head(tile, heads)[0]
 
-    def rows(self, tile, heads, s_q=None) -> TileRows:
-        """The rows of tile ``tile`` of ``s_q`` tokens of ``heads`` (h) heads (``s_q``: split only, where
-        the partial results of part p start at row p * s_q * h)."""
+    def rows(self, tile, heads) -> TileRows:
+        """The rows of tile ``tile`` of tokens of ``heads`` (h) heads."""
         q_row, first_head = self.first_row_and_head(tile, heads)
         head_rows = self.tile_rows
         if const_expr(not self.whole_token):
             head_rows = cutlass.min(heads - first_head, self.tile_rows)
-        out_row = q_row
-        if const_expr(self.split):
-            out_row = cute.arch.block_idx()[1] * (s_q * heads) + q_row
-        return TileRows(q_row, out_row, first_head, head_rows)
+        return TileRows(q_row, first_head, head_rows)
 
     def work(self, tiles: CtaTiles, tile_iter, block_base) -> TileWork:
         """Iteration ``tile_iter`` of the CTA's tile loop: its tile, token and valid slot count (reads

@@ -95,7 +95,8 @@ struct Config {
   int64_t persistent_max_tiles_per_cta = 0;
   int64_t small_head_max_tiles_per_cta = 0;
   int64_t persistent_min_waves = 0;
-  int64_t split_max_parts = 0;
+  std::vector<int64_t> split_parts;  // the split kernel's part counts, ascending
+  std::vector<int64_t> split_cluster_sms;  // SMs counted for a tile split in split_parts[i]
   int64_t split_min_slots = 0;
   PyObject* error_kinds = nullptr;  // dict: TVM-FFI error kind -> Python exception type, owned
 };
@@ -113,7 +114,6 @@ struct Registry {
   // TVM-FFI functions (owned references, or null), [q dtype][d_qk][precision][schedule kind][heads]: heads 0
   // the tiles of 64 heads, 1 + i the small-head kernel of small_head_counts[i].
   std::vector<TVMFFIObjectHandle> variants;
-  TVMFFIObjectHandle split_combine = nullptr;  // the merge of a split launch's partial results (owned, or null)
 };
 
 // Schedule kinds of the registry's variants (q8kv8.schedule.ONE_TILE, PERSISTENT, SPLIT).
@@ -129,8 +129,6 @@ void ReleaseAll() {
     if (variant != nullptr) TVMFFIObjectDecRef(variant);
   }
   r.variants.clear();
-  if (r.split_combine != nullptr) TVMFFIObjectDecRef(r.split_combine);
-  r.split_combine = nullptr;
   r.devices.clear();
   for (PyObject* name : r.config.precisions) Py_DECREF(name);
   Py_XDECREF(r.config.error_kinds);
@@ -308,9 +306,13 @@ int64_t SmallHeadTilesPerCta(int64_t s_q, int64_t sm_count) {
 // schedule.splits (without a forced answer: the fast path is suspended while one is set).
 int64_t Splits(int64_t num_tiles, int64_t topk, int64_t sm_count) {
   const Config& c = registry.config;
-  const int64_t parts =
-      std::min({c.split_max_parts, sm_count / std::max<int64_t>(num_tiles, 1), topk / c.split_min_slots});
-  return parts >= 2 ? parts : 1;
+  const int64_t tiles = std::max<int64_t>(num_tiles, 1);
+  int64_t splits = 1;
+  for (size_t i = 0; i < c.split_parts.size(); ++i) {
+    const int64_t p = c.split_parts[i];
+    if (tiles * c.split_cluster_sms[i] <= sm_count && p * c.split_min_slots <= topk) splits = p;
+  }
+  return splits;
 }
 
 // The registry's slot of a variant: [q dtype][d_qk][precision][schedule kind][heads], by index into the
@@ -455,7 +457,7 @@ Plan Check(const Views& v) {
   const size_t kind = tiles > 0 ? kPersistent : splits > 1 ? kSplit : kOneTile;
   const size_t d_qk_index = static_cast<size_t>(d_qk_found - c.supported_d_qk.begin());
   TVMFFIObjectHandle variant = registry.variants[VariantIndex(q_dtype, d_qk_index, v.precision, kind, heads)];
-  if (variant == nullptr || (splits > 1 && registry.split_combine == nullptr)) {
+  if (variant == nullptr) {
     return Declined("the kernel variant is not registered");
   }
   Plan plan;
@@ -627,7 +629,7 @@ int CallFunction(TVMFFIObjectHandle function, TVMFFIAny* args, int32_t num_args)
   return status;
 }
 
-// Calls the plan's variant with the Python path's arguments (a split plan: then the merge), on `stream` (set
+// Calls the plan's variant with the Python path's arguments, on `stream` (set
 // as TVM-FFI's environment stream of q's device for the call when set_stream). Returns nullptr with a Python
 // exception set when the call raised, else Py_None (borrowed).
 PyObject* Run(const Views& v, const Plan& plan, bool set_stream, void* stream) {
@@ -640,34 +642,6 @@ PyObject* Run(const Views& v, const Plan& plan, bool set_stream, void* stream) {
   DLTensor no_topk_length = q_scale;
   no_topk_length.dtype = {kDLInt, 32, 1};
   const DLTensor* sink = v.has_sink ? &v.attn_sink : &v.kv_scale;
-  // A split launch writes partial results (float32 out, max_logits, lse of splits * s_q rows) into one
-  // buffer from torch's caching allocator (kernels.launch_sparse_prefill), then the merge writes the outputs.
-  at::Tensor partial_buffer;
-  DLTensor partial[3] = {};
-  int64_t partial_shapes[3][3] = {};
-  int64_t partial_strides[3][3] = {};  // row-major (the kernels read a tensor's strides)
-  const DLTensor* results[3] = {&v.out, &v.max_logits, &v.lse};
-  if (plan.splits > 1) {
-    const int64_t rows = plan.splits * v.q.shape[0], h = v.q.shape[1], d_v = registry.config.d_v;
-    partial_buffer = Empty(*v.q_tensor, {rows * h * (d_v + 2)}, at::kFloat);
-    auto* base = static_cast<float*>(partial_buffer.data_ptr());
-    float* starts[3] = {base, base + rows * h * d_v, base + rows * h * (d_v + 1)};
-    for (int i = 0; i < 3; ++i) {
-      partial_shapes[i][0] = rows;
-      partial_shapes[i][1] = h;
-      partial_shapes[i][2] = d_v;
-      partial_strides[i][0] = i == 0 ? h * d_v : h;
-      partial_strides[i][1] = i == 0 ? d_v : 1;
-      partial_strides[i][2] = 1;
-      partial[i].data = starts[i];
-      partial[i].device = v.q.device;
-      partial[i].ndim = i == 0 ? 3 : 2;
-      partial[i].dtype = {kDLFloat, 32, 1};
-      partial[i].shape = partial_shapes[i];
-      partial[i].strides = partial_strides[i];
-      results[i] = &partial[i];
-    }
-  }
   TVMFFIAny args[13] = {};
   SetTensor(&args[0], &v.q);
   SetTensor(&args[1], &v.kv);
@@ -676,15 +650,15 @@ PyObject* Run(const Views& v, const Plan& plan, bool set_stream, void* stream) {
   SetTensor(&args[4], sink);
   SetTensor(&args[5], &q_scale);
   SetTensor(&args[6], &v.kv_scale);
-  SetTensor(&args[7], results[0]);
-  SetTensor(&args[8], results[1]);
-  SetTensor(&args[9], results[2]);
+  SetTensor(&args[7], &v.out);
+  SetTensor(&args[8], &v.max_logits);
+  SetTensor(&args[9], &v.lse);
   args[10].type_index = kTVMFFIFloat;
   args[10].v_float64 = plan.logit_scale;
   args[11].type_index = kTVMFFIInt;
   args[11].v_int64 = plan.flags;
   args[12].type_index = kTVMFFIInt;
-  args[12].v_int64 = plan.tiles == 0 ? 1 : plan.tiles;
+  args[12].v_int64 = plan.tiles == 0 ? plan.splits : plan.tiles;  // schedule_count: tiles per CTA, or parts
 
   const DLDevice device = v.q.device;
   TVMFFIStreamHandle previous = nullptr;
@@ -693,17 +667,6 @@ PyObject* Run(const Views& v, const Plan& plan, bool set_stream, void* stream) {
   }
   // Held for the call: Python code under it (a Python-defined variant) may let another thread reset().
   int status = CallFunction(plan.variant, args, 13);
-  if (status == 0 && plan.splits > 1) {
-    TVMFFIAny merge_args[8] = {};
-    for (int i = 0; i < 3; ++i) SetTensor(&merge_args[i], &partial[i]);
-    SetTensor(&merge_args[3], sink);
-    SetTensor(&merge_args[4], &v.out);
-    SetTensor(&merge_args[5], &v.max_logits);
-    SetTensor(&merge_args[6], &v.lse);
-    merge_args[7].type_index = kTVMFFIInt;
-    merge_args[7].v_int64 = plan.flags;
-    status = CallFunction(registry.split_combine, merge_args, 8);
-  }
   PyObject* raised = status == 0 ? Py_None : RaiseFfiError();
   if (set_stream && TVMFFIEnvSetStream(device.device_type, device.device_id, previous, nullptr) != 0) {
     if (raised != nullptr) return RaiseFfiError();
@@ -837,7 +800,9 @@ bool Configure(PyObject* constants, Config* c) {
   Py_DECREF(fields);
 
   for (const auto& [name, values] : {std::pair<const char*, std::vector<int64_t>*>{"supported_d_qk", &c->supported_d_qk},
-                                     {"small_head_counts", &c->small_head_counts}}) {
+                                     {"small_head_counts", &c->small_head_counts},
+                                     {"split_parts", &c->split_parts},
+                                     {"split_cluster_sms", &c->split_cluster_sms}}) {
     PyObject* sequence = GetSequence(constants, name);
     if (sequence == nullptr) return false;
     for (Py_ssize_t i = 0; i < PyTuple_GET_SIZE(sequence); ++i) {
@@ -923,7 +888,6 @@ bool Configure(PyObject* constants, Config* c) {
          GetInt(constants, "persistent_max_tiles_per_cta", &c->persistent_max_tiles_per_cta, 0) &&
          GetInt(constants, "small_head_max_tiles_per_cta", &c->small_head_max_tiles_per_cta, 1) &&
          GetInt(constants, "persistent_min_waves", &c->persistent_min_waves, 1) &&
-         GetInt(constants, "split_max_parts", &c->split_max_parts, 1) &&
          GetInt(constants, "split_min_slots", &c->split_min_slots, 1);
 }
 
@@ -1032,22 +996,6 @@ PyObject* RegisterVariant(PyObject* /*module*/, PyObject* const* args, Py_ssize_
   Py_RETURN_NONE;
 }
 
-// register_split_combine(handle): the kernel that merges a split launch's partial results (the TVM-FFI
-// function whose object handle is `handle`); referenced until replaced or reset.
-PyObject* RegisterSplitCombine(PyObject* /*module*/, PyObject* handle_object) {
-  void* handle = PyLong_AsVoidPtr(handle_object);
-  if (PyErr_Occurred()) return nullptr;
-  if (!registry.config.configured) {
-    PyErr_SetString(PyExc_ValueError, "register_split_combine: not configured");
-    return nullptr;
-  }
-  if (!IsFunctionHandle(handle, "register_split_combine")) return nullptr;
-  TVMFFIObjectIncRef(handle);
-  if (registry.split_combine != nullptr) TVMFFIObjectDecRef(registry.split_combine);
-  registry.split_combine = handle;
-  Py_RETURN_NONE;
-}
-
 #define Q8KV8_METHOD(name, function, flags, doc) \
   {name, reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(function)), flags, doc}
 
@@ -1068,7 +1016,6 @@ PyMethodDef methods[] = {
                  "register_device(device_type, device_id, sm_count)"),
     Q8KV8_METHOD("register_variant", RegisterVariant, METH_FASTCALL,
                  "register_variant(d_qk, precision, schedule_kind, handle, q_dtype, heads)"),
-    Q8KV8_METHOD("register_split_combine", RegisterSplitCombine, METH_O, "register_split_combine(handle)"),
     {nullptr, nullptr, 0, nullptr},
 };
 
