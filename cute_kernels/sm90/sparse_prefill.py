@@ -1327,13 +1327,36 @@ class SparsePrefillSm90(AttentionKernel):
         their ranges), into its KV tiles, where the thread of the same consumer and index reads them. Over
         the parts with a valid slot, in part order (the same bits on every run): L = max lse_p,
         t = sum exp(lse_p - L), out = sum exp(lse_p - L) / (t + exp(sink - L)) out_p,
-        lse = L + log t, max_logits = max max_logits_p; a row without a valid slot: out 0, -inf, +inf."""
+        lse = L + log t, max_logits = max max_logits_p; a row without a valid slot: out 0, -inf, +inf.
+
+        The exchange and the merge are compiled once per (splits, part), selected by one uniform branch:
+        with both known, the d tiles, senders and addresses are constants and the loops have no branches."""
         part = cute.arch.block_idx()[1]
         splits = cute.arch.grid_dim()[1]
+        for n in cutlass.range_constexpr(len(SPLIT_PARTS)):
+            if splits == SPLIT_PARTS[n]:
+                for p in cutlass.range_constexpr(SPLIT_PARTS[n]):
+                    if part == p:
+                        self.send_fragments(c, SPLIT_PARTS[n], p)
+        ptx.mbarrier_wait_cluster(c.mbar_merge_full.toint(), 0)  # every part's statistics and fragments
+        if c.index == 0:
+            if c.warp < B_H // 32:  # one thread per row: its parts' weights
+                self.merge_weights(c, c.warp * 32 + c.lane, rows, flags, mSink, mMaxLogits, mLse)
+        cute.arch.barrier(barrier_id=int(NamedBarrierFp8.WeightsReady), number_of_threads=CONSUMER_THREADS)
+        for n in cutlass.range_constexpr(len(SPLIT_PARTS)):
+            if splits == SPLIT_PARTS[n]:
+                for p in cutlass.range_constexpr(SPLIT_PARTS[n]):
+                    if part == p:
+                        self.merge_owned_tiles(c, rows, mOut, SPLIT_PARTS[n], p)
+
+    @cute.jit
+    def send_fragments(self, c: Consumer, splits: cutlass.Constexpr, part: cutlass.Constexpr):
+        """Split, part ``part`` of ``splits``: this thread's O^T fragments of the d tiles other parts own,
+        times the rows' output scales, to their owners (``st.async``, counted on their ``merge_full``)."""
         tiles_per_part = D_TILES_PER_CONSUMER // splits
-        for mt in cutlass.range_constexpr(D_TILES_PER_CONSUMER):  # the d tiles other parts own: to them
+        for mt in cutlass.range_constexpr(D_TILES_PER_CONSUMER):
             owner = mt // tiles_per_part
-            if owner != part:
+            if const_expr(owner != part):
                 for j in cutlass.range_constexpr(B_H // 8):
                     scales = (
                         c.s_out_scale[8 * j + 2 * c.quad_lane, c.index],
@@ -1345,11 +1368,12 @@ class SparsePrefillSm90(AttentionKernel):
                         owner,
                         [c.acc_o[mt][4 * j + k] * scales[k % 2] for k in range(4)],
                     )
-        ptx.mbarrier_wait_cluster(c.mbar_merge_full.toint(), 0)  # every part's statistics and fragments
-        if c.index == 0:
-            if c.warp < B_H // 32:  # one thread per row: its parts' weights
-                self.merge_weights(c, c.warp * 32 + c.lane, rows, flags, mSink, mMaxLogits, mLse)
-        cute.arch.barrier(barrier_id=int(NamedBarrierFp8.WeightsReady), number_of_threads=CONSUMER_THREADS)
+
+    @cute.jit
+    def merge_owned_tiles(self, c: Consumer, rows, mOut, splits: cutlass.Constexpr, part: cutlass.Constexpr):
+        """Split, part ``part`` of ``splits``: this thread's values of the d tiles the part owns, the parts'
+        fragments added with their weights (the weights table) in part order, stored as bf16 out."""
+        tiles_per_part = D_TILES_PER_CONSUMER // splits
         weights_base = c.sK_base + SPLIT_WEIGHTS_OFFSET
         out_base = mOut.iterator.toint()
         own_rows = rows.head_rows - 2 * c.quad_lane
@@ -1360,29 +1384,25 @@ class SparsePrefillSm90(AttentionKernel):
                 ptx.ld_shared_v4_f32(weights_base + (head + 1) * 16),
             )
             own_scales = (c.s_out_scale[head, c.index], c.s_out_scale[head + 1, c.index])
-            for mt in cutlass.range_constexpr(D_TILES_PER_CONSUMER):
-                if mt // tiles_per_part == part:
-                    merged = cute.make_rmem_tensor((4,), Float32)
-                    merged.fill(0.0)
-                    for p in cutlass.range_constexpr(max(SPLIT_PARTS)):
-                        if p < splits:
-                            values = cute.make_rmem_tensor((4,), Float32)
-                            if p == part:
-                                for k in cutlass.range_constexpr(4):
-                                    values[k] = c.acc_o[mt][4 * j + k] * own_scales[k % 2]
-                            else:
-                                received = ptx.ld_shared_v4_f32(
-                                    self.fragment_address(c, p, part, mt, tiles_per_part, j)
-                                )
-                                for k in cutlass.range_constexpr(4):
-                                    values[k] = received[k]
-                            for k in cutlass.range_constexpr(4):
-                                merged[k] += weights[k % 2][p] * values[k]
-                    d = (c.index * D_TILES_PER_CONSUMER + mt) * 64 + c.warp * 16 + 2 * c.quad_row
-                    for e in cutlass.range_constexpr(2):
-                        addr = out_base + (Int64(rows.q_row + head + e) * D_V + d) * 2
-                        store = Int32(8 * j + e < own_rows)
-                        ptx.st_global_u32(addr, ptx.pack_bf16x2(merged[e], merged[e + 2]), store)
+            for mt in cutlass.range_constexpr(part * tiles_per_part, (part + 1) * tiles_per_part):
+                received = [
+                    ptx.ld_shared_v4_f32(self.fragment_address(c, p, part, mt, tiles_per_part, j))
+                    for p in range(splits)
+                    if p != part
+                ]
+                merged = [Float32(0.0)] * 4
+                for p in cutlass.range_constexpr(splits):
+                    for k in cutlass.range_constexpr(4):
+                        if const_expr(p == part):
+                            value = c.acc_o[mt][4 * j + k] * own_scales[k % 2]
+                        else:
+                            value = received[p - int(p > part)][k]
+                        merged[k] = merged[k] + weights[k % 2][p] * value
+                d = (c.index * D_TILES_PER_CONSUMER + mt) * 64 + c.warp * 16 + 2 * c.quad_row
+                for e in cutlass.range_constexpr(2):
+                    addr = out_base + (Int64(rows.q_row + head + e) * D_V + d) * 2
+                    store = Int32(8 * j + e < own_rows)
+                    ptx.st_global_u32(addr, ptx.pack_bf16x2(merged[e], merged[e + 2]), store)
 
     @cute.jit
     def merge_weights(self, c: Consumer, row, rows, flags, mSink, mMaxLogits, mLse):
