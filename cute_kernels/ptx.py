@@ -470,3 +470,38 @@ def mbarrier_wait_cluster(mbar_addr, phase, *, loc=None, ip=None) -> None:
         "r,r",
         True,
     )
+
+
+@dsl_user_op
+def stamp_globaltimer(smem_addr, *, loc=None, ip=None) -> None:
+    """(Timing probe.) %globaltimer (ns) into the 8 bytes at shared address ``smem_addr``."""
+    inline_asm(
+        None,
+        [Int32(smem_addr).ir_value(loc=loc, ip=ip)],
+        "{ .reg .u64 t; mov.u64 t, %globaltimer; st.shared.u64 [$0], t; }",
+        "r",
+        True,
+    )
+
+
+@dsl_user_op
+def copy_u64_shared_to_global(smem_addr, gmem_addr, *, loc=None, ip=None) -> None:
+    inline_asm(
+        None,
+        [Int32(smem_addr).ir_value(loc=loc, ip=ip), Int64(gmem_addr).ir_value(loc=loc, ip=ip)],
+        "{ .reg .u64 t; ld.shared.u64 t, [$0]; st.global.u64 [$1], t; }",
+        "r,l",
+        True,
+    )
+
+
+@dsl_user_op
+def stamp_clock(smem_addr, *, loc=None, ip=None) -> None:
+    """(Timing probe.) %clock64 into the 8 bytes at shared address ``smem_addr``."""
+    inline_asm(
+        None,
+        [Int32(smem_addr).ir_value(loc=loc, ip=ip)],
+        "{ .reg .u64 t; mov.u64 t, %clock64; st.shared.u64 [$0], t; }",
+        "r",
+        True,
+    )

@@ -143,6 +143,7 @@ class Consumer(NamedTuple):
     mIdx: cute.Tensor
     s_kv: Int32
     scale_log2: object  # q_scale * kv_scale * sm_scale * log2(e); bf16 q: a pair, row r's with its own scale
+    stamp_base: object = None  # (timing probe) shared address of the stamps
     # Small heads only: smem [consumer, buffer, warp, head], the S^T blocks' maxima
     s_column_max: cute.Tensor = None
     s_head_sum: cute.Tensor = None  # small heads: smem [head, 4 consumer + warp], the warps' row sums
@@ -698,6 +699,7 @@ class SparsePrefillSm90(AttentionKernel):
             mbar_p_full=mbar_p_full,
             mbar_stats_full=handover[0],
             mbar_tile_done=handover[1],
+            stamp_base=q_row_scale.iterator.toint(),
             mbar_merge_full=merge_barriers[0],
             mbar_peers_free=merge_barriers[1],
             mIdx=mIdx,
@@ -709,6 +711,8 @@ class SparsePrefillSm90(AttentionKernel):
         )
 
         tile_barriers = (mbar_q, mbar_q_empty)
+        if const_expr(self.split):
+            self.stamp(c, 0)
         epilogue_args = (mSink, mKVScale, mOut, mMaxLogits, mLse, flags)
         q_source = (mQ, sQ.iterator.toint(), q_row_scale) if const_expr(self.q_bf16) else None
         if const_expr(self.persistent):
@@ -1235,7 +1239,10 @@ class SparsePrefillSm90(AttentionKernel):
         scale_flags = flags
         if const_expr(self.split):
             scale_flags = flags & ~SINK_FLAG  # a part's scales normalise over its range; the merge adds sinks
+            self.stamp(c, 2)
+            self.stamp(c, 3, consumer=1)
             self.open_merge(c)
+            self.stamp(c, 5)
         # O (both halves) is relative to the last block's max, m_final; both consumers waited for
         # the last block's p_full in their last step. The other consumer published its row
         # statistics after its last own softmax (``publish_row_stats``), usually while this one
@@ -1260,9 +1267,38 @@ class SparsePrefillSm90(AttentionKernel):
             barrier_id=int(NamedBarrierFp8.ScaleReady0) + c.index, number_of_threads=THREADS_PER_WG
         )
         if const_expr(self.split):
+            self.stamp(c, 6)
             self.merge_parts(c, rows, flags, mSink, mOut, mMaxLogits, mLse)
+            self.stamp(c, 10)
+            if c.index == 0:  # the stamps over this part's first owned d columns of head row 0
+                cute.arch.barrier(
+                    barrier_id=int(NamedBarrierFp8.ScaleReady0), number_of_threads=THREADS_PER_WG
+                )
+                if c.warp == 0:
+                    if c.lane < 22:
+                        part = cute.arch.block_idx()[1]
+                        col = part * (D_TILES_PER_CONSUMER // cute.arch.grid_dim()[1]) * 64
+                        row = Int64(rows.q_row + c.lane // 11)
+                        ptx.copy_u64_shared_to_global(
+                            c.stamp_base + c.lane * 8,
+                            mOut.iterator.toint() + (row * D_V + col) * 2 + (c.lane % 11) * 8,
+                        )
         else:
             self.store_out(c, rows, mOut)
+
+    @cute.jit
+    def clock(self, c: Consumer, slot):
+        if c.index == 0:
+            if c.warp == 0:
+                if c.lane == 0:
+                    ptx.stamp_clock(c.stamp_base + slot * 8)
+
+    @cute.jit
+    def stamp(self, c: Consumer, slot, consumer=0):
+        if c.index == consumer:
+            if c.warp == 0:
+                if c.lane == 0:
+                    ptx.stamp_globaltimer(c.stamp_base + slot * 8)
 
     @cute.jit
     def store_out(self, c: Consumer, rows, mOut):
@@ -1302,6 +1338,7 @@ class SparsePrefillSm90(AttentionKernel):
         producer), its KV tiles may receive the other parts' results: tell them (one arrival each on their
         ``peers_free``), expect their bytes on ``merge_full``, and wait until theirs are free too."""
         cute.arch.barrier(barrier_id=int(NamedBarrierFp8.RingFree), number_of_threads=NUM_THREADS)
+        self.stamp(c, 4)
         cute.arch.cluster_wait()  # every CTA of the cluster has initialised its barriers
         part = cute.arch.block_idx()[1]
         splits = cute.arch.grid_dim()[1]
@@ -1331,6 +1368,7 @@ class SparsePrefillSm90(AttentionKernel):
         part = cute.arch.block_idx()[1]
         splits = cute.arch.grid_dim()[1]
         tiles_per_part = D_TILES_PER_CONSUMER // splits
+        self.clock(c, 11)
         for mt in cutlass.range_constexpr(D_TILES_PER_CONSUMER):  # the d tiles other parts own: to them
             owner = mt // tiles_per_part
             if owner != part:
@@ -1345,11 +1383,16 @@ class SparsePrefillSm90(AttentionKernel):
                         owner,
                         [c.acc_o[mt][4 * j + k] * scales[k % 2] for k in range(4)],
                     )
+        self.stamp(c, 7)
+        self.clock(c, 12)
         ptx.mbarrier_wait_cluster(c.mbar_merge_full.toint(), 0)  # every part's statistics and fragments
+        self.stamp(c, 8)
         if c.index == 0:
             if c.warp < B_H // 32:  # one thread per row: its parts' weights
                 self.merge_weights(c, c.warp * 32 + c.lane, rows, flags, mSink, mMaxLogits, mLse)
         cute.arch.barrier(barrier_id=int(NamedBarrierFp8.WeightsReady), number_of_threads=CONSUMER_THREADS)
+        self.stamp(c, 9)
+        self.clock(c, 13)
         weights_base = c.sK_base + SPLIT_WEIGHTS_OFFSET
         out_base = mOut.iterator.toint()
         own_rows = rows.head_rows - 2 * c.quad_lane
@@ -1383,6 +1426,7 @@ class SparsePrefillSm90(AttentionKernel):
                         addr = out_base + (Int64(rows.q_row + head + e) * D_V + d) * 2
                         store = Int32(8 * j + e < own_rows)
                         ptx.st_global_u32(addr, ptx.pack_bf16x2(merged[e], merged[e + 2]), store)
+            self.clock(c, 14 + j)
 
     @cute.jit
     def merge_weights(self, c: Consumer, row, rows, flags, mSink, mMaxLogits, mLse):
