@@ -77,7 +77,7 @@ L2_LINE_BYTES = 128
 # owns d tiles mt // (D_TILES_PER_CONSUMER / splits) == p of both consumers; the others' fragments of them (a
 # d tile's 32 f32 per consumer thread: 16 KiB a consumer) and every part's row statistics land in its KV
 # tiles, free once its loop is done.
-FRAGMENT_BYTES = THREADS_PER_WG * 32 * 2  # one d tile of O^T of one consumer, in f16
+FRAGMENT_BYTES = THREADS_PER_WG * 32 * 4  # one d tile of O^T of one consumer
 SPLIT_STATS_OFFSET = 3 * 2 * FRAGMENT_BYTES  # the received fragments come first: at most 3 senders x 2 tiles
 SPLIT_STATS_BYTES = B_H * 8  # a part's (max_logits, lse) per row
 SPLIT_WEIGHTS_OFFSET = SPLIT_STATS_OFFSET + max(SPLIT_PARTS) * SPLIT_STATS_BYTES  # [row][part] merge weights
@@ -1260,7 +1260,7 @@ class SparsePrefillSm90(AttentionKernel):
             barrier_id=int(NamedBarrierFp8.ScaleReady0) + c.index, number_of_threads=THREADS_PER_WG
         )
         if const_expr(self.split):
-            self.merge_parts(c, rows, flags, mSink, mOut, mMaxLogits, mLse, kv_scale)
+            self.merge_parts(c, rows, flags, mSink, mOut, mMaxLogits, mLse)
         else:
             self.store_out(c, rows, mOut)
 
@@ -1318,7 +1318,7 @@ class SparsePrefillSm90(AttentionKernel):
         ptx.mbarrier_wait_cluster(c.mbar_peers_free.toint(), 0)
 
     @cute.jit
-    def merge_parts(self, c: Consumer, rows, flags, mSink, mOut, mMaxLogits, mLse, kv_scale):
+    def merge_parts(self, c: Consumer, rows, flags, mSink, mOut, mMaxLogits, mLse):
         """Split: the tile's result from its parts' (one per CTA of the cluster, ``splits`` of them).
 
         Each part has published its (max_logits, lse) per row, over its range and without the sink, to
@@ -1337,7 +1337,7 @@ class SparsePrefillSm90(AttentionKernel):
             if splits == SPLIT_PARTS[n]:
                 for p in cutlass.range_constexpr(SPLIT_PARTS[n]):
                     if part == p:
-                        self.send_fragments(c, SPLIT_PARTS[n], p, 1.0 / kv_scale)
+                        self.send_fragments(c, SPLIT_PARTS[n], p)
         ptx.mbarrier_wait_cluster(c.mbar_merge_full.toint(), 0)  # every part's statistics and fragments
         if c.index == 0:
             if c.warp < B_H // 32:  # one thread per row: its parts' weights
@@ -1347,10 +1347,10 @@ class SparsePrefillSm90(AttentionKernel):
             if splits == SPLIT_PARTS[n]:
                 for p in cutlass.range_constexpr(SPLIT_PARTS[n]):
                     if part == p:
-                        self.merge_owned_tiles(c, rows, mOut, SPLIT_PARTS[n], p, kv_scale)
+                        self.merge_owned_tiles(c, rows, mOut, SPLIT_PARTS[n], p)
 
     @cute.jit
-    def send_fragments(self, c: Consumer, splits: cutlass.Constexpr, part: cutlass.Constexpr, inv_kv_scale):
+    def send_fragments(self, c: Consumer, splits: cutlass.Constexpr, part: cutlass.Constexpr):
         """Split, part ``part`` of ``splits``: this thread's O^T fragments of the d tiles other parts own,
         times the rows' output scales, to their owners (``st.async``, counted on their ``merge_full``)."""
         tiles_per_part = D_TILES_PER_CONSUMER // splits
@@ -1359,22 +1359,18 @@ class SparsePrefillSm90(AttentionKernel):
             if const_expr(owner != part):
                 for j in cutlass.range_constexpr(B_H // 8):
                     scales = (
-                        c.s_out_scale[8 * j + 2 * c.quad_lane, c.index] * inv_kv_scale,
-                        c.s_out_scale[8 * j + 2 * c.quad_lane + 1, c.index] * inv_kv_scale,
+                        c.s_out_scale[8 * j + 2 * c.quad_lane, c.index],
+                        c.s_out_scale[8 * j + 2 * c.quad_lane + 1, c.index],
                     )
-                    v = [c.acc_o[mt][4 * j + k] * scales[k % 2] for k in range(4)]
-                    ptx.st_async_cluster_b32x2(
+                    ptx.st_async_cluster_f32(
                         self.fragment_address(c, part, owner, mt, tiles_per_part, j),
                         c.mbar_merge_full.toint(),
                         owner,
-                        ptx.pack_f16x2(v[0], v[1]),
-                        ptx.pack_f16x2(v[2], v[3]),
+                        [c.acc_o[mt][4 * j + k] * scales[k % 2] for k in range(4)],
                     )
 
     @cute.jit
-    def merge_owned_tiles(
-        self, c: Consumer, rows, mOut, splits: cutlass.Constexpr, part: cutlass.Constexpr, kv_scale
-    ):
+    def merge_owned_tiles(self, c: Consumer, rows, mOut, splits: cutlass.Constexpr, part: cutlass.Constexpr):
         """Split, part ``part`` of ``splits``: this thread's values of the d tiles the part owns, the parts'
         fragments added with their weights (the weights table) in part order, stored as bf16 out."""
         tiles_per_part = D_TILES_PER_CONSUMER // splits
@@ -1390,7 +1386,7 @@ class SparsePrefillSm90(AttentionKernel):
             own_scales = (c.s_out_scale[head, c.index], c.s_out_scale[head + 1, c.index])
             for mt in cutlass.range_constexpr(part * tiles_per_part, (part + 1) * tiles_per_part):
                 received = [
-                    ptx.ld_shared_f16x4_as_f32(self.fragment_address(c, p, part, mt, tiles_per_part, j))
+                    ptx.ld_shared_v4_f32(self.fragment_address(c, p, part, mt, tiles_per_part, j))
                     for p in range(splits)
                     if p != part
                 ]
@@ -1400,7 +1396,7 @@ class SparsePrefillSm90(AttentionKernel):
                         if const_expr(p == part):
                             value = c.acc_o[mt][4 * j + k] * own_scales[k % 2]
                         else:
-                            value = received[p - int(p > part)][k] * kv_scale
+                            value = received[p - int(p > part)][k]
                         merged[k] = merged[k] + weights[k % 2][p] * value
                 d = (c.index * D_TILES_PER_CONSUMER + mt) * 64 + c.warp * 16 + 2 * c.quad_row
                 for e in cutlass.range_constexpr(2):
@@ -1455,10 +1451,10 @@ class SparsePrefillSm90(AttentionKernel):
         """Split: where, in the KV tiles of part ``owner``, part ``sender`` stores (and the owner's thread of
         the same consumer and index reads) this thread's values 4j .. 4j + 3 of d tile ``mt``: slot
         (sender's index among the owner's senders, consumer, d tile among the owner's), then [j][thread] in
-        8-byte units, so that a warp's 8-byte accesses are contiguous."""
+        16-byte units, so that a warp's 16-byte accesses are contiguous."""
         sender_index = sender - Int32(sender > owner)
         slot = (sender_index * 2 + c.index) * tiles_per_part + mt - owner * tiles_per_part
-        return c.sK_base + ((slot * (B_H // 8) + j) * THREADS_PER_WG + c.warp * 32 + c.lane) * 8
+        return c.sK_base + ((slot * (B_H // 8) + j) * THREADS_PER_WG + c.warp * 32 + c.lane) * 16
 
     @cute.jit
     def row_scale(self, c: Consumer, rows, kv_scale, flags, mSink, mMaxLogits, mLse):
