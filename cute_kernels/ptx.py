@@ -206,19 +206,6 @@ def ld_global_nc_v4(gmem_addr, *, loc=None, ip=None):
 
 
 @dsl_user_op
-def ld_global_nc_v4_f32(gmem_addr, *, loc=None, ip=None):
-    """16-byte read-only global load: four f32."""
-    res = inline_asm(
-        llvm.StructType.get_literal([T.f32()] * 4),
-        [Int64(gmem_addr).ir_value(loc=loc, ip=ip)],
-        "ld.global.nc.v4.f32 {$0, $1, $2, $3}, [$4];",
-        "=f,=f,=f,=f,l",
-        True,
-    )
-    return tuple(Float32(llvm.extractvalue(T.f32(), res, [i], loc=loc, ip=ip)) for i in range(4))
-
-
-@dsl_user_op
 def ld_global_nc_v2(gmem_addr, *, loc=None, ip=None):
     """8-byte read-only global load: two 32-bit words."""
     res = inline_asm(
@@ -259,33 +246,6 @@ def st_global_v4(gmem_addr, w0, w1, w2, w3, *, loc=None, ip=None) -> None:
         "l,r,r,r,r",
         True,
     )
-
-
-@dsl_user_op
-def st_global_v2(gmem_addr, w0, w1, *, loc=None, ip=None) -> None:
-    """Store two 32-bit words at ``gmem_addr`` (8-byte aligned): ``w0`` first."""
-    inline_asm(
-        None,
-        [Int64(gmem_addr).ir_value(loc=loc, ip=ip)] + [Uint32(w).ir_value(loc=loc, ip=ip) for w in (w0, w1)],
-        "st.global.v2.b32 [$0], {$1, $2};",
-        "l,r,r",
-        True,
-    )
-
-
-@dsl_user_op
-def st_global_v2_f32(gmem_addr, x0, x1, store=None, *, loc=None, ip=None) -> None:
-    """Store two f32 at ``gmem_addr`` (8-byte aligned): ``x0`` first; with ``store`` (an Int32), only when it
-    is non-zero (a predicated store, no branch)."""
-    operands = [Int64(gmem_addr).ir_value(loc=loc, ip=ip)] + [
-        Float32(x).ir_value(loc=loc, ip=ip) for x in (x0, x1)
-    ]
-    if store is None:
-        inline_asm(None, operands, "st.global.v2.f32 [$0], {$1, $2};", "l,f,f", True)
-    else:
-        operands.append(Int32(store).ir_value(loc=loc, ip=ip))
-        predicated = "{ .reg .pred p; setp.ne.b32 p, $3, 0; @p st.global.v2.f32 [$0], {$1, $2}; }"
-        inline_asm(None, operands, predicated, "l,f,f,r", True)
 
 
 @dsl_user_op

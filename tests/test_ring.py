@@ -1,5 +1,6 @@
 """Ring positions (cute_kernels/sm90/ring.py), on CPU: a ring's buffer index and barrier phase follow the
-position as defined (``%`` and ``//``), also where a power-of-two ring computes the phase by a shift."""
+position as defined (``%`` and ``//``), also where a power-of-two ring computes the phase by a shift and,
+with ``index_by_mask``, the index by a mask."""
 
 import pytest
 

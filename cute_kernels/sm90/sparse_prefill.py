@@ -1331,23 +1331,25 @@ class SparsePrefillSm90(AttentionKernel):
 
         The exchange and the merge are compiled once per (splits, part), selected by one uniform branch:
         with both known, the d tiles, senders and addresses are constants and the loops have no branches."""
+        self.for_this_part(functools.partial(self.send_fragments, c))
+        ptx.mbarrier_wait_cluster(c.mbar_merge_full.toint(), 0)  # every part's statistics and fragments
+        if c.index == 0:
+            if c.warp < B_H // 32:  # one thread per row: its parts' weights
+                self.merge_weights(c, c.warp * 32 + c.lane, rows, flags, mSink, mMaxLogits, mLse)
+        cute.arch.barrier(barrier_id=int(NamedBarrierFp8.WeightsReady), number_of_threads=CONSUMER_THREADS)
+        self.for_this_part(functools.partial(self.merge_owned_tiles, c, rows, mOut))
+
+    @cute.jit
+    def for_this_part(self, body):
+        """Split: ``body(splits, part)`` with this CTA's part count and part as compile-time values, one
+        specialised copy per (splits, part) behind one uniform branch on the launch's values."""
         part = cute.arch.block_idx()[1]
         splits = cute.arch.grid_dim()[1]
         for n in cutlass.range_constexpr(len(SPLIT_PARTS)):
             if splits == SPLIT_PARTS[n]:
                 for p in cutlass.range_constexpr(SPLIT_PARTS[n]):
                     if part == p:
-                        self.send_fragments(c, SPLIT_PARTS[n], p)
-        ptx.mbarrier_wait_cluster(c.mbar_merge_full.toint(), 0)  # every part's statistics and fragments
-        if c.index == 0:
-            if c.warp < B_H // 32:  # one thread per row: its parts' weights
-                self.merge_weights(c, c.warp * 32 + c.lane, rows, flags, mSink, mMaxLogits, mLse)
-        cute.arch.barrier(barrier_id=int(NamedBarrierFp8.WeightsReady), number_of_threads=CONSUMER_THREADS)
-        for n in cutlass.range_constexpr(len(SPLIT_PARTS)):
-            if splits == SPLIT_PARTS[n]:
-                for p in cutlass.range_constexpr(SPLIT_PARTS[n]):
-                    if part == p:
-                        self.merge_owned_tiles(c, rows, mOut, SPLIT_PARTS[n], p)
+                        body(SPLIT_PARTS[n], p)
 
     @cute.jit
     def send_fragments(self, c: Consumer, splits: cutlass.Constexpr, part: cutlass.Constexpr):
