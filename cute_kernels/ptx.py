@@ -430,3 +430,43 @@ def mbarrier_wait_cluster(mbar_addr, phase, *, loc=None, ip=None) -> None:
         "r,r",
         True,
     )
+
+
+@dsl_user_op
+def st_async_cluster_b32x2(smem_addr, mbar_addr, cta_rank, w0, w1, *, loc=None, ip=None) -> None:
+    """``st.async`` of two 32-bit words to the shared address ``smem_addr`` of the cluster's CTA ``cta_rank``,
+    counted in bytes on that CTA's mbarrier at ``mbar_addr``."""
+    inline_asm(
+        None,
+        [
+            Int32(smem_addr).ir_value(loc=loc, ip=ip),
+            Int32(mbar_addr).ir_value(loc=loc, ip=ip),
+            Int32(cta_rank).ir_value(loc=loc, ip=ip),
+            Uint32(w0).ir_value(loc=loc, ip=ip),
+            Uint32(w1).ir_value(loc=loc, ip=ip),
+        ],
+        "{ .reg .b32 remote_data, remote_mbar;\n"
+        "mapa.shared::cluster.u32 remote_data, $0, $2;\n"
+        "mapa.shared::cluster.u32 remote_mbar, $1, $2;\n"
+        "st.async.shared::cluster.mbarrier::complete_tx::bytes.v2.b32"
+        " [remote_data], {$3, $4}, [remote_mbar];\n"
+        "}",
+        "r,r,r,r,r",
+        True,
+    )
+
+
+@dsl_user_op
+def ld_shared_f16x4_as_f32(smem_addr, *, loc=None, ip=None):
+    """8-byte shared load of four f16 (two words, lowest first), widened to four f32."""
+    res = inline_asm(
+        llvm.StructType.get_literal([T.f32()] * 4),
+        [Int32(smem_addr).ir_value(loc=loc, ip=ip)],
+        "{ .reg .b32 a, b; .reg .f16 h0, h1, h2, h3;\n"
+        "ld.shared.v2.b32 {a, b}, [$4];\n"
+        "mov.b32 {h0, h1}, a; mov.b32 {h2, h3}, b;\n"
+        "cvt.f32.f16 $0, h0; cvt.f32.f16 $1, h1; cvt.f32.f16 $2, h2; cvt.f32.f16 $3, h3; }",
+        "=f,=f,=f,=f,r",
+        True,
+    )
+    return tuple(Float32(llvm.extractvalue(T.f32(), res, [i], loc=loc, ip=ip)) for i in range(4))

@@ -75,9 +75,10 @@ TILE_ROW_GROUP_BYTES = B_TOPK * SW64_TILE_COLS  # one [64 rows x 64 B] swizzle c
 L2_LINE_BYTES = 128
 # Split: the parts of a tile run as one cluster and merge through shared memory (``merge_parts``). Part p
 # owns d tiles mt // (D_TILES_PER_CONSUMER / splits) == p of both consumers; the others' fragments of them (a
-# d tile's 32 f32 per consumer thread: 16 KiB a consumer) and every part's row statistics land in its KV
-# tiles, free once its loop is done.
-FRAGMENT_BYTES = THREADS_PER_WG * 32 * 4  # one d tile of O^T of one consumer
+# d tile's 32 values per consumer thread in f16: 8 KiB a consumer) and every part's row statistics land in
+# its KV tiles, free once its loop is done. A fragment is normalised over its part's range and divided by
+# kv_scale, so it stays within the e4m3 range of V (|x| <= 448): f16 keeps 11 bits, more than bf16 out.
+FRAGMENT_BYTES = THREADS_PER_WG * 32 * 2  # one d tile of O^T of one consumer, in f16
 SPLIT_STATS_OFFSET = 3 * 2 * FRAGMENT_BYTES  # the received fragments come first: at most 3 senders x 2 tiles
 SPLIT_STATS_BYTES = B_H * 8  # a part's (max_logits, lse) per row
 SPLIT_WEIGHTS_OFFSET = SPLIT_STATS_OFFSET + max(SPLIT_PARTS) * SPLIT_STATS_BYTES  # [row][part] merge weights
@@ -1260,7 +1261,7 @@ class SparsePrefillSm90(AttentionKernel):
             barrier_id=int(NamedBarrierFp8.ScaleReady0) + c.index, number_of_threads=THREADS_PER_WG
         )
         if const_expr(self.split):
-            self.merge_parts(c, rows, flags, mSink, mOut, mMaxLogits, mLse)
+            self.merge_parts(c, rows, flags, mSink, mOut, mMaxLogits, mLse, kv_scale)
         else:
             self.store_out(c, rows, mOut)
 
@@ -1318,26 +1319,27 @@ class SparsePrefillSm90(AttentionKernel):
         ptx.mbarrier_wait_cluster(c.mbar_peers_free.toint(), 0)
 
     @cute.jit
-    def merge_parts(self, c: Consumer, rows, flags, mSink, mOut, mMaxLogits, mLse):
+    def merge_parts(self, c: Consumer, rows, flags, mSink, mOut, mMaxLogits, mLse, kv_scale):
         """Split: the tile's result from its parts' (one per CTA of the cluster, ``splits`` of them).
 
         Each part has published its (max_logits, lse) per row, over its range and without the sink, to
         every part (``row_scale``). Part p owns d tiles mt with mt // (4 / splits) == p of both consumers:
         the other parts store their O^T fragments of them, times their output scales (normalised over
-        their ranges), into its KV tiles, where the thread of the same consumer and index reads them. Over
-        the parts with a valid slot, in part order (the same bits on every run): L = max lse_p,
-        t = sum exp(lse_p - L), out = sum exp(lse_p - L) / (t + exp(sink - L)) out_p,
+        their ranges) over kv_scale, in f16, into its KV tiles, where the thread of the same consumer and
+        index reads them. Over the parts with a valid slot, in part order (the same bits on every run):
+        L = max lse_p, t = sum exp(lse_p - L), out = sum exp(lse_p - L) / (t + exp(sink - L)) out_p,
         lse = L + log t, max_logits = max max_logits_p; a row without a valid slot: out 0, -inf, +inf.
 
         The exchange and the merge are compiled once per (splits, part), selected by one uniform branch:
         with both known, the d tiles, senders and addresses are constants and the loops have no branches."""
-        self.for_this_part(functools.partial(self.send_fragments, c))
+        inv_kv_scale = 1.0 / kv_scale
+        self.for_this_part(lambda splits, part: self.send_fragments(c, splits, part, inv_kv_scale))
         ptx.mbarrier_wait_cluster(c.mbar_merge_full.toint(), 0)  # every part's statistics and fragments
         if c.index == 0:
             if c.warp < B_H // 32:  # one thread per row: its parts' weights
                 self.merge_weights(c, c.warp * 32 + c.lane, rows, flags, mSink, mMaxLogits, mLse)
         cute.arch.barrier(barrier_id=int(NamedBarrierFp8.WeightsReady), number_of_threads=CONSUMER_THREADS)
-        self.for_this_part(functools.partial(self.merge_owned_tiles, c, rows, mOut))
+        self.for_this_part(lambda splits, part: self.merge_owned_tiles(c, rows, mOut, splits, part, kv_scale))
 
     @cute.jit
     def for_this_part(self, body):
@@ -1352,7 +1354,7 @@ class SparsePrefillSm90(AttentionKernel):
                         body(SPLIT_PARTS[n], p)
 
     @cute.jit
-    def send_fragments(self, c: Consumer, splits: cutlass.Constexpr, part: cutlass.Constexpr):
+    def send_fragments(self, c: Consumer, splits: cutlass.Constexpr, part: cutlass.Constexpr, inv_kv_scale):
         """Split, part ``part`` of ``splits``: this thread's O^T fragments of the d tiles other parts own,
         times the rows' output scales, to their owners (``st.async``, counted on their ``merge_full``)."""
         tiles_per_part = D_TILES_PER_CONSUMER // splits
@@ -1361,18 +1363,22 @@ class SparsePrefillSm90(AttentionKernel):
             if const_expr(owner != part):
                 for j in cutlass.range_constexpr(B_H // 8):
                     scales = (
-                        c.s_out_scale[8 * j + 2 * c.quad_lane, c.index],
-                        c.s_out_scale[8 * j + 2 * c.quad_lane + 1, c.index],
+                        c.s_out_scale[8 * j + 2 * c.quad_lane, c.index] * inv_kv_scale,
+                        c.s_out_scale[8 * j + 2 * c.quad_lane + 1, c.index] * inv_kv_scale,
                     )
-                    ptx.st_async_cluster_f32(
+                    v = [c.acc_o[mt][4 * j + k] * scales[k % 2] for k in range(4)]
+                    ptx.st_async_cluster_b32x2(
                         self.fragment_address(c, part, owner, mt, tiles_per_part, j),
                         c.mbar_merge_full.toint(),
                         owner,
-                        [c.acc_o[mt][4 * j + k] * scales[k % 2] for k in range(4)],
+                        ptx.pack_f16x2(v[0], v[1]),
+                        ptx.pack_f16x2(v[2], v[3]),
                     )
 
     @cute.jit
-    def merge_owned_tiles(self, c: Consumer, rows, mOut, splits: cutlass.Constexpr, part: cutlass.Constexpr):
+    def merge_owned_tiles(
+        self, c: Consumer, rows, mOut, splits: cutlass.Constexpr, part: cutlass.Constexpr, kv_scale
+    ):
         """Split, part ``part`` of ``splits``: this thread's values of the d tiles the part owns, the parts'
         fragments added with their weights (the weights table) in part order, stored as bf16 out."""
         tiles_per_part = D_TILES_PER_CONSUMER // splits
@@ -1388,7 +1394,7 @@ class SparsePrefillSm90(AttentionKernel):
             own_scales = (c.s_out_scale[head, c.index], c.s_out_scale[head + 1, c.index])
             for mt in cutlass.range_constexpr(part * tiles_per_part, (part + 1) * tiles_per_part):
                 received = [
-                    ptx.ld_shared_v4_f32(self.fragment_address(c, p, part, mt, tiles_per_part, j))
+                    ptx.ld_shared_f16x4_as_f32(self.fragment_address(c, p, part, mt, tiles_per_part, j))
                     for p in range(splits)
                     if p != part
                 ]
@@ -1398,7 +1404,7 @@ class SparsePrefillSm90(AttentionKernel):
                         if const_expr(p == part):
                             value = c.acc_o[mt][4 * j + k] * own_scales[k % 2]
                         else:
-                            value = received[p - int(p > part)][k]
+                            value = received[p - int(p > part)][k] * kv_scale
                         merged[k] = merged[k] + weights[k % 2][p] * value
                 d = (c.index * D_TILES_PER_CONSUMER + mt) * 64 + c.warp * 16 + 2 * c.quad_row
                 for e in cutlass.range_constexpr(2):
@@ -1453,10 +1459,10 @@ class SparsePrefillSm90(AttentionKernel):
         """Split: where, in the KV tiles of part ``owner``, part ``sender`` stores (and the owner's thread of
         the same consumer and index reads) this thread's values 4j .. 4j + 3 of d tile ``mt``: slot
         (sender's index among the owner's senders, consumer, d tile among the owner's), then [j][thread] in
-        16-byte units, so that a warp's 16-byte accesses are contiguous."""
+        8-byte units, so that a warp's 8-byte accesses are contiguous."""
         sender_index = sender - Int32(sender > owner)
         slot = (sender_index * 2 + c.index) * tiles_per_part + mt - owner * tiles_per_part
-        return c.sK_base + ((slot * (B_H // 8) + j) * THREADS_PER_WG + c.warp * 32 + c.lane) * 16
+        return c.sK_base + ((slot * (B_H // 8) + j) * THREADS_PER_WG + c.warp * 32 + c.lane) * 8
 
     @cute.jit
     def row_scale(self, c: Consumer, rows, kv_scale, flags, mSink, mMaxLogits, mLse):
