@@ -56,7 +56,8 @@ class Problem(NamedTuple):
     # row stride multiples of 16 bytes, out 4-byte aligned, topk_length and attn_sink contiguous), so the
     # launch may skip its own checks and copies (``kernels.launch_sparse_prefill(..., ready=True)``).
     launch_ready: bool = False
-    splits: int = 1  # one-tile schedule: the parts each tile is split into (``q8kv8.schedule.splits``)
+    splits: int = 1  # one-tile schedule: the parts each split tile is in (``q8kv8.schedule.split_tokens``)
+    split_from: int = 0  # with splits > 1: the first token split (0: all; else a split tail)
 
 
 _MEMO_ENTRIES = 256  # first-level keys (q's data pointers) before the memo is emptied
@@ -276,9 +277,9 @@ def _check_signatures(signatures: PrefillCall) -> Problem:
         devices[name] = signature[DEVICE]
     check_device(devices)
     device = q[DEVICE]
-    tiles, splits = 0, 1
+    chosen = schedule.Schedule(0)
     if device.type == "cuda" and s_q > 0 and s_kv > 0:
-        tiles, splits = schedule.choose(s_q, h_q, topk, topk_length is not None, precision, device.index)
+        chosen = schedule.choose(s_q, h_q, topk, topk_length is not None, precision, device.index)
     launch_ready = (
         q[DATA_PTR] % Q_ALIGNMENT_BYTES == 0
         and _is_contiguous(q[SHAPE], q[STRIDES])
@@ -288,7 +289,8 @@ def _check_signatures(signatures: PrefillCall) -> Problem:
         and (topk_length is None or _is_contiguous(topk_length[SHAPE], topk_length[STRIDES]))
         and (attn_sink is None or _is_contiguous(attn_sink[SHAPE], attn_sink[STRIDES]))
     )
-    return Problem(s_q, h_q, s_kv, d_qk, int(d_v), topk, device, tiles, launch_ready, splits)
+    tiles, splits, split_from = chosen
+    return Problem(s_q, h_q, s_kv, d_qk, int(d_v), topk, device, tiles, launch_ready, splits, split_from)
 
 
 def check_device(named_devices: Mapping[str, torch.device]) -> None:

@@ -52,7 +52,7 @@ def run(call: PrefillCall) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         q = q.contiguous()
         topk_length = None if topk_length is None else topk_length.contiguous()
         attn_sink = None if attn_sink is None else attn_sink.contiguous()
-    variant = kernels.launch_sparse_prefill(
+    launched = kernels.launch_sparse_prefill(
         q,
         call.kv,
         call.indices,
@@ -68,13 +68,14 @@ def run(call: PrefillCall) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         problem.tiles_per_cta,
         ready,
         problem.splits,
+        problem.split_from,
     )
     # The call's device (the contract checked): Tensor.is_cuda is the cheap test.
     if q.is_cuda:
-        kind = schedule.kind(problem.tiles_per_cta, problem.splits)
         heads = h_q if small_heads(h_q) else HEAD_ALIGNMENT
         device_index = problem.device.index
-        native.note_launch(device_index, problem.d_qk, call.precision, kind, variant, q.dtype, heads)
+        for kind, variant in launched:
+            native.note_launch(device_index, problem.d_qk, call.precision, kind, variant, q.dtype, heads)
     return out, max_logits, lse
 
 
@@ -95,20 +96,23 @@ def forced_tiles_per_cta(tiles: int):
     """Tests and experiments: every launch inside runs ``tiles`` tiles per CTA (0: the one-tile kernel, not
     split; k >= 1: the persistent one with k), through the Python path (the fast path, which applies the
     schedule's rules, is suspended meanwhile)."""
-    return _forced_schedule(tiles, 1)
+    return _forced_schedule(tiles, (1, 0))
 
 
-def forced_splits(parts: int):
+def forced_splits(parts: int, split_from: int = 0):
     """Tests and experiments: every launch inside that runs the one-tile schedule splits each tile into
-    ``parts`` (1: none; else one of ``schedule.SPLIT_PARTS``), through the Python path (the fast path is
-    suspended meanwhile)."""
+    ``parts`` (1: none; else one of ``schedule.SPLIT_PARTS``), of its tokens from ``split_from`` on (0:
+    all; else a split tail, the tokens before it one tile per CTA; less than every call's s_q), through the
+    Python path (the fast path is suspended meanwhile)."""
     if parts != 1 and parts not in schedule.SPLIT_PARTS:
         raise ValueError(f"parts: expected 1 or one of {schedule.SPLIT_PARTS}, got {parts}")
-    return _forced_schedule(schedule.forced, parts)
+    if split_from < 0:
+        raise ValueError(f"split_from: expected a token index >= 0, got {split_from}")
+    return _forced_schedule(schedule.forced, (parts, split_from if parts > 1 else 0))
 
 
 @contextlib.contextmanager
-def _forced_schedule(tiles: int | None, splits: int):
+def _forced_schedule(tiles: int | None, splits: tuple[int, int]):
     """``schedule.forced`` and ``schedule.forced_splits`` set while active, the fast path suspended."""
     previous = schedule.forced, schedule.forced_splits
     schedule.forced, schedule.forced_splits = tiles, splits

@@ -8,7 +8,7 @@ tensors (it launches on the caller's current CUDA stream):
   one-tile and persistent, all built when ``q8kv8`` is imported; the sink and ``topk_length`` are runtime
   flags. Its variants for a bfloat16 q (quantised per row in the kernel) are built on first use (or by
   ``load_bf16_q_variants()``), and so are its split variants (a short grid: each tile computed by a cluster
-  of 2 or 4 CTAs, ``q8kv8.schedule.splits``, which merge their results), and its small-head
+  of 2 or 4 CTAs, ``q8kv8.schedule.split_tokens``, which merge their results), and its small-head
   variants (8, 16 or 32 heads: S^T with the heads on the WGMMA's N side, a tile is a token's heads;
   persistent, ``q8kv8.schedule.small_head_tiles_per_cta`` tokens per CTA);
 - the paged-cache gather, the query cast and the bf16 attention kernel of the serving path, built on first
@@ -38,7 +38,14 @@ from q8kv8.metadata import (
     small_heads,
 )
 from q8kv8.metadata import SUPPORTED_D_QK as D_QK_VARIANTS
-from q8kv8.schedule import PERSISTENT_PRECISIONS, small_head_tiles_per_cta, tiles_per_cta
+from q8kv8.schedule import (
+    ONE_TILE,
+    PERSISTENT,
+    PERSISTENT_PRECISIONS,
+    SPLIT,
+    small_head_tiles_per_cta,
+    tiles_per_cta,
+)
 
 EXPORTED_FUNCTION = "sparse_prefill"
 
@@ -358,7 +365,8 @@ def launch_sparse_prefill(
     schedule: int | None = None,
     ready: bool = False,
     splits: int = 1,
-) -> Variant:
+    split_from: int = 0,
+) -> tuple[tuple[int, Variant], ...]:
     """Launch the kernel on validated tensors: q (e4m3 or bfloat16), out, max_logits, lse row-major with a
     head count (one of ``SMALL_HEAD_COUNTS``: the small-head variant, a persistent kernel; any other: tiles of
     64 heads, a token's last one partly filled); kv and indices with a contiguous last dimension; one-element
@@ -366,10 +374,11 @@ def launch_sparse_prefill(
     launch). ``schedule``: ``tiles_per_cta``'s (small heads: ``small_head_tiles_per_cta``'s) answer when the
     caller has it (the contract memoises it), else computed here. ``ready``: the caller knows that q, kv and
     out meet the alignments of ``q8kv8.metadata`` (``contract.Problem.launch_ready``), so they are not checked
-    again (else misaligned tensors are copied to aligned ones). ``splits`` > 1 (``q8kv8.schedule.splits``'s
-    answer, 2 or 4; only with the one-tile schedule): the split variant computes each tile with a cluster of
-    ``splits`` CTAs, one per range of index slots, which merge their results.
-    Returns the (attention) variant it launched."""
+    again (else misaligned tensors are copied to aligned ones). ``splits`` > 1 and ``split_from``
+    (``q8kv8.schedule.split_tokens``'s answer; only with the one-tile schedule): the split variant computes
+    each tile of the tokens from ``split_from`` on with a cluster of ``splits`` CTAs, one per range of index
+    slots, which merge their results; the tokens before it, if any, run one tile per CTA in a launch before.
+    Returns the launches' ``(schedule kind, variant)``, in order."""
     tiles = schedule
     small = small_heads(q.shape[1])
     if small:
@@ -387,16 +396,17 @@ def launch_sparse_prefill(
     key = (q.shape[2], precision)
     if small:
         small_key = (*key, q.shape[1], q.dtype)
-        variant = _small_head_variants.get(small_key) or load_small_head_variant(*small_key)
-    elif splits > 1:
-        variant = _split_variants.get((*key, q.dtype)) or load_split_variant(*key, q.dtype)
-    elif q.dtype == BF16_Q:
-        bf16_q_key = (*key, tiles > 0)
-        variant = _bf16_q_variants.get(bf16_q_key) or load_bf16_q_variant(*bf16_q_key)
+        launches = [(PERSISTENT, _small_head_variants.get(small_key) or load_small_head_variant(*small_key))]
     elif tiles:
-        variant = _persistent_variants.get(key) or load_persistent_variants()[key]
+        launches = [(PERSISTENT, _one_tile_or_persistent_variant(key, q.dtype, True))]
     else:
-        variant = _variants.get(key) or load_variants()[key]
+        launches = []
+        if splits == 1 or split_from > 0:
+            launches.append((ONE_TILE, _one_tile_or_persistent_variant(key, q.dtype, False)))
+        if splits > 1:
+            launches.append(
+                (SPLIT, _split_variants.get((*key, q.dtype)) or load_split_variant(*key, q.dtype))
+            )
     kernel_out = out
     if not ready:
         if q.data_ptr() % Q_ALIGNMENT_BYTES:  # the Q tile is loaded by TMA
@@ -412,26 +422,42 @@ def launch_sparse_prefill(
     no_topk_length, no_sink = placeholders(q_scale, kv_scale)
     sink = no_sink if attn_sink is None else attn_sink
     flags = (TOPK_LENGTH_FLAG if topk_length is not None else 0) | (SINK_FLAG if attn_sink is not None else 0)
-    _call_on_device_of(
-        q,
-        variant.function,
-        q,
-        kv,
-        indices,
-        no_topk_length if topk_length is None else topk_length,
-        sink,
-        q_scale,
-        kv_scale,
-        kernel_out,
-        max_logits,
-        lse,
-        sm_scale * LOG2_E,
-        flags,
-        splits if splits > 1 else tiles or 1,  # schedule_count
-    )
+    for kind, variant in launches:
+        rows = lambda t: t  # noqa: E731
+        if (
+            len(launches) > 1
+        ):  # a split tail: the one-tile launch's tokens before split_from, the split's after
+            rows = (lambda t: t[:split_from]) if kind == ONE_TILE else (lambda t: t[split_from:])
+        _call_on_device_of(
+            q,
+            variant.function,
+            rows(q),
+            kv,
+            rows(indices),
+            no_topk_length if topk_length is None else rows(topk_length),
+            sink,
+            q_scale,
+            kv_scale,
+            rows(kernel_out),
+            rows(max_logits),
+            rows(lse),
+            sm_scale * LOG2_E,
+            flags,
+            splits if kind == SPLIT else tiles or 1,  # schedule_count
+        )
     if kernel_out is not out:
         out.copy_(kernel_out)
-    return variant
+    return tuple(launches)
+
+
+def _one_tile_or_persistent_variant(key: tuple[int, str], q_dtype: torch.dtype, persistent: bool) -> Variant:
+    """The one-tile or persistent attention variant of ``key`` (d_qk, precision) for a q of ``q_dtype``."""
+    if q_dtype == BF16_Q:
+        bf16_q_key = (*key, persistent)
+        return _bf16_q_variants.get(bf16_q_key) or load_bf16_q_variant(*bf16_q_key)
+    if persistent:
+        return _persistent_variants.get(key) or load_persistent_variants()[key]
+    return _variants.get(key) or load_variants()[key]
 
 
 # ------------------------------------------------------------------------------------------------

@@ -78,6 +78,7 @@ def constants() -> dict:
         "split_parts": schedule.SPLIT_PARTS,
         "split_cluster_sms": schedule.SPLIT_CLUSTER_SMS,
         "split_min_slots": schedule.SPLIT_MIN_SLOTS,
+        "split_tail_min_topk": schedule.SPLIT_TAIL_MIN_TOPK,
         "error_kinds": error_kinds,
     }
 

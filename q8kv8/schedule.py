@@ -19,6 +19,12 @@ not be a multiple of 4: on the 132-SM H200 28 clusters of 4 ran at once and 32 d
 in 4 is counted as 5 SMs. The merge is in a fixed order, so results are the same bits on every run (not
 those of the one-tile kernel).
 
+A longer one-tile grid ends in a partial wave: its last tiles % SMs tiles. When those, rounded up to whole
+tokens, would be split by the rule above and topk >= ``SPLIT_TAIL_MIN_TOPK``, the call runs in two
+launches: the one-tile kernel on the tokens before them (whole waves), then the split kernel on theirs (the
+split tail: the partial wave in a fraction of a tile's time). ``split_from`` is the first token of the split
+launch: 0 when the whole grid is split.
+
 A call with 8, 16 or 32 heads (``q8kv8.metadata.small_heads``) runs the small-head kernel
 (``sparse_prefill.py``, ``heads=h_q``: a tile is one token's heads), always
 persistent: a tile gathers as many rows as a 64-head one for a fraction of its math, so the per-CTA fixed cost
@@ -29,6 +35,8 @@ keeps the fewest tokens in a row on an SM (waves of CTAs times tokens per CTA; t
 The contract computes the choice once per call signature (``contract.Problem.tiles_per_cta``, memoised
 with the rest of the verdict), so a repeated call pays nothing for it.
 """
+
+from typing import NamedTuple
 
 import torch
 
@@ -45,15 +53,16 @@ SMALL_HEAD_MAX_TILES_PER_CTA = 8
 SPLIT_MAX_PARTS = max(SPLIT_PARTS)
 SPLIT_MIN_SLOTS = 256  # index slots per range: two pairs of blocks
 SPLIT_CLUSTER_SMS = (2, 5)  # SMs counted for a tile split in SPLIT_PARTS[i] (see above)
+SPLIT_TAIL_MIN_TOPK = 1024  # the split tail's second launch pays for itself from here (docs/perf-notes.md)
 
 _sm_counts: dict[int, int] = {}  # multiprocessors per CUDA device index
 
 forced: int | None = None
 """Set by ``q8kv8.eager.forced_tiles_per_cta`` (tests, experiments): the answer of ``tiles_per_cta`` for
 every launch (0 the one-tile kernel, k >= 1 the persistent one with k tiles per CTA) instead of the rule's."""
-forced_splits: int | None = None
-"""Set by ``q8kv8.eager.forced_splits`` (tests, experiments): the answer of ``splits`` for every launch of
-the one-tile schedule (1: not split)."""
+forced_splits: tuple[int, int] | None = None
+"""Set by ``q8kv8.eager.forced_splits`` (tests, experiments): the answer ``(splits, split_from)`` of
+``split_tokens`` for every launch of the one-tile schedule (``(1, 0)``: not split)."""
 
 
 def sm_count(device_index: int) -> int:
@@ -88,32 +97,53 @@ def small_head_tiles_per_cta(s_q: int, device_index: int) -> int:
     return min(range(1, SMALL_HEAD_MAX_TILES_PER_CTA + 1), key=token_rounds)
 
 
-def kind(tiles_per_cta: int, splits: int) -> int:
-    """The schedule kind of a launch with ``tiles_per_cta`` and ``splits`` (the rules' answers)."""
-    return PERSISTENT if tiles_per_cta > 0 else SPLIT if splits > 1 else ONE_TILE
-
-
 def splits(num_tiles: int, topk: int, device_index: int) -> int:
     """The parts each tile of a one-tile launch of ``num_tiles`` tiles is split into on CUDA device
     ``device_index`` (1: not split)."""
     if forced_splits is not None:
-        return forced_splits
+        return forced_splits[0]
     sms, tiles = sm_count(device_index), max(num_tiles, 1)
     fitting = [p for p, need in zip(SPLIT_PARTS, SPLIT_CLUSTER_SMS, strict=True) if tiles * need <= sms]
     return max((p for p in fitting if p * SPLIT_MIN_SLOTS <= topk), default=1)
 
 
+def split_tokens(s_q: int, groups: int, topk: int, device_index: int) -> tuple[int, int]:
+    """``(splits, split_from)`` of a one-tile launch of ``s_q`` tokens of ``groups`` tiles each on CUDA device
+    ``device_index``: the tokens from ``split_from`` on run split in ``splits`` parts, those before it one
+    tile per CTA; ``(1, 0)``: nothing split. The split covers the last, partial wave (all of a grid shorter
+    than a wave) when ``splits`` splits it (see above)."""
+    if forced_splits is not None:
+        return forced_splits
+    tail_tokens = -(-(s_q * groups % sm_count(device_index)) // groups)
+    split_from = s_q - tail_tokens
+    if tail_tokens == 0 or (split_from > 0 and topk < SPLIT_TAIL_MIN_TOPK):
+        return 1, 0
+    parts = splits(tail_tokens * groups, topk, device_index)
+    return (parts, split_from) if parts > 1 else (1, 0)
+
+
+class Schedule(NamedTuple):
+    """A call's schedule (``choose``): tiles per CTA (0: one tile per CTA; small heads: tokens per CTA), and
+    for a one-tile launch the parts of its split tokens (1: none) and the first of them."""
+
+    tiles_per_cta: int
+    splits: int = 1
+    split_from: int = 0
+
+
 def choose(
     s_q: int, h_q: int, topk: int, has_topk_length: bool, precision: str, device_index: int
-) -> tuple[int, int]:
-    """``(tiles_per_cta, splits)`` of a call of ``s_q`` tokens, ``h_q`` heads (ceil(h_q / 64) tiles a token)
-    and ``topk`` slots on CUDA device ``device_index``: the small-head rule for small heads, else the
-    persistent rule first, the split rule for a one-tile launch."""
+) -> Schedule:
+    """The ``Schedule`` of a call of ``s_q`` tokens, ``h_q`` heads (ceil(h_q / 64) tiles a token) and
+    ``topk`` slots on CUDA device ``device_index``: the small-head rule for small heads, else the persistent
+    rule first, the split rule for a one-tile launch."""
     if small_heads(h_q):
-        return small_head_tiles_per_cta(s_q, device_index), 1
-    num_tiles = s_q * head_groups(h_q)
-    tiles = tiles_per_cta(num_tiles, topk, has_topk_length, precision, device_index)
-    return tiles, splits(num_tiles, topk, device_index) if tiles == 0 else 1
+        return Schedule(small_head_tiles_per_cta(s_q, device_index))
+    groups = head_groups(h_q)
+    tiles = tiles_per_cta(s_q * groups, topk, has_topk_length, precision, device_index)
+    if tiles:
+        return Schedule(tiles)
+    return Schedule(0, *split_tokens(s_q, groups, topk, device_index))
 
 
 def describe(
@@ -125,11 +155,12 @@ def describe(
     device_index: int = 0,
 ) -> str:
     """``choose``'s answer in words: "one tile per CTA", "small heads, k tokens per CTA", "persistent, k
-    tiles per CTA" or "split in n"."""
-    tiles, parts = choose(s_q, h_q, topk, has_topk_length, precision, device_index)
+    tiles per CTA", "split in n" or "one tile per CTA, t split in n" (a split tail of t tokens)."""
+    tiles, parts, split_from = choose(s_q, h_q, topk, has_topk_length, precision, device_index)
     if small_heads(h_q):
         return f"small heads, {tiles} token{'s' if tiles > 1 else ''} per CTA"
-    tiles, parts = choose(s_q, h_q, topk, has_topk_length, precision, device_index)
     if tiles:
         return f"persistent, {tiles} tiles per CTA"
-    return f"split in {parts}" if parts > 1 else "one tile per CTA"
+    if parts == 1:
+        return "one tile per CTA"
+    return f"one tile per CTA, {s_q - split_from} split in {parts}" if split_from else f"split in {parts}"

@@ -33,6 +33,7 @@ LAUNCH_PARAMETERS = (
     "schedule",
     "ready",
     "splits",
+    "split_from",
 )
 
 
@@ -50,7 +51,7 @@ def reference_launch(*args):
         assert launch["q_scale"].numel() == launch["kv_scale"].numel() == 1
     assert type(launch["sm_scale"]) is float
     assert launch["schedule"] == 0  # the contract's choice; CPU tensors: one tile per CTA
-    assert launch["splits"] == 1  # not split
+    assert launch["splits"] == 1 and launch["split_from"] == 0  # not split
     for name in ("q", "topk_length", "attn_sink", "out", "max_logits", "lse"):
         if launch[name] is not None:
             assert launch[name].is_contiguous(), name

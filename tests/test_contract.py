@@ -725,12 +725,12 @@ def test_small_heads_run_the_persistent_small_head_kernel(monkeypatch, h_q):
     # 4096 tokens: 32 in a row with 1, 2, 4 or 8 per CTA, 35 with 7 (5 waves of 586 CTAs); 200: 2 with 1 or 2.
     cases = ((4096, 512, 8), (8, 2048, 1), (1, 256, 1), (200, 2048, 2), (1000, 2048, 8), (10**6, 2048, 8))
     for s_q, topk, tiles in cases:
-        assert schedule.choose(s_q, h_q, topk, False, "default", 0) == (tiles, 1)
+        assert schedule.choose(s_q, h_q, topk, False, "default", 0) == (tiles, 1, 0)
         expected = "small heads, 1 token per CTA" if tiles == 1 else f"small heads, {tiles} tokens per CTA"
         assert schedule.describe(s_q, h_q, topk) == expected
-    assert schedule.choose(4096, 64, 512, False, "default", 0) == (4, 1)
-    assert schedule.choose(8, 64, 2048, False, "default", 0) == (0, 4)
-    assert schedule.choose(8, h_q + 4, 2048, False, "default", 0) == (0, 4)
+    assert schedule.choose(4096, 64, 512, False, "default", 0) == (4, 1, 0)
+    assert schedule.choose(8, 64, 2048, False, "default", 0) == (0, 4, 0)
+    assert schedule.choose(8, h_q + 4, 2048, False, "default", 0) == (0, 4, 0)
     assert small_heads(h_q) and not small_heads(h_q + 4) and not small_heads(64)
 
 

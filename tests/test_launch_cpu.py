@@ -57,6 +57,7 @@ def calls(monkeypatch) -> list[dict]:
     monkeypatch.setattr(kernels, "_variants", EveryKey(variant))
     monkeypatch.setattr(kernels, "_persistent_variants", EveryKey(variant))
     monkeypatch.setattr(kernels, "_bf16_q_variants", EveryKey(variant))
+    monkeypatch.setattr(kernels, "_split_variants", EveryKey(variant))
     monkeypatch.setattr(schedule, "_sm_counts", EveryKey(132))
     monkeypatch.setattr(kernels, "_gpu_count", 1)
     return recorded
@@ -82,7 +83,8 @@ def launch_args(**changes) -> dict:
 
 def test_absent_options_get_placeholders_and_flags_0(calls):
     args = launch_args()
-    assert kernels.launch_sparse_prefill(*args.values()) is kernels._variants.variant  # the variant launched
+    launched = kernels.launch_sparse_prefill(*args.values())
+    assert launched == ((schedule.ONE_TILE, kernels._variants.variant),)  # the variant launched
     [call] = calls
     assert call["flags"] == 0
     assert call["topk_length"].dtype == torch.int32 and call["topk_length"].shape == (1,)
@@ -90,6 +92,37 @@ def test_absent_options_get_placeholders_and_flags_0(calls):
     assert call["scale_log2"] == pytest.approx(0.125 * math.log2(math.e), rel=1e-15)
     for name in ("q", "kv", "indices", "q_scale", "kv_scale", "out", "max_logits", "lse"):
         assert call[name] is args[name], name  # aligned, valid tensors pass untouched (no copies)
+
+
+@pytest.mark.parametrize("with_topk_length", [False, True])
+@pytest.mark.parametrize("split_from", [0, 1, 2])
+def test_a_split_tail_launches_the_one_tile_variant_then_the_split_one_on_their_tokens(
+    calls, split_from, with_topk_length
+):
+    """splits 2 from token ``split_from``: the one-tile launch on the rows before it (schedule count 1), then
+    the split launch on the others (count 2), as views of the call's tensors (no copies); 0: one split launch
+    on all of them. kv, the scales and the placeholders are the call's."""
+    topk_length = torch.tensor([5, 6, 7], dtype=torch.int32) if with_topk_length else None
+    args = launch_args(topk_length=topk_length)
+    launched = kernels.launch_sparse_prefill(**args, schedule=0, splits=2, split_from=split_from)
+    variant = kernels._variants.variant
+    kinds = (schedule.ONE_TILE, schedule.SPLIT) if split_from else (schedule.SPLIT,)
+    assert launched == tuple((kind, variant) for kind in kinds)
+    token_ranges = [(0, split_from), (split_from, S_Q)] if split_from else [(0, S_Q)]
+    assert len(calls) == len(token_ranges)
+    for call, (first, end), count in zip(calls, token_ranges, (1, 2) if split_from else (2,), strict=True):
+        assert call["tiles_per_cta"] == count
+        per_token = ["q", "indices", "out", "max_logits", "lse"] + (
+            ["topk_length"] if with_topk_length else []
+        )
+        for name in per_token:
+            assert call[name].shape[0] == end - first, name
+            assert call[name].data_ptr() == args[name][first:].data_ptr(), name  # a view: no copy
+        for name in ("kv", "q_scale", "kv_scale"):
+            assert call[name] is args[name], name
+        assert call["flags"] == (kernels.TOPK_LENGTH_FLAG if with_topk_length else 0)
+        if not with_topk_length:
+            assert call["topk_length"].shape == (1,)  # the placeholder, whole
 
 
 def test_a_bf16_q_gets_kv_scale_in_q_scales_place(calls):
@@ -134,7 +167,10 @@ def test_a_bf16_q_launches_its_own_variant(monkeypatch, precision, tiles):
     monkeypatch.setattr(kernels, "_gpu_count", 1)
     args = launch_args(q=torch.zeros(S_Q, H, D_QK, dtype=torch.bfloat16), q_scale=None, precision=precision)
     for _ in range(2):
-        assert kernels.launch_sparse_prefill(**args, schedule=tiles) is variants[D_QK, precision, tiles > 0]
+        kind = schedule.PERSISTENT if tiles else schedule.ONE_TILE
+        assert kernels.launch_sparse_prefill(**args, schedule=tiles) == (
+            (kind, variants[D_QK, precision, tiles > 0]),
+        )
     assert loaded == [(D_QK, precision, tiles > 0)]  # built (or loaded) once
     assert launched == [(D_QK, precision, tiles > 0)] * 2
 

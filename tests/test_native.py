@@ -138,23 +138,23 @@ def normalized(arguments: tuple) -> list:
     return result
 
 
-def python_path_launch(fast, args: dict):
-    """What the Python path launches for ``args``: its schedule ``(tiles per CTA, splits)`` and its
-    ``(variant key, arguments)`` launch."""
+def python_path_launches(fast, args: dict):
+    """What the Python path launches for ``args``: its schedule ``(tiles per CTA, splits, split_from)`` and
+    its ``(variant key, arguments)`` launches (two for a split tail)."""
     problem = contract.check_inputs(PrefillCall(**args))
     assert problem.launch_ready
     # The schedule the contract gives a CUDA device (for CPU tensors it says 0), on the stand-in SM count.
-    tiles, splits = schedule.choose(
+    chosen = schedule.choose(
         problem.s_q, problem.h_q, problem.topk, args["topk_length"] is not None, args["precision"], 0
     )
     kernels.launch_sparse_prefill(
         args["q"], args["kv"], args["indices"], args["topk_length"], args["attn_sink"], args["q_scale"],
         args["kv_scale"], float(args["sm_scale"]), args["out"], args["max_logits"], args["lse"],
-        args["precision"], tiles, True, splits,
+        args["precision"], chosen.tiles_per_cta, True, chosen.splits, chosen.split_from,
     )  # fmt: skip
-    launch = fast.calls.pop(0)
-    assert not fast.calls
-    return (tiles, splits), launch
+    launches = list(fast.calls)
+    fast.calls.clear()
+    return tuple(chosen), launches
 
 
 @pytest.mark.parametrize("q_dtype", [FP8, BF16], ids=["e4m3", "bf16"])
@@ -177,6 +177,9 @@ def python_path_launch(fast, args: dict):
         (6, 16, 512, True, True),  # the small-head kernel: 3 tokens per CTA on 2 stand-in SMs
         (40, 8, 2048, False, True),  # 8 tokens per CTA
         (1, 32, 2048, True, False),  # one token: never split
+        (3, 64, 2048, True, True),  # 3 tiles on 2 stand-in SMs: the last token a split tail in 2
+        (7, 48, 1024, False, False),  # the same, from the split tail's smallest topk
+        (3, 64, 512, False, False),  # below it: one tile per CTA
     ],
 )
 def test_launches_what_the_python_path_launches(
@@ -184,7 +187,8 @@ def test_launches_what_the_python_path_launches(
 ):
     """Same variant, schedule and arguments (for a bfloat16 q: the bfloat16-q variant, with kv_scale in
     q_scale's place and, without topk_length, kv_scale's bytes as its placeholder; a split schedule: the
-    split variant, with the part count as its last argument)."""
+    split variant, with the part count as its last argument; a split tail: the one-tile variant on the tokens
+    before split_from, then the split variant on the others)."""
     args = with_buffers(
         make_inputs(
             s_q,
@@ -198,49 +202,59 @@ def test_launches_what_the_python_path_launches(
         )
     )
     args["precision"] = precision
-    expected_schedule, expected_launch = python_path_launch(fast, args)
-    expected_key, expected_arguments = expected_launch
-    split = expected_schedule[1] > 1
+    expected_schedule, expected_launches = python_path_launches(fast, args)
+    tiles, splits, split_from = expected_schedule
     small = h_q in SMALL_HEAD_COUNTS
-    assert split == (s_q == 1 and not small)
-    assert expected_arguments[-1] == (expected_schedule[1] if split else max(expected_schedule[0], 1))
-    if small:  # the small-head variant of the q dtype
-        assert expected_key == (d_qk, precision, h_q, str(q_dtype)) and expected_schedule[0] >= 1
-    else:
-        assert split or (len(expected_key) == 4) == (q_dtype == BF16)  # the bfloat16-q variant
-    if q_dtype == BF16:
-        kv_scale = (args["kv_scale"].data_ptr(), (1,), (1,))
-        assert expected_arguments[5][:3] == kv_scale  # in q_scale's place
-        assert with_topk_length or expected_arguments[3][:3] == kv_scale  # as int32: the placeholder
+    assert (splits > 1) == (not small and (s_q == 1 or (s_q % 2 == 1 and topk >= 1024)))
+    assert (split_from > 0) == (splits > 1 and s_q > 1)
+    token_ranges = [(0, split_from), (split_from, s_q)] if split_from else [(0, s_q)]
+    assert len(expected_launches) == len(token_ranges)
+    for (key, arguments), (first, end) in zip(expected_launches, token_ranges, strict=True):
+        split = splits > 1 and first == split_from
+        assert arguments[-1] == (splits if split else max(tiles, 1))
+        assert (key[2] == "split") == split
+        assert arguments[0][1][0] == end - first  # the launch's tokens
+        if small:  # the small-head variant of the q dtype
+            assert key == (d_qk, precision, h_q, str(q_dtype)) and tiles >= 1
+        else:
+            assert split or (len(key) == 4) == (q_dtype == BF16)  # the bfloat16-q variant
+        if q_dtype == BF16:
+            kv_scale = (args["kv_scale"].data_ptr(), (1,), (1,))
+            assert arguments[5][:3] == kv_scale  # in q_scale's place
+            assert with_topk_length or arguments[3][:3] == kv_scale  # as int32: the placeholder
     call = PrefillCall(**args)
     assert fast.extension.plan(call) == expected_schedule
     assert fast.extension.decline_reason(call) == ""
     buffers = args["out"], args["max_logits"], args["lse"]
     returned = fast.extension.launch(call)
     assert all(a is b for a, b in zip(returned, buffers, strict=True))
-    assert fast.calls == [expected_launch]
+    assert fast.calls == expected_launches
     fast.calls.clear()
-    # Allocating: the same launch on three new outputs, which the extension returns.
+    # Allocating: the same launches on three new outputs, which the extension returns.
     allocating = call._replace(out=None, max_logits=None, lse=None)
     assert fast.extension.plan(allocating) == expected_schedule
     out, max_logits, lse = fast.extension.launch(allocating)
     assert (out.shape, out.dtype, max_logits.shape, max_logits.dtype, lse.shape, lse.dtype) == (
         (s_q, h_q, D_V), torch.bfloat16, (s_q, h_q), torch.float32, (s_q, h_q), torch.float32,
     )  # fmt: skip
-    new_outputs = [(t.data_ptr(), tuple(t.shape), t.stride()) for t in (out, max_logits, lse)]
-    key, arguments = fast.calls.pop()
-    assert (key, arguments[:7], [a[:3] for a in arguments[7:10]], arguments[10:]) == (
-        expected_key, expected_arguments[:7], new_outputs, expected_arguments[10:],
-    )  # fmt: skip
-    assert [a[3] for a in arguments[7:10]] == [a[3] for a in expected_arguments[7:10]]  # dtypes
-    assert not fast.calls
+    assert len(fast.calls) == len(expected_launches)
+    for (key, arguments), (expected_key, expected_arguments), (first, end) in zip(
+        fast.calls, expected_launches, token_ranges, strict=True
+    ):
+        new_outputs = [
+            (t[first:end].data_ptr(), (end - first, *t.shape[1:]), t.stride()) for t in (out, max_logits, lse)
+        ]
+        assert (key, arguments[:7], [a[:3] for a in arguments[7:10]], arguments[10:]) == (
+            expected_key, expected_arguments[:7], new_outputs, expected_arguments[10:],
+        )  # fmt: skip
+        assert [a[3] for a in arguments[7:10]] == [a[3] for a in expected_arguments[7:10]]  # dtypes
 
 
 def test_schedule_is_the_python_rule_over_a_grid(fast, monkeypatch, generator):
-    """The extension's copies of ``schedule.tiles_per_cta``, ``schedule.splits`` and
+    """The extension's copies of ``schedule.tiles_per_cta``, ``schedule.split_tokens`` and
     ``schedule.small_head_tiles_per_cta`` (on the constants it was configured with) give the Python rules'
     answers over a grid of extents, head counts, SM counts, top-k, topk_length and precisions."""
-    compared = split = small = 0
+    compared = split = tail = small = 0
     for s_q, h_q, topk in itertools.product(
         (1, 2, 7, 8, 9, 16, 17, 40, 263), (8, 16, 32, 48, 64, 128, 192), (128, 512, 640, 2048)
     ):
@@ -254,16 +268,19 @@ def test_schedule_is_the_python_rule_over_a_grid(fast, monkeypatch, generator):
             fast.extension.register_device(KDL_CPU, 0, sm_count)
             monkeypatch.setattr(schedule, "_sm_counts", {0: sm_count})
             topk_length = torch.zeros(s_q, dtype=torch.int32) if with_topk_length else None
-            tiles, splits = schedule.choose(s_q, h_q, topk, with_topk_length, precision, 0)
+            tiles, splits, split_from = schedule.choose(s_q, h_q, topk, with_topk_length, precision, 0)
             assert fast.extension.plan(call._replace(topk_length=topk_length, precision=precision)) == (
                 tiles,
                 splits,
+                split_from,
             )
             compared += 1 if tiles else 0
             split += 1 if splits > 1 else 0
+            tail += 1 if split_from > 0 else 0
             small += 1 if tiles > 1 and h_q in SMALL_HEAD_COUNTS else 0
     assert compared > 100  # the grid reaches the persistent schedule, not only the one-tile kernel
     assert split > 20  # and the split one
+    assert tail > 20  # and split tails
     assert small > 100  # and small-head launches of several tokens per CTA
 
 
@@ -416,7 +433,7 @@ def test_declines_unregistered_devices_and_variants(fast, valid_args):
     native.register_variant(
         fast.extension, D_QK, "default", False, kernels._variants[D_QK, "default"].function
     )
-    assert fast.extension.plan(call) == (0, 1)
+    assert fast.extension.plan(call) == (0, 1, 0)
     assert fast.extension.plan(call._replace(precision="accurate")) == DECLINED
     bf16_q_call = call._replace(q=valid_args["q"].to(BF16), q_scale=None)
     assert fast.extension.plan(bf16_q_call) == DECLINED  # the bfloat16-q variant is another one
@@ -429,7 +446,7 @@ def test_declines_unregistered_devices_and_variants(fast, valid_args):
         kernels._bf16_q_variants[D_QK, "default", False].function,
         BF16,
     )
-    assert fast.extension.plan(bf16_q_call) == (0, 1)
+    assert fast.extension.plan(bf16_q_call) == (0, 1, 0)
     assert not fast.calls
 
 
@@ -581,41 +598,39 @@ def test_note_launch_registers_once_per_variant_and_again_after_disable(fast, mo
 
 def test_the_python_path_notes_its_gpu_launches(monkeypatch, fake_kernels, make_inputs):
     """``eager`` (not the kernels module) registers with the fast path, after a launch on a CUDA device whose
-    capability the contract checked: the variant the launch returned, for the schedule the contract chose."""
-    launched = types.SimpleNamespace(function=object())
-    fake_kernels(lambda *args: launched)
+    capability the contract checked: each ``(schedule kind, variant)`` the launch returned (a split tail's
+    two), with the call's q dtype and the heads of its tiles."""
+    one_tile, split = types.SimpleNamespace(function=object()), types.SimpleNamespace(function=object())
+    returned = []
+    fake_kernels(lambda *args: returned[-1])
     monkeypatch.setattr(native, "launch", None)
     args = make_inputs(S_Q, H_Q, S_KV, D_QK, TOPK)
     noted = []
     monkeypatch.setattr(native, "note_launch", lambda *args: noted.append(args))
     monkeypatch.setattr(contract, "check_device", lambda named_devices: None)
+    returned.append(((schedule.ONE_TILE, one_tile),))
     sparse_mla_q8kv8_prefill_fwd(**args)
     assert noted == []  # a CPU launch
     problem = contract.check_inputs(PrefillCall(**args))
-    monkeypatch.setattr(
-        eager, "check_inputs", lambda call: problem._replace(device=torch.device("cuda", 0), tiles_per_cta=2)
-    )
+    monkeypatch.setattr(eager, "check_inputs", lambda call: problem._replace(device=torch.device("cuda", 0)))
+    returned.append(((schedule.ONE_TILE, one_tile), (schedule.SPLIT, split)))
     sparse_mla_q8kv8_prefill_fwd(**{**args, "q": args["q"].as_subclass(CudaLooking)}, precision="accurate")
-    assert noted == [(0, D_QK, "accurate", schedule.PERSISTENT, launched, FP8, 64)]
+    assert noted == [
+        (0, D_QK, "accurate", schedule.ONE_TILE, one_tile, FP8, 64),
+        (0, D_QK, "accurate", schedule.SPLIT, split, FP8, 64),
+    ]
     bf16_q = args["q"].to(BF16).as_subclass(CudaLooking)
+    returned.append(((schedule.PERSISTENT, one_tile),))
     sparse_mla_q8kv8_prefill_fwd(**{**args, "q": bf16_q, "q_scale": None})
-    assert noted[1:] == [(0, D_QK, "default", schedule.PERSISTENT, launched, BF16, 64)]
-    # A split schedule: the split variant.
-    monkeypatch.setattr(
-        eager, "check_inputs", lambda call: problem._replace(device=torch.device("cuda", 0), splits=4)
-    )
-    sparse_mla_q8kv8_prefill_fwd(**{**args, "q": args["q"].as_subclass(CudaLooking)})
-    assert noted[2:] == [(0, D_QK, "default", schedule.SPLIT, launched, FP8, 64)]
+    assert noted[2:] == [(0, D_QK, "default", schedule.PERSISTENT, one_tile, BF16, 64)]
     # Small heads: the small-head variant, with its head count.
     small = make_inputs(S_Q, 16, S_KV, D_QK, TOPK)
     small_problem = contract.check_inputs(PrefillCall(**small))
     monkeypatch.setattr(
-        eager,
-        "check_inputs",
-        lambda call: small_problem._replace(device=torch.device("cuda", 0), tiles_per_cta=3),
+        eager, "check_inputs", lambda call: small_problem._replace(device=torch.device("cuda", 0))
     )
     sparse_mla_q8kv8_prefill_fwd(**{**small, "q": small["q"].as_subclass(CudaLooking)})
-    assert noted[3:] == [(0, D_QK, "default", schedule.PERSISTENT, launched, FP8, 16)]
+    assert noted[3:] == [(0, D_QK, "default", schedule.PERSISTENT, one_tile, FP8, 16)]
 
 
 class CudaLooking(torch.Tensor):

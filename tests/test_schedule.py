@@ -43,3 +43,37 @@ def test_split_parts_are_the_kernels_and_divide_its_d_tiles(monkeypatch):
     assert [schedule.splits(1, topk, 0) for topk in (256, 512, 768, 1024)] == [1, 2, 2, 4]
     with pytest.raises(ValueError, match="parts: expected 1 or one of"):
         eager.forced_splits(3)
+
+
+def test_the_last_partial_wave_is_split_after_whole_waves_of_one_tile(monkeypatch):
+    """A one-tile grid longer than a wave: the tokens of its last tiles % SMs tiles (rounded up to whole
+    tokens) are split when the one-wave rule splits them and topk >= SPLIT_TAIL_MIN_TOPK; a grid of at most
+    a wave is split whole (split_from 0) by the same rule."""
+    monkeypatch.setattr(schedule, "_sm_counts", {0: 132})
+    assert schedule.SPLIT_TAIL_MIN_TOPK == 1024
+    cases = {
+        (437, 1, 2048): (2, 396),  # 41 tiles left after 3 waves: 4 parts would need 205 SMs
+        (150, 1, 2048): (4, 132),  # 18 tiles: 90 SMs in 4 parts
+        (437, 1, 1024): (2, 396),
+        (437, 1, 512): (1, 0),  # below the tail's topk: not split
+        (64, 1, 2048): (2, 0),  # under a wave: all split
+        (64, 1, 512): (2, 0),
+        (132, 1, 2048): (1, 0),  # exactly a wave
+        (1024, 1, 2048): (1, 0),  # 100 tiles left: 200 SMs in 2 parts
+        (67, 2, 2048): (4, 66),  # 134 tiles: the last token's 2
+        (70, 2, 2048): (4, 66),  # 140 tiles: 8 left, 4 tokens
+        (100, 2, 2048): (1, 0),  # 68 tiles left
+    }
+    for (s_q, groups, topk), expected in cases.items():
+        assert schedule.split_tokens(s_q, groups, topk, 0) == expected, (s_q, groups, topk)
+    assert schedule.describe(437, 64, 2048) == "one tile per CTA, 41 split in 2"
+    assert schedule.describe(64, 64, 2048) == "split in 2"
+    assert schedule.describe(132, 64, 2048) == "one tile per CTA"
+    assert schedule.choose(437, 64, 2048, False, "default", 0) == (0, 2, 396)
+    assert schedule.choose(437, 64, 2048, True, "default", 0) == (0, 2, 396)  # not 4 waves: no persistent
+    with eager.forced_splits(2, 5):
+        assert schedule.split_tokens(437, 1, 2048, 0) == (2, 5)
+    with eager.forced_splits(1, 5):
+        assert schedule.split_tokens(437, 1, 2048, 0) == (1, 0)
+    with pytest.raises(ValueError, match="split_from: expected"):
+        eager.forced_splits(2, -1)

@@ -1,7 +1,8 @@
 """The split schedule (a short grid: each tile computed by a cluster of CTAs over ranges of its index slots,
 which merge their results) on an H100/H200 (``gpu`` marker): against the float64 reference with the one-tile
 kernel's tolerances (``test_kernel_gpu``), the no-valid-slot sentinels exact, the same bits on every run, the
-rule's choice, the C++ fast path and CUDA graphs."""
+rule's choice, the C++ fast path and CUDA graphs; and the split tail (a longer grid's last partial wave
+split after a one-tile launch of the other tokens)."""
 
 import math
 
@@ -34,6 +35,30 @@ def test_matches_reference_and_is_stable(make_inputs, q_dtype, precision, parts,
     assert_matches_float64_reference(first, inputs, precision)
 
 
+@Q_DTYPES
+@pytest.mark.parametrize("precision", ["default", "accurate"])
+@pytest.mark.parametrize("parts", schedule.SPLIT_PARTS)
+@pytest.mark.parametrize("split_from", [1, 5, 8])
+def test_split_tail_is_the_one_tile_rows_then_the_split_rows(
+    make_inputs, q_dtype, precision, parts, split_from
+):
+    """Split from token ``split_from`` of 9: the rows before it are the one-tile kernel's bits, the others
+    the whole split schedule's; all of them match the reference (sink, topk_length, invalid indices; two
+    tiles a token, the second partly filled)."""
+    inputs = make_inputs(
+        9, 100, 70000, 576, 1024, device="cuda", with_sink=True, with_topk_length=True, q_dtype=q_dtype
+    )
+    with eager.forced_splits(parts, split_from):
+        tail = [t.clone() for t in run_and_sync(inputs, precision=precision)]
+    with eager.forced_splits(1):
+        one_tile = [t.clone() for t in run_and_sync(inputs, precision=precision)]
+    with eager.forced_splits(parts):
+        split = run_and_sync(inputs, precision=precision)
+    for a, b, c in zip(tail, one_tile, split, strict=True):
+        assert torch.equal(a[:split_from], b[:split_from]) and torch.equal(a[split_from:], c[split_from:])
+    assert_matches_float64_reference(tail, inputs, precision)
+
+
 @pytest.mark.parametrize("parts", schedule.SPLIT_PARTS)
 def test_sentinels_sink_infinities_and_ranges_without_a_valid_slot(make_inputs, parts):
     """Rows with no valid slot hold the sentinels exactly; a sink of +inf zeroes out, -inf drops out; rows
@@ -60,6 +85,7 @@ def test_sentinels_sink_infinities_and_ranges_without_a_valid_slot(make_inputs, 
 
 def test_rule_splits_short_grids_only(make_inputs):
     """The rule's choice: a short grid is split (and gives the forced schedule's bits), a full one is not."""
+    assert schedule.split_tokens(1, 1, 2048, 0) == (4, 0)
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     assert schedule.splits(sms // 5, 2048, 0) == 4
     assert schedule.splits(sms // 4, 2048, 0) == 2  # clusters of 4 would not all fit at once
@@ -79,18 +105,25 @@ def test_rule_splits_short_grids_only(make_inputs):
 
 
 @Q_DTYPES
-def test_fast_path_and_cuda_graph_give_the_python_paths_bits(make_inputs, q_dtype):
-    """The rule splits this grid; the C++ fast path (registered by the first call) launches the split variant
-    with the Python path's results, on the current stream and inside a CUDA graph capture."""
+@pytest.mark.parametrize("tail", [False, True], ids=["whole", "tail"])
+def test_fast_path_and_cuda_graph_give_the_python_paths_bits(make_inputs, q_dtype, tail):
+    """The rule splits this grid (whole, or its last 3 tokens after a wave of one-tile CTAs); the C++ fast
+    path (registered by the first call) launches the same variants with the Python path's results, on the
+    current stream and inside a CUDA graph capture."""
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    s_q = sms + 3 if tail else 20
     inputs = make_inputs(
-        20, 64, 3000, 576, 2048, device="cuda", with_sink=True, with_topk_length=True, q_dtype=q_dtype
+        s_q, 64, 3000, 576, 2048, device="cuda", with_sink=True, with_topk_length=True, q_dtype=q_dtype
     )
     native.disable()  # the first call takes the Python path and registers device and variants again
     expected = [t.clone() for t in run_and_sync(inputs)]
     if native.load() is None:
         pytest.skip("the C++ fast path did not build")
     call_plan = native.load().plan(PrefillCall(**inputs, out=None, max_logits=None, lse=None))
-    assert call_plan[0] == 0 and call_plan[1] > 1, call_plan  # taken, split
+    assert call_plan == (0, 4, sms if tail else 0), call_plan  # taken, split
+    with eager.forced_splits(4, sms if tail else 0):
+        forced = run_and_sync(inputs)
+    assert all(torch.equal(a, b) for a, b in zip(forced, expected, strict=True))
     fast = run_and_sync(inputs)
     assert all(torch.equal(a, b) for a, b in zip(fast, expected, strict=True))
     buffers = [torch.full_like(t, math.nan) for t in expected]

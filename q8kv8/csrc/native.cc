@@ -42,7 +42,9 @@
 #include <cstdint>
 #include <exception>
 #include <string>
+#include <tuple>
 #include <typeinfo>
+#include <utility>
 #include <vector>
 
 namespace {
@@ -98,6 +100,7 @@ struct Config {
   std::vector<int64_t> split_parts;  // the split kernel's part counts, ascending
   std::vector<int64_t> split_cluster_sms;  // SMs counted for a tile split in split_parts[i]
   int64_t split_min_slots = 0;
+  int64_t split_tail_min_topk = 0;
   PyObject* error_kinds = nullptr;  // dict: TVM-FFI error kind -> Python exception type, owned
 };
 
@@ -215,8 +218,10 @@ struct Views {
 // What the checks decided.
 struct Plan {
   int64_t tiles = kDeclined;  // tiles per CTA (0: the one-tile kernel), or kDeclined
-  int64_t splits = 1;  // the one-tile kernel: parts per tile (> 1: the split variant, then the merge)
-  TVMFFIObjectHandle variant = nullptr;
+  int64_t splits = 1;  // the one-tile kernel: parts per split tile (> 1: the split variant)
+  int64_t split_from = 0;  // splits > 1: the first token split (> 0: the one-tile variant runs those before)
+  TVMFFIObjectHandle variant = nullptr;  // the first launch's
+  TVMFFIObjectHandle split_variant = nullptr;  // a split tail's (split_from > 0), launched second
   int64_t flags = 0;
   double logit_scale = 0.0;
   std::string declined;  // why, when declined
@@ -313,6 +318,15 @@ int64_t Splits(int64_t num_tiles, int64_t topk, int64_t sm_count) {
     if (tiles * c.split_cluster_sms[i] <= sm_count && p * c.split_min_slots <= topk) splits = p;
   }
   return splits;
+}
+
+// schedule.split_tokens: {splits, split_from}, the tokens from split_from on split (the last, partial wave).
+std::pair<int64_t, int64_t> SplitTokens(int64_t s_q, int64_t groups, int64_t topk, int64_t sm_count) {
+  const int64_t tail_tokens = (s_q * groups % sm_count + groups - 1) / groups;
+  const int64_t split_from = s_q - tail_tokens;
+  if (tail_tokens == 0 || (split_from > 0 && topk < registry.config.split_tail_min_topk)) return {1, 0};
+  const int64_t parts = Splits(tail_tokens * groups, topk, sm_count);
+  return parts > 1 ? std::pair<int64_t, int64_t>{parts, split_from} : std::pair<int64_t, int64_t>{1, 0};
 }
 
 // The registry's slot of a variant: [q dtype][d_qk][precision][schedule kind][heads], by index into the
@@ -446,24 +460,31 @@ Plan Check(const Views& v) {
 
   // schedule.choose: the small-head kernel (persistent, never split), else tiles of 64 heads.
   const size_t heads = HeadsSlot(h_q);
-  int64_t tiles = 0, splits = 1;
+  int64_t tiles = 0, splits = 1, split_from = 0;
   if (heads > 0) {
     tiles = SmallHeadTilesPerCta(s_q, device->sm_count);
   } else {
-    const int64_t num_tiles = s_q * ((h_q + c.head_alignment - 1) / c.head_alignment);
-    tiles = TilesPerCta(num_tiles, topk, v.has_topk_length, v.precision, device->sm_count);
-    splits = tiles == 0 ? Splits(num_tiles, topk, device->sm_count) : 1;
+    const int64_t groups = (h_q + c.head_alignment - 1) / c.head_alignment;
+    tiles = TilesPerCta(s_q * groups, topk, v.has_topk_length, v.precision, device->sm_count);
+    if (tiles == 0) std::tie(splits, split_from) = SplitTokens(s_q, groups, topk, device->sm_count);
   }
-  const size_t kind = tiles > 0 ? kPersistent : splits > 1 ? kSplit : kOneTile;
   const size_t d_qk_index = static_cast<size_t>(d_qk_found - c.supported_d_qk.begin());
-  TVMFFIObjectHandle variant = registry.variants[VariantIndex(q_dtype, d_qk_index, v.precision, kind, heads)];
-  if (variant == nullptr) {
+  auto variant_of = [&](size_t kind) {
+    return registry.variants[VariantIndex(q_dtype, d_qk_index, v.precision, kind, heads)];
+  };
+  // A split tail runs the one-tile variant first, then the split one.
+  const size_t kind = tiles > 0 ? kPersistent : splits > 1 && split_from == 0 ? kSplit : kOneTile;
+  TVMFFIObjectHandle variant = variant_of(kind);
+  TVMFFIObjectHandle split_variant = split_from > 0 ? variant_of(kSplit) : nullptr;
+  if (variant == nullptr || (split_from > 0 && split_variant == nullptr)) {
     return Declined("the kernel variant is not registered");
   }
   Plan plan;
   plan.tiles = tiles;
   plan.splits = splits;
+  plan.split_from = split_from;
   plan.variant = variant;
+  plan.split_variant = split_variant;
   plan.logit_scale = v.sm_scale * c.log2_e;
   plan.flags = (v.has_topk_length ? c.topk_length_flag : 0) | (v.has_sink ? c.sink_flag : 0);
   return plan;
@@ -629,10 +650,25 @@ int CallFunction(TVMFFIObjectHandle function, TVMFFIAny* args, int32_t num_args)
   return status;
 }
 
-// Calls the plan's variant with the Python path's arguments, on `stream` (set
-// as TVM-FFI's environment stream of q's device for the call when set_stream). Returns nullptr with a Python
-// exception set when the call raised, else Py_None (borrowed).
-PyObject* Run(const Views& v, const Plan& plan, bool set_stream, void* stream) {
+// Rows [first, first + count) of a tensor's first dimension: a view of `t` (same strides) with its own
+// shape, valid while `t`'s tensor is alive.
+struct RowsView {
+  DLTensor tensor;
+  int64_t shape[3];
+};
+
+void ViewRows(const DLTensor& t, int64_t first, int64_t count, RowsView* rows) {
+  rows->tensor = t;
+  std::copy(t.shape, t.shape + t.ndim, rows->shape);
+  rows->shape[0] = count;
+  rows->tensor.shape = rows->shape;
+  rows->tensor.data = static_cast<char*>(t.data) + first * Stride(t, 0) * ((t.dtype.bits + 7) / 8);
+}
+
+// Calls `variant` with the Python path's arguments on tokens [first, first + count) of the call
+// (kernels.launch_sparse_prefill), `schedule_count` its tiles per CTA or parts. Returns TVM-FFI's status.
+int CallVariant(const Views& v, const Plan& plan, TVMFFIObjectHandle variant, int64_t first, int64_t count,
+                int64_t schedule_count) {
   // A row-scaled q has no q_scale: the kernel does not read that argument, which gets kv_scale. An absent
   // topk_length / attn_sink is passed as a view of the call's own one-element scales (q_scale's bytes as
   // int32, or kv_scale's without a q_scale; kv_scale), never read (the flags say absent): nothing is
@@ -642,31 +678,63 @@ PyObject* Run(const Views& v, const Plan& plan, bool set_stream, void* stream) {
   DLTensor no_topk_length = q_scale;
   no_topk_length.dtype = {kDLInt, 32, 1};
   const DLTensor* sink = v.has_sink ? &v.attn_sink : &v.kv_scale;
+  const bool all = first == 0 && count == v.q.shape[0];
+  RowsView q, indices, topk_length, out, max_logits, lse;
+  const DLTensor* per_token[] = {&v.q, &v.indices, v.has_topk_length ? &v.topk_length : &no_topk_length,
+                                 &v.out, &v.max_logits, &v.lse};
+  if (!all) {  // a split tail's launch: its tokens' rows
+    RowsView* views[] = {&q, &indices, &topk_length, &out, &max_logits, &lse};
+    for (size_t i = 0; i < 6; ++i) {
+      if (per_token[i] == &no_topk_length) continue;
+      ViewRows(*per_token[i], first, count, views[i]);
+      per_token[i] = &views[i]->tensor;
+    }
+  }
   TVMFFIAny args[13] = {};
-  SetTensor(&args[0], &v.q);
+  SetTensor(&args[0], per_token[0]);
   SetTensor(&args[1], &v.kv);
-  SetTensor(&args[2], &v.indices);
-  SetTensor(&args[3], v.has_topk_length ? &v.topk_length : &no_topk_length);
+  SetTensor(&args[2], per_token[1]);
+  SetTensor(&args[3], per_token[2]);
   SetTensor(&args[4], sink);
   SetTensor(&args[5], &q_scale);
   SetTensor(&args[6], &v.kv_scale);
-  SetTensor(&args[7], &v.out);
-  SetTensor(&args[8], &v.max_logits);
-  SetTensor(&args[9], &v.lse);
+  SetTensor(&args[7], per_token[3]);
+  SetTensor(&args[8], per_token[4]);
+  SetTensor(&args[9], per_token[5]);
   args[10].type_index = kTVMFFIFloat;
   args[10].v_float64 = plan.logit_scale;
   args[11].type_index = kTVMFFIInt;
   args[11].v_int64 = plan.flags;
   args[12].type_index = kTVMFFIInt;
-  args[12].v_int64 = plan.tiles == 0 ? plan.splits : plan.tiles;  // schedule_count: tiles per CTA, or parts
+  args[12].v_int64 = schedule_count;
+  return CallFunction(variant, args, 13);
+}
 
+// Launches the plan's variants (a split tail: the one-tile one on the tokens before split_from, then the
+// split one on the others), on `stream` (set as TVM-FFI's environment stream of q's device for the call
+// when set_stream). Returns nullptr with a Python exception set when a launch raised, else Py_None
+// (borrowed).
+PyObject* Run(const Views& v, const Plan& plan, bool set_stream, void* stream) {
   const DLDevice device = v.q.device;
   TVMFFIStreamHandle previous = nullptr;
   if (set_stream && TVMFFIEnvSetStream(device.device_type, device.device_id, stream, &previous) != 0) {
     return RaiseFfiError();
   }
-  // Held for the call: Python code under it (a Python-defined variant) may let another thread reset().
-  int status = CallFunction(plan.variant, args, 13);
+  const int64_t s_q = v.q.shape[0];
+  int status = 0;
+  if (plan.split_from > 0) {
+    // Held across both launches: Python code under the first (a Python-defined variant) may let another
+    // thread reset().
+    TVMFFIObjectIncRef(plan.split_variant);
+    status = CallVariant(v, plan, plan.variant, 0, plan.split_from, 1);
+    if (status == 0) {
+      status = CallVariant(v, plan, plan.split_variant, plan.split_from, s_q - plan.split_from, plan.splits);
+    }
+    TVMFFIObjectDecRef(plan.split_variant);
+  } else {
+    // schedule_count: tiles per CTA, or parts
+    status = CallVariant(v, plan, plan.variant, 0, s_q, plan.tiles == 0 ? plan.splits : plan.tiles);
+  }
   PyObject* raised = status == 0 ? Py_None : RaiseFfiError();
   if (set_stream && TVMFFIEnvSetStream(device.device_type, device.device_id, previous, nullptr) != 0) {
     if (raised != nullptr) return RaiseFfiError();
@@ -725,7 +793,8 @@ PyObject* PlanCall(PyObject* /*module*/, PyObject* call) {
   Views v;
   const Plan plan = Inspect(call, &v);
   if (plan.tiles == kDeclined) return PyLong_FromLongLong(kDeclined);
-  return Py_BuildValue("(LL)", static_cast<long long>(plan.tiles), static_cast<long long>(plan.splits));
+  return Py_BuildValue("(LLL)", static_cast<long long>(plan.tiles), static_cast<long long>(plan.splits),
+                       static_cast<long long>(plan.split_from));
 }
 
 PyObject* DeclineReason(PyObject* /*module*/, PyObject* call) {
@@ -888,7 +957,8 @@ bool Configure(PyObject* constants, Config* c) {
          GetInt(constants, "persistent_max_tiles_per_cta", &c->persistent_max_tiles_per_cta, 0) &&
          GetInt(constants, "small_head_max_tiles_per_cta", &c->small_head_max_tiles_per_cta, 1) &&
          GetInt(constants, "persistent_min_waves", &c->persistent_min_waves, 1) &&
-         GetInt(constants, "split_min_slots", &c->split_min_slots, 1);
+         GetInt(constants, "split_min_slots", &c->split_min_slots, 1) &&
+         GetInt(constants, "split_tail_min_topk", &c->split_tail_min_topk, 0);
 }
 
 // configure(constants): forgets every device and variant, and takes the constants the checks read.
@@ -1003,8 +1073,8 @@ PyMethodDef methods[] = {
     Q8KV8_METHOD("launch", Launch, METH_O,
                  "launch(call) -> (out, max_logits, lse), or None when the call is left to the Python path"),
     Q8KV8_METHOD("plan", PlanCall, METH_O,
-                 "plan(call) -> (tiles per CTA, splits) launch(call) would run (tiles 0: one-tile kernel, "
-                 "split into `splits` parts when > 1), or -1 (declined)"),
+                 "plan(call) -> (tiles per CTA, splits, split_from) launch(call) would run (tiles 0: one-tile "
+                 "kernel, its tokens from split_from on split into `splits` parts when > 1), or -1 (declined)"),
     Q8KV8_METHOD("decline_reason", DeclineReason, METH_O,
                  "decline_reason(call) -> why launch(call) declines, '' when it does not"),
     Q8KV8_METHOD("allocate", Allocate, METH_FASTCALL,

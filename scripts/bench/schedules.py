@@ -41,7 +41,7 @@ def run(rep: int, full_rows: dict[int, float]) -> dict:
             full[h_q] = _time(FULL_S_Q, h_q, rep)[0]
     full_tflops = {h: _tflops(FULL_S_Q, h, ms) for h, ms in full.items()}
     print(f"\nshort chunks (s_kv {S_KV}, d_qk {D_QK}, topk {TOPK}): share of the s_q {FULL_S_Q} TF/s")
-    columns = f"{'h_q':>4s} {'s_q':>5s} {'schedule':>29s} | {'ms':>8s} {'TF/s':>6s} {'share':>6s} |"
+    columns = f"{'h_q':>4s} {'s_q':>5s} {'schedule':>32s} | {'ms':>8s} {'TF/s':>6s} {'share':>6s} |"
     print(f"{columns} {'one-tile':>8s} {'x':>5s}")
     chunks = []
     for h_q in CHUNK_HEADS:
@@ -50,8 +50,8 @@ def run(rep: int, full_rows: dict[int, float]) -> dict:
             ms, tflops = _time(s_q, h_q, rep)
             row = {"h_q": h_q, "s_q": s_q, "schedule": chosen, "ms": ms, "tflops": tflops}
             row["share"] = tflops / full_tflops[h_q]
-            line = f"{h_q:4d} {s_q:5d} {chosen:>29s} | {ms:8.4f} {tflops:6.0f} {row['share']:6.0%} |"
-            if chosen.startswith("split"):
+            line = f"{h_q:4d} {s_q:5d} {chosen:>32s} | {ms:8.4f} {tflops:6.0f} {row['share']:6.0%} |"
+            if "split" in chosen:  # split, or a split tail: against the one-tile kernel
                 with eager.forced_splits(1):
                     row["one_tile_ms"] = _time(s_q, h_q, rep)[0]
                 line += f" {row['one_tile_ms']:8.4f} {row['one_tile_ms'] / ms:5.2f}"
@@ -59,7 +59,7 @@ def run(rep: int, full_rows: dict[int, float]) -> dict:
             print(line, flush=True)
     shape = f"s_q {FULL_S_Q}, s_kv {S_KV}, d_qk {D_QK}, topk {TOPK}"
     print(f"\nhead counts ({shape}): time relative to h_q 64 (96: 128)")
-    print(f"{'h_q':>4s} {'schedule':>29s} | {'ms':>8s} {'TF/s':>6s} {'x':>5s}")
+    print(f"{'h_q':>4s} {'schedule':>32s} | {'ms':>8s} {'TF/s':>6s} {'x':>5s}")
     heads = []
     for h_q in HEADS:
         ms, tflops = _time(FULL_S_Q, h_q, rep)
@@ -67,5 +67,5 @@ def run(rep: int, full_rows: dict[int, float]) -> dict:
         row = {"h_q": h_q, "schedule": schedule.describe(FULL_S_Q, h_q, TOPK), "ms": ms, "tflops": tflops}
         row["vs_full"] = ms / base
         heads.append(row)
-        print(f"{h_q:4d} {row['schedule']:>29s} | {ms:8.3f} {tflops:6.0f} {row['vs_full']:5.2f}", flush=True)
+        print(f"{h_q:4d} {row['schedule']:>32s} | {ms:8.3f} {tflops:6.0f} {row['vs_full']:5.2f}", flush=True)
     return {"full_ms": full, "chunks": chunks, "heads": heads}

@@ -8,7 +8,8 @@ Small enough to run under ``compute-sanitizer`` (memcheck, racecheck):
 K = 4 one CTA walks all four tiles, among them one with no valid slot and one with topk_length 0.
 ``--q-dtype bf16`` passes q in bfloat16 (``q_scale=None``: the kernel quantises each row). ``--splits N``
 forces the split schedule (N parts per tile, 2 or 4, merged in the cluster; with N = 2 the second range holds
-no valid slot of two rows). ``--heads N`` runs N heads (8, 16, 32: the small-head kernel; a count that 64
+no valid slot of two rows); with ``--split-from T`` only the tokens from T on (a split tail: the others in a
+one-tile launch before). ``--heads N`` runs N heads (8, 16, 32: the small-head kernel; a count that 64
 does not divide, 48 or 100 say: each token's last tile of 64 rows partly filled).
 """
 
@@ -32,6 +33,7 @@ def main() -> int:
     parser.add_argument("--precision", default="default", choices=("default", "accurate"))
     parser.add_argument("--q-dtype", default="e4m3", choices=("e4m3", "bf16"))
     parser.add_argument("--splits", type=int, default=None, help="force the split schedule's parts per tile")
+    parser.add_argument("--split-from", type=int, default=0, help="with --splits: the first token split")
     parser.add_argument("--heads", type=int, default=64, help="heads (8, 16, 32: small-head kernel)")
     parser.add_argument("--topk-length", default="256,100,0,200", help="the four rows' topk_length")
     args = parser.parse_args()
@@ -58,7 +60,7 @@ def main() -> int:
     if args.tiles_per_cta is not None:
         schedule = eager.forced_tiles_per_cta(args.tiles_per_cta)
     elif args.splits is not None:
-        schedule = eager.forced_splits(args.splits)
+        schedule = eager.forced_splits(args.splits, args.split_from)
     with schedule:
         out, max_logits, lse = sparse_mla_q8kv8_prefill_fwd(**inputs, precision=args.precision)
     torch.cuda.synchronize()
