@@ -125,11 +125,14 @@ def test_split_and_bf16_q_variants_fit_in_registers(d_qk, precision, q_dtype):
 def test_split_ptx_runs_the_one_tile_math_and_merges_in_the_cluster(variants, d_qk, precision):
     """The split variant runs the one-tile kernel's WGMMAs, Q TMA and row copies; its parts exchange their
     results through the cluster's shared memory (``st.async`` counted on the receiver's mbarrier, after a
-    release-arrival that its KV tiles are free) and it writes bf16 out, no float32 partial results."""
+    release-arrival that its KV tiles are free: the O^T fragments as pairs of f16x2 words, the row statistics
+    as float32 pairs) and it writes bf16 out, no float32 partial results."""
     one_tile = variants[d_qk, precision].ptx_path.read_text()
     split = kernels.load_split_variant(d_qk, precision).ptx_path.read_text()
     assert_same_math_instructions(split, one_tile)
-    assert "st.async.shared::cluster.mbarrier::complete_tx::bytes.v4.f32" in split
+    st_async = r"st\.async\.shared::cluster\.mbarrier::complete_tx::bytes\.(\w+\.\w+)"
+    exchanged = set(re.findall(st_async, split))
+    assert exchanged == {"v2.b32", "v2.f32"}, exchanged
     assert "mbarrier.arrive.release.cluster.shared::cluster.b64" in split
     assert "barrier.cluster.wait" in split
     assert "st.global.v2.f32" not in split and "cvt.rn.bf16x2.f32" in split
