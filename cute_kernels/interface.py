@@ -32,3 +32,10 @@ TOPK_LENGTH_FLAG = 1
 
 SINK_FLAG = 2
 """Bit of the flags argument: ``attn_sink`` is given (else a placeholder that is not read)."""
+
+SPLIT_TAIL_FLAG = 4
+"""Bit of the flags argument: the launch is one of a split tail's two (the one-tile launch of the tokens
+before it, then the split launch of its own), which overlap: the first lets its dependent launch start at
+once (``griddepcontrol.launch_dependents``), the second is a programmatic dependent launch that reads only
+what the first does not write and waits for the first's end before its own (``griddepcontrol.wait``), so
+that whatever follows on the stream sees both complete."""

@@ -33,6 +33,7 @@ from q8kv8.metadata import (
     Q_ALIGNMENT_BYTES,
     SINK_FLAG,
     SMALL_HEAD_COUNTS,
+    SPLIT_TAIL_FLAG,
     TOPK_LENGTH_FLAG,
     head_groups,
     small_heads,
@@ -422,6 +423,8 @@ def launch_sparse_prefill(
     no_topk_length, no_sink = placeholders(q_scale, kv_scale)
     sink = no_sink if attn_sink is None else attn_sink
     flags = (TOPK_LENGTH_FLAG if topk_length is not None else 0) | (SINK_FLAG if attn_sink is not None else 0)
+    if len(launches) > 1:
+        flags |= SPLIT_TAIL_FLAG  # the two launches overlap
     for kind, variant in launches:
         rows = lambda t: t  # noqa: E731
         if (

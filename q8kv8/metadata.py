@@ -11,6 +11,7 @@ from cute_kernels.interface import LOG2_E as LOG2_E
 from cute_kernels.interface import SINK_FLAG as SINK_FLAG
 from cute_kernels.interface import SMALL_HEAD_COUNTS as SMALL_HEAD_COUNTS
 from cute_kernels.interface import SPLIT_PARTS as SPLIT_PARTS
+from cute_kernels.interface import SPLIT_TAIL_FLAG as SPLIT_TAIL_FLAG
 from cute_kernels.interface import SUPPORTED_D_QK as SUPPORTED_D_QK
 from cute_kernels.interface import TOPK_ALIGNMENT as TOPK_ALIGNMENT
 from cute_kernels.interface import TOPK_LENGTH_FLAG as TOPK_LENGTH_FLAG

@@ -71,6 +71,7 @@ def constants() -> dict:
         "log2_e": metadata.LOG2_E,
         "topk_length_flag": metadata.TOPK_LENGTH_FLAG,
         "sink_flag": metadata.SINK_FLAG,
+        "split_tail_flag": metadata.SPLIT_TAIL_FLAG,
         "persistent_max_topk": schedule.PERSISTENT_MAX_TOPK,
         "persistent_max_tiles_per_cta": schedule.PERSISTENT_MAX_TILES_PER_CTA,
         "small_head_max_tiles_per_cta": schedule.SMALL_HEAD_MAX_TILES_PER_CTA,

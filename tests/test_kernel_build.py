@@ -126,7 +126,7 @@ def test_split_ptx_runs_the_one_tile_math_and_merges_in_the_cluster(variants, d_
     """The split variant runs the one-tile kernel's WGMMAs, Q TMA and row copies; its parts exchange their
     results through the cluster's shared memory (``st.async`` counted on the receiver's mbarrier, after a
     release-arrival that its KV tiles are free: the O^T fragments as pairs of f16x2 words, the row statistics
-    as float32 pairs) and it writes bf16 out, no float32 partial results."""
+    as float32 pairs) and it writes bf16 out, no float32 partial results; and the split tail's overlap."""
     one_tile = variants[d_qk, precision].ptx_path.read_text()
     split = kernels.load_split_variant(d_qk, precision).ptx_path.read_text()
     assert_same_math_instructions(split, one_tile)
@@ -136,6 +136,10 @@ def test_split_ptx_runs_the_one_tile_math_and_merges_in_the_cluster(variants, d_
     assert "mbarrier.arrive.release.cluster.shared::cluster.b64" in split
     assert "barrier.cluster.wait" in split
     assert "st.global.v2.f32" not in split and "cvt.rn.bf16x2.f32" in split
+    # A split tail's launches overlap: the one-tile kernel lets its dependent start, the split one waits for
+    # it before it ends (both only under the split-tail flag).
+    assert "griddepcontrol.launch_dependents" in one_tile and "griddepcontrol.wait" not in one_tile
+    assert "griddepcontrol.wait" in split and "griddepcontrol.launch_dependents" not in split
 
 
 @pytest.mark.parametrize("q_dtype", [kernels.FP8, kernels.BF16_Q], ids=["e4m3", "bf16"])

@@ -100,8 +100,9 @@ def test_a_split_tail_launches_the_one_tile_variant_then_the_split_one_on_their_
     calls, split_from, with_topk_length
 ):
     """splits 2 from token ``split_from``: the one-tile launch on the rows before it (schedule count 1), then
-    the split launch on the others (count 2), as views of the call's tensors (no copies); 0: one split launch
-    on all of them. kv, the scales and the placeholders are the call's."""
+    the split launch on the others (count 2), as views of the call's tensors (no copies), both with the
+    split-tail flag; 0: one split launch on all of them. kv, the scales and the placeholders are the
+    call's."""
     topk_length = torch.tensor([5, 6, 7], dtype=torch.int32) if with_topk_length else None
     args = launch_args(topk_length=topk_length)
     launched = kernels.launch_sparse_prefill(**args, schedule=0, splits=2, split_from=split_from)
@@ -120,7 +121,8 @@ def test_a_split_tail_launches_the_one_tile_variant_then_the_split_one_on_their_
             assert call[name].data_ptr() == args[name][first:].data_ptr(), name  # a view: no copy
         for name in ("kv", "q_scale", "kv_scale"):
             assert call[name] is args[name], name
-        assert call["flags"] == (kernels.TOPK_LENGTH_FLAG if with_topk_length else 0)
+        tail = kernels.SPLIT_TAIL_FLAG if split_from else 0  # the two launches overlap
+        assert call["flags"] == (kernels.TOPK_LENGTH_FLAG if with_topk_length else 0) | tail
         if not with_topk_length:
             assert call["topk_length"].shape == (1,)  # the placeholder, whole
 

@@ -59,6 +59,24 @@ def test_split_tail_is_the_one_tile_rows_then_the_split_rows(
     assert_matches_float64_reference(tail, inputs, precision)
 
 
+def test_split_tail_is_complete_for_the_next_kernel_on_the_stream(make_inputs):
+    """A split tail's launches overlap (the split one may start before the one-tile one ends, and ends
+    after it): a copy queued right behind them, without a host synchronisation, sees every row written
+    (into NaN-poisoned outputs), the same bits as a synchronised run."""
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    s_q = 2 * sms + 10  # two waves of one tile per CTA, then 10 tokens split in 4
+    inputs = make_inputs(s_q, 64, 70000, 576, 2048, device="cuda")
+    assert schedule.choose(s_q, 64, 2048, False, "default", 0) == (0, 4, 2 * sms)
+    expected = [t.clone() for t in run_and_sync(inputs)]
+    for _ in range(3):
+        buffers = [torch.full_like(t, math.nan) for t in expected]
+        torch.cuda.synchronize()
+        sparse_mla_q8kv8_prefill_fwd(**inputs, out=buffers[0], max_logits=buffers[1], lse=buffers[2])
+        copies = [t.clone() for t in buffers]  # queued behind the launches
+        torch.cuda.synchronize()
+        assert all(torch.equal(a, b) for a, b in zip(copies, expected, strict=True))
+
+
 @pytest.mark.parametrize("parts", schedule.SPLIT_PARTS)
 def test_sentinels_sink_infinities_and_ranges_without_a_valid_slot(make_inputs, parts):
     """Rows with no valid slot hold the sentinels exactly; a sink of +inf zeroes out, -inf drops out; rows

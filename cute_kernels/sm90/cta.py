@@ -42,12 +42,15 @@ def init_cta(warp_idx, tma_atom_q, init_barriers):
     cute.arch.sync_threads()
 
 
-def launch_cta(kernel, grid, stream, cluster=None) -> None:
+def launch_cta(kernel, grid, stream, cluster=None, use_pdl=False) -> None:
     """Launch ``kernel`` (a ``@cute.kernel`` call) on a ``grid`` ([x, y]) of CTAs of NUM_THREADS threads, in
-    clusters of ``cluster`` ([x, y], may be dynamic) CTAs when given. Dynamic shared memory is the size of the
-    SharedStorage struct it allocates; ``min_blocks_per_mp=1`` (without it ``setmaxregister`` is ignored)."""
+    clusters of ``cluster`` ([x, y], may be dynamic) CTAs when given, as a programmatic dependent launch when
+    ``use_pdl`` (may be dynamic). Dynamic shared memory is the size of the SharedStorage struct it allocates;
+    ``min_blocks_per_mp=1`` (without it ``setmaxregister`` is ignored)."""
     if cluster is None:
-        kernel.launch(grid=[*grid, 1], block=[NUM_THREADS, 1, 1], stream=stream, min_blocks_per_mp=1)
+        kernel.launch(
+            grid=[*grid, 1], block=[NUM_THREADS, 1, 1], stream=stream, min_blocks_per_mp=1, use_pdl=use_pdl
+        )
     else:
         kernel.launch(
             grid=[*grid, 1],
@@ -55,6 +58,7 @@ def launch_cta(kernel, grid, stream, cluster=None) -> None:
             cluster=[*cluster, 1],
             stream=stream,
             min_blocks_per_mp=1,
+            use_pdl=use_pdl,
         )
 
 

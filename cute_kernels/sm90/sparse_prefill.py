@@ -28,7 +28,7 @@ from cutlass import Float8E4M3FN, Float32, Int32, Int64, Uint32, const_expr
 from cutlass.cute.nvgpu import OperandMajorMode, warpgroup
 
 from cute_kernels import ptx
-from cute_kernels.interface import D_V, LOG2_E, SINK_FLAG, SMALL_HEAD_COUNTS, SPLIT_PARTS
+from cute_kernels.interface import D_V, LOG2_E, SINK_FLAG, SMALL_HEAD_COUNTS, SPLIT_PARTS, SPLIT_TAIL_FLAG
 from cute_kernels.sm90.cta import (
     B_H,
     CONSUMER_THREADS,
@@ -266,7 +266,7 @@ class SparsePrefillSm90(AttentionKernel):
         mMaxLogits: cute.Tensor,  # [s_q, h] f32, row-major
         mLse: cute.Tensor,  # [s_q, h] f32, row-major
         sm_scale_log2: Float32,  # sm_scale * log2(e)
-        flags: Int32,  # bit 0: topk_length given, bit 1: attn_sink given
+        flags: Int32,  # bit 0: topk_length given, bit 1: attn_sink given, bit 2: a split tail's launch
         schedule_count: Int32,  # persistent: tiles per CTA (the grid is ceil(tiles / it)); split: parts
         stream,
     ):
@@ -302,6 +302,7 @@ class SparsePrefillSm90(AttentionKernel):
             ),
             stream,
             cluster=[1, schedule_count] if const_expr(self.split) else None,
+            use_pdl=Int32((flags & SPLIT_TAIL_FLAG) != 0) if const_expr(self.split) else False,
         )
 
     # ------------------------------------------------------------------------------------
@@ -332,6 +333,9 @@ class SparsePrefillSm90(AttentionKernel):
         tidx, _, _ = cute.arch.thread_idx()
         warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
         bid, _, _ = cute.arch.block_idx()
+        if const_expr(not self.split):
+            if (flags & SPLIT_TAIL_FLAG) != 0:  # the split tail's launch may start on the SMs this one frees
+                cute.arch.griddepcontrol_launch_dependents()
 
         storage = allocate_shared_storage(SharedStorage)
         mbar_q = storage.mbar_q.data_ptr()
@@ -425,6 +429,11 @@ class SparsePrefillSm90(AttentionKernel):
                 tiles,
                 small_tables,
             )
+            # A split tail ends after the one-tile launch before it. (Here, not after the branches: the
+            # producer's warps run on fewer registers than the code after the join would use.)
+            if const_expr(self.split):
+                if (flags & SPLIT_TAIL_FLAG) != 0:
+                    cute.arch.griddepcontrol_wait()
 
     @cute.jit
     def init_barriers(

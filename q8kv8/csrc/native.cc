@@ -93,6 +93,7 @@ struct Config {
   double log2_e = 0.0;
   int64_t topk_length_flag = 0;
   int64_t sink_flag = 0;
+  int64_t split_tail_flag = 0;
   int64_t persistent_max_topk = 0;
   int64_t persistent_max_tiles_per_cta = 0;
   int64_t small_head_max_tiles_per_cta = 0;
@@ -704,7 +705,8 @@ int CallVariant(const Views& v, const Plan& plan, TVMFFIObjectHandle variant, in
   args[10].type_index = kTVMFFIFloat;
   args[10].v_float64 = plan.logit_scale;
   args[11].type_index = kTVMFFIInt;
-  args[11].v_int64 = plan.flags;
+  // A split tail's two launches overlap (the flag tells both).
+  args[11].v_int64 = plan.flags | (plan.split_from > 0 ? registry.config.split_tail_flag : 0);
   args[12].type_index = kTVMFFIInt;
   args[12].v_int64 = schedule_count;
   return CallFunction(variant, args, 13);
@@ -953,6 +955,7 @@ bool Configure(PyObject* constants, Config* c) {
          GetInt(constants, "out_alignment_bytes", &c->out_alignment_bytes, 1) &&
          GetInt(constants, "topk_length_flag", &c->topk_length_flag, 1) &&
          GetInt(constants, "sink_flag", &c->sink_flag, 1) &&
+         GetInt(constants, "split_tail_flag", &c->split_tail_flag, 1) &&
          GetInt(constants, "persistent_max_topk", &c->persistent_max_topk, 0) &&
          GetInt(constants, "persistent_max_tiles_per_cta", &c->persistent_max_tiles_per_cta, 0) &&
          GetInt(constants, "small_head_max_tiles_per_cta", &c->small_head_max_tiles_per_cta, 1) &&
