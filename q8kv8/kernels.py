@@ -425,25 +425,22 @@ def launch_sparse_prefill(
     flags = (TOPK_LENGTH_FLAG if topk_length is not None else 0) | (SINK_FLAG if attn_sink is not None else 0)
     if len(launches) > 1:
         flags |= SPLIT_TAIL_FLAG  # the two launches overlap
-    for kind, variant in launches:
-        rows = lambda t: t  # noqa: E731
-        if (
-            len(launches) > 1
-        ):  # a split tail: the one-tile launch's tokens before split_from, the split's after
-            rows = (lambda t: t[:split_from]) if kind == ONE_TILE else (lambda t: t[split_from:])
+    # A split tail: the one-tile launch on the tokens before split_from, the split launch on the others.
+    tokens = [None] if len(launches) == 1 else [slice(None, split_from), slice(split_from, None)]
+    for (kind, variant), rows in zip(launches, tokens, strict=True):
         _call_on_device_of(
             q,
             variant.function,
-            rows(q),
+            _rows(q, rows),
             kv,
-            rows(indices),
-            no_topk_length if topk_length is None else rows(topk_length),
+            _rows(indices, rows),
+            no_topk_length if topk_length is None else _rows(topk_length, rows),
             sink,
             q_scale,
             kv_scale,
-            rows(kernel_out),
-            rows(max_logits),
-            rows(lse),
+            _rows(kernel_out, rows),
+            _rows(max_logits, rows),
+            _rows(lse, rows),
             sm_scale * LOG2_E,
             flags,
             splits if kind == SPLIT else tiles or 1,  # schedule_count
@@ -451,6 +448,11 @@ def launch_sparse_prefill(
     if kernel_out is not out:
         out.copy_(kernel_out)
     return tuple(launches)
+
+
+def _rows(tensor: torch.Tensor, tokens: slice | None) -> torch.Tensor:
+    """``tensor``'s rows of ``tokens`` (a view), or ``tensor`` itself for None."""
+    return tensor if tokens is None else tensor[tokens]
 
 
 def _one_tile_or_persistent_variant(key: tuple[int, str], q_dtype: torch.dtype, persistent: bool) -> Variant:
