@@ -113,6 +113,8 @@ def split_tokens(s_q: int, groups: int, topk: int, device_index: int) -> tuple[i
     tile per CTA; ``(1, 0)``: nothing split. The split covers the last, partial wave (all of a grid shorter
     than a wave) when ``splits`` splits it (see above)."""
     if forced_splits is not None:
+        if forced_splits[1] >= s_q:
+            raise ValueError(f"forced split_from {forced_splits[1]}: expected less than s_q {s_q}")
         return forced_splits
     tail_tokens = -(-(s_q * groups % sm_count(device_index)) // groups)
     split_from = s_q - tail_tokens

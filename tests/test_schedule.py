@@ -77,3 +77,5 @@ def test_the_last_partial_wave_is_split_after_whole_waves_of_one_tile(monkeypatc
         assert schedule.split_tokens(437, 1, 2048, 0) == (1, 0)
     with pytest.raises(ValueError, match="split_from: expected"):
         eager.forced_splits(2, -1)
+    with eager.forced_splits(2, 437), pytest.raises(ValueError, match="expected less than s_q 437"):
+        schedule.split_tokens(437, 1, 2048, 0)
