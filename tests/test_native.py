@@ -256,14 +256,14 @@ def test_schedule_is_the_python_rule_over_a_grid(fast, monkeypatch, generator):
     answers over a grid of extents, head counts, SM counts, top-k, topk_length and precisions."""
     compared = split = tail = small = 0
     for s_q, h_q, topk in itertools.product(
-        (1, 2, 7, 8, 9, 16, 17, 40, 263), (8, 16, 32, 48, 64, 128, 192), (128, 512, 640, 2048)
+        (1, 2, 7, 8, 9, 16, 17, 40, 150, 263, 437), (8, 16, 32, 48, 64, 128, 192), (128, 512, 640, 1024, 2048)
     ):
         q = torch.zeros(s_q, h_q, 512, dtype=torch.float8_e4m3fn)
         kv = torch.zeros(2, 1, 512, dtype=torch.float8_e4m3fn)
         indices = torch.zeros(s_q, 1, topk, dtype=torch.int32)
         call = PrefillCall(q, kv, indices, 0.1, torch.ones(1), torch.ones(1))
         for sm_count, with_topk_length, precision in itertools.product(
-            (1, 2, 3, 5), (False, True), PRECISIONS
+            (1, 2, 3, 5, 132), (False, True), PRECISIONS
         ):
             fast.extension.register_device(KDL_CPU, 0, sm_count)
             monkeypatch.setattr(schedule, "_sm_counts", {0: sm_count})
