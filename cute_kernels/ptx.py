@@ -375,11 +375,13 @@ def ld_shared_v2_f32(smem_addr, *, loc=None, ip=None):
 
 
 @dsl_user_op
-def st_async_cluster_f32(smem_addr, mbar_addr, cta_rank, values, *, loc=None, ip=None) -> None:
-    """``st.async`` of two or four f32 ``values`` to the shared address ``smem_addr`` of the cluster's CTA
-    ``cta_rank`` (this CTA's addresses, mapped there), its completion counted in bytes on that CTA's mbarrier
-    at ``mbar_addr`` (``mbarrier::complete_tx``)."""
+def st_async_cluster(smem_addr, mbar_addr, cta_rank, values, *, loc=None, ip=None) -> None:
+    """``st.async`` of two or four 32-bit ``values`` (all f32, or all 32-bit words: ``.f32`` or ``.b32``) to
+    the shared address ``smem_addr`` of the cluster's CTA ``cta_rank`` (this CTA's addresses, mapped there),
+    its completion counted in bytes on that CTA's mbarrier at ``mbar_addr`` (``mbarrier::complete_tx``)."""
     n = len(values)
+    floats = all(isinstance(v, (float, Float32)) for v in values)
+    kind, constraint = ("f32", "f") if floats else ("b32", "r")
     words = ", ".join(f"${i + 3}" for i in range(n))
     inline_asm(
         None,
@@ -388,14 +390,14 @@ def st_async_cluster_f32(smem_addr, mbar_addr, cta_rank, values, *, loc=None, ip
             Int32(mbar_addr).ir_value(loc=loc, ip=ip),
             Int32(cta_rank).ir_value(loc=loc, ip=ip),
         ]
-        + [Float32(v).ir_value(loc=loc, ip=ip) for v in values],
+        + [(Float32(v) if floats else Uint32(v)).ir_value(loc=loc, ip=ip) for v in values],
         "{ .reg .b32 remote_data, remote_mbar;\n"
         "mapa.shared::cluster.u32 remote_data, $0, $2;\n"
         "mapa.shared::cluster.u32 remote_mbar, $1, $2;\n"
-        f"st.async.shared::cluster.mbarrier::complete_tx::bytes.v{n}.f32"
+        f"st.async.shared::cluster.mbarrier::complete_tx::bytes.v{n}.{kind}"
         f" [remote_data], {{{words}}}, [remote_mbar];\n"
         "}",
-        "r,r,r," + ",".join(["f"] * n),
+        "r,r,r," + ",".join([constraint] * n),
         True,
     )
 
@@ -428,30 +430,6 @@ def mbarrier_wait_cluster(mbar_addr, phase, *, loc=None, ip=None) -> None:
         "@!done bra wait_cluster;\n"
         "}",
         "r,r",
-        True,
-    )
-
-
-@dsl_user_op
-def st_async_cluster_b32x2(smem_addr, mbar_addr, cta_rank, w0, w1, *, loc=None, ip=None) -> None:
-    """``st.async`` of two 32-bit words to the shared address ``smem_addr`` of the cluster's CTA ``cta_rank``,
-    counted in bytes on that CTA's mbarrier at ``mbar_addr``."""
-    inline_asm(
-        None,
-        [
-            Int32(smem_addr).ir_value(loc=loc, ip=ip),
-            Int32(mbar_addr).ir_value(loc=loc, ip=ip),
-            Int32(cta_rank).ir_value(loc=loc, ip=ip),
-            Uint32(w0).ir_value(loc=loc, ip=ip),
-            Uint32(w1).ir_value(loc=loc, ip=ip),
-        ],
-        "{ .reg .b32 remote_data, remote_mbar;\n"
-        "mapa.shared::cluster.u32 remote_data, $0, $2;\n"
-        "mapa.shared::cluster.u32 remote_mbar, $1, $2;\n"
-        "st.async.shared::cluster.mbarrier::complete_tx::bytes.v2.b32"
-        " [remote_data], {$3, $4}, [remote_mbar];\n"
-        "}",
-        "r,r,r,r,r",
         True,
     )
 

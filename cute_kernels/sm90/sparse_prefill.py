@@ -1304,7 +1304,7 @@ class SparsePrefillSm90(AttentionKernel):
         address = c.sK_base + SPLIT_STATS_OFFSET + (part * B_H + row) * 8
         for p in cutlass.range_constexpr(max(SPLIT_PARTS)):
             if p < splits:
-                ptx.st_async_cluster_f32(address, c.mbar_merge_full.toint(), p, stats)
+                ptx.st_async_cluster(address, c.mbar_merge_full.toint(), p, stats)
 
     @cute.jit
     def open_merge(self, c: Consumer):
@@ -1376,12 +1376,11 @@ class SparsePrefillSm90(AttentionKernel):
                         c.s_out_scale[8 * j + 2 * c.quad_lane + 1, c.index] * inv_kv_scale,
                     )
                     v = [c.acc_o[mt][4 * j + k] * scales[k % 2] for k in range(4)]
-                    ptx.st_async_cluster_b32x2(
+                    ptx.st_async_cluster(
                         self.fragment_address(c, part, owner, mt, tiles_per_part, j),
                         c.mbar_merge_full.toint(),
                         owner,
-                        ptx.pack_f16x2(v[0], v[1]),
-                        ptx.pack_f16x2(v[2], v[3]),
+                        [ptx.pack_f16x2(v[0], v[1]), ptx.pack_f16x2(v[2], v[3])],
                     )
 
     @cute.jit
