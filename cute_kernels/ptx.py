@@ -327,6 +327,47 @@ def st_shared_v4(smem_addr, w0, w1, w2, w3, *, loc=None, ip=None) -> None:
 
 
 @dsl_user_op
+def cp_async_bulk_to_shared(smem_addr, gmem_addr, size_bytes, mbar_addr, *, loc=None, ip=None) -> None:
+    """Bulk copy (the TMA unit, no tensor map) of ``size_bytes`` (a multiple of 16; both addresses 16-byte
+    aligned) from global to this CTA's shared memory, its bytes counted on the mbarrier at ``mbar_addr``."""
+    inline_asm(
+        None,
+        [
+            Int32(smem_addr).ir_value(loc=loc, ip=ip),
+            Int64(gmem_addr).ir_value(loc=loc, ip=ip),
+            Int32(size_bytes).ir_value(loc=loc, ip=ip),
+            Int32(mbar_addr).ir_value(loc=loc, ip=ip),
+        ],
+        "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [$0], [$1], $2, [$3];",
+        "r,l,r,r",
+        True,
+    )
+
+
+@dsl_user_op
+def ld_shared_v4x2(smem_addr, swap, *, loc=None, ip=None):
+    """The 32 bytes at ``smem_addr`` (16-byte aligned) as eight 32-bit words, lowest first. With ``swap``
+    (0 or 1) nonzero the upper 16 bytes are read by the first of the two loads: a warp whose rows alternate
+    ``swap`` reads rows 128 bytes apart without bank conflicts."""
+    res = inline_asm(
+        llvm.StructType.get_literal([T.i32()] * 8),
+        [Int32(smem_addr).ir_value(loc=loc, ip=ip), Int32(swap).ir_value(loc=loc, ip=ip)],
+        "{ .reg .pred p; .reg .b32 first, second, a0, a1, a2, a3, b0, b1, b2, b3;\n"
+        "setp.ne.u32 p, $9, 0;\n"
+        "shl.b32 first, $9, 4;\n"
+        "add.u32 first, $8, first;\n"
+        "xor.b32 second, first, 16;\n"
+        "ld.shared.v4.b32 {a0, a1, a2, a3}, [first];\n"
+        "ld.shared.v4.b32 {b0, b1, b2, b3}, [second];\n"
+        "selp.b32 $0, b0, a0, p; selp.b32 $1, b1, a1, p; selp.b32 $2, b2, a2, p; selp.b32 $3, b3, a3, p;\n"
+        "selp.b32 $4, a0, b0, p; selp.b32 $5, a1, b1, p; selp.b32 $6, a2, b2, p; selp.b32 $7, a3, b3, p; }",
+        "=r,=r,=r,=r,=r,=r,=r,=r,r,r",
+        True,
+    )
+    return tuple(Uint32(llvm.extractvalue(T.i32(), res, [i], loc=loc, ip=ip)) for i in range(8))
+
+
+@dsl_user_op
 def prefetch_l2(gmem_addr, *, loc=None, ip=None) -> None:
     """Prefetch the L2 line of ``gmem_addr``."""
     inline_asm(None, [Int64(gmem_addr).ir_value(loc=loc, ip=ip)], "prefetch.global.L2 [$0];", "l", True)

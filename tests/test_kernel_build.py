@@ -122,6 +122,24 @@ def test_split_and_bf16_q_variants_fit_in_registers(d_qk, precision, q_dtype):
 
 
 @pytest.mark.parametrize("d_qk, precision", VARIANT_KEYS)
+def test_bf16_q_one_tile_ctas_stage_the_rows_by_bulk_copies(d_qk, precision):
+    """With a bfloat16 q a one-tile CTA (one-tile and split variants) copies its Q rows into shared memory
+    by bulk copies (two per lane of one warp: 64 rows) and quantises them from there; the persistent
+    variant's consumers load them from global memory (18 16-byte loads per thread at d_qk 576)."""
+    bulk = r"cp\.async\.bulk\.shared::cluster\.global\.mbarrier::complete_tx::bytes"
+    for ptx in (
+        kernels.load_bf16_q_variant(d_qk, precision, False).ptx_path.read_text(),
+        kernels.load_split_variant(d_qk, precision, kernels.BF16_Q).ptx_path.read_text(),
+    ):
+        assert len(re.findall(bulk, ptx)) == 2
+        assert "ld.global.nc.v4" not in ptx
+        assert len(re.findall(r"ld\.shared\.v4\.b32", ptx)) >= 2 * (d_qk // 64)
+    persistent = kernels.load_bf16_q_variant(d_qk, precision, True).ptx_path.read_text()
+    assert not re.search(bulk, persistent)
+    assert len(re.findall(r"ld\.global\.nc\.v4\.b32", persistent)) == 2 * (d_qk // 64)
+
+
+@pytest.mark.parametrize("d_qk, precision", VARIANT_KEYS)
 def test_split_ptx_runs_the_one_tile_math_and_merges_in_the_cluster(variants, d_qk, precision):
     """The split variant runs the one-tile kernel's WGMMAs, Q TMA and row copies; its parts exchange their
     results through the cluster's shared memory (``st.async`` counted on the receiver's mbarrier, after a

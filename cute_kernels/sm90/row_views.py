@@ -3,9 +3,10 @@
 The kernels address query rows as (token, head) pairs: ``q`` [s_q, h, d_qk] becomes [s_q * h, d_qk]
 (row-major, the source of the Q tiles), ``max_logits`` and ``lse`` [s_q, h] become [s_q * h]; ``kv``
 [s_kv, 1, d_qk] and ``indices`` [s_q, 1, topk] drop their middle mode and keep their (dynamic) row strides.
-``load_q_tile`` loads one CTA's e4m3 Q tile from the q view by TMA; ``quantize_q_tile`` loads a
-bf16 Q tile with the threads of the consumer warpgroups and stores it in e4m3, each row with its own
-power-of-two scale.
+``load_q_tile`` loads one CTA's e4m3 Q tile from the q view by TMA. A bf16 Q tile is stored in e4m3 by
+the threads of the consumer warpgroups, each row with its own power-of-two scale (``store_quantized_rows``),
+from rows they load from global memory (``quantize_q_tile``) or from rows bulk-copied into shared memory
+(``stage_q_rows``, then ``quantize_staged_q_tile``).
 """
 
 from typing import NamedTuple
@@ -85,27 +86,79 @@ def quantize_q_tile(
     last_row=None,
 ) -> None:
     """Rows ``first_row`` .. ``first_row + tile_rows - 1`` of the bf16 q view ([rows, d_qk] row-major,
-    16-byte aligned) into the e4m3 Q tile at shared address ``sQ_base`` (64-byte-swizzled, K-major: the
-    layout the TMA of an e4m3 tile writes), with ``tile_rows * 4`` threads (``thread``: 0 .. tile_rows * 4 -
-    1): four per row, each 16 values of every 64-column tile. With ``last_row`` (the view's last row, when
-    the tile may end past it) a row past it is read from ``last_row`` instead.
-
-    Row r is stored as e4m3(q_r / s_r) with s_r = 2^e, e the least integer with max|q_r| <= 448 * 2^e
-    (at least -126; e = 0 for a zero row): exact scaling, no saturation. s_r goes to the float32 table at
-    ``row_scale_base`` (one thread per row writes it). Finite q only."""
+    16-byte aligned) into the e4m3 Q tile at shared address ``sQ_base`` (``store_quantized_rows``), with
+    ``tile_rows * 4`` threads (``thread``: 0 .. tile_rows * 4 - 1): four per row, each 16 values of every
+    64-column tile, loaded from global memory. With ``last_row`` (the view's last row, when the tile may end
+    past it) a row past it is read from ``last_row`` instead."""
     row = thread // Q_THREADS_PER_ROW
     part = thread % Q_THREADS_PER_ROW
-    col_tiles = d_qk // 64
     source_row = first_row + row
     if cutlass.const_expr(last_row is not None):
         source_row = cutlass.min(source_row, last_row)
     row_addr = q_view.iterator.toint() + Int64(source_row) * (d_qk * 2) + part * 32
     words = []
-    for col_tile in cutlass.range_constexpr(col_tiles):  # every load in flight before the first use
+    for col_tile in cutlass.range_constexpr(d_qk // 64):  # every load in flight before the first use
         words.append(
             ptx.ld_global_nc_v4(row_addr + col_tile * 128)
             + ptx.ld_global_nc_v4(row_addr + col_tile * 128 + 16)
         )
+    store_quantized_rows(words, row, part, sQ_base, row_scale_base, tile_rows)
+
+
+@cute.jit
+def stage_q_rows(
+    q_view,
+    first_row,
+    last_row,
+    staging_base,
+    mbar_staged,
+    tile_rows: cutlass.Constexpr,
+    d_qk: cutlass.Constexpr,
+) -> None:
+    """(One warp.) Bulk copies of the bf16 rows ``first_row`` .. ``first_row + tile_rows - 1`` of the q view
+    (a row past ``last_row`` read from ``last_row``) to ``staging_base``, row-major (``d_qk * 2`` bytes a
+    row), completing on ``mbar_staged`` (initialised with one arrival, armed here with the tile's bytes)."""
+    lane = cute.arch.lane_idx()
+    row_bytes = d_qk * 2
+    with cute.arch.elect_one():
+        cute.arch.mbarrier_arrive_and_expect_tx(mbar_staged, tile_rows * row_bytes)
+    for group in cutlass.range_constexpr(tile_rows // 32):
+        row = group * 32 + lane
+        source_row = cutlass.min(first_row + row, last_row)
+        ptx.cp_async_bulk_to_shared(
+            staging_base + row * row_bytes,
+            q_view.iterator.toint() + Int64(source_row) * row_bytes,
+            row_bytes,
+            mbar_staged.toint(),
+        )
+
+
+@cute.jit
+def quantize_staged_q_tile(
+    staging_base, thread, sQ_base, row_scale_base, tile_rows: cutlass.Constexpr, d_qk: cutlass.Constexpr
+) -> None:
+    """``quantize_q_tile`` from the bf16 rows ``stage_q_rows`` put in shared memory at ``staging_base``.
+    The two rows of a quarter warp read their 32 bytes in opposite orders: rows 128 bytes apart share
+    banks."""
+    row = thread // Q_THREADS_PER_ROW
+    part = thread % Q_THREADS_PER_ROW
+    row_addr = staging_base + row * (d_qk * 2) + part * 32
+    words = []
+    for col_tile in cutlass.range_constexpr(d_qk // 64):
+        words.append(ptx.ld_shared_v4x2(row_addr + col_tile * 128, row % 2))
+    store_quantized_rows(words, row, part, sQ_base, row_scale_base, tile_rows)
+
+
+@cute.jit
+def store_quantized_rows(words, row, part, sQ_base, row_scale_base, tile_rows: cutlass.Constexpr) -> None:
+    """This thread's part of row ``row`` of a Q tile, ``words`` (per 64-column tile the eight 32-bit words of
+    its 16 bf16 values), stored in e4m3 at shared address ``sQ_base`` (64-byte-swizzled, K-major: the
+    layout the TMA of an e4m3 tile writes); the row's four threads (``part`` 0-3, neighbouring lanes) agree
+    on its scale.
+
+    Row r is stored as e4m3(q_r / s_r) with s_r = 2^e, e the least integer with max|q_r| <= 448 * 2^e
+    (at least -126; e = 0 for a zero row): exact scaling, no saturation. s_r goes to the float32 table at
+    ``row_scale_base`` (one thread per row writes it). Finite q only."""
     amax = Uint32(0)
     for group in words:
         for word in group:
@@ -125,7 +178,7 @@ def quantize_q_tile(
     inverse_bits = Uint32((127 - exponent) << 23)  # 2^-e
     if part == 0:
         ptx.st_shared_u32(row_scale_base + row * 4, Uint32((127 + exponent) << 23))
-    for col_tile in cutlass.range_constexpr(col_tiles):
+    for col_tile in cutlass.range_constexpr(len(words)):
         w = words[col_tile]
         ptx.st_shared_v4(
             sQ_base + col_tile * (tile_rows * 64) + swizzle_offset(row, part, 64),

@@ -58,7 +58,13 @@ from cute_kernels.sm90.mask import (
 from cute_kernels.sm90.named_barrier import NamedBarrierFp8
 from cute_kernels.sm90.ring import Ring
 from cute_kernels.sm90.row_gather import RowGather, copy_rows, slot_valid_flag, swizzle_offset
-from cute_kernels.sm90.row_views import Q_THREADS_PER_ROW, load_q_tile, quantize_q_tile
+from cute_kernels.sm90.row_views import (
+    Q_THREADS_PER_ROW,
+    load_q_tile,
+    quantize_q_tile,
+    quantize_staged_q_tile,
+    stage_q_rows,
+)
 from cute_kernels.sm90.shared_storage import allocate_shared_storage, tile_region, tile_tensor
 from cute_kernels.sm90.tile_scheduler import TileScheduler, TileWork, plain_int32
 
@@ -209,12 +215,20 @@ class SparsePrefillSm90(AttentionKernel):
         self.pv_groups_in_flight = 1 if self.small and self.q_bf16 and persistent else 2
         self.persistent = persistent
         self.split = split
+        # bf16 q, one tile per CTA: the producer copies the tile's bf16 rows into the second pair's KV tiles
+        # (exactly their size) by the TMA unit, the consumers quantise them from there (``stage_q_rows``).
+        self.stage_q = self.q_bf16 and not persistent and not self.small
         self.scheduler = TileScheduler(persistent, B_TOPK, split, heads, whole_token=self.small)
         self.k_tile_bytes = B_TOPK * d_qk  # one gathered block in shared memory
         self.q_tile_bytes = heads * d_qk
         self.q_shape = (heads, d_qk)
         self.k_shape = (B_TOPK, d_qk, NUM_KV_TILES)
         self.p_shape = (heads, B_TOPK, NUM_KV_TILES * self.p_terms)  # [buffer][term] P tiles
+
+    def q_staging_base(self, sK_base):
+        """``stage_q``: the shared address of the staged bf16 rows, the KV tiles of the second pair (a
+        [64, d_qk] bf16 tile is the size of two [64, d_qk] e4m3 block tiles)."""
+        return sK_base + 2 * self.k_tile_bytes
 
     def shared_storage(self):
         """The CTA's shared memory: barriers and row statistics, then the Q, KV block and P tiles."""
@@ -237,6 +251,7 @@ class SparsePrefillSm90(AttentionKernel):
             mbar_stats_full: cute.struct.MemRange[Int64, 2]  # [consumer]: its row statistics are published
             mbar_tile_done: cute.struct.MemRange[Int64, 1]  # consumer 1 finished a tile
             q_row_scale: cute.struct.MemRange[Float32, B_H]  # bf16 q: the Q tile's row scales
+            mbar_q_staged: cute.struct.MemRange[Int64, 1]  # stage_q: the bf16 rows have landed
             if self.split:
                 mbar_merge_full: cute.struct.MemRange[Int64, 1]  # the other parts' fragments have landed
                 mbar_peers_free: cute.struct.MemRange[Int64, 1]  # the other parts' KV tiles are free
@@ -340,6 +355,7 @@ class SparsePrefillSm90(AttentionKernel):
         storage = allocate_shared_storage(SharedStorage)
         mbar_q = storage.mbar_q.data_ptr()
         mbar_q_empty = storage.mbar_q_empty.data_ptr()
+        mbar_q_staged = storage.mbar_q_staged.data_ptr()
         mbar_kv_full = storage.mbar_kv_full.data_ptr()
         mbar_kv_empty = storage.mbar_kv_empty.data_ptr()
         mbar_p_full = storage.mbar_p_full.data_ptr()
@@ -353,7 +369,16 @@ class SparsePrefillSm90(AttentionKernel):
         merge_barriers = (None, None)  # split: mbar_merge_full, mbar_peers_free
         if const_expr(self.split):
             merge_barriers = (storage.mbar_merge_full.data_ptr(), storage.mbar_peers_free.data_ptr())
-        barriers = (mbar_q, mbar_q_empty, mbar_kv_full, mbar_kv_empty, mbar_p_full, s_moved, *handover)
+        barriers = (
+            mbar_q,
+            mbar_q_empty,
+            mbar_q_staged,
+            mbar_kv_full,
+            mbar_kv_empty,
+            mbar_p_full,
+            s_moved,
+            *handover,
+        )
         init_cta(warp_idx, tma_atom_q, functools.partial(self.init_barriers, *barriers, *merge_barriers))
         if const_expr(self.split):  # the cluster's barriers are initialised before any CTA signals another's
             cute.arch.cluster_arrive_relaxed()
@@ -372,6 +397,7 @@ class SparsePrefillSm90(AttentionKernel):
                 mIdx,
                 mbar_q,
                 mbar_q_empty,
+                mbar_q_staged,
                 mbar_kv_full,
                 mbar_kv_empty,
                 tiles,
@@ -412,6 +438,7 @@ class SparsePrefillSm90(AttentionKernel):
                 mSink,
                 mQ_tma,
                 storage.q_row_scale.get_tensor(cute.make_layout(B_H)),
+                mbar_q_staged,
                 mQScale,
                 mKVScale,
                 mOut,
@@ -440,6 +467,7 @@ class SparsePrefillSm90(AttentionKernel):
         self,
         mbar_q,
         mbar_q_empty,
+        mbar_q_staged,
         mbar_kv_full,
         mbar_kv_empty,
         mbar_p_full,
@@ -449,14 +477,16 @@ class SparsePrefillSm90(AttentionKernel):
         mbar_merge_full,
         mbar_peers_free,
     ):
-        """(One thread.) q_full: the TMA; q_empty: both consumers; per block tile, kv_full: the 64
-        threads gathering it (cp.async arrivals; bf16 q: every consumer thread, after quantising its part),
-        kv_empty: both consumers, p_full: its owner's
-        warpgroup; no block has moved the max yet. Persistent: stats_full[c]: consumer c's warpgroup;
+        """(One thread.) q_full: the TMA (bf16 q: every consumer thread, after quantising its part);
+        q_empty: both consumers; q_staged (``stage_q``): the bulk copies of the bf16 rows; per block tile,
+        kv_full: the 64 threads gathering it (cp.async arrivals), kv_empty: both consumers, p_full: its
+        owner's warpgroup; no block has moved the max yet. Persistent: stats_full[c]: consumer c's warpgroup;
         tile_done: consumer 1's warpgroup. Split: merge_full: one arrival (with the bytes expected) and the
         other parts' stores; peers_free: one arrival from each other part."""
         cute.arch.mbarrier_init(mbar_q, CONSUMER_THREADS if const_expr(self.q_bf16) else 1)
         cute.arch.mbarrier_init(mbar_q_empty, CONSUMER_THREADS)
+        if const_expr(self.stage_q):
+            cute.arch.mbarrier_init(mbar_q_staged, 1)
         for i in cutlass.range_constexpr(NUM_KV_TILES):
             cute.arch.mbarrier_init(mbar_kv_full + i, 2 * 32)
             cute.arch.mbarrier_init(mbar_kv_empty + i, CONSUMER_THREADS)
@@ -482,13 +512,15 @@ class SparsePrefillSm90(AttentionKernel):
         mIdx,
         mbar_q,
         mbar_q_empty,
+        mbar_q_staged,
         mbar_kv_full,
         mbar_kv_empty,
         tiles,
     ):
         """WG0, per tile: Q by TMA (one thread; persistent: once both consumers' QKs of the previous
-        tile are done), then the pair-by-pair row gather. Pairs are counted across the CTA's tiles,
-        so the gather runs into the next tile as soon as block tiles are free."""
+        tile are done; ``stage_q``: the bf16 rows, see ``produce_tile``), then the pair-by-pair row
+        gather. Pairs are counted across the CTA's tiles, so the gather runs into the next tile as soon
+        as block tiles are free."""
         warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
         lane = cute.arch.lane_idx()
         # Lane: 16-byte chunk lane % 4 of each 64-byte column tile (of rows lane // 4 + 8i).
@@ -497,7 +529,7 @@ class SparsePrefillSm90(AttentionKernel):
         row_base = (warp_idx % 2) * 32  # this warp's 32 rows inside its block
         lane_row = lane // 4  # row (of 8) this lane copies per 8-row group
 
-        tile_inputs = (tma_atom_q, mQ_tma, sQ, mIdx, mbar_q, mbar_kv_full, mbar_kv_empty)
+        tile_inputs = (tma_atom_q, mQ_tma, sQ, mIdx, mbar_q, mbar_q_staged, mbar_kv_full, mbar_kv_empty)
         geometry = (gather, block_in_pair, row_base, lane_row)
         if const_expr(self.persistent):
             pair_base = Int32(0)  # pairs this CTA gathered before the current tile
@@ -525,6 +557,7 @@ class SparsePrefillSm90(AttentionKernel):
         sQ,
         mIdx,
         mbar_q,
+        mbar_q_staged,
         mbar_kv_full,
         mbar_kv_empty,
         work,
@@ -532,14 +565,28 @@ class SparsePrefillSm90(AttentionKernel):
         pair_base,
         geometry,
     ):
-        """One tile's Q (rows ``q_row`` onwards; warp 0; not for bf16 q) and pairs; the CTA's earlier tiles
-        gathered ``pair_base`` pairs."""
+        """One tile's Q (rows ``q_row`` onwards; warp 0) and pairs; the CTA's earlier tiles gathered
+        ``pair_base`` pairs. e4m3 q: the Q tile by TMA. ``stage_q``: the tile's bf16 rows by bulk copies
+        into the second pair's KV tiles, which the gather fills only after the consumers have quantised
+        them (``q_full``). Other bf16 q: nothing (the consumers load it)."""
         gather, block_in_pair, row_base, lane_row = geometry
         warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
         lane = cute.arch.lane_idx()
         if const_expr(not self.q_bf16):
             if warp_idx == 0:
                 load_q_tile(tma_atom_q, mQ_tma, sQ, mbar_q, q_row, self.b_h, self.d_qk, self.q_tile_bytes)
+        if const_expr(self.stage_q):
+            if warp_idx == 0:
+                last_row = plain_int32(cute.size(mQ_tma, mode=[0])) - 1
+                stage_q_rows(
+                    mQ_tma,
+                    q_row,
+                    last_row,
+                    self.q_staging_base(gather.sK_base),
+                    mbar_q_staged,
+                    B_H,
+                    self.d_qk,
+                )
 
         for pair in cutlass.range(work.num_pairs, unroll=1):
             ring_pair = pair_base + pair
@@ -552,6 +599,9 @@ class SparsePrefillSm90(AttentionKernel):
                 slot += work.slot_base
             kv_row = mIdx[work.token, slot]
             is_valid = slot_valid_flag(kv_row, slot, gather.s_kv, work.valid_len)
+            if const_expr(self.stage_q):
+                if pair == 1:  # the staged rows are quantised
+                    cute.arch.mbarrier_wait(mbar_q, 0)
             cute.arch.mbarrier_wait(empty_barrier, phase ^ 1)
             tile_base = gather.sK_base + (stage * 2 + block_in_pair) * self.k_tile_bytes
             for group in cutlass.range_constexpr(4):  # lane l holds the index of the warp's row l
@@ -604,6 +654,7 @@ class SparsePrefillSm90(AttentionKernel):
         mSink,
         mQ,
         q_row_scale,
+        mbar_q_staged,
         mQScale,
         mKVScale,
         mOut,
@@ -720,7 +771,9 @@ class SparsePrefillSm90(AttentionKernel):
 
         tile_barriers = (mbar_q, mbar_q_empty)
         epilogue_args = (mSink, mKVScale, mOut, mMaxLogits, mLse, flags)
-        q_source = (mQ, sQ.iterator.toint(), q_row_scale) if const_expr(self.q_bf16) else None
+        q_source = None  # bf16 q: the rows, the Q tile, its row scales, the staged rows' barrier
+        if const_expr(self.q_bf16):
+            q_source = (mQ, sQ.iterator.toint(), q_row_scale, mbar_q_staged)
         if const_expr(self.persistent):
             pair_base = Int32(0)  # pairs of the CTA's earlier tiles (the producer counts the same)
             for tile_iter in cutlass.range(tiles.count, unroll=1):
@@ -743,7 +796,7 @@ class SparsePrefillSm90(AttentionKernel):
         (``quantize_q_tile``: this thread's part of row 32 c + 4 w + g / 4 ...), then an arrival on
         ``q_full`` (all 256 threads: the tile is complete when it completes). Persistent: first wait until
         both consumers' QKs of the previous tile are done (``q_empty``)."""
-        mQ, sQ_base, q_row_scale = q_source
+        mQ, sQ_base, q_row_scale, mbar_q_staged = q_source
         if const_expr(self.persistent):
             if c.index == 0:
                 if c.warp == 0:
@@ -751,7 +804,12 @@ class SparsePrefillSm90(AttentionKernel):
             TILE_RING.wait_empty(mbar_q_empty, tile_iter)
         thread = c.index * THREADS_PER_WG + c.warp * 32 + c.lane
         q_row = self.scheduler.first_q_row(work.tile, heads)
-        if const_expr(self.small):  # the first 4 * heads threads (whole warps)
+        if const_expr(self.stage_q):
+            cute.arch.mbarrier_wait(mbar_q_staged, 0)
+            quantize_staged_q_tile(
+                self.q_staging_base(c.sK_base), thread, sQ_base, q_row_scale.iterator.toint(), B_H, self.d_qk
+            )
+        elif const_expr(self.small):  # the first 4 * heads threads (whole warps)
             if thread < Q_THREADS_PER_ROW * self.b_h:
                 quantize_q_tile(mQ, q_row, thread, sQ_base, q_row_scale.iterator.toint(), self.b_h, self.d_qk)
         else:  # a token's last head group may end past q's last row
