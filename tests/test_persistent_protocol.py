@@ -13,6 +13,11 @@ them under random schedules. It checks:
 - every read of a shared buffer (Q, KV tiles, P buffers, the running max, the row statistics) sees the
   write of its own tile or block.
 
+``Model(staged_q=True)`` is the kernel with a bf16 q (``stage_q``): a tile's bf16 rows take the KV ring's
+pair slot before its first pair, filled by the producer like a pair and quantised into sQ by both consumers
+(each half of the rows), which release the slot (``kv_empty``; consumer c completes the ``p_full`` phase of
+the slot's block position c, the other waits for it) and arrive on ``q_full``.
+
 It must change with the kernel's protocol. ``Model(drop=...)`` leaves one of the kernel's waits out;
 the ``test_the_model_finds_*`` tests show that the model then finds the race that wait prevents.
 """
@@ -27,6 +32,7 @@ from cute_kernels.sm90.sparse_prefill import NUM_KV_TILES, consumer_steps
 TILE_DONE = "consumer 0 waits for tile_done of the previous tile"
 EMPTY_TILE_STATS = "consumer 1, in a tile without blocks, waits for stats_full[0] before publishing"
 EPILOGUE_STATS = "the epilogue waits for the other consumer's stats_full"
+STAGED_Q_FULL = "staged q: the consumers wait for the slot's kv_full before reading the rows"
 
 
 class ProtocolError(AssertionError):
@@ -47,11 +53,12 @@ class MBarrier:
 
 
 class Model:
-    def __init__(self, tiles: list[int], drop: str | None = None):
-        self.tiles, self.drop = tiles, drop
+    def __init__(self, tiles: list[int], drop: str | None = None, staged_q: bool = False):
+        self.tiles, self.drop, self.staged_q = tiles, drop, staged_q
+        self.q_pairs = 1 if staged_q else 0  # the ring's pair positions a tile's Q takes
         ring = range(NUM_KV_TILES)
         self.mbar = {
-            "q_full": MBarrier("q_full", 1),
+            "q_full": MBarrier("q_full", 2 if staged_q else 1),
             "q_empty": MBarrier("q_empty", 2),
             **{f"kv_full{i}": MBarrier(f"kv_full{i}", 1) for i in ring},
             **{f"kv_empty{i}": MBarrier(f"kv_empty{i}", 2) for i in ring},
@@ -70,22 +77,30 @@ class Model:
     def producer(self, half: int):
         pair_base = 0
         for tile, blocks in enumerate(self.tiles):
-            if half == 0:  # warp 0 loads Q once both consumers' QKs of the previous tile are done
+            if self.staged_q:  # the tile's bf16 rows into the pair slot of position pair_base
+                kv = (pair_base % 2) * 2 + half
+                yield self.wait(f"kv_empty{kv}", pair_base // 2 - 1)
+                yield ("write", f"kv{kv}", ("q", tile))
+                yield ("arrive", f"kv_full{kv}")
+            elif half == 0:  # warp 0 loads Q once both consumers' QKs of the previous tile are done
                 yield self.wait("q_empty", tile - 1)
-                yield ("write", "sQ", tile)
+                yield ("write", "sQ0", tile)
+                yield ("write", "sQ1", tile)
                 yield ("arrive", "q_full")
             for pair in range((blocks + 1) // 2):
-                ring_pair = pair_base + pair
+                ring_pair = pair_base + self.q_pairs + pair
                 kv = (ring_pair % 2) * 2 + half
                 yield self.wait(f"kv_empty{kv}", ring_pair // 2 - 1)
                 yield ("write", f"kv{kv}", 2 * ring_pair + half)
                 yield ("arrive", f"kv_full{kv}")
-            pair_base += (blocks + 1) // 2
+            pair_base += (blocks + 1) // 2 + self.q_pairs
 
     def consumer(self, c: int):
         pair_base = 0
         for tile, blocks in enumerate(self.tiles):
-            base = 2 * pair_base
+            base = 2 * (pair_base + self.q_pairs)
+            if self.staged_q:
+                yield from self.quantize_staged_q(c, tile, base - 2)
             yield self.wait("q_full", tile)
             if blocks <= c:
                 yield ("arrive", "q_empty")
@@ -95,7 +110,8 @@ class Model:
                     if own < blocks:
                         g = base + own
                         yield self.wait(f"kv_full{g % 4}", g // 4)
-                        yield ("read", "sQ", tile)
+                        yield ("read", "sQ0", tile)
+                        yield ("read", "sQ1", tile)
                         yield ("read", f"kv{g % 4}", g)
                         if own + 2 >= blocks:
                             yield ("arrive", "q_empty")
@@ -151,7 +167,22 @@ class Model:
                 yield ("read", f"max{last % 4}", last)
             if c == 1:
                 yield ("arrive", "tile_done")
-            pair_base += (blocks + 1) // 2
+            pair_base += (blocks + 1) // 2 + self.q_pairs
+
+    def quantize_staged_q(self, c: int, tile: int, staged: int):
+        """Consumer c quantises its half of the tile's staged rows (block positions ``staged``, + 1)."""
+        yield self.wait("q_empty", tile - 1)
+        for g in (staged, staged + 1):
+            if self.drop != STAGED_Q_FULL:
+                yield self.wait(f"kv_full{g % 4}", g // 4)
+            yield ("read", f"kv{g % 4}", ("q", tile))
+        yield ("write", f"sQ{c}", tile)
+        for g in (staged, staged + 1):
+            yield ("arrive", f"kv_empty{g % 4}")
+        yield ("arrive", f"p_full{(staged + c) % 4}")
+        yield ("arrive", "q_full")
+        other = staged + 1 - c
+        yield self.wait(f"p_full{other % 4}", other // 4)
 
     def wait_previous_tile(self, tile: int):
         """Consumer 0: consumer 1 has finished the previous tile."""
@@ -203,31 +234,33 @@ def random_tiles(rng: random.Random) -> list[int]:
     return [rng.choice([0, 0, 1, 2, 3, 4, 5, 7, 8, 9]) for _ in range(rng.randint(1, 6))]
 
 
-def test_random_tiles_and_schedules_keep_the_protocol():
+@pytest.mark.parametrize("staged_q", [False, True], ids=["e4m3_q", "staged_bf16_q"])
+def test_random_tiles_and_schedules_keep_the_protocol(staged_q):
     """3000 runs: 300 random tile sequences, 10 random schedules each (a violation raises)."""
     rng = random.Random(20261129)
     for _ in range(300):
         tiles = random_tiles(rng)
         for _ in range(10):
-            Model(tiles).run(rng)
+            Model(tiles, staged_q=staged_q).run(rng)
 
 
 EDGE_TILES = [[0], [1], [0, 0, 0, 0], [1, 1, 1, 1], [2, 0, 0, 3], [3, 1, 3, 1], [5, 1, 0, 8], [9, 9, 9]]
 
 
+@pytest.mark.parametrize("staged_q", [False, True], ids=["e4m3_q", "staged_bf16_q"])
 @pytest.mark.parametrize("tiles", EDGE_TILES)
-def test_edge_tile_sequences_keep_the_protocol(tiles):
+def test_edge_tile_sequences_keep_the_protocol(tiles, staged_q):
     rng = random.Random(7)
     for _ in range(500):
-        Model(tiles).run(rng)
+        Model(tiles, staged_q=staged_q).run(rng)
 
 
-def violations(tiles: list[int], drop: str, runs: int = 2000) -> int:
+def violations(tiles: list[int], drop: str, runs: int = 2000, staged_q: bool = False) -> int:
     rng = random.Random(1)
     failures = 0
     for _ in range(runs):
         try:
-            Model(tiles, drop=drop).run(rng)
+            Model(tiles, drop=drop, staged_q=staged_q).run(rng)
         except ProtocolError:
             failures += 1
     return failures
@@ -254,3 +287,10 @@ def test_the_model_finds_an_early_statistics_read(tiles):
     """Without its wait for the other consumer's stats_full, an epilogue reads statistics not yet
     published."""
     assert violations(tiles, EPILOGUE_STATS) > 0
+
+
+@pytest.mark.parametrize("tiles", [[1, 1], [4, 0, 3], [2, 5]])
+def test_the_model_finds_the_staged_q_race_without_kv_full(tiles):
+    """Without the slot's kv_full waits, a consumer reads the staged rows before they land (the slot still
+    holding an earlier pair's rows, or nothing)."""
+    assert violations(tiles, STAGED_Q_FULL, staged_q=True) > 0

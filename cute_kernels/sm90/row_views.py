@@ -76,26 +76,15 @@ def load_q_tile(
 
 @cute.jit
 def quantize_q_tile(
-    q_view,
-    first_row,
-    thread,
-    sQ_base,
-    row_scale_base,
-    tile_rows: cutlass.Constexpr,
-    d_qk: cutlass.Constexpr,
-    last_row=None,
+    q_view, first_row, thread, sQ_base, row_scale_base, tile_rows: cutlass.Constexpr, d_qk: cutlass.Constexpr
 ) -> None:
     """Rows ``first_row`` .. ``first_row + tile_rows - 1`` of the bf16 q view ([rows, d_qk] row-major,
     16-byte aligned) into the e4m3 Q tile at shared address ``sQ_base`` (``store_quantized_rows``), with
     ``tile_rows * 4`` threads (``thread``: 0 .. tile_rows * 4 - 1): four per row, each 16 values of every
-    64-column tile, loaded from global memory. With ``last_row`` (the view's last row, when the tile may end
-    past it) a row past it is read from ``last_row`` instead."""
+    64-column tile, loaded from global memory."""
     row = thread // Q_THREADS_PER_ROW
     part = thread % Q_THREADS_PER_ROW
-    source_row = first_row + row
-    if cutlass.const_expr(last_row is not None):
-        source_row = cutlass.min(source_row, last_row)
-    row_addr = q_view.iterator.toint() + Int64(source_row) * (d_qk * 2) + part * 32
+    row_addr = q_view.iterator.toint() + Int64(first_row + row) * (d_qk * 2) + part * 32
     words = []
     for col_tile in cutlass.range_constexpr(d_qk // 64):  # every load in flight before the first use
         words.append(
@@ -107,39 +96,34 @@ def quantize_q_tile(
 
 @cute.jit
 def stage_q_rows(
-    q_view,
-    first_row,
-    last_row,
-    staging_base,
-    mbar_staged,
-    tile_rows: cutlass.Constexpr,
-    d_qk: cutlass.Constexpr,
+    q_view, first_row, last_row, tile_first_row, thread, tile_base, mbar_full, d_qk: cutlass.Constexpr
 ) -> None:
-    """(One warp.) Bulk copies of the bf16 rows ``first_row`` .. ``first_row + tile_rows - 1`` of the q view
-    (a row past ``last_row`` read from ``last_row``) to ``staging_base``, row-major (``d_qk * 2`` bytes a
-    row), completing on ``mbar_staged`` (initialised with one arrival, armed here with the tile's bytes)."""
-    lane = cute.arch.lane_idx()
-    row_bytes = d_qk * 2
-    with cute.arch.elect_one():
-        cute.arch.mbarrier_arrive_and_expect_tx(mbar_staged, tile_rows * row_bytes)
-    for group in cutlass.range_constexpr(tile_rows // 32):
-        row = group * 32 + lane
-        source_row = cutlass.min(first_row + row, last_row)
-        ptx.cp_async_bulk_to_shared(
-            staging_base + row * row_bytes,
-            q_view.iterator.toint() + Int64(source_row) * row_bytes,
-            row_bytes,
-            mbar_staged.toint(),
-        )
+    """One of the 64 threads that fill a block tile with staged bf16 Q rows: rows ``tile_first_row`` ..
+    ``tile_first_row + 31`` of the Q tile whose first row is ``first_row`` of the q view (a row past
+    ``last_row`` read from ``last_row``), stored row-major (``d_qk * 2`` bytes a row: 32 rows fill a
+    [64, d_qk] e4m3 block tile) at shared address ``tile_base``. ``thread`` (0-63) copies half of row
+    ``tile_first_row + thread // 2`` by a bulk copy (the TMA unit), arriving on ``mbar_full`` (the tile's
+    ``kv_full``, 64 arrivals) with the bytes it expects."""
+    half_bytes = d_qk  # half a row of bf16
+    row = thread // 2
+    source_row = cutlass.min(first_row + tile_first_row + row, last_row)
+    offset = row * (2 * half_bytes) + (thread % 2) * half_bytes
+    cute.arch.mbarrier_arrive_and_expect_tx(mbar_full, half_bytes)
+    ptx.cp_async_bulk_to_shared(
+        tile_base + offset,
+        q_view.iterator.toint() + Int64(source_row) * (2 * half_bytes) + (thread % 2) * half_bytes,
+        half_bytes,
+        mbar_full.toint(),
+    )
 
 
 @cute.jit
 def quantize_staged_q_tile(
     staging_base, thread, sQ_base, row_scale_base, tile_rows: cutlass.Constexpr, d_qk: cutlass.Constexpr
 ) -> None:
-    """``quantize_q_tile`` from the bf16 rows ``stage_q_rows`` put in shared memory at ``staging_base``.
-    The two rows of a quarter warp read their 32 bytes in opposite orders: rows 128 bytes apart share
-    banks."""
+    """``quantize_q_tile`` from the bf16 rows ``stage_q_rows`` put in shared memory at ``staging_base``
+    (row-major, ``d_qk * 2`` bytes a row). The two rows of a quarter warp read their 32 bytes in opposite
+    orders: rows a multiple of 128 bytes apart share banks."""
     row = thread // Q_THREADS_PER_ROW
     part = thread % Q_THREADS_PER_ROW
     row_addr = staging_base + row * (d_qk * 2) + part * 32

@@ -5,8 +5,9 @@ A CTA computes 64 heads of one token. Its producer warpgroup gathers the token's
 under a lazy running max chained from one consumer to the other) and each accumulates O^T for half
 of d_v over every block, V^T read from the gathered tiles by ldmatrix.trans (RS WGMMA).
 ``precision="accurate"`` stores P as two e4m3 terms; ``persistent`` walks several tiles per CTA;
-``q_dtype="bf16"`` takes bf16 q and quantises each Q tile in the consumers, a power-of-two scale per row
-folded into that row's logit scale; ``split`` computes each tile as a cluster of 2 or 4 CTAs, one per
+``q_dtype="bf16"`` takes bf16 q and quantises each Q tile in the consumers (from rows the producer stages in
+the KV ring's pair slot before the tile's first pair), a power-of-two scale per row folded into that row's
+logit scale; ``split`` computes each tile as a cluster of 2 or 4 CTAs, one per
 range of index slots, which merge their results through distributed shared memory (``merge_parts``).
 ``heads`` = 8, 16 or 32 (small heads: a tile is one token's n heads) computes
 the transposed S^T = K . Q^T, the block's slots on the WGMMA's M side and the heads on N, the per-head
@@ -176,7 +177,7 @@ class SparsePrefillSm90(AttentionKernel):
         bid + grid, ...), its producer loading the next tile's Q and first rows while the consumers
         finish the current one, whose out stores then drain during the next tile's math.
         ``q_dtype``: "e4m3" (q in e4m3, scaled by ``q_scale``, loaded by TMA) or "bf16" (q in bf16,
-        ``q_scale`` not read: the consumers quantise each tile, see ``quantize_q_tile``).
+        ``q_scale`` not read: the consumers quantise each tile, see ``load_q_bf16``).
         ``split`` (not with ``persistent``): CTA (t, p) of a [tiles, splits] grid (``splits`` in {2, 4},
         the launch's ``schedule_count``) computes tile t over the p-th of ``splits`` equal ranges of whole
         pairs of index slots (see ``tile_scheduler``); the ``splits`` CTAs of a tile form a cluster and merge
@@ -215,20 +216,17 @@ class SparsePrefillSm90(AttentionKernel):
         self.pv_groups_in_flight = 1 if self.small and self.q_bf16 and persistent else 2
         self.persistent = persistent
         self.split = split
-        # bf16 q, one tile per CTA: the producer copies the tile's bf16 rows into the second pair's KV tiles
-        # (exactly their size) by the TMA unit, the consumers quantise them from there (``stage_q_rows``).
-        self.stage_q = self.q_bf16 and not persistent and not self.small
+        # bf16 q (64 heads): a tile's bf16 rows take the ring's pair slot before its first pair (a [64, d_qk]
+        # bf16 tile is the size of two e4m3 block tiles), copied there by the producer (``stage_q_rows``) and
+        # quantised from there by the consumers; ``q_pairs``: the ring's pair positions a tile's Q takes.
+        self.stage_q = self.q_bf16 and not self.small
+        self.q_pairs = 1 if self.stage_q else 0
         self.scheduler = TileScheduler(persistent, B_TOPK, split, heads, whole_token=self.small)
         self.k_tile_bytes = B_TOPK * d_qk  # one gathered block in shared memory
         self.q_tile_bytes = heads * d_qk
         self.q_shape = (heads, d_qk)
         self.k_shape = (B_TOPK, d_qk, NUM_KV_TILES)
         self.p_shape = (heads, B_TOPK, NUM_KV_TILES * self.p_terms)  # [buffer][term] P tiles
-
-    def q_staging_base(self, sK_base):
-        """``stage_q``: the shared address of the staged bf16 rows, the KV tiles of the second pair (a
-        [64, d_qk] bf16 tile is the size of two [64, d_qk] e4m3 block tiles)."""
-        return sK_base + 2 * self.k_tile_bytes
 
     def shared_storage(self):
         """The CTA's shared memory: barriers and row statistics, then the Q, KV block and P tiles."""
@@ -251,7 +249,6 @@ class SparsePrefillSm90(AttentionKernel):
             mbar_stats_full: cute.struct.MemRange[Int64, 2]  # [consumer]: its row statistics are published
             mbar_tile_done: cute.struct.MemRange[Int64, 1]  # consumer 1 finished a tile
             q_row_scale: cute.struct.MemRange[Float32, B_H]  # bf16 q: the Q tile's row scales
-            mbar_q_staged: cute.struct.MemRange[Int64, 1]  # stage_q: the bf16 rows have landed
             if self.split:
                 mbar_merge_full: cute.struct.MemRange[Int64, 1]  # the other parts' fragments have landed
                 mbar_peers_free: cute.struct.MemRange[Int64, 1]  # the other parts' KV tiles are free
@@ -355,7 +352,6 @@ class SparsePrefillSm90(AttentionKernel):
         storage = allocate_shared_storage(SharedStorage)
         mbar_q = storage.mbar_q.data_ptr()
         mbar_q_empty = storage.mbar_q_empty.data_ptr()
-        mbar_q_staged = storage.mbar_q_staged.data_ptr()
         mbar_kv_full = storage.mbar_kv_full.data_ptr()
         mbar_kv_empty = storage.mbar_kv_empty.data_ptr()
         mbar_p_full = storage.mbar_p_full.data_ptr()
@@ -369,16 +365,7 @@ class SparsePrefillSm90(AttentionKernel):
         merge_barriers = (None, None)  # split: mbar_merge_full, mbar_peers_free
         if const_expr(self.split):
             merge_barriers = (storage.mbar_merge_full.data_ptr(), storage.mbar_peers_free.data_ptr())
-        barriers = (
-            mbar_q,
-            mbar_q_empty,
-            mbar_q_staged,
-            mbar_kv_full,
-            mbar_kv_empty,
-            mbar_p_full,
-            s_moved,
-            *handover,
-        )
+        barriers = (mbar_q, mbar_q_empty, mbar_kv_full, mbar_kv_empty, mbar_p_full, s_moved, *handover)
         init_cta(warp_idx, tma_atom_q, functools.partial(self.init_barriers, *barriers, *merge_barriers))
         if const_expr(self.split):  # the cluster's barriers are initialised before any CTA signals another's
             cute.arch.cluster_arrive_relaxed()
@@ -397,7 +384,6 @@ class SparsePrefillSm90(AttentionKernel):
                 mIdx,
                 mbar_q,
                 mbar_q_empty,
-                mbar_q_staged,
                 mbar_kv_full,
                 mbar_kv_empty,
                 tiles,
@@ -438,7 +424,6 @@ class SparsePrefillSm90(AttentionKernel):
                 mSink,
                 mQ_tma,
                 storage.q_row_scale.get_tensor(cute.make_layout(B_H)),
-                mbar_q_staged,
                 mQScale,
                 mKVScale,
                 mOut,
@@ -467,7 +452,6 @@ class SparsePrefillSm90(AttentionKernel):
         self,
         mbar_q,
         mbar_q_empty,
-        mbar_q_staged,
         mbar_kv_full,
         mbar_kv_empty,
         mbar_p_full,
@@ -478,15 +462,13 @@ class SparsePrefillSm90(AttentionKernel):
         mbar_peers_free,
     ):
         """(One thread.) q_full: the TMA (bf16 q: every consumer thread, after quantising its part);
-        q_empty: both consumers; q_staged (``stage_q``): the bulk copies of the bf16 rows; per block tile,
-        kv_full: the 64 threads gathering it (cp.async arrivals), kv_empty: both consumers, p_full: its
+        q_empty: both consumers; per block tile, kv_full: the 64 threads gathering it (cp.async arrivals;
+        staged bf16 rows: bulk copies, see ``stage_q_rows``), kv_empty: both consumers, p_full: its
         owner's warpgroup; no block has moved the max yet. Persistent: stats_full[c]: consumer c's warpgroup;
         tile_done: consumer 1's warpgroup. Split: merge_full: one arrival (with the bytes expected) and the
         other parts' stores; peers_free: one arrival from each other part."""
         cute.arch.mbarrier_init(mbar_q, CONSUMER_THREADS if const_expr(self.q_bf16) else 1)
         cute.arch.mbarrier_init(mbar_q_empty, CONSUMER_THREADS)
-        if const_expr(self.stage_q):
-            cute.arch.mbarrier_init(mbar_q_staged, 1)
         for i in cutlass.range_constexpr(NUM_KV_TILES):
             cute.arch.mbarrier_init(mbar_kv_full + i, 2 * 32)
             cute.arch.mbarrier_init(mbar_kv_empty + i, CONSUMER_THREADS)
@@ -512,7 +494,6 @@ class SparsePrefillSm90(AttentionKernel):
         mIdx,
         mbar_q,
         mbar_q_empty,
-        mbar_q_staged,
         mbar_kv_full,
         mbar_kv_empty,
         tiles,
@@ -529,20 +510,20 @@ class SparsePrefillSm90(AttentionKernel):
         row_base = (warp_idx % 2) * 32  # this warp's 32 rows inside its block
         lane_row = lane // 4  # row (of 8) this lane copies per 8-row group
 
-        tile_inputs = (tma_atom_q, mQ_tma, sQ, mIdx, mbar_q, mbar_q_staged, mbar_kv_full, mbar_kv_empty)
+        tile_inputs = (tma_atom_q, mQ_tma, sQ, mIdx, mbar_q, mbar_kv_full, mbar_kv_empty)
         geometry = (gather, block_in_pair, row_base, lane_row)
         if const_expr(self.persistent):
             pair_base = Int32(0)  # pairs this CTA gathered before the current tile
             for tile_iter in cutlass.range(tiles.count, unroll=1):
-                work = self.scheduler.work(tiles, tile_iter, 2 * pair_base)
+                work = self.scheduler.work(tiles, tile_iter, 2 * (pair_base + self.q_pairs))
                 if const_expr(not self.q_bf16):
                     if warp_idx == 0:
                         TILE_RING.wait_empty(mbar_q_empty, tile_iter)
                 q_row = self.scheduler.first_q_row(work.tile, tiles.heads)
                 self.produce_tile(*tile_inputs, work, q_row, pair_base, geometry)
-                pair_base += work.num_pairs
+                pair_base += work.num_pairs + self.q_pairs
         else:
-            work = self.scheduler.work(tiles, 0, 0)
+            work = self.scheduler.work(tiles, 0, 2 * self.q_pairs)
             q_row = self.scheduler.first_q_row(work.tile, tiles.heads)
             self.produce_tile(*tile_inputs, work, q_row, 0, geometry)
         ptx.cp_async_wait_all()
@@ -557,7 +538,6 @@ class SparsePrefillSm90(AttentionKernel):
         sQ,
         mIdx,
         mbar_q,
-        mbar_q_staged,
         mbar_kv_full,
         mbar_kv_empty,
         work,
@@ -565,10 +545,10 @@ class SparsePrefillSm90(AttentionKernel):
         pair_base,
         geometry,
     ):
-        """One tile's Q (rows ``q_row`` onwards; warp 0) and pairs; the CTA's earlier tiles gathered
-        ``pair_base`` pairs. e4m3 q: the Q tile by TMA. ``stage_q``: the tile's bf16 rows by bulk copies
-        into the second pair's KV tiles, which the gather fills only after the consumers have quantised
-        them (``q_full``). Other bf16 q: nothing (the consumers load it)."""
+        """One tile's Q (rows ``q_row`` onwards) and pairs, from the ring's pair position ``pair_base`` on
+        (the pairs and staged Q tiles of the CTA's earlier tiles). e4m3 q: the Q tile by TMA (warp 0).
+        ``stage_q``: the tile's bf16 rows into the pair slot of position ``pair_base`` (``stage_q_rows``),
+        the pairs after it. Small heads with a bf16 q: nothing (the consumers load it)."""
         gather, block_in_pair, row_base, lane_row = geometry
         warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
         lane = cute.arch.lane_idx()
@@ -576,20 +556,21 @@ class SparsePrefillSm90(AttentionKernel):
             if warp_idx == 0:
                 load_q_tile(tma_atom_q, mQ_tma, sQ, mbar_q, q_row, self.b_h, self.d_qk, self.q_tile_bytes)
         if const_expr(self.stage_q):
-            if warp_idx == 0:
-                last_row = plain_int32(cute.size(mQ_tma, mode=[0])) - 1
-                stage_q_rows(
-                    mQ_tma,
-                    q_row,
-                    last_row,
-                    self.q_staging_base(gather.sK_base),
-                    mbar_q_staged,
-                    B_H,
-                    self.d_qk,
-                )
+            q_tile = self.pair_ring.index(pair_base) * 2 + block_in_pair
+            cute.arch.mbarrier_wait(mbar_kv_empty + q_tile, self.pair_ring.phase(pair_base) ^ 1)
+            stage_q_rows(
+                mQ_tma,
+                q_row,
+                plain_int32(cute.size(mQ_tma, mode=[0])) - 1,
+                block_in_pair * (B_H // 2),
+                row_base + lane,
+                gather.sK_base + q_tile * self.k_tile_bytes,
+                mbar_kv_full + q_tile,
+                self.d_qk,
+            )
 
         for pair in cutlass.range(work.num_pairs, unroll=1):
-            ring_pair = pair_base + pair
+            ring_pair = pair_base + self.q_pairs + pair
             stage = self.pair_ring.index(ring_pair)
             phase = self.pair_ring.phase(ring_pair)
             full_barrier = mbar_kv_full + stage * 2 + block_in_pair
@@ -599,9 +580,6 @@ class SparsePrefillSm90(AttentionKernel):
                 slot += work.slot_base
             kv_row = mIdx[work.token, slot]
             is_valid = slot_valid_flag(kv_row, slot, gather.s_kv, work.valid_len)
-            if const_expr(self.stage_q):
-                if pair == 1:  # the staged rows are quantised
-                    cute.arch.mbarrier_wait(mbar_q, 0)
             cute.arch.mbarrier_wait(empty_barrier, phase ^ 1)
             tile_base = gather.sK_base + (stage * 2 + block_in_pair) * self.k_tile_bytes
             for group in cutlass.range_constexpr(4):  # lane l holds the index of the warp's row l
@@ -613,32 +591,24 @@ class SparsePrefillSm90(AttentionKernel):
 
     @cute.jit
     def prefetch_next_q(self, mQ, tile, heads):
-        """Persistent, bf16 q (one consumer warp): prefetch into L2 the Q rows of the CTA's next tile (tile +
-        grid size), when it exists; ``heads``: h. (Measured: 2-4% off the persistent rows with bf16 q; in the
-        one-tile kernel a prefetch of tile + SM count made the 64k-context row 3% slower.)"""
+        """Persistent small heads, bf16 q (one consumer warp): prefetch into L2 the Q rows of the CTA's next
+        tile (tile + grid size, a whole token), when it exists; ``heads``: h. (Measured on the 64-head
+        persistent kernel before its rows were staged: 2-4% off its rows with a bf16 q.)"""
         rows = plain_int32(cute.size(mQ, mode=[0]))
         next_tile = tile + cute.arch.grid_dim()[0]
-        num_tiles = (
-            rows // self.b_h if const_expr(self.small) else self.scheduler.num_tiles(rows // heads, heads)
-        )
-        if next_tile < num_tiles:
+        if next_tile < rows // self.b_h:
             row_bytes = self.d_qk * 2
             tile_bytes = self.b_h * row_bytes
             lane_offset = cute.arch.lane_idx() * L2_LINE_BYTES
             first_row = self.scheduler.first_q_row(next_tile, heads)
             base = mQ.iterator.toint() + Int64(first_row) * row_bytes + lane_offset
-            # Bytes of the tile inside q (a token's last head group may end past q's last row).
-            tile_end = cutlass.min(Int64(rows - first_row) * row_bytes, Int64(tile_bytes))
             line_set = 32 * L2_LINE_BYTES  # a line per lane
             for line in cutlass.range_constexpr(-(-tile_bytes // line_set)):
-                if const_expr(self.small):
-                    if const_expr((line + 1) * line_set <= tile_bytes):
-                        ptx.prefetch_l2(base + line * line_set)
-                    else:  # the tile ends inside this set of lines
-                        if lane_offset < tile_bytes - line * line_set:
-                            ptx.prefetch_l2(base + line * line_set)
-                elif lane_offset + line * line_set < tile_end:
+                if const_expr((line + 1) * line_set <= tile_bytes):
                     ptx.prefetch_l2(base + line * line_set)
+                else:  # the tile ends inside this set of lines
+                    if lane_offset < tile_bytes - line * line_set:
+                        ptx.prefetch_l2(base + line * line_set)
 
     # ------------------------------------------------------------------------------------
     @cute.jit
@@ -654,7 +624,6 @@ class SparsePrefillSm90(AttentionKernel):
         mSink,
         mQ,
         q_row_scale,
-        mbar_q_staged,
         mQScale,
         mKVScale,
         mOut,
@@ -771,20 +740,18 @@ class SparsePrefillSm90(AttentionKernel):
 
         tile_barriers = (mbar_q, mbar_q_empty)
         epilogue_args = (mSink, mKVScale, mOut, mMaxLogits, mLse, flags)
-        q_source = None  # bf16 q: the rows, the Q tile, its row scales, the staged rows' barrier
-        if const_expr(self.q_bf16):
-            q_source = (mQ, sQ.iterator.toint(), q_row_scale, mbar_q_staged)
+        q_source = (mQ, sQ.iterator.toint(), q_row_scale) if const_expr(self.q_bf16) else None
         if const_expr(self.persistent):
             pair_base = Int32(0)  # pairs of the CTA's earlier tiles (the producer counts the same)
             for tile_iter in cutlass.range(tiles.count, unroll=1):
-                work = self.scheduler.work(tiles, tile_iter, 2 * pair_base)
+                work = self.scheduler.work(tiles, tile_iter, 2 * (pair_base + self.q_pairs))
                 if const_expr(self.q_bf16):
                     self.load_q_bf16(c, work, tiles.heads, tile_iter, q_source, mbar_q, mbar_q_empty)
                 self.reset_tile_state(*tile_state)
                 self.consume_tile(c._replace(work=work), tile_iter, *tile_barriers, epilogue_args, q_source)
-                pair_base += work.num_pairs
+                pair_base += work.num_pairs + self.q_pairs
         else:
-            work = self.scheduler.work(tiles, 0, 0)
+            work = self.scheduler.work(tiles, 0, 2 * self.q_pairs)
             if const_expr(self.q_bf16):
                 self.load_q_bf16(c, work, tiles.heads, 0, q_source, mbar_q, mbar_q_empty)
                 self.reset_tile_state(*tile_state)
@@ -793,32 +760,48 @@ class SparsePrefillSm90(AttentionKernel):
     @cute.jit
     def load_q_bf16(self, c: Consumer, work, heads, tile_iter, q_source, mbar_q, mbar_q_empty):
         """bf16 q, both consumers: the tile's Q rows, quantised into the shared Q tile with their scales
-        (``quantize_q_tile``: this thread's part of row 32 c + 4 w + g / 4 ...), then an arrival on
-        ``q_full`` (all 256 threads: the tile is complete when it completes). Persistent: first wait until
-        both consumers' QKs of the previous tile are done (``q_empty``)."""
-        mQ, sQ_base, q_row_scale, mbar_q_staged = q_source
+        (this thread's part of row 32 c + 4 w + g / 4 ...), then an arrival on ``q_full`` (all 256 threads:
+        the tile is complete when it completes). Persistent: first wait until both consumers' QKs of the
+        previous tile are done (``q_empty``).
+
+        ``stage_q``: the rows staged in the pair slot before the tile's first block (``stage_q_rows``),
+        released once read: ``kv_empty`` of both its tiles, and each consumer completes the ``p_full``
+        phase of one of them (the other consumer waits for it), so that every ring position keeps one
+        phase per use. Small heads: the rows loaded from global memory (``quantize_q_tile``; persistent:
+        the next tile's rows prefetched into L2)."""
+        mQ, sQ_base, q_row_scale = q_source
         if const_expr(self.persistent):
-            if c.index == 0:
-                if c.warp == 0:
-                    self.prefetch_next_q(mQ, work.tile, heads)
+            if const_expr(not self.stage_q):
+                if c.index == 0:
+                    if c.warp == 0:
+                        self.prefetch_next_q(mQ, work.tile, heads)
             TILE_RING.wait_empty(mbar_q_empty, tile_iter)
         thread = c.index * THREADS_PER_WG + c.warp * 32 + c.lane
-        q_row = self.scheduler.first_q_row(work.tile, heads)
         if const_expr(self.stage_q):
-            cute.arch.mbarrier_wait(mbar_q_staged, 0)
+            staged = work.block_base - 2  # the ring positions of the slot's two block tiles
+            for half in cutlass.range_constexpr(2):
+                self.kv_ring.wait(c.mbar_kv_full, staged + half)
             quantize_staged_q_tile(
-                self.q_staging_base(c.sK_base), thread, sQ_base, q_row_scale.iterator.toint(), B_H, self.d_qk
+                c.sK_base + self.kv_ring.index(staged) * self.k_tile_bytes,
+                thread,
+                sQ_base,
+                q_row_scale.iterator.toint(),
+                B_H,
+                self.d_qk,
             )
-        elif const_expr(self.small):  # the first 4 * heads threads (whole warps)
+            for half in cutlass.range_constexpr(2):
+                self.kv_ring.arrive(c.mbar_kv_empty, staged + half)
+            self.kv_ring.arrive(c.mbar_p_full, staged + c.index)
+        else:  # small heads: the first 4 * heads threads (whole warps)
             if thread < Q_THREADS_PER_ROW * self.b_h:
+                q_row = self.scheduler.first_q_row(work.tile, heads)
                 quantize_q_tile(mQ, q_row, thread, sQ_base, q_row_scale.iterator.toint(), self.b_h, self.d_qk)
-        else:  # a token's last head group may end past q's last row
-            last_row = plain_int32(cute.size(mQ, mode=[0])) - 1
-            quantize_q_tile(
-                mQ, q_row, thread, sQ_base, q_row_scale.iterator.toint(), B_H, self.d_qk, last_row
-            )
         cute.arch.fence_proxy("async.shared", space="cta")  # the stores, seen by the WGMMAs
         cute.arch.mbarrier_arrive(mbar_q)
+        if const_expr(self.stage_q):
+            # The other consumer's p_full phase of the slot completes before its q_full arrival, which
+            # the tile waits for anyway: waited for here, so that no phase of p_full goes unobserved.
+            self.kv_ring.wait(c.mbar_p_full, staged + 1 - c.index)
 
     @cute.jit
     def reset_tile_state(self, acc_o, row_max_own, row_max_true, row_sum):
