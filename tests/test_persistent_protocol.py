@@ -15,9 +15,8 @@ them under random schedules. It checks:
 
 ``Model(staged_q=True)`` is the kernel with a bf16 q (``stage_q``): a tile's bf16 rows take the KV ring's
 pair slot before its first pair, filled by the producer like a pair and quantised into sQ by both consumers
-(each half of the rows; a tile after the first before the epilogue of the tile before it), which release
-the slot (``kv_empty``; consumer c completes the ``p_full`` phase of the slot's block position c, the other
-waits for it) and arrive on ``q_full``.
+(each half of the rows), which release the slot (``kv_empty``; consumer c completes the ``p_full`` phase of
+the slot's block position c, the other waits for it) and arrive on ``q_full``.
 
 It must change with the kernel's protocol. ``Model(drop=...)`` leaves one of the kernel's waits out;
 the ``test_the_model_finds_*`` tests show that the model then finds the race that wait prevents.
@@ -98,10 +97,10 @@ class Model:
 
     def consumer(self, c: int):
         pair_base = 0
-        if self.staged_q:  # the first tile's rows; a later tile's before the epilogue of the one before
-            yield from self.quantize_staged_q(c, 0, 0)
         for tile, blocks in enumerate(self.tiles):
             base = 2 * (pair_base + self.q_pairs)
+            if self.staged_q:
+                yield from self.quantize_staged_q(c, tile, base - 2)
             yield self.wait("q_full", tile)
             if blocks <= c:
                 yield ("arrive", "q_empty")
@@ -157,8 +156,6 @@ class Model:
                 yield ("arrive", f"kv_empty{e % 4}")
                 if c == 1:
                     yield ("arrive", f"p_full{e % 4}")
-            if self.staged_q and tile + 1 < len(self.tiles):
-                yield from self.quantize_staged_q(c, tile + 1, base + 2 * ((blocks + 1) // 2))
             # The epilogue.
             if self.drop != EPILOGUE_STATS:
                 yield self.wait(f"stats_full{1 - c}", tile)

@@ -122,55 +122,31 @@ def quantize_staged_q_tile(
     staging_base, thread, sQ_base, row_scale_base, tile_rows: cutlass.Constexpr, d_qk: cutlass.Constexpr
 ) -> None:
     """``quantize_q_tile`` from the bf16 rows ``stage_q_rows`` put in shared memory at ``staging_base``
-    (row-major, ``d_qk * 2`` bytes a row), in two passes over them (the maximum, then the conversion), so
-    that few registers are live: it runs beside a tile's O^T. The two rows of a quarter warp read their 32
-    bytes in opposite orders: rows a multiple of 128 bytes apart share banks."""
+    (row-major, ``d_qk * 2`` bytes a row). The two rows of a quarter warp read their 32 bytes in opposite
+    orders: rows a multiple of 128 bytes apart share banks."""
     row = thread // Q_THREADS_PER_ROW
     part = thread % Q_THREADS_PER_ROW
     row_addr = staging_base + row * (d_qk * 2) + part * 32
-    amax = Uint32(0)
+    words = []
     for col_tile in cutlass.range_constexpr(d_qk // 64):
-        amax = max_abs_of(amax, ptx.ld_shared_v4x2(row_addr + col_tile * 128, row % 2))
-    inverse_bits = row_scale(amax, row, part, row_scale_base)
-    for col_tile in cutlass.range_constexpr(d_qk // 64):
-        store_e4m3_chunk(
-            ptx.ld_shared_v4x2(row_addr + col_tile * 128, row % 2),
-            row,
-            part,
-            col_tile,
-            sQ_base,
-            tile_rows,
-            inverse_bits,
-        )
+        words.append(ptx.ld_shared_v4x2(row_addr + col_tile * 128, row % 2))
+    store_quantized_rows(words, row, part, sQ_base, row_scale_base, tile_rows)
 
 
 @cute.jit
 def store_quantized_rows(words, row, part, sQ_base, row_scale_base, tile_rows: cutlass.Constexpr) -> None:
     """This thread's part of row ``row`` of a Q tile, ``words`` (per 64-column tile the eight 32-bit words of
-    its 16 bf16 values), stored in e4m3 at shared address ``sQ_base`` (``store_e4m3_chunk``) with the row's
-    scale (``row_scale``)."""
+    its 16 bf16 values), stored in e4m3 at shared address ``sQ_base`` (64-byte-swizzled, K-major: the
+    layout the TMA of an e4m3 tile writes); the row's four threads (``part`` 0-3, neighbouring lanes) agree
+    on its scale.
+
+    Row r is stored as e4m3(q_r / s_r) with s_r = 2^e, e the least integer with max|q_r| <= 448 * 2^e
+    (at least -126; e = 0 for a zero row): exact scaling, no saturation. s_r goes to the float32 table at
+    ``row_scale_base`` (one thread per row writes it). Finite q only."""
     amax = Uint32(0)
     for group in words:
-        amax = max_abs_of(amax, group)
-    inverse_bits = row_scale(amax, row, part, row_scale_base)
-    for col_tile in cutlass.range_constexpr(len(words)):
-        store_e4m3_chunk(words[col_tile], row, part, col_tile, sQ_base, tile_rows, inverse_bits)
-
-
-def max_abs_of(amax, words):
-    """``amax`` (two 16-bit halves of bf16 magnitude bits) with the magnitudes of ``words`` folded in."""
-    for word in words:
-        amax = ptx.max_abs_bf16x2(amax, word)
-    return amax
-
-
-@cute.jit
-def row_scale(amax, row, part, row_scale_base):
-    """The scale of row ``row`` from its four threads' ``amax`` (``part`` 0-3, neighbouring lanes; each
-    the two halves of ``max_abs_of``): s_r = 2^e, e the least integer with max|q_r| <= 448 * 2^e (at least
-    -126; e = 0 for a zero row), so that e4m3(q_r / s_r) is exact scaling without saturation. Writes s_r to
-    the float32 table at ``row_scale_base`` (the row's first thread) and returns 2^-e as float32 bits.
-    Finite q only."""
+        for word in group:
+            amax = ptx.max_abs_bf16x2(amax, word)
     amax = ptx.max_u32(amax & Uint32(0xFFFF), amax >> Uint32(16))  # bf16 magnitude bits
     for offset in (1, 2):  # the row's four threads
         amax = ptx.max_u32(amax, Uint32(cute.arch.shuffle_sync_bfly(Int32(amax), offset=offset)))
@@ -183,19 +159,15 @@ def row_scale(amax, row, part, row_scale_base):
             exponent = exponent + 1
         if exponent < F32_MIN_EXPONENT:
             exponent = Int32(F32_MIN_EXPONENT)
+    inverse_bits = Uint32((127 - exponent) << 23)  # 2^-e
     if part == 0:
         ptx.st_shared_u32(row_scale_base + row * 4, Uint32((127 + exponent) << 23))
-    return Uint32((127 - exponent) << 23)
-
-
-def store_e4m3_chunk(w, row, part, col_tile, sQ_base, tile_rows, inverse_bits):
-    """This thread's 16 values of column tile ``col_tile`` of row ``row`` (``w``: eight words of bf16),
-    times 2^-e (``inverse_bits``), as one 16-byte chunk of the e4m3 Q tile at ``sQ_base`` (64-byte-swizzled,
-    K-major: the layout the TMA of an e4m3 tile writes)."""
-    ptx.st_shared_v4(
-        sQ_base + col_tile * (tile_rows * 64) + swizzle_offset(row, part, 64),
-        ptx.scale_bf16x4_to_e4m3x4(w[0], w[1], inverse_bits),
-        ptx.scale_bf16x4_to_e4m3x4(w[2], w[3], inverse_bits),
-        ptx.scale_bf16x4_to_e4m3x4(w[4], w[5], inverse_bits),
-        ptx.scale_bf16x4_to_e4m3x4(w[6], w[7], inverse_bits),
-    )
+    for col_tile in cutlass.range_constexpr(len(words)):
+        w = words[col_tile]
+        ptx.st_shared_v4(
+            sQ_base + col_tile * (tile_rows * 64) + swizzle_offset(row, part, 64),
+            ptx.scale_bf16x4_to_e4m3x4(w[0], w[1], inverse_bits),
+            ptx.scale_bf16x4_to_e4m3x4(w[2], w[3], inverse_bits),
+            ptx.scale_bf16x4_to_e4m3x4(w[4], w[5], inverse_bits),
+            ptx.scale_bf16x4_to_e4m3x4(w[6], w[7], inverse_bits),
+        )

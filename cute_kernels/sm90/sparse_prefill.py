@@ -743,80 +743,65 @@ class SparsePrefillSm90(AttentionKernel):
         q_source = (mQ, sQ.iterator.toint(), q_row_scale) if const_expr(self.q_bf16) else None
         if const_expr(self.persistent):
             pair_base = Int32(0)  # pairs of the CTA's earlier tiles (the producer counts the same)
-            if const_expr(self.stage_q):  # the first tile's rows (the later ones: before each epilogue)
-                self.quantize_staged_q(c, 0, 0, q_source, mbar_q, mbar_q_empty)
             for tile_iter in cutlass.range(tiles.count, unroll=1):
                 work = self.scheduler.work(tiles, tile_iter, 2 * (pair_base + self.q_pairs))
-                if const_expr(self.q_bf16 and not self.stage_q):
+                if const_expr(self.q_bf16):
                     self.load_q_bf16(c, work, tiles.heads, tile_iter, q_source, mbar_q, mbar_q_empty)
                 self.reset_tile_state(*tile_state)
-                has_next = tile_iter + 1 < tiles.count
-                self.consume_tile(
-                    c._replace(work=work), tile_iter, *tile_barriers, epilogue_args, q_source, has_next
-                )
+                self.consume_tile(c._replace(work=work), tile_iter, *tile_barriers, epilogue_args, q_source)
                 pair_base += work.num_pairs + self.q_pairs
         else:
             work = self.scheduler.work(tiles, 0, 2 * self.q_pairs)
             if const_expr(self.q_bf16):
-                if const_expr(self.stage_q):
-                    self.quantize_staged_q(c, 0, 0, q_source, mbar_q, mbar_q_empty)
-                else:
-                    self.load_q_bf16(c, work, tiles.heads, 0, q_source, mbar_q, mbar_q_empty)
+                self.load_q_bf16(c, work, tiles.heads, 0, q_source, mbar_q, mbar_q_empty)
                 self.reset_tile_state(*tile_state)
             self.consume_tile(c._replace(work=work), 0, *tile_barriers, epilogue_args, q_source)
 
     @cute.jit
     def load_q_bf16(self, c: Consumer, work, heads, tile_iter, q_source, mbar_q, mbar_q_empty):
-        """Small heads, bf16 q, both consumers: the tile's Q rows loaded from global memory and quantised
-        into the shared Q tile with their scales (``quantize_q_tile``, the first 4 * heads threads), then
-        an arrival on ``q_full`` (all 256 threads: the tile is complete when it completes). Persistent: the
-        next tile's rows prefetched into L2, then a wait until both consumers' QKs of the previous tile
-        are done (``q_empty``)."""
+        """bf16 q, both consumers: the tile's Q rows, quantised into the shared Q tile with their scales
+        (this thread's part of row 32 c + 4 w + g / 4 ...), then an arrival on ``q_full`` (all 256 threads:
+        the tile is complete when it completes). Persistent: first wait until both consumers' QKs of the
+        previous tile are done (``q_empty``).
+
+        ``stage_q``: the rows staged in the pair slot before the tile's first block (``stage_q_rows``),
+        released once read: ``kv_empty`` of both its tiles, and each consumer completes the ``p_full``
+        phase of one of them (the other consumer waits for it), so that every ring position keeps one
+        phase per use. Small heads: the rows loaded from global memory (``quantize_q_tile``; persistent:
+        the next tile's rows prefetched into L2)."""
         mQ, sQ_base, q_row_scale = q_source
         if const_expr(self.persistent):
-            if c.index == 0:
-                if c.warp == 0:
-                    self.prefetch_next_q(mQ, work.tile, heads)
+            if const_expr(not self.stage_q):
+                if c.index == 0:
+                    if c.warp == 0:
+                        self.prefetch_next_q(mQ, work.tile, heads)
             TILE_RING.wait_empty(mbar_q_empty, tile_iter)
         thread = c.index * THREADS_PER_WG + c.warp * 32 + c.lane
-        if thread < Q_THREADS_PER_ROW * self.b_h:  # whole warps
-            q_row = self.scheduler.first_q_row(work.tile, heads)
-            quantize_q_tile(mQ, q_row, thread, sQ_base, q_row_scale.iterator.toint(), self.b_h, self.d_qk)
+        if const_expr(self.stage_q):
+            staged = work.block_base - 2  # the ring positions of the slot's two block tiles
+            for half in cutlass.range_constexpr(2):
+                self.kv_ring.wait(c.mbar_kv_full, staged + half)
+            quantize_staged_q_tile(
+                c.sK_base + self.kv_ring.index(staged) * self.k_tile_bytes,
+                thread,
+                sQ_base,
+                q_row_scale.iterator.toint(),
+                B_H,
+                self.d_qk,
+            )
+            for half in cutlass.range_constexpr(2):
+                self.kv_ring.arrive(c.mbar_kv_empty, staged + half)
+            self.kv_ring.arrive(c.mbar_p_full, staged + c.index)
+        else:  # small heads: the first 4 * heads threads (whole warps)
+            if thread < Q_THREADS_PER_ROW * self.b_h:
+                q_row = self.scheduler.first_q_row(work.tile, heads)
+                quantize_q_tile(mQ, q_row, thread, sQ_base, q_row_scale.iterator.toint(), self.b_h, self.d_qk)
         cute.arch.fence_proxy("async.shared", space="cta")  # the stores, seen by the WGMMAs
         cute.arch.mbarrier_arrive(mbar_q)
-
-    @cute.jit
-    def quantize_staged_q(self, c: Consumer, staged, tile_iter, q_source, mbar_q, mbar_q_empty):
-        """``stage_q``, both consumers: the bf16 rows of the CTA's tile ``tile_iter``, staged in the pair slot
-        of block ring positions ``staged`` and ``staged + 1`` (``stage_q_rows``), quantised into the shared Q
-        tile with their scales (this thread's part of row 32 c + 4 w + g / 4 ...), then an arrival on
-        ``q_full`` (all 256 threads). Persistent: first a wait until both consumers' QKs of the previous tile
-        are done (``q_empty``); a tile after the first is quantised before the previous tile's epilogue.
-
-        The slot is released once read: ``kv_empty`` of both its tiles, and each consumer completes the
-        ``p_full`` phase of one of them (the other consumer waits for it), so that every ring position keeps
-        one phase per use."""
-        mQ, sQ_base, q_row_scale = q_source
-        if const_expr(self.persistent):
-            TILE_RING.wait_empty(mbar_q_empty, tile_iter)
-        for half in cutlass.range_constexpr(2):
-            self.kv_ring.wait(c.mbar_kv_full, staged + half)
-        quantize_staged_q_tile(
-            c.sK_base + self.kv_ring.index(staged) * self.k_tile_bytes,
-            c.index * THREADS_PER_WG + c.warp * 32 + c.lane,
-            sQ_base,
-            q_row_scale.iterator.toint(),
-            B_H,
-            self.d_qk,
-        )
-        for half in cutlass.range_constexpr(2):
-            self.kv_ring.arrive(c.mbar_kv_empty, staged + half)
-        self.kv_ring.arrive(c.mbar_p_full, staged + c.index)
-        cute.arch.fence_proxy("async.shared", space="cta")  # the stores, seen by the WGMMAs
-        cute.arch.mbarrier_arrive(mbar_q)
-        # The other consumer's p_full phase of the slot completes before its q_full arrival, which the
-        # tile waits for anyway: waited for here, so that no phase of p_full goes unobserved.
-        self.kv_ring.wait(c.mbar_p_full, staged + 1 - c.index)
+        if const_expr(self.stage_q):
+            # The other consumer's p_full phase of the slot completes before its q_full arrival, which
+            # the tile waits for anyway: waited for here, so that no phase of p_full goes unobserved.
+            self.kv_ring.wait(c.mbar_p_full, staged + 1 - c.index)
 
     @cute.jit
     def reset_tile_state(self, acc_o, row_max_own, row_max_true, row_sum):
@@ -829,9 +814,7 @@ class SparsePrefillSm90(AttentionKernel):
         row_sum.fill(0.0)
 
     @cute.jit
-    def consume_tile(
-        self, c: Consumer, tile_iter, mbar_q, mbar_q_empty, epilogue_args, q_source, has_next=None
-    ):
+    def consume_tile(self, c: Consumer, tile_iter, mbar_q, mbar_q_empty, epilogue_args, q_source):
         """One tile: the step loop over its blocks, then the epilogue.
 
         Persistent, besides: each consumer releases Q (``q_empty``) once its last QK of the tile
@@ -936,10 +919,6 @@ class SparsePrefillSm90(AttentionKernel):
                 if consumer == 1:  # its owner (odd index)
                     self.kv_ring.arrive(c.mbar_p_full, ring)
 
-        if const_expr(self.persistent and self.stage_q):  # the next tile's rows, off its start's path
-            if has_next:
-                next_staged = c.work.block_base + 2 * c.work.num_pairs
-                self.quantize_staged_q(c, next_staged, tile_iter + 1, q_source, mbar_q, mbar_q_empty)
         self.epilogue(c, tile_iter, *epilogue_args)
         if const_expr(self.persistent):
             if consumer == 1:  # consumer 1 has read everything of the tile that consumer 0 rewrites
