@@ -346,7 +346,7 @@ def cp_async_bulk_to_shared(smem_addr, gmem_addr, size_bytes, mbar_addr, *, loc=
 
 @dsl_user_op
 def ld_shared_v4x2(smem_addr, swap, *, loc=None, ip=None):
-    """The 32 bytes at ``smem_addr`` (16-byte aligned) as eight 32-bit words, lowest first. With ``swap``
+    """The 32 bytes at ``smem_addr`` (32-byte aligned) as eight 32-bit words, lowest first. With ``swap``
     (0 or 1) nonzero the upper 16 bytes are read by the first of the two loads: a warp whose rows alternate
     ``swap`` reads rows 128 bytes apart without bank conflicts."""
     res = inline_asm(
