@@ -13,14 +13,10 @@ them under random schedules. It checks:
 - every read of a shared buffer (Q, KV tiles, P buffers, the running max, the row statistics) sees the
   write of its own tile or block.
 
-``Model(staged_q=True)`` is the kernel with a bf16 q (``stage_q``): a tile's bf16 rows 0-31 are staged over sQ
-by the producer's warps 2-3 (once both consumers' QKs of the previous tile are done, on ``q_staged``) and
-rows 32-63 in the KV ring's block position before the tile's first block (on its ``kv_full``). A tile then
-takes an odd number of ring positions, so each half of the producer fills the positions of one parity, the
-first block of a pair or the second by tile. Consumer 0 reads the rows in sQ, consumer 1 those in the block
-tile; after a barrier of both (every staged row read) they store their e4m3 halves into sQ, release the
-block tile (``kv_empty``) and arrive on ``q_full``; consumer 1 completes the position's ``p_full`` phase, and
-consumer 0 waits for it.
+``Model(staged_q=True)`` is the kernel with a bf16 q (``stage_q``): a tile's bf16 rows take the KV ring's
+pair slot before its first pair, filled by the producer like a pair and quantised into sQ by both consumers
+(each half of the rows), which release the slot (``kv_empty``; consumer c completes the ``p_full`` phase of
+the slot's block position c, the other waits for it) and arrive on ``q_full``.
 
 It must change with the kernel's protocol. ``Model(drop=...)`` leaves one of the kernel's waits out;
 the ``test_the_model_finds_*`` tests show that the model then finds the race that wait prevents.
@@ -36,9 +32,7 @@ from cute_kernels.sm90.sparse_prefill import NUM_KV_TILES, consumer_steps
 TILE_DONE = "consumer 0 waits for tile_done of the previous tile"
 EMPTY_TILE_STATS = "consumer 1, in a tile without blocks, waits for stats_full[0] before publishing"
 EPILOGUE_STATS = "the epilogue waits for the other consumer's stats_full"
-STAGED_Q_FULL = "staged q: the consumers wait for the staged position's kv_full before reading the rows"
-STAGED_Q_READ = "staged q: the consumers' barrier between reading the staged rows and storing into sQ"
-STAGED_Q_PARITY = "staged q: each half of the producer fills the ring positions of one parity"
+STAGED_Q_FULL = "staged q: the consumers wait for the slot's kv_full before reading the rows"
 
 
 class ProtocolError(AssertionError):
@@ -61,13 +55,11 @@ class MBarrier:
 class Model:
     def __init__(self, tiles: list[int], drop: str | None = None, staged_q: bool = False):
         self.tiles, self.drop, self.staged_q = tiles, drop, staged_q
-        self.q_blocks = 1 if staged_q else 0  # the ring's block positions a tile's Q takes
+        self.q_pairs = 1 if staged_q else 0  # the ring's pair positions a tile's Q takes
         ring = range(NUM_KV_TILES)
         self.mbar = {
             "q_full": MBarrier("q_full", 2 if staged_q else 1),
             "q_empty": MBarrier("q_empty", 2),
-            "q_staged": MBarrier("q_staged", 1),
-            "staged_q_read": MBarrier("staged_q_read", 2),  # the consumers' named barrier, as arrive + wait
             **{f"kv_full{i}": MBarrier(f"kv_full{i}", 1) for i in ring},
             **{f"kv_empty{i}": MBarrier(f"kv_empty{i}", 2) for i in ring},
             **{f"p_full{i}": MBarrier(f"p_full{i}", 1) for i in ring},
@@ -83,38 +75,32 @@ class Model:
         return ("wait", bar, index)
 
     def producer(self, half: int):
-        base = self.q_blocks  # the ring position of the tile's block 0
+        pair_base = 0
         for tile, blocks in enumerate(self.tiles):
-            # This half fills the ring positions of its parity: block b of each pair (e4m3 q: b = half).
-            b = (half + base) % 2 if self.drop != STAGED_Q_PARITY else half
-            if self.staged_q:
-                staged = base - 1
-                if half == 1:  # rows 0-31 over sQ once both consumers' QKs of the previous tile are done
-                    yield self.wait("q_empty", tile - 1)
-                    yield ("write", "sQ0", ("q", tile))
-                    yield ("write", "sQ1", ("q", tile))
-                    yield ("arrive", "q_staged")
-                if b == 1:  # rows 32-63 into the block tile of position staged (this half's parity)
-                    yield self.wait(f"kv_empty{staged % 4}", staged // 4 - 1)
-                    yield ("write", f"kv{staged % 4}", ("q", tile))
-                    yield ("arrive", f"kv_full{staged % 4}")
+            if self.staged_q:  # the tile's bf16 rows into the pair slot of position pair_base
+                kv = (pair_base % 2) * 2 + half
+                yield self.wait(f"kv_empty{kv}", pair_base // 2 - 1)
+                yield ("write", f"kv{kv}", ("q", tile))
+                yield ("arrive", f"kv_full{kv}")
             elif half == 0:  # warp 0 loads Q once both consumers' QKs of the previous tile are done
                 yield self.wait("q_empty", tile - 1)
                 yield ("write", "sQ0", tile)
                 yield ("write", "sQ1", tile)
                 yield ("arrive", "q_full")
             for pair in range((blocks + 1) // 2):
-                g = base + 2 * pair + b
-                yield self.wait(f"kv_empty{g % 4}", g // 4 - 1)
-                yield ("write", f"kv{g % 4}", g)
-                yield ("arrive", f"kv_full{g % 4}")
-            base += 2 * ((blocks + 1) // 2) + self.q_blocks
+                ring_pair = pair_base + self.q_pairs + pair
+                kv = (ring_pair % 2) * 2 + half
+                yield self.wait(f"kv_empty{kv}", ring_pair // 2 - 1)
+                yield ("write", f"kv{kv}", 2 * ring_pair + half)
+                yield ("arrive", f"kv_full{kv}")
+            pair_base += (blocks + 1) // 2 + self.q_pairs
 
     def consumer(self, c: int):
-        base = self.q_blocks
+        pair_base = 0
         for tile, blocks in enumerate(self.tiles):
+            base = 2 * (pair_base + self.q_pairs)
             if self.staged_q:
-                yield from self.quantize_staged_q(c, tile, base - 1)
+                yield from self.quantize_staged_q(c, tile, base - 2)
             yield self.wait("q_full", tile)
             if blocks <= c:
                 yield ("arrive", "q_empty")
@@ -181,30 +167,22 @@ class Model:
                 yield ("read", f"max{last % 4}", last)
             if c == 1:
                 yield ("arrive", "tile_done")
-            base += 2 * ((blocks + 1) // 2) + self.q_blocks
+            pair_base += (blocks + 1) // 2 + self.q_pairs
 
     def quantize_staged_q(self, c: int, tile: int, staged: int):
-        """Consumer c quantises its half of the tile's staged rows (consumer 0: those over sQ, which span
-        both halves of sQ; consumer 1: those in the block tile of position ``staged``)."""
-        if c == 0:
+        """Consumer c quantises its half of the tile's staged rows (block positions ``staged``, + 1)."""
+        yield self.wait("q_empty", tile - 1)
+        for g in (staged, staged + 1):
             if self.drop != STAGED_Q_FULL:
-                yield self.wait("q_staged", tile)
-            yield ("read", "sQ0", ("q", tile))
-            yield ("read", "sQ1", ("q", tile))
-        else:
-            if self.drop != STAGED_Q_FULL:
-                yield self.wait(f"kv_full{staged % 4}", staged // 4)
-            yield ("read", f"kv{staged % 4}", ("q", tile))
-        if self.drop != STAGED_Q_READ:
-            yield ("arrive", "staged_q_read")
-            yield self.wait("staged_q_read", tile)
-        yield ("arrive", f"kv_empty{staged % 4}")
+                yield self.wait(f"kv_full{g % 4}", g // 4)
+            yield ("read", f"kv{g % 4}", ("q", tile))
         yield ("write", f"sQ{c}", tile)
-        if c == 1:
-            yield ("arrive", f"p_full{staged % 4}")
+        for g in (staged, staged + 1):
+            yield ("arrive", f"kv_empty{g % 4}")
+        yield ("arrive", f"p_full{(staged + c) % 4}")
         yield ("arrive", "q_full")
-        if c == 0:
-            yield self.wait(f"p_full{staged % 4}", staged // 4)
+        other = staged + 1 - c
+        yield self.wait(f"p_full{other % 4}", other // 4)
 
     def wait_previous_tile(self, tile: int):
         """Consumer 0: consumer 1 has finished the previous tile."""
@@ -313,22 +291,6 @@ def test_the_model_finds_an_early_statistics_read(tiles):
 
 @pytest.mark.parametrize("tiles", [[1, 1], [4, 0, 3], [2, 5]])
 def test_the_model_finds_the_staged_q_race_without_kv_full(tiles):
-    """Without the staged position's kv_full wait, a consumer reads the staged rows before they land (sQ
-    or the block tile still holding an earlier tile's data, or nothing)."""
+    """Without the slot's kv_full waits, a consumer reads the staged rows before they land (the slot still
+    holding an earlier pair's rows, or nothing)."""
     assert violations(tiles, STAGED_Q_FULL, staged_q=True) > 0
-
-
-@pytest.mark.parametrize("tiles", [[1], [2, 3], [0, 0]])
-def test_the_model_finds_the_staged_q_race_without_the_read_barrier(tiles):
-    """Without the consumers' barrier between reading the staged rows and storing the e4m3 ones, consumer 1
-    overwrites part of sQ before consumer 0 has read the bf16 rows there."""
-    assert violations(tiles, STAGED_Q_READ, staged_q=True) > 0
-
-
-@pytest.mark.parametrize("tiles", [[4, 0, 0, 4], [8, 0, 0, 0, 3, 0], [1, 0, 9, 0, 0, 4]])
-def test_the_model_finds_the_staged_q_parity_alias_with_fixed_halves(tiles):
-    """A tile takes an odd number of ring positions with a bf16 q. With the first-block warps filling every
-    tile's first blocks (and the second-block warps the staged positions) a KV tile's uses alternate between
-    the halves, and across tiles without blocks one half runs two phases ahead of the other: a wait on its
-    kv_empty passes on the parity of a use two back."""
-    assert violations(tiles, STAGED_Q_PARITY, staged_q=True) > 0

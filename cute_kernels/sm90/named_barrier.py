@@ -14,7 +14,6 @@ class NamedBarrierFp8(enum.IntEnum):
     ColumnMax1 = 8
     RingFree = 9  # split: the consumers' loops and the producer's copies are done (its KV tiles are free)
     WeightsReady = 10  # split: the merge weights of every row are in shared memory (both consumers)
-    StagedQRead = 11  # bf16 q: both consumers have read their parts of the tile's staged rows
 
 
 class NamedBarrierBf16(enum.IntEnum):

@@ -6,7 +6,7 @@ The kernels address query rows as (token, head) pairs: ``q`` [s_q, h, d_qk] beco
 ``load_q_tile`` loads one CTA's e4m3 Q tile from the q view by TMA. A bf16 Q tile is stored in e4m3 by
 the threads of the consumer warpgroups, each row with its own power-of-two scale (``store_quantized_rows``),
 from rows they load from global memory (``quantize_q_tile``) or from rows bulk-copied into shared memory
-(``stage_q_rows``, then ``load_staged_q_row``).
+(``stage_q_rows``, then ``quantize_staged_q_tile``).
 """
 
 from typing import NamedTuple
@@ -23,7 +23,6 @@ E4M3_MAX_EXPONENT = 8  # 448 = 1.75 * 2^8, the largest e4m3 value
 E4M3_MAX_MANTISSA_BITS = 0x600000  # 1.75 as the 23 mantissa bits of a float32
 F32_MIN_EXPONENT = -126  # row scales stay normal float32 numbers
 Q_THREADS_PER_ROW = 4  # consumer threads that quantise one row: 16 values of every 64-column tile each
-STAGED_ROWS = 32  # bf16 rows of d_qk that fill one [64, d_qk] e4m3 tile
 
 
 class RowViews(NamedTuple):
@@ -97,20 +96,21 @@ def quantize_q_tile(
 
 @cute.jit
 def stage_q_rows(
-    q_view, first_row, last_row, thread, staging_base, mbar_full, d_qk: cutlass.Constexpr
+    q_view, first_row, last_row, tile_first_row, thread, tile_base, mbar_full, d_qk: cutlass.Constexpr
 ) -> None:
-    """One of the 64 threads that stage 32 bf16 Q rows in shared memory: rows ``first_row`` ..
-    ``first_row + 31`` of the q view (a row past ``last_row`` read from ``last_row``), row-major at shared
-    address ``staging_base`` (``d_qk * 2`` bytes a row: 32 rows fill a [64, d_qk] e4m3 tile). ``thread``
-    (0-63) copies half ``thread % 2`` of row ``thread // 2`` by a bulk copy (the TMA unit), arriving on
-    ``mbar_full`` (64 arrivals) with the bytes it expects."""
+    """One of the 64 threads that fill a block tile with staged bf16 Q rows: rows ``tile_first_row`` ..
+    ``tile_first_row + 31`` of the Q tile whose first row is ``first_row`` of the q view (a row past
+    ``last_row`` read from ``last_row``), stored row-major (``d_qk * 2`` bytes a row: 32 rows fill a
+    [64, d_qk] e4m3 block tile) at shared address ``tile_base``. ``thread`` (0-63) copies half of row
+    ``tile_first_row + thread // 2`` by a bulk copy (the TMA unit), arriving on ``mbar_full`` (the tile's
+    ``kv_full``, 64 arrivals) with the bytes it expects."""
     half_bytes = d_qk  # half a row of bf16
     row = thread // 2
-    source_row = cutlass.min(first_row + row, last_row)
+    source_row = cutlass.min(first_row + tile_first_row + row, last_row)
     offset = row * (2 * half_bytes) + (thread % 2) * half_bytes
     cute.arch.mbarrier_arrive_and_expect_tx(mbar_full, half_bytes)
     ptx.cp_async_bulk_to_shared(
-        staging_base + offset,
+        tile_base + offset,
         q_view.iterator.toint() + Int64(source_row) * (2 * half_bytes) + (thread % 2) * half_bytes,
         half_bytes,
         mbar_full.toint(),
@@ -118,16 +118,19 @@ def stage_q_rows(
 
 
 @cute.jit
-def load_staged_q_row(staging_base, row, part, d_qk: cutlass.Constexpr) -> list:
-    """This thread's part (``part`` 0-3: 16 values of every 64-column tile) of row ``row`` of the bf16
-    rows ``stage_q_rows`` put at ``staging_base`` (row-major, ``d_qk * 2`` bytes a row), as
-    ``store_quantized_rows`` takes it. The two rows of a quarter warp read their 32 bytes in opposite
+def quantize_staged_q_tile(
+    staging_base, thread, sQ_base, row_scale_base, tile_rows: cutlass.Constexpr, d_qk: cutlass.Constexpr
+) -> None:
+    """``quantize_q_tile`` from the bf16 rows ``stage_q_rows`` put in shared memory at ``staging_base``
+    (row-major, ``d_qk * 2`` bytes a row). The two rows of a quarter warp read their 32 bytes in opposite
     orders: rows a multiple of 128 bytes apart share banks."""
+    row = thread // Q_THREADS_PER_ROW
+    part = thread % Q_THREADS_PER_ROW
     row_addr = staging_base + row * (d_qk * 2) + part * 32
     words = []
     for col_tile in cutlass.range_constexpr(d_qk // 64):
         words.append(ptx.ld_shared_v4x2(row_addr + col_tile * 128, row % 2))
-    return words
+    store_quantized_rows(words, row, part, sQ_base, row_scale_base, tile_rows)
 
 
 @cute.jit

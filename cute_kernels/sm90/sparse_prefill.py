@@ -5,9 +5,9 @@ A CTA computes 64 heads of one token. Its producer warpgroup gathers the token's
 under a lazy running max chained from one consumer to the other) and each accumulates O^T for half
 of d_v over every block, V^T read from the gathered tiles by ldmatrix.trans (RS WGMMA).
 ``precision="accurate"`` stores P as two e4m3 terms; ``persistent`` walks several tiles per CTA;
-``q_dtype="bf16"`` takes bf16 q and quantises each Q tile in the consumers (from rows the producer stages
-over the Q tile and in the KV ring's block tile before the tile's first block), a power-of-two scale per row
-folded into that row's logit scale; ``split`` computes each tile as a cluster of 2 or 4 CTAs, one per
+``q_dtype="bf16"`` takes bf16 q and quantises each Q tile in the consumers (from rows the producer stages in
+the KV ring's pair slot before the tile's first pair), a power-of-two scale per row folded into that row's
+logit scale; ``split`` computes each tile as a cluster of 2 or 4 CTAs, one per
 range of index slots, which merge their results through distributed shared memory (``merge_parts``).
 ``heads`` = 8, 16 or 32 (small heads: a tile is one token's n heads) computes
 the transposed S^T = K . Q^T, the block's slots on the WGMMA's M side and the heads on N, the per-head
@@ -61,12 +61,10 @@ from cute_kernels.sm90.ring import Ring
 from cute_kernels.sm90.row_gather import RowGather, copy_rows, slot_valid_flag, swizzle_offset
 from cute_kernels.sm90.row_views import (
     Q_THREADS_PER_ROW,
-    STAGED_ROWS,
     load_q_tile,
-    load_staged_q_row,
     quantize_q_tile,
+    quantize_staged_q_tile,
     stage_q_rows,
-    store_quantized_rows,
 )
 from cute_kernels.sm90.shared_storage import allocate_shared_storage, tile_region, tile_tensor
 from cute_kernels.sm90.tile_scheduler import TileScheduler, TileWork, plain_int32
@@ -200,9 +198,10 @@ class SparsePrefillSm90(AttentionKernel):
             raise ValueError("small heads: not split")
         self.b_h = heads  # heads per tile: the M side of S (64), or the N side of S^T and O^T (small heads)
         self.small = heads != B_H
-        # Block position g uses the KV tile, P buffer and their barriers g % 4 (a pair: two consecutive
-        # positions). The small-head kernel indexes them by mask (2-3% faster); the 64-head persistent
+        # Pair p uses the KV tiles 2 (p % 2) and 2 (p % 2) + 1; block g its KV tile, P buffer and their
+        # barriers g % 4. The small-head kernel indexes them by mask (2-3% faster); the 64-head persistent
         # variants spill with it (see ring.py).
+        self.pair_ring = Ring(NUM_STAGES, index_by_mask=self.small)
         self.kv_ring = Ring(NUM_KV_TILES, index_by_mask=self.small)
         self.rows_per_thread = heads // 4 if self.small else 2  # softmax rows (heads) a consumer thread holds
         self.d_qk = d_qk
@@ -217,12 +216,11 @@ class SparsePrefillSm90(AttentionKernel):
         self.pv_groups_in_flight = 1 if self.small and self.q_bf16 and persistent else 2
         self.persistent = persistent
         self.split = split
-        # bf16 q (64 heads): a tile's bf16 rows (a [64, d_qk] bf16 tile is the size of two e4m3 tiles) are
-        # copied by the producer (``stage_q_rows``) over the Q tile (rows 0-31) and into the ring's block
-        # position before the tile's first block (rows 32-63), and quantised into the Q tile by the consumers;
-        # ``q_blocks``: the ring's block positions a tile's Q takes.
+        # bf16 q (64 heads): a tile's bf16 rows take the ring's pair slot before its first pair (a [64, d_qk]
+        # bf16 tile is the size of two e4m3 block tiles), copied there by the producer (``stage_q_rows``) and
+        # quantised from there by the consumers; ``q_pairs``: the ring's pair positions a tile's Q takes.
         self.stage_q = self.q_bf16 and not self.small
-        self.q_blocks = 1 if self.stage_q else 0
+        self.q_pairs = 1 if self.stage_q else 0
         self.scheduler = TileScheduler(persistent, B_TOPK, split, heads, whole_token=self.small)
         self.k_tile_bytes = B_TOPK * d_qk  # one gathered block in shared memory
         self.q_tile_bytes = heads * d_qk
@@ -235,7 +233,7 @@ class SparsePrefillSm90(AttentionKernel):
 
         @cute.struct
         class SharedStorage:
-            mbar_q: cute.struct.MemRange[Int64, 2]  # q_full; bf16 q: then q_staged (see produce_tile)
+            mbar_q: cute.struct.MemRange[Int64, 1]
             mbar_q_empty: cute.struct.MemRange[Int64, 1]  # persistent: both consumers' QKs are done
             mbar_kv_full: cute.struct.MemRange[Int64, NUM_KV_TILES]
             mbar_kv_empty: cute.struct.MemRange[Int64, NUM_KV_TILES]
@@ -464,15 +462,12 @@ class SparsePrefillSm90(AttentionKernel):
         mbar_peers_free,
     ):
         """(One thread.) q_full: the TMA (bf16 q: every consumer thread, after quantising its part);
-        ``stage_q``: q_staged (``mbar_q + 1``), the 64 threads staging bf16 rows in sQ (bulk copies, see
-        ``stage_q_rows``); q_empty: both consumers; per block tile, kv_full: the 64 threads gathering it
-        (cp.async arrivals; staged bf16 rows: bulk copies), kv_empty: both consumers, p_full: its
+        q_empty: both consumers; per block tile, kv_full: the 64 threads gathering it (cp.async arrivals;
+        staged bf16 rows: bulk copies, see ``stage_q_rows``), kv_empty: both consumers, p_full: its
         owner's warpgroup; no block has moved the max yet. Persistent: stats_full[c]: consumer c's warpgroup;
         tile_done: consumer 1's warpgroup. Split: merge_full: one arrival (with the bytes expected) and the
         other parts' stores; peers_free: one arrival from each other part."""
         cute.arch.mbarrier_init(mbar_q, CONSUMER_THREADS if const_expr(self.q_bf16) else 1)
-        if const_expr(self.stage_q):
-            cute.arch.mbarrier_init(mbar_q + 1, 2 * 32)
         cute.arch.mbarrier_init(mbar_q_empty, CONSUMER_THREADS)
         for i in cutlass.range_constexpr(NUM_KV_TILES):
             cute.arch.mbarrier_init(mbar_kv_full + i, 2 * 32)
@@ -503,38 +498,34 @@ class SparsePrefillSm90(AttentionKernel):
         mbar_kv_empty,
         tiles,
     ):
-        """WG0, per tile: Q by TMA (one thread; ``stage_q``: the bf16 rows, see ``produce_tile``; persistent:
-        once both consumers' QKs of the previous tile are done), then the pair-by-pair row gather. Block
-        positions are counted across the CTA's tiles, so the gather runs into the next tile as soon as block
-        tiles are free."""
+        """WG0, per tile: Q by TMA (one thread; persistent: once both consumers' QKs of the previous
+        tile are done; ``stage_q``: the bf16 rows, see ``produce_tile``), then the pair-by-pair row
+        gather. Pairs are counted across the CTA's tiles, so the gather runs into the next tile as soon
+        as block tiles are free."""
         warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
         lane = cute.arch.lane_idx()
         # Lane: 16-byte chunk lane % 4 of each 64-byte column tile (of rows lane // 4 + 8i).
         gather = RowGather(mKV, sK, self.d_qk, lane, SW64_TILE_COLS, B_TOPK)
-        half = warp_idx // 2  # warps 0-1 fill the even ring positions, warps 2-3 the odd ones
+        block_in_pair = warp_idx // 2  # warps 0-1: first block, warps 2-3: second block
         row_base = (warp_idx % 2) * 32  # this warp's 32 rows inside its block
         lane_row = lane // 4  # row (of 8) this lane copies per 8-row group
 
         tile_inputs = (tma_atom_q, mQ_tma, sQ, mIdx, mbar_q, mbar_kv_full, mbar_kv_empty)
-        geometry = (gather, half, row_base, lane_row)
+        geometry = (gather, block_in_pair, row_base, lane_row)
         if const_expr(self.persistent):
-            block_base = Int32(self.q_blocks)  # the ring position of the current tile's block 0
+            pair_base = Int32(0)  # pairs this CTA gathered before the current tile
             for tile_iter in cutlass.range(tiles.count, unroll=1):
-                work = self.scheduler.work(tiles, tile_iter, block_base)
-                # The warps that write sQ wait until it is free.
-                if const_expr(self.stage_q):
-                    if warp_idx >= 2:
-                        TILE_RING.wait_empty(mbar_q_empty, tile_iter)
-                elif const_expr(not self.q_bf16):
+                work = self.scheduler.work(tiles, tile_iter, 2 * (pair_base + self.q_pairs))
+                if const_expr(not self.q_bf16):
                     if warp_idx == 0:
                         TILE_RING.wait_empty(mbar_q_empty, tile_iter)
                 q_row = self.scheduler.first_q_row(work.tile, tiles.heads)
-                self.produce_tile(*tile_inputs, work, q_row, geometry)
-                block_base += 2 * work.num_pairs + self.q_blocks
+                self.produce_tile(*tile_inputs, work, q_row, pair_base, geometry)
+                pair_base += work.num_pairs + self.q_pairs
         else:
-            work = self.scheduler.work(tiles, 0, self.q_blocks)
+            work = self.scheduler.work(tiles, 0, 2 * self.q_pairs)
             q_row = self.scheduler.first_q_row(work.tile, tiles.heads)
-            self.produce_tile(*tile_inputs, work, q_row, geometry)
+            self.produce_tile(*tile_inputs, work, q_row, 0, geometry)
         ptx.cp_async_wait_all()
         if const_expr(self.split):  # no copy of this CTA lands in its KV tiles from here on
             cute.arch.barrier_arrive(barrier_id=int(NamedBarrierFp8.RingFree), number_of_threads=NUM_THREADS)
@@ -551,56 +542,52 @@ class SparsePrefillSm90(AttentionKernel):
         mbar_kv_empty,
         work,
         q_row,
+        pair_base,
         geometry,
     ):
-        """One tile's Q (rows ``q_row`` onwards) and pairs, block b of the tile at ring position
-        ``work.block_base + b``; each half of the warps fills the positions of its parity (``half``), so that
-        a KV tile's uses stay in order with one filler. e4m3 q: the Q tile by TMA (warp 0). ``stage_q``: the
-        tile's bf16 rows (``stage_q_rows``): rows 0-31 over sQ by warps 2-3 (on ``q_staged``), rows 32-63 into
-        the block tile of position ``work.block_base - 1`` by its parity's warps (on its ``kv_full``). Small
-        heads with a bf16 q: nothing (the consumers load it)."""
-        gather, half, row_base, lane_row = geometry
+        """One tile's Q (rows ``q_row`` onwards) and pairs, from the ring's pair position ``pair_base`` on
+        (the pairs and staged Q tiles of the CTA's earlier tiles). e4m3 q: the Q tile by TMA (warp 0).
+        ``stage_q``: the tile's bf16 rows into the pair slot of position ``pair_base`` (``stage_q_rows``),
+        the pairs after it. Small heads with a bf16 q: nothing (the consumers load it)."""
+        gather, block_in_pair, row_base, lane_row = geometry
         warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
         lane = cute.arch.lane_idx()
         if const_expr(not self.q_bf16):
             if warp_idx == 0:
                 load_q_tile(tma_atom_q, mQ_tma, sQ, mbar_q, q_row, self.b_h, self.d_qk, self.q_tile_bytes)
-        # The block of each pair this half fills (e4m3 q: block_base is even, warps 0-1 fill the first).
-        block_in_pair = (half + work.block_base) % 2
         if const_expr(self.stage_q):
-            last_row = plain_int32(cute.size(mQ_tma, mode=[0])) - 1
-            if half == 1:
-                sQ_base = sQ.iterator.toint()
-                stage_q_rows(mQ_tma, q_row, last_row, row_base + lane, sQ_base, mbar_q + 1, self.d_qk)
-            staged = work.block_base - 1
-            if block_in_pair == 1:  # the staged position has this half's parity
-                self.kv_ring.wait_empty(mbar_kv_empty, staged)
-                stage_q_rows(
-                    mQ_tma,
-                    q_row + STAGED_ROWS,
-                    last_row,
-                    row_base + lane,
-                    gather.sK_base + self.kv_ring.index(staged) * self.k_tile_bytes,
-                    mbar_kv_full + self.kv_ring.index(staged),
-                    self.d_qk,
-                )
+            q_tile = self.pair_ring.index(pair_base) * 2 + block_in_pair
+            cute.arch.mbarrier_wait(mbar_kv_empty + q_tile, self.pair_ring.phase(pair_base) ^ 1)
+            stage_q_rows(
+                mQ_tma,
+                q_row,
+                plain_int32(cute.size(mQ_tma, mode=[0])) - 1,
+                block_in_pair * (B_H // 2),
+                row_base + lane,
+                gather.sK_base + q_tile * self.k_tile_bytes,
+                mbar_kv_full + q_tile,
+                self.d_qk,
+            )
 
         for pair in cutlass.range(work.num_pairs, unroll=1):
-            position = work.block_base + 2 * pair + block_in_pair
-            tile = self.kv_ring.index(position)
-            slot = pair * PAIR + block_in_pair * B_TOPK + row_base + lane
+            ring_pair = pair_base + self.q_pairs + pair
+            stage = self.pair_ring.index(ring_pair)
+            phase = self.pair_ring.phase(ring_pair)
+            full_barrier = mbar_kv_full + stage * 2 + block_in_pair
+            empty_barrier = mbar_kv_empty + stage * 2 + block_in_pair
+            slot = pair * PAIR + warp_idx * 32 + lane
             if const_expr(self.split):
                 slot += work.slot_base
             kv_row = mIdx[work.token, slot]
             is_valid = slot_valid_flag(kv_row, slot, gather.s_kv, work.valid_len)
-            self.kv_ring.wait_empty(mbar_kv_empty, position)
-            tile_base = gather.sK_base + tile * self.k_tile_bytes
+            cute.arch.mbarrier_wait(empty_barrier, phase ^ 1)
+            tile_base = gather.sK_base + (stage * 2 + block_in_pair) * self.k_tile_bytes
             for group in cutlass.range_constexpr(4):  # lane l holds the index of the warp's row l
                 src_lane = group * 8 + lane_row
                 row_kv = cute.arch.shuffle_sync(kv_row, src_lane)
                 row_valid = cute.arch.shuffle_sync(is_valid, src_lane)
                 copy_rows(gather, tile_base, row_base + group * 8 + lane_row, ((0, row_kv, row_valid),))
-            cute.arch.cp_async_mbarrier_arrive_noinc(mbar_kv_full + tile)
+            cute.arch.cp_async_mbarrier_arrive_noinc(full_barrier)
 
     @cute.jit
     def prefetch_next_q(self, mQ, tile, heads):
@@ -755,16 +742,16 @@ class SparsePrefillSm90(AttentionKernel):
         epilogue_args = (mSink, mKVScale, mOut, mMaxLogits, mLse, flags)
         q_source = (mQ, sQ.iterator.toint(), q_row_scale) if const_expr(self.q_bf16) else None
         if const_expr(self.persistent):
-            block_base = Int32(self.q_blocks)  # the ring position of the tile's block 0 (as the producer's)
+            pair_base = Int32(0)  # pairs of the CTA's earlier tiles (the producer counts the same)
             for tile_iter in cutlass.range(tiles.count, unroll=1):
-                work = self.scheduler.work(tiles, tile_iter, block_base)
+                work = self.scheduler.work(tiles, tile_iter, 2 * (pair_base + self.q_pairs))
                 if const_expr(self.q_bf16):
                     self.load_q_bf16(c, work, tiles.heads, tile_iter, q_source, mbar_q, mbar_q_empty)
                 self.reset_tile_state(*tile_state)
                 self.consume_tile(c._replace(work=work), tile_iter, *tile_barriers, epilogue_args, q_source)
-                block_base += 2 * work.num_pairs + self.q_blocks
+                pair_base += work.num_pairs + self.q_pairs
         else:
-            work = self.scheduler.work(tiles, 0, self.q_blocks)
+            work = self.scheduler.work(tiles, 0, 2 * self.q_pairs)
             if const_expr(self.q_bf16):
                 self.load_q_bf16(c, work, tiles.heads, 0, q_source, mbar_q, mbar_q_empty)
                 self.reset_tile_state(*tile_state)
@@ -774,50 +761,47 @@ class SparsePrefillSm90(AttentionKernel):
     def load_q_bf16(self, c: Consumer, work, heads, tile_iter, q_source, mbar_q, mbar_q_empty):
         """bf16 q, both consumers: the tile's Q rows, quantised into the shared Q tile with their scales
         (this thread's part of row 32 c + 4 w + g / 4 ...), then an arrival on ``q_full`` (all 256 threads:
-        the tile is complete when it completes).
+        the tile is complete when it completes). Persistent: first wait until both consumers' QKs of the
+        previous tile are done (``q_empty``).
 
-        ``stage_q``: the rows staged by ``produce_tile``: consumer 0 reads rows 0-31 over sQ (landed on
-        ``q_staged``, staged only after the previous tile's QKs), consumer 1 rows 32-63 in the block tile
-        of ring position ``work.block_base - 1`` (on its ``kv_full``). Every consumer thread has read its
-        row part (named barrier ``StagedQRead``) before any stores into sQ; then the block tile is released
-        (``kv_empty``) and consumer 1 completes the position's ``p_full`` phase, which consumer 0 waits for,
-        so that every ring position keeps one phase per use. Small heads: the rows loaded from global memory
-        (``quantize_q_tile``; persistent: first wait until both consumers' QKs of the previous tile are done
-        (``q_empty``), and the next tile's rows prefetched into L2)."""
+        ``stage_q``: the rows staged in the pair slot before the tile's first block (``stage_q_rows``),
+        released once read: ``kv_empty`` of both its tiles, and each consumer completes the ``p_full``
+        phase of one of them (the other consumer waits for it), so that every ring position keeps one
+        phase per use. Small heads: the rows loaded from global memory (``quantize_q_tile``; persistent:
+        the next tile's rows prefetched into L2)."""
         mQ, sQ_base, q_row_scale = q_source
-        thread = c.index * THREADS_PER_WG + c.warp * 32 + c.lane
-        if const_expr(self.stage_q):
-            staged = work.block_base - 1
-            row = thread // Q_THREADS_PER_ROW
-            part = thread % Q_THREADS_PER_ROW
-            staging_base = sQ_base  # consumer 0's rows (0-31)
-            if c.index == 0:
-                TILE_RING.wait(mbar_q + 1, tile_iter)
-            else:
-                self.kv_ring.wait(c.mbar_kv_full, staged)
-                staging_base = c.sK_base + self.kv_ring.index(staged) * self.k_tile_bytes
-            words = load_staged_q_row(staging_base, row % STAGED_ROWS, part, self.d_qk)
-            cute.arch.barrier(barrier_id=int(NamedBarrierFp8.StagedQRead), number_of_threads=CONSUMER_THREADS)
-            self.kv_ring.arrive(c.mbar_kv_empty, staged)
-            store_quantized_rows(words, row, part, sQ_base, q_row_scale.iterator.toint(), B_H)
-            if c.index == 1:
-                self.kv_ring.arrive(c.mbar_p_full, staged)
-        else:  # small heads: the first 4 * heads threads (whole warps)
-            if const_expr(self.persistent):
+        if const_expr(self.persistent):
+            if const_expr(not self.stage_q):
                 if c.index == 0:
                     if c.warp == 0:
                         self.prefetch_next_q(mQ, work.tile, heads)
-                TILE_RING.wait_empty(mbar_q_empty, tile_iter)
+            TILE_RING.wait_empty(mbar_q_empty, tile_iter)
+        thread = c.index * THREADS_PER_WG + c.warp * 32 + c.lane
+        if const_expr(self.stage_q):
+            staged = work.block_base - 2  # the ring positions of the slot's two block tiles
+            for half in cutlass.range_constexpr(2):
+                self.kv_ring.wait(c.mbar_kv_full, staged + half)
+            quantize_staged_q_tile(
+                c.sK_base + self.kv_ring.index(staged) * self.k_tile_bytes,
+                thread,
+                sQ_base,
+                q_row_scale.iterator.toint(),
+                B_H,
+                self.d_qk,
+            )
+            for half in cutlass.range_constexpr(2):
+                self.kv_ring.arrive(c.mbar_kv_empty, staged + half)
+            self.kv_ring.arrive(c.mbar_p_full, staged + c.index)
+        else:  # small heads: the first 4 * heads threads (whole warps)
             if thread < Q_THREADS_PER_ROW * self.b_h:
                 q_row = self.scheduler.first_q_row(work.tile, heads)
                 quantize_q_tile(mQ, q_row, thread, sQ_base, q_row_scale.iterator.toint(), self.b_h, self.d_qk)
         cute.arch.fence_proxy("async.shared", space="cta")  # the stores, seen by the WGMMAs
         cute.arch.mbarrier_arrive(mbar_q)
         if const_expr(self.stage_q):
-            if c.index == 0:
-                # Consumer 1's p_full phase of the staged position completes before its q_full arrival, which
-                # the tile waits for anyway: waited for here, so that no phase of p_full goes unobserved.
-                self.kv_ring.wait(c.mbar_p_full, staged)
+            # The other consumer's p_full phase of the slot completes before its q_full arrival, which
+            # the tile waits for anyway: waited for here, so that no phase of p_full goes unobserved.
+            self.kv_ring.wait(c.mbar_p_full, staged + 1 - c.index)
 
     @cute.jit
     def reset_tile_state(self, acc_o, row_max_own, row_max_true, row_sum):
