@@ -519,16 +519,12 @@ class SparsePrefillSm90(AttentionKernel):
                 if const_expr(not self.q_bf16):
                     if warp_idx == 0:
                         TILE_RING.wait_empty(mbar_q_empty, tile_iter)
-                q_row = (
-                    self.scheduler.first_q_row(work.tile, tiles.heads) * 0
-                )  # probe: every tile reads rows 0-63
+                q_row = self.scheduler.first_q_row(work.tile, tiles.heads)
                 self.produce_tile(*tile_inputs, work, q_row, pair_base, geometry)
                 pair_base += work.num_pairs + self.q_pairs
         else:
             work = self.scheduler.work(tiles, 0, 2 * self.q_pairs)
-            q_row = (
-                self.scheduler.first_q_row(work.tile, tiles.heads) * 0
-            )  # probe: every tile reads rows 0-63
+            q_row = self.scheduler.first_q_row(work.tile, tiles.heads)
             self.produce_tile(*tile_inputs, work, q_row, 0, geometry)
         ptx.cp_async_wait_all()
         if const_expr(self.split):  # no copy of this CTA lands in its KV tiles from here on
