@@ -147,8 +147,7 @@ def store_quantized_rows(words, row, part, sQ_base, row_scale_base, tile_rows: c
     for group in words:
         for word in group:
             amax = ptx.max_abs_bf16x2(amax, word)
-    amax = amax & Uint32(0x7FFF7FFF)  # bf16 magnitude bits
-    amax = ptx.max_u32(amax & Uint32(0xFFFF), amax >> Uint32(16))
+    amax = ptx.max_u32(amax & Uint32(0xFFFF), amax >> Uint32(16))  # bf16 magnitude bits
     for offset in (1, 2):  # the row's four threads
         amax = ptx.max_u32(amax, Uint32(cute.arch.shuffle_sync_bfly(Int32(amax), offset=offset)))
     amax_bits = Int32(amax) << 16  # as float32 bits: m * 2^E
@@ -160,16 +159,15 @@ def store_quantized_rows(words, row, part, sQ_base, row_scale_base, tile_rows: c
             exponent = exponent + 1
         if exponent < F32_MIN_EXPONENT:
             exponent = Int32(F32_MIN_EXPONENT)
-    inverse = Uint32((127 - exponent) << 7)  # 2^-e in bf16
-    inverse = inverse | (inverse << Uint32(16))  # in both halves
+    inverse_bits = Uint32((127 - exponent) << 23)  # 2^-e
     if part == 0:
         ptx.st_shared_u32(row_scale_base + row * 4, Uint32((127 + exponent) << 23))
     for col_tile in cutlass.range_constexpr(len(words)):
         w = words[col_tile]
         ptx.st_shared_v4(
             sQ_base + col_tile * (tile_rows * 64) + swizzle_offset(row, part, 64),
-            ptx.scale_bf16x4_to_e4m3x4(w[0], w[1], inverse),
-            ptx.scale_bf16x4_to_e4m3x4(w[2], w[3], inverse),
-            ptx.scale_bf16x4_to_e4m3x4(w[4], w[5], inverse),
-            ptx.scale_bf16x4_to_e4m3x4(w[6], w[7], inverse),
+            ptx.scale_bf16x4_to_e4m3x4(w[0], w[1], inverse_bits),
+            ptx.scale_bf16x4_to_e4m3x4(w[2], w[3], inverse_bits),
+            ptx.scale_bf16x4_to_e4m3x4(w[4], w[5], inverse_bits),
+            ptx.scale_bf16x4_to_e4m3x4(w[6], w[7], inverse_bits),
         )
