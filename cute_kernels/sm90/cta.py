@@ -42,32 +42,23 @@ def init_cta(warp_idx, tma_atom_q, init_barriers):
     cute.arch.sync_threads()
 
 
-def launch_cta(kernel, grid, stream, cluster=None, use_pdl=False, threads=NUM_THREADS, ctas_per_sm=1) -> None:
-    """Launch ``kernel`` (a ``@cute.kernel`` call) on a ``grid`` ([x, y]) of CTAs of ``threads`` threads, in
+def launch_cta(kernel, grid, stream, cluster=None, use_pdl=False) -> None:
+    """Launch ``kernel`` (a ``@cute.kernel`` call) on a ``grid`` ([x, y]) of CTAs of NUM_THREADS threads, in
     clusters of ``cluster`` ([x, y], may be dynamic) CTAs when given, as a programmatic dependent launch when
     ``use_pdl`` (may be dynamic). Dynamic shared memory is the size of the SharedStorage struct it allocates;
-    ``min_blocks_per_mp=ctas_per_sm`` (without it ``setmaxregister`` is ignored; it also bounds the launch's
-    registers per thread to a ``ctas_per_sm``-th of the register file; the shared-memory carveout is then the
-    largest, set here: the DSL would otherwise ask the device for it while compiling)."""
-    carveout = {"preferred_smem_carveout": 100} if ctas_per_sm > 1 else {}
+    ``min_blocks_per_mp=1`` (without it ``setmaxregister`` is ignored)."""
     if cluster is None:
         kernel.launch(
-            grid=[*grid, 1],
-            block=[threads, 1, 1],
-            stream=stream,
-            min_blocks_per_mp=ctas_per_sm,
-            use_pdl=use_pdl,
-            **carveout,
+            grid=[*grid, 1], block=[NUM_THREADS, 1, 1], stream=stream, min_blocks_per_mp=1, use_pdl=use_pdl
         )
     else:
         kernel.launch(
             grid=[*grid, 1],
-            block=[threads, 1, 1],
+            block=[NUM_THREADS, 1, 1],
             cluster=[*cluster, 1],
             stream=stream,
-            min_blocks_per_mp=ctas_per_sm,
+            min_blocks_per_mp=1,
             use_pdl=use_pdl,
-            **carveout,
         )
 
 

@@ -92,11 +92,11 @@ SPLIT_WEIGHTS_OFFSET = SPLIT_STATS_OFFSET + max(SPLIT_PARTS) * SPLIT_STATS_BYTES
 
 PRODUCER_REGS = 24
 CONSUMER_REGS = 240
-# The small-head kernel runs two CTAs of one consumer each per SM: 128 registers per thread at launch, split
-# 24 + 232 (bf16 q) or 40 + 216 (e4m3 q: its producer spills at 24 beside the Q TMA); setmaxregister only
-# moves registers between the CTA's warps, so the two counts must add up to 2 x 128 (more waits forever).
-SMALL_HEAD_REGISTERS = {"bf16": (24, 232), "e4m3": (40, 216)}
-SMALL_HEAD_CTAS_PER_SM = 2
+# The small-head kernel's producer spills at 24 with an e4m3 q (its Q TMA beside that consumer code); its
+# split keeps 40 + 2 x 232 = 3 x 168, the launch's registers per thread (setmaxregister only moves registers
+# between the CTA's warps: more waits forever).
+SMALL_HEAD_E4M3_PRODUCER_REGS = 40
+SMALL_HEAD_E4M3_CONSUMER_REGS = 232
 Q_DTYPES = ("e4m3", "bf16")
 
 
@@ -198,27 +198,18 @@ class SparsePrefillSm90(AttentionKernel):
             raise ValueError("small heads: not split")
         self.b_h = heads  # heads per tile: the M side of S (64), or the N side of S^T and O^T (small heads)
         self.small = heads != B_H
-        # Small heads: one consumer warpgroup (every block, all of d_v) and one pair of block tiles per CTA,
-        # two CTAs per SM; else two consumers and two pairs.
-        self.consumers = 1 if self.small else 2
-        self.num_stages = 1 if self.small else NUM_STAGES
-        self.num_kv_tiles = 2 * self.num_stages
-        self.d_tiles = D_V // 64 // self.consumers  # 64-wide d tiles of O^T per consumer
-        self.threads = (1 + self.consumers) * THREADS_PER_WG
-        self.consumer_threads = self.consumers * THREADS_PER_WG
-        self.ctas_per_sm = SMALL_HEAD_CTAS_PER_SM if self.small else 1
-        # Pair p uses the KV tiles 2 (p % stages) and 2 (p % stages) + 1; block g its KV tile, P buffer and
-        # their barriers g % tiles. The small-head kernel indexes them by mask (2-3% faster); the 64-head
-        # persistent variants spill with it (see ring.py).
-        self.pair_ring = Ring(self.num_stages, index_by_mask=self.small)
-        self.kv_ring = Ring(self.num_kv_tiles, index_by_mask=self.small)
+        # Pair p uses the KV tiles 2 (p % 2) and 2 (p % 2) + 1; block g its KV tile, P buffer and their
+        # barriers g % 4. The small-head kernel indexes them by mask (2-3% faster); the 64-head persistent
+        # variants spill with it (see ring.py).
+        self.pair_ring = Ring(NUM_STAGES, index_by_mask=self.small)
+        self.kv_ring = Ring(NUM_KV_TILES, index_by_mask=self.small)
         self.rows_per_thread = heads // 4 if self.small else 2  # softmax rows (heads) a consumer thread holds
         self.d_qk = d_qk
         self.precision = precision
         self.q_bf16 = q_dtype == "bf16"
         self.registers = (PRODUCER_REGS, CONSUMER_REGS)  # per thread of the producer, of a consumer
-        if self.small:
-            self.registers = SMALL_HEAD_REGISTERS[q_dtype]
+        if self.small and not self.q_bf16:
+            self.registers = (SMALL_HEAD_E4M3_PRODUCER_REGS, SMALL_HEAD_E4M3_CONSUMER_REGS)
         self.p_terms = 2 if precision == "accurate" else 1  # e4m3 terms P is stored as
         # PV WGMMA groups (d tiles) in flight, each with its V^T fragment live: two, one for the persistent
         # small-head kernel with a bf16 q (which spills 40-56 B with two at 24 / 240 / 240 registers).
@@ -234,8 +225,8 @@ class SparsePrefillSm90(AttentionKernel):
         self.k_tile_bytes = B_TOPK * d_qk  # one gathered block in shared memory
         self.q_tile_bytes = heads * d_qk
         self.q_shape = (heads, d_qk)
-        self.k_shape = (B_TOPK, d_qk, self.num_kv_tiles)
-        self.p_shape = (heads, B_TOPK, self.num_kv_tiles * self.p_terms)  # [buffer][term] P tiles
+        self.k_shape = (B_TOPK, d_qk, NUM_KV_TILES)
+        self.p_shape = (heads, B_TOPK, NUM_KV_TILES * self.p_terms)  # [buffer][term] P tiles
 
     def shared_storage(self):
         """The CTA's shared memory: barriers and row statistics, then the Q, KV block and P tiles."""
@@ -244,15 +235,15 @@ class SparsePrefillSm90(AttentionKernel):
         class SharedStorage:
             mbar_q: cute.struct.MemRange[Int64, 1]
             mbar_q_empty: cute.struct.MemRange[Int64, 1]  # persistent: both consumers' QKs are done
-            mbar_kv_full: cute.struct.MemRange[Int64, self.num_kv_tiles]
-            mbar_kv_empty: cute.struct.MemRange[Int64, self.num_kv_tiles]
-            mbar_p_full: cute.struct.MemRange[Int64, self.num_kv_tiles]
-            max_used: cute.struct.MemRange[Float32, self.num_kv_tiles * B_H]  # [buffer, row]
-            alpha: cute.struct.MemRange[Float32, self.num_kv_tiles * B_H]  # [buffer, row]
+            mbar_kv_full: cute.struct.MemRange[Int64, NUM_KV_TILES]
+            mbar_kv_empty: cute.struct.MemRange[Int64, NUM_KV_TILES]
+            mbar_p_full: cute.struct.MemRange[Int64, NUM_KV_TILES]
+            max_used: cute.struct.MemRange[Float32, NUM_KV_TILES * B_H]  # [buffer, row]
+            alpha: cute.struct.MemRange[Float32, NUM_KV_TILES * B_H]  # [buffer, row]
             row_sum: cute.struct.MemRange[Float32, B_H * 2]  # [row, consumer]
             max_true: cute.struct.MemRange[Float32, B_H * 2]  # [row, consumer]
             max_own: cute.struct.MemRange[Float32, B_H * 2]  # [row, consumer]
-            moved: cute.struct.MemRange[Int32, self.num_kv_tiles]  # [buffer]
+            moved: cute.struct.MemRange[Int32, NUM_KV_TILES]  # [buffer]
             out_scale: cute.struct.MemRange[Float32, B_H * 2]  # [row, consumer]
             # Persistent only (after every member the one-tile kernel uses, inside the padding before sQ):
             mbar_stats_full: cute.struct.MemRange[Int64, 2]  # [consumer]: its row statistics are published
@@ -262,8 +253,8 @@ class SparsePrefillSm90(AttentionKernel):
                 mbar_merge_full: cute.struct.MemRange[Int64, 1]  # the other parts' fragments have landed
                 mbar_peers_free: cute.struct.MemRange[Int64, 1]  # the other parts' KV tiles are free
             if self.small:
-                column_max: cute.struct.MemRange[Float32, self.consumers * 2 * WARPS_PER_WG * self.b_h]
-                head_sum: cute.struct.MemRange[Float32, self.b_h * self.consumers * WARPS_PER_WG]
+                column_max: cute.struct.MemRange[Float32, 2 * 2 * WARPS_PER_WG * self.b_h]
+                head_sum: cute.struct.MemRange[Float32, self.b_h * 2 * WARPS_PER_WG]
             sQ: tile_region(Float8E4M3FN, self.q_shape)
             sK: tile_region(Float8E4M3FN, self.k_shape)
             sP: tile_region(Float8E4M3FN, self.p_shape)
@@ -324,8 +315,6 @@ class SparsePrefillSm90(AttentionKernel):
             stream,
             cluster=[1, schedule_count] if const_expr(self.split) else None,
             use_pdl=Int32((flags & SPLIT_TAIL_FLAG) != 0) if const_expr(self.split) else False,
-            threads=self.threads,
-            ctas_per_sm=self.ctas_per_sm,
         )
 
     # ------------------------------------------------------------------------------------
@@ -366,7 +355,7 @@ class SparsePrefillSm90(AttentionKernel):
         mbar_kv_full = storage.mbar_kv_full.data_ptr()
         mbar_kv_empty = storage.mbar_kv_empty.data_ptr()
         mbar_p_full = storage.mbar_p_full.data_ptr()
-        s_moved = storage.moved.get_tensor(cute.make_layout(self.num_kv_tiles))
+        s_moved = storage.moved.get_tensor(cute.make_layout(NUM_KV_TILES))
         sQ = tile_tensor(storage.sQ, sQ_layout)
         sK = tile_tensor(storage.sK, sK_layout)
         sP = tile_tensor(storage.sP, sP_layout)
@@ -403,8 +392,8 @@ class SparsePrefillSm90(AttentionKernel):
             cute.arch.setmaxregister_increase(self.registers[1])
             consumer = consumer_index(warp_idx)
             smem_stats = (
-                storage.max_used.get_tensor(cute.make_layout((self.num_kv_tiles, B_H), stride=(B_H, 1))),
-                storage.alpha.get_tensor(cute.make_layout((self.num_kv_tiles, B_H), stride=(B_H, 1))),
+                storage.max_used.get_tensor(cute.make_layout((NUM_KV_TILES, B_H), stride=(B_H, 1))),
+                storage.alpha.get_tensor(cute.make_layout((NUM_KV_TILES, B_H), stride=(B_H, 1))),
                 s_moved,
                 storage.row_sum.get_tensor(cute.make_layout((B_H, 2))),
                 storage.out_scale.get_tensor(cute.make_layout((B_H, 2))),
@@ -416,15 +405,12 @@ class SparsePrefillSm90(AttentionKernel):
                 small_tables = (
                     storage.column_max.get_tensor(
                         cute.make_layout(
-                            (self.consumers, 2, WARPS_PER_WG, self.b_h),
+                            (2, 2, WARPS_PER_WG, self.b_h),
                             stride=(2 * WARPS_PER_WG * self.b_h, WARPS_PER_WG * self.b_h, self.b_h, 1),
                         )
                     ),
                     storage.head_sum.get_tensor(
-                        cute.make_layout(
-                            (self.b_h, self.consumers * WARPS_PER_WG),
-                            stride=(self.consumers * WARPS_PER_WG, 1),
-                        )
+                        cute.make_layout((self.b_h, 2 * WARPS_PER_WG), stride=(2 * WARPS_PER_WG, 1))
                     ),
                 )
             self.consume(
@@ -481,15 +467,15 @@ class SparsePrefillSm90(AttentionKernel):
         owner's warpgroup; no block has moved the max yet. Persistent: stats_full[c]: consumer c's warpgroup;
         tile_done: consumer 1's warpgroup. Split: merge_full: one arrival (with the bytes expected) and the
         other parts' stores; peers_free: one arrival from each other part."""
-        cute.arch.mbarrier_init(mbar_q, self.consumer_threads if const_expr(self.q_bf16) else 1)
-        cute.arch.mbarrier_init(mbar_q_empty, self.consumer_threads)
-        for i in cutlass.range_constexpr(self.num_kv_tiles):
+        cute.arch.mbarrier_init(mbar_q, CONSUMER_THREADS if const_expr(self.q_bf16) else 1)
+        cute.arch.mbarrier_init(mbar_q_empty, CONSUMER_THREADS)
+        for i in cutlass.range_constexpr(NUM_KV_TILES):
             cute.arch.mbarrier_init(mbar_kv_full + i, 2 * 32)
-            cute.arch.mbarrier_init(mbar_kv_empty + i, self.consumer_threads)
+            cute.arch.mbarrier_init(mbar_kv_empty + i, CONSUMER_THREADS)
             cute.arch.mbarrier_init(mbar_p_full + i, THREADS_PER_WG)
             s_moved[i] = -1
         if const_expr(self.persistent):
-            for consumer in cutlass.range_constexpr(self.consumers):
+            for consumer in cutlass.range_constexpr(2):
                 cute.arch.mbarrier_init(mbar_stats_full + consumer, THREADS_PER_WG)
             cute.arch.mbarrier_init(mbar_tile_done, THREADS_PER_WG)
         if const_expr(self.split):
@@ -697,7 +683,7 @@ class SparsePrefillSm90(AttentionKernel):
         acc_s = cute.make_rmem_tensor(thr_mma_qk.partition_shape_C(s_tile), Float32)
         acc_o = [
             cute.make_rmem_tensor(thr_mma_pv.partition_shape_C((64, self.b_h)), Float32)
-            for _ in range(self.d_tiles)
+            for _ in range(D_TILES_PER_CONSUMER)
         ]
         # Per-row softmax state for rows 16*cwarp + quad_row + 8r, r = 0, 1 (exp2 domain); small heads: for
         # heads 8j + 2*quad_lane + e as entry 2j + e.
@@ -821,7 +807,7 @@ class SparsePrefillSm90(AttentionKernel):
     def reset_tile_state(self, acc_o, row_max_own, row_max_true, row_sum):
         """O^T = 0 and the per-row softmax state emptied, before a tile."""
         zero = ptx.zero_f32()  # not hoisted into the prologue (see ptx.zero_f32)
-        for mt in cutlass.range_constexpr(self.d_tiles):
+        for mt in cutlass.range_constexpr(D_TILES_PER_CONSUMER):
             acc_o[mt].fill(zero)
         row_max_own.fill(-Float32.inf)
         row_max_true.fill(-Float32.inf)
@@ -872,10 +858,9 @@ class SparsePrefillSm90(AttentionKernel):
                 cute.arch.mbarrier_arrive(mbar_q_empty)
         if num_blocks > 0:
             # Step i: own block 2i + c (when it exists) and the other consumer's block 2i + c - 1
-            # (when it exists); see consumer_steps. One consumer (small heads): step i is block i.
-            steps = num_blocks if const_expr(self.consumers == 1) else consumer_steps(num_blocks, consumer)
-            for step in cutlass.range(steps, unroll=1):
-                own = self.consumers * step + consumer
+            # (when it exists); see consumer_steps.
+            for step in cutlass.range(consumer_steps(num_blocks, consumer), unroll=1):
+                own = 2 * step + consumer
                 own_moved = Int32(0)
                 if own < num_blocks:
                     self.issue_qk(c, own)
@@ -892,7 +877,7 @@ class SparsePrefillSm90(AttentionKernel):
                         )
                     warpgroup.wait_group(0)  # S(own)
                     if const_expr(self.persistent):
-                        if own + self.consumers >= num_blocks:  # this consumer's last QK of the tile is done
+                        if own + 2 >= num_blocks:  # this consumer's last QK of the tile is done
                             cute.arch.mbarrier_arrive(mbar_q_empty)
                     if const_expr(self.small):
                         block_maxima = mask_and_column_max(
@@ -908,21 +893,18 @@ class SparsePrefillSm90(AttentionKernel):
                         )
                     else:
                         block_maxima = mask_and_row_max(c.acc_s, valid_bits, c.scale_log2)
-                    if const_expr(self.persistent and self.consumers == 2):
+                    if const_expr(self.persistent):
                         if own == 0:  # consumer 0, the tile's first P
                             self.wait_previous_tile(c, tile_iter)
                     own_moved = self.softmax_own(c, own, block_maxima)
-                    if own + self.consumers >= num_blocks:  # this consumer's last own block
+                    if own + 2 >= num_blocks:  # this consumer's last own block
                         self.publish_row_stats(c)
-                if const_expr(self.consumers == 1):
-                    self.accumulate_pv_own(c, own, own_moved)
-                else:
-                    self.accumulate_pv(c, own - 1, own, own_moved)
+                self.accumulate_pv(c, own - 1, own, own_moved)
                 # Drained at the end of each step: WGMMAs in flight across the loop's back edge
                 # make ptxas serialise them (C7520/C7513).
                 warpgroup.wait_group(0)
         if num_blocks <= consumer:  # owned no block: nothing was published in the loop
-            if const_expr(self.persistent and self.consumers == 2):
+            if const_expr(self.persistent):
                 if num_blocks == 0:  # no p_full chain orders the statistics after the previous tile's
                     if consumer == 0:
                         self.wait_previous_tile(c, tile_iter)
@@ -934,11 +916,11 @@ class SparsePrefillSm90(AttentionKernel):
                 ring = c.work.block_base + num_blocks
                 self.kv_ring.wait(c.mbar_kv_full, ring)
                 self.kv_ring.arrive(c.mbar_kv_empty, ring)
-                if consumer == 1 % self.consumers:  # its owner (odd index; the one consumer)
+                if consumer == 1:  # its owner (odd index)
                     self.kv_ring.arrive(c.mbar_p_full, ring)
 
         self.epilogue(c, tile_iter, *epilogue_args)
-        if const_expr(self.persistent and self.consumers == 2):
+        if const_expr(self.persistent):
             if consumer == 1:  # consumer 1 has read everything of the tile that consumer 0 rewrites
                 cute.arch.mbarrier_arrive(c.mbar_tile_done)
 
@@ -1113,7 +1095,7 @@ class SparsePrefillSm90(AttentionKernel):
                 alpha_cols[2 * j + e] = c.s_alpha[buffer, 8 * j + 2 * c.quad_lane + e]
                 needed = needed | (alpha_cols[2 * j + e] != 1.0)
         if cute.arch.make_warp_uniform(Int32(cute.arch.vote_any_sync(needed))) != 0:
-            for mt in cutlass.range_constexpr(self.d_tiles):
+            for mt in cutlass.range_constexpr(D_TILES_PER_CONSUMER):
                 for j in cutlass.range_constexpr(self.b_h // 8):
                     for r in cutlass.range_constexpr(2):
                         for e in cutlass.range_constexpr(2):
@@ -1161,24 +1143,12 @@ class SparsePrefillSm90(AttentionKernel):
                 self.kv_ring.arrive(c.mbar_kv_empty, own)
 
     @cute.jit
-    def accumulate_pv_own(self, c: Consumer, own, own_moved):
-        """One consumer (small heads): O^T += V^T . P^T over block ``own``, after the O rescale when the
-        block moved the max (``own_moved``). The ``p_full`` wait orders the warpgroup's P^T stores and its
-        alphas before the product."""
-        ring = c.work.block_base + own
-        self.kv_ring.wait(c.mbar_p_full, ring)
-        if own_moved != 0:
-            self.rescale_o(c, self.kv_ring.index(ring))
-        self.pv_run(c, (ring,))
-        self.kv_ring.arrive(c.mbar_kv_empty, ring)
-
-    @cute.jit
     def pv_run(self, c: Consumer, blocks):
         """Queue O^T += V^T . P^T over ``blocks`` (ring positions, one or two) for the 4 d tiles of
         this consumer's half, one WGMMA group each, at most ``pv_groups_in_flight`` in flight (as many A
         fragments live)."""
         in_flight = self.pv_groups_in_flight
-        for mt in cutlass.range_constexpr(self.d_tiles):
+        for mt in cutlass.range_constexpr(D_TILES_PER_CONSUMER):
             if const_expr(mt >= in_flight):
                 warpgroup.wait_group(in_flight - 1)  # the PV in_flight d tiles back has read its A fragment
             self.issue_pv(c, mt, blocks)
@@ -1192,7 +1162,7 @@ class SparsePrefillSm90(AttentionKernel):
         # would carry the unused half, live, through every step).
         frag = cute.make_rmem_tensor(c.thr_mma_pv.partition_shape_A((64, B_TOPK * len(blocks))), Float8E4M3FN)
         words = cute.recast_tensor(frag, Uint32)
-        d_tile = c.index * self.d_tiles + mt  # 64-column tile of d (0..7)
+        d_tile = c.index * D_TILES_PER_CONSUMER + mt  # 64-column tile of d (0..7)
         for i, block in enumerate(blocks):
             tile_base = (
                 c.sK_base + self.kv_ring.index(block) * self.k_tile_bytes + d_tile * TILE_ROW_GROUP_BYTES
@@ -1242,7 +1212,7 @@ class SparsePrefillSm90(AttentionKernel):
             publish_row_stats(c.row_sum, c.s_row_sum, tables, c.warp, c.quad_row, c.quad_lane, c.index)
         if const_expr(self.persistent):
             cute.arch.mbarrier_arrive(c.mbar_stats_full + c.index)
-        elif const_expr(self.consumers == 2):
+        else:
             cute.arch.barrier_arrive(
                 barrier_id=int(NamedBarrierFp8.StatsPublished0) + c.index, number_of_threads=CONSUMER_THREADS
             )
@@ -1273,7 +1243,7 @@ class SparsePrefillSm90(AttentionKernel):
         if c.work.num_blocks > 0:
             max_used = c.s_max_used[last_buffer, row]
         scaled_sum = Float32(0.0)
-        for k in cutlass.range_constexpr(self.consumers):
+        for k in cutlass.range_constexpr(2):
             if const_expr(self.small):
                 part = c.s_head_sum[row, k * WARPS_PER_WG]
                 for w in cutlass.range_constexpr(1, WARPS_PER_WG):
@@ -1325,13 +1295,8 @@ class SparsePrefillSm90(AttentionKernel):
         if const_expr(self.persistent):
             # Both consumers' statistics of the tile: the own ones were written by the quads' first
             # threads, read here by all four.
-            if const_expr(self.consumers == 2):
-                TILE_RING.wait(c.mbar_stats_full + (1 - c.index), tile_iter)
+            TILE_RING.wait(c.mbar_stats_full + (1 - c.index), tile_iter)
             TILE_RING.wait(c.mbar_stats_full + c.index, tile_iter)
-        elif const_expr(self.consumers == 1):
-            cute.arch.barrier(
-                barrier_id=int(NamedBarrierFp8.StatsPublished0), number_of_threads=THREADS_PER_WG
-            )
         else:
             cute.arch.barrier(
                 barrier_id=int(NamedBarrierFp8.StatsPublished1) - c.index, number_of_threads=CONSUMER_THREADS
@@ -1365,8 +1330,8 @@ class SparsePrefillSm90(AttentionKernel):
                 scale = c.s_out_scale[head, c.index]
                 row_addr = out_base + Int64(rows.q_row + head) * (D_V * out_bytes)
                 store = None if const_expr(self.small) else Int32(8 * j + e < own_rows)
-                for mt in cutlass.range_constexpr(self.d_tiles):
-                    d = (c.index * self.d_tiles + mt) * 64 + c.warp * 16 + 2 * c.quad_row
+                for mt in cutlass.range_constexpr(D_TILES_PER_CONSUMER):
+                    d = (c.index * D_TILES_PER_CONSUMER + mt) * 64 + c.warp * 16 + 2 * c.quad_row
                     lo, hi = c.acc_o[mt][e + 4 * j] * scale, c.acc_o[mt][e + 2 + 4 * j] * scale
                     ptx.st_global_u32(row_addr + d * out_bytes, ptx.pack_bf16x2(lo, hi), store)
 
