@@ -2,8 +2,9 @@
 
 On an H100/H200 it times each shape (median of ``triton.testing.do_bench``, CUDA events otherwise)
 for the q8kv8 kernel in both precisions ("default", and "accurate" with its time relative to the
-default), the kernel on a bfloat16 q right after the e4m3 one (the same values: the e4m3 q dequantised to
-bf16, which the kernel quantises per row itself; its time relative to the e4m3 q's) and a plain-PyTorch
+default), the kernel on a bfloat16 q (the same values: the e4m3 q dequantised to bf16, which the kernel
+quantises per row itself; its time relative to the e4m3 q's), those three arms timed in interleaved rounds
+(median of three, so that their ratios do not depend on where the clocks stand), and a plain-PyTorch
 baseline (gather + bf16 matmul + softmax, what one writes without a kernel), prints a table with TF/s
 (FLOPs = 2 * sum(valid topk) * h_q * (d_qk + 512)), the host overhead per call, and writes
 ``bench/results.json`` and ``bench/results.png``.
@@ -32,7 +33,7 @@ import torch
 
 import q8kv8  # compiles or loads the kernel variants
 from q8kv8 import kernels
-from scripts.bench.common import SHAPES, check, make_inputs, time_ms
+from scripts.bench.common import SHAPES, check, make_inputs, time_interleaved_ms, time_ms
 
 REPO = Path(__file__).resolve().parent.parent.parent
 
@@ -147,26 +148,29 @@ def main() -> int:
         flops = 2.0 * eff * h_q * (d_qk + 512)
         row = {"shape": name, "s_q": s_q, "s_kv": s_kv, "h_q": h_q, "d_qk": d_qk, "topk": topk}
         row.update(topk_length=tl_mode, sum_valid_topk=eff, flops=flops)
-        # The bf16-q arm right after the e4m3 one (side by side), on the same values.
+        # The e4m3-q, bf16-q and accurate arms on the same values, timed in interleaved rounds: the ratios
+        # between them then hold whatever the clocks do (the first shape's first arm would otherwise run
+        # ahead of the power cap).
         arms = [
             ("q8kv8", "default", inputs),
             ("q8kv8_bf16q", "default", None),
             ("q8kv8_accurate", "accurate", inputs),
         ]
+        calls = {}
         for arm, precision, arm_inputs in arms:
             if (arm == "q8kv8_accurate" and args.no_accurate) or (arm == "q8kv8_bf16q" and args.no_bf16q):
                 continue
             if arm_inputs is None:
                 arm_inputs = bf16_q_inputs(inputs)
             outputs = q8kv8.sparse_mla_q8kv8_prefill_fwd(**arm_inputs, precision=precision)
-            ms = time_ms(
-                lambda a=arm_inputs, p=precision: q8kv8.sparse_mla_q8kv8_prefill_fwd(**a, precision=p),
-                args.rep,
-            )
-            row[arm] = {"ms": ms, "tflops": flops / ms / 1e9}
+            call = q8kv8.sparse_mla_q8kv8_prefill_fwd
+            calls[arm] = lambda a=arm_inputs, p=precision, call=call: call(**a, precision=p)
+            row[arm] = {}
             if args.check:  # for the bf16 q: against the reference on its rows quantised as the kernel does
                 row[arm]["rel_err"] = check(arm_inputs, outputs)
             del outputs
+        for arm, ms in time_interleaved_ms(calls, args.rep).items():
+            row[arm].update(ms=ms, tflops=flops / ms / 1e9)
         ms = row["q8kv8"]["ms"]
         if "q8kv8_bf16q" in row:
             row["q8kv8_bf16q"]["vs_fp8q"] = row["q8kv8_bf16q"]["ms"] / ms
