@@ -489,38 +489,3 @@ def ld_shared_f16x4_as_f32(smem_addr, *, loc=None, ip=None):
         True,
     )
     return tuple(Float32(llvm.extractvalue(T.f32(), res, [i], loc=loc, ip=ip)) for i in range(4))
-
-
-@dsl_user_op
-def stamp_globaltimer(smem_addr, *, loc=None, ip=None) -> None:
-    """(Timing probe.) %globaltimer (ns) into the 8 bytes at shared address ``smem_addr``."""
-    inline_asm(
-        None,
-        [Int32(smem_addr).ir_value(loc=loc, ip=ip)],
-        "{ .reg .u64 t; mov.u64 t, %globaltimer; st.shared.u64 [$0], t; }",
-        "r",
-        True,
-    )
-
-
-@dsl_user_op
-def stamp_smid(smem_addr, *, loc=None, ip=None) -> None:
-    """(Timing probe.) %smid into the 8 bytes at shared address ``smem_addr``."""
-    inline_asm(
-        None,
-        [Int32(smem_addr).ir_value(loc=loc, ip=ip)],
-        "{ .reg .u32 s; .reg .u64 t; mov.u32 s, %smid; cvt.u64.u32 t, s; st.shared.u64 [$0], t; }",
-        "r",
-        True,
-    )
-
-
-@dsl_user_op
-def copy_u64_shared_to_global(smem_addr, gmem_addr, *, loc=None, ip=None) -> None:
-    inline_asm(
-        None,
-        [Int32(smem_addr).ir_value(loc=loc, ip=ip), Int64(gmem_addr).ir_value(loc=loc, ip=ip)],
-        "{ .reg .u64 t; ld.shared.u64 t, [$0]; st.global.u64 [$1], t; }",
-        "r,l",
-        True,
-    )

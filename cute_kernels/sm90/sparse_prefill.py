@@ -151,7 +151,6 @@ class Consumer(NamedTuple):
     mIdx: cute.Tensor
     s_kv: Int32
     scale_log2: object  # q_scale * kv_scale * sm_scale * log2(e); bf16 q: a pair, row r's with its own scale
-    stamp_base: object = None  # (timing probe) shared address of the stamps
     # Small heads only: smem [consumer, buffer, warp, head], the S^T blocks' maxima
     s_column_max: cute.Tensor = None
     s_head_sum: cute.Tensor = None  # small heads: smem [head, 4 consumer + warp], the warps' row sums
@@ -250,7 +249,6 @@ class SparsePrefillSm90(AttentionKernel):
             mbar_stats_full: cute.struct.MemRange[Int64, 2]  # [consumer]: its row statistics are published
             mbar_tile_done: cute.struct.MemRange[Int64, 1]  # consumer 1 finished a tile
             q_row_scale: cute.struct.MemRange[Float32, B_H]  # bf16 q: the Q tile's row scales
-            stamps: cute.struct.MemRange[Int64, 16]  # (timing probe)
             if self.split:
                 mbar_merge_full: cute.struct.MemRange[Int64, 1]  # the other parts' fragments have landed
                 mbar_peers_free: cute.struct.MemRange[Int64, 1]  # the other parts' KV tiles are free
@@ -375,10 +373,8 @@ class SparsePrefillSm90(AttentionKernel):
         heads = cute.size(mOut, mode=[1])
         tiles = self.scheduler.cta_tiles(bid, mIdx, mTopkLen, heads, flags, schedule_count)
 
-        stamp_base = storage.stamps.data_ptr().toint()
         if warp_idx < PRODUCER_WARPS:
             cute.arch.setmaxregister_decrease(self.registers[0])
-            self.stamp_at(stamp_base, 9, warp_idx == 0)
             self.produce(
                 tma_atom_q,
                 mQ_tma,
@@ -391,7 +387,6 @@ class SparsePrefillSm90(AttentionKernel):
                 mbar_kv_full,
                 mbar_kv_empty,
                 tiles,
-                stamp_base,
             )
         else:
             cute.arch.setmaxregister_increase(self.registers[1])
@@ -445,7 +440,6 @@ class SparsePrefillSm90(AttentionKernel):
                 flags,
                 tiles,
                 small_tables,
-                stamp_base,
             )
             # A split tail ends after the one-tile launch before it. (Here, not after the branches: the
             # producer's warps run on fewer registers than the code after the join would use.)
@@ -503,7 +497,6 @@ class SparsePrefillSm90(AttentionKernel):
         mbar_kv_full,
         mbar_kv_empty,
         tiles,
-        stamp_base,
     ):
         """WG0, per tile: Q by TMA (one thread; persistent: once both consumers' QKs of the previous
         tile are done; ``stage_q``: the bf16 rows, see ``produce_tile``), then the pair-by-pair row
@@ -518,7 +511,7 @@ class SparsePrefillSm90(AttentionKernel):
         lane_row = lane // 4  # row (of 8) this lane copies per 8-row group
 
         tile_inputs = (tma_atom_q, mQ_tma, sQ, mIdx, mbar_q, mbar_kv_full, mbar_kv_empty)
-        geometry = (gather, block_in_pair, row_base, lane_row, stamp_base)
+        geometry = (gather, block_in_pair, row_base, lane_row)
         if const_expr(self.persistent):
             pair_base = Int32(0)  # pairs this CTA gathered before the current tile
             for tile_iter in cutlass.range(tiles.count, unroll=1):
@@ -556,7 +549,7 @@ class SparsePrefillSm90(AttentionKernel):
         (the pairs and staged Q tiles of the CTA's earlier tiles). e4m3 q: the Q tile by TMA (warp 0).
         ``stage_q``: the tile's bf16 rows into the pair slot of position ``pair_base`` (``stage_q_rows``),
         the pairs after it. Small heads with a bf16 q: nothing (the consumers load it)."""
-        gather, block_in_pair, row_base, lane_row, stamp_base = geometry
+        gather, block_in_pair, row_base, lane_row = geometry
         warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
         lane = cute.arch.lane_idx()
         if const_expr(not self.q_bf16):
@@ -588,8 +581,6 @@ class SparsePrefillSm90(AttentionKernel):
             kv_row = mIdx[work.token, slot]
             is_valid = slot_valid_flag(kv_row, slot, gather.s_kv, work.valid_len)
             cute.arch.mbarrier_wait(empty_barrier, phase ^ 1)
-            if pair == 1:
-                self.stamp_at(stamp_base, 10, warp_idx == 0)
             tile_base = gather.sK_base + (stage * 2 + block_in_pair) * self.k_tile_bytes
             for group in cutlass.range_constexpr(4):  # lane l holds the index of the warp's row l
                 src_lane = group * 8 + lane_row
@@ -649,7 +640,6 @@ class SparsePrefillSm90(AttentionKernel):
         flags,
         tiles,
         small_tables,
-        stamp_base,
     ):
         """WG1/WG2: S and P of own blocks c, c + 2, ..., O^T for half c of d_v over every block (bf16 q:
         first the tile's Q, see ``load_q_bf16``; small heads: S^T and P^T)."""
@@ -746,13 +736,7 @@ class SparsePrefillSm90(AttentionKernel):
             scale_log2=(mKVScale[0] if const_expr(self.q_bf16) else mQScale[0] * mKVScale[0]) * sm_scale_log2,
             s_column_max=small_tables[0] if const_expr(self.small) else None,
             s_head_sum=small_tables[1] if const_expr(self.small) else None,
-            stamp_base=stamp_base,
         )
-        self.stamp(c, 1)
-        if c.index == 0:
-            if c.warp == 0:
-                if c.lane == 0:
-                    ptx.stamp_smid(stamp_base)
 
         tile_barriers = (mbar_q, mbar_q_empty)
         epilogue_args = (mSink, mKVScale, mOut, mMaxLogits, mLse, flags)
@@ -797,7 +781,6 @@ class SparsePrefillSm90(AttentionKernel):
             staged = work.block_base - 2  # the ring positions of the slot's two block tiles
             for half in cutlass.range_constexpr(2):
                 self.kv_ring.wait(c.mbar_kv_full, staged + half)
-            self.stamp(c, 2)
             quantize_staged_q_tile(
                 c.sK_base + self.kv_ring.index(staged) * self.k_tile_bytes,
                 thread,
@@ -815,7 +798,6 @@ class SparsePrefillSm90(AttentionKernel):
                 quantize_q_tile(mQ, q_row, thread, sQ_base, q_row_scale.iterator.toint(), self.b_h, self.d_qk)
         cute.arch.fence_proxy("async.shared", space="cta")  # the stores, seen by the WGMMAs
         cute.arch.mbarrier_arrive(mbar_q)
-        self.stamp(c, 3)
         if const_expr(self.stage_q):
             # The other consumer's p_full phase of the slot completes before its q_full arrival, which
             # the tile waits for anyway: waited for here, so that no phase of p_full goes unobserved.
@@ -864,7 +846,6 @@ class SparsePrefillSm90(AttentionKernel):
         consumer = c.index
         num_blocks = c.work.num_blocks
         TILE_RING.wait(mbar_q, tile_iter)
-        self.stamp(c, 4)
         if const_expr(self.q_bf16):  # row r's logit scale: its q scale times kv_scale * sm_scale
             q_row_scale = q_source[2]
             c = c._replace(
@@ -895,8 +876,6 @@ class SparsePrefillSm90(AttentionKernel):
                             c.mIdx, c.work.token, first_slot, c.lane, c.quad_lane, c.s_kv, c.work.valid_len, 2
                         )
                     warpgroup.wait_group(0)  # S(own)
-                    if step == 0:
-                        self.stamp(c, 6)
                     if const_expr(self.persistent):
                         if own + 2 >= num_blocks:  # this consumer's last QK of the tile is done
                             cute.arch.mbarrier_arrive(mbar_q_empty)
@@ -940,7 +919,6 @@ class SparsePrefillSm90(AttentionKernel):
                 if consumer == 1:  # its owner (odd index)
                     self.kv_ring.arrive(c.mbar_p_full, ring)
 
-        self.stamp(c, 7)
         self.epilogue(c, tile_iter, *epilogue_args)
         if const_expr(self.persistent):
             if consumer == 1:  # consumer 1 has read everything of the tile that consumer 0 rewrites
@@ -960,10 +938,6 @@ class SparsePrefillSm90(AttentionKernel):
         ring = c.work.block_base + block
         tile = self.kv_ring.index(ring)
         cute.arch.mbarrier_wait(c.mbar_kv_full + tile, self.kv_ring.phase(ring))
-        if block == 0:
-            self.stamp(c, 5)
-        if block == 1:
-            self.stamp(c, 11, consumer=1)
         warpgroup.fence()
         for k in cutlass.range_constexpr(self.d_qk // 32):
             mma = c.tiled_mma_qk if k > 0 else c.tiled_mma_qk_first  # the first k-step overwrites S
@@ -1340,30 +1314,6 @@ class SparsePrefillSm90(AttentionKernel):
             self.merge_parts(c, rows, flags, mSink, mOut, mMaxLogits, mLse, kv_scale)
         else:
             self.store_out(c, rows, mOut)
-            self.stamp(c, 8)
-            if c.index == 0:  # the stamps over the first columns of the tile's first row
-                cute.arch.barrier(
-                    barrier_id=int(NamedBarrierFp8.ScaleReady0), number_of_threads=THREADS_PER_WG
-                )
-                if c.warp == 0:
-                    if c.lane < 12:
-                        ptx.copy_u64_shared_to_global(
-                            c.stamp_base + c.lane * 8,
-                            mOut.iterator.toint() + Int64(rows.q_row) * D_V * 2 + c.lane * 8,
-                        )
-
-    @cute.jit
-    def stamp(self, c: Consumer, slot, consumer=0):
-        if c.index == consumer:
-            if c.warp == 0:
-                if c.lane == 0:
-                    ptx.stamp_globaltimer(c.stamp_base + slot * 8)
-
-    @cute.jit
-    def stamp_at(self, stamp_base, slot, first_warp):
-        if first_warp:
-            if cute.arch.lane_idx() == 0:
-                ptx.stamp_globaltimer(stamp_base + slot * 8)
 
     @cute.jit
     def store_out(self, c: Consumer, rows, mOut):
