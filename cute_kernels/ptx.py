@@ -250,14 +250,14 @@ def st_global_v4(gmem_addr, w0, w1, w2, w3, *, loc=None, ip=None) -> None:
 
 @dsl_user_op
 def max_abs_bf16x2(acc, w, *, loc=None, ip=None) -> Uint32:
-    """``acc`` with each 16-bit half replaced by the larger of it and the magnitude bits of the bf16 in
-    the same half of ``w`` (sign cleared; for finite bf16 the integer order of magnitude bits is the order
-    of magnitudes)."""
+    """Each 16-bit half of ``acc`` replaced by the bf16 of the larger magnitude of it and the same half of
+    ``w`` (``max.xorsign.abs``: the result's sign bit is the xor of the inputs', so clear the sign bits of
+    the final value; for finite bf16 the integer order of magnitude bits is the order of magnitudes)."""
     return Uint32(
         inline_asm(
             T.i32(),
             [Uint32(acc).ir_value(loc=loc, ip=ip), Uint32(w).ir_value(loc=loc, ip=ip)],
-            "{\n\t.reg .b32 t;\n\tand.b32 t, $2, 0x7fff7fff;\n\tmax.u16x2 $0, $1, t;\n\t}",
+            "max.xorsign.abs.bf16x2 $0, $1, $2;",
             "=r,r,r",
             False,
         )
@@ -308,10 +308,26 @@ def bf16x4_to_e4m3x4(w01, w23, operand_bits=None, op: str | None = None, *, loc=
 
 
 @dsl_user_op
-def scale_bf16x4_to_e4m3x4(w01, w23, multiplier_bits, *, loc=None, ip=None) -> Uint32:
-    """Four bf16 times a float32 given by its bits, rounded to e4m3 (``bf16x4_to_e4m3x4``; the products are
-    exact when the multiplier is a power of two)."""
-    return bf16x4_to_e4m3x4(w01, w23, multiplier_bits, "mul.rn.f32", loc=loc, ip=ip)
+def scale_bf16x4_to_e4m3x4(w01, w23, scale_bf16x2, *, loc=None, ip=None) -> Uint32:
+    """Four bf16 (two words, lowest first) times the bf16 in each half of ``scale_bf16x2`` (``mul.rn.bf16x2``:
+    exact for a power of two unless the product is below bf16's normal range, where e4m3 rounds it to zero
+    anyway), rounded (RN, saturating) to e4m3 and packed, the lowest first."""
+    return Uint32(
+        inline_asm(
+            T.i32(),
+            [Uint32(w).ir_value(loc=loc, ip=ip) for w in (w01, w23, scale_bf16x2)],
+            "{\n\t.reg .b32 a, b, t0, t1, t2, t3;\n\t.reg .f32 f0, f1, f2, f3;\n\t.reg .b16 o01, o23;\n\t"
+            "mul.rn.bf16x2 a, $1, $3;\n\tmul.rn.bf16x2 b, $2, $3;\n\t"
+            "shl.b32 t0, a, 16;\n\tand.b32 t1, a, 0xffff0000;\n\t"
+            "shl.b32 t2, b, 16;\n\tand.b32 t3, b, 0xffff0000;\n\t"
+            "mov.b32 f0, t0;\n\tmov.b32 f1, t1;\n\tmov.b32 f2, t2;\n\tmov.b32 f3, t3;\n\t"
+            "cvt.rn.satfinite.e4m3x2.f32 o01, f1, f0;\n\t"
+            "cvt.rn.satfinite.e4m3x2.f32 o23, f3, f2;\n\t"
+            "mov.b32 $0, {o01, o23};\n\t}",
+            "=r,r,r,r",
+            False,
+        )
+    )
 
 
 @dsl_user_op

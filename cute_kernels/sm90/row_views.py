@@ -22,6 +22,7 @@ from cute_kernels.sm90.row_gather import swizzle_offset
 E4M3_MAX_EXPONENT = 8  # 448 = 1.75 * 2^8, the largest e4m3 value
 E4M3_MAX_MANTISSA_BITS = 0x600000  # 1.75 as the 23 mantissa bits of a float32
 F32_MIN_EXPONENT = -126  # row scales stay normal float32 numbers
+STAGED_ROWS_PER_TILE = 32  # bf16 Q rows staged in one [64, d_qk] e4m3 block tile (twice the bytes a row)
 Q_THREADS_PER_ROW = 4  # consumer threads that quantise one row: 16 values of every 64-column tile each
 
 
@@ -101,20 +102,35 @@ def stage_q_rows(
     """One of the 64 threads that fill a block tile with staged bf16 Q rows: rows ``tile_first_row`` ..
     ``tile_first_row + 31`` of the Q tile whose first row is ``first_row`` of the q view (a row past
     ``last_row`` read from ``last_row``), stored row-major (``d_qk * 2`` bytes a row: 32 rows fill a
-    [64, d_qk] e4m3 block tile) at shared address ``tile_base``. ``thread`` (0-63) copies half of row
-    ``tile_first_row + thread // 2`` by a bulk copy (the TMA unit), arriving on ``mbar_full`` (the tile's
-    ``kv_full``, 64 arrivals) with the bytes it expects."""
+    [64, d_qk] e4m3 block tile) at shared address ``tile_base``, by bulk copies (the TMA unit) whose bytes
+    complete ``mbar_full`` (the tile's ``kv_full``, 64 arrivals). When all 32 rows lie in q, ``thread`` 0
+    copies them at once and the others only arrive (one copy: the producer's warps are not held issuing
+    64); else ``thread`` (0-63) copies half of row ``tile_first_row + thread // 2``."""
     half_bytes = d_qk  # half a row of bf16
-    row = thread // 2
-    source_row = cutlass.min(first_row + tile_first_row + row, last_row)
-    offset = row * (2 * half_bytes) + (thread % 2) * half_bytes
-    cute.arch.mbarrier_arrive_and_expect_tx(mbar_full, half_bytes)
-    ptx.cp_async_bulk_to_shared(
-        tile_base + offset,
-        q_view.iterator.toint() + Int64(source_row) * (2 * half_bytes) + (thread % 2) * half_bytes,
-        half_bytes,
-        mbar_full.toint(),
-    )
+    rows = STAGED_ROWS_PER_TILE
+    first = first_row + tile_first_row
+    if first + rows - 1 <= last_row:
+        if thread == 0:
+            cute.arch.mbarrier_arrive_and_expect_tx(mbar_full, rows * 2 * half_bytes)
+            ptx.cp_async_bulk_to_shared(
+                tile_base,
+                q_view.iterator.toint() + Int64(first) * (2 * half_bytes),
+                rows * 2 * half_bytes,
+                mbar_full.toint(),
+            )
+        else:
+            cute.arch.mbarrier_arrive(mbar_full)
+    else:
+        row = thread // 2
+        source_row = cutlass.min(first + row, last_row)
+        offset = row * (2 * half_bytes) + (thread % 2) * half_bytes
+        cute.arch.mbarrier_arrive_and_expect_tx(mbar_full, half_bytes)
+        ptx.cp_async_bulk_to_shared(
+            tile_base + offset,
+            q_view.iterator.toint() + Int64(source_row) * (2 * half_bytes) + (thread % 2) * half_bytes,
+            half_bytes,
+            mbar_full.toint(),
+        )
 
 
 @cute.jit
@@ -147,7 +163,8 @@ def store_quantized_rows(words, row, part, sQ_base, row_scale_base, tile_rows: c
     for group in words:
         for word in group:
             amax = ptx.max_abs_bf16x2(amax, word)
-    amax = ptx.max_u32(amax & Uint32(0xFFFF), amax >> Uint32(16))  # bf16 magnitude bits
+    amax = amax & Uint32(0x7FFF7FFF)  # bf16 magnitude bits
+    amax = ptx.max_u32(amax & Uint32(0xFFFF), amax >> Uint32(16))
     for offset in (1, 2):  # the row's four threads
         amax = ptx.max_u32(amax, Uint32(cute.arch.shuffle_sync_bfly(Int32(amax), offset=offset)))
     amax_bits = Int32(amax) << 16  # as float32 bits: m * 2^E
@@ -159,15 +176,16 @@ def store_quantized_rows(words, row, part, sQ_base, row_scale_base, tile_rows: c
             exponent = exponent + 1
         if exponent < F32_MIN_EXPONENT:
             exponent = Int32(F32_MIN_EXPONENT)
-    inverse_bits = Uint32((127 - exponent) << 23)  # 2^-e
+    inverse = Uint32((127 - exponent) << 7)  # 2^-e in bf16
+    inverse = inverse | (inverse << Uint32(16))  # in both halves
     if part == 0:
         ptx.st_shared_u32(row_scale_base + row * 4, Uint32((127 + exponent) << 23))
     for col_tile in cutlass.range_constexpr(len(words)):
         w = words[col_tile]
         ptx.st_shared_v4(
             sQ_base + col_tile * (tile_rows * 64) + swizzle_offset(row, part, 64),
-            ptx.scale_bf16x4_to_e4m3x4(w[0], w[1], inverse_bits),
-            ptx.scale_bf16x4_to_e4m3x4(w[2], w[3], inverse_bits),
-            ptx.scale_bf16x4_to_e4m3x4(w[4], w[5], inverse_bits),
-            ptx.scale_bf16x4_to_e4m3x4(w[6], w[7], inverse_bits),
+            ptx.scale_bf16x4_to_e4m3x4(w[0], w[1], inverse),
+            ptx.scale_bf16x4_to_e4m3x4(w[2], w[3], inverse),
+            ptx.scale_bf16x4_to_e4m3x4(w[4], w[5], inverse),
+            ptx.scale_bf16x4_to_e4m3x4(w[6], w[7], inverse),
         )
