@@ -308,25 +308,29 @@ def bf16x4_to_e4m3x4(w01, w23, operand_bits=None, op: str | None = None, *, loc=
 
 
 @dsl_user_op
-def scale_bf16x4_to_e4m3x4(w01, w23, scale_bf16x2, *, loc=None, ip=None) -> Uint32:
-    """Four bf16 (two words, lowest first) times the bf16 in each half of ``scale_bf16x2`` (``mul.rn.bf16x2``:
-    exact for a power of two unless the product is below bf16's normal range, where e4m3 rounds it to zero
-    anyway), rounded (RN, saturating) to e4m3 and packed, the lowest first."""
+def mul_bf16x2(a, b, *, loc=None, ip=None) -> Uint32:
+    """The two bf16 of ``a`` times those of ``b``, half by half (``mul.rn.bf16x2``)."""
     return Uint32(
         inline_asm(
             T.i32(),
-            [Uint32(w).ir_value(loc=loc, ip=ip) for w in (w01, w23, scale_bf16x2)],
-            "{\n\t.reg .b32 a, b, t0, t1, t2, t3;\n\t.reg .f32 f0, f1, f2, f3;\n\t.reg .b16 o01, o23;\n\t"
-            "mul.rn.bf16x2 a, $1, $3;\n\tmul.rn.bf16x2 b, $2, $3;\n\t"
-            "shl.b32 t0, a, 16;\n\tand.b32 t1, a, 0xffff0000;\n\t"
-            "shl.b32 t2, b, 16;\n\tand.b32 t3, b, 0xffff0000;\n\t"
-            "mov.b32 f0, t0;\n\tmov.b32 f1, t1;\n\tmov.b32 f2, t2;\n\tmov.b32 f3, t3;\n\t"
-            "cvt.rn.satfinite.e4m3x2.f32 o01, f1, f0;\n\t"
-            "cvt.rn.satfinite.e4m3x2.f32 o23, f3, f2;\n\t"
-            "mov.b32 $0, {o01, o23};\n\t}",
-            "=r,r,r,r",
+            [Uint32(a).ir_value(loc=loc, ip=ip), Uint32(b).ir_value(loc=loc, ip=ip)],
+            "mul.rn.bf16x2 $0, $1, $2;",
+            "=r,r,r",
             False,
         )
+    )
+
+
+@dsl_user_op
+def scale_bf16x4_to_e4m3x4(w01, w23, scale_bf16x2, *, loc=None, ip=None) -> Uint32:
+    """Four bf16 (two words, lowest first) times the bf16 in each half of ``scale_bf16x2`` (``mul_bf16x2``:
+    exact for a power of two unless the product is below bf16's normal range, where e4m3 rounds it to zero
+    anyway), rounded to e4m3 and packed (``bf16x4_to_e4m3x4``)."""
+    return bf16x4_to_e4m3x4(
+        mul_bf16x2(w01, scale_bf16x2, loc=loc, ip=ip),
+        mul_bf16x2(w23, scale_bf16x2, loc=loc, ip=ip),
+        loc=loc,
+        ip=ip,
     )
 
 

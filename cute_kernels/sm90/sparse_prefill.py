@@ -61,6 +61,7 @@ from cute_kernels.sm90.ring import Ring
 from cute_kernels.sm90.row_gather import RowGather, copy_rows, slot_valid_flag, swizzle_offset
 from cute_kernels.sm90.row_views import (
     Q_THREADS_PER_ROW,
+    STAGED_ROWS_PER_TILE,
     load_q_tile,
     quantize_q_tile,
     quantize_staged_q_tile,
@@ -562,7 +563,7 @@ class SparsePrefillSm90(AttentionKernel):
                 mQ_tma,
                 q_row,
                 plain_int32(cute.size(mQ_tma, mode=[0])) - 1,
-                block_in_pair * (B_H // 2),
+                block_in_pair * STAGED_ROWS_PER_TILE,
                 row_base + lane,
                 gather.sK_base + q_tile * self.k_tile_bytes,
                 mbar_kv_full + q_tile,

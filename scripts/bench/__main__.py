@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import functools
 import json
 import math
 import sys
@@ -163,8 +164,9 @@ def main() -> int:
             if arm_inputs is None:
                 arm_inputs = bf16_q_inputs(inputs)
             outputs = q8kv8.sparse_mla_q8kv8_prefill_fwd(**arm_inputs, precision=precision)
-            call = q8kv8.sparse_mla_q8kv8_prefill_fwd
-            calls[arm] = lambda a=arm_inputs, p=precision, call=call: call(**a, precision=p)
+            calls[arm] = functools.partial(
+                q8kv8.sparse_mla_q8kv8_prefill_fwd, **arm_inputs, precision=precision
+            )
             row[arm] = {}
             if args.check:  # for the bf16 q: against the reference on its rows quantised as the kernel does
                 row[arm]["rel_err"] = check(arm_inputs, outputs)
