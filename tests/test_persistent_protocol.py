@@ -14,11 +14,9 @@ them under random schedules. It checks:
   write of its own tile or block.
 
 ``Model(staged_q=True)`` is the kernel with a bf16 q (``stage_q``): a tile's bf16 rows take the KV ring's
-pair slot before its first pair, one bulk copy per block tile (an actor of its own: the copy lands at any
-time after its issue). Each producer half, once its copy has landed (``kv_full``) and both consumers' QKs of
-the previous tile are done (``q_empty``), quantises its rows into its half of sQ, arrives on ``q_full`` and
-releases its block tile as the consumers would (``kv_empty`` for both, ``p_full`` for its owner, which
-waits for that phase).
+pair slot before its first pair, filled by the producer like a pair and quantised into sQ by both consumers
+(each half of the rows), which release the slot (``kv_empty``; consumer c completes the ``p_full`` phase of
+the slot's block position c, the other waits for it) and arrive on ``q_full``.
 
 It must change with the kernel's protocol. ``Model(drop=...)`` leaves one of the kernel's waits out;
 the ``test_the_model_finds_*`` tests show that the model then finds the race that wait prevents.
@@ -34,8 +32,7 @@ from cute_kernels.sm90.sparse_prefill import NUM_KV_TILES, consumer_steps
 TILE_DONE = "consumer 0 waits for tile_done of the previous tile"
 EMPTY_TILE_STATS = "consumer 1, in a tile without blocks, waits for stats_full[0] before publishing"
 EPILOGUE_STATS = "the epilogue waits for the other consumer's stats_full"
-STAGED_Q_FULL = "staged q: each producer half waits for its rows' kv_full before reading them"
-STAGED_Q_EMPTY = "staged q: each producer half waits for q_empty of the previous tile before writing sQ"
+STAGED_Q_FULL = "staged q: the consumers wait for the slot's kv_full before reading the rows"
 
 
 class ProtocolError(AssertionError):
@@ -68,8 +65,6 @@ class Model:
             **{f"p_full{i}": MBarrier(f"p_full{i}", 1) for i in ring},
             **{f"stats_full{c}": MBarrier(f"stats_full{c}", 1) for c in range(2)},
             "tile_done": MBarrier("tile_done", 1),
-            # Staged q: a producer half has issued its tile's bulk copy (a model-only signal to the copy).
-            **{f"copy_issued{h}": MBarrier(f"copy_issued{h}", 1) for h in range(2)},
         }
         self.data: dict[str, object] = {}
 
@@ -85,8 +80,8 @@ class Model:
             if self.staged_q:  # the tile's bf16 rows into the pair slot of position pair_base
                 kv = (pair_base % 2) * 2 + half
                 yield self.wait(f"kv_empty{kv}", pair_base // 2 - 1)
-                yield ("arrive", f"copy_issued{half}")
-                yield from self.quantize_staged_q(half, tile, kv, pair_base // 2)
+                yield ("write", f"kv{kv}", ("q", tile))
+                yield ("arrive", f"kv_full{kv}")
             elif half == 0:  # warp 0 loads Q once both consumers' QKs of the previous tile are done
                 yield self.wait("q_empty", tile - 1)
                 yield ("write", "sQ0", tile)
@@ -100,24 +95,13 @@ class Model:
                 yield ("arrive", f"kv_full{kv}")
             pair_base += (blocks + 1) // 2 + self.q_pairs
 
-    def staged_copy(self, half: int):
-        """The bulk copy of a producer half's staged rows, landing some time after its issue."""
-        pair_base = 0
-        for tile, blocks in enumerate(self.tiles):
-            kv = (pair_base % 2) * 2 + half
-            yield self.wait(f"copy_issued{half}", tile)
-            yield ("write", f"kv{kv}", ("q", tile))
-            yield ("arrive", f"kv_full{kv}")
-            pair_base += (blocks + 1) // 2 + self.q_pairs
-
     def consumer(self, c: int):
         pair_base = 0
         for tile, blocks in enumerate(self.tiles):
             base = 2 * (pair_base + self.q_pairs)
+            if self.staged_q:
+                yield from self.quantize_staged_q(c, tile, base - 2)
             yield self.wait("q_full", tile)
-            if self.staged_q:  # the staged block tile this consumer owns: its p_full phase
-                g = base - 2 + c
-                yield self.wait(f"p_full{g % 4}", g // 4)
             if blocks <= c:
                 yield ("arrive", "q_empty")
             if blocks > 0:
@@ -185,18 +169,20 @@ class Model:
                 yield ("arrive", "tile_done")
             pair_base += (blocks + 1) // 2 + self.q_pairs
 
-    def quantize_staged_q(self, half: int, tile: int, kv: int, use: int):
-        """Producer half ``half`` quantises its staged rows (block tile ``kv``, its use ``use``) into sQ."""
-        if self.drop != STAGED_Q_EMPTY:
-            yield self.wait("q_empty", tile - 1)
-        if self.drop != STAGED_Q_FULL:
-            yield self.wait(f"kv_full{kv}", use)
-        yield ("read", f"kv{kv}", ("q", tile))
-        yield ("write", f"sQ{half}", tile)
+    def quantize_staged_q(self, c: int, tile: int, staged: int):
+        """Consumer c quantises its half of the tile's staged rows (block positions ``staged``, + 1)."""
+        yield self.wait("q_empty", tile - 1)
+        for g in (staged, staged + 1):
+            if self.drop != STAGED_Q_FULL:
+                yield self.wait(f"kv_full{g % 4}", g // 4)
+            yield ("read", f"kv{g % 4}", ("q", tile))
+        yield ("write", f"sQ{c}", tile)
+        for g in (staged, staged + 1):
+            yield ("arrive", f"kv_empty{g % 4}")
+        yield ("arrive", f"p_full{(staged + c) % 4}")
         yield ("arrive", "q_full")
-        for _ in range(2):  # both consumers' arrivals
-            yield ("arrive", f"kv_empty{kv}")
-        yield ("arrive", f"p_full{kv}")  # its owner's (consumer ``half``)
+        other = staged + 1 - c
+        yield self.wait(f"p_full{other % 4}", other // 4)
 
     def wait_previous_tile(self, tile: int):
         """Consumer 0: consumer 1 has finished the previous tile."""
@@ -215,8 +201,6 @@ class Model:
             "consumer 0": self.consumer(0),
             "consumer 1": self.consumer(1),
         }
-        if self.staged_q:
-            actors.update({f"staged copy {h}": self.staged_copy(h) for h in range(2)})
         pending = {name: next(program, None) for name, program in actors.items()}
         while any(op is not None for op in pending.values()):
             runnable = [name for name, op in pending.items() if op is not None and self.ready(op)]
@@ -307,13 +291,6 @@ def test_the_model_finds_an_early_statistics_read(tiles):
 
 @pytest.mark.parametrize("tiles", [[1, 1], [4, 0, 3], [2, 5]])
 def test_the_model_finds_the_staged_q_race_without_kv_full(tiles):
-    """Without its kv_full wait, a producer half reads its staged rows before they land (the block tile still
+    """Without the slot's kv_full waits, a consumer reads the staged rows before they land (the slot still
     holding an earlier pair's rows, or nothing)."""
     assert violations(tiles, STAGED_Q_FULL, staged_q=True) > 0
-
-
-@pytest.mark.parametrize("tiles", [[2, 2], [4, 0, 3], [1, 5]])
-def test_the_model_finds_the_staged_q_race_without_q_empty(tiles):
-    """Without its q_empty wait, a producer half writes the next tile's Q while a consumer's QK of the
-    current tile still reads it."""
-    assert violations(tiles, STAGED_Q_EMPTY, staged_q=True) > 0

@@ -150,51 +150,19 @@ def quantize_staged_q_tile(
 
 
 @cute.jit
-def quantize_staged_row(
-    staging_base, row, part, sQ_base, row_scale_base, tile_rows: cutlass.Constexpr, d_qk: cutlass.Constexpr
-) -> None:
-    """``quantize_staged_q_tile``'s part ``part`` of one row, with few registers (the persistent kernel's
-    producer warps): the row's 32-byte pieces read twice, for the maximum, then for the conversion."""
-    row_addr = staging_base + row * (d_qk * 2) + part * 32
-    amax = Uint32(0)
-    for col_tile in cutlass.range(d_qk // 64, unroll=1):
-        for word in ptx.ld_shared_v4x2(row_addr + col_tile * 128, row % 2):
-            amax = ptx.max_abs_bf16x2(amax, word)
-    inverse = row_inverse_scale(amax, row, part, row_scale_base)
-    for col_tile in cutlass.range(d_qk // 64, unroll=1):
-        store_quantized_words(
-            ptx.ld_shared_v4x2(row_addr + col_tile * 128, row % 2),
-            inverse,
-            row,
-            part,
-            col_tile,
-            sQ_base,
-            tile_rows,
-        )
-
-
-@cute.jit
 def store_quantized_rows(words, row, part, sQ_base, row_scale_base, tile_rows: cutlass.Constexpr) -> None:
     """This thread's part of row ``row`` of a Q tile, ``words`` (per 64-column tile the eight 32-bit words of
-    its 16 bf16 values), stored in e4m3 at shared address ``sQ_base`` (``store_quantized_words``) with the
-    row's scale (``row_inverse_scale``)."""
-    amax = Uint32(0)
-    for group in words:
-        for word in group:
-            amax = ptx.max_abs_bf16x2(amax, word)
-    inverse = row_inverse_scale(amax, row, part, row_scale_base)
-    for col_tile in cutlass.range_constexpr(len(words)):
-        store_quantized_words(words[col_tile], inverse, row, part, col_tile, sQ_base, tile_rows)
-
-
-@cute.jit
-def row_inverse_scale(amax, row, part, row_scale_base) -> Uint32:
-    """The scale of row ``row`` of a Q tile from its four threads' (``part`` 0-3, neighbouring lanes)
-    ``max_abs_bf16x2`` accumulations ``amax``: 2^-e in both bf16 halves of a word.
+    its 16 bf16 values), stored in e4m3 at shared address ``sQ_base`` (64-byte-swizzled, K-major: the
+    layout the TMA of an e4m3 tile writes); the row's four threads (``part`` 0-3, neighbouring lanes) agree
+    on its scale.
 
     Row r is stored as e4m3(q_r / s_r) with s_r = 2^e, e the least integer with max|q_r| <= 448 * 2^e
     (at least -126; e = 0 for a zero row): exact scaling, no saturation. s_r goes to the float32 table at
     ``row_scale_base`` (one thread per row writes it). Finite q only."""
+    amax = Uint32(0)
+    for group in words:
+        for word in group:
+            amax = ptx.max_abs_bf16x2(amax, word)
     amax = amax & Uint32(0x7FFF7FFF)  # bf16 magnitude bits
     amax = ptx.max_u32(amax & Uint32(0xFFFF), amax >> Uint32(16))
     for offset in (1, 2):  # the row's four threads
@@ -209,20 +177,15 @@ def row_inverse_scale(amax, row, part, row_scale_base) -> Uint32:
         if exponent < F32_MIN_EXPONENT:
             exponent = Int32(F32_MIN_EXPONENT)
     inverse = Uint32((127 - exponent) << 7)  # 2^-e in bf16
+    inverse = inverse | (inverse << Uint32(16))  # in both halves
     if part == 0:
         ptx.st_shared_u32(row_scale_base + row * 4, Uint32((127 + exponent) << 23))
-    return inverse | (inverse << Uint32(16))  # in both halves
-
-
-@cute.jit
-def store_quantized_words(w, inverse, row, part, col_tile, sQ_base, tile_rows: cutlass.Constexpr) -> None:
-    """The eight words ``w`` (16 bf16 values: part ``part`` of column tile ``col_tile`` of row ``row``) times
-    ``inverse``, in e4m3 at their place in the Q tile at shared address ``sQ_base`` (64-byte-swizzled,
-    K-major: the layout the TMA of an e4m3 tile writes)."""
-    ptx.st_shared_v4(
-        sQ_base + col_tile * (tile_rows * 64) + swizzle_offset(row, part, 64),
-        ptx.scale_bf16x4_to_e4m3x4(w[0], w[1], inverse),
-        ptx.scale_bf16x4_to_e4m3x4(w[2], w[3], inverse),
-        ptx.scale_bf16x4_to_e4m3x4(w[4], w[5], inverse),
-        ptx.scale_bf16x4_to_e4m3x4(w[6], w[7], inverse),
-    )
+    for col_tile in cutlass.range_constexpr(len(words)):
+        w = words[col_tile]
+        ptx.st_shared_v4(
+            sQ_base + col_tile * (tile_rows * 64) + swizzle_offset(row, part, 64),
+            ptx.scale_bf16x4_to_e4m3x4(w[0], w[1], inverse),
+            ptx.scale_bf16x4_to_e4m3x4(w[2], w[3], inverse),
+            ptx.scale_bf16x4_to_e4m3x4(w[4], w[5], inverse),
+            ptx.scale_bf16x4_to_e4m3x4(w[6], w[7], inverse),
+        )

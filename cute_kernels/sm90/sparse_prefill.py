@@ -65,7 +65,6 @@ from cute_kernels.sm90.row_views import (
     load_q_tile,
     quantize_q_tile,
     quantize_staged_q_tile,
-    quantize_staged_row,
     stage_q_rows,
 )
 from cute_kernels.sm90.shared_storage import allocate_shared_storage, tile_region, tile_tensor
@@ -93,12 +92,11 @@ SPLIT_WEIGHTS_OFFSET = SPLIT_STATS_OFFSET + max(SPLIT_PARTS) * SPLIT_STATS_BYTES
 
 PRODUCER_REGS = 24
 CONSUMER_REGS = 240
-# A producer that does more than copy spills at 24: the small-head kernel's with an e4m3 q (its Q TMA beside
-# that consumer code) and the persistent 64-head kernel's with a bf16 q (it quantises). Their split keeps
-# 40 + 2 x 232 = 3 x 168, the launch's registers per thread (setmaxregister only moves registers between the
-# CTA's warps: more waits forever).
-BUSY_PRODUCER_REGS = 40
-BUSY_PRODUCER_CONSUMER_REGS = 232
+# The small-head kernel's producer spills at 24 with an e4m3 q (its Q TMA beside that consumer code); its
+# split keeps 40 + 2 x 232 = 3 x 168, the launch's registers per thread (setmaxregister only moves registers
+# between the CTA's warps: more waits forever).
+SMALL_HEAD_E4M3_PRODUCER_REGS = 40
+SMALL_HEAD_E4M3_CONSUMER_REGS = 232
 Q_DTYPES = ("e4m3", "bf16")
 
 
@@ -210,8 +208,8 @@ class SparsePrefillSm90(AttentionKernel):
         self.precision = precision
         self.q_bf16 = q_dtype == "bf16"
         self.registers = (PRODUCER_REGS, CONSUMER_REGS)  # per thread of the producer, of a consumer
-        if (self.small and not self.q_bf16) or (persistent and self.q_bf16 and not self.small):
-            self.registers = (BUSY_PRODUCER_REGS, BUSY_PRODUCER_CONSUMER_REGS)
+        if self.small and not self.q_bf16:
+            self.registers = (SMALL_HEAD_E4M3_PRODUCER_REGS, SMALL_HEAD_E4M3_CONSUMER_REGS)
         self.p_terms = 2 if precision == "accurate" else 1  # e4m3 terms P is stored as
         # PV WGMMA groups (d tiles) in flight, each with its V^T fragment live: two, one for the persistent
         # small-head kernel with a bf16 q (which spills 40-56 B with two at 24 / 240 / 240 registers).
@@ -223,9 +221,6 @@ class SparsePrefillSm90(AttentionKernel):
         # quantised from there by the consumers; ``q_pairs``: the ring's pair positions a tile's Q takes.
         self.stage_q = self.q_bf16 and not self.small
         self.q_pairs = 1 if self.stage_q else 0
-        # Persistent: the producer's warps quantise the staged rows, as soon as the previous tile's QKs are
-        # done, while the consumers finish that tile (``quantize_staged_rows``).
-        self.producer_quantizes = self.stage_q and persistent
         self.scheduler = TileScheduler(persistent, B_TOPK, split, heads, whole_token=self.small)
         self.k_tile_bytes = B_TOPK * d_qk  # one gathered block in shared memory
         self.q_tile_bytes = heads * d_qk
@@ -391,8 +386,6 @@ class SparsePrefillSm90(AttentionKernel):
                 mbar_q_empty,
                 mbar_kv_full,
                 mbar_kv_empty,
-                mbar_p_full,
-                storage.q_row_scale.data_ptr().toint(),
                 tiles,
             )
         else:
@@ -468,16 +461,13 @@ class SparsePrefillSm90(AttentionKernel):
         mbar_merge_full,
         mbar_peers_free,
     ):
-        """(One thread.) q_full: the TMA (bf16 q: every thread that quantises, after its part);
+        """(One thread.) q_full: the TMA (bf16 q: every consumer thread, after quantising its part);
         q_empty: both consumers; per block tile, kv_full: the 64 threads gathering it (cp.async arrivals;
         staged bf16 rows: bulk copies, see ``stage_q_rows``), kv_empty: both consumers, p_full: its
         owner's warpgroup; no block has moved the max yet. Persistent: stats_full[c]: consumer c's warpgroup;
         tile_done: consumer 1's warpgroup. Split: merge_full: one arrival (with the bytes expected) and the
         other parts' stores; peers_free: one arrival from each other part."""
-        q_arrivals = 1
-        if const_expr(self.q_bf16):
-            q_arrivals = THREADS_PER_WG if const_expr(self.producer_quantizes) else CONSUMER_THREADS
-        cute.arch.mbarrier_init(mbar_q, q_arrivals)
+        cute.arch.mbarrier_init(mbar_q, CONSUMER_THREADS if const_expr(self.q_bf16) else 1)
         cute.arch.mbarrier_init(mbar_q_empty, CONSUMER_THREADS)
         for i in cutlass.range_constexpr(NUM_KV_TILES):
             cute.arch.mbarrier_init(mbar_kv_full + i, 2 * 32)
@@ -506,8 +496,6 @@ class SparsePrefillSm90(AttentionKernel):
         mbar_q_empty,
         mbar_kv_full,
         mbar_kv_empty,
-        mbar_p_full,
-        q_row_scale_base,
         tiles,
     ):
         """WG0, per tile: Q by TMA (one thread; persistent: once both consumers' QKs of the previous
@@ -523,7 +511,6 @@ class SparsePrefillSm90(AttentionKernel):
         lane_row = lane // 4  # row (of 8) this lane copies per 8-row group
 
         tile_inputs = (tma_atom_q, mQ_tma, sQ, mIdx, mbar_q, mbar_kv_full, mbar_kv_empty)
-        staged_q_inputs = (mbar_q_empty, mbar_p_full, q_row_scale_base)
         geometry = (gather, block_in_pair, row_base, lane_row)
         if const_expr(self.persistent):
             pair_base = Int32(0)  # pairs this CTA gathered before the current tile
@@ -533,12 +520,12 @@ class SparsePrefillSm90(AttentionKernel):
                     if warp_idx == 0:
                         TILE_RING.wait_empty(mbar_q_empty, tile_iter)
                 q_row = self.scheduler.first_q_row(work.tile, tiles.heads)
-                self.produce_tile(*tile_inputs, work, q_row, pair_base, geometry, tile_iter, staged_q_inputs)
+                self.produce_tile(*tile_inputs, work, q_row, pair_base, geometry)
                 pair_base += work.num_pairs + self.q_pairs
         else:
             work = self.scheduler.work(tiles, 0, 2 * self.q_pairs)
             q_row = self.scheduler.first_q_row(work.tile, tiles.heads)
-            self.produce_tile(*tile_inputs, work, q_row, 0, geometry, 0, staged_q_inputs)
+            self.produce_tile(*tile_inputs, work, q_row, 0, geometry)
         ptx.cp_async_wait_all()
         if const_expr(self.split):  # no copy of this CTA lands in its KV tiles from here on
             cute.arch.barrier_arrive(barrier_id=int(NamedBarrierFp8.RingFree), number_of_threads=NUM_THREADS)
@@ -557,14 +544,11 @@ class SparsePrefillSm90(AttentionKernel):
         q_row,
         pair_base,
         geometry,
-        tile_iter,
-        staged_q_inputs,
     ):
         """One tile's Q (rows ``q_row`` onwards) and pairs, from the ring's pair position ``pair_base`` on
         (the pairs and staged Q tiles of the CTA's earlier tiles). e4m3 q: the Q tile by TMA (warp 0).
-        ``stage_q``: the tile's bf16 rows into the pair slot of position ``pair_base`` (``stage_q_rows``;
-        persistent: then quantised, ``quantize_staged_rows``), the pairs after it. Small heads with a bf16
-        q: nothing (the consumers load it)."""
+        ``stage_q``: the tile's bf16 rows into the pair slot of position ``pair_base`` (``stage_q_rows``),
+        the pairs after it. Small heads with a bf16 q: nothing (the consumers load it)."""
         gather, block_in_pair, row_base, lane_row = geometry
         warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
         lane = cute.arch.lane_idx()
@@ -584,20 +568,6 @@ class SparsePrefillSm90(AttentionKernel):
                 mbar_kv_full + q_tile,
                 self.d_qk,
             )
-            if const_expr(self.producer_quantizes):
-                self.quantize_staged_rows(
-                    sQ.iterator.toint(),
-                    gather.sK_base + (q_tile - block_in_pair) * self.k_tile_bytes,
-                    q_tile,
-                    self.pair_ring.phase(pair_base),
-                    block_in_pair,
-                    row_base + lane,
-                    tile_iter,
-                    mbar_q,
-                    mbar_kv_full,
-                    mbar_kv_empty,
-                    *staged_q_inputs,
-                )
 
         for pair in cutlass.range(work.num_pairs, unroll=1):
             ring_pair = pair_base + self.q_pairs + pair
@@ -618,49 +588,6 @@ class SparsePrefillSm90(AttentionKernel):
                 row_valid = cute.arch.shuffle_sync(is_valid, src_lane)
                 copy_rows(gather, tile_base, row_base + group * 8 + lane_row, ((0, row_kv, row_valid),))
             cute.arch.cp_async_mbarrier_arrive_noinc(full_barrier)
-
-    @cute.jit
-    def quantize_staged_rows(
-        self,
-        sQ_base,
-        staging_base,
-        q_tile,
-        phase,
-        block_in_pair,
-        thread,
-        tile_iter,
-        mbar_q,
-        mbar_kv_full,
-        mbar_kv_empty,
-        mbar_q_empty,
-        mbar_p_full,
-        q_row_scale_base,
-    ):
-        """Persistent ``stage_q``, the 64 producer threads (``thread``) of block position ``block_in_pair``:
-        once both consumers' QKs of the previous tile are done (``q_empty``) and this half's staged rows have
-        landed (its tile ``q_tile``'s ``kv_full``), quantise them into the shared Q tile (rows 32
-        ``block_in_pair`` + thread / 4 + 16 i, ``quantize_staged_row``: two passes, at the producer's
-        registers) and arrive on ``q_full``. Then release the tile as the consumers would: both consumers'
-        arrivals on its ``kv_empty`` and its owner's on its ``p_full``, so that every ring position keeps
-        one phase per use (the owner waits for that phase, ``consume_tile``)."""
-        TILE_RING.wait_empty(mbar_q_empty, tile_iter)
-        cute.arch.mbarrier_wait(mbar_kv_full + q_tile, phase)
-        for i in cutlass.range_constexpr(STAGED_ROWS_PER_TILE * Q_THREADS_PER_ROW // (2 * 32)):
-            quantize_staged_row(
-                staging_base,
-                block_in_pair * STAGED_ROWS_PER_TILE
-                + i * (2 * 32 // Q_THREADS_PER_ROW)
-                + thread // Q_THREADS_PER_ROW,
-                thread % Q_THREADS_PER_ROW,
-                sQ_base,
-                q_row_scale_base,
-                B_H,
-                self.d_qk,
-            )
-        cute.arch.fence_proxy("async.shared", space="cta")  # the stores, seen by the WGMMAs
-        cute.arch.mbarrier_arrive(mbar_q)
-        cute.arch.mbarrier_arrive(mbar_kv_empty + q_tile, arrive_count=CONSUMER_THREADS // (2 * 32))
-        cute.arch.mbarrier_arrive(mbar_p_full + q_tile, arrive_count=THREADS_PER_WG // (2 * 32))
 
     @cute.jit
     def prefetch_next_q(self, mQ, tile, heads):
@@ -840,12 +767,9 @@ class SparsePrefillSm90(AttentionKernel):
                 if c.warp == 0:
                     if c.lane == 0:
                         self.prefetch_next_q(mQ, work.tile, heads)
-            if const_expr(not self.producer_quantizes):
-                TILE_RING.wait_empty(mbar_q_empty, tile_iter)
+            TILE_RING.wait_empty(mbar_q_empty, tile_iter)
         thread = c.index * THREADS_PER_WG + c.warp * 32 + c.lane
-        if const_expr(self.producer_quantizes):
-            pass  # quantize_staged_rows
-        elif const_expr(self.stage_q):
+        if const_expr(self.stage_q):
             staged = work.block_base - 2  # the ring positions of the slot's two block tiles
             for half in cutlass.range_constexpr(2):
                 self.kv_ring.wait(c.mbar_kv_full, staged + half)
@@ -864,10 +788,9 @@ class SparsePrefillSm90(AttentionKernel):
             if thread < Q_THREADS_PER_ROW * self.b_h:
                 q_row = self.scheduler.first_q_row(work.tile, heads)
                 quantize_q_tile(mQ, q_row, thread, sQ_base, q_row_scale.iterator.toint(), self.b_h, self.d_qk)
-        if const_expr(not self.producer_quantizes):
-            cute.arch.fence_proxy("async.shared", space="cta")  # the stores, seen by the WGMMAs
-            cute.arch.mbarrier_arrive(mbar_q)
-        if const_expr(self.stage_q and not self.producer_quantizes):
+        cute.arch.fence_proxy("async.shared", space="cta")  # the stores, seen by the WGMMAs
+        cute.arch.mbarrier_arrive(mbar_q)
+        if const_expr(self.stage_q):
             # The other consumer's p_full phase of the slot completes before its q_full arrival, which
             # the tile waits for anyway: waited for here, so that no phase of p_full goes unobserved.
             self.kv_ring.wait(c.mbar_p_full, staged + 1 - c.index)
@@ -915,8 +838,6 @@ class SparsePrefillSm90(AttentionKernel):
         consumer = c.index
         num_blocks = c.work.num_blocks
         TILE_RING.wait(mbar_q, tile_iter)
-        if const_expr(self.producer_quantizes):  # the p_full phase of the staged tile this consumer owns
-            self.kv_ring.wait(c.mbar_p_full, c.work.block_base - 2 + consumer)
         if const_expr(self.q_bf16):  # row r's logit scale: its q scale times kv_scale * sm_scale
             q_row_scale = q_source[2]
             c = c._replace(
