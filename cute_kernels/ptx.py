@@ -388,15 +388,9 @@ def ld_shared_v4x2(smem_addr, swap, *, loc=None, ip=None):
 
 
 @dsl_user_op
-def prefetch_bulk_l2(gmem_addr, size_bytes, *, loc=None, ip=None) -> None:
-    """Prefetch ``size_bytes`` (a multiple of 16) from ``gmem_addr`` (16-byte aligned) into L2 (bulk)."""
-    inline_asm(
-        None,
-        [Int64(gmem_addr).ir_value(loc=loc, ip=ip), Int32(size_bytes).ir_value(loc=loc, ip=ip)],
-        "cp.async.bulk.prefetch.L2.global [$0], $1;",
-        "l,r",
-        True,
-    )
+def prefetch_l2(gmem_addr, *, loc=None, ip=None) -> None:
+    """Prefetch the L2 line of ``gmem_addr``."""
+    inline_asm(None, [Int64(gmem_addr).ir_value(loc=loc, ip=ip)], "prefetch.global.L2 [$0];", "l", True)
 
 
 # ------------------------------------------------------------------------------------------------
