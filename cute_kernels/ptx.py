@@ -69,18 +69,23 @@ def ldmatrix_x4_trans(smem_addr, *, loc=None, ip=None):
     return tuple(Uint32(llvm.extractvalue(T.i32(), res, [i], loc=loc, ip=ip)) for i in range(4))
 
 
-@dsl_user_op
-def prmt(a, b, selector: int, *, loc=None, ip=None) -> Uint32:
-    """``prmt.b32``: byte i of the result is byte ``(selector >> 4i) & 7`` of the pair {b:a}."""
+def _b32_op(instruction: str, a, b, *, loc=None, ip=None) -> Uint32:
+    """One PTX instruction on two 32-bit words (``$1``, ``$2``) giving one (``$0``)."""
     return Uint32(
         inline_asm(
             T.i32(),
             [Uint32(a).ir_value(loc=loc, ip=ip), Uint32(b).ir_value(loc=loc, ip=ip)],
-            f"prmt.b32 $0, $1, $2, {selector:#x};",
+            instruction,
             "=r,r,r",
             False,
         )
     )
+
+
+@dsl_user_op
+def prmt(a, b, selector: int, *, loc=None, ip=None) -> Uint32:
+    """``prmt.b32``: byte i of the result is byte ``(selector >> 4i) & 7`` of the pair {b:a}."""
+    return _b32_op(f"prmt.b32 $0, $1, $2, {selector:#x};", a, b, loc=loc, ip=ip)
 
 
 @dsl_user_op
@@ -253,28 +258,12 @@ def max_abs_bf16x2(acc, w, *, loc=None, ip=None) -> Uint32:
     """Each 16-bit half of ``acc`` replaced by the bf16 of the larger magnitude of it and the same half of
     ``w`` (``max.xorsign.abs``: the result's sign bit is the xor of the inputs', so clear the sign bits of
     the final value; for finite bf16 the integer order of magnitude bits is the order of magnitudes)."""
-    return Uint32(
-        inline_asm(
-            T.i32(),
-            [Uint32(acc).ir_value(loc=loc, ip=ip), Uint32(w).ir_value(loc=loc, ip=ip)],
-            "max.xorsign.abs.bf16x2 $0, $1, $2;",
-            "=r,r,r",
-            False,
-        )
-    )
+    return _b32_op("max.xorsign.abs.bf16x2 $0, $1, $2;", acc, w, loc=loc, ip=ip)
 
 
 @dsl_user_op
 def max_u32(a, b, *, loc=None, ip=None) -> Uint32:
-    return Uint32(
-        inline_asm(
-            T.i32(),
-            [Uint32(a).ir_value(loc=loc, ip=ip), Uint32(b).ir_value(loc=loc, ip=ip)],
-            "max.u32 $0, $1, $2;",
-            "=r,r,r",
-            False,
-        )
-    )
+    return _b32_op("max.u32 $0, $1, $2;", a, b, loc=loc, ip=ip)
 
 
 def bf16x4_to_e4m3x4(w01, w23, operand_bits=None, op: str | None = None, *, loc=None, ip=None) -> Uint32:
@@ -310,15 +299,7 @@ def bf16x4_to_e4m3x4(w01, w23, operand_bits=None, op: str | None = None, *, loc=
 @dsl_user_op
 def mul_bf16x2(a, b, *, loc=None, ip=None) -> Uint32:
     """The two bf16 of ``a`` times those of ``b``, half by half (``mul.rn.bf16x2``)."""
-    return Uint32(
-        inline_asm(
-            T.i32(),
-            [Uint32(a).ir_value(loc=loc, ip=ip), Uint32(b).ir_value(loc=loc, ip=ip)],
-            "mul.rn.bf16x2 $0, $1, $2;",
-            "=r,r,r",
-            False,
-        )
-    )
+    return _b32_op("mul.rn.bf16x2 $0, $1, $2;", a, b, loc=loc, ip=ip)
 
 
 @dsl_user_op
