@@ -99,16 +99,6 @@ CONSUMER_REGS = 240
 SMALL_HEAD_E4M3_PRODUCER_REGS = 40
 SMALL_HEAD_E4M3_CONSUMER_REGS = 232
 Q_DTYPES = ("e4m3", "bf16")
-# precision="accurate": S is summed in float32 from WGMMA groups of at most this many k-steps (96 elements of
-# d_qk), each started from zero: the FP8 tensor cores' own accumulation keeps about 14 bits, which costs the
-# logits ~2e-3 relative over the 18 k-steps of d_qk 576, and ~2e-4 over 3.
-QK_PROMOTION_KSTEPS = 3
-
-
-def add_into(total: cute.Tensor, part: cute.Tensor):
-    """total += part, element by element (float32 registers)."""
-    for i in range(cute.size(part)):
-        total[i] = total[i] + part[i]
 
 
 def consumer_steps(num_blocks, consumer):
@@ -165,9 +155,6 @@ class Consumer(NamedTuple):
     # Small heads only: smem [consumer, buffer, warp, head], the S^T blocks' maxima
     s_column_max: cute.Tensor = None
     s_head_sum: cute.Tensor = None  # small heads: smem [head, 4 consumer + warp], the warps' row sums
-    # Accurate: (S's MMA per N = 32 half, its K descriptors per half, one [64 x 32] chunk accumulator); small
-    # heads: (None, None, two chunk accumulators the shape of S^T)
-    qk_chunks: tuple = None
 
 
 class SparsePrefillSm90(AttentionKernel):
@@ -225,14 +212,9 @@ class SparsePrefillSm90(AttentionKernel):
         if self.small and not self.q_bf16:
             self.registers = (SMALL_HEAD_E4M3_PRODUCER_REGS, SMALL_HEAD_E4M3_CONSUMER_REGS)
         self.p_terms = 2 if precision == "accurate" else 1  # e4m3 terms P is stored as
-        self.promote_qk = precision == "accurate"  # S summed in float32 per chunk of k-steps (qk_promoted)
-        # PV WGMMA groups (d tiles) in flight, each with its V^T fragment live: two; one for the persistent
-        # small-head kernel with a bf16 q (which spills 40-56 B with two at 24 / 240 / 240 registers), and
-        # for the 64-head kernel with its QK promoted (with two, its chunk accumulator serialises every
-        # WGMMA: C7512).
-        self.pv_groups_in_flight = 2
-        if (self.small and self.q_bf16 and persistent) or (self.promote_qk and not self.small):
-            self.pv_groups_in_flight = 1
+        # PV WGMMA groups (d tiles) in flight, each with its V^T fragment live: two, one for the persistent
+        # small-head kernel with a bf16 q (which spills 40-56 B with two at 24 / 240 / 240 registers).
+        self.pv_groups_in_flight = 1 if self.small and self.q_bf16 and persistent else 2
         self.persistent = persistent
         self.split = split
         # bf16 q (64 heads): a tile's bf16 rows take the ring's pair slot before its first pair (a [64, d_qk]
@@ -700,32 +682,6 @@ class SparsePrefillSm90(AttentionKernel):
             tSrK = tiled_mma_qk.make_fragment_B(thr_mma_qk.partition_B(sK))  # (MMA, 1, d_qk/32, tile)
         tOrP = tiled_mma_pv.make_fragment_B(thr_mma_pv.partition_B(sP))  # (MMA, 1, 2, buffer*terms+term)
         acc_s = cute.make_rmem_tensor(thr_mma_qk.partition_shape_C(s_tile), Float32)
-        qk_chunks = None
-        if const_expr(self.promote_qk):
-            if const_expr(self.small):  # S^T is small: two chunk accumulators its shape
-                qk_chunks = (
-                    None,
-                    None,
-                    [cute.make_rmem_tensor(thr_mma_qk.partition_shape_C(s_tile), Float32) for _ in range(2)],
-                )
-            else:  # S in two N = 32 halves: one [64 x 32] chunk accumulator (16 registers)
-                half = (B_H, B_TOPK // 2)
-                half_mmas = [
-                    sm90_utils.make_trivial_tiled_mma(
-                        e4m3, e4m3, OperandMajorMode.K, OperandMajorMode.K, Float32, (1, 1, 1), half
-                    )
-                    for _ in range(2)
-                ]
-                half_mmas[0].set(warpgroup.Field.ACCUMULATE, True)
-                half_mmas[1].set(warpgroup.Field.ACCUMULATE, False)
-                thr_half = half_mmas[0].get_slice(wtid)
-                k_half_tile = (B_TOPK // 2, self.d_qk, NUM_KV_TILES)
-                k_halves = [cute.local_tile(sK, k_half_tile, (h, 0, 0)) for h in range(2)]
-                qk_chunks = (
-                    half_mmas,
-                    [half_mmas[0].make_fragment_B(thr_half.partition_B(k_half)) for k_half in k_halves],
-                    [cute.make_rmem_tensor(thr_half.partition_shape_C(half), Float32)],
-                )
         acc_o = [
             cute.make_rmem_tensor(thr_mma_pv.partition_shape_C((64, self.b_h)), Float32)
             for _ in range(D_TILES_PER_CONSUMER)
@@ -781,7 +737,6 @@ class SparsePrefillSm90(AttentionKernel):
             scale_log2=(mKVScale[0] if const_expr(self.q_bf16) else mQScale[0] * mKVScale[0]) * sm_scale_log2,
             s_column_max=small_tables[0] if const_expr(self.small) else None,
             s_head_sum=small_tables[1] if const_expr(self.small) else None,
-            qk_chunks=qk_chunks,
         )
 
         tile_barriers = (mbar_q, mbar_q_empty)
@@ -980,70 +935,18 @@ class SparsePrefillSm90(AttentionKernel):
     # ------------------------------------------------------------------------------------
     @cute.jit
     def issue_qk(self, c: Consumer, block):
-        """Queue S = Q . K_block^T (one WGMMA group; accurate: computed, see ``qk_promoted``)."""
+        """Queue S = Q . K_block^T (one WGMMA group)."""
         ring = c.work.block_base + block
         tile = self.kv_ring.index(ring)
         cute.arch.mbarrier_wait(c.mbar_kv_full + tile, self.kv_ring.phase(ring))
-        if const_expr(self.promote_qk):
-            self.qk_promoted(c, tile)
-        else:
-            self.queue_qk_steps(c, c.acc_s, tile, range(self.d_qk // 32))
-
-    def queue_qk_steps(self, c: Consumer, acc, tile, steps, half=None):
-        """Queue the k-steps ``steps`` of S (or of its N = 32 half ``half``) into ``acc`` as one WGMMA group,
-        the first overwriting."""
         warpgroup.fence()
-        for k in steps:
-            first = k == steps[0]
-            if half is not None:
-                mma = c.qk_chunks[0][1 if first else 0]
-                cute.gemm(mma, acc, c.tSrQ[None, None, k], c.qk_chunks[1][half][None, None, k, tile], acc)
+        for k in cutlass.range_constexpr(self.d_qk // 32):
+            mma = c.tiled_mma_qk if k > 0 else c.tiled_mma_qk_first  # the first k-step overwrites S
+            if const_expr(self.small):  # S^T = K . Q^T
+                cute.gemm(mma, c.acc_s, c.tSrK[None, None, k, tile], c.tSrQ[None, None, k], c.acc_s)
             else:
-                mma = c.tiled_mma_qk_first if first else c.tiled_mma_qk
-                if const_expr(self.small):  # S^T = K . Q^T
-                    cute.gemm(mma, acc, c.tSrK[None, None, k, tile], c.tSrQ[None, None, k], acc)
-                else:
-                    cute.gemm(mma, acc, c.tSrQ[None, None, k], c.tSrK[None, None, k, tile], acc)
+                cute.gemm(mma, c.acc_s, c.tSrQ[None, None, k], c.tSrK[None, None, k, tile], c.acc_s)
         warpgroup.commit_group()
-
-    def qk_promoted(self, c: Consumer, tile):
-        """S = Q . K^T in chunks of ``QK_PROMOTION_KSTEPS`` k-steps, each a WGMMA group started from zero and
-        added to S in float32 (accurate mode). The first chunk lands in S itself, each later one in a chunk
-        accumulator; the chunk after it is queued before waiting for it, so one group always runs while a
-        sum is taken. Small heads: two accumulators the shape of S^T. 64 heads: S in its two N = 32 halves,
-        one [64 x 32] accumulator; half 0 alternates it with half 1's part of S (free until half 1 starts),
-        half 1 has it alone. Returns with S complete (no group in flight)."""
-        n = self.d_qk // 32
-        chunks = [range(k, min(k + QK_PROMOTION_KSTEPS, n)) for k in range(0, n, QK_PROMOTION_KSTEPS)]
-        acc = c.qk_chunks[2]
-        if const_expr(self.small):
-            self.sum_chunks(c, tile, chunks, c.acc_s, acc, None)
-            warpgroup.wait_group(0)
-            add_into(c.acc_s, acc[(len(chunks) - 1) % 2])
-        else:
-            # S's registers of half h are those of columns 32h.. (its 8-column groups 4h..4h+3)
-            half_size = cute.size(acc[0])
-            s_half = [cute.make_tensor(c.acc_s.iterator + h * half_size, acc[0].layout) for h in (0, 1)]
-            # half 0: its last chunk in acc[0], so that half 1 may start in s_half[1] behind it
-            spares = [s_half[1], acc[0]] if len(chunks) % 2 == 0 else [acc[0], s_half[1]]
-            self.sum_chunks(c, tile, chunks, s_half[0], spares, 0)
-            self.queue_qk_steps(c, s_half[1], tile, chunks[0], 1)
-            warpgroup.wait_group(1)
-            add_into(s_half[0], acc[0])
-            for chunk in chunks[1:]:
-                self.queue_qk_steps(c, acc[0], tile, chunk, 1)
-                warpgroup.wait_group(0)
-                add_into(s_half[1], acc[0])
-
-    def sum_chunks(self, c: Consumer, tile, chunks, total, spares, half):
-        """Queue ``chunks[0]`` into ``total`` and chunk i >= 1 into ``spares[i % 2]``, adding chunk i - 1 to
-        ``total`` once chunk i is queued behind it; the last chunk is left in flight."""
-        self.queue_qk_steps(c, total, tile, chunks[0], half)
-        for i in range(1, len(chunks)):
-            self.queue_qk_steps(c, spares[i % 2], tile, chunks[i], half)
-            warpgroup.wait_group(1)
-            if i > 1:
-                add_into(total, spares[(i - 1) % 2])
 
     @cute.jit
     def softmax_own(self, c: Consumer, block, block_maxima):
