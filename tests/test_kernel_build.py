@@ -69,11 +69,16 @@ def assert_same_math_instructions(ptx: str, one_tile_ptx: str) -> None:
 def test_ptx_uses_fp8_wgmma_tma_and_cp_async(variants, d_qk, precision):
     ptx = variants[d_qk, precision].ptx_path.read_text()
     wgmma = re.findall(r"wgmma\.mma_async\.\S+", ptx)
-    assert wgmma and set(wgmma) == {"wgmma.mma_async.sync.aligned.m64n64k32.f32.e4m3.e4m3"}
-    # k-steps of S = Q.K^T, and of O^T (4 d tiles x 2 k-steps per block, once per e4m3 term of
-    # P) on the three PV paths: two blocks (the common one), the other's block only, own only
-    qk_steps, pv_steps = d_qk // 32, (16 + 8 + 8) * (2 if precision == "accurate" else 1)
-    assert len(wgmma) == qk_steps + pv_steps
+    n64, n32 = (f"wgmma.mma_async.sync.aligned.m64n{n}k32.f32.e4m3.e4m3" for n in (64, 32))
+    # k-steps of O^T (4 d tiles x 2 k-steps per block, once per e4m3 term of P) on the three PV paths: two
+    # blocks (the common one), the other's block only, own only
+    pv_steps = (16 + 8 + 8) * (2 if precision == "accurate" else 1)
+    if precision == "accurate":  # S in N = 32 halves: the first group of each, the loop's, the last one's
+        kc, k_steps = sparse_prefill.QK_PROMOTION_KSTEPS, d_qk // 32
+        assert set(wgmma) == {n64, n32}
+        assert wgmma.count(n32) == 2 * (2 * kc + k_steps % kc) and wgmma.count(n64) == pv_steps
+    else:  # S = Q.K^T as one group of d_qk / 32 k-steps
+        assert set(wgmma) == {n64} and len(wgmma) == d_qk // 32 + pv_steps
     assert len(re.findall(r"cp\.async\.bulk\.tensor", ptx)) == d_qk // 64  # the Q tile, by TMA
     assert len(re.findall(r"cp\.async\.cg\.shared\.global\.L2::cache_hint", ptx)) == d_qk // 64 * 4
     assert "ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16" in ptx
@@ -167,16 +172,20 @@ def test_split_ptx_runs_the_one_tile_math_and_merges_in_the_cluster(variants, d_
 @pytest.mark.parametrize("d_qk, precision", VARIANT_KEYS)
 def test_small_head_variants_fit_and_compute_the_transposed_products(d_qk, precision, heads, q_dtype):
     """The small-head variants fit as the others do; their QK product is an m64nNk32 WGMMA with the heads on
-    N (d_qk / 32 k-steps), their PV product the one-tile kernel's O^T with N = heads (4 d tiles x 8 k-steps: a
-    pair of blocks, the other consumer's alone, the own alone, per P term), and P^T is stored in whole 32-bit
-    words (two lanes' slots of one head, joined by a shuffle), no 16-bit stores."""
+    N (d_qk / 32 k-steps; accurate: in groups summed in float32), their PV product the one-tile kernel's O^T
+    with N = heads (4 d tiles x 8 k-steps: a pair of blocks, the other consumer's alone, the own alone, per P
+    term), and P^T is stored in whole 32-bit words (two lanes' slots of one head, joined by a shuffle), no
+    16-bit stores."""
     variant = kernels.load_small_head_variant(d_qk, precision, heads, q_dtype)
     assert_fits_in_registers(variant)
     ptx = variant.ptx_path.read_text()
     terms = 2 if precision == "accurate" else 1
     wgmmas = re.findall(r"wgmma\.mma_async\.sync\.aligned\.m64n(\d+)k32\.f32\.e4m3\.e4m3", ptx)
     assert set(wgmmas) == {str(heads)}, set(wgmmas)
-    assert len(wgmmas) == d_qk // 32 + 4 * 8 * terms
+    qk_steps = d_qk // 32  # accurate: the first group, the loop's, the last one's (see qk_promoted)
+    if precision == "accurate":
+        qk_steps = 2 * sparse_prefill.QK_PROMOTION_KSTEPS + d_qk // 32 % sparse_prefill.QK_PROMOTION_KSTEPS
+    assert len(wgmmas) == qk_steps + 4 * 8 * terms
     assert "st.shared.b32" in ptx and "st.shared.b16" not in ptx
 
 

@@ -322,10 +322,10 @@ def test_large_logits_move_the_lazy_max(make_inputs, randn_fp8, d_qk, precision)
     assert_matches_reference(run_kernel(inputs, precision=precision), inputs, out_tolerance=tolerance)
 
 
-LARGE_LOGIT_TOLERANCE = 3e-3
+LARGE_LOGIT_TOLERANCE = {"default": 3e-3, "accurate": 5e-4}
 """max_logits and lse at logits up to ~30, relative (absolute below 1): the tensor cores' fast accumulation of
-the QK products over the whole of d_qk, measured at up to 1.9e-3 in both precisions (docs/perf-notes.md, "The
-logits: QK accumulation")."""
+the QK products over the whole of d_qk (default; measured up to 1.9e-3), and S summed in float32 every 3
+k-steps (accurate; measured up to 2.9e-4); docs/perf-notes.md, "The logits: QK accumulation"."""
 
 LARGE_LOGIT_SCHEDULES = {  # h_q, q dtype, schedule
     "one tile": (64, torch.float8_e4m3fn, lambda: forced_tiles_per_cta(0)),
@@ -343,7 +343,7 @@ LARGE_LOGIT_SCHEDULES = {  # h_q, q dtype, schedule
 def test_logits_up_to_30(make_inputs, d_qk, schedule, precision):
     """q and kv ~ N(0, 1) in e4m3 (bf16 q: against its quantised rows), sm_scale 0.25, unit scales: logits up
     to ~30, where the QK product's accumulation error shows in max_logits and lse (``LARGE_LOGIT_TOLERANCE``,
-    tighter than the other tests' 1e-2)."""
+    tighter than the other tests' 1e-2; 5e-4 in the accurate mode)."""
     h_q, q_dtype, forced = LARGE_LOGIT_SCHEDULES[schedule]
     inputs = make_inputs(48, h_q, 4096, d_qk, 2048, device="cuda", invalid_fraction=0.0, q_dtype=q_dtype)
     one = torch.ones(1, device="cuda")
@@ -352,7 +352,7 @@ def test_logits_up_to_30(make_inputs, d_qk, schedule, precision):
         outputs = run_kernel(inputs, precision=precision)
     reference = sparse_mla_prefill_reference(**inputs, chunk_rows=32)
     tolerance = ACCURATE_OUT_TOLERANCE if precision == "accurate" else OUT_TOLERANCE
-    assert_outputs_match(outputs, reference, tolerance, LARGE_LOGIT_TOLERANCE)
+    assert_outputs_match(outputs, reference, tolerance, LARGE_LOGIT_TOLERANCE[precision])
     assert reference[1].max() > 20, "logits not as large as meant"
 
 

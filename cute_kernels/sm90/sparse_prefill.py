@@ -4,7 +4,8 @@ A CTA computes 64 heads of one token. Its producer warpgroup gathers the token's
 64 (two blocks a pair) with cp.async; the two consumer warpgroups own alternate blocks (S, and P
 under a lazy running max chained from one consumer to the other) and each accumulates O^T for half
 of d_v over every block, V^T read from the gathered tiles by ldmatrix.trans (RS WGMMA).
-``precision="accurate"`` stores P as two e4m3 terms; ``persistent`` walks several tiles per CTA;
+``precision="accurate"`` sums S in float32 per 3 k-steps and stores P as two e4m3 terms; ``persistent``
+walks several tiles per CTA;
 ``q_dtype="bf16"`` takes bf16 q and quantises each Q tile in the consumers (from rows the producer stages in
 the KV ring's pair slot before the tile's first pair), a power-of-two scale per row folded into that row's
 logit scale; ``split`` computes each tile as a cluster of 2 or 4 CTAs, one per
@@ -99,6 +100,16 @@ CONSUMER_REGS = 240
 SMALL_HEAD_E4M3_PRODUCER_REGS = 40
 SMALL_HEAD_E4M3_CONSUMER_REGS = 232
 Q_DTYPES = ("e4m3", "bf16")
+# precision="accurate": S is summed in float32 from WGMMA groups of at most this many k-steps (96 elements of
+# d_qk), each started from zero: the FP8 tensor cores' own accumulation keeps about 14 bits, which costs the
+# logits ~2e-3 relative over the 18 k-steps of d_qk 576, and ~2e-4 over 3.
+QK_PROMOTION_KSTEPS = 3
+
+
+def add_into(total: cute.Tensor, part: cute.Tensor):
+    """total += part, element by element (float32 registers)."""
+    for i in range(cute.size(part)):
+        total[i] = total[i] + part[i]
 
 
 def consumer_steps(num_blocks, consumer):
@@ -155,6 +166,9 @@ class Consumer(NamedTuple):
     # Small heads only: smem [consumer, buffer, warp, head], the S^T blocks' maxima
     s_column_max: cute.Tensor = None
     s_head_sum: cute.Tensor = None  # small heads: smem [head, 4 consumer + warp], the warps' row sums
+    # Accurate (see qk_promoted): 64 heads: ((S's N = 32 MMA accumulating, overwriting), its K descriptors per
+    # half, a [64 x 32] chunk accumulator); small heads: (None, None, a chunk accumulator the shape of S^T)
+    qk_chunks: tuple = None
 
 
 class SparsePrefillSm90(AttentionKernel):
@@ -212,9 +226,14 @@ class SparsePrefillSm90(AttentionKernel):
         if self.small and not self.q_bf16:
             self.registers = (SMALL_HEAD_E4M3_PRODUCER_REGS, SMALL_HEAD_E4M3_CONSUMER_REGS)
         self.p_terms = 2 if precision == "accurate" else 1  # e4m3 terms P is stored as
-        # PV WGMMA groups (d tiles) in flight, each with its V^T fragment live: two, one for the persistent
-        # small-head kernel with a bf16 q (which spills 40-56 B with two at 24 / 240 / 240 registers).
-        self.pv_groups_in_flight = 1 if self.small and self.q_bf16 and persistent else 2
+        self.promote_qk = precision == "accurate"  # S summed in float32 per chunk of k-steps (qk_promoted)
+        # PV WGMMA groups (d tiles) in flight, each with its V^T fragment live: two; one for the persistent
+        # small-head kernel with a bf16 q (which spills 40-56 B with two at 24 / 240 / 240 registers), and
+        # for the 64-head kernel with its QK promoted (with two, its chunk accumulator serialises every
+        # WGMMA: C7512).
+        self.pv_groups_in_flight = 2
+        if (self.small and self.q_bf16 and persistent) or (self.promote_qk and not self.small):
+            self.pv_groups_in_flight = 1
         self.persistent = persistent
         self.split = split
         # bf16 q (64 heads): a tile's bf16 rows take the ring's pair slot before its first pair (a [64, d_qk]
@@ -682,6 +701,28 @@ class SparsePrefillSm90(AttentionKernel):
             tSrK = tiled_mma_qk.make_fragment_B(thr_mma_qk.partition_B(sK))  # (MMA, 1, d_qk/32, tile)
         tOrP = tiled_mma_pv.make_fragment_B(thr_mma_pv.partition_B(sP))  # (MMA, 1, 2, buffer*terms+term)
         acc_s = cute.make_rmem_tensor(thr_mma_qk.partition_shape_C(s_tile), Float32)
+        qk_chunks = None
+        if const_expr(self.promote_qk):
+            if const_expr(self.small):  # S^T is small: a chunk accumulator its shape
+                qk_chunks = (None, None, cute.make_rmem_tensor(thr_mma_qk.partition_shape_C(s_tile), Float32))
+            else:  # S in two N = 32 halves: one [64 x 32] chunk accumulator (16 registers)
+                half = (B_H, B_TOPK // 2)
+                half_mmas = [
+                    sm90_utils.make_trivial_tiled_mma(
+                        e4m3, e4m3, OperandMajorMode.K, OperandMajorMode.K, Float32, (1, 1, 1), half
+                    )
+                    for _ in range(2)
+                ]
+                half_mmas[0].set(warpgroup.Field.ACCUMULATE, True)
+                half_mmas[1].set(warpgroup.Field.ACCUMULATE, False)
+                thr_half = half_mmas[0].get_slice(wtid)
+                k_half_tile = (B_TOPK // 2, self.d_qk, NUM_KV_TILES)
+                k_halves = [cute.local_tile(sK, k_half_tile, (h, 0, 0)) for h in range(2)]
+                qk_chunks = (
+                    half_mmas,
+                    [half_mmas[0].make_fragment_B(thr_half.partition_B(k_half)) for k_half in k_halves],
+                    cute.make_rmem_tensor(thr_half.partition_shape_C(half), Float32),
+                )
         acc_o = [
             cute.make_rmem_tensor(thr_mma_pv.partition_shape_C((64, self.b_h)), Float32)
             for _ in range(D_TILES_PER_CONSUMER)
@@ -737,6 +778,7 @@ class SparsePrefillSm90(AttentionKernel):
             scale_log2=(mKVScale[0] if const_expr(self.q_bf16) else mQScale[0] * mKVScale[0]) * sm_scale_log2,
             s_column_max=small_tables[0] if const_expr(self.small) else None,
             s_head_sum=small_tables[1] if const_expr(self.small) else None,
+            qk_chunks=qk_chunks,
         )
 
         tile_barriers = (mbar_q, mbar_q_empty)
@@ -935,18 +977,66 @@ class SparsePrefillSm90(AttentionKernel):
     # ------------------------------------------------------------------------------------
     @cute.jit
     def issue_qk(self, c: Consumer, block):
-        """Queue S = Q . K_block^T (one WGMMA group)."""
+        """Queue S = Q . K_block^T (one WGMMA group; accurate: computed, see ``qk_promoted``)."""
         ring = c.work.block_base + block
         tile = self.kv_ring.index(ring)
         cute.arch.mbarrier_wait(c.mbar_kv_full + tile, self.kv_ring.phase(ring))
+        if const_expr(self.promote_qk):
+            self.qk_promoted(c, tile)
+        else:
+            self.queue_qk_steps(c, c.acc_s, tile, range(self.d_qk // 32))
+
+    def queue_qk_steps(self, c: Consumer, acc, tile, steps, half=None):
+        """Queue the k-steps ``steps`` of S (or of its N = 32 half ``half``) into ``acc`` as one WGMMA group,
+        the first overwriting."""
         warpgroup.fence()
-        for k in cutlass.range_constexpr(self.d_qk // 32):
-            mma = c.tiled_mma_qk if k > 0 else c.tiled_mma_qk_first  # the first k-step overwrites S
-            if const_expr(self.small):  # S^T = K . Q^T
-                cute.gemm(mma, c.acc_s, c.tSrK[None, None, k, tile], c.tSrQ[None, None, k], c.acc_s)
+        for i, k in enumerate(steps):
+            first = i == 0
+            if half is not None:
+                mma = c.qk_chunks[0][1 if first else 0]
+                cute.gemm(mma, acc, c.tSrQ[None, None, k], c.qk_chunks[1][half][None, None, k, tile], acc)
             else:
-                cute.gemm(mma, c.acc_s, c.tSrQ[None, None, k], c.tSrK[None, None, k, tile], c.acc_s)
+                mma = c.tiled_mma_qk_first if first else c.tiled_mma_qk
+                if const_expr(self.small):  # S^T = K . Q^T
+                    cute.gemm(mma, acc, c.tSrK[None, None, k, tile], c.tSrQ[None, None, k], acc)
+                else:
+                    cute.gemm(mma, acc, c.tSrQ[None, None, k], c.tSrK[None, None, k, tile], acc)
         warpgroup.commit_group()
+
+    def qk_promoted(self, c: Consumer, tile):
+        """S = Q . K^T summed in float32 (accurate mode) from WGMMA groups of ``QK_PROMOTION_KSTEPS`` k-steps,
+        each started from zero. The first lands in S itself, each later one in the chunk accumulator, waited
+        for and added to S. 64 heads: S in its two N = 32 halves (a 64 x 64 chunk accumulator next to O^T
+        serialises the WGMMAs), both halves' first groups queued together. Returns with S complete."""
+        first = range(QK_PROMOTION_KSTEPS)
+        if const_expr(self.small):
+            self.queue_qk_steps(c, c.acc_s, tile, first)
+            self.sum_chunks(c, tile, c.acc_s, None)
+        else:
+            # S's registers of half h are those of columns 32h.. (its 8-column groups 4h..4h+3)
+            part = c.qk_chunks[2]
+            s_half = [cute.make_tensor(c.acc_s.iterator + h * cute.size(part), part.layout) for h in (0, 1)]
+            for h in (0, 1):
+                self.queue_qk_steps(c, s_half[h], tile, first, h)
+            for h in (0, 1):
+                self.sum_chunks(c, tile, s_half[h], h)
+
+    @cute.jit
+    def sum_chunks(self, c: Consumer, tile, total: cute.Tensor, half: cutlass.Constexpr):
+        """``total`` (S, or its N = 32 half ``half``) += each later group of k-steps, one at a time through
+        the chunk accumulator. A loop, not unrolled: unrolled, ptxas keeps the descriptors of several groups
+        in uniform registers, and the producer's share of them no longer holds its tile state (it spills)."""
+        kc = QK_PROMOTION_KSTEPS
+        n = self.d_qk // 32
+        part = c.qk_chunks[2]
+        for chunk in cutlass.range(1, n // kc, unroll=1):
+            self.queue_qk_steps(c, part, tile, [chunk * kc + j for j in range(kc)], half)
+            warpgroup.wait_group(0)
+            add_into(total, part)
+        if const_expr(n % kc):  # the last, shorter group
+            self.queue_qk_steps(c, part, tile, range(n - n % kc, n), half)
+            warpgroup.wait_group(0)
+            add_into(total, part)
 
     @cute.jit
     def softmax_own(self, c: Consumer, block, block_maxima):
