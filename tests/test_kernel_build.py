@@ -65,6 +65,13 @@ def assert_same_math_instructions(ptx: str, one_tile_ptx: str) -> None:
         assert len(re.findall(pattern, ptx)) == len(re.findall(pattern, one_tile_ptx)), pattern
 
 
+def promoted_qk_wgmmas(d_qk: int) -> int:
+    """The WGMMA instructions of S (or of one N = 32 half) summed in float32 (``qk_promoted``): its first
+    group, the loop's group, and the last, shorter group when the group size does not divide d_qk / 32."""
+    group = sparse_prefill.QK_PROMOTION_KSTEPS
+    return 2 * group + d_qk // 32 % group
+
+
 @pytest.mark.parametrize("d_qk, precision", VARIANT_KEYS)
 def test_ptx_uses_fp8_wgmma_tma_and_cp_async(variants, d_qk, precision):
     ptx = variants[d_qk, precision].ptx_path.read_text()
@@ -73,10 +80,9 @@ def test_ptx_uses_fp8_wgmma_tma_and_cp_async(variants, d_qk, precision):
     # k-steps of O^T (4 d tiles x 2 k-steps per block, once per e4m3 term of P) on the three PV paths: two
     # blocks (the common one), the other's block only, own only
     pv_steps = (16 + 8 + 8) * (2 if precision == "accurate" else 1)
-    if precision == "accurate":  # S in N = 32 halves: the first group of each, the loop's, the last one's
-        kc, k_steps = sparse_prefill.QK_PROMOTION_KSTEPS, d_qk // 32
+    if precision == "accurate":  # S in two N = 32 halves
         assert set(wgmma) == {n64, n32}
-        assert wgmma.count(n32) == 2 * (2 * kc + k_steps % kc) and wgmma.count(n64) == pv_steps
+        assert wgmma.count(n32) == 2 * promoted_qk_wgmmas(d_qk) and wgmma.count(n64) == pv_steps
     else:  # S = Q.K^T as one group of d_qk / 32 k-steps
         assert set(wgmma) == {n64} and len(wgmma) == d_qk // 32 + pv_steps
     assert len(re.findall(r"cp\.async\.bulk\.tensor", ptx)) == d_qk // 64  # the Q tile, by TMA
@@ -182,9 +188,7 @@ def test_small_head_variants_fit_and_compute_the_transposed_products(d_qk, preci
     terms = 2 if precision == "accurate" else 1
     wgmmas = re.findall(r"wgmma\.mma_async\.sync\.aligned\.m64n(\d+)k32\.f32\.e4m3\.e4m3", ptx)
     assert set(wgmmas) == {str(heads)}, set(wgmmas)
-    qk_steps = d_qk // 32  # accurate: the first group, the loop's, the last one's (see qk_promoted)
-    if precision == "accurate":
-        qk_steps = 2 * sparse_prefill.QK_PROMOTION_KSTEPS + d_qk // 32 % sparse_prefill.QK_PROMOTION_KSTEPS
+    qk_steps = promoted_qk_wgmmas(d_qk) if precision == "accurate" else d_qk // 32
     assert len(wgmmas) == qk_steps + 4 * 8 * terms
     assert "st.shared.b32" in ptx and "st.shared.b16" not in ptx
 

@@ -1028,15 +1028,18 @@ class SparsePrefillSm90(AttentionKernel):
         in uniform registers, and the producer's share of them no longer holds its tile state (it spills)."""
         kc = QK_PROMOTION_KSTEPS
         n = self.d_qk // 32
-        part = c.qk_chunks[2]
         for chunk in cutlass.range(1, n // kc, unroll=1):
-            self.queue_qk_steps(c, part, tile, [chunk * kc + j for j in range(kc)], half)
-            warpgroup.wait_group(0)
-            add_into(total, part)
+            self.add_group(c, tile, total, [chunk * kc + j for j in range(kc)], half)
         if const_expr(n % kc):  # the last, shorter group
-            self.queue_qk_steps(c, part, tile, range(n - n % kc, n), half)
-            warpgroup.wait_group(0)
-            add_into(total, part)
+            self.add_group(c, tile, total, range(n - n % kc, n), half)
+
+    def add_group(self, c: Consumer, tile, total, steps, half):
+        """``total`` += the k-steps ``steps`` of S (or of its half ``half``), one WGMMA group into the chunk
+        accumulator, waited for."""
+        part = c.qk_chunks[2]
+        self.queue_qk_steps(c, part, tile, steps, half)
+        warpgroup.wait_group(0)
+        add_into(total, part)
 
     @cute.jit
     def softmax_own(self, c: Consumer, block, block_maxima):
