@@ -104,7 +104,9 @@ def slot_rows_valid(mIdx, token, first_slot, warp, quad_row, s_kv, valid_len):
     """Validity of this thread's two rows of an S^T block whose slot 0 is ``first_slot`` of ``token``'s
     index row (slots first_slot + 16w + g + 8r, r = 0, 1), and whether all 64 rows of its warp are valid
     (warp-uniform)."""
-    return True, True, True
+    slots = [first_slot + warp * 16 + quad_row + 8 * r for r in range(2)]
+    valid = [slot_valid(mIdx[token, slot], slot, s_kv, valid_len) for slot in slots]
+    return valid[0], valid[1], cute.arch.vote_all_sync(valid[0] & valid[1])
 
 
 @cute.jit
