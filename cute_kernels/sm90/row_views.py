@@ -149,17 +149,6 @@ def quantize_staged_q_tile(
     store_quantized_rows(words, row, part, sQ_base, row_scale_base, tile_rows)
 
 
-def max_abs_tree(words) -> Uint32:
-    """``max_abs_bf16x2`` over ``words`` as a tree (log2 of their count dependent steps, not one a word);
-    the sign bits of the result are those of no particular value."""
-    while len(words) > 1:
-        words = [
-            ptx.max_abs_bf16x2(words[i], words[i + 1]) if i + 1 < len(words) else words[i]
-            for i in range(0, len(words), 2)
-        ]
-    return Uint32(words[0])
-
-
 @cute.jit
 def store_quantized_rows(words, row, part, sQ_base, row_scale_base, tile_rows: cutlass.Constexpr) -> None:
     """This thread's part of row ``row`` of a Q tile, ``words`` (per 64-column tile the eight 32-bit words of
@@ -170,7 +159,10 @@ def store_quantized_rows(words, row, part, sQ_base, row_scale_base, tile_rows: c
     Row r is stored as e4m3(q_r / s_r) with s_r = 2^e, e the least integer with max|q_r| <= 448 * 2^e
     (at least -126; e = 0 for a zero row): exact scaling, no saturation. s_r goes to the float32 table at
     ``row_scale_base`` (one thread per row writes it). Finite q only."""
-    amax = max_abs_tree([word for group in words for word in group])
+    amax = Uint32(0)
+    for group in words:
+        for word in group:
+            amax = ptx.max_abs_bf16x2(amax, word)
     amax = amax & Uint32(0x7FFF7FFF)  # bf16 magnitude bits
     amax = ptx.max_u32(amax & Uint32(0xFFFF), amax >> Uint32(16))
     for offset in (1, 2):  # the row's four threads
