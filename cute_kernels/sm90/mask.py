@@ -13,7 +13,7 @@ its eight quad rows (lanes 4g + t, g = 0..7), across the warpgroup's four warps 
 
 import cutlass
 import cutlass.cute as cute
-from cutlass import Float32, Uint32
+from cutlass import Float32, Uint32, Uint64
 
 from cute_kernels.sm90.cta import THREADS_PER_WG, WARPS_PER_WG
 from cute_kernels.sm90.row_gather import slot_valid
@@ -100,13 +100,12 @@ def mask_and_row_max(acc_s, valid_bits, scale_log2, publish=None):
     return row_maxima
 
 
-def slot_rows_valid(mIdx, token, first_slot, warp, quad_row, s_kv, valid_len):
-    """Validity of this thread's two rows of an S^T block whose slot 0 is ``first_slot`` of ``token``'s
-    index row (slots first_slot + 16w + g + 8r, r = 0, 1), and whether all 64 rows of its warp are valid
-    (warp-uniform)."""
-    slots = [first_slot + warp * 16 + quad_row + 8 * r for r in range(2)]
-    valid = [slot_valid(mIdx[token, slot], slot, s_kv, valid_len) for slot in slots]
-    return valid[0], valid[1], cute.arch.vote_all_sync(valid[0] & valid[1])
+def row_valid_bits(valid_slots, warp, quad_row):
+    """S^T block: the validity of this thread's two rows (slots 16w + g + 8r, r = 0, 1) from the block's
+    ``valid_slots`` (64 bits, bit s: slot s), and whether all 16 rows of its warp are valid (warp-uniform)."""
+    rows = Uint32(valid_slots >> Uint64(16 * warp)) & Uint32(0xFFFF)
+    valid = [((rows >> Uint32(quad_row + 8 * r)) & Uint32(1)) != Uint32(0) for r in range(2)]
+    return valid[0], valid[1], rows == Uint32(0xFFFF)
 
 
 @cute.jit

@@ -26,7 +26,7 @@ from typing import NamedTuple
 import cutlass
 import cutlass.cute as cute
 import cutlass.utils.hopper_helpers as sm90_utils
-from cutlass import Float8E4M3FN, Float32, Int32, Int64, Uint32, const_expr
+from cutlass import Float8E4M3FN, Float32, Int32, Int64, Uint32, Uint64, const_expr
 from cutlass.cute.nvgpu import OperandMajorMode, warpgroup
 
 from cute_kernels import ptx
@@ -54,7 +54,7 @@ from cute_kernels.sm90.mask import (
     accumulator_row,
     mask_and_column_max,
     mask_and_row_max,
-    slot_rows_valid,
+    row_valid_bits,
     slot_valid_bits,
 )
 from cute_kernels.sm90.named_barrier import NamedBarrierFp8
@@ -166,6 +166,8 @@ class Consumer(NamedTuple):
     # Small heads only: smem [consumer, buffer, warp, head], the S^T blocks' maxima
     s_column_max: cute.Tensor = None
     s_head_sum: cute.Tensor = None  # small heads: smem [head, 4 consumer + warp], the warps' row sums
+    # Small heads: smem [block tile], 64 bits: the validity of its slots, from the producer (produce_tile)
+    s_valid_slots: cute.Tensor = None
     # Accurate (see qk_promoted): 64 heads: ((S's N = 32 MMA accumulating, overwriting), its K descriptors per
     # half, a [64 x 32] chunk accumulator); small heads: (None, None, a chunk accumulator the shape of S^T)
     qk_chunks: tuple = None
@@ -241,6 +243,9 @@ class SparsePrefillSm90(AttentionKernel):
         # quantised from there by the consumers; ``q_pairs``: the ring's pair positions a tile's Q takes.
         self.stage_q = self.q_bf16 and not self.small
         self.q_pairs = 1 if self.stage_q else 0
+        # kv_full of a block tile: the 64 threads that gather it (their cp.async); small heads, also lane 0 of
+        # each of their two warps once it has written the warp's valid word (the consumers' masks read them).
+        self.kv_full_arrivals = 2 * 32 + (2 if self.small else 0)
         self.scheduler = TileScheduler(persistent, B_TOPK, split, heads, whole_token=self.small)
         self.k_tile_bytes = B_TOPK * d_qk  # one gathered block in shared memory
         self.q_tile_bytes = heads * d_qk
@@ -273,6 +278,7 @@ class SparsePrefillSm90(AttentionKernel):
                 mbar_merge_full: cute.struct.MemRange[Int64, 1]  # the other parts' fragments have landed
                 mbar_peers_free: cute.struct.MemRange[Int64, 1]  # the other parts' KV tiles are free
             if self.small:
+                valid_words: cute.struct.MemRange[Uint32, NUM_KV_TILES * 2]  # [block tile, word]
                 column_max: cute.struct.MemRange[Float32, 2 * 2 * WARPS_PER_WG * self.b_h]
                 head_sum: cute.struct.MemRange[Float32, self.b_h * 2 * WARPS_PER_WG]
             sQ: tile_region(Float8E4M3FN, self.q_shape)
@@ -376,6 +382,9 @@ class SparsePrefillSm90(AttentionKernel):
         mbar_kv_empty = storage.mbar_kv_empty.data_ptr()
         mbar_p_full = storage.mbar_p_full.data_ptr()
         s_moved = storage.moved.get_tensor(cute.make_layout(NUM_KV_TILES))
+        s_valid_words = None  # small heads: the gathered slots' validity, see produce_tile
+        if const_expr(self.small):
+            s_valid_words = storage.valid_words.get_tensor(cute.make_layout((NUM_KV_TILES, 2), stride=(2, 1)))
         sQ = tile_tensor(storage.sQ, sQ_layout)
         sK = tile_tensor(storage.sK, sK_layout)
         sP = tile_tensor(storage.sP, sP_layout)
@@ -400,6 +409,7 @@ class SparsePrefillSm90(AttentionKernel):
                 mQ_tma,
                 sQ,
                 sK,
+                s_valid_words,
                 mKV,
                 mIdx,
                 mbar_q,
@@ -439,6 +449,7 @@ class SparsePrefillSm90(AttentionKernel):
                 sK,
                 sP,
                 smem_stats,
+                s_valid_words,
                 mIdx,
                 mKV,
                 mSink,
@@ -483,14 +494,15 @@ class SparsePrefillSm90(AttentionKernel):
     ):
         """(One thread.) q_full: the TMA (bf16 q: every consumer thread, after quantising its part);
         q_empty: both consumers; per block tile, kv_full: the 64 threads gathering it (cp.async arrivals;
-        staged bf16 rows: bulk copies, see ``stage_q_rows``), kv_empty: both consumers, p_full: its
-        owner's warpgroup; no block has moved the max yet. Persistent: stats_full[c]: consumer c's warpgroup;
-        tile_done: consumer 1's warpgroup. Split: merge_full: one arrival (with the bytes expected) and the
-        other parts' stores; peers_free: one arrival from each other part."""
+        staged bf16 rows: bulk copies, see ``stage_q_rows``; small heads: and their warps' lanes 0, see
+        ``kv_full_arrivals``), kv_empty: both consumers, p_full: its owner's warpgroup; no block has moved
+        the max yet. Persistent: stats_full[c]: consumer c's warpgroup; tile_done: consumer 1's warpgroup.
+        Split: merge_full: one arrival (with the bytes expected) and the other parts' stores; peers_free:
+        one arrival from each other part."""
         cute.arch.mbarrier_init(mbar_q, CONSUMER_THREADS if const_expr(self.q_bf16) else 1)
         cute.arch.mbarrier_init(mbar_q_empty, CONSUMER_THREADS)
         for i in cutlass.range_constexpr(NUM_KV_TILES):
-            cute.arch.mbarrier_init(mbar_kv_full + i, 2 * 32)
+            cute.arch.mbarrier_init(mbar_kv_full + i, self.kv_full_arrivals)
             cute.arch.mbarrier_init(mbar_kv_empty + i, CONSUMER_THREADS)
             cute.arch.mbarrier_init(mbar_p_full + i, THREADS_PER_WG)
             s_moved[i] = -1
@@ -510,6 +522,7 @@ class SparsePrefillSm90(AttentionKernel):
         mQ_tma,
         sQ,
         sK,
+        s_valid_words,
         mKV,
         mIdx,
         mbar_q,
@@ -530,7 +543,7 @@ class SparsePrefillSm90(AttentionKernel):
         row_base = (warp_idx % 2) * 32  # this warp's 32 rows inside its block
         lane_row = lane // 4  # row (of 8) this lane copies per 8-row group
 
-        tile_inputs = (tma_atom_q, mQ_tma, sQ, mIdx, mbar_q, mbar_kv_full, mbar_kv_empty)
+        tile_inputs = (tma_atom_q, mQ_tma, sQ, s_valid_words, mIdx, mbar_q, mbar_kv_full, mbar_kv_empty)
         geometry = (gather, block_in_pair, row_base, lane_row)
         if const_expr(self.persistent):
             pair_base = Int32(0)  # pairs this CTA gathered before the current tile
@@ -556,6 +569,7 @@ class SparsePrefillSm90(AttentionKernel):
         tma_atom_q,
         mQ_tma,
         sQ,
+        s_valid_words,
         mIdx,
         mbar_q,
         mbar_kv_full,
@@ -601,6 +615,11 @@ class SparsePrefillSm90(AttentionKernel):
             kv_row = mIdx[work.token, slot]
             is_valid = slot_valid_flag(kv_row, slot, gather.s_kv, work.valid_len)
             cute.arch.mbarrier_wait(empty_barrier, phase ^ 1)
+            if const_expr(self.small):  # the warp's 32 slots' validity (the consumers read it after kv_full)
+                valid_word = cute.arch.vote_ballot_sync(is_valid != 0)
+                if lane == 0:
+                    s_valid_words[stage * 2 + block_in_pair, warp_idx % 2] = valid_word
+                    cute.arch.mbarrier_arrive(full_barrier)
             tile_base = gather.sK_base + (stage * 2 + block_in_pair) * self.k_tile_bytes
             for group in cutlass.range_constexpr(4):  # lane l holds the index of the warp's row l
                 src_lane = group * 8 + lane_row
@@ -639,6 +658,7 @@ class SparsePrefillSm90(AttentionKernel):
         sK,
         sP,
         smem_stats,
+        s_valid_words,
         mIdx,
         mKV,
         mSink,
@@ -774,6 +794,7 @@ class SparsePrefillSm90(AttentionKernel):
             mbar_peers_free=merge_barriers[1],
             mIdx=mIdx,
             s_kv=cute.size(mKV, mode=[0]),
+            s_valid_slots=cute.recast_tensor(s_valid_words, Uint64) if const_expr(self.small) else None,
             # bf16 q: the rows' own scales join in consume_tile
             scale_log2=(mKVScale[0] if const_expr(self.q_bf16) else mQScale[0] * mKVScale[0]) * sm_scale_log2,
             s_column_max=small_tables[0] if const_expr(self.small) else None,
@@ -906,15 +927,13 @@ class SparsePrefillSm90(AttentionKernel):
                 own = 2 * step + consumer
                 own_moved = Int32(0)
                 if own < num_blocks:
-                    self.issue_qk(c, own)
-                    first_slot = own * B_TOPK
-                    if const_expr(self.split):
-                        first_slot += c.work.slot_base
-                    if const_expr(self.small):
-                        valid_bits = slot_rows_valid(
-                            c.mIdx, c.work.token, first_slot, c.warp, c.quad_row, c.s_kv, c.work.valid_len
-                        )
-                    else:
+                    tile = self.issue_qk(c, own)
+                    if const_expr(self.small):  # from the producer (bit s: slot s of the block is valid)
+                        valid_bits = row_valid_bits(c.s_valid_slots[tile], c.warp, c.quad_row)
+                    else:  # the index row (with the producer's words two bf16-q persistent variants spill)
+                        first_slot = own * B_TOPK
+                        if const_expr(self.split):
+                            first_slot += c.work.slot_base
                         valid_bits = slot_valid_bits(
                             c.mIdx, c.work.token, first_slot, c.lane, c.quad_lane, c.s_kv, c.work.valid_len, 2
                         )
@@ -977,7 +996,8 @@ class SparsePrefillSm90(AttentionKernel):
     # ------------------------------------------------------------------------------------
     @cute.jit
     def issue_qk(self, c: Consumer, block):
-        """Queue S = Q . K_block^T (one WGMMA group; accurate: computed, see ``qk_promoted``)."""
+        """Queue S = Q . K_block^T (one WGMMA group; accurate: computed, see ``qk_promoted``); returns the
+        block's KV tile (its data has landed)."""
         ring = c.work.block_base + block
         tile = self.kv_ring.index(ring)
         cute.arch.mbarrier_wait(c.mbar_kv_full + tile, self.kv_ring.phase(ring))
@@ -985,6 +1005,7 @@ class SparsePrefillSm90(AttentionKernel):
             self.qk_promoted(c, tile)
         else:
             self.queue_qk_steps(c, c.acc_s, tile, range(self.d_qk // 32))
+        return tile
 
     def queue_qk_steps(self, c: Consumer, acc, tile, steps, half=None):
         """Queue the k-steps ``steps`` of S (or of its N = 32 half ``half``) into ``acc`` as one WGMMA group,
