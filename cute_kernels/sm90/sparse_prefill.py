@@ -227,10 +227,6 @@ class SparsePrefillSm90(AttentionKernel):
         self.registers = (PRODUCER_REGS, CONSUMER_REGS)  # per thread of the producer, of a consumer
         if self.small and not self.q_bf16:
             self.registers = (SMALL_HEAD_E4M3_PRODUCER_REGS, SMALL_HEAD_E4M3_CONSUMER_REGS)
-        # Probe: the e4m3 persistent 64-head kernel's producer also runs a bf16 Q tile's quantisation passes
-        self.probe_producer_quantises = persistent and not q_dtype == "bf16" and heads == B_H
-        if self.probe_producer_quantises:
-            self.registers = (SMALL_HEAD_E4M3_PRODUCER_REGS, SMALL_HEAD_E4M3_CONSUMER_REGS)
         self.p_terms = 2 if precision == "accurate" else 1  # e4m3 terms P is stored as
         self.promote_qk = precision == "accurate"  # S summed in float32 per chunk of k-steps (qk_promoted)
         # PV WGMMA groups (d tiles) in flight, each with its V^T fragment live: two; one for the persistent
@@ -421,7 +417,6 @@ class SparsePrefillSm90(AttentionKernel):
                 mbar_kv_full,
                 mbar_kv_empty,
                 tiles,
-                mOut,
             )
         else:
             cute.arch.setmaxregister_increase(self.registers[1])
@@ -535,7 +530,6 @@ class SparsePrefillSm90(AttentionKernel):
         mbar_kv_full,
         mbar_kv_empty,
         tiles,
-        mOut,
     ):
         """WG0, per tile: Q by TMA (one thread; persistent: once both consumers' QKs of the previous
         tile are done; ``stage_q``: the bf16 rows, see ``produce_tile``), then the pair-by-pair row
@@ -560,8 +554,6 @@ class SparsePrefillSm90(AttentionKernel):
                         TILE_RING.wait_empty(mbar_q_empty, tile_iter)
                 q_row = self.scheduler.first_q_row(work.tile, tiles.heads)
                 self.produce_tile(*tile_inputs, work, q_row, pair_base, geometry)
-                if const_expr(self.probe_producer_quantises):
-                    self.probe_quantize_next(mOut, sQ, work.tile, warp_idx * 32 + lane)
                 pair_base += work.num_pairs + self.q_pairs
         else:
             work = self.scheduler.work(tiles, 0, 2 * self.q_pairs)
@@ -635,35 +627,6 @@ class SparsePrefillSm90(AttentionKernel):
                 row_valid = cute.arch.shuffle_sync(is_valid, src_lane)
                 copy_rows(gather, tile_base, row_base + group * 8 + lane_row, ((0, row_kv, row_valid),))
             cute.arch.cp_async_mbarrier_arrive_noinc(full_barrier)
-
-    @cute.jit
-    def probe_quantize_next(self, mOut, sQ, tile, thread):
-        """Probe: the work of quantising the next tile's 64 bf16 rows (d_qk * 2 bytes each, read from out's
-        memory) by the 128 producer threads, two a row: the row maximum, then the conversion and its stores
-        (into sQ: wrong results, the timing of the work only); the rows of the tile after it prefetched."""
-        out_base = mOut.iterator.toint()
-        row_bytes = self.d_qk * 2
-        total_rows = plain_int32(cute.size(mOut)) * 2 // row_bytes
-        first = cutlass.min((tile + cute.arch.grid_dim()[0]) * B_H, total_rows - 2 * B_H)
-        row = thread // 2
-        half = thread % 2
-        addr = out_base + Int64(first + row) * row_bytes + half * self.d_qk
-        ptx.prefetch_l2(addr + Int64(cute.arch.grid_dim()[0] * B_H) * row_bytes)
-        amax = Uint32(0)
-        for i in cutlass.range(self.d_qk // 64, unroll=1):
-            words = ptx.ld_global_nc_v4(addr + i * 64) + ptx.ld_global_nc_v4(addr + i * 64 + 16)
-            words = words + ptx.ld_global_nc_v4(addr + i * 64 + 32) + ptx.ld_global_nc_v4(addr + i * 64 + 48)
-            for w in words:
-                amax = ptx.max_abs_bf16x2(amax, w)
-        amax = ptx.max_u32(amax, Uint32(cute.arch.shuffle_sync_bfly(Int32(amax), offset=1)))
-        inverse = (amax >> Uint32(16)) | Uint32(0x3F80)
-        dest = sQ.iterator.toint() + row * self.d_qk + half * (self.d_qk // 2)
-        for i in cutlass.range(self.d_qk // 64, unroll=1):
-            w = ptx.ld_global_nc_v4(addr + i * 64) + ptx.ld_global_nc_v4(addr + i * 64 + 16)
-            w = w + ptx.ld_global_nc_v4(addr + i * 64 + 32) + ptx.ld_global_nc_v4(addr + i * 64 + 48)
-            e = [ptx.scale_bf16x4_to_e4m3x4(w[2 * j], w[2 * j + 1], inverse) for j in range(8)]
-            ptx.st_shared_v4(dest + i * 32, e[0], e[1], e[2], e[3])
-            ptx.st_shared_v4(dest + i * 32 + 16, e[4], e[5], e[6], e[7])
 
     @cute.jit
     def prefetch_next_q(self, mQ, tile, heads):
