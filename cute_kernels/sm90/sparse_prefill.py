@@ -104,11 +104,6 @@ Q_DTYPES = ("e4m3", "bf16")
 # d_qk), each started from zero: the FP8 tensor cores' own accumulation keeps about 14 bits, which costs the
 # logits ~2e-3 relative over the 18 k-steps of d_qk 576, and ~2e-4 over 3.
 QK_PROMOTION_KSTEPS = 3
-# Probe (not for production): "gather" = the consumers only release the gathered tiles (no math); "math" = the
-# producer copies no rows (the tiles keep stale data; the arrivals are kept).
-import os as _os
-
-PROBE = _os.environ.get("Q8KV8_PROBE", "")
 
 
 def add_into(total: cute.Tensor, part: cute.Tensor):
@@ -626,7 +621,7 @@ class SparsePrefillSm90(AttentionKernel):
                     s_valid_words[stage * 2 + block_in_pair, warp_idx % 2] = valid_word
                     cute.arch.mbarrier_arrive(full_barrier)
             tile_base = gather.sK_base + (stage * 2 + block_in_pair) * self.k_tile_bytes
-            for group in cutlass.range_constexpr(4 if PROBE != "math" else 0):  # lane l holds the index of the warp's row l
+            for group in cutlass.range_constexpr(4):  # lane l holds the index of the warp's row l
                 src_lane = group * 8 + lane_row
                 row_kv = cute.arch.shuffle_sync(kv_row, src_lane)
                 row_valid = cute.arch.shuffle_sync(is_valid, src_lane)
@@ -925,16 +920,7 @@ class SparsePrefillSm90(AttentionKernel):
         if const_expr(self.persistent):
             if num_blocks <= consumer:  # no QK here
                 cute.arch.mbarrier_arrive(mbar_q_empty)
-        if const_expr(PROBE == "gather"):
-            if num_blocks > consumer:
-                if const_expr(self.persistent):
-                    cute.arch.mbarrier_arrive(mbar_q_empty)
-                for b in cutlass.range(num_blocks, unroll=1):
-                    ring_b = c.work.block_base + b
-                    self.kv_ring.wait(c.mbar_kv_full, ring_b)
-                    self.kv_ring.arrive(c.mbar_kv_empty, ring_b)
-                self.publish_row_stats(c)
-        if const_expr(PROBE != "gather") and num_blocks > 0:
+        if num_blocks > 0:
             # Step i: own block 2i + c (when it exists) and the other consumer's block 2i + c - 1
             # (when it exists); see consumer_steps.
             for step in cutlass.range(consumer_steps(num_blocks, consumer), unroll=1):
