@@ -7,7 +7,7 @@ quantises per row itself; its time relative to the e4m3 q's), those three arms t
 (median of three, so that their ratios do not depend on where the clocks stand), and a plain-PyTorch
 baseline (gather + bf16 matmul + softmax, what one writes without a kernel), prints a table with TF/s
 (FLOPs = 2 * sum(valid topk) * h_q * (d_qk + 512)), the host overhead per call, and writes
-``bench/results.json`` and ``bench/results.png``.
+``bench/out/results.json`` and ``bench/out/results.png`` (or in ``--out DIR``).
 Without an SM90 GPU it builds the kernel variants for sm_90a, prints a compile report and exits 2.
 
 Then short prefill chunks and small head counts with the schedule each ran (``scripts/bench/schedules.py``;
@@ -16,7 +16,7 @@ none with ``--no-schedules``), and the paged serving path (``scripts/bench/servi
 default, all of them with ``--serving``, none with ``--no-serving``.
 
     python -m scripts.bench [--shapes NAME,...] [--check] [--rep MS] [--no-baseline] [--no-accurate]
-                            [--no-bf16q] [--no-schedules] [--[no-]serving]
+                            [--no-bf16q] [--no-schedules] [--[no-]serving] [--out DIR]
 """
 
 from __future__ import annotations
@@ -120,7 +120,12 @@ def main() -> int:
     parser.add_argument(
         "--no-schedules", action="store_true", help="skip the short-chunk and head-count section"
     )
-    parser.add_argument("--out", default=str(REPO / "bench"), help="folder for results.json / results.png")
+    parser.add_argument(
+        "--out",
+        metavar="DIR",
+        default=str(REPO / "bench" / "out"),
+        help="folder for results.json / results.png",
+    )
     serving = parser.add_mutually_exclusive_group()
     serving.add_argument("--serving", action="store_true", help="every serving layer shape (paged path)")
     serving.add_argument("--no-serving", action="store_true", help="skip the serving section")

@@ -19,9 +19,10 @@
 // A verify pass XORs every 16-byte granule each CTA received and compares with the host's XOR of the rows.
 // Energy: NVML's total-energy counter over a ~2 s run of back-to-back calls.
 //
-// Build and run (on an SM90 GPU): nvcc -O3 -std=c++17 -gencode arch=compute_90a,code=sm_90a -Wno-deprecated-declarations \
-//                                   -o /tmp/probe scripts/probes/gather_energy_probe.cu -ldl
-//                              /tmp/probe [s_kv ...]
+// Build and run (on an SM90 GPU; build/ is ignored by git):
+//   mkdir -p build && nvcc -O3 -std=c++17 -gencode arch=compute_90a,code=sm_90a -Wno-deprecated-declarations \
+//     -o build/gather_energy_probe scripts/probes/gather_energy_probe.cu -ldl
+//   build/gather_energy_probe [s_kv ...]
 
 #include <cuda.h>
 #include <cuda_runtime.h>

@@ -17,7 +17,8 @@
 // what bounds the loop. It prints the SM cycles per load instruction per SM (clock64 over the loop,
 // slowest warp; the loads of all warps on the SM share the pipe) and the elapsed time.
 //
-//   nvcc -arch=sm_90a -O3 -o /tmp/ldsm scripts/probes/ldmatrix_trans_probe.cu && /tmp/ldsm MODE [ITERS]
+//   mkdir -p build && nvcc -arch=sm_90a -O3 -o build/ldmatrix_trans_probe scripts/probes/ldmatrix_trans_probe.cu
+//   build/ldmatrix_trans_probe MODE [ITERS]
 #include <cstdint>
 #include <cstdio>
 #include <cstdlib>

@@ -18,8 +18,8 @@
 // no barrier 7; mode 1: consumer 0 writes tile t's statistics before its tile_done wait; mode 2: no
 // bar.sync at the end of the tile): tile t's write may overtake the other consumer's read of t - 1.
 //
-//   nvcc -arch=sm_90a -o /tmp/probe scripts/probes/racecheck_barrier_probe.cu
-//   compute-sanitizer --tool racecheck --racecheck-report hazard /tmp/probe TILES RACY MODE
+//   mkdir -p build && nvcc -arch=sm_90a -o build/racecheck_barrier_probe scripts/probes/racecheck_barrier_probe.cu
+//   compute-sanitizer --tool racecheck --racecheck-report hazard build/racecheck_barrier_probe TILES RACY MODE
 //
 // Per tile t, consumer 0 (threads 0-127) owns block 0, consumer 1 (128-255) block 1:
 //   c0: (t > 0) wait for c1's end of tile t - 1; P0 (p_full arrive); publish s[.,0]
