@@ -129,6 +129,21 @@ def zero_f32(*, loc=None, ip=None) -> Float32:
 
 
 @dsl_user_op
+def mul_rn_f32(a, b, *, loc=None, ip=None) -> Float32:
+    """``a * b`` rounded to nearest (``mul.rn.f32``: its explicit rounding keeps ptxas from fusing it into a
+    following add, so a later subtraction sees the rounded product)."""
+    return Float32(
+        inline_asm(
+            T.f32(),
+            [Float32(a).ir_value(loc=loc, ip=ip), Float32(b).ir_value(loc=loc, ip=ip)],
+            "mul.rn.f32 $0, $1, $2;",
+            "=f,f,f",
+            False,
+        )
+    )
+
+
+@dsl_user_op
 def st_shared_u32(smem_addr, value, *, loc=None, ip=None) -> None:
     inline_asm(
         None,

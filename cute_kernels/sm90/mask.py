@@ -15,6 +15,7 @@ import cutlass
 import cutlass.cute as cute
 from cutlass import Float32, Uint32, Uint64
 
+from cute_kernels import ptx
 from cute_kernels.sm90.cta import THREADS_PER_WG, WARPS_PER_WG
 from cute_kernels.sm90.row_gather import slot_valid
 
@@ -93,11 +94,21 @@ def mask_and_row_max(acc_s, valid_bits, scale_log2, publish=None):
                 row_max = cute.arch.fmax(row_max, acc_s[e + 2 * r + 4 * j])
         row_max = quad_max(row_max)
         if row_scales[r] > 0.0:
-            row_max = row_max * row_scales[r]
+            row_max = ptx.mul_rn_f32(row_max, row_scales[r])  # rounded as exp2_relative rounds S
         if cutlass.const_expr(publish is not None):
             publish(r, row_max)
         row_maxima.append(row_max)
     return row_maxima
+
+
+def exp2_relative(s, logit_scale, bias):
+    """2^(s * logit_scale - bias), the product rounded before the subtraction, as the block maxima are
+    (``mask_and_row_max``). Fused, a product of 2^22 or more would differ from the rounded maximum by up to
+    half its unit in the last place, so the exponent of a row's largest logit could be anything from -2^k to
+    2^k (p zero or infinite). Rounded, and with the lazy maximum moved on the difference of two maxima, the
+    exponents stay at most the rescale threshold plus P's scale exponent above their bias, and the largest
+    one at least at it, at every magnitude of the logits."""
+    return cute.math.exp2(ptx.mul_rn_f32(s, logit_scale) - bias, fastmath=True)
 
 
 def row_valid_bits(valid_slots, warp, quad_row):
@@ -159,6 +170,6 @@ def mask_and_column_max(
             for w in cutlass.range_constexpr(1, WARPS_PER_WG):
                 column_max = cute.arch.fmax(column_max, s_column_max[(*buffer, w, head)])
             if column_scales[2 * j + e] > 0.0:
-                column_max = column_max * column_scales[2 * j + e]
+                column_max = ptx.mul_rn_f32(column_max, column_scales[2 * j + e])  # as exp2_relative rounds
             column_maxima.append(column_max)
     return column_maxima

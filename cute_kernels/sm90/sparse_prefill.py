@@ -52,6 +52,7 @@ from cute_kernels.sm90.epilogue import (
 )
 from cute_kernels.sm90.mask import (
     accumulator_row,
+    exp2_relative,
     mask_and_column_max,
     mask_and_row_max,
     row_valid_bits,
@@ -1086,13 +1087,15 @@ class SparsePrefillSm90(AttentionKernel):
             if block > 0:
                 max_prev = c.s_max_used[prev_buffer, row]
             c.row_max_true[r] = cute.arch.fmax(c.row_max_true[r], block_maxima[r])
-            # Lazy max: move only when the block's max exceeds it by more than the threshold.
+            # Lazy max: move only when the block's max exceeds it by more than the threshold (compared as a
+            # difference: at logits of 2^22 and more, max_prev + threshold would round to max_prev).
             max_used = max_prev
             alpha = Float32(1.0)
-            if block_maxima[r] > max_prev + RESCALE_THRESHOLD:
+            rises = block_maxima[r] - max_prev > RESCALE_THRESHOLD
+            if rises:
                 alpha = cute.math.exp2(max_prev - block_maxima[r], fastmath=True)
                 max_used = block_maxima[r]
-            moved = moved | (block_maxima[r] > max_prev + RESCALE_THRESHOLD)
+            moved = moved | rises
             if max_used != c.row_max_own[r]:  # bring this consumer's sum to the new max
                 c.row_sum[r] = c.row_sum[r] * cute.math.exp2(c.row_max_own[r] - max_used, fastmath=True)
                 c.row_max_own[r] = max_used
@@ -1148,7 +1151,7 @@ class SparsePrefillSm90(AttentionKernel):
             for e in cutlass.range_constexpr(2):
                 logit_scale, bias = exponents[2 * j + e]
                 for r in cutlass.range_constexpr(2):
-                    p.append(cute.math.exp2(c.acc_s[e + 2 * r + 4 * j] * logit_scale - bias, fastmath=True))
+                    p.append(exp2_relative(c.acc_s[e + 2 * r + 4 * j], logit_scale, bias))
                 c.row_sum[2 * j + e] = c.row_sum[2 * j + e] + (p[2 * e] + p[2 * e + 1])
             # words[term]: bytes [head 2t: slot g, g + 8; head 2t + 1: slot g, g + 8]
             if const_expr(self.p_terms == 1):
@@ -1185,7 +1188,7 @@ class SparsePrefillSm90(AttentionKernel):
             for half in cutlass.range_constexpr(2):
                 j0 = 4 * kstep + 2 * half
                 columns = (2 * r + 4 * j0, 1 + 2 * r + 4 * j0, 2 * r + 4 * j0 + 4, 1 + 2 * r + 4 * j0 + 4)
-                p = [cute.math.exp2(c.acc_s[i] * logit_scale - bias, fastmath=True) for i in columns]
+                p = [exp2_relative(c.acc_s[i], logit_scale, bias) for i in columns]
                 block_sum += (p[0] + p[1]) + (p[2] + p[3])
                 if const_expr(self.p_terms == 1):
                     words = (ptx.pack_e4m3x4(p[0], p[1], p[2], p[3]),)

@@ -30,7 +30,7 @@ from cute_kernels.sm90.cta import (
     launch_cta,
 )
 from cute_kernels.sm90.epilogue import output_scale, publish_row_stats, write_max_logits_lse
-from cute_kernels.sm90.mask import accumulator_row, mask_and_row_max, slot_valid_bits
+from cute_kernels.sm90.mask import accumulator_row, exp2_relative, mask_and_row_max, slot_valid_bits
 from cute_kernels.sm90.named_barrier import NamedBarrierBf16
 from cute_kernels.sm90.ring import Ring
 from cute_kernels.sm90.row_gather import RowGather, copy_rows, slot_valid_flag, swizzle_offset
@@ -455,7 +455,7 @@ class SparsePrefillBf16Sm90(AttentionKernel):
         for r in cutlass.range_constexpr(2):
             row = accumulator_row(c.warp, c.quad_row, r)
             c.row_max_true[r] = cute.arch.fmax(c.row_max_true[r], block_maxima[r])
-            exceeds = exceeds | (block_maxima[r] > c.row_max_used[r] + RESCALE_THRESHOLD)
+            exceeds = exceeds | (block_maxima[r] - c.row_max_used[r] > RESCALE_THRESHOLD)
             max_used = c.row_max_used[r]
             bias = max_used if max_used != -Float32.inf else Float32(0.0)
             block_sums.append(self.exp_and_store_p(c, r, row, logit_scale, bias, tile_addr))
@@ -484,7 +484,7 @@ class SparsePrefillBf16Sm90(AttentionKernel):
             pair_max = cute.arch.fmax(c.s_row_max[row, 0, parity], c.s_row_max[row, 1, parity])
             c.row_max_true[r] = cute.arch.fmax(c.row_max_true[r], pair_max)
             alpha = Float32(1.0)
-            if pair_max > c.row_max_used[r] + RESCALE_THRESHOLD:
+            if pair_max - c.row_max_used[r] > RESCALE_THRESHOLD:  # a difference: exact near huge maxima
                 alpha = cute.math.exp2(c.row_max_used[r] - pair_max, fastmath=True)
                 c.row_max_used[r] = pair_max
             max_used = c.row_max_used[r]
@@ -503,8 +503,8 @@ class SparsePrefillBf16Sm90(AttentionKernel):
         returns the sum of the 8 p."""
         block_sum = Float32(0.0)
         for j in cutlass.range_constexpr(B_TOPK // 8):
-            p0 = cute.math.exp2(c.acc_s[2 * r + 4 * j] * logit_scale - bias, fastmath=True)
-            p1 = cute.math.exp2(c.acc_s[1 + 2 * r + 4 * j] * logit_scale - bias, fastmath=True)
+            p0 = exp2_relative(c.acc_s[2 * r + 4 * j], logit_scale, bias)
+            p1 = exp2_relative(c.acc_s[1 + 2 * r + 4 * j], logit_scale, bias)
             block_sum += p0 + p1
             addr = (
                 tile_addr
