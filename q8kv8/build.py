@@ -31,6 +31,7 @@ TARGET_ARCH = "sm_90a"
 _PACKAGE_ROOT = Path(__file__).resolve().parent.parent
 _KEYED_SOURCES = ("q8kv8/build.py", "q8kv8/kernels.py")
 _compile_lock = threading.Lock()
+_dsl_import_lock = threading.Lock()
 
 
 class KernelCompileError(RuntimeError):
@@ -66,11 +67,13 @@ def _sm90_visible() -> bool:
 
 
 def import_dsl():
-    """Import the CuTe DSL, targeting sm_90a when no SM90 GPU is visible (set before import)."""
-    if "CUTE_DSL_ARCH" not in os.environ and not _sm90_visible():
-        os.environ["CUTE_DSL_ARCH"] = TARGET_ARCH
-    import cutlass
-    import cutlass.cute as cute
+    """Import the CuTe DSL, targeting sm_90a when no SM90 GPU is visible (set before import). One thread at a
+    time: threads that import the DSL's packages at once can see one of its modules partly initialised."""
+    with _dsl_import_lock:
+        if "CUTE_DSL_ARCH" not in os.environ and not _sm90_visible():
+            os.environ["CUTE_DSL_ARCH"] = TARGET_ARCH
+        import cutlass
+        import cutlass.cute as cute
 
     return cutlass, cute
 

@@ -9,11 +9,10 @@ last tile partly filled); its first launch of each kernel variant on a GPU regis
 
 import contextlib
 import math
-import sys
 
 import torch
 
-from q8kv8 import contract, native, schedule
+from q8kv8 import contract, kernels, native, schedule
 from q8kv8.contract import check_inputs, check_ranges_enabled, check_topk_length_range
 from q8kv8.metadata import HEAD_ALIGNMENT, small_heads
 from q8kv8.prefill_call import PrefillCall
@@ -46,7 +45,6 @@ def run(call: PrefillCall) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         lse.fill_(math.inf)
         return out, max_logits, lse
 
-    kernels = sys.modules.get("q8kv8.kernels") or _import_kernels()
     ready = problem.launch_ready  # the contract saw these tensors meet the launch's needs
     if not ready:
         q = q.contiguous()
@@ -123,11 +121,3 @@ def _forced_schedule(tiles: int | None, splits: tuple[int, int]):
     finally:
         schedule.forced, schedule.forced_splits = previous
         contract.clear_memo()
-
-
-def _import_kernels():
-    """``q8kv8.kernels``, imported on the first call when ``q8kv8`` did not import it (it usually has: a
-    lookup in ``sys.modules`` is the per-call path)."""
-    from q8kv8 import kernels
-
-    return kernels

@@ -22,7 +22,7 @@ from pathlib import Path
 
 import torch
 
-from q8kv8.build import CacheStats, Variant, build_or_load, compile_for_tvm_ffi, import_dsl
+from q8kv8.build import CacheStats, Variant, build_or_load, compile_for_tvm_ffi, import_dsl, ptxas_report
 from q8kv8.metadata import (
     D_V,
     HEAD_ALIGNMENT,
@@ -302,8 +302,6 @@ def describe(variant: Variant) -> dict:
     """One attention variant as the listings show it (``python -m q8kv8.compile``, ``q8kv8.info()``,
     ``make bench``): name, d_qk, precision, q's dtype, where it came from and in how many seconds, registers
     and spill bytes from ``ptxas -v`` (None without ptxas), shared memory per CTA, object file."""
-    from q8kv8.build import ptxas_report
-
     report = ptxas_report(variant)
     q_dtype = q_dtype_of(variant)
     return {

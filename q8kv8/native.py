@@ -36,12 +36,14 @@ having launched nothing."""
 
 _extension = None
 _build_failed = False
-_lock = threading.Lock()
+_lock = threading.Lock()  # the extension's build and import
+_registration_lock = threading.Lock()
 _registered: set[tuple] = set()  # (device, d_qk, precision, schedule kind, q dtype) registered by note_launch
 _registered_devices: set[int] = set()
 _suspended = 0
 _resumed_launch = None  # what ``launch`` becomes when the outermost ``suspended`` ends
 _gpu_count: int | None = None  # visible GPUs, counted on the first note_launch
+_ffi_function_type: type | None = None  # tvm_ffi.Function, once ``load`` has imported TVM-FFI
 
 
 def constants() -> dict:
@@ -132,18 +134,19 @@ def _import(library: Path):
 
 def load():
     """The built extension, configured (built on first use), or None when it cannot be built (warned once)."""
-    global _extension, _build_failed
+    global _extension, _build_failed, _ffi_function_type
     if _extension is not None or _build_failed:
         return _extension
     with _lock:
         if _extension is None and not _build_failed:
             try:
-                import tvm_ffi  # noqa: F401  (loads libtvm_ffi, which the extension shares)
+                import tvm_ffi  # loads libtvm_ffi, which the extension shares
 
                 extension = _import(_compile(_build_dir()))
                 extension.configure(constants())
                 # Release the registered kernel variants while the interpreter is still alive.
                 atexit.register(extension.reset)
+                _ffi_function_type = tvm_ffi.Function
                 _extension = extension
             except Exception as exc:  # no compiler, no Python.h: every call takes the Python path
                 _build_failed = True
@@ -182,18 +185,23 @@ def note_launch(
     heads) registers the variant, and from then on ``launch`` takes such calls. Only with one visible GPU
     (the extension launches on the current device), never while ``suspended``, and only for a variant that is
     a ``tvm_ffi.Function`` (the compiled kernels are)."""
-    global launch, _gpu_count
     key = (device_index, d_qk, precision, schedule_kind, q_dtype, heads)
     if key in _registered or _suspended or device_index < 0:
+        return
+    with _registration_lock:
+        _register(key, variant)
+
+
+def _register(key: tuple, variant) -> None:
+    """``note_launch``'s registration of ``key`` (one thread at a time)."""
+    global launch, _gpu_count
+    device_index, d_qk, precision, schedule_kind, q_dtype, heads = key
+    if key in _registered:
         return
     if _gpu_count is None:
         _gpu_count = torch.cuda.device_count()
     extension = load() if _gpu_count == 1 else None
-    if extension is None:
-        return
-    import tvm_ffi
-
-    if not isinstance(variant.function, tvm_ffi.Function):
+    if extension is None or not isinstance(variant.function, _ffi_function_type):
         return
     if device_index not in _registered_devices:
         extension.register_device(KDL_CUDA, device_index, schedule.sm_count(device_index))

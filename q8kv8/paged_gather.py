@@ -12,6 +12,7 @@ import math
 
 import torch
 
+from q8kv8 import kernels
 from q8kv8.arguments import check_buffer, require_int
 from q8kv8.contract import _overlaps
 from q8kv8.kv_layout import get_layout
@@ -124,8 +125,6 @@ def gather_dequant_paged(
         return out
     if words.shape[0] == 0 or pages.shape[0] == 0:  # nothing to read: only zero rows
         return out.zero_()
-    from q8kv8 import kernels
-
     kernels.launch_paged_kv_gather(pages, words, out, page_size, layout.name)
     return out
 

@@ -10,6 +10,7 @@ import numbers
 
 import torch
 
+from q8kv8 import kernels
 from q8kv8.arguments import check_buffer
 from q8kv8.contract import _overlaps
 from q8kv8.metadata import E4M3_MAX, padded_num_heads
@@ -68,8 +69,6 @@ def cast_q_fp8(q_bf16: torch.Tensor, q_scale, out: torch.Tensor | None = None) -
                 q_bf16 = q_bf16.clone(memory_format=torch.contiguous_format)  # read in 16-byte chunks
             if out.data_ptr() % 16:
                 raise ValueError("out: expected a 16-byte aligned buffer")
-            from q8kv8 import kernels
-
             kernels.launch_cast_q_fp8(q_bf16, divisor, out)
         return out
     out[:, h:].zero_()

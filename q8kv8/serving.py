@@ -22,6 +22,8 @@ from typing import NamedTuple
 
 import torch
 
+from q8kv8 import kernels
+from q8kv8.api import sparse_mla_q8kv8_prefill_fwd
 from q8kv8.arguments import require_int
 from q8kv8.kv_layout import LAYOUT_BY_BYTES_PER_TOKEN, KvCacheLayout
 from q8kv8.metadata import D_V, pad_topk, topk_length_from_seqlens
@@ -51,8 +53,6 @@ class PrefillKernels(NamedTuple):
 
 
 def _cuda_attention_fp8(q, kv, indices, sm_scale, q_scale, kv_scale, attn_sink, topk_length):
-    from q8kv8.api import sparse_mla_q8kv8_prefill_fwd
-
     return sparse_mla_q8kv8_prefill_fwd(
         q, kv, indices, sm_scale, q_scale, kv_scale, D_V, attn_sink, topk_length
     )
@@ -65,8 +65,6 @@ def _cuda_attention_bf16(q, kv, indices, sm_scale, attn_sink, topk_length):
     indices [s_q, 1, topk] int32 (topk a multiple of 128), topk_length [s_q] int32 or None, attn_sink
     [h] float32 or None, out [s_q, h, 512] bf16, max_logits and lse [s_q, h] float32.
     """
-    from q8kv8 import kernels
-
     launch = kernels.launch_sparse_prefill_bf16
     s_q, h, _ = q.shape
     out = torch.empty((s_q, h, D_V), dtype=torch.bfloat16, device=q.device)

@@ -8,6 +8,7 @@ import pytest
 import torch
 
 import q8kv8
+from q8kv8 import eager, paged_gather, query, serving
 
 
 def _sm90_missing_reason() -> str | None:
@@ -102,14 +103,17 @@ def make_inputs(generator, randn_fp8):
 
 @pytest.fixture
 def fake_kernels(monkeypatch):
-    """``fake_kernels(launch)``: make ``from q8kv8 import kernels`` return a module whose
-    ``launch_sparse_prefill`` is ``launch``, for this test only."""
+    """``fake_kernels(launch)``: a module whose ``launch_sparse_prefill`` is ``launch`` stands for
+    ``q8kv8.kernels`` for this test only, wherever the package launches from (``from q8kv8 import kernels``
+    included)."""
 
     def install(launch) -> types.ModuleType:
         module = types.ModuleType("q8kv8.kernels")
         module.launch_sparse_prefill = launch
         monkeypatch.setitem(sys.modules, "q8kv8.kernels", module)
         monkeypatch.setattr(q8kv8, "kernels", module, raising=False)
+        for user in (eager, paged_gather, query, serving):
+            monkeypatch.setattr(user, "kernels", module)
         return module
 
     return install
