@@ -1,10 +1,11 @@
-"""``python -m q8kv8.compile``, ``python -m q8kv8.info`` / ``q8kv8.info()``, build failures and the
-schedule-timing tool's power sampler (CPU).
+"""``python -m q8kv8.compile``, ``python -m q8kv8.info`` / ``q8kv8.info()``, build failures, ``make bench``
+without an SM90 GPU and the schedule-timing tool's power sampler (CPU).
 
 The commands run in subprocesses on the test run's kernel cache (filled when ``q8kv8`` was imported),
 so they load the variants rather than compile them again.
 """
 
+import importlib
 import os
 import re
 import shutil
@@ -157,6 +158,22 @@ def test_python_m_info_prints_a_table(variants):
     assert re.search(rf"^cache\s+{cache} \(this process: ", out, re.MULTILINE)
     for variant in variants.values():
         assert re.search(rf"^{variant.name}\s+{variant.d_qk}\s+(cache|compiled)\s", out, re.MULTILINE)
+
+
+def test_bench_without_an_sm90_gpu_prints_the_build_report_then_says_so_and_exits_2(monkeypatch, capsys):
+    """``make bench`` (``python -m scripts.bench``) where no SM90 GPU is visible: the build report of every
+    listed variant on stdout, then one line on stderr saying that only it was produced, and status 2."""
+    bench = importlib.import_module("scripts.bench.__main__")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert bench.main(["--no-serving"]) == bench.NO_SM90_STATUS == 2
+    captured = capsys.readouterr()
+    assert captured.err == (
+        "make bench times the kernels on an SM90 GPU; none is visible here: only the build report above was "
+        "produced\n"
+    )
+    lines = captured.out.splitlines()
+    assert lines[0].split()[:2] == ["variant", "from"]
+    assert sorted(line.split()[0] for line in lines[1:]) == sorted(v.name for v in kernels.listed_variants())
 
 
 def test_schedule_timing_power_sampler_averages_the_samples_inside_the_window(tmp_path, monkeypatch):
