@@ -6,7 +6,8 @@ cached. An entry is keyed by a hash of the kernel sources (``cute_kernels/``, th
 ``q8kv8/kernels.py``, which holds the compile arguments), the CuTe DSL version and the arch; it holds the
 object file, its SHA-256 (a damaged object is rebuilt) and the PTX. Compiles are serialised by a thread lock
 and a file lock (the DSL's compile is not thread-safe), and files are written under temporary names renamed
-into place. The first build of a process says so on stderr (``disk_cache.announce_build``).
+into place. The first build of a process says so on stderr (``disk_cache.announce_build``), and each
+variant built says so in one line with its seconds (``disk_cache.announce_built``); loads are silent.
 """
 
 from __future__ import annotations
@@ -151,9 +152,9 @@ def build_or_load(
             )
             error.log_path = log_path
             raise error from None
-    return Variant(
-        name, d_qk, precision, function, "compiled", time.perf_counter() - start, object_path, ptx_path
-    )
+        seconds = time.perf_counter() - start
+        disk_cache.announce_built(name, seconds)
+    return Variant(name, d_qk, precision, function, "compiled", seconds, object_path, ptx_path)
 
 
 @dataclass

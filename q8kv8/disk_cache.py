@@ -92,6 +92,18 @@ def announce_build() -> None:
         )
 
 
+def build_announced() -> bool:
+    """Whether this process has said that it builds (``announce_build``)."""
+    return _announced
+
+
+def set_build_announced(announced: bool) -> None:
+    """Take over another process's ``build_announced()``: a worker of ``python -m q8kv8.compile --jobs``
+    does not repeat the announcement its parent made."""
+    global _announced
+    _announced = announced
+
+
 def announce_built(name: str, seconds: float) -> None:
     """Say on stderr, in one line, that ``name`` (a kernel variant or a native library) was just built and
     how long it took: the progress of a build (loading says nothing)."""

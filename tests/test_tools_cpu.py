@@ -5,6 +5,7 @@ The commands run in subprocesses on the test run's kernel cache (filled when ``q
 so they load the variants rather than compile them again.
 """
 
+import functools
 import importlib
 import os
 import re
@@ -66,6 +67,27 @@ def test_compile_jobs_builds_every_listed_variant_in_worker_processes(variants, 
     assert [line.split()[0] for line in lines[1:-1]] == listed
     assert all(line.split()[1] in ("cache", "compiled") for line in lines[1:-1])
     assert lines[-1] == f"cache: {disk_cache.cache_dir()}"
+
+
+def test_compile_jobs_workers_say_what_they_build_on_stderr(tmp_path, monkeypatch, capfd):
+    """A worker of ``--jobs`` that builds a variant (here a query cast, into an empty cache) prints its
+    ``built`` line on the command's stderr; it announces the build only when the command has not."""
+    monkeypatch.setenv("Q8KV8_CACHE_DIR", str(tmp_path))
+    for d, announced in ((512, True), (576, False)):
+        monkeypatch.setattr(
+            kernels, "variant_loaders", lambda d=d: [functools.partial(kernels.load_q_cast_variant, d)]
+        )
+        monkeypatch.setattr(disk_cache, "_announced", announced)
+        capfd.readouterr()
+        [(name, (source, seconds))] = compile_command._build_in_processes(1).items()
+        assert (name, source) == (f"cast_q_fp8_sm90_d{d}", "compiled")
+        lines = capfd.readouterr().err.splitlines()
+        assert lines[-1] == f"q8kv8: built {name} ({seconds:.1f} s)"
+        if announced:
+            assert len(lines) == 1
+        else:
+            [announcement, _] = lines
+            assert announcement.startswith("q8kv8: building ") and f" into {tmp_path} (" in announcement
 
 
 def test_compile_jobs_must_be_positive(capsys):
