@@ -1,5 +1,6 @@
-"""``python -m q8kv8.compile``, ``python -m q8kv8.info`` / ``q8kv8.info()``, build failures, ``make bench``
-without an SM90 GPU and the schedule-timing tool's power sampler (CPU).
+"""``python -m q8kv8.compile``, ``python -m q8kv8.info`` / ``q8kv8.info()``, the ptxas reports they list
+(kept in the cache), build failures, ``make bench`` without an SM90 GPU and the schedule-timing tool's
+power sampler (CPU).
 
 The commands run in subprocesses on the test run's kernel cache (filled when ``q8kv8`` was imported),
 so they load the variants rather than compile them again.
@@ -166,6 +167,71 @@ def test_info_reports_versions_gpu_variants_and_cache(variants):
     assert report["fast_path"] == (
         "built" if native.load() is not None else "unavailable (every call takes the Python path)"
     )
+
+
+@pytest.mark.skipif(shutil.which("ptxas") is None, reason="needs ptxas")
+def test_a_second_info_runs_no_ptxas(variants, monkeypatch):
+    """``info()`` reports each variant's registers and spills from ``ptxas -v``, which runs once per variant:
+    its report is kept in the cache, so a later ``info()`` (here: the same process, asking the ptxas version
+    again as a fresh process does) reads the kept reports and reports the same."""
+    first = q8kv8.info()
+    assert all(variant["registers"] is not None for variant in first["variants"])
+    commands = []
+    run = subprocess.run
+
+    def recording_run(command, *args, **kwargs):
+        commands.append(command)
+        return run(command, *args, **kwargs)
+
+    monkeypatch.setattr(subprocess, "run", recording_run)
+    build._ptxas_version.cache_clear()
+    assert q8kv8.info()["variants"] == first["variants"]
+    assert [command[1:] for command in commands] == [["--version"]]
+
+
+def test_a_kept_ptxas_report_is_used_only_for_the_same_ptx_and_ptxas(tmp_path, monkeypatch):
+    """``build.ptxas_report`` keeps ptxas's output beside the PTX and reads it back, also in a fresh process
+    (the ptxas version asked again), while the PTX and the ptxas version are the same; otherwise ptxas runs
+    again. A stand-in ptxas logs its calls."""
+    log, bin_dir = tmp_path / "calls.log", tmp_path / "bin"
+    bin_dir.mkdir()
+    fake = bin_dir / "ptxas"
+    fake.write_text(
+        textwrap.dedent(
+            f"""\
+            #!/bin/sh
+            echo "$@" >> {log}
+            [ "$1" = --version ] && echo "Cuda compilation tools, release $RELEASE" && exit
+            echo "ptxas info    : Used 100 registers, used 1 barriers" >&2
+            echo "    8 bytes stack frame, 4 bytes spill stores, 12 bytes spill loads" >&2
+            """
+        )
+    )
+    fake.chmod(0o755)
+    monkeypatch.setenv("PATH", f"{bin_dir}{os.pathsep}{os.environ['PATH']}")
+    monkeypatch.setenv("RELEASE", "13.0")
+    ptx = tmp_path / "v.ptx"
+    ptx.write_text("// the PTX\n")
+    variant = build.Variant("v", 576, "default", None, "cache", 0.0, tmp_path / "v.o", ptx)
+
+    def ptxas_runs() -> int:
+        return sum(" -v " in f" {line} " for line in log.read_text().splitlines())
+
+    def fresh_report() -> build.PtxasReport:
+        build._ptxas_version.cache_clear()  # what a fresh process starts with
+        return build.ptxas_report(variant)
+
+    first = fresh_report()
+    assert (first.registers, first.stack_frame_bytes, first.spill_store_bytes, first.spill_load_bytes) == (
+        100, 8, 4, 12
+    )  # fmt: skip
+    assert ptxas_runs() == 1 and (tmp_path / "v.ptxas.json").exists()
+    assert fresh_report() == first and build.ptxas_report(variant) == first and ptxas_runs() == 1
+    ptx.write_text("// another PTX\n")
+    assert fresh_report() == first and ptxas_runs() == 2
+    monkeypatch.setenv("RELEASE", "13.1")
+    assert fresh_report() == first and ptxas_runs() == 3
+    assert build.ptxas_report(variant) == first and ptxas_runs() == 3
 
 
 def test_python_m_info_prints_a_table(variants):
