@@ -1,4 +1,5 @@
-"""Shared test setup: skipping of ``gpu`` tests off SM90, per-test random generators and input builders."""
+"""Shared test setup: the kernels built (or loaded) before collection with their build lines on the terminal,
+skipping of ``gpu`` tests off SM90, per-test random generators and input builders."""
 
 import hashlib
 import sys
@@ -7,7 +8,13 @@ import types
 import pytest
 import torch
 
-import q8kv8
+
+def pytest_configure(config):
+    """Import q8kv8, which builds or loads its kernel variants and the C++ fast path, with pytest's output
+    capture off: on a fresh cache that build takes a minute or more, and its lines on stderr say so."""
+    capture = config.pluginmanager.getplugin("capturemanager")
+    with capture.global_and_fixture_disabled():
+        import q8kv8  # noqa: F401
 
 
 def _sm90_missing_reason() -> str | None:
@@ -104,6 +111,8 @@ def make_inputs(generator, randn_fp8):
 def fake_kernels(monkeypatch):
     """``fake_kernels(launch)``: make ``from q8kv8 import kernels`` return a module whose
     ``launch_sparse_prefill`` is ``launch``, for this test only."""
+
+    import q8kv8
 
     def install(launch) -> types.ModuleType:
         module = types.ModuleType("q8kv8.kernels")
