@@ -4,14 +4,20 @@
 sources, or compiled (``compile_fn``, with fake tensors: no GPU needed), exported as an object file and
 cached. An entry is keyed by a hash of the kernel sources (``cute_kernels/``, this module and
 ``q8kv8/kernels.py``, which holds the compile arguments), the CuTe DSL version and the arch; it holds the
-object file, its SHA-256 (a damaged object is rebuilt) and the PTX. Compiles are serialised by a thread lock
-and a file lock (the DSL's compile is not thread-safe), and files are written under temporary names renamed
-into place. The first build of a process says so on stderr (``disk_cache.announce_build``).
+object file, its SHA-256 (a damaged object is rebuilt), the PTX and, once a listing has asked for it, what
+``ptxas -v`` says about that PTX (``ptxas_report``: ptxas runs once per PTX and ptxas version). Compiles are
+serialised by a thread lock and a file lock (the DSL's compile is not thread-safe), and files are written
+under temporary names renamed into place. The first build of a process says so on stderr
+(``disk_cache.announce_build``), and each variant built says so in one line with its seconds
+(``disk_cache.announce_built``); loads are silent.
 """
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import hashlib
+import json
 import os
 import re
 import shutil
@@ -154,9 +160,9 @@ def build_or_load(
             )
             error.log_path = log_path
             raise error from None
-    return Variant(
-        name, d_qk, precision, function, "compiled", time.perf_counter() - start, object_path, ptx_path
-    )
+        seconds = time.perf_counter() - start
+        disk_cache.announce_built(name, seconds)
+    return Variant(name, d_qk, precision, function, "compiled", seconds, object_path, ptx_path)
 
 
 @dataclass
@@ -170,18 +176,45 @@ class PtxasReport:
     text: str
 
 
+def ptxas_version() -> str | None:
+    """What ``ptxas --version`` prints for the ptxas on PATH (None when there is none), asked once per
+    process and ptxas."""
+    ptxas = shutil.which("ptxas")
+    return None if ptxas is None else _ptxas_version(ptxas)
+
+
+@functools.cache
+def _ptxas_version(ptxas: str) -> str:
+    return subprocess.run([ptxas, "--version"], capture_output=True, text=True).stdout.strip()
+
+
 def ptxas_report(variant: Variant) -> PtxasReport | None:
-    """Assemble the variant's kept PTX with ``ptxas -v`` (None when ptxas is not on PATH)."""
+    """What ``ptxas -v`` says about the variant's kept PTX (None when ptxas is not on PATH).
+
+    ptxas takes a fraction of a second a variant, so its output is kept beside the PTX
+    (``<name>.ptxas.json``, with the PTX's SHA-256 and the ptxas version it came from) and read back by
+    later listings, in this process or another, for the same PTX and ptxas."""
     ptxas = shutil.which("ptxas")
     if ptxas is None or variant.ptx_path is None or not variant.ptx_path.exists():
         return None
-    result = subprocess.run(
-        [ptxas, f"-arch={TARGET_ARCH}", "-v", str(variant.ptx_path), "-o", os.devnull],
-        capture_output=True,
-        text=True,
-        check=True,
-    )
-    text = result.stdout + result.stderr
+    key = {"ptx_sha256": disk_cache.sha256(variant.ptx_path), "ptxas": _ptxas_version(ptxas)}
+    kept_path = variant.ptx_path.with_suffix(".ptxas.json")
+    try:
+        kept = json.loads(kept_path.read_text())
+    except (OSError, ValueError):
+        kept = {}
+    if isinstance(kept, dict) and kept.get("key") == key and isinstance(kept.get("text"), str):
+        text = kept["text"]
+    else:
+        result = subprocess.run(
+            [ptxas, f"-arch={TARGET_ARCH}", "-v", str(variant.ptx_path), "-o", os.devnull],
+            capture_output=True,
+            text=True,
+            check=True,
+        )
+        text = result.stdout + result.stderr
+        with contextlib.suppress(OSError):  # an unwritable entry: ptxas runs again next time
+            disk_cache.write_atomic(kept_path, json.dumps({"key": key, "text": text}).encode())
 
     def number(pattern: str) -> int:
         match = re.search(pattern, text)

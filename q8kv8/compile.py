@@ -6,9 +6,13 @@ one) for sm_90a (no GPU needed) or loads it when the cache already holds it, and
 its name, where it came from (``compiled`` or ``cache``) and the seconds it took, then the cache
 location. The cache is ``$Q8KV8_CACHE_DIR`` (default ``~/.cache/q8kv8``); see ``q8kv8.build``.
 
+Each variant compiled says so on stderr as it is done (``q8kv8: built NAME (SECONDS s)``, after one line that
+says where the build goes), so a build in progress shows its progress; loads are silent.
+
 ``--jobs N`` builds them in N processes (each variant compiles on one CPU core; the listing then shows where
-each came from in its process). The variants that ``import q8kv8`` builds are built before the command
-starts, in one process, unless ``Q8KV8_COMPILE_AT_IMPORT=0`` is set.
+each came from in its process; the workers' lines reach stderr too, without repeating the announcement the
+command made). The variants that ``import q8kv8`` builds are built before the command starts, in one
+process, unless ``Q8KV8_COMPILE_AT_IMPORT=0`` is set.
 
 Exits with status 1, printing the one-line ``KernelCompileError``, when a variant fails to build.
 """
@@ -37,13 +41,18 @@ def _build(loader) -> tuple[str, str, float]:
 
 def _build_in_processes(jobs: int) -> dict[str, tuple[str, float]]:
     """Every listed variant, built or loaded by ``jobs`` worker processes; by name: (from, seconds)."""
-    from q8kv8 import kernels
+    from q8kv8 import disk_cache, kernels
 
     previous = os.environ.get(COMPILE_AT_IMPORT_ENV)
     os.environ[COMPILE_AT_IMPORT_ENV] = "0"  # a worker's import of q8kv8 builds nothing of its own
     try:
         context = multiprocessing.get_context("spawn")  # no CUDA or DSL state forked into the workers
-        with ProcessPoolExecutor(jobs, mp_context=context) as pool:
+        with ProcessPoolExecutor(
+            jobs,
+            mp_context=context,
+            initializer=disk_cache.set_build_announced,
+            initargs=(disk_cache.build_announced(),),
+        ) as pool:
             results = list(pool.map(_build, kernels.variant_loaders()))
     finally:
         if previous is None:

@@ -5,7 +5,8 @@ cannot be created or written (a read-only file system, a home that does not exis
 is off for the process: one warning says so and why, and everything is built into a private temporary
 directory that is removed at exit. Writers serialise on a file lock and write each file under a temporary
 name that is renamed into place, so concurrent processes never see a partial file. The first build of a
-process says so in one line on stderr (``announce_build``); loads are silent.
+process says so in one line on stderr (``announce_build``), and each finished build in one line naming what
+was built and its seconds (``announce_built``); loads are silent.
 """
 
 from __future__ import annotations
@@ -89,6 +90,24 @@ def announce_build() -> None:
             file=sys.stderr,
             flush=True,
         )
+
+
+def build_announced() -> bool:
+    """Whether this process has said that it builds (``announce_build``)."""
+    return _announced
+
+
+def set_build_announced(announced: bool) -> None:
+    """Take over another process's ``build_announced()``: a worker of ``python -m q8kv8.compile --jobs``
+    does not repeat the announcement its parent made."""
+    global _announced
+    _announced = announced
+
+
+def announce_built(name: str, seconds: float) -> None:
+    """Say on stderr, in one line, that ``name`` (a kernel variant or a native library) was just built and
+    how long it took: the progress of a build (loading says nothing)."""
+    print(f"q8kv8: built {name} ({seconds:.1f} s)", file=sys.stderr, flush=True)
 
 
 def sha256(path: Path) -> str:

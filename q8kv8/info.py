@@ -2,7 +2,8 @@
 
 Versions (q8kv8, torch and its CUDA, the CuTe DSL, TVM-FFI, cuda-python, ptxas), the GPU and its arch
 (or "none"), the attention kernel variants (``q8kv8.kernels.listed_variants()``: where each came from,
-registers per thread from ``ptxas -v``, shared memory per CTA), the disk cache (location, this process's
+registers per thread from ``ptxas -v``, which runs once per variant and ptxas and is kept in the cache
+(``q8kv8.build.ptxas_report``), shared memory per CTA), the disk cache (location, this process's
 hits and misses) and the schedule rules (``q8kv8.schedule.describe`` names the schedule of a call).
 
 ``info()`` returns a dict; ``python -m q8kv8.info`` prints it as a table. The module is callable, so
@@ -11,8 +12,6 @@ hits and misses) and the schedule rules (``q8kv8.schedule.describe`` names the s
 
 import importlib.metadata
 import re
-import shutil
-import subprocess
 import sys
 import types
 
@@ -76,10 +75,11 @@ def _distribution_version(name: str) -> str:
 
 
 def _ptxas_version() -> str:
-    ptxas = shutil.which("ptxas")
-    if ptxas is None:
+    from q8kv8 import build
+
+    text = build.ptxas_version()
+    if text is None:
         return "not on PATH"
-    text = subprocess.run([ptxas, "--version"], capture_output=True, text=True).stdout
     match = re.search(r"release ([\d.]+)", text)
     return match.group(1) if match else "unknown"
 

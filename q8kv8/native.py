@@ -96,20 +96,25 @@ def _build_dir() -> Path:
 
 
 def _compile(directory: Path) -> Path:
-    """The extension in ``directory``, built against torch's, Python's and TVM-FFI's headers when absent."""
+    """The extension in ``directory``, built against torch's, Python's and TVM-FFI's headers when absent.
+
+    torch's include directories are those of ``torch.utils.cpp_extension.include_paths()``, named here:
+    importing that module costs setuptools and, with a CUDA build of torch and no GPU, prints a warning
+    about CUDA_HOME that has nothing to do with this CPU-side build."""
     library = directory / (MODULE_NAME + importlib.machinery.EXTENSION_SUFFIXES[0])
-    if library.exists():  # built: skip importing torch.utils.cpp_extension (and setuptools with it)
+    if library.exists():
         return library
     import tvm_ffi.libinfo
-    from torch.utils import cpp_extension
 
-    torch_lib = Path(torch.__file__).resolve().parent / "lib"
+    torch_root = Path(torch.__file__).resolve().parent
+    torch_include, torch_lib = torch_root / "include", torch_root / "lib"
     tvm_ffi_lib = Path(tvm_ffi.libinfo.find_libtvm_ffi()).resolve().parent
     flags = [
         "-std=c++20",
         f"-I{tvm_ffi.libinfo.find_include_path()}",
         f"-I{tvm_ffi.libinfo.find_dlpack_include_path()}",
-        *(f"-I{path}" for path in cpp_extension.include_paths()),
+        f"-I{torch_include}",
+        f"-I{torch_include / 'torch' / 'csrc' / 'api' / 'include'}",
         f"-I{sysconfig.get_paths()['include']}",
         f"-D_GLIBCXX_USE_CXX11_ABI={int(getattr(torch._C, '_GLIBCXX_USE_CXX11_ABI', True))}",
         f"-L{torch_lib}",

@@ -2,7 +2,8 @@
 
 ``build_library`` compiles one source file into a shared library in a cache directory that the caller
 names by a digest of everything the binary depends on (the source, the headers' package versions, the
-Python version), so a library is built once per machine and environment and only loaded afterwards.
+Python version), so a library is built once per machine and environment and only loaded afterwards. A build
+says so on stderr (``disk_cache.announce_build``) and, when done, names the library and its seconds.
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ import os
 import shutil
 import subprocess
 import tempfile
+import time
 import warnings
 from pathlib import Path
 
@@ -50,6 +52,7 @@ def build_library(directory: Path, library_name: str, source_text: str, flags: l
         if compiler is None:
             raise RuntimeError("no C++ compiler (c++, g++ or $CXX) on PATH")
         disk_cache.announce_build()
+        start = time.perf_counter()
         with tempfile.TemporaryDirectory(dir=directory) as work:
             source = Path(work) / (Path(library_name).stem + ".cc")
             source.write_text(source_text)
@@ -59,4 +62,5 @@ def build_library(directory: Path, library_name: str, source_text: str, flags: l
             if result.returncode != 0:
                 raise RuntimeError(f"{' '.join(command)} failed:\n{result.stderr[-4000:]}")
             os.replace(output, library)
+        disk_cache.announce_built(library_name.split(".", 1)[0], time.perf_counter() - start)
     return library

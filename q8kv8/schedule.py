@@ -34,6 +34,10 @@ keeps the fewest tokens in a row on an SM (waves of CTAs times tokens per CTA; t
 
 The contract computes the choice once per call signature (``contract.Problem.tiles_per_cta``, memoised
 with the rest of the verdict), so a repeated call pays nothing for it.
+
+Every rule depends on the GPU's SM count, queried from the CUDA device (``sm_count``). ``choose``,
+``describe`` and the rules take ``num_sms=`` to answer for a given count instead (132 on an H100 SXM or an
+H200), with or without a GPU; without one and without ``num_sms`` they raise a ``RuntimeError`` that says so.
 """
 
 from typing import NamedTuple
@@ -65,31 +69,49 @@ forced_splits: tuple[int, int] | None = None
 ``split_tokens`` for every launch of the one-tile schedule (``(1, 0)``: not split)."""
 
 
-def sm_count(device_index: int) -> int:
-    """The multiprocessors of CUDA device ``device_index`` (queried once per device)."""
+def sm_count(device_index: int, num_sms: int | None = None) -> int:
+    """``num_sms`` when given, else the multiprocessors of CUDA device ``device_index`` (queried once per
+    device; a ``RuntimeError`` naming ``num_sms=`` when no CUDA device is visible)."""
+    if num_sms is not None:
+        if num_sms < 1:
+            raise ValueError(f"num_sms: expected at least 1, got {num_sms}")
+        return num_sms
     sms = _sm_counts.get(device_index)
     if sms is None:
+        if not torch.cuda.is_available():
+            raise RuntimeError(
+                "q8kv8.schedule: the schedule depends on the GPU's SM count and no CUDA device is visible; "
+                "pass num_sms= to answer for a given count (132 on an H100 SXM or an H200)"
+            )
         sms = _sm_counts[device_index] = torch.cuda.get_device_properties(device_index).multi_processor_count
     return sms
 
 
-def tiles_per_cta(num_tiles: int, topk: int, has_topk_length: bool, precision: str, device_index: int) -> int:
-    """The schedule of a launch of ``num_tiles`` (token, 64 heads) tiles on CUDA device ``device_index``:
-    0 selects the one-tile kernel, k >= 2 the persistent one with k tiles per CTA."""
+def tiles_per_cta(
+    num_tiles: int,
+    topk: int,
+    has_topk_length: bool,
+    precision: str,
+    device_index: int,
+    num_sms: int | None = None,
+) -> int:
+    """The schedule of a launch of ``num_tiles`` (token, 64 heads) tiles on CUDA device ``device_index``
+    (or on ``num_sms`` SMs): 0 selects the one-tile kernel, k >= 2 the persistent one with k tiles per CTA."""
     if forced is not None:
         return forced
     if precision not in PERSISTENT_PRECISIONS or not (has_topk_length or topk <= PERSISTENT_MAX_TOPK):
         return 0
-    tiles = min(PERSISTENT_MAX_TILES_PER_CTA, num_tiles // (PERSISTENT_MIN_WAVES * sm_count(device_index)))
+    sms = sm_count(device_index, num_sms)
+    tiles = min(PERSISTENT_MAX_TILES_PER_CTA, num_tiles // (PERSISTENT_MIN_WAVES * sms))
     return tiles if tiles >= 2 else 0
 
 
-def small_head_tiles_per_cta(s_q: int, device_index: int) -> int:
+def small_head_tiles_per_cta(s_q: int, device_index: int, num_sms: int | None = None) -> int:
     """The tokens each CTA of a small-head launch of ``s_q`` tokens walks on CUDA device ``device_index``
-    (>= 1: the small-head variants are persistent)."""
+    (or on ``num_sms`` SMs; >= 1: the small-head variants are persistent)."""
     if forced is not None:
         return max(forced, 1)
-    sms = sm_count(device_index)
+    sms = sm_count(device_index, num_sms)
 
     def token_rounds(tiles: int) -> tuple[int, int]:  # an SM's tokens in a row: waves of CTAs x tiles
         return ((s_q + tiles - 1) // tiles + sms - 1) // sms * tiles, -tiles
@@ -97,30 +119,32 @@ def small_head_tiles_per_cta(s_q: int, device_index: int) -> int:
     return min(range(1, SMALL_HEAD_MAX_TILES_PER_CTA + 1), key=token_rounds)
 
 
-def splits(num_tiles: int, topk: int, device_index: int) -> int:
+def splits(num_tiles: int, topk: int, device_index: int, num_sms: int | None = None) -> int:
     """The parts each tile of a one-tile launch of ``num_tiles`` tiles is split into on CUDA device
-    ``device_index`` (1: not split)."""
+    ``device_index`` (or on ``num_sms`` SMs; 1: not split)."""
     if forced_splits is not None:
         return forced_splits[0]
-    sms, tiles = sm_count(device_index), max(num_tiles, 1)
+    sms, tiles = sm_count(device_index, num_sms), max(num_tiles, 1)
     fitting = [p for p, need in zip(SPLIT_PARTS, SPLIT_CLUSTER_SMS, strict=True) if tiles * need <= sms]
     return max((p for p in fitting if p * SPLIT_MIN_SLOTS <= topk), default=1)
 
 
-def split_tokens(s_q: int, groups: int, topk: int, device_index: int) -> tuple[int, int]:
+def split_tokens(
+    s_q: int, groups: int, topk: int, device_index: int, num_sms: int | None = None
+) -> tuple[int, int]:
     """``(splits, split_from)`` of a one-tile launch of ``s_q`` tokens of ``groups`` tiles each on CUDA device
-    ``device_index``: the tokens from ``split_from`` on run split in ``splits`` parts, those before it one
-    tile per CTA; ``(1, 0)``: nothing split. The split covers the last, partial wave (all of a grid shorter
-    than a wave) when ``splits`` splits it (see above)."""
+    ``device_index`` (or on ``num_sms`` SMs): the tokens from ``split_from`` on run split in ``splits``
+    parts, those before it one tile per CTA; ``(1, 0)``: nothing split. The split covers the last, partial
+    wave (all of a grid shorter than a wave) when ``splits`` splits it (see above)."""
     if forced_splits is not None:
         if forced_splits[1] >= s_q:
             raise ValueError(f"forced split_from {forced_splits[1]}: expected less than s_q {s_q}")
         return forced_splits
-    tail_tokens = -(-(s_q * groups % sm_count(device_index)) // groups)
+    tail_tokens = -(-(s_q * groups % sm_count(device_index, num_sms)) // groups)
     split_from = s_q - tail_tokens
     if tail_tokens == 0 or (split_from > 0 and topk < SPLIT_TAIL_MIN_TOPK):
         return 1, 0
-    parts = splits(tail_tokens * groups, topk, device_index)
+    parts = splits(tail_tokens * groups, topk, device_index, num_sms)
     return (parts, split_from) if parts > 1 else (1, 0)
 
 
@@ -134,18 +158,24 @@ class Schedule(NamedTuple):
 
 
 def choose(
-    s_q: int, h_q: int, topk: int, has_topk_length: bool, precision: str, device_index: int
+    s_q: int,
+    h_q: int,
+    topk: int,
+    has_topk_length: bool,
+    precision: str,
+    device_index: int,
+    num_sms: int | None = None,
 ) -> Schedule:
     """The ``Schedule`` of a call of ``s_q`` tokens, ``h_q`` heads (ceil(h_q / 64) tiles a token) and
-    ``topk`` slots on CUDA device ``device_index``: the small-head rule for small heads, else the persistent
-    rule first, the split rule for a one-tile launch."""
+    ``topk`` slots on CUDA device ``device_index`` (or on a GPU of ``num_sms`` SMs): the small-head rule for
+    small heads, else the persistent rule first, the split rule for a one-tile launch."""
     if small_heads(h_q):
-        return Schedule(small_head_tiles_per_cta(s_q, device_index))
+        return Schedule(small_head_tiles_per_cta(s_q, device_index, num_sms))
     groups = head_groups(h_q)
-    tiles = tiles_per_cta(s_q * groups, topk, has_topk_length, precision, device_index)
+    tiles = tiles_per_cta(s_q * groups, topk, has_topk_length, precision, device_index, num_sms)
     if tiles:
         return Schedule(tiles)
-    return Schedule(0, *split_tokens(s_q, groups, topk, device_index))
+    return Schedule(0, *split_tokens(s_q, groups, topk, device_index, num_sms))
 
 
 def describe(
@@ -155,10 +185,15 @@ def describe(
     has_topk_length: bool = False,
     precision: str = "default",
     device_index: int = 0,
+    num_sms: int | None = None,
 ) -> str:
     """``choose``'s answer in words: "one tile per CTA", "small heads, k tokens per CTA", "persistent, k
-    tiles per CTA", "split in n" or "one tile per CTA, t split in n" (a split tail of t tokens)."""
-    tiles, parts, split_from = choose(s_q, h_q, topk, has_topk_length, precision, device_index)
+    tiles per CTA", "split in n" or "one tile per CTA, t split in n" (a split tail of t tokens).
+
+    The answer depends on the GPU's SM count: that of CUDA device ``device_index``, or ``num_sms`` when
+    given (132 on an H100 SXM or an H200), which answers without a GPU. Without a CUDA device and without
+    ``num_sms`` it raises a ``RuntimeError`` naming ``num_sms=``."""
+    tiles, parts, split_from = choose(s_q, h_q, topk, has_topk_length, precision, device_index, num_sms)
     if small_heads(h_q):
         return f"small heads, {tiles} token{'s' if tiles > 1 else ''} per CTA"
     if tiles:

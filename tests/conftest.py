@@ -1,4 +1,5 @@
-"""Shared test setup: skipping of ``gpu`` tests off SM90, per-test random generators and input builders."""
+"""Shared test setup: the kernels built (or loaded) before collection with their build lines on the terminal,
+skipping of ``gpu`` tests off SM90, per-test random generators and input builders."""
 
 import hashlib
 import sys
@@ -7,8 +8,13 @@ import types
 import pytest
 import torch
 
-import q8kv8
-from q8kv8 import eager, paged_gather, query, serving
+
+def pytest_configure(config):
+    """Import q8kv8, which builds or loads its kernel variants and the C++ fast path, with pytest's output
+    capture off: on a fresh cache that build takes a minute or more, and its lines on stderr say so."""
+    capture = config.pluginmanager.getplugin("capturemanager")
+    with capture.global_and_fixture_disabled():
+        import q8kv8  # noqa: F401
 
 
 def _sm90_missing_reason() -> str | None:
@@ -106,6 +112,9 @@ def fake_kernels(monkeypatch):
     """``fake_kernels(launch)``: a module whose ``launch_sparse_prefill`` is ``launch`` stands for
     ``q8kv8.kernels`` for this test only, wherever the package launches from (``from q8kv8 import kernels``
     included)."""
+
+    import q8kv8
+    from q8kv8 import eager, paged_gather, query, serving
 
     def install(launch) -> types.ModuleType:
         module = types.ModuleType("q8kv8.kernels")

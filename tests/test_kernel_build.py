@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from cute_kernels.sm90 import sparse_prefill
-from q8kv8 import build, kernels
+from q8kv8 import build, disk_cache, kernels
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -230,6 +230,23 @@ def test_second_import_hits_the_disk_cache_and_damage_is_rebuilt(tmp_path):
     third = _import_in_subprocess(tmp_path)
     assert (third["hits"], third["misses"], third["rebuilt"]) == (count - 1, 1, 1)
     assert (tmp_path / objects[0].relative_to(tmp_path)).stat().st_size > 1000
+
+
+def test_a_build_says_so_in_one_line_and_a_load_says_nothing(tmp_path, monkeypatch, capfd):
+    """A variant built (here the query cast, a few seconds) prints on stderr, after the process's one-time
+    announcement, one line naming it and its seconds; loading it from the cache prints nothing."""
+    monkeypatch.setenv("Q8KV8_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(disk_cache, "_announced", False)
+    monkeypatch.setattr(kernels, "_q_cast_variants", {})
+    monkeypatch.setattr(kernels, "paged_kv_cache_stats", build.CacheStats())
+    capfd.readouterr()
+    assert kernels.load_q_cast_variant(512).source == "compiled"
+    announcement, built = capfd.readouterr().err.splitlines()
+    assert announcement.startswith("q8kv8: building ") and f" into {tmp_path} (" in announcement
+    assert re.fullmatch(r"q8kv8: built cast_q_fp8_sm90_d512 \(\d+\.\d s\)", built), built
+    kernels._q_cast_variants.clear()
+    assert kernels.load_q_cast_variant(512).source == "cache"
+    assert capfd.readouterr().err == ""
 
 
 def _disassembler():

@@ -2,10 +2,13 @@
 (``test_native.py``): its allocation compared with the Python path's (``eager.output_buffers``), its
 configuration and registration interface, and what happens when it cannot be built."""
 
+import os
 import random
+import re
 import shutil
 import subprocess
 import sys
+import textwrap
 import warnings
 
 import pytest
@@ -185,3 +188,28 @@ def test_a_built_extension_loads_without_importing_the_build_tools(extension):
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert result.returncode == 0, result.stderr[-2000:]
     assert result.stdout.strip() == "[]"
+
+
+def test_a_first_build_prints_only_its_own_build_lines(tmp_path):
+    """``import q8kv8`` and the fast path's first build (a fresh cache) print nothing on stderr but q8kv8's
+    build lines: the announcement, then one line naming the library and its seconds. torch's
+    ``cpp_extension`` module, which with a CUDA build of torch and no GPU prints a warning about CUDA_HOME
+    when imported, is not imported."""
+    script = textwrap.dedent(
+        """
+        import sys
+        import q8kv8
+        from q8kv8 import native
+        assert native.load() is not None
+        print(sorted({"setuptools", "torch.utils.cpp_extension"} & set(sys.modules)))
+        """
+    )
+    environment = {**os.environ, "Q8KV8_CACHE_DIR": str(tmp_path), "Q8KV8_COMPILE_AT_IMPORT": "0"}
+    result = subprocess.run(
+        [sys.executable, "-c", script], env=environment, capture_output=True, text=True, timeout=300
+    )
+    assert result.returncode == 0, result.stderr[-4000:]
+    assert result.stdout.strip() == "[]"
+    announcement, built = result.stderr.splitlines()
+    assert announcement.startswith("q8kv8: building ") and f" into {tmp_path} (" in announcement
+    assert re.fullmatch(rf"q8kv8: built {native.MODULE_NAME} \(\d+\.\d s\)", built), built

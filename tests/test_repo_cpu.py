@@ -1,6 +1,11 @@
-"""Repository plumbing: the pre-commit hooks run the same lint as ``make lint``, and CI runs ``make lint``."""
+"""Repository plumbing: the pre-commit hooks run the same lint as ``make lint``, CI runs ``make lint`` and
+``make test``, and no Makefile step hides the output of a kernel build."""
 
+import os
 import re
+import shutil
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -38,3 +43,40 @@ def test_ci_runs_lint_and_tests():
     commands = [line.strip() for line in ci if line.strip() and not line.lstrip().startswith("#")]
     assert "make lint" in commands and "make test" in commands
     assert commands.index("make lint") < commands.index("make test")
+
+
+def makefile_commands() -> list[str]:
+    """The shell commands of the Makefile's recipes, each recipe line split at ``||``, ``&&``, ``;`` and
+    braces."""
+    recipes = re.findall(r"^\t(.+)$", (REPO / "Makefile").read_text(), re.MULTILINE)
+    return [part.strip() for line in recipes for part in re.split(r"\|\||&&|;|[{}]", line) if part.strip()]
+
+
+def test_no_makefile_step_that_builds_kernels_hides_its_stderr():
+    """A build says what it builds on stderr (a minute or more on a fresh cache), so a command whose stderr
+    goes to /dev/null must build nothing: it imports q8kv8 with ``Q8KV8_COMPILE_AT_IMPORT=0`` and runs
+    neither the tests, the benchmark nor ``q8kv8.compile``."""
+    quiet = [c for c in makefile_commands() if re.search(r"(2|&)>\s*/dev/null|>\s*/dev/null\s+2>&1", c)]
+    for command in quiet:
+        assert "Q8KV8_COMPILE_AT_IMPORT=0 " in command, command
+        assert not re.search(r"-m\s+(pytest|scripts\.bench|q8kv8\.compile)\b", command), command
+
+
+@pytest.mark.skipif(shutil.which("make") is None, reason="needs make")
+def test_make_deps_checks_the_imports_without_building(tmp_path):
+    """``make deps`` (before ``make test`` and ``make bench``) imports torch, cutlass and q8kv8 and builds
+    nothing into an empty cache: the kernels are built where their build lines are seen. ``MAKE=true``: the
+    install it would fall back to is not run here."""
+    environment = {**os.environ, "Q8KV8_CACHE_DIR": str(tmp_path)}
+    environment.pop("Q8KV8_COMPILE_AT_IMPORT", None)
+    result = subprocess.run(
+        ["make", "--no-print-directory", "deps", f"PYTHON={sys.executable}", "MAKE=true"],
+        cwd=REPO,
+        env=environment,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert result.returncode == 0, result.stderr
+    assert "Installing" not in result.stdout  # the imports worked
+    assert [path for path in tmp_path.rglob("*") if path.is_file()] == []

@@ -1,9 +1,10 @@
 """The alternating block schedule of the FP8 kernel (cute_kernels/sm90/sparse_prefill.py), on CPU:
 each consumer owns every other block, and its steps accumulate every block of the tile exactly once,
 in order; a step without an own block happens only for the consumer that does not own the last one. And
-the split rule's part counts."""
+the split rule's part counts, and the rules answered for a given SM count without a GPU."""
 
 import pytest
+import torch
 
 pytest.importorskip("cutlass")
 
@@ -79,3 +80,26 @@ def test_the_last_partial_wave_is_split_after_whole_waves_of_one_tile(monkeypatc
         eager.forced_splits(2, -1)
     with eager.forced_splits(2, 437), pytest.raises(ValueError, match="expected less than s_q 437"):
         schedule.split_tokens(437, 1, 2048, 0)
+
+
+def test_describe_answers_for_a_given_sm_count_and_names_that_argument_without_a_gpu(monkeypatch):
+    """``describe`` and ``choose`` with ``num_sms=`` answer for that many SMs without asking a device; with
+    no CUDA device visible and no ``num_sms``, a RuntimeError names the argument (not torch's own error)."""
+
+    def no_device(*args, **kwargs):
+        raise AssertionError("the device was queried")
+
+    monkeypatch.setattr(schedule, "_sm_counts", {})
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    monkeypatch.setattr(torch.cuda, "get_device_properties", no_device)
+    with pytest.raises(RuntimeError, match=r"no CUDA device is visible; pass num_sms= "):
+        schedule.describe(437, 64, 2048)
+    assert schedule.describe(437, 64, 2048, num_sms=132) == "one tile per CTA, 41 split in 2"
+    assert schedule.describe(437, 64, 2048, num_sms=114) == "one tile per CTA"  # 95 tiles left: too many
+    assert schedule.describe(64, 64, 2048, num_sms=132) == "split in 2"
+    assert schedule.describe(4096, 64, 512, num_sms=132) == "persistent, 4 tiles per CTA"
+    assert schedule.describe(200, 16, 2048, num_sms=132) == "small heads, 2 tokens per CTA"
+    assert schedule.choose(437, 64, 2048, False, "default", 0, num_sms=132) == (0, 2, 396)
+    assert schedule._sm_counts == {}  # nothing remembered for the device
+    with pytest.raises(ValueError, match="num_sms: expected at least 1, got 0"):
+        schedule.describe(437, 64, 2048, num_sms=0)

@@ -1,10 +1,13 @@
-"""``python -m q8kv8.compile``, ``python -m q8kv8.info`` / ``q8kv8.info()``, build failures and the
-schedule-timing tool's power sampler (CPU).
+"""``python -m q8kv8.compile``, ``python -m q8kv8.info`` / ``q8kv8.info()``, the ptxas reports they list
+(kept in the cache), build failures, ``make bench`` without an SM90 GPU and the schedule-timing tool's
+power sampler (CPU).
 
 The commands run in subprocesses on the test run's kernel cache (filled when ``q8kv8`` was imported),
 so they load the variants rather than compile them again.
 """
 
+import functools
+import importlib
 import os
 import re
 import shutil
@@ -65,6 +68,27 @@ def test_compile_jobs_builds_every_listed_variant_in_worker_processes(variants, 
     assert [line.split()[0] for line in lines[1:-1]] == listed
     assert all(line.split()[1] in ("cache", "compiled") for line in lines[1:-1])
     assert lines[-1] == f"cache: {disk_cache.cache_dir()}"
+
+
+def test_compile_jobs_workers_say_what_they_build_on_stderr(tmp_path, monkeypatch, capfd):
+    """A worker of ``--jobs`` that builds a variant (here a query cast, into an empty cache) prints its
+    ``built`` line on the command's stderr; it announces the build only when the command has not."""
+    monkeypatch.setenv("Q8KV8_CACHE_DIR", str(tmp_path))
+    for d, announced in ((512, True), (576, False)):
+        monkeypatch.setattr(
+            kernels, "variant_loaders", lambda d=d: [functools.partial(kernels.load_q_cast_variant, d)]
+        )
+        monkeypatch.setattr(disk_cache, "_announced", announced)
+        capfd.readouterr()
+        [(name, (source, seconds))] = compile_command._build_in_processes(1).items()
+        assert (name, source) == (f"cast_q_fp8_sm90_d{d}", "compiled")
+        lines = capfd.readouterr().err.splitlines()
+        assert lines[-1] == f"q8kv8: built {name} ({seconds:.1f} s)"
+        if announced:
+            assert len(lines) == 1
+        else:
+            [announcement, _] = lines
+            assert announcement.startswith("q8kv8: building ") and f" into {tmp_path} (" in announcement
 
 
 def test_compile_jobs_must_be_positive(capsys):
@@ -145,6 +169,71 @@ def test_info_reports_versions_gpu_variants_and_cache(variants):
     )
 
 
+@pytest.mark.skipif(shutil.which("ptxas") is None, reason="needs ptxas")
+def test_a_second_info_runs_no_ptxas(variants, monkeypatch):
+    """``info()`` reports each variant's registers and spills from ``ptxas -v``, which runs once per variant:
+    its report is kept in the cache, so a later ``info()`` (here: the same process, asking the ptxas version
+    again as a fresh process does) reads the kept reports and reports the same."""
+    first = q8kv8.info()
+    assert all(variant["registers"] is not None for variant in first["variants"])
+    commands = []
+    run = subprocess.run
+
+    def recording_run(command, *args, **kwargs):
+        commands.append(command)
+        return run(command, *args, **kwargs)
+
+    monkeypatch.setattr(subprocess, "run", recording_run)
+    build._ptxas_version.cache_clear()
+    assert q8kv8.info()["variants"] == first["variants"]
+    assert [command[1:] for command in commands] == [["--version"]]
+
+
+def test_a_kept_ptxas_report_is_used_only_for_the_same_ptx_and_ptxas(tmp_path, monkeypatch):
+    """``build.ptxas_report`` keeps ptxas's output beside the PTX and reads it back, also in a fresh process
+    (the ptxas version asked again), while the PTX and the ptxas version are the same; otherwise ptxas runs
+    again. A stand-in ptxas logs its calls."""
+    log, bin_dir = tmp_path / "calls.log", tmp_path / "bin"
+    bin_dir.mkdir()
+    fake = bin_dir / "ptxas"
+    fake.write_text(
+        textwrap.dedent(
+            f"""\
+            #!/bin/sh
+            echo "$@" >> {log}
+            [ "$1" = --version ] && echo "Cuda compilation tools, release $RELEASE" && exit
+            echo "ptxas info    : Used 100 registers, used 1 barriers" >&2
+            echo "    8 bytes stack frame, 4 bytes spill stores, 12 bytes spill loads" >&2
+            """
+        )
+    )
+    fake.chmod(0o755)
+    monkeypatch.setenv("PATH", f"{bin_dir}{os.pathsep}{os.environ['PATH']}")
+    monkeypatch.setenv("RELEASE", "13.0")
+    ptx = tmp_path / "v.ptx"
+    ptx.write_text("// the PTX\n")
+    variant = build.Variant("v", 576, "default", None, "cache", 0.0, tmp_path / "v.o", ptx)
+
+    def ptxas_runs() -> int:
+        return sum(" -v " in f" {line} " for line in log.read_text().splitlines())
+
+    def fresh_report() -> build.PtxasReport:
+        build._ptxas_version.cache_clear()  # what a fresh process starts with
+        return build.ptxas_report(variant)
+
+    first = fresh_report()
+    assert (first.registers, first.stack_frame_bytes, first.spill_store_bytes, first.spill_load_bytes) == (
+        100, 8, 4, 12
+    )  # fmt: skip
+    assert ptxas_runs() == 1 and (tmp_path / "v.ptxas.json").exists()
+    assert fresh_report() == first and build.ptxas_report(variant) == first and ptxas_runs() == 1
+    ptx.write_text("// another PTX\n")
+    assert fresh_report() == first and ptxas_runs() == 2
+    monkeypatch.setenv("RELEASE", "13.1")
+    assert fresh_report() == first and ptxas_runs() == 3
+    assert build.ptxas_report(variant) == first and ptxas_runs() == 3
+
+
 def test_python_m_info_prints_a_table(variants):
     result = run_module("q8kv8.info")
     assert result.returncode == 0, result.stderr
@@ -157,6 +246,22 @@ def test_python_m_info_prints_a_table(variants):
     assert re.search(rf"^cache\s+{cache} \(this process: ", out, re.MULTILINE)
     for variant in variants.values():
         assert re.search(rf"^{variant.name}\s+{variant.d_qk}\s+(cache|compiled)\s", out, re.MULTILINE)
+
+
+def test_bench_without_an_sm90_gpu_prints_the_build_report_then_says_so_and_exits_2(monkeypatch, capsys):
+    """``make bench`` (``python -m scripts.bench``) where no SM90 GPU is visible: the build report of every
+    listed variant on stdout, then one line on stderr saying that only it was produced, and status 2."""
+    bench = importlib.import_module("scripts.bench.__main__")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert bench.main(["--no-serving"]) == bench.NO_SM90_STATUS == 2
+    captured = capsys.readouterr()
+    assert captured.err == (
+        "make bench times the kernels on an SM90 GPU; none is visible here: only the build report above was "
+        "produced\n"
+    )
+    lines = captured.out.splitlines()
+    assert lines[0].split()[:2] == ["variant", "from"]
+    assert sorted(line.split()[0] for line in lines[1:]) == sorted(v.name for v in kernels.listed_variants())
 
 
 def test_schedule_timing_power_sampler_averages_the_samples_inside_the_window(tmp_path, monkeypatch):
