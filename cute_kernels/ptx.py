@@ -28,21 +28,43 @@ def inline_asm(ret_type, operands, text, constraints, side_effects):
 
 
 @dsl_user_op
-def cp_async_16_zfill(smem_addr, gmem_addr, src_bytes, *, loc=None, ip=None) -> None:
-    """16-byte cp.async global -> shared (L2 evict-last); bytes past ``src_bytes`` are zero-filled.
+def cp_async_16_zfill(smem_addr, gmem_addr, src_bytes, evict_last: bool = True, *, loc=None, ip=None) -> None:
+    """16-byte cp.async global -> shared (L2 evict-last unless ``evict_last`` is False: no cache-policy
+    operand); bytes past ``src_bytes`` are zero-filled.
 
     ``src_bytes`` 0 reads nothing from global memory and writes 16 zero bytes.
     """
+    operands = [
+        Int32(smem_addr).ir_value(loc=loc, ip=ip),
+        Int64(gmem_addr).ir_value(loc=loc, ip=ip),
+        Int32(src_bytes).ir_value(loc=loc, ip=ip),
+    ]
+    if evict_last:
+        operands.append(Int64(L2_EVICT_LAST).ir_value(loc=loc, ip=ip))
+        inline_asm(
+            None,
+            operands,
+            "cp.async.cg.shared.global.L2::cache_hint [$0], [$1], 16, $2, $3;",
+            "r,l,r,l",
+            True,
+        )
+    else:
+        inline_asm(None, operands, "cp.async.cg.shared.global [$0], [$1], 16, $2;", "r,l,r", True)
+
+
+@dsl_user_op
+def cp_async_4_zfill(smem_addr, gmem_addr, src_bytes, *, loc=None, ip=None) -> None:
+    """4-byte cp.async global -> shared (both addresses 4-byte aligned; no cache-policy operand); bytes past
+    ``src_bytes`` are zero-filled (0: nothing is read)."""
     inline_asm(
         None,
         [
             Int32(smem_addr).ir_value(loc=loc, ip=ip),
             Int64(gmem_addr).ir_value(loc=loc, ip=ip),
             Int32(src_bytes).ir_value(loc=loc, ip=ip),
-            Int64(L2_EVICT_LAST).ir_value(loc=loc, ip=ip),
         ],
-        "cp.async.cg.shared.global.L2::cache_hint [$0], [$1], 16, $2, $3;",
-        "r,l,r,l",
+        "cp.async.ca.shared.global [$0], [$1], 4, $2;",
+        "r,l,r",
         True,
     )
 
@@ -151,6 +173,133 @@ def st_shared_u32(smem_addr, value, *, loc=None, ip=None) -> None:
         "st.shared.b32 [$0], $1;",
         "r,r",
         True,
+    )
+
+
+@dsl_user_op
+def st_shared_u16(smem_addr, value, *, loc=None, ip=None) -> None:
+    """Store the low 16 bits of ``value``."""
+    inline_asm(
+        None,
+        [Int32(smem_addr).ir_value(loc=loc, ip=ip), Uint32(value).ir_value(loc=loc, ip=ip)],
+        "{ .reg .b16 h; cvt.u16.u32 h, $1; st.shared.b16 [$0], h; }",
+        "r,r",
+        True,
+    )
+
+
+def _ld_shared_b32(instruction: str, smem_addr, *, loc=None, ip=None) -> Uint32:
+    """One shared-memory load into a 32-bit register."""
+    operands = [Int32(smem_addr).ir_value(loc=loc, ip=ip)]
+    return Uint32(inline_asm(T.i32(), operands, f"{instruction} $0, [$1];", "=r,r", True))
+
+
+@dsl_user_op
+def ld_shared_u32(smem_addr, *, loc=None, ip=None) -> Uint32:
+    return _ld_shared_b32("ld.shared.b32", smem_addr, loc=loc, ip=ip)
+
+
+@dsl_user_op
+def ld_shared_u8(smem_addr, *, loc=None, ip=None) -> Uint32:
+    return _ld_shared_b32("ld.shared.u8", smem_addr, loc=loc, ip=ip)
+
+
+@dsl_user_op
+def ld_shared_f32(smem_addr, *, loc=None, ip=None) -> Float32:
+    operands = [Int32(smem_addr).ir_value(loc=loc, ip=ip)]
+    return Float32(inline_asm(T.f32(), operands, "ld.shared.f32 $0, [$1];", "=f,r", True))
+
+
+@dsl_user_op
+def f32_from_bits(bits, *, loc=None, ip=None) -> Float32:
+    """The float32 whose bit pattern is ``bits``."""
+    return Float32(
+        inline_asm(T.f32(), [Uint32(bits).ir_value(loc=loc, ip=ip)], "mov.b32 $0, $1;", "=f,r", False)
+    )
+
+
+@dsl_user_op
+def ld_shared_v4(smem_addr, *, loc=None, ip=None):
+    """16-byte shared load: four 32-bit words."""
+    res = inline_asm(
+        llvm.StructType.get_literal([T.i32()] * 4),
+        [Int32(smem_addr).ir_value(loc=loc, ip=ip)],
+        "ld.shared.v4.b32 {$0, $1, $2, $3}, [$4];",
+        "=r,=r,=r,=r,r",
+        True,
+    )
+    return tuple(Uint32(llvm.extractvalue(T.i32(), res, [i], loc=loc, ip=ip)) for i in range(4))
+
+
+@dsl_user_op
+def f32_bits_to_f16x2(lo_bits, hi_bits, *, loc=None, ip=None) -> Uint32:
+    """Two float32 (given by their bits) rounded (RN, saturating: never infinite) to f16 and packed,
+    ``lo_bits``'s in the low half."""
+    return Uint32(
+        inline_asm(
+            T.i32(),
+            [Uint32(lo_bits).ir_value(loc=loc, ip=ip), Uint32(hi_bits).ir_value(loc=loc, ip=ip)],
+            "{ .reg .f32 a, b; mov.b32 a, $1; mov.b32 b, $2; cvt.rn.satfinite.f16x2.f32 $0, b, a; }",
+            "=r,r,r",
+            False,
+        )
+    )
+
+
+@dsl_user_op
+def scale_e4m3x4_f16(word, scales_lo, scales_hi, *, loc=None, ip=None) -> Uint32:
+    """Four e4m3 (``word``, lowest byte first) times f16 scales: bytes 0 and 1 by the two halves of
+    ``scales_lo``, bytes 2 and 3 by those of ``scales_hi``, each product (exact in f16 for a power-of-two
+    scale) rounded to e4m3 (RN, saturating)."""
+    return Uint32(
+        inline_asm(
+            T.i32(),
+            [
+                Uint32(word).ir_value(loc=loc, ip=ip),
+                Uint32(scales_lo).ir_value(loc=loc, ip=ip),
+                Uint32(scales_hi).ir_value(loc=loc, ip=ip),
+            ],
+            "{\n\t.reg .b16 lo, hi;\n\t.reg .b32 flo, fhi;\n\t"
+            "mov.b32 {lo, hi}, $1;\n\t"
+            "cvt.rn.f16x2.e4m3x2 flo, lo;\n\t"
+            "cvt.rn.f16x2.e4m3x2 fhi, hi;\n\t"
+            "mul.rn.f16x2 flo, flo, $2;\n\t"
+            "mul.rn.f16x2 fhi, fhi, $3;\n\t"
+            "cvt.rn.satfinite.e4m3x2.f16x2 lo, flo;\n\t"
+            "cvt.rn.satfinite.e4m3x2.f16x2 hi, fhi;\n\t"
+            "mov.b32 $0, {lo, hi};\n\t}",
+            "=r,r,r,r",
+            False,
+        )
+    )
+
+
+@dsl_user_op
+def e4m3x4_residual(w01, w23, hi, *, loc=None, ip=None) -> Uint32:
+    """Four bf16 (two words, lowest first) minus their e4m3 roundings ``hi`` (packed, lowest first), each
+    difference (exact in float32) rounded to e4m3 (RN, saturating) and packed: the lo term of a two-term
+    e4m3 split."""
+    return Uint32(
+        inline_asm(
+            T.i32(),
+            [Uint32(w).ir_value(loc=loc, ip=ip) for w in (w01, w23, hi)],
+            "{\n\t.reg .b32 t0, t1, t2, t3, h01, h23;\n\t.reg .b16 b01, b23, o01, o23;\n\t"
+            ".reg .f16 a0, a1, a2, a3;\n\t.reg .f32 x0, x1, x2, x3, y0, y1, y2, y3;\n\t"
+            "shl.b32 t0, $1, 16;\n\tand.b32 t1, $1, 0xffff0000;\n\t"
+            "shl.b32 t2, $2, 16;\n\tand.b32 t3, $2, 0xffff0000;\n\t"
+            "mov.b32 x0, t0;\n\tmov.b32 x1, t1;\n\tmov.b32 x2, t2;\n\tmov.b32 x3, t3;\n\t"
+            "mov.b32 {b01, b23}, $3;\n\t"
+            "cvt.rn.f16x2.e4m3x2 h01, b01;\n\tcvt.rn.f16x2.e4m3x2 h23, b23;\n\t"
+            "mov.b32 {a0, a1}, h01;\n\tmov.b32 {a2, a3}, h23;\n\t"
+            "cvt.f32.f16 y0, a0;\n\tcvt.f32.f16 y1, a1;\n\tcvt.f32.f16 y2, a2;\n\tcvt.f32.f16 y3, a3;\n\t"
+            "sub.rn.f32 x0, x0, y0;\n\tsub.rn.f32 x1, x1, y1;\n\t"
+            "sub.rn.f32 x2, x2, y2;\n\tsub.rn.f32 x3, x3, y3;\n\t"
+            "cvt.rn.satfinite.e4m3x2.f32 o01, x1, x0;\n\t"
+            "cvt.rn.satfinite.e4m3x2.f32 o23, x3, x2;\n\t"
+            "mov.b32 $0, {o01, o23};\n\t}",
+            "=r,r,r,r",
+            False,
+        )
     )
 
 
@@ -274,6 +423,13 @@ def max_abs_bf16x2(acc, w, *, loc=None, ip=None) -> Uint32:
     ``w`` (``max.xorsign.abs``: the result's sign bit is the xor of the inputs', so clear the sign bits of
     the final value; for finite bf16 the integer order of magnitude bits is the order of magnitudes)."""
     return _b32_op("max.xorsign.abs.bf16x2 $0, $1, $2;", acc, w, loc=loc, ip=ip)
+
+
+@dsl_user_op
+def floor_log2_u32(value, *, loc=None, ip=None) -> Int32:
+    """The position of the highest set bit of ``value`` (``bfind.u32``: log2 of a power of two)."""
+    operands = [Uint32(value).ir_value(loc=loc, ip=ip)]
+    return Int32(inline_asm(T.i32(), operands, "bfind.u32 $0, $1;", "=r,r", False))
 
 
 @dsl_user_op

@@ -1,17 +1,18 @@
-"""q8kv8: FP8 sparse MLA attention prefill for Hopper (SM90) GPUs, written in CuTe DSL, called from PyTorch.
+"""q8kv8: FP8 sparse MLA attention (prefill and decode) for Hopper (SM90) GPUs, written in CuTe DSL, called
+from PyTorch.
 
-``sparse_mla_q8kv8_prefill_fwd`` is a drop-in for SGLang's function of that name; ``padded_num_heads``,
-``pad_topk`` and ``topk_length_from_seqlens`` help callers lay out their inputs. ``SparsePrefill``
-(``q8kv8.serving``) runs one layer on a paged FP8 KV cache (DeepSeek V3.2 / V4 layouts). Under
-``torch.compile`` the call is the custom op ``torch.ops.q8kv8.sparse_mla_q8kv8_prefill`` (``q8kv8.ops``).
-``q8kv8.info()`` reports versions, GPU, kernel variants and cache; ``python -m q8kv8.compile`` pre-builds the
-kernels.
-"""
+``sparse_mla_q8kv8_prefill_fwd`` is a drop-in for SGLang's function of that name, and
+``sparse_mla_q8kv8_paged_fwd`` runs the same attention straight from a paged FP8 KV cache;
+``padded_num_heads``, ``pad_topk`` and ``topk_length_from_seqlens`` help callers lay out their inputs.
+``SparsePrefill`` (``q8kv8.serving``) runs one layer on a paged FP8 KV cache (DeepSeek V3.2 / V4 layouts).
+Under ``torch.compile`` the calls are custom ops (``torch.ops.q8kv8.sparse_mla_q8kv8_prefill`` and
+``..._paged``, ``q8kv8.ops``). ``q8kv8.info()`` reports versions, GPU, kernel variants and cache;
+``python -m q8kv8.compile`` pre-builds the kernels."""
 
 import importlib
 import os
 
-from q8kv8.api import sparse_mla_q8kv8_prefill_fwd
+from q8kv8.api import sparse_mla_q8kv8_paged_fwd, sparse_mla_q8kv8_prefill_fwd
 from q8kv8.contract import InputTypeError
 from q8kv8.metadata import __version__, pad_topk, padded_num_heads, topk_length_from_seqlens
 from q8kv8.paged_gather import gather_dequant_requant_fp8_paged
@@ -29,6 +30,7 @@ __all__ = [
     "info",
     "pad_topk",
     "padded_num_heads",
+    "sparse_mla_q8kv8_paged_fwd",
     "sparse_mla_q8kv8_prefill_fwd",
     "topk_length_from_seqlens",
 ]

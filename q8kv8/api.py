@@ -1,4 +1,5 @@
-"""``sparse_mla_q8kv8_prefill_fwd``: the PyTorch entry point, a drop-in for SGLang's function of that name.
+"""The PyTorch entry points: ``sparse_mla_q8kv8_prefill_fwd`` (a drop-in for SGLang's function of that name)
+and ``sparse_mla_q8kv8_paged_fwd`` (the same attention straight from a paged FP8 KV cache).
 
 Eagerly it runs the call (``q8kv8.eager``: the C++ fast path, or the checked Python path); while
 torch.compile traces it, it is one custom op (``q8kv8.ops``). It never syncs with the GPU unless
@@ -8,9 +9,9 @@ torch.compile traces it, it is one custom op (``q8kv8.ops``). It never syncs wit
 import torch
 from torch.compiler import is_compiling
 
-from q8kv8 import eager, ops
+from q8kv8 import eager, ops, paged
 from q8kv8.metadata import D_V
-from q8kv8.prefill_call import PrefillCall
+from q8kv8.prefill_call import PagedCall, PrefillCall
 
 _new_call = tuple.__new__  # a PrefillCall from a tuple of all its fields, without NamedTuple's Python __new__
 
@@ -89,3 +90,47 @@ def sparse_mla_q8kv8_prefill_fwd(
     if is_compiling():
         return ops.call_traced(call)
     return eager.run(call)
+
+
+def sparse_mla_q8kv8_paged_fwd(
+    q: torch.Tensor,
+    cache: torch.Tensor,
+    indices: torch.Tensor,
+    sm_scale: float,
+    q_scale: torch.Tensor | None = None,
+    d_v: int = D_V,
+    attn_sink: torch.Tensor | None = None,
+    topk_length: torch.Tensor | None = None,
+    *,
+    out: torch.Tensor | None = None,
+    max_logits: torch.Tensor | None = None,
+    lse: torch.Tensor | None = None,
+    precision: str = "default",
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Sparse MLA attention read straight from a paged FP8 KV cache; returns ``(out, max_logits, lse)``.
+
+    Args:
+        q: [s_q, h_q, d_qk] bfloat16 (quantised per row by the kernel, ``q_scale=None``) or float8_e4m3fn with
+            its ``q_scale``; d_qk the cache's (576: V3.2, 512: V4 / MODEL1).
+        cache: [num_pages, page_size, 1, bytes_per_token] uint8 or float8_e4m3fn: DeepSeek V3.2's layout (656
+            bytes a token) or V4's (584; ``q8kv8.kv_layout``), page_size a power of two, page stride
+            ``cache.stride(0)`` bytes (16-byte aligned, like the base).
+        indices: [s_q, 1, topk] int32 token slots (page * page_size + position), topk a positive multiple of
+            128; a slot outside ``[0, num_pages * page_size)`` is ignored and never read.
+        sm_scale, q_scale, d_v, attn_sink, topk_length, out, max_logits, lse, precision: as in
+            ``sparse_mla_q8kv8_prefill_fwd`` (there is no kv_scale: each row's block scales apply).
+
+    Each selected row is read from the cache as it is: its e4m3 values with their block scales (the QK
+    product summed in float32 per scale group, V scaled in the PV product: exact for power-of-two scales), its
+    bf16 RoPE as two e4m3 terms with a power-of-two scale of its own row (V4's V: one term). Same outputs,
+    sentinels, head counts (any h_q, in tiles of 64 heads), errors and CUDA-graph behaviour as
+    ``sparse_mla_q8kv8_prefill_fwd``; under ``torch.compile`` the custom op
+    ``torch.ops.q8kv8.sparse_mla_q8kv8_paged`` (``..._paged_out`` with buffers).
+    """
+    call = _new_call(
+        PagedCall,
+        (q, cache, indices, sm_scale, q_scale, d_v, attn_sink, topk_length, out, max_logits, lse, precision),
+    )
+    if is_compiling():
+        return ops.call_paged_traced(call)
+    return paged.run(call)

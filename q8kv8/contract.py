@@ -125,8 +125,20 @@ def check_inputs(call: PrefillCall) -> Problem:
 
 
 def clear_memo() -> None:
-    """Forget every memoised verdict (after a change that the memo's keys do not see: a forced schedule)."""
+    """Forget every memoised verdict, this module's and the registered ones (after a change that the memos'
+    keys do not see: a forced schedule)."""
     _memo.clear()
+    for memo in _other_memos:
+        memo.clear()
+
+
+_other_memos: list[dict] = []
+
+
+def register_memo(memo: dict) -> dict:
+    """Have ``clear_memo`` empty ``memo`` too (another call's memoised verdicts); returns it."""
+    _other_memos.append(memo)
+    return memo
 
 
 def _signature(value) -> tuple:
@@ -140,9 +152,10 @@ def _signature(value) -> tuple:
         return (type(value), None, None, None, None, None)
 
 
-def _check_signatures(signatures: PrefillCall) -> Problem:
+def _check_signatures(signatures: PrefillCall, paged: bool = False) -> Problem:
     """The checks of ``check_inputs`` on a call whose tensors are their signatures (None for an absent
-    optional tensor)."""
+    optional tensor). ``paged``: kv stands for a paged cache's token slots (``q8kv8.paged``), whose calls run
+    tiles of 64 heads."""
     q, kv, indices = signatures.q, signatures.kv, signatures.indices
     q_scale, kv_scale = signatures.q_scale, signatures.kv_scale
     attn_sink, topk_length = signatures.attn_sink, signatures.topk_length
@@ -279,7 +292,9 @@ def _check_signatures(signatures: PrefillCall) -> Problem:
     device = q[DEVICE]
     chosen = schedule.Schedule(0)
     if device.type == "cuda" and s_q > 0 and s_kv > 0:
-        chosen = schedule.choose(s_q, h_q, topk, topk_length is not None, precision, device.index)
+        chosen = schedule.choose(
+            s_q, h_q, topk, topk_length is not None, precision, device.index, paged=paged
+        )
     launch_ready = (
         q[DATA_PTR] % Q_ALIGNMENT_BYTES == 0
         and _is_contiguous(q[SHAPE], q[STRIDES])

@@ -4,13 +4,11 @@ Each family is a table of variants built or loaded by ``q8kv8.build.build_or_loa
 with fake tensors, every extent dynamic) and a launcher that calls a variant's TVM-FFI function on torch
 tensors (it launches on the caller's current CUDA stream):
 
-- the FP8 attention kernel (``cute_kernels/sm90/sparse_prefill.py``), variants by ``(d_qk, precision)``,
-  one-tile and persistent, all built when ``q8kv8`` is imported; the sink and ``topk_length`` are runtime
-  flags. Its variants for a bfloat16 q (quantised per row in the kernel) are built on first use (or by
-  ``load_bf16_q_variants()``), and so are its split variants (a short grid: each tile computed by a cluster
-  of 2 or 4 CTAs, ``q8kv8.schedule.split_tokens``, which merge their results), and its small-head
-  variants (8, 16 or 32 heads: S^T with the heads on the WGMMA's N side, a tile is a token's heads;
-  persistent, ``q8kv8.schedule.small_head_tiles_per_cta`` tokens per CTA);
+- the FP8 attention kernel (``cute_kernels/sm90/sparse_prefill.py``): one table keyed by ``VariantKey`` (d_qk,
+  precision, schedule kind, q's dtype, heads a tile, paged cache layout) and one loader, ``load``. The
+  one-tile and persistent variants for an e4m3 q (``IMPORT_KEYS``) are built or loaded when ``q8kv8`` is
+  imported, every other one on its first launch (``listed_variants()`` builds them all); the sink and
+  ``topk_length`` are runtime flags. ``launch_sparse_prefill`` launches the variants of one call's schedule;
 - the paged-cache gather, the query cast and the bf16 attention kernel of the serving path, built on first
   use (or by ``load_serving_variants()``).
 """
@@ -19,10 +17,12 @@ from __future__ import annotations
 
 import functools
 from pathlib import Path
+from typing import NamedTuple
 
 import torch
 
 from q8kv8.build import CacheStats, Variant, build_or_load, compile_for_tvm_ffi, import_dsl, ptxas_report
+from q8kv8.kv_layout import LAYOUTS
 from q8kv8.metadata import (
     D_V,
     HEAD_ALIGNMENT,
@@ -55,51 +55,151 @@ FP8 = torch.float8_e4m3fn
 BF16_Q = torch.bfloat16
 KERNEL_Q_DTYPES = {FP8: "e4m3", BF16_Q: "bf16"}
 """The FP8 kernel's ``q_dtype`` option for each dtype of q (``q8kv8.metadata.Q_DTYPES``)."""
+CACHE_LAYOUTS = {name: layout.d_qk for name, layout in LAYOUTS.items()}
+"""The paged cache layouts the kernel reads (``q8kv8.kv_layout``), with their d_qk."""
+SCHEDULE_SUFFIXES = {ONE_TILE: "", PERSISTENT: "_persistent", SPLIT: "_split"}
 
 cache_stats = CacheStats()
-_variants: dict[tuple[int, str], Variant] = {}
-_persistent_variants: dict[tuple[int, str], Variant] = {}
-_bf16_q_variants: dict[tuple[int, str, bool], Variant] = {}  # by (d_qk, precision, persistent)
-_split_variants: dict[tuple[int, str, torch.dtype], Variant] = {}  # by (d_qk, precision, q dtype)
-# by (d_qk, precision, heads, q dtype)
-_small_head_variants: dict[tuple[int, str, int, torch.dtype], Variant] = {}
 
 
-def variant_name(
-    d_qk: int,
-    precision: str = "default",
-    persistent: bool = False,
-    q_dtype: torch.dtype = FP8,
-    split: bool = False,
-    heads: int = HEAD_ALIGNMENT,
-) -> str:
-    suffix = "" if precision == "default" else f"_{precision}"
-    q_suffix = "_bf16q" if q_dtype == BF16_Q else ""
-    schedule_suffix = "_persistent" if persistent else "_split" if split else ""
-    heads_suffix = "" if heads == HEAD_ALIGNMENT else f"_h{heads}"
-    return f"sparse_prefill_sm90_d{d_qk}{heads_suffix}{q_suffix}{suffix}{schedule_suffix}"
+class VariantKey(NamedTuple):
+    """One variant of the FP8 attention kernel (``cute_kernels/sm90/sparse_prefill.py``)."""
+
+    d_qk: int
+    precision: str = "default"
+    schedule: int = ONE_TILE  # ``q8kv8.schedule``'s kind: ONE_TILE, PERSISTENT or SPLIT
+    q_dtype: torch.dtype = FP8
+    heads: int = HEAD_ALIGNMENT  # 64 heads a tile, or one of SMALL_HEAD_COUNTS (persistent)
+    cache: str | None = None  # a paged cache layout of CACHE_LAYOUTS (64 heads), else None: kv rows in e4m3
+
+    @property
+    def name(self) -> str:
+        """The variant's name (its cache entry's): ``sparse_prefill_sm90_d{d_qk}`` and what sets it apart."""
+        heads = "" if self.heads == HEAD_ALIGNMENT else f"_h{self.heads}"
+        cache = "" if self.cache is None else f"_paged_{self.cache}"
+        q = "_bf16q" if self.q_dtype == BF16_Q else ""
+        precision = "" if self.precision == "default" else f"_{self.precision}"
+        return (
+            f"sparse_prefill_sm90_d{self.d_qk}{heads}{cache}{q}{precision}{SCHEDULE_SUFFIXES[self.schedule]}"
+        )
+
+    def check(self) -> None:
+        """Raise ValueError unless the kernel has this variant."""
+        small = self.heads != HEAD_ALIGNMENT
+        if (
+            self.d_qk not in D_QK_VARIANTS
+            or self.precision not in PRECISIONS
+            or self.schedule not in SCHEDULE_SUFFIXES
+            or self.q_dtype not in KERNEL_Q_DTYPES
+            or (small and (self.heads not in SMALL_HEAD_COUNTS or self.schedule != PERSISTENT))
+            or (self.schedule == PERSISTENT and self.precision not in PERSISTENT_PRECISIONS)
+            or (self.cache is not None and (CACHE_LAYOUTS.get(self.cache) != self.d_qk or small))
+        ):
+            raise ValueError(f"no attention kernel variant {self}")
+
+    def kernel(self):
+        """The kernel's configuration object."""
+        import_dsl()
+        from cute_kernels.sm90.sparse_prefill import SparsePrefillSm90
+
+        return SparsePrefillSm90(
+            self.d_qk,
+            precision=self.precision,
+            persistent=self.schedule == PERSISTENT,
+            q_dtype=KERNEL_Q_DTYPES[self.q_dtype],
+            split=self.schedule == SPLIT,
+            heads=self.heads,
+            cache=self.cache,
+        )
 
 
-def _kernel(d_qk: int, q_dtype: torch.dtype = FP8, **options):
-    """The kernel's configuration object for a q of ``q_dtype`` (``options``: ``SparsePrefillSm90``'s
-    ``precision``, ``persistent``, ``split``, ``heads``)."""
-    import_dsl()
-    from cute_kernels.sm90.sparse_prefill import SparsePrefillSm90
+def _keys(**fixed) -> list[VariantKey]:
+    """Every variant key whose fields equal ``fixed``'s, in a fixed order."""
+    keys = []
+    for d_qk in D_QK_VARIANTS:
+        for precision in PRECISIONS:
+            for q_dtype in KERNEL_Q_DTYPES:
+                for heads in (HEAD_ALIGNMENT, *SMALL_HEAD_COUNTS):
+                    for kind in SCHEDULE_SUFFIXES:
+                        for cache in (None, *CACHE_LAYOUTS):
+                            key = VariantKey(d_qk, precision, kind, q_dtype, heads, cache)
+                            try:
+                                key.check()
+                            except ValueError:
+                                continue
+                            if all(getattr(key, field) == value for field, value in fixed.items()):
+                                keys.append(key)
+    return keys
 
-    return SparsePrefillSm90(d_qk, q_dtype=KERNEL_Q_DTYPES[q_dtype], **options)
+
+IMPORT_KEYS = [key for key in _keys(q_dtype=FP8, heads=HEAD_ALIGNMENT, cache=None) if key.schedule != SPLIT]
+"""The variants built (or loaded) when ``q8kv8`` is imported: one-tile and persistent, for an e4m3 q."""
+LISTED_KEYS = IMPORT_KEYS + [key for key in _keys() if key not in IMPORT_KEYS]
+"""Every variant, as the listings show them: those of the import first."""
+_variants: dict[VariantKey, Variant] = {}
 
 
-def _compile(d_qk: int, dump_dir: Path, q_dtype: torch.dtype = FP8, **kernel_options):
+def load(key: VariantKey) -> Variant:
+    """The variant of ``key``, built or loaded from the disk cache on its first use (idempotent; the build is
+    serialised by ``q8kv8.build``'s locks)."""
+    variant = _variants.get(key)
+    if variant is None:
+        key.check()
+        variant = _variants[key] = build_or_load(
+            key.name,
+            key.d_qk,
+            lambda dump_dir: _compile(key, dump_dir),
+            EXPORTED_FUNCTION,
+            cache_stats,
+            key.precision,
+        )
+    return variant
+
+
+def load_variants(keys=IMPORT_KEYS) -> list[Variant]:
+    """Build or load the variants of ``keys`` (by default those of the import)."""
+    return [load(key) for key in keys]
+
+
+def listed_variants() -> list[Variant]:
+    """Every attention variant, as the listings show them (``python -m q8kv8.compile``, ``q8kv8.info()``,
+    ``make bench``), built or loaded."""
+    return load_variants(LISTED_KEYS)
+
+
+def variant_loaders() -> list[functools.partial]:
+    """One zero-argument loader per variant that ``listed_variants`` lists (each builds or loads it and
+    returns it), picklable, so that several processes can build them (``python -m q8kv8.compile --jobs``)."""
+    return [functools.partial(load, key) for key in LISTED_KEYS]
+
+
+def key_of(variant: Variant) -> VariantKey:
+    """The key of a listed attention variant."""
+    return _KEYS_BY_NAME[variant.name]
+
+
+_KEYS_BY_NAME = {key.name: key for key in LISTED_KEYS}
+
+
+def _compile(key: VariantKey, dump_dir: Path):
     """Trace and compile one variant with fake tensors (dynamic extents); returns the JIT object.
 
     ``dump_dir`` receives the DSL's own copy of the PTX (``--keep-ptx`` writes one)."""
     cutlass, cute = import_dsl()
-    from cutlass import BFloat16, Float8E4M3FN, Int32
+    from cutlass import BFloat16, Float8E4M3FN, Int32, Uint8
 
-    q_type = BFloat16 if q_dtype == BF16_Q else Float8E4M3FN
-    args = _fake_attention_args(cute, Float8E4M3FN, d_qk, with_scales=True, q_type=q_type)
+    q_type = BFloat16 if key.q_dtype == BF16_Q else Float8E4M3FN
+    args = _fake_attention_args(cute, Float8E4M3FN, key.d_qk, with_scales=True, q_type=q_type)
+    if key.cache is not None:  # kv: the cache, [num_pages, page_size, bytes per token], page stride dynamic
+        kv = cute.runtime.make_fake_tensor(
+            Uint8,
+            (cute.sym_int(), cute.sym_int(), LAYOUTS[key.cache].bytes_per_token),
+            stride=(cute.sym_int64(divisibility=16), cute.sym_int64(), 1),
+            assumed_align=16,
+        )
+        args = (args[0], kv, *args[2:])
     args = (*args[:-1], Int32(1), args[-1])  # schedule_count (tiles per CTA, or parts), before the stream
-    return compile_for_tvm_ffi(_kernel(d_qk, q_dtype=q_dtype, **kernel_options), args, dump_dir)
+    return compile_for_tvm_ffi(key.kernel(), args, dump_dir)
 
 
 def _fake_attention_args(cute, element_type, d_qk: int, with_scales: bool, q_type=None) -> tuple:
@@ -138,189 +238,31 @@ def _fake_attention_args(cute, element_type, d_qk: int, with_scales: bool, q_typ
     )
 
 
-def _build_or_load(d_qk: int, precision: str, q_dtype: torch.dtype = FP8, **options) -> Variant:
-    """The attention variant with ``d_qk``, ``precision``, a q of ``q_dtype`` and the kernel ``options``
-    (``persistent``, ``split``, ``heads``), built or loaded."""
-    return build_or_load(
-        variant_name(d_qk, precision, q_dtype=q_dtype, **options),
-        d_qk,
-        lambda dump_dir: _compile(d_qk, dump_dir, q_dtype=q_dtype, precision=precision, **options),
-        EXPORTED_FUNCTION,
-        cache_stats,
-        precision,
-    )
-
-
-def load_variants() -> dict[tuple[int, str], Variant]:
-    """Compile or load every variant, the persistent ones included (idempotent); returns the one-tile
-    variants keyed by (d_qk, precision) (``load_persistent_variants`` has the others)."""
-    for d_qk in D_QK_VARIANTS:
-        for precision in PRECISIONS:
-            if (d_qk, precision) not in _variants:
-                _variants[d_qk, precision] = _build_or_load(d_qk, precision)
-    load_persistent_variants()
-    return dict(_variants)
-
-
-def load_persistent_variants() -> dict[tuple[int, str], Variant]:
-    """The persistent variants (``PERSISTENT_PRECISIONS`` only), built or loaded; keyed by
-    (d_qk, precision)."""
-    for d_qk in D_QK_VARIANTS:
-        for precision in PERSISTENT_PRECISIONS:
-            if (d_qk, precision) not in _persistent_variants:
-                _persistent_variants[d_qk, precision] = _build_or_load(d_qk, precision, persistent=True)
-    return dict(_persistent_variants)
-
-
-def all_variants() -> list[Variant]:
-    """Every attention variant for an e4m3 q, one-tile and persistent (those built at import)."""
-    load_variants()
-    return [*_variants.values(), *_persistent_variants.values()]
-
-
-def load_bf16_q_variant(d_qk: int, precision: str = "default", persistent: bool = False) -> Variant:
-    """Build or load the attention variant for a bfloat16 q (quantised per row in the kernel) with
-    ``d_qk``, ``precision`` and the schedule (idempotent)."""
-    key = (d_qk, precision, bool(persistent))
-    if key not in _bf16_q_variants:
-        if d_qk not in D_QK_VARIANTS or precision not in PRECISIONS:
-            raise ValueError(
-                f"expected d_qk in {D_QK_VARIANTS} and precision in {PRECISIONS}, got {d_qk}, {precision!r}"
-            )
-        if persistent and precision not in PERSISTENT_PRECISIONS:
-            raise ValueError(f"precision: no persistent variant for {precision!r}")
-        _bf16_q_variants[key] = _build_or_load(d_qk, precision, BF16_Q, persistent=persistent)
-    return _bf16_q_variants[key]
-
-
-def load_bf16_q_variants() -> dict[tuple[int, str, bool], Variant]:
-    """Build or load every attention variant for a bfloat16 q, one-tile and persistent; keyed by
-    (d_qk, precision, persistent)."""
-    for d_qk in D_QK_VARIANTS:
-        for precision in PRECISIONS:
-            load_bf16_q_variant(d_qk, precision)
-        for precision in PERSISTENT_PRECISIONS:
-            load_bf16_q_variant(d_qk, precision, persistent=True)
-    return dict(_bf16_q_variants)
-
-
-def load_small_head_variant(
-    d_qk: int, precision: str = "default", heads: int = 16, q_dtype: torch.dtype = FP8
-) -> Variant:
-    """Build or load the small-head attention variant (a tile is all ``heads`` heads of a token; persistent:
-    a CTA walks ``tiles_per_cta`` tiles, one or more) for ``d_qk``, ``precision`` and a q of ``q_dtype``
-    (idempotent)."""
-    key = (d_qk, precision, heads, q_dtype)
-    if key not in _small_head_variants:
-        if (
-            d_qk not in D_QK_VARIANTS
-            or precision not in PRECISIONS
-            or heads not in SMALL_HEAD_COUNTS
-            or q_dtype not in KERNEL_Q_DTYPES
-        ):
-            raise ValueError(
-                f"expected d_qk in {D_QK_VARIANTS}, precision in {PRECISIONS}, heads in {SMALL_HEAD_COUNTS} "
-                f"and q dtype in {list(KERNEL_Q_DTYPES)}, got {d_qk}, {precision!r}, {heads}, {q_dtype}"
-            )
-        _small_head_variants[key] = _build_or_load(d_qk, precision, q_dtype, heads=heads, persistent=True)
-    return _small_head_variants[key]
-
-
-def load_small_head_variants() -> dict[tuple[int, str, int, torch.dtype], Variant]:
-    """Build or load every small-head variant; keyed by (d_qk, precision, heads, q dtype)."""
-    for q_dtype in KERNEL_Q_DTYPES:
-        for d_qk in D_QK_VARIANTS:
-            for precision in PRECISIONS:
-                for heads in SMALL_HEAD_COUNTS:
-                    load_small_head_variant(d_qk, precision, heads, q_dtype)
-    return dict(_small_head_variants)
-
-
-def load_split_variant(d_qk: int, precision: str = "default", q_dtype: torch.dtype = FP8) -> Variant:
-    """Build or load the split attention variant (a tile's ranges of index slots computed by the CTAs of a
-    cluster, which merge their results) for ``d_qk``, ``precision`` and a q of ``q_dtype`` (idempotent)."""
-    key = (d_qk, precision, q_dtype)
-    if key not in _split_variants:
-        if d_qk not in D_QK_VARIANTS or precision not in PRECISIONS or q_dtype not in KERNEL_Q_DTYPES:
-            raise ValueError(
-                f"expected d_qk in {D_QK_VARIANTS}, precision in {PRECISIONS} and q dtype in "
-                f"{list(KERNEL_Q_DTYPES)}, got {d_qk}, {precision!r}, {q_dtype}"
-            )
-        _split_variants[key] = _build_or_load(d_qk, precision, q_dtype, split=True)
-    return _split_variants[key]
-
-
-def load_split_variants() -> dict[tuple[int, str, torch.dtype], Variant]:
-    """Build or load every split attention variant; keyed by (d_qk, precision, q dtype)."""
-    for d_qk in D_QK_VARIANTS:
-        for precision in PRECISIONS:
-            for q_dtype in KERNEL_Q_DTYPES:
-                load_split_variant(d_qk, precision, q_dtype)
-    return dict(_split_variants)
-
-
-def listed_variants() -> list[Variant]:
-    """Every attention variant, as the listings show them (``python -m q8kv8.compile``, ``q8kv8.info()``,
-    ``make bench``): ``all_variants()``, then the bfloat16-q variants, the split variants and the small-head
-    variants (built or loaded)."""
-    return [
-        *all_variants(),
-        *load_bf16_q_variants().values(),
-        *load_split_variants().values(),
-        *load_small_head_variants().values(),
-    ]
-
-
-def variant_loaders() -> list[functools.partial]:
-    """One zero-argument loader per variant that ``listed_variants`` lists (each builds or loads it and
-    returns it), picklable, so that several processes can build them (``python -m q8kv8.compile --jobs``)."""
-    partial = functools.partial
-    loaders = []
-    for d_qk in D_QK_VARIANTS:
-        loaders += [partial(_build_or_load, d_qk, p) for p in PRECISIONS]
-        loaders += [partial(_build_or_load, d_qk, p, persistent=True) for p in PERSISTENT_PRECISIONS]
-        loaders += [partial(load_bf16_q_variant, d_qk, p) for p in PRECISIONS]
-        loaders += [partial(load_bf16_q_variant, d_qk, p, True) for p in PERSISTENT_PRECISIONS]
-        for precision in PRECISIONS:
-            for q_dtype in KERNEL_Q_DTYPES:
-                loaders.append(partial(load_split_variant, d_qk, precision, q_dtype))
-                for heads in SMALL_HEAD_COUNTS:
-                    loaders.append(partial(load_small_head_variant, d_qk, precision, heads, q_dtype))
-    return loaders
-
-
-def q_dtype_of(variant: Variant) -> torch.dtype:
-    """The dtype of q that an attention variant takes."""
-    if any(variant is v for v in _bf16_q_variants.values()):
-        return BF16_Q
-    keyed = [(key[2], v) for key, v in _split_variants.items()]
-    keyed += [(key[3], v) for key, v in _small_head_variants.items()]
-    return next((q_dtype for q_dtype, v in keyed if v is variant), FP8)
-
-
 def describe(variant: Variant) -> dict:
     """One attention variant as the listings show it (``python -m q8kv8.compile``, ``q8kv8.info()``,
-    ``make bench``): name, d_qk, precision, q's dtype, where it came from and in how many seconds, registers
-    and spill bytes from ``ptxas -v`` (None without ptxas), shared memory per CTA, object file."""
+    ``make bench``): name, d_qk, precision, q's dtype, the paged cache layout it reads (None: e4m3 rows),
+    where it came from and in how many seconds, registers and spill bytes from ``ptxas -v`` (None without
+    ptxas), shared memory per CTA, object file."""
     report = ptxas_report(variant)
-    q_dtype = q_dtype_of(variant)
+    key = key_of(variant)
     return {
         "name": variant.name,
         "d_qk": variant.d_qk,
         "precision": variant.precision,
-        "q_dtype": KERNEL_Q_DTYPES[q_dtype],
+        "q_dtype": KERNEL_Q_DTYPES[key.q_dtype],
+        "cache": key.cache,
         "source": variant.source,
         "seconds": variant.seconds,
         "registers": None if report is None else report.registers,
         "spill_bytes": None if report is None else report.spill_store_bytes + report.spill_load_bytes,
-        "shared_memory_bytes": shared_memory_bytes(variant.d_qk, variant.precision, q_dtype),
+        "shared_memory_bytes": shared_memory_bytes(key),
         "object": str(variant.object_path),
     }
 
 
-def shared_memory_bytes(d_qk: int, precision: str = "default", q_dtype: torch.dtype = FP8) -> int:
-    """Dynamic shared memory per CTA of the (d_qk, precision) variant for a q of ``q_dtype``."""
-    return _kernel(d_qk, q_dtype, precision=precision).shared_memory_bytes()
+def shared_memory_bytes(key: VariantKey) -> int:
+    """Dynamic shared memory per CTA of the variant of ``key``."""
+    return key.kernel().shared_memory_bytes()
 
 
 def placeholders(int_source: torch.Tensor, float_source: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -365,21 +307,25 @@ def launch_sparse_prefill(
     ready: bool = False,
     splits: int = 1,
     split_from: int = 0,
+    cache: str | None = None,
 ) -> tuple[tuple[int, Variant], ...]:
     """Launch the kernel on validated tensors: q (e4m3 or bfloat16), out, max_logits, lse row-major with a
-    head count (one of ``SMALL_HEAD_COUNTS``: the small-head variant, a persistent kernel; any other: tiles of
-    64 heads, a token's last one partly filled); kv and indices with a contiguous last dimension; one-element
-    scales, ``q_scale`` None for a bfloat16 q (the variant for a bfloat16 q is then built on its first
-    launch). ``schedule``: ``tiles_per_cta``'s (small heads: ``small_head_tiles_per_cta``'s) answer when the
-    caller has it (the contract memoises it), else computed here. ``ready``: the caller knows that q, kv and
-    out meet the alignments of ``q8kv8.metadata`` (``contract.Problem.launch_ready``), so they are not checked
-    again (else misaligned tensors are copied to aligned ones). ``splits`` > 1 and ``split_from``
-    (``q8kv8.schedule.split_tokens``'s answer; only with the one-tile schedule): the split variant computes
-    each tile of the tokens from ``split_from`` on with a cluster of ``splits`` CTAs, one per range of index
-    slots, which merge their results; the tokens before it, if any, run one tile per CTA in a launch before.
-    Returns the launches' ``(schedule kind, variant)``, in order."""
+    head count (one of ``SMALL_HEAD_COUNTS`` without ``cache``: the small-head variant, a persistent kernel;
+    any other: tiles of 64 heads, a token's last one partly filled); kv and indices with a contiguous last
+    dimension; one-element scales, ``q_scale`` None for a bfloat16 q. ``cache``: kv is a paged cache of that
+    layout (``CACHE_LAYOUTS``) as [num_pages, page_size, bytes per token] uint8 (16-byte aligned base and page
+    stride, page_size a power of two), indices its token slots, ``kv_scale`` a one-element 1.0 (its block
+    scales apply instead). ``schedule``: ``tiles_per_cta``'s (small heads: ``small_head_tiles_per_cta``'s)
+    answer when the caller has it (the contract memoises it), else computed here. ``ready``: the caller knows
+    that q, kv and out meet the alignments of ``q8kv8.metadata`` (``contract.Problem.launch_ready``), so they
+    are not checked again (else misaligned tensors are copied to aligned ones). ``splits`` > 1 and
+    ``split_from`` (``q8kv8.schedule.split_tokens``'s answer; only with the one-tile schedule): the split
+    variant computes each tile of the tokens from ``split_from`` on with a cluster of ``splits`` CTAs, one per
+    range of index slots, which merge their results; the tokens before it, if any, run one tile per CTA in a
+    launch before. Variants build on their first launch. Returns the launches' ``(schedule kind, variant)``,
+    in order."""
     tiles = schedule
-    small = small_heads(q.shape[1])
+    small = small_heads(q.shape[1]) and cache is None
     if small:
         splits = 1
     if tiles is None and small:
@@ -392,26 +338,25 @@ def launch_sparse_prefill(
             precision,
             q.get_device(),
         )
-    key = (q.shape[2], precision)
-    if small:
-        small_key = (*key, q.shape[1], q.dtype)
-        launches = [(PERSISTENT, _small_head_variants.get(small_key) or load_small_head_variant(*small_key))]
-    elif tiles:
-        launches = [(PERSISTENT, _one_tile_or_persistent_variant(key, q.dtype, True))]
+    key = VariantKey(q.shape[2], precision, ONE_TILE, q.dtype, q.shape[1] if small else HEAD_ALIGNMENT, cache)
+    if small or tiles:
+        kinds = [PERSISTENT]
     else:
-        launches = []
-        if splits == 1 or split_from > 0:
-            launches.append((ONE_TILE, _one_tile_or_persistent_variant(key, q.dtype, False)))
+        kinds = [ONE_TILE] if splits == 1 or split_from > 0 else []
         if splits > 1:
-            launches.append(
-                (SPLIT, _split_variants.get((*key, q.dtype)) or load_split_variant(*key, q.dtype))
-            )
+            kinds.append(SPLIT)
+    launches = [
+        (kind, _variants.get(key._replace(schedule=kind)) or load(key._replace(schedule=kind)))
+        for kind in kinds
+    ]
     kernel_out = out
     if not ready:
         if q.data_ptr() % Q_ALIGNMENT_BYTES:  # the Q tile is loaded by TMA
             q = q.clone()
-        # kv rows are gathered with 16-byte copies
-        if kv.data_ptr() % KV_ROW_ALIGNMENT_BYTES or kv.stride()[0] % KV_ROW_ALIGNMENT_BYTES:
+        # kv rows are gathered with 16-byte copies (a cache's alignment is the contract's)
+        if cache is None and (
+            kv.data_ptr() % KV_ROW_ALIGNMENT_BYTES or kv.stride()[0] % KV_ROW_ALIGNMENT_BYTES
+        ):
             kv = kv.clone(memory_format=torch.contiguous_format)
         if out.data_ptr() % OUT_ALIGNMENT_BYTES:
             kernel_out = torch.empty_like(out)
@@ -451,16 +396,6 @@ def launch_sparse_prefill(
 def _rows(tensor: torch.Tensor, tokens: slice | None) -> torch.Tensor:
     """``tensor``'s rows of ``tokens`` (a view), or ``tensor`` itself for None."""
     return tensor if tokens is None else tensor[tokens]
-
-
-def _one_tile_or_persistent_variant(key: tuple[int, str], q_dtype: torch.dtype, persistent: bool) -> Variant:
-    """The one-tile or persistent attention variant of ``key`` (d_qk, precision) for a q of ``q_dtype``."""
-    if q_dtype == BF16_Q:
-        bf16_q_key = (*key, persistent)
-        return _bf16_q_variants.get(bf16_q_key) or load_bf16_q_variant(*bf16_q_key)
-    if persistent:
-        return _persistent_variants.get(key) or load_persistent_variants()[key]
-    return _variants.get(key) or load_variants()[key]
 
 
 # ------------------------------------------------------------------------------------------------
@@ -595,19 +530,71 @@ def launch_cast_q_fp8(q, q_scale, out) -> None:
     _call_on_device_of(out, variant.function, q, q_scale, out)
 
 
+# Slot indices (cute_kernels/sm90/paged_indices.py): a serving layer's top-k rows -> token slots. One
+# variant, built on first use and disk-cached like the gather.
+PAGED_INDICES_FUNCTION = "paged_indices"
+PAGED_INDICES_NAME = "paged_indices_sm90"
+_paged_indices_variants: dict[str, Variant] = {}
+
+
+def _compile_paged_indices(dump_dir: Path):
+    cutlass, cute = import_dsl()
+    from cutlass import Int32
+
+    from cute_kernels.sm90.paged_indices import PagedIndicesSm90
+
+    def words(rows):  # [rows, 1 or 2] int32: an int32 tensor, or an int64 one's (lo, hi) words
+        return cute.runtime.make_fake_tensor(
+            Int32, (rows, cute.sym_int()), stride=(cute.sym_int64(), 1), assumed_align=4
+        )
+
+    s_q = cute.sym_int()
+    args = (
+        cute.runtime.make_fake_tensor(  # indices [s_q, topk], any row stride
+            Int32, (s_q, cute.sym_int()), stride=(cute.sym_int64(), 1), assumed_align=4
+        ),
+        words(cute.sym_int()),  # page table
+        words(s_q),  # seqlens
+        cute.runtime.make_fake_compact_tensor(  # slots [s_q, 1, topk_pad]
+            Int32, (s_q, 1, cute.sym_int()), stride_order=(2, 1, 0), assumed_align=4
+        ),
+        cute.runtime.make_fake_compact_tensor(Int32, (s_q,), assumed_align=4),  # topk_length
+        Int32(0),  # compress ratio
+        cute.runtime.make_fake_stream(use_tvm_ffi_env_stream=True),
+    )
+    return compile_for_tvm_ffi(PagedIndicesSm90(), args, dump_dir)
+
+
+def load_paged_indices_variant() -> Variant:
+    """Build or load the slot-index kernel (idempotent)."""
+    if PAGED_INDICES_NAME not in _paged_indices_variants:
+        _paged_indices_variants[PAGED_INDICES_NAME] = build_or_load(
+            PAGED_INDICES_NAME, 0, _compile_paged_indices, PAGED_INDICES_FUNCTION, paged_kv_cache_stats
+        )
+    return _paged_indices_variants[PAGED_INDICES_NAME]
+
+
+def launch_paged_indices(indices, table_words, seqlen_words, slots, topk_length, compress_ratio: int) -> None:
+    """Launch the slot-index kernel on validated tensors: ``indices`` [s_q, topk] int32 (last dim
+    contiguous), ``table_words`` [num_rows, 1 or 2] and ``seqlen_words`` [s_q, 1 or 2] int32 (int32 tensors,
+    or int64 ones' words), ``slots`` [s_q, 1, topk_pad] and ``topk_length`` [s_q] int32 contiguous,
+    s_q > 0."""
+    variant = _paged_indices_variants.get(PAGED_INDICES_NAME) or load_paged_indices_variant()
+    _call_on_device_of(
+        slots, variant.function, indices, table_words, seqlen_words, slots, topk_length, compress_ratio
+    )
+
+
 def load_serving_variants() -> dict[str, Variant]:
-    """Build or load every kernel of the paged serving path (the four gathers, both query casts, the FP8
-    attention variants for a bfloat16 q, the small-head ones included, and both bf16 attention variants)."""
+    """Build or load every kernel of the paged serving path: the slot-index kernel, the four gathers, both
+    query casts, the FP8 attention variants for a bfloat16 q (the paged ones and the small-head ones
+    included) and both bf16 attention variants."""
     variants = {v.name: v for v in load_paged_kv_variants().values()}
+    variants[PAGED_INDICES_NAME] = load_paged_indices_variant()
     for d in (512, 576):
         variant = load_q_cast_variant(d)
         variants[variant.name] = variant
-    variants.update({v.name: v for v in load_bf16_q_variants().values()})
-    for d_qk in D_QK_VARIANTS:
-        for precision in PRECISIONS:
-            for heads in SMALL_HEAD_COUNTS:
-                variant = load_small_head_variant(d_qk, precision, heads, BF16_Q)
-                variants[variant.name] = variant
+    variants.update({v.name: v for v in load_variants(_keys(q_dtype=BF16_Q))})
     variants.update({v.name: v for v in load_bf16_variants().values()})
     return variants
 

@@ -20,10 +20,10 @@ shaped, typed and placed outputs without reading or checking anything; the real 
 
 import torch
 
-from q8kv8 import eager
+from q8kv8 import eager, paged
 from q8kv8.eager import output_buffers
 from q8kv8.metadata import D_V
-from q8kv8.prefill_call import PrefillCall
+from q8kv8.prefill_call import PagedCall, PrefillCall
 
 OP_NAMESPACE = "q8kv8"
 FUNCTIONAL_OP = "q8kv8::sparse_mla_q8kv8_prefill"
@@ -99,4 +99,74 @@ def call_traced(call: PrefillCall):
         call.q, call.q.shape[1], call.d_v, call.out, call.max_logits, call.lse
     )
     ops.sparse_mla_q8kv8_prefill_out.default(*inputs, call.precision, out, max_logits, lse)
+    return out, max_logits, lse
+
+
+PAGED_FUNCTIONAL_OP = "q8kv8::sparse_mla_q8kv8_paged"
+PAGED_OUT_OP = "q8kv8::sparse_mla_q8kv8_paged_out"
+PAGED_INPUT_FIELDS = 8
+"""Both paged ops' first parameters are PagedCall's first PAGED_INPUT_FIELDS fields (q ... topk_length)."""
+
+
+@torch.library.custom_op(PAGED_FUNCTIONAL_OP, mutates_args=())
+def sparse_mla_q8kv8_paged(
+    q: torch.Tensor,
+    cache: torch.Tensor,
+    indices: torch.Tensor,
+    sm_scale: float,
+    q_scale: torch.Tensor | None = None,
+    d_v: int = D_V,
+    attn_sink: torch.Tensor | None = None,
+    topk_length: torch.Tensor | None = None,
+    precision: str = "default",
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``sparse_mla_q8kv8_paged_fwd`` without buffers: returns new ``(out, max_logits, lse)``."""
+    return paged.run(
+        PagedCall(q, cache, indices, sm_scale, q_scale, d_v, attn_sink, topk_length, precision=precision)
+    )
+
+
+@sparse_mla_q8kv8_paged.register_fake
+def _(q, *_args, **_kwargs):
+    return output_buffers(q, q.shape[1], D_V)
+
+
+@torch.library.custom_op(PAGED_OUT_OP, mutates_args=("out", "max_logits", "lse"))
+def sparse_mla_q8kv8_paged_out(
+    q: torch.Tensor,
+    cache: torch.Tensor,
+    indices: torch.Tensor,
+    sm_scale: float,
+    q_scale: torch.Tensor | None,
+    d_v: int,
+    attn_sink: torch.Tensor | None,
+    topk_length: torch.Tensor | None,
+    precision: str,
+    out: torch.Tensor,
+    max_logits: torch.Tensor,
+    lse: torch.Tensor,
+) -> None:
+    """``sparse_mla_q8kv8_paged_fwd`` into the given ``out``, ``max_logits`` and ``lse``."""
+    paged.run(
+        PagedCall(
+            q, cache, indices, sm_scale, q_scale, d_v, attn_sink, topk_length, out, max_logits, lse, precision
+        )
+    )
+
+
+@sparse_mla_q8kv8_paged_out.register_fake
+def _(*_args, **_kwargs):
+    return None
+
+
+def call_paged_traced(call: PagedCall):
+    """What ``sparse_mla_q8kv8_paged_fwd`` does when torch.compile traces it: one op call."""
+    ops = torch.ops.q8kv8
+    inputs = call[:PAGED_INPUT_FIELDS]
+    if call.out is None and call.max_logits is None and call.lse is None:
+        return ops.sparse_mla_q8kv8_paged.default(*inputs, call.precision)
+    out, max_logits, lse = output_buffers(
+        call.q, call.q.shape[1], call.d_v, call.out, call.max_logits, call.lse
+    )
+    ops.sparse_mla_q8kv8_paged_out.default(*inputs, call.precision, out, max_logits, lse)
     return out, max_logits, lse

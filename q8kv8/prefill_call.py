@@ -1,4 +1,5 @@
-"""``PrefillCall``: the arguments of one ``sparse_mla_q8kv8_prefill_fwd`` call, as one named structure.
+"""``PrefillCall`` and ``PagedCall``: the arguments of one ``sparse_mla_q8kv8_prefill_fwd`` or
+``sparse_mla_q8kv8_paged_fwd`` call, as one named structure.
 
 The public function and the custom ops build it from their parameters; everything behind them (the eager
 path, the contract, the C++ extension, which reads the fields by the names ``q8kv8.native`` hands it) takes
@@ -21,6 +22,23 @@ class PrefillCall(NamedTuple):
     sm_scale: float
     q_scale: torch.Tensor | None  # None for a bfloat16 q
     kv_scale: torch.Tensor
+    d_v: int = D_V
+    attn_sink: torch.Tensor | None = None
+    topk_length: torch.Tensor | None = None
+    out: torch.Tensor | None = None
+    max_logits: torch.Tensor | None = None
+    lse: torch.Tensor | None = None
+    precision: str = "default"
+
+
+class PagedCall(NamedTuple):
+    """One ``sparse_mla_q8kv8_paged_fwd`` call's arguments, as the caller gave them (unchecked)."""
+
+    q: torch.Tensor
+    cache: torch.Tensor
+    indices: torch.Tensor
+    sm_scale: float
+    q_scale: torch.Tensor | None = None  # None for a bfloat16 q
     d_v: int = D_V
     attn_sink: torch.Tensor | None = None
     topk_length: torch.Tensor | None = None

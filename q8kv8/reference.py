@@ -1,6 +1,7 @@
 """References in plain PyTorch (CPU and GPU), for tests: the float64 sparse MLA prefill, the kernel's
-quantisation of a bfloat16 q (``quantize_q_rows``), the bit-exact paged gather, and the serving path's kernels
-as PyTorch stand-ins (``reference_kernels``).
+quantisation of a bfloat16 q (``quantize_q_rows``), the bit-exact paged gather, the float64 attention straight
+from a paged cache (``sparse_mla_paged_reference``), and the serving path's kernels as PyTorch stand-ins
+(``reference_kernels``).
 
 The attention reference follows the semantics of ``sparse_mla_q8kv8_prefill_fwd`` (see the README) without
 its layout limits: any head count, any ``topk >= 1``, any ``d_qk``, any integer index dtype.
@@ -11,7 +12,7 @@ import math
 import torch
 
 from q8kv8.arguments import require_int
-from q8kv8.kv_layout import get_layout
+from q8kv8.kv_layout import LAYOUT_BY_BYTES_PER_TOKEN, get_layout
 from q8kv8.metadata import D_V, E4M3_MAX
 from q8kv8.paged_gather import out_dtype_of, paged_cache_pages, slot_words
 from q8kv8.serving import PrefillKernels
@@ -170,7 +171,57 @@ def gather_dequant_paged_reference(
     return out
 
 
-def _reference_attention_fp8(q, kv, indices, sm_scale, q_scale, kv_scale, attn_sink, topk_length):
+def dequantize_paged_cache(cache: torch.Tensor) -> torch.Tensor:
+    """Every token slot of a paged cache (``[num_pages, page_size, 1, bytes_per_token]``, V3.2 or V4), exactly
+    dequantised: ``[num_pages * page_size, 1, d_qk]`` float64, each nope value times its block scale, then the
+    RoPE's bf16 values."""
+    layout = LAYOUT_BY_BYTES_PER_TOKEN[cache.shape[3]]
+    page_size = cache.shape[1]
+    pages = paged_cache_pages(cache, page_size, layout)
+    num_slots = pages.shape[0] * page_size
+    slots = torch.arange(num_slots, device=pages.device)
+    page, pos = (slots // page_size)[:, None], (slots % page_size)[:, None]
+
+    def take(offsets: torch.Tensor, count: int) -> torch.Tensor:  # [num_slots, count] uint8
+        return pages[page, offsets + torch.arange(count, device=pages.device)]
+
+    data = take(pos * layout.token_bytes, layout.token_bytes)
+    nope = data[:, : layout.d_nope].contiguous().view(torch.float8_e4m3fn).double()
+    rope = data[:, layout.rope_offset : layout.rope_offset + 2 * layout.d_rope].contiguous()
+    if layout.scale_offset is not None:
+        scale_bytes = data[:, layout.scale_offset : layout.scale_offset + 4 * layout.num_scales].contiguous()
+        scales = scale_bytes.view(torch.float32).double()
+    else:
+        record = layout.scale_region_offset(page_size) + pos * (layout.bytes_per_token - layout.token_bytes)
+        scales = take(record, layout.num_scales).view(torch.float8_e8m0fnu).double()
+    dequant = (nope.view(num_slots, layout.num_scales, layout.scale_group) * scales[:, :, None]).flatten(1)
+    rows = torch.cat([dequant, rope.view(torch.bfloat16).double()], dim=1)
+    return rows[:, None, :]
+
+
+def sparse_mla_paged_reference(
+    q: torch.Tensor,
+    cache: torch.Tensor,
+    indices: torch.Tensor,
+    sm_scale: float,
+    q_scale: torch.Tensor | float | None,
+    d_v: int = D_V,
+    attn_sink: torch.Tensor | None = None,
+    topk_length: torch.Tensor | None = None,
+    *,
+    chunk_rows: int = 256,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The float64 reference of ``sparse_mla_q8kv8_paged_fwd``: ``sparse_mla_prefill_reference`` on the
+    exactly dequantised cache (``dequantize_paged_cache``), its indices token slots."""
+    kv = dequantize_paged_cache(cache).to(q.device)
+    return sparse_mla_prefill_reference(
+        q, kv, indices, sm_scale, q_scale, 1.0, d_v, attn_sink, topk_length, chunk_rows=chunk_rows
+    )
+
+
+def _reference_attention_fp8(
+    q, kv, indices, sm_scale, q_scale, kv_scale, attn_sink, topk_length, precision=None
+):
     out, max_logits, lse = sparse_mla_prefill_reference(
         q, kv, indices, sm_scale, q_scale, kv_scale, D_V, attn_sink, topk_length
     )
@@ -181,9 +232,37 @@ def _reference_attention_bf16(q, kv, indices, sm_scale, attn_sink, topk_length):
     return _reference_attention_fp8(q, kv, indices, sm_scale, 1.0, 1.0, attn_sink, topk_length)
 
 
+def slot_indices_reference(indices, page_table, seqlens, compress_ratio: int, topk_pad: int):
+    """The slot-index kernel in PyTorch: ``(slots [s_q, 1, topk_pad] int32, topk_length [s_q] int32)``;
+    ``slots[i, 0, j] = page_table[indices[i, j]]`` where that entry exists (and, for an int64 table, is below
+    2^31), else -1; ``topk_length`` is ``topk_length_for(seqlens, compress_ratio, topk)``."""
+    s_q, topk = indices.shape
+    rows = page_table.shape[0]
+    index = indices.long()
+    valid = (index >= 0) & (index < rows)
+    slots = page_table.long()[index.clamp(0, max(rows - 1, 0))] if rows else index
+    valid &= (slots >= 0) & (slots < 2**31)
+    out = torch.full((s_q, 1, topk_pad), -1, dtype=torch.int32, device=indices.device)
+    out[:, 0, :topk] = torch.where(valid, slots, -1).to(torch.int32)
+    seen = (
+        seqlens.long()
+        if compress_ratio == 0
+        else torch.div(seqlens.long(), compress_ratio, rounding_mode="floor")
+    )
+    return out, seen.clamp(0, topk).to(torch.int32)
+
+
+def _reference_attention_paged(q, cache, slots, sm_scale, attn_sink, topk_length, precision=None):
+    out, max_logits, lse = sparse_mla_paged_reference(
+        q, cache, slots, sm_scale, None, D_V, attn_sink, topk_length
+    )
+    return out.to(torch.bfloat16), max_logits.float(), lse.float()
+
+
 def reference_kernels() -> PrefillKernels:
-    """PyTorch stand-ins for the GPU kernels (CPU or GPU): the bit-exact gather reference and the
-    float64 attention reference (outputs cast to the kernels' dtypes)."""
+    """PyTorch stand-ins for the GPU kernels (CPU or GPU): the slot-index mapping, the float64 paged attention
+    (on the exactly dequantised cache), the bit-exact gather reference and the float64 attention reference
+    (outputs cast to the kernels' dtypes)."""
 
     def gather(cache, slot_ids, page_size, layout, out_dtype, extra_rows, out):
         result = gather_dequant_paged_reference(cache, slot_ids, page_size, layout, out_dtype, extra_rows)
@@ -192,4 +271,10 @@ def reference_kernels() -> PrefillKernels:
         out.copy_(result)
         return out
 
-    return PrefillKernels(gather, _reference_attention_fp8, _reference_attention_bf16)
+    return PrefillKernels(
+        slot_indices_reference,
+        _reference_attention_paged,
+        gather,
+        _reference_attention_fp8,
+        _reference_attention_bf16,
+    )

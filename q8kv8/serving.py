@@ -1,15 +1,16 @@
 """The paged serving path: a paged FP8 KV cache in, one sparse-prefill layer call out.
 
-``SparsePrefill.forward`` = ``q8kv8.paged_gather`` (the rows a batch attends, from the paged cache into a
-reusable ``q8kv8.workspace.SparsePrefillWorkspace``) + ``sparse_mla_q8kv8_prefill_fwd`` on the bfloat16 Q
-(which the kernel quantises to e4m3 itself, one power-of-two scale per (token, head) row; any head count as
-it is, copied into a reusable buffer only when it is not contiguous).
-The cache layouts are described in ``q8kv8.kv_layout``.
+``SparsePrefill.forward`` with the FP8 backend attends straight from the cache: one launch maps the batch's
+top-k rows to the cache's token slots through ``page_table`` and counts each query's valid slots
+(``q8kv8.kernels.launch_paged_indices``), a second runs ``sparse_mla_q8kv8_paged_fwd`` on the bfloat16 Q
+(which the kernel quantises per row) with the cache's own block scales: no workspace, no prefix copy. The
+workspace path (``q8kv8.paged_gather`` into a reusable ``q8kv8.workspace.SparsePrefillWorkspace``, then
+``sparse_mla_q8kv8_prefill_fwd``) is the bf16 backend's, and the FP8 backend's where it is asked for
+(``path="workspace"``). The cache layouts are described in ``q8kv8.kv_layout``.
 
-Nothing here syncs with the GPU: arguments are checked on shapes, dtypes, strides and devices
-only, so a forward can be captured in a CUDA graph once the kernels are built (the gather kernels and the
-attention variants for a bfloat16 q build on first use, then come from the disk cache: call
-``q8kv8.kernels.load_serving_variants()`` or run one forward before capturing).
+Nothing here syncs with the GPU: arguments are checked on shapes, dtypes, strides and devices only, so a
+forward can be captured in a CUDA graph once the kernels are built (they build on first use, then come from
+the disk cache: call ``q8kv8.kernels.load_serving_variants()`` or run one forward before capturing).
 """
 
 from __future__ import annotations
@@ -23,38 +24,70 @@ from typing import NamedTuple
 import torch
 
 from q8kv8 import kernels
-from q8kv8.api import sparse_mla_q8kv8_prefill_fwd
+from q8kv8.api import sparse_mla_q8kv8_paged_fwd, sparse_mla_q8kv8_prefill_fwd
 from q8kv8.arguments import require_int
 from q8kv8.kv_layout import LAYOUT_BY_BYTES_PER_TOKEN, KvCacheLayout
-from q8kv8.metadata import D_V, pad_topk, topk_length_from_seqlens
-from q8kv8.paged_gather import gather_dequant_paged
-from q8kv8.workspace import SparsePrefillWorkspace, _ReusableBuffer
+from q8kv8.metadata import D_V, PRECISIONS, TOPK_ALIGNMENT, topk_length_from_seqlens
+from q8kv8.paged_gather import gather_dequant_paged, slot_words
+from q8kv8.workspace import SparsePrefillWorkspace, _ReusableBuffer, indexed_device
 
 BACKENDS = ("auto", "bf16", "fp8")
 BACKEND_ENV = "Q8KV8_PREFILL_BACKEND"
+PRECISION_ENV = "Q8KV8_PRECISION"
+PATHS = ("auto", "paged", "workspace")
 COMPRESS_RATIOS = (0, 4, 128)
+PAGED_ROWS_PER_TILE_SLOT = 0.4
+"""The "auto" path's rule: straight from the cache when the workspace would gather more rows than this many
+per (tile of 64 heads, top-k slot) of the batch. Measured on an H200: the gather takes about 0.5 ns a row,
+and the paged kernel about 0.2 ns a tile-slot more than the kernel on gathered rows, so decode steps (a few
+queries over long prefixes) run paged and prefill chunks gather (``docs/perf-notes.md``, "Paged cache")."""
 
 
 class PrefillKernels(NamedTuple):
     """The device kernels ``SparsePrefill`` calls (injectable: the tests run the pipeline on CPU with
     ``reference_kernels()``).
 
-    - ``gather(cache, slot_ids, page_size, layout, out_dtype, extra_rows, out) -> out``
-    - ``attention_fp8(q, kv, indices, sm_scale, q_scale, kv_scale, attn_sink, topk_length)``
-      -> ``(out, max_logits, lse)``: the ``sparse_mla_q8kv8_prefill_fwd`` contract; ``SparsePrefill``
-      passes a bfloat16 q with ``q_scale=None`` (quantised per row by the kernel).
-    - ``attention_bf16(q, kv, indices, sm_scale, attn_sink, topk_length) -> (out, max_logits, lse)``:
-      q [s_q, h, d_qk] and kv [s_kv, 1, d_qk] bfloat16, the same semantics without scales.
+    - ``slot_indices(indices, page_table, seqlens, compress_ratio, topk_pad) -> (slots, topk_length)``:
+      ``slots`` [s_q, 1, topk_pad] int32 token slots (``page_table[indices]`` for the entries in
+      ``[0, len(page_table))``, else -1), ``topk_length`` [s_q] int32 (``topk_length_for``);
+    - ``attention_paged(q, cache, slots, sm_scale, attn_sink, topk_length, precision) -> (out, max_logits,
+      lse)``: the ``sparse_mla_q8kv8_paged_fwd`` contract on a bfloat16 q;
+    - ``gather(cache, slot_ids, page_size, layout, out_dtype, extra_rows, out) -> out``;
+    - ``attention_fp8(q, kv, indices, sm_scale, q_scale, kv_scale, attn_sink, topk_length, precision)
+      -> (out, max_logits, lse)``: the ``sparse_mla_q8kv8_prefill_fwd`` contract; ``SparsePrefill`` passes a
+      bfloat16 q with ``q_scale=None`` (quantised per row by the kernel);
+    - ``attention_bf16(q, kv, indices, sm_scale, attn_sink, topk_length) -> (out, max_logits, lse)``: q
+      [s_q, h, d_qk] and kv [s_kv, 1, d_qk] bfloat16, the same semantics without scales.
     """
 
+    slot_indices: Callable
+    attention_paged: Callable
     gather: Callable
     attention_fp8: Callable
     attention_bf16: Callable
 
 
-def _cuda_attention_fp8(q, kv, indices, sm_scale, q_scale, kv_scale, attn_sink, topk_length):
+def _cuda_slot_indices(indices, page_table, seqlens, compress_ratio, topk_pad):
+    """The slot-index kernel (``q8kv8.kernels.launch_paged_indices``), into new outputs."""
+    s_q = indices.shape[0]
+    slots = torch.empty((s_q, 1, topk_pad), dtype=torch.int32, device=indices.device)
+    topk_length = torch.empty((s_q,), dtype=torch.int32, device=indices.device)
+    if s_q:
+        kernels.launch_paged_indices(
+            indices, slot_words(page_table), slot_words(seqlens), slots, topk_length, compress_ratio
+        )
+    return slots, topk_length
+
+
+def _cuda_attention_paged(q, cache, slots, sm_scale, attn_sink, topk_length, precision):
+    return sparse_mla_q8kv8_paged_fwd(
+        q, cache, slots, sm_scale, None, D_V, attn_sink, topk_length, precision=precision
+    )
+
+
+def _cuda_attention_fp8(q, kv, indices, sm_scale, q_scale, kv_scale, attn_sink, topk_length, precision):
     return sparse_mla_q8kv8_prefill_fwd(
-        q, kv, indices, sm_scale, q_scale, kv_scale, D_V, attn_sink, topk_length
+        q, kv, indices, sm_scale, q_scale, kv_scale, D_V, attn_sink, topk_length, precision=precision
     )
 
 
@@ -81,8 +114,15 @@ def _cuda_attention_bf16(q, kv, indices, sm_scale, attn_sink, topk_length):
 
 
 def cuda_kernels() -> PrefillKernels:
-    """The GPU kernels: the CuTe DSL gather and the FP8 (and, once it lands, bf16) attention."""
-    return PrefillKernels(gather_dequant_paged, _cuda_attention_fp8, _cuda_attention_bf16)
+    """The GPU kernels: the slot-index kernel, the paged FP8 attention, the CuTe DSL gather, the FP8 attention
+    on gathered rows and the bf16 attention."""
+    return PrefillKernels(
+        _cuda_slot_indices,
+        _cuda_attention_paged,
+        gather_dequant_paged,
+        _cuda_attention_fp8,
+        _cuda_attention_bf16,
+    )
 
 
 def resolve_backend(backend: str = "auto") -> str:
@@ -93,6 +133,15 @@ def resolve_backend(backend: str = "auto") -> str:
         source = f"${BACKEND_ENV}" if os.environ.get(BACKEND_ENV) else "backend"
         raise ValueError(f"{source}: expected one of {BACKENDS}, got {requested!r}")
     return "fp8" if requested == "auto" else requested
+
+
+def resolve_precision(precision: str = "default") -> str:
+    """The precision a ``SparsePrefill`` runs: ``$Q8KV8_PRECISION`` when set, else ``precision``."""
+    requested = os.environ.get(PRECISION_ENV) or precision
+    if requested not in PRECISIONS:
+        source = f"${PRECISION_ENV}" if os.environ.get(PRECISION_ENV) else "precision"
+        raise ValueError(f"{source}: expected one of {PRECISIONS}, got {requested!r}")
+    return requested
 
 
 def paged_cache_geometry(cache: torch.Tensor) -> tuple[KvCacheLayout, int]:
@@ -124,26 +173,39 @@ def topk_length_for(seqlens: torch.Tensor, compress_ratio: int, topk: int) -> to
 class SparsePrefill:
     """One sparse MLA prefill layer call on a paged FP8 KV cache (DeepSeek V3.2 / V4 serving).
 
-    ``backend``: "fp8" (the gathered KV in e4m3 and the bfloat16 Q, which the FP8 kernel quantises per
-    row), "bf16" (Q and the gathered KV in bf16: dequantised nope rounded to bf16 + RoPE; the bf16
-    kernel), or "auto" (fp8). The environment variable ``Q8KV8_PREFILL_BACKEND`` overrides it.
-    ``extra_rows`` zero rows follow the gathered rows in the workspace (a landing zone); they are never
-    attended. ``kernels`` replaces the GPU kernels (``reference_kernels()`` runs the pipeline in PyTorch).
+    ``backend``: "fp8" (the FP8 kernel on the bfloat16 Q, which it quantises per row, and the cache's e4m3
+    rows), "bf16" (Q and the gathered KV in bf16: dequantised nope rounded to bf16 + RoPE; the bf16 kernel),
+    or "auto" (fp8); ``$Q8KV8_PREFILL_BACKEND`` overrides it. ``precision``: the FP8 kernel's, "default" or
+    "accurate" (``sparse_mla_q8kv8_prefill_fwd``: P as two e4m3 terms, and on the paged path the RoPE's two
+    terms); ``$Q8KV8_PRECISION`` overrides it. ``path``: for the FP8 backend, "paged" (attend straight from
+    the cache), "workspace" (gather the rows the batch may attend into a workspace first), or "auto"
+    (paged when the workspace would gather more than ``PAGED_ROWS_PER_TILE_SLOT`` rows per tile-slot of the
+    batch, else the workspace); ``last_path`` says which ran. ``extra_rows`` zero rows follow the gathered
+    rows in the workspace (a landing zone); they are never attended. ``kernels`` replaces the GPU kernels
+    (``reference_kernels()`` runs the pipeline in PyTorch).
     """
 
     def __init__(
         self,
         backend: str = "auto",
         *,
+        precision: str = "default",
+        path: str = "auto",
         extra_rows: int = 0,
         workspace: SparsePrefillWorkspace | None = None,
         kernels: PrefillKernels | None = None,
     ):
         self.backend = resolve_backend(backend)
+        self.precision = resolve_precision(precision)
+        if path not in PATHS:
+            raise ValueError(f"path: expected one of {PATHS}, got {path!r}")
+        self.path = path
+        self.last_path: str | None = None
         self.extra_rows = require_int("extra_rows", extra_rows, 0)
         self.workspace = workspace
         self.kernels = kernels if kernels is not None else cuda_kernels()
         self._q = _ReusableBuffer()
+        self._rows = _ReusableBuffer()  # 0, 1, 2, ...: the workspace's rows as a table of slots
         self._ones: dict[torch.device, torch.Tensor] = {}
 
     def forward(
@@ -164,61 +226,84 @@ class SparsePrefill:
                 d_qk 576 (V3.2) or 512 (MODEL1), matching the cache.
             cache: [num_pages, page_size, 1, bytes_per_token] uint8 or float8_e4m3fn paged cache
                 (bytes_per_token 656: V3.2, 584: MODEL1; page stride = ``cache.stride(0)`` bytes, e.g.
-                the 576-byte-padded MODEL1 page). For ``compress_ratio`` r > 0 this is the compressed
-                cache (one entry per r tokens), with the same layout.
-            page_table: [num_rows] int32/int64: the cache slots the batch may attend, in workspace
-                order (SGLang's ``page_table_1_flattened``: each request's slots of its tokens, or of
-                its compressed rows for r > 0, requests concatenated). Slot s is position
-                ``s % page_size`` of page ``s // page_size``. They are gathered into workspace rows
-                ``0 .. num_rows - 1``.
-            indices: [s_q, topk] or [s_q, 1, topk] int32: workspace rows (indices into
-                ``page_table``) each query attends, valid ones first (SGLang's "ragged" top-k, i.e.
-                the request-local top-k index plus the request's first row). Entries outside
-                ``[0, num_rows)`` (-1 padding) and slots past the query's ``topk_length`` are
-                ignored. Any topk >= 1 (padded to a multiple of 128 with -1 here).
-            seqlens: [s_q] integer: the number of tokens of the query's request up to and including
-                the query, i.e. its absolute position + 1 (SGLang's ``seqlens_expanded``), in tokens
-                for every compress ratio.
-            compress_ratio: 0 (uncompressed cache), 4 or 128. The query sees
-                ``seqlens // compress_ratio`` compressed rows (all of them for 0: ``seqlens``), and
-                ``topk_length = min(that, topk)`` of its leading index slots count.
+                the 576-byte-padded MODEL1 page; the paged path needs page_size a power of two). For
+                ``compress_ratio`` r > 0 this is the compressed cache (one entry per r tokens), with the same
+                layout.
+            page_table: [num_rows] int32/int64: the cache slots the batch may attend (SGLang's
+                ``page_table_1_flattened``: each request's slots of its tokens, or of its compressed rows for
+                r > 0, requests concatenated). Slot s is position ``s % page_size`` of page
+                ``s // page_size``.
+            indices: [s_q, topk] or [s_q, 1, topk] int32: rows of ``page_table`` each query attends, valid
+                ones first (SGLang's "ragged" top-k, i.e. the request-local top-k index plus the request's
+                first row). Entries outside ``[0, num_rows)`` (-1 padding) and slots past the query's
+                ``topk_length`` are ignored. Any topk >= 1 (padded to a multiple of 128 with -1 here).
+            seqlens: [s_q] integer: the number of tokens of the query's request up to and including the
+                query, i.e. its absolute position + 1 (SGLang's ``seqlens_expanded``), in tokens for every
+                compress ratio.
+            compress_ratio: 0 (uncompressed cache), 4 or 128. The query sees ``seqlens // compress_ratio``
+                compressed rows (all of them for 0: ``seqlens``), and ``topk_length = min(that, topk)`` of
+                its leading index slots count.
             sm_scale: softmax scale.
             attn_sink: optional [h] float32 per-head sink.
 
         Returns ``out`` [s_q, h, 512] bfloat16, ``max_logits`` and ``lse`` [s_q, h] float32 (the contract of
         ``sparse_mla_q8kv8_prefill_fwd``). The FP8 backend hands the kernel the bfloat16 Q, which it quantises
-        to e4m3 itself with a power-of-two scale per (token, head) row (``q8kv8.reference.quantize_q_rows``),
-        and the KV rows in e4m3 with scale 1.0 after dequantisation.
+        to e4m3 itself with a power-of-two scale per (token, head) row (``q8kv8.reference.quantize_q_rows``).
         """
         layout, page_size = paged_cache_geometry(cache)
         s_q, h, d_qk = self._check(q, cache, layout, page_table, indices, seqlens, sm_scale, attn_sink)
-        if indices.dim() == 2:
-            indices = indices.unsqueeze(1)
-        indices = pad_topk(indices)
-        topk_length = topk_length_for(seqlens, compress_ratio, indices.shape[2])
+        if compress_ratio not in COMPRESS_RATIOS:
+            raise ValueError(f"compress_ratio: expected one of {COMPRESS_RATIOS}, got {compress_ratio!r}")
+        if indices.dim() == 3:
+            indices = indices[:, 0]
+        sink = None if attn_sink is None else attn_sink.contiguous()
+        kernel_q = q  # the kernels read bfloat16 Q as it is, any head count
+        if not q.is_contiguous():
+            kernel_q = self._q.view((s_q, h, d_qk), torch.bfloat16, q.device)
+            kernel_q.copy_(q)
+        topk_pad = max(1, -(-indices.shape[1] // TOPK_ALIGNMENT)) * TOPK_ALIGNMENT
         num_rows = page_table.shape[0]
+        self.last_path = self._choose_path(s_q, h, topk_pad, num_rows)
+        if self.last_path == "paged":
+            slots, topk_length = self.kernels.slot_indices(
+                indices, page_table, seqlens, compress_ratio, topk_pad
+            )
+            return self.kernels.attention_paged(
+                kernel_q, cache, slots, sm_scale, sink, topk_length, self.precision
+            )
+        # The workspace's rows are the indices themselves: the slot-index kernel on the identity table pads
+        # them and counts each query's valid ones, in one launch.
+        identity = self._identity_rows(num_rows, indices.device)
+        indices, topk_length = self.kernels.slot_indices(indices, identity, seqlens, compress_ratio, topk_pad)
         kv_dtype = torch.float8_e4m3fn if self.backend == "fp8" else torch.bfloat16
         if self.workspace is None:
             self.workspace = SparsePrefillWorkspace(q.device, d_qk)
         kv = self.workspace.get(num_rows + self.extra_rows, kv_dtype, d_qk)
         self.kernels.gather(cache, page_table, page_size, layout, kv_dtype, self.extra_rows, kv)
         kv = kv[:num_rows]
-        sink = None if attn_sink is None else attn_sink.contiguous()
-        kernel_q = q  # the kernels read bfloat16 Q as it is, any head count
-        if not q.is_contiguous():
-            kernel_q = self._q.view((s_q, h, d_qk), torch.bfloat16, q.device)
-            kernel_q.copy_(q)
         if self.backend == "fp8":
-            out, max_logits, lse = self.kernels.attention_fp8(
-                kernel_q, kv, indices, sm_scale, None, self._one(q.device), sink, topk_length
+            return self.kernels.attention_fp8(
+                kernel_q, kv, indices, sm_scale, None, self._one(q.device), sink, topk_length, self.precision
             )
-        else:
-            out, max_logits, lse = self.kernels.attention_bf16(
-                kernel_q, kv, indices, sm_scale, sink, topk_length
-            )
-        return out, max_logits, lse
+        return self.kernels.attention_bf16(kernel_q, kv, indices, sm_scale, sink, topk_length)
 
     __call__ = forward
+
+    def _choose_path(self, s_q: int, h: int, topk_pad: int, num_rows: int) -> str:
+        if self.backend != "fp8":
+            return "workspace"
+        if self.path != "auto":
+            return self.path
+        tile_slots = s_q * -(-h // 64) * topk_pad
+        return "paged" if num_rows > PAGED_ROWS_PER_TILE_SLOT * tile_slots else "workspace"
+
+    def _identity_rows(self, num_rows: int, device) -> torch.Tensor:
+        """``arange(num_rows)`` int32 on ``device``, a view of one reused buffer (made again only to grow)."""
+        buffer = self._rows.buffer
+        if buffer is None or buffer.numel() < num_rows or buffer.device != indexed_device(device):
+            self._rows.buffer = torch.arange(max(num_rows, 1), dtype=torch.int32, device=device)
+            self._rows.allocations += 1
+        return self._rows.buffer[:num_rows]
 
     def _one(self, device: torch.device) -> torch.Tensor:
         if device not in self._ones:

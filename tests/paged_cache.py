@@ -103,6 +103,39 @@ def fill_quantized(cache, page_size, layout, generator, std=1.0) -> None:
         write_token(cache, slot, page_size, layout, nope, scale_field, x[d_nope:].to(torch.bfloat16))
 
 
+def quantized_cache(
+    layout: str, num_pages: int, page_size: int, generator, *, pow2_scales: bool, std=1.0, extra_page_bytes=64
+) -> torch.Tensor:
+    """A cache whose every slot holds normal(0, std) values quantised as the producers quantise them, built
+    with whole-tensor operations (``fill_quantized`` writes one slot at a time): per scale group scale =
+    max|x| / 448, rounded up to a power of two (``pow2_scales``: FlashMLA's V3.2 quantiser and V4's UE8M0) or
+    the exact float32 quotient (V3.2 as SGLang's quantiser writes it); nope = e4m3(x / scale), RoPE = bf16(x).
+    """
+    d_nope, d_rope, group, _ = FORMATS[layout]
+    cache = empty_cache(layout, num_pages, page_size, extra_page_bytes)
+    slots = num_pages * page_size
+    x = torch.randn(slots, d_nope + d_rope, generator=generator) * std
+    tiles = x[:, :d_nope].reshape(slots, -1, group)
+    scales = tiles.abs().amax(dim=2).clamp_min(1e-4) / 448.0
+    if pow2_scales or layout == "model1":
+        scales = torch.exp2(torch.ceil(torch.log2(scales)))
+    nope = (tiles / scales[..., None]).clamp(-448, 448).to(torch.float8_e4m3fn).view(torch.uint8).flatten(1)
+    rope = x[:, d_nope:].to(torch.bfloat16).view(torch.uint8)
+    pages = cache._base.view(num_pages, -1)
+    token = 576 if layout == "model1" else 656
+    data = pages[:, : page_size * token].view(num_pages, page_size, token)
+    data[..., :d_nope] = nope.view(num_pages, page_size, d_nope)
+    if layout == "model1":
+        data[..., 448:576] = rope.view(num_pages, page_size, 128)
+        scale_bytes = (torch.log2(scales).round() + 127).to(torch.uint8).view(num_pages, page_size, 7)
+        region = pages[:, page_size * 576 : page_size * 584].view(num_pages, page_size, 8)
+        region[..., :7] = scale_bytes
+    else:
+        data[..., 512:528] = scales.to(torch.float32).view(torch.uint8).view(num_pages, page_size, 16)
+        data[..., 528:656] = rope.view(num_pages, page_size, 128)
+    return cache
+
+
 def decode_token_f64(cache, slot, page_size, layout) -> list[float]:
     """The exact (float64) dequantised values of one token: nope * scale, then RoPE."""
     d_nope, d_rope, group, _ = FORMATS[layout]

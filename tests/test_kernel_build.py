@@ -10,15 +10,26 @@ from pathlib import Path
 
 import pytest
 
-from cute_kernels.sm90 import sparse_prefill
+from cute_kernels.sm90 import paged_rows, sparse_prefill
 from q8kv8 import build, disk_cache, kernels
+from q8kv8.schedule import ONE_TILE, PERSISTENT, SPLIT
 
 REPO = Path(__file__).resolve().parent.parent
 
 
+def variant(d_qk, precision="default", kind=ONE_TILE, q_dtype=kernels.FP8, heads=64, cache=None):
+    """The variant of those options, built or loaded."""
+    return kernels.load(kernels.VariantKey(d_qk, precision, kind, q_dtype, heads, cache))
+
+
 @pytest.fixture(scope="module")
 def variants():
-    return kernels.load_variants()
+    """The one-tile variants for an e4m3 q, by (d_qk, precision)."""
+    return {(d_qk, precision): variant(d_qk, precision) for d_qk, precision in VARIANT_KEYS}
+
+
+def persistent_variants():
+    return {(d_qk, precision): variant(d_qk, precision, PERSISTENT) for d_qk, precision in PERSISTENT_KEYS}
 
 
 VARIANT_KEYS = [(d_qk, precision) for d_qk in (512, 576) for precision in ("default", "accurate")]
@@ -28,26 +39,20 @@ PERSISTENT_KEYS = VARIANT_KEYS
 def test_import_builds_every_variant(variants):
     assert sorted(variants) == sorted(VARIANT_KEYS)
     for (d_qk, precision), variant in variants.items():
-        assert variant.name == kernels.variant_name(d_qk, precision)
+        assert variant.name == kernels.VariantKey(d_qk, precision).name
         assert variant.object_path.exists() and variant.ptx_path.exists()
-    persistent = kernels.load_persistent_variants()
-    assert sorted(persistent) == sorted(PERSISTENT_KEYS)
-    for (d_qk, precision), variant in persistent.items():
+    for (d_qk, precision), persistent in persistent_variants().items():
         suffix = "_accurate" if precision == "accurate" else ""
-        assert (
-            variant.name
-            == kernels.variant_name(d_qk, precision, persistent=True)
-            == f"sparse_prefill_sm90_d{d_qk}{suffix}_persistent"
-        )
-        assert variant.object_path.exists() and variant.ptx_path.exists()
-    assert len(kernels.all_variants()) == len(VARIANT_KEYS) + len(PERSISTENT_KEYS)
+        assert persistent.name == f"sparse_prefill_sm90_d{d_qk}{suffix}_persistent"
+        assert persistent.object_path.exists() and persistent.ptx_path.exists()
+    assert len(kernels.load_variants()) == len(VARIANT_KEYS) + len(PERSISTENT_KEYS)
 
 
 @pytest.mark.parametrize("d_qk, precision", PERSISTENT_KEYS)
 def test_persistent_ptx_has_the_one_tile_kernels_instructions(variants, d_qk, precision):
     """The persistent variant runs the same WGMMAs, Q TMA and row copies (in a loop over tiles)."""
     one_tile = variants[d_qk, precision].ptx_path.read_text()
-    persistent = kernels.load_persistent_variants()[d_qk, precision].ptx_path.read_text()
+    persistent = variant(d_qk, precision, PERSISTENT).ptx_path.read_text()
     assert_same_math_instructions(persistent, one_tile)
 
 
@@ -105,8 +110,9 @@ def test_ptx_uses_fp8_wgmma_tma_and_cp_async(variants, d_qk, precision):
 def test_ptxas_reports_no_spills_and_no_wgmma_serialisation(variants, d_qk, precision, persistent):
     if persistent and (d_qk, precision) not in PERSISTENT_KEYS:
         pytest.skip("no persistent variant")
-    registry = kernels.load_persistent_variants() if persistent else variants
-    assert_fits_in_registers(registry[d_qk, precision])
+    assert_fits_in_registers(
+        variant(d_qk, precision, PERSISTENT) if persistent else variants[d_qk, precision]
+    )
 
 
 def assert_fits_in_registers(variant):
@@ -126,10 +132,10 @@ def assert_fits_in_registers(variant):
 def test_split_and_bf16_q_variants_fit_in_registers(d_qk, precision, q_dtype):
     """The variants built on first use (split, for either q dtype; one-tile and persistent for a bfloat16 q)
     fit as the others do."""
-    assert_fits_in_registers(kernels.load_split_variant(d_qk, precision, q_dtype))
+    assert_fits_in_registers(variant(d_qk, precision, SPLIT, q_dtype))
     if q_dtype == kernels.BF16_Q:
-        for persistent in (False, True):
-            assert_fits_in_registers(kernels.load_bf16_q_variant(d_qk, precision, persistent))
+        for kind in (ONE_TILE, PERSISTENT):
+            assert_fits_in_registers(variant(d_qk, precision, kind, q_dtype))
 
 
 @pytest.mark.parametrize("d_qk, precision", VARIANT_KEYS)
@@ -140,14 +146,14 @@ def test_bf16_q_rows_are_staged_by_bulk_copies(d_qk, precision):
     their rows from global memory (two 16-byte loads per 64-column tile)."""
     bulk = r"cp\.async\.bulk\.shared::cluster\.global\.mbarrier::complete_tx::bytes"
     for ptx in (
-        kernels.load_bf16_q_variant(d_qk, precision, False).ptx_path.read_text(),
-        kernels.load_bf16_q_variant(d_qk, precision, True).ptx_path.read_text(),
-        kernels.load_split_variant(d_qk, precision, kernels.BF16_Q).ptx_path.read_text(),
+        variant(d_qk, precision, ONE_TILE, kernels.BF16_Q).ptx_path.read_text(),
+        variant(d_qk, precision, PERSISTENT, kernels.BF16_Q).ptx_path.read_text(),
+        variant(d_qk, precision, SPLIT, kernels.BF16_Q).ptx_path.read_text(),
     ):
         assert len(re.findall(bulk, ptx)) == 2
         assert "ld.global.nc.v4" not in ptx
         assert len(re.findall(r"ld\.shared\.v4\.b32", ptx)) == 2 * (d_qk // 64)
-    small = kernels.load_small_head_variant(d_qk, precision, 16, kernels.BF16_Q).ptx_path.read_text()
+    small = variant(d_qk, precision, PERSISTENT, kernels.BF16_Q, 16).ptx_path.read_text()
     assert not re.search(bulk, small)
     assert len(re.findall(r"ld\.global\.nc\.v4\.b32", small)) == 2 * (d_qk // 64)
 
@@ -159,7 +165,7 @@ def test_split_ptx_runs_the_one_tile_math_and_merges_in_the_cluster(variants, d_
     release-arrival that its KV tiles are free: the O^T fragments as pairs of f16x2 words, the row statistics
     as float32 pairs) and it writes bf16 out, no float32 partial results; and the split tail's overlap."""
     one_tile = variants[d_qk, precision].ptx_path.read_text()
-    split = kernels.load_split_variant(d_qk, precision).ptx_path.read_text()
+    split = variant(d_qk, precision, SPLIT).ptx_path.read_text()
     assert_same_math_instructions(split, one_tile)
     st_async = r"st\.async\.shared::cluster\.mbarrier::complete_tx::bytes\.(\w+\.\w+)"
     exchanged = set(re.findall(st_async, split))
@@ -182,9 +188,9 @@ def test_small_head_variants_fit_and_compute_the_transposed_products(d_qk, preci
     with N = heads (4 d tiles x 8 k-steps: a pair of blocks, the other consumer's alone, the own alone, per P
     term), and P^T is stored in whole 32-bit words (two lanes' slots of one head, joined by a shuffle), no
     16-bit stores."""
-    variant = kernels.load_small_head_variant(d_qk, precision, heads, q_dtype)
-    assert_fits_in_registers(variant)
-    ptx = variant.ptx_path.read_text()
+    small = variant(d_qk, precision, PERSISTENT, q_dtype, heads)
+    assert_fits_in_registers(small)
+    ptx = small.ptx_path.read_text()
     terms = 2 if precision == "accurate" else 1
     wgmmas = re.findall(r"wgmma\.mma_async\.sync\.aligned\.m64n(\d+)k32\.f32\.e4m3\.e4m3", ptx)
     assert set(wgmmas) == {str(heads)}, set(wgmmas)
@@ -193,13 +199,65 @@ def test_small_head_variants_fit_and_compute_the_transposed_products(d_qk, preci
     assert "st.shared.b32" in ptx and "st.shared.b16" not in ptx
 
 
+PAGED_KEYS = [
+    (layout, precision, kind, q_dtype)
+    for layout in ("v32", "model1")
+    for precision in ("default", "accurate")
+    for kind in (ONE_TILE, PERSISTENT, SPLIT)
+    for q_dtype in (kernels.FP8, kernels.BF16_Q)
+]
+PAGED_D_QK = {"v32": 576, "model1": 512}
+PAGED_SPILL_BYTES = 40
+"""The paged variants' consumers at their register ceiling (240, or 232 beside a producer of
+``sparse_prefill.WIDE_PRODUCER_REGS``): a bf16 q on the persistent schedule, and V4 in the accurate mode on
+the split one, spill at most this much (measured 4-36 B); every other paged variant fits."""
+
+
+def paged_spills(layout, precision, kind, q_dtype) -> bool:
+    return (kind == PERSISTENT and q_dtype == kernels.BF16_Q) or (
+        layout == "model1" and precision == "accurate" and kind == SPLIT and q_dtype == kernels.FP8
+    )
+
+
+@pytest.mark.parametrize("layout, precision, kind, q_dtype", PAGED_KEYS)
+def test_paged_variants_gather_pages_and_sum_scale_groups(layout, precision, kind, q_dtype):
+    """The paged kernel (``paged_rows``): S from WGMMA groups of a scale group's k-steps (in the accurate mode
+    at most ``PAGED_ACCURATE_CHUNK_KSTEPS``; N = 32 halves: the first group and the loop's per half, and the
+    RoPE's 2 k-steps x 2 e4m3 terms per half), PV as the one-tile kernel's; per row, four 16-byte copies per
+    64-byte column of its e4m3 nope and bf16 RoPE (no L2 cache hint) and four 4-byte copies of its scales; the
+    Q TMA for an e4m3 q; registers as the others, within the documented spills."""
+    built = variant(PAGED_D_QK[layout], precision, kind, q_dtype, cache=layout)
+    assert built.name.startswith(f"sparse_prefill_sm90_d{PAGED_D_QK[layout]}_paged_{layout}")
+    ptx = built.ptx_path.read_text()
+    geometry = paged_rows.cache_geometry(layout)
+    chunk = geometry.group_ksteps
+    if precision == "accurate":
+        chunk = min(chunk, sparse_prefill.PAGED_ACCURATE_CHUNK_KSTEPS)
+    wgmma = re.findall(r"wgmma\.mma_async\.sync\.aligned\.m64n(\d+)k32\.f32\.e4m3\.e4m3", ptx)
+    terms = 2 if precision == "accurate" else 1
+    assert wgmma.count("32") == 2 * (2 * chunk + 4) and wgmma.count("64") == (16 + 8 + 8) * terms
+    assert len(re.findall(r"cp\.async\.cg\.shared\.global", ptx)) == 4 * (geometry.nope_columns + 2)
+    assert not re.search(r"cp\.async\.cg\.shared\.global\.L2::cache_hint", ptx)
+    assert len(re.findall(r"cp\.async\.ca\.shared\.global", ptx)) == 4
+    q_tma = 0 if q_dtype == kernels.BF16_Q else PAGED_D_QK[layout] // 64
+    assert len(re.findall(r"cp\.async\.bulk\.tensor", ptx)) == q_tma
+    report = build.ptxas_report(built)
+    if report is None:
+        pytest.skip("ptxas is not on PATH")
+    if paged_spills(layout, precision, kind, q_dtype):
+        assert report.spill_store_bytes <= PAGED_SPILL_BYTES and report.spill_load_bytes <= PAGED_SPILL_BYTES
+        assert "wgmma.mma_async instructions are serialized" not in report.text and report.registers <= 168
+    else:
+        assert_fits_in_registers(built)
+
+
 def _import_in_subprocess(cache: Path) -> dict:
     code = (
         "import q8kv8.kernels as k, q8kv8;"
         "print(k.cache_stats.hits, k.cache_stats.misses, k.cache_stats.rebuilt_corrupt,"
         " max(v.seconds for v in k._variants.values()))"
     )
-    env = dict(os.environ, Q8KV8_CACHE_DIR=str(cache))
+    env = dict(os.environ, Q8KV8_CACHE_DIR=str(cache), Q8KV8_COMPILE_AT_IMPORT="1")
     result = subprocess.run(
         [sys.executable, "-c", code], env=env, cwd=REPO, capture_output=True, text=True, check=True
     )
@@ -278,19 +336,9 @@ def uniform_registers_read_unwritten(sass: str) -> set[str]:
 
 
 def _gather_variants():
-    """Every attention variant with a row gather: (name, variant) for the FP8 kernel's schedules, q dtypes
-    and head counts, and the bf16 kernel."""
-    found = []
-    for d_qk, precision in VARIANT_KEYS:
-        for q_dtype in (kernels.FP8, kernels.BF16_Q):
-            found.append(kernels.load_split_variant(d_qk, precision, q_dtype))
-            for heads in (8, 16, 32):
-                found.append(kernels.load_small_head_variant(d_qk, precision, heads, q_dtype))
-        for persistent in (False, True):
-            found.append(kernels.load_bf16_q_variant(d_qk, precision, persistent))
-    found += kernels.all_variants()
-    found += [kernels.load_bf16_variant(d_qk) for d_qk in (512, 576)]
-    return found
+    """Every attention variant with a row gather: the FP8 kernel's (every schedule, q dtype, head count and
+    cache layout) and the bf16 kernel's."""
+    return kernels.listed_variants() + [kernels.load_bf16_variant(d_qk) for d_qk in (512, 576)]
 
 
 def test_row_copies_read_only_uniform_registers_they_set(tmp_path):

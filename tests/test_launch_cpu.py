@@ -33,7 +33,7 @@ FUNCTION_PARAMETERS = (
 
 
 class EveryKey(dict):
-    """A variant registry that hands out one variant whatever the key (d_qk, or d_qk and precision)."""
+    """A variant registry that hands out one variant whatever the key."""
 
     def __init__(self, variant):
         super().__init__()
@@ -55,9 +55,6 @@ def calls(monkeypatch) -> list[dict]:
 
     variant = types.SimpleNamespace(function=function, name="recorder", d_qk=D_QK)
     monkeypatch.setattr(kernels, "_variants", EveryKey(variant))
-    monkeypatch.setattr(kernels, "_persistent_variants", EveryKey(variant))
-    monkeypatch.setattr(kernels, "_bf16_q_variants", EveryKey(variant))
-    monkeypatch.setattr(kernels, "_split_variants", EveryKey(variant))
     monkeypatch.setattr(schedule, "_sm_counts", EveryKey(132))
     monkeypatch.setattr(kernels, "_gpu_count", 1)
     return recorded
@@ -148,42 +145,71 @@ def test_a_bf16_q_gets_kv_scale_in_q_scales_place(calls):
 @pytest.mark.parametrize("tiles", [0, 2])
 @pytest.mark.parametrize("precision", ["default", "accurate"])
 def test_a_bf16_q_launches_its_own_variant(monkeypatch, precision, tiles):
-    """The variant for a bfloat16 q: looked up by (d_qk, precision, persistent), built on first use
-    (``load_bf16_q_variant``, replaced here by a stand-in: nothing is compiled)."""
-    launched = []
-    variants = {
-        key: types.SimpleNamespace(function=lambda *args, key=key: launched.append(key), name=str(key))
-        for key in ((D_QK, precision, False), (D_QK, precision, True))
-    }
-    loaded = []
+    """The variant for a bfloat16 q: looked up by its key (q's dtype included), built on first use
+    (``kernels.load``, replaced here by a stand-in: nothing is compiled)."""
+    launched, loaded = [], []
 
-    def load_bf16_q_variant(d_qk, precision, persistent):
-        loaded.append((d_qk, precision, persistent))
-        kernels._bf16_q_variants[d_qk, precision, persistent] = variants[d_qk, precision, persistent]
-        return variants[d_qk, precision, persistent]
+    def load(key):
+        loaded.append(key)
+        variant = types.SimpleNamespace(function=lambda *args: launched.append(key), name=key.name)
+        kernels._variants[key] = variant
+        return variant
 
-    for fp8_table in ("_variants", "_persistent_variants"):
-        monkeypatch.setattr(kernels, fp8_table, {})  # an e4m3 variant launched instead would fail the test
-    monkeypatch.setattr(kernels, "_bf16_q_variants", {})
-    monkeypatch.setattr(kernels, "load_bf16_q_variant", load_bf16_q_variant)
+    monkeypatch.setattr(kernels, "_variants", {})  # an e4m3 variant launched instead would fail the test
+    monkeypatch.setattr(kernels, "load", load)
     monkeypatch.setattr(kernels, "_gpu_count", 1)
     args = launch_args(q=torch.zeros(S_Q, H, D_QK, dtype=torch.bfloat16), q_scale=None, precision=precision)
+    kind = schedule.PERSISTENT if tiles else schedule.ONE_TILE
+    key = kernels.VariantKey(D_QK, precision, kind, torch.bfloat16)
     for _ in range(2):
-        kind = schedule.PERSISTENT if tiles else schedule.ONE_TILE
-        assert kernels.launch_sparse_prefill(**args, schedule=tiles) == (
-            (kind, variants[D_QK, precision, tiles > 0]),
-        )
-    assert loaded == [(D_QK, precision, tiles > 0)]  # built (or loaded) once
-    assert launched == [(D_QK, precision, tiles > 0)] * 2
+        assert kernels.launch_sparse_prefill(**args, schedule=tiles) == ((kind, kernels._variants[key]),)
+    assert loaded == [key]  # built (or loaded) once
+    assert launched == [key] * 2
 
 
-def test_bf16_q_variant_names():
-    assert kernels.variant_name(576, q_dtype=torch.bfloat16) == "sparse_prefill_sm90_d576_bf16q"
+def test_a_paged_cache_launches_its_own_variant_with_the_cache_as_kv(calls, monkeypatch):
+    """``cache``: the paged variant of the layout (64-head tiles also for 16 heads), the cache view passed as
+    kv untouched (never re-aligned: the contract checked it)."""
+    keys = []
+    registry = kernels._variants
+    monkeypatch.setattr(
+        kernels, "_variants", types.SimpleNamespace(get=lambda key: keys.append(key) or registry.variant)
+    )
+    cache = torch.zeros(4, 64, 656, dtype=torch.uint8)[:, :, 8:]  # base 8 bytes off 16: not copied
+    args = launch_args(q=torch.zeros(S_Q, 16, D_QK, dtype=torch.bfloat16), q_scale=None, kv=cache)
+    args |= {"out": torch.empty(S_Q, 16, D_V, dtype=torch.bfloat16), "max_logits": torch.empty(S_Q, 16)}
+    args["lse"] = torch.empty(S_Q, 16)
+    kernels.launch_sparse_prefill(**args, schedule=0, cache="v32")
+    assert keys == [kernels.VariantKey(D_QK, "default", schedule.ONE_TILE, torch.bfloat16, 64, "v32")]
+    assert calls[0]["kv"] is cache
+
+
+def test_variant_names_and_keys():
+    assert kernels.VariantKey(576, q_dtype=torch.bfloat16).name == "sparse_prefill_sm90_d576_bf16q"
     assert (
-        kernels.variant_name(512, "accurate", True, torch.bfloat16)
+        kernels.VariantKey(512, "accurate", schedule.PERSISTENT, torch.bfloat16).name
         == "sparse_prefill_sm90_d512_bf16q_accurate_persistent"
     )
-    assert kernels.variant_name(576, "accurate", True) == "sparse_prefill_sm90_d576_accurate_persistent"
+    assert (
+        kernels.VariantKey(576, "accurate", schedule.PERSISTENT).name
+        == "sparse_prefill_sm90_d576_accurate_persistent"
+    )
+    assert kernels.VariantKey(512, schedule=schedule.SPLIT, cache="model1").name == (
+        "sparse_prefill_sm90_d512_paged_model1_split"
+    )
+    assert kernels.VariantKey(576, schedule=schedule.PERSISTENT, heads=16).name == (
+        "sparse_prefill_sm90_d576_h16_persistent"
+    )
+    for bad in (
+        kernels.VariantKey(576, heads=16),  # small heads are persistent
+        kernels.VariantKey(512, cache="v32"),  # V3.2 is d_qk 576
+        kernels.VariantKey(576, schedule=schedule.PERSISTENT, heads=16, cache="v32"),
+    ):
+        with pytest.raises(ValueError, match="no attention kernel variant"):
+            bad.check()
+    names = [key.name for key in kernels.LISTED_KEYS]
+    assert len(names) == len(set(names)) == 72
+    assert kernels.LISTED_KEYS[: len(kernels.IMPORT_KEYS)] == kernels.IMPORT_KEYS
 
 
 def test_given_options_are_passed_and_flagged(calls):

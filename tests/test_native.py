@@ -62,38 +62,31 @@ def fast(monkeypatch):
         # The tensors are views valid during the call only: recorded as (address, shape, strides, dtype).
         return tvm_ffi.convert(lambda *args: calls.append((key, normalized(args))))
 
-    variants, persistent_variants, bf16_q_variants, split_variants, small_variants = {}, {}, {}, {}, {}
+    variants = {}  # kernels' table: VariantKey -> a recording variant
+
+    def add(key: kernels.VariantKey, recorded_key: tuple) -> None:
+        function = recorder(recorded_key)
+        variants[key] = types.SimpleNamespace(function=function, name="recorder", d_qk=key.d_qk)
+        native.register_variant(
+            extension, key.d_qk, key.precision, key.schedule, function, key.q_dtype, key.heads
+        )
+
     for d_qk in SUPPORTED_D_QK:
         for precision in PRECISIONS:
             for heads, q_dtype in itertools.product(SMALL_HEAD_COUNTS, (FP8, BF16)):
-                function = recorder((d_qk, precision, heads, str(q_dtype)))
-                small_variants[d_qk, precision, heads, q_dtype] = types.SimpleNamespace(
-                    function=function, name="recorder", d_qk=d_qk
-                )
-                native.register_variant(
-                    extension, d_qk, precision, schedule.PERSISTENT, function, q_dtype, heads
-                )
+                key = kernels.VariantKey(d_qk, precision, schedule.PERSISTENT, q_dtype, heads)
+                add(key, (d_qk, precision, heads, str(q_dtype)))
             for q_dtype in (FP8, BF16):
-                function = recorder((d_qk, precision, "split", str(q_dtype)))
-                split_variants[d_qk, precision, q_dtype] = types.SimpleNamespace(
-                    function=function, name="recorder", d_qk=d_qk
+                add(
+                    kernels.VariantKey(d_qk, precision, schedule.SPLIT, q_dtype),
+                    (d_qk, precision, "split", str(q_dtype)),
                 )
-                native.register_variant(extension, d_qk, precision, schedule.SPLIT, function, q_dtype)
-            for persistent, table in ((False, variants), (True, persistent_variants)):
-                function = recorder((d_qk, precision, persistent))
-                table[d_qk, precision] = types.SimpleNamespace(function=function, name="recorder", d_qk=d_qk)
-                native.register_variant(extension, d_qk, precision, persistent, function)
-                function = recorder((d_qk, precision, persistent, "bf16 q"))
-                bf16_q_variants[d_qk, precision, persistent] = types.SimpleNamespace(
-                    function=function, name="recorder", d_qk=d_qk
-                )
-                native.register_variant(extension, d_qk, precision, persistent, function, BF16)
+            for persistent in (False, True):
+                kind = schedule.PERSISTENT if persistent else schedule.ONE_TILE
+                add(kernels.VariantKey(d_qk, precision, kind), (d_qk, precision, persistent))
+                add(kernels.VariantKey(d_qk, precision, kind, BF16), (d_qk, precision, persistent, "bf16 q"))
     extension.register_device(KDL_CPU, 0, SM_COUNT)
-    monkeypatch.setattr(kernels, "_split_variants", split_variants)
     monkeypatch.setattr(kernels, "_variants", variants)
-    monkeypatch.setattr(kernels, "_persistent_variants", persistent_variants)
-    monkeypatch.setattr(kernels, "_bf16_q_variants", bf16_q_variants)
-    monkeypatch.setattr(kernels, "_small_head_variants", small_variants)
     monkeypatch.setattr(schedule, "_sm_counts", {0: SM_COUNT, None: SM_COUNT, -1: SM_COUNT})
     monkeypatch.setattr(contract, "check_device", lambda named_devices: None)  # CPU tensors pass it
     monkeypatch.setattr(contract, "_memo", {})
@@ -431,7 +424,7 @@ def test_declines_unregistered_devices_and_variants(fast, valid_args):
     fast.extension.register_device(KDL_CPU, 0, SM_COUNT)
     assert fast.extension.plan(call) == DECLINED  # no variant registered
     native.register_variant(
-        fast.extension, D_QK, "default", False, kernels._variants[D_QK, "default"].function
+        fast.extension, D_QK, "default", False, kernels.load(kernels.VariantKey(D_QK)).function
     )
     assert fast.extension.plan(call) == (0, 1, 0)
     assert fast.extension.plan(call._replace(precision="accurate")) == DECLINED
@@ -443,7 +436,7 @@ def test_declines_unregistered_devices_and_variants(fast, valid_args):
         D_QK,
         "default",
         False,
-        kernels._bf16_q_variants[D_QK, "default", False].function,
+        kernels.load(kernels.VariantKey(D_QK, q_dtype=BF16)).function,
         BF16,
     )
     assert fast.extension.plan(bf16_q_call) == (0, 1, 0)
@@ -561,7 +554,7 @@ def test_note_launch_registers_once_per_variant_and_again_after_disable(fast, mo
     """The Python path notes each launch on a GPU; the first of a (device, variant) registers it, with one
     visible GPU only and never while suspended; ``disable`` forgets everything, so the next launch registers
     again."""
-    variant = kernels._variants[D_QK, "default"]
+    variant = kernels.load(kernels.VariantKey(D_QK))
     native.disable()
     monkeypatch.setattr(native, "_gpu_count", 2)
     native.note_launch(0, D_QK, "default", schedule.ONE_TILE, variant)  # two GPUs: never
@@ -584,10 +577,10 @@ def test_note_launch_registers_once_per_variant_and_again_after_disable(fast, mo
         native.disable()
         assert native.launch is None
         assert not native._registered and not native._registered_devices
-    bf16_q_variant = kernels._bf16_q_variants[D_QK, "default", False]
+    bf16_q_variant = kernels.load(kernels.VariantKey(D_QK, q_dtype=BF16))
     native.note_launch(0, D_QK, "default", schedule.ONE_TILE, variant)
     native.note_launch(0, D_QK, "default", schedule.ONE_TILE, bf16_q_variant, BF16)  # a variant of its own
-    small_variant = kernels._small_head_variants[D_QK, "default", 16, FP8]
+    small_variant = kernels.load(kernels.VariantKey(D_QK, schedule=schedule.PERSISTENT, heads=16))
     native.note_launch(0, D_QK, "default", schedule.PERSISTENT, small_variant, FP8, 16)  # its own too
     assert native._registered == {
         (0, D_QK, "default", schedule.ONE_TILE, FP8, 64),

@@ -22,7 +22,12 @@ from reference_checks import assert_outputs_match
 from q8kv8 import kv_layout, paged_gather, query, serving
 from q8kv8.paged_gather import gather_dequant_requant_fp8_paged
 from q8kv8.query import cast_q_fp8, dynamic_q_scale
-from q8kv8.reference import gather_dequant_paged_reference, reference_kernels, sparse_mla_prefill_reference
+from q8kv8.reference import (
+    gather_dequant_paged_reference,
+    reference_kernels,
+    slot_indices_reference,
+    sparse_mla_prefill_reference,
+)
 from q8kv8.serving import SparsePrefill
 from q8kv8.workspace import SparsePrefillWorkspace, indexed_device
 
@@ -416,9 +421,13 @@ def test_bf16_kernel_hook_receives_the_documented_arguments(fake_kernels):
 SM_SCALE = 0.06
 
 
-def run_pipeline(batch, backend, h_sink=None, extra_rows=0, **kwargs):
+def run_pipeline(batch, backend, h_sink=None, extra_rows=0, path="auto", **kwargs):
     prefill = SparsePrefill(
-        backend, extra_rows=extra_rows, kernels=reference_kernels(), workspace=SparsePrefillWorkspace("cpu")
+        backend,
+        path=path,
+        extra_rows=extra_rows,
+        kernels=reference_kernels(),
+        workspace=SparsePrefillWorkspace("cpu"),
     )
     out = prefill.forward(
         batch["q"],
@@ -439,23 +448,19 @@ def assert_close_to_truth(got, truth, out_tol, stat_tol):
     assert_outputs_match(got, truth, out_tol, stat_tol)
 
 
-@pytest.mark.parametrize("backend", ["fp8", "bf16"])
+@pytest.mark.parametrize("backend, path", [("fp8", "paged"), ("fp8", "workspace"), ("bf16", "auto")])
 @pytest.mark.parametrize("compress_ratio", [0, 4, 128])
 @pytest.mark.parametrize("layout", ["model1", "v32"])
-def test_pipeline_matches_float64_ground_truth(generator, layout, compress_ratio, backend):
+def test_pipeline_matches_float64_ground_truth(generator, layout, compress_ratio, backend, path):
     batch = make_batch(layout, 64, compress_ratio, h=20, topk=16, generator=generator)
     sink = torch.randn(20, generator=generator)
-    prefill, got = run_pipeline(batch, backend, sink)
+    prefill, got = run_pipeline(batch, backend, sink, path=path)
     assert got[0].shape == (batch["q"].shape[0], 20, 512)
-    # Same rounding as the pipeline (q and kv in e4m3, or kv in bf16): only output rounding remains.
-    same = ground_truth(
-        batch,
-        layout,
-        SM_SCALE,
-        sink,
-        kv_format="e4m3" if backend == "fp8" else "bf16",
-        quantize_q=backend == "fp8",
-    )
+    assert prefill.last_path == ("paged" if path == "paged" else "workspace")
+    # Same rounding as the pipeline (q in e4m3, the cache as it is on the paged path, the gathered rows in
+    # e4m3 or bf16 on the workspace path): only output rounding remains.
+    kv_format = {"paged": "f64", "workspace": "e4m3" if backend == "fp8" else "bf16"}[prefill.last_path]
+    same = ground_truth(batch, layout, SM_SCALE, sink, kv_format=kv_format, quantize_q=backend == "fp8")
     assert_close_to_truth(got, same, out_tol=4e-3, stat_tol=1e-6)
     # The exact dequantised cache and bf16 q: the FP8 rounding of q and kv is the difference.
     exact = ground_truth(batch, layout, SM_SCALE, sink)
@@ -469,7 +474,7 @@ def test_pipeline_unpadded_heads_int64_table_3d_indices_and_landing_rows(generat
     batch = make_batch("v32", 64, 4, h=h, topk=200, generator=generator, garbage_tail=False)
     indices = batch["indices"][:, None, :]
     prefill, got = run_pipeline(
-        batch, "fp8", extra_rows=7, page_table=batch["page_table"].long(), indices=indices
+        batch, "fp8", extra_rows=7, path="workspace", page_table=batch["page_table"].long(), indices=indices
     )
     same = ground_truth(batch, "v32", SM_SCALE, kv_format="e4m3", quantize_q=True)
     assert_close_to_truth(got, same, out_tol=4e-3, stat_tol=1e-6)
@@ -483,7 +488,9 @@ def test_pipeline_unpadded_heads_int64_table_3d_indices_and_landing_rows(generat
 
 def test_pipeline_reuses_its_buffers(generator):
     batch = make_batch("model1", 64, 0, h=8, topk=16, generator=generator)
-    prefill = SparsePrefill("fp8", kernels=reference_kernels(), workspace=SparsePrefillWorkspace("cpu"))
+    prefill = SparsePrefill(
+        "fp8", path="workspace", kernels=reference_kernels(), workspace=SparsePrefillWorkspace("cpu")
+    )
     args = (batch["q"], batch["cache"], batch["page_table"], batch["indices"], batch["seqlens"], 0, SM_SCALE)
     first = prefill.forward(*args)
     pointer, allocations = prefill.workspace.get(1, E4M3, 512).data_ptr(), prefill.workspace.allocations
@@ -499,27 +506,34 @@ def recording_kernels(calls: list):
     """``reference_kernels()`` whose attention records the tensors it is given."""
     kernels = reference_kernels()
 
-    def attention_fp8(q, kv, indices, sm_scale, q_scale, kv_scale, attn_sink, topk_length):
+    def attention_paged(q, cache, slots, sm_scale, attn_sink, topk_length, precision):
+        calls.append({"q": q, "cache": cache, "attn_sink": attn_sink, "precision": precision})
+        return kernels.attention_paged(q, cache, slots, sm_scale, attn_sink, topk_length, precision)
+
+    def attention_fp8(q, kv, indices, sm_scale, q_scale, kv_scale, attn_sink, topk_length, precision):
         calls.append({"q": q, "q_scale": q_scale, "kv_scale": kv_scale, "attn_sink": attn_sink})
+        calls[-1]["precision"] = precision
         return kernels.attention_fp8(q, kv, indices, sm_scale, q_scale, kv_scale, attn_sink, topk_length)
 
     def attention_bf16(q, kv, indices, sm_scale, attn_sink, topk_length):
         calls.append({"q": q, "attn_sink": attn_sink})
         return kernels.attention_bf16(q, kv, indices, sm_scale, attn_sink, topk_length)
 
-    return kernels._replace(attention_fp8=attention_fp8, attention_bf16=attention_bf16)
+    return kernels._replace(
+        attention_paged=attention_paged, attention_fp8=attention_fp8, attention_bf16=attention_bf16
+    )
 
 
-@pytest.mark.parametrize("backend", ["fp8", "bf16"])
+@pytest.mark.parametrize("backend, path", [("fp8", "paged"), ("fp8", "workspace"), ("bf16", "auto")])
 @pytest.mark.parametrize("h", [128, 48])
-def test_pipeline_hands_the_kernel_the_bf16_q(generator, backend, h):
+def test_pipeline_hands_the_kernel_the_bf16_q(generator, backend, path, h):
     """The FP8 backend passes the bfloat16 Q with ``q_scale=None`` (the kernel scales each row; no Q cast, no
     per-tensor scale) and the cached one-element kv_scale 1.0: Q itself, any head count (the bf16 backend
     likewise, without scales); a strided Q is copied into a reusable contiguous bfloat16 buffer."""
     batch = make_batch("v32", 64, 0, h=h, topk=16, generator=generator)
     calls = []
     prefill = SparsePrefill(
-        backend, kernels=recording_kernels(calls), workspace=SparsePrefillWorkspace("cpu")
+        backend, path=path, kernels=recording_kernels(calls), workspace=SparsePrefillWorkspace("cpu")
     )
     args = (batch["q"], batch["cache"], batch["page_table"], batch["indices"], batch["seqlens"], 0, SM_SCALE)
     first = prefill.forward(*args)
@@ -529,9 +543,12 @@ def test_pipeline_hands_the_kernel_the_bf16_q(generator, backend, h):
     q = batch["q"]
     for call in calls:
         assert call["q"] is q
-        if backend == "fp8":
+        if path == "workspace":
             assert call["q_scale"] is None
             assert call["kv_scale"] is calls[0]["kv_scale"] and call["kv_scale"].tolist() == [1.0]
+        elif path == "paged":
+            assert call["cache"] is batch["cache"]  # the cache itself: no workspace
+    assert (prefill.workspace.allocations == 0) == (path == "paged")  # the paged path allocates none
     assert prefill._q.allocations == 0
     strided = q.transpose(0, 1).contiguous().transpose(0, 1)
     for _ in range(2):
@@ -548,8 +565,8 @@ def test_pipeline_fp8_backend_quantises_each_row_of_q_with_its_own_scale(generat
     batch = make_batch("model1", 64, 0, h=64, topk=16, generator=generator)
     factors = torch.exp2(torch.linspace(-8, 8, 64).round())
     batch["q"] = (batch["q"].float() * factors[None, :, None]).to(BF16)
-    _, got = run_pipeline(batch, "fp8")
-    same = ground_truth(batch, "model1", SM_SCALE, kv_format="e4m3", quantize_q=True)
+    _, got = run_pipeline(batch, "fp8", path="paged")
+    same = ground_truth(batch, "model1", SM_SCALE, quantize_q=True)  # the paged path reads the cache as it is
     assert_close_to_truth(got, same, out_tol=4e-3, stat_tol=1e-6)
 
     def median_relative_error(max_logits, exact):  # of max_logits, per head, over rows with a valid slot
@@ -557,15 +574,13 @@ def test_pipeline_fp8_backend_quantises_each_row_of_q_with_its_own_scale(generat
         error = (max_logits.double() - exact[1]).abs() / exact[1].abs().clamp(min=1e-300)
         return torch.stack([error[:, head][full[:, head]].median() for head in range(64)])
 
-    exact = ground_truth(batch, "model1", SM_SCALE, kv_format="e4m3")  # the bfloat16 q, unrounded
+    exact = ground_truth(batch, "model1", SM_SCALE)  # the bfloat16 q, unrounded
     per_row_error = median_relative_error(got[1], exact)
     assert per_row_error.max() < 0.03  # about 1% for every head
     q = batch["q"]
     scale = dynamic_q_scale(q)
     per_tensor = {**batch, "q": (cast_q_fp8(q, scale)[:, :64].float() * scale).to(BF16)}
-    per_tensor_error = median_relative_error(
-        ground_truth(per_tensor, "model1", SM_SCALE, kv_format="e4m3")[1], exact
-    )
+    per_tensor_error = median_relative_error(ground_truth(per_tensor, "model1", SM_SCALE)[1], exact)
     assert per_tensor_error[:4].min() > 3 * per_row_error.max()  # the smallest heads near e4m3's subnormals
 
 
@@ -625,3 +640,65 @@ def test_forward_argument_errors(change, error, match):
 
 def test_batch_shapes_cover_every_ratio():
     assert sorted(BATCH_SHAPES) == sorted(serving.COMPRESS_RATIOS)
+
+
+def test_precision_reaches_the_kernel_and_the_environment_overrides_it(generator, monkeypatch):
+    batch = make_batch("v32", 64, 0, h=16, topk=16, generator=generator)
+    args = (batch["q"], batch["cache"], batch["page_table"], batch["indices"], batch["seqlens"], 0, SM_SCALE)
+    for path in ("paged", "workspace"):
+        calls = []
+        SparsePrefill("fp8", precision="accurate", path=path, kernels=recording_kernels(calls)).forward(*args)
+        assert [call["precision"] for call in calls] == ["accurate"]
+    monkeypatch.setenv(serving.PRECISION_ENV, "default")
+    assert SparsePrefill(precision="accurate").precision == "default"
+    monkeypatch.setenv(serving.PRECISION_ENV, "exact")
+    with pytest.raises(ValueError, match=r"\$Q8KV8_PRECISION: expected one of"):
+        SparsePrefill()
+    monkeypatch.delenv(serving.PRECISION_ENV)
+    with pytest.raises(ValueError, match="precision: expected one of"):
+        SparsePrefill(precision="exact")
+    with pytest.raises(ValueError, match="path: expected one of"):
+        SparsePrefill(path="gathered")
+
+
+@pytest.mark.parametrize("table_dtype", [torch.int32, torch.int64])
+@pytest.mark.parametrize("compress_ratio", [0, 4, 128])
+def test_slot_indices_map_rows_to_slots_and_count_the_valid_ones(generator, table_dtype, compress_ratio):
+    """Rows of the page table to its slots, -1 for every other entry (negative, past the table, an int64
+    entry at 2^31 or more), padded with -1 to the padded top-k; the valid counts as ``topk_length_for``."""
+    table = torch.randint(0, 10000, (300,), generator=generator).to(table_dtype)
+    if table_dtype == torch.int64:
+        table[7] = 2**31
+    indices = torch.randint(-5, 310, (9, 200), generator=generator, dtype=torch.int32)
+    indices[0, :3] = torch.tensor([7, 299, 300])
+    seqlens = torch.randint(0, 3000, (9,), generator=generator)
+    slots, topk_length = slot_indices_reference(indices, table, seqlens, compress_ratio, 256)
+    assert slots.shape == (9, 1, 256) and slots.dtype == topk_length.dtype == torch.int32
+    expected = [
+        [int(table[i]) if 0 <= i < 300 and int(table[i]) < 2**31 else -1 for i in row.tolist()] + [-1] * 56
+        for row in indices
+    ]
+    assert slots[:, 0].tolist() == expected
+    assert slots[0, 0, :3].tolist()[1:] == [int(table[299]), -1]
+    assert torch.equal(topk_length, serving.topk_length_for(seqlens, compress_ratio, 200))
+
+
+def test_auto_path_attends_from_the_cache_when_the_workspace_would_gather_more(generator):
+    """The "auto" path: paged when the page table holds more than ``PAGED_ROWS_PER_TILE_SLOT`` rows per (tile
+    of 64 heads, top-k slot) of the batch (a decode step over long prefixes), else the workspace (a prefill
+    chunk)."""
+    batch = make_batch("v32", 64, 0, h=16, topk=16, generator=generator)
+    s_q, num_rows = batch["q"].shape[0], batch["page_table"].shape[0]
+    args = (batch["q"], batch["cache"], batch["page_table"], batch["indices"], batch["seqlens"], 0, SM_SCALE)
+    prefill = SparsePrefill("fp8", kernels=reference_kernels())
+    prefill.forward(*args)
+    rule = "paged" if num_rows > serving.PAGED_ROWS_PER_TILE_SLOT * s_q * 128 else "workspace"
+    assert prefill.last_path == rule == "workspace"  # dozens of queries over 127 rows
+    one = tuple(
+        t[:1] if t is batch["q"] or t is batch["indices"] or t is batch["seqlens"] else t for t in args
+    )
+    prefill.forward(*one)  # one query over 127 rows: 127 > 0.4 * 128
+    assert prefill.last_path == "paged" and prefill.workspace is not None
+    assert SparsePrefill("bf16", path="paged", kernels=reference_kernels())._choose_path(
+        1, 64, 128, 10**6
+    ) == ("workspace")

@@ -4,11 +4,14 @@
   writes canonical NaNs) for both layouts, both output types, page sizes 64 and 256, int32 and int64
   page tables, extra rows, reused outputs, caches of random bytes (every bit pattern) and of
   producer-quantised values.
+- The slot-index kernel is bit-exact with its PyTorch reference (int32 and int64 tables and seqlens, every
+  compress ratio, entries outside the table).
 - ``SparsePrefill.forward`` matches the float64 ground truth decoded from the cache bytes for every
-  compress ratio, with the tolerances of ``test_kernel_gpu.py`` (the kernel rounds P to e4m3), can be
-  captured in a CUDA graph and keeps its workspace pointer. Its FP8 backend hands the kernel the bfloat16 Q
-  (quantised per row in the kernel, as the ground truth does): its results are the public call's on that
-  Q, bit for bit.
+  compress ratio, with the tolerances of ``test_kernel_gpu.py`` (the kernel rounds P to e4m3), on both FP8
+  paths (straight from the cache, and through the workspace), and can be captured in a CUDA graph. Its FP8
+  backend hands the kernel the bfloat16 Q (quantised per row in the kernel, as the ground truth does): its
+  results are the public call's on that Q (``sparse_mla_q8kv8_paged_fwd``, or ``sparse_mla_q8kv8_prefill_fwd``
+  on the workspace), bit for bit.
 - The bf16 backend runs once ``q8kv8.kernels.launch_sparse_prefill_bf16`` exists (skipped before).
 """
 
@@ -27,12 +30,12 @@ from paged_cache import (
 )
 from reference_checks import assert_outputs_match
 
-from q8kv8 import sparse_mla_q8kv8_prefill_fwd
+from q8kv8 import sparse_mla_q8kv8_paged_fwd, sparse_mla_q8kv8_prefill_fwd
 from q8kv8.metadata import pad_topk, padded_num_heads
 from q8kv8.paged_gather import gather_dequant_paged, gather_dequant_requant_fp8_paged
 from q8kv8.query import cast_q_fp8, dynamic_q_scale
-from q8kv8.reference import gather_dequant_paged_reference
-from q8kv8.serving import SparsePrefill, topk_length_for
+from q8kv8.reference import gather_dequant_paged_reference, slot_indices_reference
+from q8kv8.serving import SparsePrefill, cuda_kernels, topk_length_for
 from q8kv8.workspace import SparsePrefillWorkspace
 
 pytestmark = pytest.mark.gpu
@@ -183,15 +186,32 @@ def assert_matches(got, truth, out_tol=OUT_TOLERANCE, stat_tol=STAT_TOLERANCE):
     assert_outputs_match(tuple(t.cpu() for t in got), truth, out_tol, stat_tol)
 
 
+@pytest.mark.parametrize("compress_ratio", [0, 4, 128])
+@pytest.mark.parametrize("word_dtype", [torch.int32, torch.int64])
+def test_slot_indices_kernel_is_the_reference(generator, word_dtype, compress_ratio):
+    table = torch.randint(0, 100000, (3000,), generator=generator).to(word_dtype)
+    if word_dtype == torch.int64:
+        table[::101] = 2**31 + 5  # outside int32: -1
+    indices = torch.randint(-10, 3010, (700, 1000), generator=generator, dtype=torch.int32)
+    seqlens = torch.randint(-3, 5000, (700,), generator=generator).to(word_dtype)
+    want = slot_indices_reference(indices, table, seqlens, compress_ratio, 1024)
+    got = cuda_kernels().slot_indices(indices.cuda(), table.cuda(), seqlens.cuda(), compress_ratio, 1024)
+    for a, b in zip(got, want, strict=True):
+        assert torch.equal(a.cpu(), b)
+
+
+@pytest.mark.parametrize("path", ["paged", "workspace"])
 @pytest.mark.parametrize("h", [20, 64, 128])
 @pytest.mark.parametrize("compress_ratio", [0, 4, 128])
 @pytest.mark.parametrize("layout", ["model1", "v32"])
-def test_forward_fp8_matches_float64_ground_truth(generator, layout, compress_ratio, h):
+def test_forward_fp8_matches_float64_ground_truth(generator, layout, compress_ratio, h, path):
     batch = make_batch(layout, 64, compress_ratio, h=h, topk=16, generator=generator)
     sink = torch.randn(h, generator=generator) if h != 64 else None
-    got = forward(SparsePrefill("fp8"), cuda_batch(batch), None if sink is None else sink.cuda())
-    assert got[0].shape == (batch["q"].shape[0], h, 512)
-    assert_matches(got, ground_truth(batch, layout, SM_SCALE, sink, kv_format="e4m3", quantize_q=True))
+    prefill = SparsePrefill("fp8", path=path)
+    got = forward(prefill, cuda_batch(batch), None if sink is None else sink.cuda())
+    assert got[0].shape == (batch["q"].shape[0], h, 512) and prefill.last_path == path
+    kv_format = "e4m3" if path == "workspace" else "f64"  # the paged path reads the cache as it is
+    assert_matches(got, ground_truth(batch, layout, SM_SCALE, sink, kv_format=kv_format, quantize_q=True))
     assert_matches(got, ground_truth(batch, layout, SM_SCALE, sink), out_tol=8e-2, stat_tol=0.15)
 
 
@@ -205,13 +225,32 @@ def test_forward_bf16_matches_float64_ground_truth(generator, layout, compress_r
     assert_matches(got, ground_truth(batch, layout, SM_SCALE, sink), 2e-2, 1e-2)
 
 
+@pytest.mark.parametrize("precision", ["default", "accurate"])
+def test_forward_fp8_paged_is_the_public_paged_call(generator, precision):
+    """The layer's paged result is ``sparse_mla_q8kv8_paged_fwd`` on the bfloat16 Q, the slots its indices
+    select through the page table and their topk_length, in the layer's precision, bit for bit."""
+    batch = cuda_batch(make_batch("model1", 64, 0, h=64, topk=200, generator=generator))
+    sink = torch.randn(64, generator=generator).cuda()
+    got = forward(SparsePrefill("fp8", precision=precision, path="paged"), batch, sink)
+    slots, topk_length = slot_indices_reference(
+        batch["indices"], batch["page_table"], batch["seqlens"], 0, 256
+    )
+    want = sparse_mla_q8kv8_paged_fwd(
+        batch["q"], batch["cache"], slots, SM_SCALE, None, 512, sink, topk_length, precision=precision
+    )
+    torch.cuda.synchronize()
+    for a, b in zip(got, want, strict=True):
+        assert torch.equal(a, b)
+
+
 @pytest.mark.parametrize("h", [128, 20])
 def test_forward_fp8_is_the_public_call_on_the_bf16_q(generator, h):
-    """The layer's FP8 result is ``sparse_mla_q8kv8_prefill_fwd`` on the bfloat16 Q (zero heads appended up to
-    a multiple of 64), the gathered rows, ``q_scale=None`` and kv_scale 1.0, bit for bit."""
+    """The layer's FP8 result on the workspace path is ``sparse_mla_q8kv8_prefill_fwd`` on the bfloat16 Q
+    (zero heads appended up to a multiple of 64), the gathered rows, ``q_scale=None`` and kv_scale 1.0, bit
+    for bit."""
     batch = cuda_batch(make_batch("v32", 64, 4, h=h, topk=200, generator=generator))
     sink = torch.randn(h, generator=generator).cuda()
-    prefill = SparsePrefill("fp8")
+    prefill = SparsePrefill("fp8", path="workspace")
     got = forward(prefill, batch, sink)
     q = batch["q"]
     h_pad = padded_num_heads(h)
@@ -229,12 +268,13 @@ def test_forward_fp8_is_the_public_call_on_the_bf16_q(generator, h):
         assert torch.equal(a, b[:, :h])
 
 
-def test_forward_keeps_its_workspace_and_replays_in_a_cuda_graph(generator):
+@pytest.mark.parametrize("path", ["paged", "workspace"])
+def test_forward_replays_in_a_cuda_graph(generator, path):
     batch = cuda_batch(make_batch("v32", 64, 4, h=80, topk=200, generator=generator))
     sink = torch.randn(80, generator=generator).cuda()
-    prefill = SparsePrefill("fp8", extra_rows=3)
+    prefill = SparsePrefill("fp8", path=path, extra_rows=3)
     eager = [t.clone() for t in forward(prefill, batch, sink)]
-    pointer = prefill.workspace.get(1, E4M3).data_ptr()
+    pointer = prefill.workspace.get(1, E4M3).data_ptr() if path == "workspace" else None
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         captured = prefill.forward(
@@ -253,7 +293,10 @@ def test_forward_keeps_its_workspace_and_replays_in_a_cuda_graph(generator):
     torch.cuda.synchronize()
     for a, b in zip(eager, captured, strict=True):
         assert torch.equal(a, b)
-    assert prefill.workspace.get(1, E4M3).data_ptr() == pointer and prefill.workspace.allocations == 1
+    if path == "workspace":
+        assert prefill.workspace.get(1, E4M3).data_ptr() == pointer and prefill.workspace.allocations == 1
+    else:
+        assert prefill.workspace is None
 
 
 @pytest.mark.parametrize("device", ["cuda", torch.device("cuda"), "cuda:0", None])

@@ -31,7 +31,7 @@ def test_matches_reference_and_is_stable(make_inputs, h_q, precision, d_qk, topk
     )
     assert schedule.describe(37, h_q, topk) == "small heads, 1 token per CTA"
     first = [t.clone() for t in run_and_sync(inputs, precision=precision)]
-    assert (d_qk, precision, h_q, q_dtype) in kernels._small_head_variants
+    assert kernels.VariantKey(d_qk, precision, schedule.PERSISTENT, q_dtype, h_q) in kernels._variants
     second = run_and_sync(inputs, precision=precision)
     assert all(torch.equal(a, b) for a, b in zip(first, second, strict=True))
     assert_matches_float64_reference(first, inputs, precision)

@@ -35,7 +35,8 @@ def run_module(module: str) -> subprocess.CompletedProcess:
 
 @pytest.fixture(scope="module")
 def variants() -> dict:
-    return kernels.load_variants()
+    """The variants built at import, by name."""
+    return {variant.name: variant for variant in kernels.load_variants()}
 
 
 def test_python_m_compile_lists_every_variant_and_the_cache(variants):
@@ -105,7 +106,7 @@ def test_variant_loaders_build_exactly_the_listed_variants():
 
 
 def test_compile_main_reports_a_failure_in_one_line(monkeypatch, capsys):
-    def fail():
+    def fail(*_keys):
         raise build.KernelCompileError("q8kv8: building kernel variant v for sm_90a failed: E: boom")
 
     monkeypatch.setattr(kernels, "load_variants", fail)
@@ -155,11 +156,8 @@ def test_info_reports_versions_gpu_variants_and_cache(variants):
         assert report["gpu"] == report["arch"] == "none"
     assert [v["name"] for v in report["variants"]] == [v.name for v in kernels.listed_variants()]
     assert {v.name for v in variants.values()} < {v["name"] for v in report["variants"]}
-    q_dtypes = {option: dtype for dtype, option in kernels.KERNEL_Q_DTYPES.items()}
-    for described in report["variants"]:
-        assert described["shared_memory_bytes"] == kernels.shared_memory_bytes(
-            described["d_qk"], described["precision"], q_dtypes[described["q_dtype"]]
-        )
+    for described, variant in zip(report["variants"], kernels.listed_variants(), strict=True):
+        assert described["shared_memory_bytes"] == kernels.shared_memory_bytes(kernels.key_of(variant))
         assert described["shared_memory_bytes"] <= 227 * 1024  # fits an SM90 CTA
         assert described["registers"] is None or 0 < described["registers"] <= 168
     assert report["cache"]["dir"] == str(disk_cache.cache_dir())
@@ -314,27 +312,28 @@ def test_gather_energy_probe_compiles_for_sm90a(tmp_path):
     assert binary.stat().st_size > 0
 
 
-def test_listings_name_every_variant_once_bf16_q_split_and_small_heads_included():
-    """``listed_variants()`` (what ``python -m q8kv8.compile`` and ``q8kv8.info()`` list): the e4m3-q
-    variants, then those for a bfloat16 q (one-tile and persistent, both d_qk and precisions), then the split
-    ones (both q dtypes), then the small-head ones (8, 16, 32 heads), each once; each listed with its q
-    dtype."""
+def test_listings_name_every_variant_once_bf16_q_split_small_heads_and_paged_included():
+    """``listed_variants()`` (what ``python -m q8kv8.compile`` and ``q8kv8.info()`` list): the variants built
+    at import first, then every other one of the keyed table (for a bfloat16 q, split, small heads, paged
+    caches), each once; each listed with its q dtype and cache layout."""
     variants = kernels.listed_variants()
     names = [v.name for v in variants]
-    assert names[: len(kernels.all_variants())] == [v.name for v in kernels.all_variants()]
-    small = [name for name in names if re.search(r"_h(8|16|32)(_|$)", name)]
-    bf16_q = [n for n in names if "_bf16q" in n and not n.endswith("_split") and n not in small]
-    split = [name for name in names if name.endswith("_split")]
-    assert len(bf16_q) == len(kernels.load_bf16_q_variants()) and len(set(names)) == len(names)
-    assert len(split) == len(kernels.load_split_variants()) == 8
-    assert small == [v.name for v in kernels.load_small_head_variants().values()] and len(small) == 24
+    assert names[: len(kernels.IMPORT_KEYS)] == [key.name for key in kernels.IMPORT_KEYS]
+    assert len(set(names)) == len(names) == 72
+    assert len([name for name in names if name.endswith("_split")]) == 8 + 8  # 8 of them paged
+    assert len([name for name in names if re.search(r"_h(8|16|32)(_|$)", name)]) == 24
+    assert len([name for name in names if "_paged_" in name]) == 24
     for variant in variants:
-        assert kernels.describe(variant)["q_dtype"] == ("bf16" if "_bf16q" in variant.name else "e4m3")
+        described = kernels.describe(variant)
+        assert described["q_dtype"] == ("bf16" if "_bf16q" in variant.name else "e4m3")
+        assert described["cache"] == next(
+            (c for c in ("v32", "model1") if f"_paged_{c}" in variant.name), None
+        )
 
 
 def test_the_bf16_q_and_split_variants_are_not_built_at_import():
-    code = "import q8kv8.kernels as k, q8kv8; print(len(k._bf16_q_variants), len(k._split_variants))"
+    code = "import q8kv8.kernels as k, q8kv8; print(len(k._variants), len(k.IMPORT_KEYS))"
     result = subprocess.run(
         [sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, check=True
     )
-    assert result.stdout.strip() == "0 0"
+    assert result.stdout.strip() == "8 8"  # only the variants of the import

@@ -150,22 +150,18 @@ def quantize_staged_q_tile(
 
 
 @cute.jit
-def store_quantized_rows(words, row, part, sQ_base, row_scale_base, tile_rows: cutlass.Constexpr) -> None:
-    """This thread's part of row ``row`` of a Q tile, ``words`` (per 64-column tile the eight 32-bit words of
-    its 16 bf16 values), stored in e4m3 at shared address ``sQ_base`` (64-byte-swizzled, K-major: the
-    layout the TMA of an e4m3 tile writes); the row's four threads (``part`` 0-3, neighbouring lanes) agree
-    on its scale.
-
-    Row r is stored as e4m3(q_r / s_r) with s_r = 2^e, e the least integer with max|q_r| <= 448 * 2^e
-    (at least -126; e = 0 for a zero row): exact scaling, no saturation. s_r goes to the float32 table at
-    ``row_scale_base`` (one thread per row writes it). Finite q only."""
+def shared_row_scale(words, lanes: cutlass.Constexpr):
+    """The e4m3 scale 2^e of a row of bf16 values held by several lanes, each of them ``words`` (a list of
+    tuples of 32-bit words, two bf16 each): e the least integer with max |value| <= 448 * 2^e, at least -126
+    (e = 0 for a zero row). ``lanes``: the butterfly offsets that join the row's lanes (``(1, 2)`` for four
+    neighbouring lanes). Returns ``(e, 2^-e as bf16 in both halves of a word)``; finite values only."""
     amax = Uint32(0)
     for group in words:
         for word in group:
             amax = ptx.max_abs_bf16x2(amax, word)
     amax = amax & Uint32(0x7FFF7FFF)  # bf16 magnitude bits
     amax = ptx.max_u32(amax & Uint32(0xFFFF), amax >> Uint32(16))
-    for offset in (1, 2):  # the row's four threads
+    for offset in lanes:
         amax = ptx.max_u32(amax, Uint32(cute.arch.shuffle_sync_bfly(Int32(amax), offset=offset)))
     amax_bits = Int32(amax) << 16  # as float32 bits: m * 2^E
     exponent = Int32(0)
@@ -177,7 +173,20 @@ def store_quantized_rows(words, row, part, sQ_base, row_scale_base, tile_rows: c
         if exponent < F32_MIN_EXPONENT:
             exponent = Int32(F32_MIN_EXPONENT)
     inverse = Uint32((127 - exponent) << 7)  # 2^-e in bf16
-    inverse = inverse | (inverse << Uint32(16))  # in both halves
+    return exponent, inverse | (inverse << Uint32(16))  # in both halves
+
+
+@cute.jit
+def store_quantized_rows(words, row, part, sQ_base, row_scale_base, tile_rows: cutlass.Constexpr) -> None:
+    """This thread's part of row ``row`` of a Q tile, ``words`` (per 64-column tile the eight 32-bit words of
+    its 16 bf16 values), stored in e4m3 at shared address ``sQ_base`` (64-byte-swizzled, K-major: the
+    layout the TMA of an e4m3 tile writes); the row's four threads (``part`` 0-3, neighbouring lanes) agree
+    on its scale.
+
+    Row r is stored as e4m3(q_r / s_r) with s_r = 2^e, e the least integer with max|q_r| <= 448 * 2^e
+    (at least -126; e = 0 for a zero row): exact scaling, no saturation. s_r goes to the float32 table at
+    ``row_scale_base`` (one thread per row writes it). Finite q only."""
+    exponent, inverse = shared_row_scale(words, (1, 2))  # the row's four threads
     if part == 0:
         ptx.st_shared_u32(row_scale_base + row * 4, Uint32((127 + exponent) << 23))
     for col_tile in cutlass.range_constexpr(len(words)):

@@ -26,7 +26,7 @@ from typing import NamedTuple
 import cutlass
 import cutlass.cute as cute
 import cutlass.utils.hopper_helpers as sm90_utils
-from cutlass import Float8E4M3FN, Float32, Int32, Int64, Uint32, Uint64, const_expr
+from cutlass import Float8E4M3FN, Float32, Int32, Int64, Uint8, Uint32, Uint64, const_expr
 from cutlass.cute.nvgpu import OperandMajorMode, warpgroup
 
 from cute_kernels import ptx
@@ -59,6 +59,17 @@ from cute_kernels.sm90.mask import (
     slot_valid_bits,
 )
 from cute_kernels.sm90.named_barrier import NamedBarrierFp8
+from cute_kernels.sm90.paged_rows import (
+    RAW_SCALE_ENTRY_BYTES,
+    BlockScaleTables,
+    PagedRowGather,
+    cache_geometry,
+    convert_rope,
+    copy_paged_row,
+    page_and_position,
+    scale_columns,
+    scale_v_fragment,
+)
 from cute_kernels.sm90.ring import Ring
 from cute_kernels.sm90.row_gather import RowGather, copy_rows, slot_valid_flag, swizzle_offset
 from cute_kernels.sm90.row_views import (
@@ -95,16 +106,20 @@ SPLIT_WEIGHTS_OFFSET = SPLIT_STATS_OFFSET + max(SPLIT_PARTS) * SPLIT_STATS_BYTES
 
 PRODUCER_REGS = 24
 CONSUMER_REGS = 240
-# The small-head kernel's producer spills at 24 with an e4m3 q (its Q TMA beside that consumer code); its
-# split keeps 40 + 2 x 232 = 3 x 168, the launch's registers per thread (setmaxregister only moves registers
-# between the CTA's warps: more waits forever).
-SMALL_HEAD_E4M3_PRODUCER_REGS = 40
-SMALL_HEAD_E4M3_CONSUMER_REGS = 232
+# The small-head kernel's producer spills at 24 with an e4m3 q (its Q TMA beside that consumer code), and the
+# paged kernel's (its page and scale addressing), except where the paged consumers need the 240: with a bf16 q
+# on the persistent schedule (they spill 12-28 B at 240, 24-28 B at 232) and with an e4m3 q on the split one
+# (none at 240, 4-8 B at 232). 40 + 2 x 232 = 3 x 168, the launch's registers per thread (setmaxregister only
+# moves registers between the CTA's warps: more waits forever).
+WIDE_PRODUCER_REGS = 40
+WIDE_PRODUCER_CONSUMER_REGS = 232
 Q_DTYPES = ("e4m3", "bf16")
 # precision="accurate": S is summed in float32 from WGMMA groups of at most this many k-steps (96 elements of
 # d_qk), each started from zero: the FP8 tensor cores' own accumulation keeps about 14 bits, which costs the
 # logits ~2e-3 relative over the 18 k-steps of d_qk 576, and ~2e-4 over 3.
 QK_PROMOTION_KSTEPS = 3
+# A paged cache's scale groups are 4 k-steps (V3.2) or 2 (V4): the accurate mode sums them 2 at a time.
+PAGED_ACCURATE_CHUNK_KSTEPS = 2
 
 
 def add_into(total: cute.Tensor, part: cute.Tensor):
@@ -138,7 +153,7 @@ class Consumer(NamedTuple):
     tiled_mma_pv: cute.TiledMma
     tSrQ: cute.Tensor  # Q descriptors (MMA, 1, d_qk/32)
     tSrK: cute.Tensor  # K descriptors (MMA, 1, d_qk/32, tile)
-    tOrP: cute.Tensor  # P^T descriptors (MMA, 1, 2 k-steps, buffer * p_terms + term)
+    tOrP: cute.Tensor  # P^T descriptors (MMA, 1, 2 k-steps, term * NUM_KV_TILES + buffer)
     acc_s: cute.Tensor  # S of this consumer's block (32 f32)
     acc_o: list  # O^T, one 64x64 accumulator per d tile (4 x 32 f32)
     thr_mma_pv: cute.ThrMma  # this thread's slice of the PV MMA (V^T fragment shapes)
@@ -169,9 +184,11 @@ class Consumer(NamedTuple):
     s_head_sum: cute.Tensor = None  # small heads: smem [head, 4 consumer + warp], the warps' row sums
     # Small heads: smem [block tile], 64 bits: the validity of its slots, from the producer (produce_tile)
     s_valid_slots: cute.Tensor = None
-    # Accurate (see qk_promoted): 64 heads: ((S's N = 32 MMA accumulating, overwriting), its K descriptors per
-    # half, a [64 x 32] chunk accumulator); small heads: (None, None, a chunk accumulator the shape of S^T)
+    # Accurate (see qk_promoted) and paged (qk_paged): 64 heads: ((S's N = 32 MMA accumulating, overwriting),
+    # its K descriptors per half, a [64 x 32] chunk accumulator, paged: the RoPE lo terms' K descriptors per
+    # half); small heads: (None, None, a chunk accumulator the shape of S^T)
     qk_chunks: tuple = None
+    tables: BlockScaleTables = None  # paged: the block tiles' scale tables and RoPE staging tiles
 
 
 class SparsePrefillSm90(AttentionKernel):
@@ -188,6 +205,7 @@ class SparsePrefillSm90(AttentionKernel):
         q_dtype: str = "e4m3",
         split: bool = False,
         heads: int = B_H,
+        cache: str | None = None,
     ):
         """``precision``: "default" rounds P to one e4m3 term; "accurate" splits it into two
         (hi = e4m3(p), lo = e4m3(p - hi)) and runs the PV product once per term.
@@ -201,7 +219,10 @@ class SparsePrefillSm90(AttentionKernel):
         pairs of index slots (see ``tile_scheduler``); the ``splits`` CTAs of a tile form a cluster and merge
         their results through shared memory (``merge_parts``).
         ``heads``: 64 (a tile is 64 heads of a token, h a multiple), or one of ``SMALL_HEAD_COUNTS`` (the
-        small-head kernel: a tile is all h = ``heads`` heads of a token; not with ``split``)."""
+        small-head kernel: a tile is all h = ``heads`` heads of a token; not with ``split``).
+        ``cache``: None (kv is a [s_kv, 1, d_qk] e4m3 tensor with a per-tensor scale) or a paged cache layout,
+        "v32" or "model1" (kv is the cache, [num_pages, page_size, bytes per token] uint8, indices are its
+        token slots, and its block scales apply: ``paged_rows``; 64 heads only)."""
         if d_qk not in (512, 576):
             raise ValueError(f"d_qk must be 512 or 576, got {d_qk}")
         if precision not in ("default", "accurate"):
@@ -214,6 +235,11 @@ class SparsePrefillSm90(AttentionKernel):
             raise ValueError(f"heads must be {B_H} or one of {SMALL_HEAD_COUNTS}, got {heads}")
         if heads != B_H and split:
             raise ValueError("small heads: not split")
+        self.cache = None if cache is None else cache_geometry(cache)
+        if self.cache is not None and (self.cache.d_qk != d_qk or heads != B_H):
+            raise ValueError(
+                f"cache {cache!r}: d_qk {self.cache.d_qk} and {B_H} heads, got {d_qk} and {heads}"
+            )
         self.b_h = heads  # heads per tile: the M side of S (64), or the N side of S^T and O^T (small heads)
         self.small = heads != B_H
         # Pair p uses the KV tiles 2 (p % 2) and 2 (p % 2) + 1; block g its KV tile, P buffer and their
@@ -226,16 +252,25 @@ class SparsePrefillSm90(AttentionKernel):
         self.precision = precision
         self.q_bf16 = q_dtype == "bf16"
         self.registers = (PRODUCER_REGS, CONSUMER_REGS)  # per thread of the producer, of a consumer
-        if self.small and not self.q_bf16:
-            self.registers = (SMALL_HEAD_E4M3_PRODUCER_REGS, SMALL_HEAD_E4M3_CONSUMER_REGS)
+        consumers_need_240 = persistent if self.q_bf16 else split  # paged: they spill at 232
+        paged_producer = self.cache is not None and not consumers_need_240
+        if (self.small and not self.q_bf16) or paged_producer:
+            self.registers = (WIDE_PRODUCER_REGS, WIDE_PRODUCER_CONSUMER_REGS)
         self.p_terms = 2 if precision == "accurate" else 1  # e4m3 terms P is stored as
         self.promote_qk = precision == "accurate"  # S summed in float32 per chunk of k-steps (qk_promoted)
+        # S summed in float32 per group of k-steps: the accurate mode's chunks, or a paged cache's scale
+        # groups (in the accurate mode at most PAGED_ACCURATE_CHUNK_KSTEPS k-steps of one)
+        self.qk_in_groups = self.promote_qk or self.cache is not None
+        if self.cache is not None:
+            self.paged_chunk_ksteps = self.cache.group_ksteps
+            if self.promote_qk:
+                self.paged_chunk_ksteps = min(self.paged_chunk_ksteps, PAGED_ACCURATE_CHUNK_KSTEPS)
         # PV WGMMA groups (d tiles) in flight, each with its V^T fragment live: two; one for the persistent
         # small-head kernel with a bf16 q (which spills 40-56 B with two at 24 / 240 / 240 registers), and
         # for the 64-head kernel with its QK promoted (with two, its chunk accumulator serialises every
         # WGMMA: C7512).
         self.pv_groups_in_flight = 2
-        if (self.small and self.q_bf16 and persistent) or (self.promote_qk and not self.small):
+        if (self.small and self.q_bf16 and persistent) or (self.qk_in_groups and not self.small):
             self.pv_groups_in_flight = 1
         self.persistent = persistent
         self.split = split
@@ -252,7 +287,9 @@ class SparsePrefillSm90(AttentionKernel):
         self.q_tile_bytes = heads * d_qk
         self.q_shape = (heads, d_qk)
         self.k_shape = (B_TOPK, d_qk, NUM_KV_TILES)
-        self.p_shape = (heads, B_TOPK, NUM_KV_TILES * self.p_terms)  # [buffer][term] P tiles
+        # [term][buffer] P tiles; paged: always two terms' room, the second the RoPE staging (paged_rows)
+        self.p_shape = (heads, B_TOPK, NUM_KV_TILES * (2 if self.cache is not None else self.p_terms))
+        self.p_term_bytes = NUM_KV_TILES * heads * B_TOPK  # from a term's P tile to the next term's
 
     def shared_storage(self):
         """The CTA's shared memory: barriers and row statistics, then the Q, KV block and P tiles."""
@@ -278,6 +315,12 @@ class SparsePrefillSm90(AttentionKernel):
             if self.split:
                 mbar_merge_full: cute.struct.MemRange[Int64, 1]  # the other parts' fragments have landed
                 mbar_peers_free: cute.struct.MemRange[Int64, 1]  # the other parts' KV tiles are free
+            if self.cache is not None:  # see paged_rows.BlockScaleTables
+                scale_raw: cute.struct.Align[
+                    cute.struct.MemRange[Uint8, NUM_KV_TILES * B_TOPK * RAW_SCALE_ENTRY_BYTES], 16
+                ]
+                rope_scale: cute.struct.MemRange[Float32, NUM_KV_TILES * B_TOPK]
+                v_scales: cute.struct.MemRange[Uint32, NUM_KV_TILES * self.cache.v_groups * B_TOPK // 2]
             if self.small:
                 valid_words: cute.struct.MemRange[Uint32, NUM_KV_TILES * 2]  # [block tile, word]
                 column_max: cute.struct.MemRange[Float32, 2 * 2 * WARPS_PER_WG * self.b_h]
@@ -295,7 +338,7 @@ class SparsePrefillSm90(AttentionKernel):
     def __call__(
         self,
         mQ: cute.Tensor,  # [s_q, h, d_qk] e4m3, row-major
-        mKV: cute.Tensor,  # [s_kv, 1, d_qk] e4m3, row stride dynamic (multiple of 16 bytes)
+        mKV: cute.Tensor,  # [s_kv, 1, d_qk] e4m3, row stride a multiple of 16 bytes; paged: the cache
         mIdx: cute.Tensor,  # [s_q, 1, topk] int32, row stride dynamic
         mTopkLen: cute.Tensor,  # [s_q] int32 (read when flags & 1)
         mSink: cute.Tensor,  # [h] f32 (read when flags & 2)
@@ -317,7 +360,7 @@ class SparsePrefillSm90(AttentionKernel):
             self.kernel(
                 tma_atom_q,
                 tma_tensor_q,
-                views.kv,
+                views.kv if const_expr(self.cache is None) else mKV,
                 views.indices,
                 mTopkLen,
                 mSink,
@@ -389,6 +432,14 @@ class SparsePrefillSm90(AttentionKernel):
         sQ = tile_tensor(storage.sQ, sQ_layout)
         sK = tile_tensor(storage.sK, sK_layout)
         sP = tile_tensor(storage.sP, sP_layout)
+        tables = None
+        if const_expr(self.cache is not None):
+            tables = BlockScaleTables(
+                raw=storage.scale_raw.data_ptr().toint(),
+                rope=storage.rope_scale.data_ptr().toint(),
+                v_f16=storage.v_scales.data_ptr().toint(),
+                lo=sP.iterator.toint() + self.p_term_bytes,
+            )
         handover = (None, None)  # persistent: mbar_stats_full, mbar_tile_done
         if const_expr(self.persistent):
             handover = (storage.mbar_stats_full.data_ptr(), storage.mbar_tile_done.data_ptr())
@@ -418,6 +469,7 @@ class SparsePrefillSm90(AttentionKernel):
                 mbar_kv_full,
                 mbar_kv_empty,
                 tiles,
+                tables,
             )
         else:
             cute.arch.setmaxregister_increase(self.registers[1])
@@ -472,6 +524,7 @@ class SparsePrefillSm90(AttentionKernel):
                 flags,
                 tiles,
                 small_tables,
+                tables,
             )
             # A split tail ends after the one-tile launch before it. (Here, not after the branches: the
             # producer's warps run on fewer registers than the code after the join would use.)
@@ -531,6 +584,7 @@ class SparsePrefillSm90(AttentionKernel):
         mbar_kv_full,
         mbar_kv_empty,
         tiles,
+        tables,
     ):
         """WG0, per tile: Q by TMA (one thread; persistent: once both consumers' QKs of the previous
         tile are done; ``stage_q``: the bf16 rows, see ``produce_tile``), then the pair-by-pair row
@@ -539,7 +593,10 @@ class SparsePrefillSm90(AttentionKernel):
         warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
         lane = cute.arch.lane_idx()
         # Lane: 16-byte chunk lane % 4 of each 64-byte column tile (of rows lane // 4 + 8i).
-        gather = RowGather(mKV, sK, self.d_qk, lane, SW64_TILE_COLS, B_TOPK)
+        if const_expr(self.cache is None):
+            gather = RowGather(mKV, sK, self.d_qk, lane, SW64_TILE_COLS, B_TOPK)
+        else:
+            gather = PagedRowGather(mKV, self.cache, sK.iterator.toint(), tables.lo, tables.raw, lane)
         block_in_pair = warp_idx // 2  # warps 0-1: first block, warps 2-3: second block
         row_base = (warp_idx % 2) * 32  # this warp's 32 rows inside its block
         lane_row = lane // 4  # row (of 8) this lane copies per 8-row group
@@ -613,8 +670,12 @@ class SparsePrefillSm90(AttentionKernel):
             slot = pair * PAIR + warp_idx * 32 + lane
             if const_expr(self.split):
                 slot += work.slot_base
-            kv_row = mIdx[work.token, slot]
-            is_valid = slot_valid_flag(kv_row, slot, gather.s_kv, work.valid_len)
+            kv_row = mIdx[work.token, slot]  # paged: a token slot of the cache
+            if const_expr(self.cache is None):
+                is_valid = slot_valid_flag(kv_row, slot, gather.s_kv, work.valid_len)
+            else:
+                is_valid = slot_valid_flag(kv_row, slot, gather.num_slots, work.valid_len)
+                page, position = page_and_position(gather, kv_row, is_valid)
             cute.arch.mbarrier_wait(empty_barrier, phase ^ 1)
             if const_expr(self.small):  # the warp's 32 slots' validity (the consumers read it after kv_full)
                 valid_word = cute.arch.vote_ballot_sync(is_valid != 0)
@@ -624,9 +685,15 @@ class SparsePrefillSm90(AttentionKernel):
             tile_base = gather.sK_base + (stage * 2 + block_in_pair) * self.k_tile_bytes
             for group in cutlass.range_constexpr(4):  # lane l holds the index of the warp's row l
                 src_lane = group * 8 + lane_row
-                row_kv = cute.arch.shuffle_sync(kv_row, src_lane)
                 row_valid = cute.arch.shuffle_sync(is_valid, src_lane)
-                copy_rows(gather, tile_base, row_base + group * 8 + lane_row, ((0, row_kv, row_valid),))
+                row = row_base + group * 8 + lane_row
+                if const_expr(self.cache is None):
+                    row_kv = cute.arch.shuffle_sync(kv_row, src_lane)
+                    copy_rows(gather, tile_base, row, ((0, row_kv, row_valid),))
+                else:
+                    row_page = cute.arch.shuffle_sync(page, src_lane)
+                    row_position = cute.arch.shuffle_sync(position, src_lane)
+                    copy_paged_row(gather, stage * 2 + block_in_pair, row, row_page, row_position, row_valid)
             cute.arch.cp_async_mbarrier_arrive_noinc(full_barrier)
 
     @cute.jit
@@ -681,6 +748,7 @@ class SparsePrefillSm90(AttentionKernel):
         flags,
         tiles,
         small_tables,
+        tables,
     ):
         """WG1/WG2: S and P of own blocks c, c + 2, ..., O^T for half c of d_v over every block (bf16 q:
         first the tile's Q, see ``load_q_bf16``; small heads: S^T and P^T)."""
@@ -720,10 +788,10 @@ class SparsePrefillSm90(AttentionKernel):
         else:
             tSrQ = tiled_mma_qk.make_fragment_A(thr_mma_qk.partition_A(sQ))  # (MMA, 1, d_qk/32)
             tSrK = tiled_mma_qk.make_fragment_B(thr_mma_qk.partition_B(sK))  # (MMA, 1, d_qk/32, tile)
-        tOrP = tiled_mma_pv.make_fragment_B(thr_mma_pv.partition_B(sP))  # (MMA, 1, 2, buffer*terms+term)
+        tOrP = tiled_mma_pv.make_fragment_B(thr_mma_pv.partition_B(sP))  # (MMA, 1, 2, term * 4 + buffer)
         acc_s = cute.make_rmem_tensor(thr_mma_qk.partition_shape_C(s_tile), Float32)
         qk_chunks = None
-        if const_expr(self.promote_qk):
+        if const_expr(self.qk_in_groups):
             if const_expr(self.small):  # S^T is small: a chunk accumulator its shape
                 qk_chunks = (None, None, cute.make_rmem_tensor(thr_mma_qk.partition_shape_C(s_tile), Float32))
             else:  # S in two N = 32 halves: one [64 x 32] chunk accumulator (16 registers)
@@ -739,10 +807,21 @@ class SparsePrefillSm90(AttentionKernel):
                 thr_half = half_mmas[0].get_slice(wtid)
                 k_half_tile = (B_TOPK // 2, self.d_qk, NUM_KV_TILES)
                 k_halves = [cute.local_tile(sK, k_half_tile, (h, 0, 0)) for h in range(2)]
+                lo_fragments = None
+                if const_expr(self.cache is not None):  # the RoPE lo terms, in the P tiles of the second term
+                    lo_tiles = cute.local_tile(sP, (B_TOPK, B_TOPK, NUM_KV_TILES), (0, 0, 1))
+                    lo_halves = [
+                        cute.local_tile(lo_tiles, (B_TOPK // 2, B_TOPK, NUM_KV_TILES), (h, 0, 0))
+                        for h in range(2)
+                    ]
+                    lo_fragments = [
+                        half_mmas[0].make_fragment_B(thr_half.partition_B(lo)) for lo in lo_halves
+                    ]
                 qk_chunks = (
                     half_mmas,
                     [half_mmas[0].make_fragment_B(thr_half.partition_B(k_half)) for k_half in k_halves],
                     cute.make_rmem_tensor(thr_half.partition_shape_C(half), Float32),
+                    lo_fragments,
                 )
         acc_o = [
             cute.make_rmem_tensor(thr_mma_pv.partition_shape_C((64, self.b_h)), Float32)
@@ -794,13 +873,15 @@ class SparsePrefillSm90(AttentionKernel):
             mbar_merge_full=merge_barriers[0],
             mbar_peers_free=merge_barriers[1],
             mIdx=mIdx,
-            s_kv=cute.size(mKV, mode=[0]),
+            s_kv=cute.size(mKV, mode=[0])
+            * (1 if const_expr(self.cache is None) else cute.size(mKV, mode=[1])),
             s_valid_slots=cute.recast_tensor(s_valid_words, Uint64) if const_expr(self.small) else None,
             # bf16 q: the rows' own scales join in consume_tile
             scale_log2=(mKVScale[0] if const_expr(self.q_bf16) else mQScale[0] * mKVScale[0]) * sm_scale_log2,
             s_column_max=small_tables[0] if const_expr(self.small) else None,
             s_head_sum=small_tables[1] if const_expr(self.small) else None,
             qk_chunks=qk_chunks,
+            tables=tables,
         )
 
         tile_barriers = (mbar_q, mbar_q_empty)
@@ -1002,7 +1083,9 @@ class SparsePrefillSm90(AttentionKernel):
         ring = c.work.block_base + block
         tile = self.kv_ring.index(ring)
         cute.arch.mbarrier_wait(c.mbar_kv_full + tile, self.kv_ring.phase(ring))
-        if const_expr(self.promote_qk):
+        if const_expr(self.cache is not None):
+            self.qk_paged(c, tile)
+        elif const_expr(self.promote_qk):
             self.qk_promoted(c, tile)
         else:
             self.queue_qk_steps(c, c.acc_s, tile, range(self.d_qk // 32))
@@ -1063,6 +1146,60 @@ class SparsePrefillSm90(AttentionKernel):
         warpgroup.wait_group(0)
         add_into(total, part)
 
+    def qk_paged(self, c: Consumer, tile):
+        """S = Q . K^T from a paged cache's block tile (``paged_rows``): sum over the scale groups g of
+        sigma[slot, g] * (Q_g . K_g^T), summed in float32 from WGMMA groups of ``paged_chunk_ksteps`` k-steps
+        (a scale group, or in the accurate mode at most ``PAGED_ACCURATE_CHUNK_KSTEPS`` of it; S in its two
+        N = 32 halves, as ``qk_promoted``), the RoPE a last group of its two e4m3 terms with its row scales.
+        The first chunk lands in S while this warpgroup converts the block's staged RoPE (``convert_rope``).
+        Returns with S complete."""
+        geo = self.cache
+        part = c.qk_chunks[2]
+        s_half = [cute.make_tensor(c.acc_s.iterator + h * cute.size(part), part.layout) for h in (0, 1)]
+        for h in (0, 1):
+            self.queue_qk_steps(c, s_half[h], tile, range(self.paged_chunk_ksteps), h)
+        convert_rope(
+            geo,
+            c.tables,
+            c.sK_base + tile * self.k_tile_bytes + geo.rope_column * TILE_ROW_GROUP_BYTES,
+            tile,
+            c.warp * 32 + c.lane,
+        )
+        cute.arch.fence_proxy("async.shared", space="cta")  # the stores, seen by the WGMMAs
+        cute.arch.barrier(
+            barrier_id=int(NamedBarrierFp8.RopeConverted0) + c.index, number_of_threads=THREADS_PER_WG
+        )
+        warpgroup.wait_group(0)
+        for h in (0, 1):
+            scale_columns(geo, c.tables, s_half[h], None, tile, 0, 32 * h, c.quad_lane, True)
+        for h in (0, 1):
+            self.sum_scale_groups(c, tile, s_half[h], h)
+
+    @cute.jit
+    def sum_scale_groups(self, c: Consumer, tile, total: cute.Tensor, half: cutlass.Constexpr):
+        """Paged: ``total`` (S's N = 32 half ``half``) += sigma * each later chunk's product, then the RoPE's,
+        one at a time through the chunk accumulator (a loop, as ``sum_chunks``)."""
+        geo = self.cache
+        part = c.qk_chunks[2]
+        chunk_ksteps = self.paged_chunk_ksteps
+        chunks_per_group = geo.group_ksteps // chunk_ksteps
+        for chunk in cutlass.range(1, geo.groups * chunks_per_group, unroll=1):
+            self.queue_qk_steps(c, part, tile, [chunk * chunk_ksteps + j for j in range(chunk_ksteps)], half)
+            warpgroup.wait_group(0)
+            group = chunk // chunks_per_group
+            scale_columns(geo, c.tables, total, part, tile, group, 32 * half, c.quad_lane, False)
+        # The RoPE: its hi term in the block tile's RoPE column, its lo term in the staging tile
+        rope = geo.rope_column * 2  # its first k-step
+        operands = [(rope + j, c.qk_chunks[1][half][None, None, rope + j, tile]) for j in range(2)]
+        operands += [(rope + j, c.qk_chunks[3][half][None, None, j, tile]) for j in range(2)]
+        warpgroup.fence()
+        for i, (q_step, k_operand) in enumerate(operands):
+            mma = c.qk_chunks[0][1 if i == 0 else 0]
+            cute.gemm(mma, part, c.tSrQ[None, None, q_step], k_operand, part)
+        warpgroup.commit_group()
+        warpgroup.wait_group(0)
+        scale_columns(geo, c.tables, total, part, tile, geo.groups, 32 * half, c.quad_lane, False)
+
     @cute.jit
     def softmax_own(self, c: Consumer, block, block_maxima):
         """Softmax of an own block: m_block from m_{block-1} (published by the other consumer)
@@ -1075,7 +1212,7 @@ class SparsePrefillSm90(AttentionKernel):
         row_scales = c.scale_log2
         if const_expr(not isinstance(c.scale_log2, tuple)):
             row_scales = (c.scale_log2,) * self.rows_per_thread
-        tile_addr = c.sP_base + buffer * self.p_terms * (self.b_h * B_TOPK)
+        tile_addr = c.sP_base + buffer * (self.b_h * B_TOPK)  # the hi term's tile
         prev_buffer = self.kv_ring.index_before(ring)
         if block > 0:
             cute.arch.mbarrier_wait(c.mbar_p_full + prev_buffer, self.kv_ring.phase(ring - 1))
@@ -1171,13 +1308,13 @@ class SparsePrefillSm90(AttentionKernel):
                     word = ptx.prmt(own, received, 0x3524) if odd == 1 else ptx.prmt(own, received, 0x5140)
                 else:
                     word = ptx.prmt(own, received, 0x3726) if odd == 1 else ptx.prmt(own, received, 0x7160)
-                ptx.st_shared_u32(addr + term * (self.b_h * B_TOPK), word)
+                ptx.st_shared_u32(addr + term * self.p_term_bytes, word)
 
     @cute.jit
     def exp_and_store_p(self, c: Consumer, r, row, logit_scale, bias, tile_addr):
         """Row ``r`` of this thread's S (left unchanged): p = 2^(S * scale - bias) in f32, stored as
         e4m3 P (one term; "accurate": rounded to f16, then the terms hi = e4m3(p) and lo = e4m3(p - hi),
-        the lo tile after the hi one); returns the sum of the 16 p (in f32).
+        the lo tile ``p_term_bytes`` after the hi one); returns the sum of the 16 p (in f32).
 
         Slot order inside a 32-slot k-step (sigma): k = 4t + b holds slot
         [2t, 2t+1, 8+2t, 9+2t][b] and k + 16 holds slot + 16 -- the order that ldmatrix.trans +
@@ -1199,7 +1336,7 @@ class SparsePrefillSm90(AttentionKernel):
                 addr = tile_addr + swizzle_offset(row, 2 * kstep + half, SW64_TILE_COLS) + 4 * c.quad_lane
                 ptx.st_shared_u32(addr, words[0])
                 if const_expr(self.p_terms == 2):
-                    ptx.st_shared_u32(addr + B_H * B_TOPK, words[1])  # the lo term's tile follows
+                    ptx.st_shared_u32(addr + self.p_term_bytes, words[1])
         return block_sum
 
     @cute.jit
@@ -1287,6 +1424,18 @@ class SparsePrefillSm90(AttentionKernel):
             )
             for half in cutlass.range_constexpr(2):
                 self.load_v_fragment(words, 2 * i + half, tile_base, half, c.warp, c.lane)
+                if const_expr(self.cache is not None):  # V times its slots' scales (paged_rows)
+                    group = d_tile // (8 // self.cache.v_groups)
+                    scale_v_fragment(
+                        self.cache,
+                        c.tables,
+                        words,
+                        2 * i + half,
+                        self.kv_ring.index(block),
+                        group,
+                        half,
+                        c.quad_lane,
+                    )
         warpgroup.fence()
         for i, block in enumerate(blocks):
             for half in cutlass.range_constexpr(2):
@@ -1295,7 +1444,7 @@ class SparsePrefillSm90(AttentionKernel):
                         c.tiled_mma_pv,
                         c.acc_o[mt],
                         frag[None, None, 2 * i + half],
-                        c.tOrP[None, None, half, self.kv_ring.index(block) * self.p_terms + term],
+                        c.tOrP[None, None, half, term * NUM_KV_TILES + self.kv_ring.index(block)],
                         c.acc_o[mt],
                     )
         warpgroup.commit_group()

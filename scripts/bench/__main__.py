@@ -133,6 +133,11 @@ def main(argv: list[str] | None = None) -> int:
         default=str(REPO / "bench" / "out"),
         help="folder for results.json / results.png",
     )
+    paged = parser.add_mutually_exclusive_group()
+    paged.add_argument(
+        "--paged", action="store_true", help="every chunked-prefill shape of the paged section"
+    )
+    paged.add_argument("--no-paged", action="store_true", help="skip the paged-cache section")
     serving = parser.add_mutually_exclusive_group()
     serving.add_argument("--serving", action="store_true", help="every serving layer shape (paged path)")
     serving.add_argument("--no-serving", action="store_true", help="skip the serving section")
@@ -240,6 +245,10 @@ def main(argv: list[str] | None = None) -> int:
         from scripts.bench import serving
 
         report["serving"] = serving.run(args.rep, full=args.serving)
+    if not args.no_paged:
+        from scripts.bench import paged as paged_section
+
+        report["paged"] = paged_section.run(args.rep, full=args.paged)
     out_dir = Path(args.out)
     out_dir.mkdir(parents=True, exist_ok=True)
     (out_dir / "results.json").write_text(json.dumps(report, indent=2))

@@ -70,8 +70,10 @@ def bench_layer(context: int, h: int, rep_ms: int) -> dict:
     flops = 2.0 * S_Q * TOPK * h * (D_QK + 512)
     row = {"context": context, "h": h, "s_q": S_Q, "topk": TOPK, "layout": "v32", "flops": flops}
 
-    prefill = SparsePrefill("fp8")
+    prefill = SparsePrefill("fp8", path="workspace")
     prefill.forward(**inputs)  # builds the kernels and the workspace
+    paged = SparsePrefill("fp8", path="paged")
+    paged.forward(**inputs)
 
     # The same work piece by piece, on the same buffers: the kernel on an e4m3 Q (cast with one per-tensor
     # scale) and on the layer's bf16 Q; and the bf16 backend's layer and kernel. The arms are timed in
@@ -87,6 +89,7 @@ def bench_layer(context: int, h: int, rep_ms: int) -> dict:
     sm_scale = inputs["sm_scale"]
     arms = {
         "layer_fp8_ms": lambda: prefill.forward(**inputs),
+        "layer_paged_ms": lambda: paged.forward(**inputs),
         "kernel_ms": lambda: sparse_mla_q8kv8_prefill_fwd(
             q8, kv, indices, sm_scale, q_scale, one, 512, None, topk_length
         ),
@@ -149,10 +152,13 @@ def run(rep_ms: int = 300, full: bool = False) -> dict:
     shapes = LAYER_SHAPES if full else LIGHT_LAYER_SHAPES
     print(
         f"\nserving: V3.2 paged cache (page {PAGE_SIZE}), s_q {S_Q}, topk {TOPK}, d_qk {D_QK}; ms (TF/s); "
-        "kernel: on an e4m3 Q; x: layer fp8 / kernel; kernel bf16q: on the layer's bf16 Q; q cast: e4m3 Q's"
+        "kernel: on an e4m3 Q; layer fp8: the workspace path, paged: straight from the cache; x: over "
+        "kernel; "
+        "kernel bf16q: on the layer's bf16 Q; q cast: e4m3 Q's"
     )
     header = (
         f"{'context':>7s} {'h':>4s} | {'kernel':>14s} | {'layer fp8':>14s} {'x':>5s} | "
+        f"{'paged':>14s} {'x':>5s} | "
         f"{'kernel bf16q':>14s} | {'gather':>7s} {'GB/s':>6s} | {'q cast':>7s} | {'layer bf16':>14s} | "
         f"{'kernel bf16':>14s}"
     )
@@ -168,8 +174,10 @@ def run(rep_ms: int = 300, full: bool = False) -> dict:
         bf16 = rate(row["layer_bf16_ms"]) if "layer_bf16_ms" in row else f"{'n/a':>14s}"
         kernel_bf16 = rate(row["kernel_bf16_ms"]) if "kernel_bf16_ms" in row else f"{'n/a':>14s}"
         ratio = row["layer_fp8_ms"] / row["kernel_ms"]  # the layer over the e4m3-q kernel alone
+        paged_ratio = row["layer_paged_ms"] / row["kernel_ms"]
         print(
             f"{context:7d} {h:4d} | {rate(row['kernel_ms'])} | {rate(row['layer_fp8_ms'])} {ratio:5.2f} | "
+            f"{rate(row['layer_paged_ms'])} {paged_ratio:5.2f} | "
             f"{rate(row['kernel_bf16q_ms'])} | {row['gather_ms']:7.3f} {row['gather_gbps']:6.0f} | "
             f"{row['q_cast_ms']:7.3f} | {bf16} | {kernel_bf16}",
             flush=True,

@@ -41,7 +41,7 @@ def main() -> None:
     )  # fmt: skip
     allocating_call = call._replace(out=None, max_logits=None, lse=None)
     extension = native.load()
-    variant = kernels.load_variants()[576, "default"]
+    variant = kernels.load(kernels.VariantKey(576))
     no_tl, no_sink = kernels.placeholders(inputs["q_scale"], inputs["kv_scale"])
     ffi_args = (
         inputs["q"], inputs["kv"], inputs["indices"], no_tl, no_sink, inputs["q_scale"], inputs["kv_scale"],

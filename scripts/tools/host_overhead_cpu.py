@@ -85,7 +85,6 @@ def main() -> None:
     torch.cuda.current_device = lambda: None  # CPU tensors have device index None (one GPU: never switch)
     variant = types.SimpleNamespace(function=lambda *args: None, name="no-op", d_qk=D_QK)
     kernels._variants = _EveryKey(variant)
-    kernels._persistent_variants = _EveryKey(variant)
     schedule = getattr(q8kv8, "schedule", None)
     if schedule is not None:
         schedule._sm_counts = _EveryKey(132)  # the multiprocessor count of a stand-in H100/H200

@@ -24,7 +24,7 @@ from pathlib import Path
 
 import torch
 
-from q8kv8 import build, eager, kernels
+from q8kv8 import build, eager, kernels, schedule
 from scripts.bench.common import SHAPES, check, make_inputs, time_ms
 
 # name: (kernel options, tile schedule)
@@ -39,10 +39,15 @@ VARIANTS = {
 }
 
 
+def variant_key(d_qk: int, options: dict) -> kernels.VariantKey:
+    """The registry key of a variant's options (``tiles_per_cta`` is a launch argument)."""
+    kind = schedule.PERSISTENT if options.get("persistent") else schedule.ONE_TILE
+    return kernels.VariantKey(d_qk, options.get("precision", "default"), kind)
+
+
 def build_variant(d_qk: int, options: dict):
-    options = {k: v for k, v in options.items() if k != "tiles_per_cta"}  # a launch argument
     with tempfile.TemporaryDirectory() as dump:
-        compiled = kernels._compile(d_qk, Path(dump), **options)
+        compiled = kernels._compile(variant_key(d_qk, options), Path(dump))
     with tempfile.NamedTemporaryFile(suffix=".ptx", mode="w") as ptx:
         ptx.write(compiled.__ptx__)
         ptx.flush()
@@ -118,13 +123,13 @@ def main() -> None:
                 continue
             precision = options.get("precision", "default")
             # The built kernel replaces the registered variant of its kind; the schedule is forced.
-            registry = kernels._persistent_variants if options.get("persistent") else kernels._variants
             forced_schedule = eager.forced_tiles_per_cta(
                 options.get("tiles_per_cta", 1) if options.get("persistent") else 0
             )
             forced_schedule.__enter__()
-            saved = registry.get((d_qk, precision))
-            registry[d_qk, precision] = build.Variant(
+            key = variant_key(d_qk, options)
+            saved = kernels._variants.get(key)
+            kernels._variants[key] = build.Variant(
                 name, d_qk, precision, compiled, "compiled", 0.0, Path(), None
             )
             for shape, s_q, s_kv, h_q, dq, topk, tl_mode in shapes:
@@ -150,7 +155,10 @@ def main() -> None:
                     f"    {shape:30s} {ms:8.3f} ms {flops / ms / 1e9:7.0f} TF/s  rel err {err:.2e}{power}",
                     flush=True,
                 )
-            registry[d_qk, precision] = saved
+            if saved is None:
+                kernels._variants.pop(key)
+            else:
+                kernels._variants[key] = saved
             forced_schedule.__exit__(None, None, None)
     if sampler is not None:
         sampler.close()

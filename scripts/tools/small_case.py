@@ -10,7 +10,9 @@ K = 4 one CTA walks all four tiles, among them one with no valid slot and one wi
 forces the split schedule (N parts per tile, 2 or 4, merged in the cluster; with N = 2 the second range holds
 no valid slot of two rows); with ``--split-from T`` only the tokens from T on (a split tail: the others in a
 one-tile launch before). ``--heads N`` runs N heads (8, 16, 32: the small-head kernel; a count that 64
-does not divide, 48 or 100 say: each token's last tile of 64 rows partly filled).
+does not divide, 48 or 100 say: each token's last tile of 64 rows partly filled). ``--paged v32|model1``
+attends straight from a paged cache of that layout (``sparse_mla_q8kv8_paged_fwd``: 12 pages of 64 tokens,
+the indices its token slots), against the float64 reference on the dequantised cache.
 """
 
 import argparse
@@ -20,8 +22,8 @@ import sys
 
 import torch
 
-from q8kv8 import eager, sparse_mla_q8kv8_prefill_fwd
-from q8kv8.reference import sparse_mla_prefill_reference
+from q8kv8 import eager, sparse_mla_q8kv8_paged_fwd, sparse_mla_q8kv8_prefill_fwd
+from q8kv8.reference import sparse_mla_paged_reference, sparse_mla_prefill_reference
 
 
 def main() -> int:
@@ -36,12 +38,19 @@ def main() -> int:
     parser.add_argument("--split-from", type=int, default=0, help="with --splits: the first token split")
     parser.add_argument("--heads", type=int, default=64, help="heads (8, 16, 32: small-head kernel)")
     parser.add_argument("--topk-length", default="256,100,0,200", help="the four rows' topk_length")
+    parser.add_argument("--paged", default=None, choices=("v32", "model1"), help="a paged cache's layout")
     args = parser.parse_args()
     torch.manual_seed(args.seed)
     s_q, h_q, s_kv, d_qk, topk = 4, args.heads, 700, 576, 256
+    if args.paged is not None:
+        from scripts.bench.paged import make_cache
+
+        d_qk = 576 if args.paged == "v32" else 512
+        cache = make_cache(12 * 64, args.paged)
+        s_kv = 12 * 64
     q = torch.randn(s_q, h_q, d_qk, device="cuda")
     q = q.to(torch.bfloat16 if args.q_dtype == "bf16" else torch.float8_e4m3fn)
-    kv = torch.randn(s_kv, 1, d_qk, device="cuda").to(torch.float8_e4m3fn)
+    kv = torch.randn(s_kv, 1, d_qk, device="cuda").to(torch.float8_e4m3fn) if args.paged is None else None
     indices = torch.randint(-50, s_kv + 50, (s_q, 1, topk), dtype=torch.int32, device="cuda")
     indices[1] = -1
     inputs = {
@@ -61,10 +70,15 @@ def main() -> int:
         schedule = eager.forced_tiles_per_cta(args.tiles_per_cta)
     elif args.splits is not None:
         schedule = eager.forced_splits(args.splits, args.split_from)
+    if args.paged is not None:
+        del inputs["kv"], inputs["kv_scale"]
+        inputs["cache"] = cache
+    call = sparse_mla_q8kv8_prefill_fwd if args.paged is None else sparse_mla_q8kv8_paged_fwd
     with schedule:
-        out, max_logits, lse = sparse_mla_q8kv8_prefill_fwd(**inputs, precision=args.precision)
+        out, max_logits, lse = call(**inputs, precision=args.precision)
     torch.cuda.synchronize()
-    ref_out, ref_max, ref_lse = sparse_mla_prefill_reference(**inputs)
+    reference = sparse_mla_prefill_reference if args.paged is None else sparse_mla_paged_reference
+    ref_out, ref_max, ref_lse = reference(**inputs)
     full = torch.isfinite(ref_lse)
     rel = ((out.double() - ref_out).norm() / ref_out.norm()).item()
     lse_err = (lse.double() - ref_lse)[full].abs().max().item()
@@ -76,6 +90,8 @@ def main() -> int:
         f"out rel err {rel:.3e}, lse err {lse_err:.2e}, max_logits err {max_err:.2e}, sentinels {sentinels}"
     )
     limit = 5e-3 if args.precision == "accurate" else 4e-2
+    if args.paged == "model1":  # V's RoPE dims one e4m3 term with a row scale (tests/test_paged_gpu.py)
+        limit = max(limit, 1.5e-2)
     ok = rel <= limit and lse_err <= 1e-2 and max_err <= 1e-2 and sentinels and not torch.isnan(out).any()
     print("OK" if ok else "MISMATCH")
     return 0 if ok else 1

@@ -1,0 +1,67 @@
+"""A serving layer's top-k rows -> the paged cache's token slots, and each query's valid slot count.
+
+``slots[i, 0, j] = page_table[indices[i, j]]`` for ``j < topk`` and ``0 <= indices[i, j] < num_rows`` (an
+int64 table's entries at or above 2^31 count as outside), else -1, for every ``j`` of the padded top-k of
+``slots``; ``topk_length[i] = min(max(seqlens[i] // ratio, 0), topk)`` (``seqlens[i]`` itself for ratio 0):
+the rows a query of a compressed (ratio r) or uncompressed cache sees, of the top-k the caller gave. One
+launch for what a layer would otherwise compute in several PyTorch operations; one CTA per query row.
+
+Constraints: indices' last dim contiguous.
+"""
+
+import cutlass
+import cutlass.cute as cute
+from cutlass import Int32
+
+THREADS = 128
+
+
+class PagedIndicesSm90:
+    """No compile-time configuration: the table's words (1: int32, 2: int64) are a runtime extent."""
+
+    @cute.jit
+    def __call__(
+        self,
+        mIndices: cute.Tensor,  # [s_q, topk] int32, row stride dynamic
+        mTable: cute.Tensor,  # [num_rows, words] int32: an int32 table, or an int64 one's (lo, hi) words
+        mSeqlens: cute.Tensor,  # [s_q, words] int32: int32 or int64 seqlens, as the table
+        mSlots: cute.Tensor,  # [s_q, 1, topk_pad] int32, row-major
+        mTopkLength: cute.Tensor,  # [s_q] int32
+        ratio: Int32,  # 0: uncompressed
+        stream,
+    ):
+        self.kernel(mIndices, mTable, mSeqlens, mSlots, mTopkLength, ratio).launch(
+            grid=[cute.size(mSlots, mode=[0]), 1, 1], block=[THREADS, 1, 1], stream=stream
+        )
+
+    @cute.kernel
+    def kernel(self, mIndices, mTable, mSeqlens, mSlots, mTopkLength, ratio: Int32):
+        thread, _, _ = cute.arch.thread_idx()
+        row, _, _ = cute.arch.block_idx()
+        topk = cute.size(mIndices, mode=[1])
+        topk_pad = cute.size(mSlots, mode=[2])
+        num_rows = cute.size(mTable, mode=[0])
+        wide = cute.size(mTable, mode=[1]) > 1
+        for j in cutlass.range(thread, topk_pad, THREADS, unroll=1):
+            slot = Int32(-1)
+            if j < topk:
+                index = mIndices[row, j]
+                if (index >= 0) & (index < num_rows):
+                    slot = mTable[index, 0]
+                    if wide:
+                        if mTable[index, 1] != 0:
+                            slot = Int32(-1)
+                    if slot < 0:  # negative (int64: from 2^31 on)
+                        slot = Int32(-1)
+            mSlots[row, 0, j] = slot
+        if thread == 0:
+            seen = mSeqlens[row, 0]
+            if cute.size(mSeqlens, mode=[1]) > 1:  # int64: at or beyond 2^31 counts as 2^31 - 1
+                high = mSeqlens[row, 1]
+                if high < 0:
+                    seen = Int32(0)
+                elif (high > 0) | (seen < 0):
+                    seen = Int32(2**31 - 1)
+            if ratio > 0:
+                seen = seen // ratio
+            mTopkLength[row] = cutlass.min(cutlass.max(seen, 0), topk)

@@ -1,0 +1,231 @@
+"""Rows of a paged FP8 KV cache (DeepSeek V3.2 and V4 / MODEL1), gathered straight into the attention
+kernel's block tiles, and the block scales that come with them.
+
+Producer (``PagedRowGather``, ``copy_paged_row``): a row's token slot s is position s % page_size of page
+s // page_size. Its e4m3 nope bytes are copied as they are (16-byte ``cp.async``) into the block tile's
+column tiles; its 64 bf16 RoPE values (128 bytes) are staged, half into the tile's RoPE column tile and half
+into a staging tile beside it (the P buffer's second term); its raw scale record (V3.2: four float32, one per
+128 nope values; V4: seven UE8M0 bytes, one per 64, and a pad byte) goes to the block's scale table. An
+invalid slot's copies are zero-filled (nothing is read). The copies carry no L2 cache policy: with one, ptxas
+has addressed them through uniform registers that nothing writes (``tests/test_kernel_build.py`` checks the
+SASS of every variant).
+
+The block's owner (``convert_rope``, before its QK product): the staged RoPE of each row to two e4m3 terms
+with a power-of-two scale of its own (``shared_row_scale``): hi in place in the RoPE column tile, the residual
+lo = e4m3(x - hi) into the staging tile (about 8 significant bits together, as many as bf16 has); the rows'
+scales of the groups the PV product reads as f16 [group][slot]. V's RoPE dims (V4: V is the whole row) are
+hi alone: the accurate mode's P keeps the staging tile for its lo term.
+
+Then S = sum over scale groups g of sigma[row, g] * (Q_g . K_g^T), the RoPE a group of its own (its row
+scale, hi and lo), each group's product summed in float32 (``scale_columns``), and the V^T fragments of the
+PV product are multiplied by their slots' f16 scales and rounded to e4m3 (``scale_v_fragment``): exact for
+power-of-two scales whose products stay in e4m3's range (FlashMLA's V3.2 quantiser, V4's UE8M0), rounded
+once otherwise (as a gathered e4m3 copy of the cache is).
+
+Constraints: page_size a power of two, cache base and page stride 16-byte aligned, num_pages * page_size <
+2^31.
+"""
+
+from typing import NamedTuple
+
+import cutlass
+import cutlass.cute as cute
+from cutlass import Float32, Int32, Int64, Uint32, const_expr
+
+from cute_kernels import ptx
+from cute_kernels.sm90.paged_kv import LAYOUTS, e8m0_to_f32_bits
+from cute_kernels.sm90.row_gather import CHUNK_BYTES, swizzle_offset
+from cute_kernels.sm90.row_views import shared_row_scale
+
+COLUMN_BYTES = 64  # a column tile's row: the e4m3 K tile's 64-byte swizzle
+RAW_SCALE_ENTRY_BYTES = 16  # a row's entry of the raw scale table (its record: V3.2 16 bytes, V4 8)
+ROPE_VALUES = 64
+
+
+class CacheGeometry(NamedTuple):
+    """The kernel's view of one paged cache layout (derived from ``paged_kv.LAYOUTS``)."""
+
+    d_qk: int
+    nope_columns: int  # 64-byte column tiles of e4m3 nope values (7 or 8)
+    rope_column: int  # the column tile of the RoPE (7 or 8)
+    groups: int  # nope scale groups (7 or 4)
+    group_ksteps: int  # 32-column k-steps of one scale group (2 or 4)
+    token_bytes: int  # from a token's data to the next one's inside a page
+    rope_offset: int  # the RoPE's bf16 values inside a token's data
+    scale_offset: int  # V3.2: the scales inside a token's record; V4: -1 (the page's scale region)
+    raw_scale_bytes: int  # the raw scale record a row's table entry holds (16: four float32; 8: UE8M0 bytes)
+    v_groups: int  # the scale groups of V (d_v = 512): V3.2 the 4 nope groups, V4 the 7 and the RoPE
+
+
+def cache_geometry(layout: str) -> CacheGeometry:
+    lay = LAYOUTS[layout]
+    nope_columns = lay.d_nope // COLUMN_BYTES
+    groups = lay.d_nope // lay.scale_group
+    v4 = lay.scale_offset < 0
+    return CacheGeometry(
+        d_qk=lay.d_nope + lay.d_rope,
+        nope_columns=nope_columns,
+        rope_column=nope_columns,
+        groups=groups,
+        group_ksteps=lay.scale_group // 32,
+        token_bytes=lay.token_bytes,
+        rope_offset=lay.rope_offset,
+        scale_offset=lay.scale_offset,
+        raw_scale_bytes=lay.scale_record_bytes if v4 else 4 * groups,
+        v_groups=groups + 1 if v4 else groups,
+    )
+
+
+class PagedRowGather:
+    """One producer lane's part of the paged gather (trace-time object; its integers stay Python values)."""
+
+    def __init__(self, mCache: cute.Tensor, geometry: CacheGeometry, sK_base, lo_base, scale_base, lane):
+        """From ``mCache`` ([num_pages, page_size, bytes per token] uint8, page stride a multiple of 16 bytes)
+        into the block tiles at shared address ``sK_base``, their RoPE staging tiles at ``lo_base`` and their
+        raw scale tables at ``scale_base``; ``lane`` copies chunk ``lane % 4`` of each 64-byte column."""
+        self.geometry = geometry
+        self.page_size: Int32 = cute.size(mCache, mode=[1])  # a power of two
+        self.page_shift: Int32 = ptx.floor_log2_u32(self.page_size)
+        self.num_slots: Int32 = cute.size(mCache, mode=[0]) * self.page_size
+        self.page_stride: Int64 = Int64(mCache.stride[0])
+        self.cache_base: Int64 = mCache.iterator.toint()
+        self.sK_base: Int32 = sK_base
+        self.lo_base: Int32 = lo_base
+        self.scale_base: Int32 = scale_base
+        self.chunk16: Int32 = lane % (COLUMN_BYTES // CHUNK_BYTES)
+
+
+def page_and_position(gather: PagedRowGather, slot, valid):
+    """``(page, position)`` of a token slot (0, 0 for an invalid one: ``valid`` 0)."""
+    slot = slot * valid
+    return slot >> gather.page_shift, slot & (gather.page_size - 1)
+
+
+@cute.jit
+def copy_paged_row(gather: PagedRowGather, tile: Int32, row, page, position, valid):
+    """Queue the copies of one row (zero-filled when ``valid`` is 0) into row ``row`` of block tile ``tile``:
+    this lane's chunk of each nope column tile, of each half of the staged RoPE and (lane 0 of the row's four)
+    the row's scale record. Row sizes and addresses follow ``CacheGeometry``."""
+    geo = gather.geometry
+    tile_bytes = 64 * geo.d_qk
+    col_tile_bytes = 64 * COLUMN_BYTES
+    # Per-thread bases (see row_gather.copy_rows: with a warp-uniform one ptxas may address a copy as
+    # [R + UR] and read uniform registers that nothing writes).
+    tile_base = cute.arch.shuffle_sync(gather.sK_base + tile * tile_bytes, 0)
+    lo_base = cute.arch.shuffle_sync(gather.lo_base + tile * col_tile_bytes, 0)
+    scale_base = cute.arch.shuffle_sync(gather.scale_base + tile * (64 * RAW_SCALE_ENTRY_BYTES), 0)
+    page_addr = gather.cache_base + Int64(page) * gather.page_stride
+    token_addr = page_addr + Int64(position * geo.token_bytes)
+    chunk = gather.chunk16
+    dest = tile_base + swizzle_offset(row, chunk, COLUMN_BYTES)
+    source = token_addr + chunk * CHUNK_BYTES
+    size = valid * CHUNK_BYTES
+    for column in cutlass.range_constexpr(geo.nope_columns):
+        ptx.cp_async_16_zfill(dest + column * col_tile_bytes, source + column * COLUMN_BYTES, size, False)
+    # RoPE values 16 chunk .. + 7 into the RoPE column, 16 chunk + 8 .. + 15 into the staging tile
+    rope = token_addr + geo.rope_offset + chunk * 2 * CHUNK_BYTES
+    ptx.cp_async_16_zfill(dest + geo.rope_column * col_tile_bytes, rope, size, False)
+    lo_dest = lo_base + swizzle_offset(row, chunk, COLUMN_BYTES)
+    ptx.cp_async_16_zfill(lo_dest, rope + CHUNK_BYTES, size, False)
+    # The scale record, 4 bytes a lane (V4's 8: lanes 2 and 3 zero-fill the entry's unused half)
+    scale_dest = scale_base + row * RAW_SCALE_ENTRY_BYTES + chunk * 4
+    if const_expr(geo.scale_offset >= 0):
+        ptx.cp_async_4_zfill(scale_dest, token_addr + geo.scale_offset + chunk * 4, valid * 4)
+    else:  # V4: the page's scale region, after page_size tokens' data
+        record = page_addr + Int64(gather.page_size * geo.token_bytes + position * geo.raw_scale_bytes)
+        ptx.cp_async_4_zfill(scale_dest, record + chunk * 4, valid * (chunk < 2) * 4)
+
+
+class BlockScaleTables(NamedTuple):
+    """Shared-memory byte addresses of the paged kernel's per-block-tile tables (trace-time bundle)."""
+
+    raw: Int32  # [tile][row] the raw scale records (``RAW_SCALE_ENTRY_BYTES`` each)
+    rope: Int32  # [tile][row] float32: the RoPE's row scales (``convert_rope``)
+    v_f16: Int32  # [tile][group][slot] f16: the scales of V's groups (``convert_rope``)
+    lo: Int32  # the RoPE staging tiles ([tile] 64 rows x 64 bytes, 64-byte swizzle), then the lo terms
+
+
+def raw_scale(geo: CacheGeometry, tables: BlockScaleTables, tile, row, group) -> Float32:
+    """sigma[row, group] of nope group ``group`` of block tile ``tile``, from its raw record."""
+    record = tables.raw + (tile * 64 + row) * RAW_SCALE_ENTRY_BYTES
+    if geo.scale_offset >= 0:
+        return ptx.ld_shared_f32(record + group * 4)
+    return ptx.f32_from_bits(e8m0_to_f32_bits(ptx.ld_shared_u8(record + group)))
+
+
+def rope_scale(tables: BlockScaleTables, tile, row) -> Float32:
+    """The RoPE's row scale of ``row`` of block tile ``tile`` (``convert_rope``)."""
+    return ptx.ld_shared_f32(tables.rope + (tile * 64 + row) * 4)
+
+
+@cute.jit
+def convert_rope(geo: CacheGeometry, tables: BlockScaleTables, tile_rope, tile, thread):
+    """The owner warpgroup's thread ``thread`` (0-127) of block tile ``tile`` (its RoPE column tile at
+    shared address ``tile_rope``): half of row ``thread // 2``'s staged RoPE to two e4m3 terms with the row's
+    scale 2^e, hi in place and the lo residual into the staging tile; 2^e into the RoPE scale table; and its
+    share of the f16 table of V's group scales. The block's QK product reads all of it after a fence for the
+    async proxy and a barrier of the warpgroup."""
+    row = thread >> 1
+    col_tile_bytes = 64 * COLUMN_BYTES
+    lo_tile = tables.lo + tile * col_tile_bytes
+    chunks = [(thread & 1) * 2 + k for k in range(2)]
+    words = []
+    for chunk in chunks:  # values 16 chunk .. + 7 from the RoPE column, + 8 .. + 15 from the staging tile
+        offset = swizzle_offset(row, chunk, COLUMN_BYTES)
+        words.append(ptx.ld_shared_v4(tile_rope + offset) + ptx.ld_shared_v4(lo_tile + offset))
+    exponent, inverse = shared_row_scale(words, (1,))  # the row's two threads
+    for k in cutlass.range_constexpr(2):
+        offset = swizzle_offset(row, chunks[k], COLUMN_BYTES)
+        scaled = [ptx.mul_bf16x2(w, inverse) for w in words[k]]  # exact: a power of two
+        hi = [ptx.bf16x4_to_e4m3x4(scaled[2 * i], scaled[2 * i + 1]) for i in range(4)]
+        ptx.st_shared_v4(tile_rope + offset, *hi)
+        lo = [ptx.e4m3x4_residual(scaled[2 * i], scaled[2 * i + 1], hi[i]) for i in range(4)]
+        ptx.st_shared_v4(lo_tile + offset, *lo)
+    scale_bits = Uint32((127 + exponent) << 23)
+    v_table = tables.v_f16 + tile * (geo.v_groups * 64 * 2)
+    if (thread & 1) == 0:
+        ptx.st_shared_u32(tables.rope + (tile * 64 + row) * 4, scale_bits)
+        if const_expr(geo.v_groups > geo.groups):  # V4: the RoPE is V's last group
+            ptx.st_shared_u16(
+                v_table + (geo.groups * 64 + row) * 2, ptx.f32_bits_to_f16x2(scale_bits, scale_bits)
+            )
+    # The nope groups' f16 scales: warp w writes groups w, w + 4, ..., lane l slots 2l and 2l + 1 of each.
+    pair = thread & 31
+    for k in cutlass.range_constexpr((geo.groups + 3) // 4):
+        group = (thread >> 5) + 4 * k
+        if group < geo.groups:  # warp-uniform
+            bits = [_raw_scale_bits(geo, tables, tile, 2 * pair + r, group) for r in range(2)]
+            ptx.st_shared_u32(v_table + (group * 64 + 2 * pair) * 2, ptx.f32_bits_to_f16x2(bits[0], bits[1]))
+
+
+def _raw_scale_bits(geo: CacheGeometry, tables: BlockScaleTables, tile, row, group) -> Uint32:
+    record = tables.raw + (tile * 64 + row) * RAW_SCALE_ENTRY_BYTES
+    if geo.scale_offset >= 0:
+        return ptx.ld_shared_u32(record + group * 4)
+    return e8m0_to_f32_bits(ptx.ld_shared_u8(record + group))
+
+
+@cute.jit
+def scale_v_fragment(geo: CacheGeometry, tables: BlockScaleTables, words, ks, tile, group, half, quad_lane):
+    """k-step ``ks`` of a V^T A fragment (``words[4 ks .. 4 ks + 3]``, slots 32 ``half`` .. + 31 of block
+    tile ``tile``, the slot order of ``load_v_fragment``: a0 and a1 hold slots 2t, 2t + 1, 8 + 2t, 9 + 2t, a2
+    and a3 the same + 16) times the f16 scales of ``group`` of their slots, rounded to e4m3."""
+    base = tables.v_f16 + ((tile * geo.v_groups + group) * 64 + 32 * half + 2 * quad_lane) * 2
+    scales = [ptx.ld_shared_u32(base + 2 * slot) for slot in (0, 8, 16, 24)]
+    for i in cutlass.range_constexpr(4):
+        pair = (i // 2) * 2  # a0, a1: slots 0 and 8 from 2t; a2, a3: slots 16 and 24
+        words[4 * ks + i] = ptx.scale_e4m3x4_f16(words[4 * ks + i], scales[pair], scales[pair + 1])
+
+
+def scale_columns(geo, tables, total, part, tile, group, column_base, quad_lane, first: bool):
+    """``total`` (S, or its N = 32 half whose first column is ``column_base``: 8j + 2t + e + column_base as
+    element e + 2r + 4j) += sigma[column, group] * ``part`` (``first``: total = sigma * total, ``part``
+    unused); ``group`` == ``geo.groups``: the RoPE's row scales. (Unrolled while tracing.)"""
+    rope = isinstance(group, int) and group == geo.groups
+    for j in range(cute.size(total) // 4):
+        for e in range(2):
+            column = column_base + 8 * j + 2 * quad_lane + e
+            sigma = rope_scale(tables, tile, column) if rope else raw_scale(geo, tables, tile, column, group)
+            for r in range(2):
+                i = e + 2 * r + 4 * j
+                total[i] = total[i] * sigma if first else total[i] + sigma * part[i]

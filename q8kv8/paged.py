@@ -1,0 +1,224 @@
+"""Sparse MLA attention straight from a paged FP8 KV cache: the checks and the eager call of
+``sparse_mla_q8kv8_paged_fwd`` (``q8kv8.api``).
+
+The cache is ``[num_pages, page_size, 1, bytes_per_token]`` uint8 (or an e4m3 view of it) in DeepSeek's V3.2
+layout (656 bytes a token, d_qk 576) or V4 / MODEL1 layout (584, d_qk 512; ``q8kv8.kv_layout``), its page
+stride ``cache.stride(0)`` bytes. ``indices`` hold token slots (page * page_size + position); a slot outside
+``[0, num_pages * page_size)`` is ignored and never read. The kernel reads each selected row's bytes and its
+block scales itself (``cute_kernels/sm90/paged_rows.py``): no gathered copy of the cache, no workspace.
+
+Every check but the cache's is the contract's (``q8kv8.contract``): the call is checked as a
+``sparse_mla_q8kv8_prefill_fwd`` call on a stand-in kv of the cache's token slots, with the same messages,
+after the cache's own checks. Nothing syncs with the GPU (unless ``Q8KV8_CHECK_RANGES=1``).
+"""
+
+import math
+
+import torch
+
+from q8kv8 import contract, kernels
+from q8kv8.contract import (
+    DEVICE,
+    FP8,
+    SHAPE,
+    STRIDES,
+    InputTypeError,
+    _check_signatures,
+    _require_tensor,
+    _signature,
+    _span,
+    check_ranges_enabled,
+    check_topk_length_range,
+)
+from q8kv8.eager import output_buffers
+from q8kv8.kv_layout import LAYOUT_BY_BYTES_PER_TOKEN, KvCacheLayout
+from q8kv8.metadata import KV_ROW_ALIGNMENT_BYTES
+from q8kv8.prefill_call import PagedCall, PrefillCall
+
+CACHE_DTYPES = (torch.uint8, FP8)
+MAX_SLOTS = 2**31  # token slots are int32
+_new_call = tuple.__new__
+_ones: dict[torch.device, torch.Tensor] = {}  # the kernel's kv_scale argument (1.0) per device
+
+
+def check_cache(cache, d_qk: int) -> tuple[KvCacheLayout, torch.Tensor]:
+    """The cache's layout and its ``[num_pages, page_size, bytes_per_token]`` uint8 view (what the kernel
+    reads), or ValueError / ``InputTypeError`` naming what is wrong. Reads no values, never syncs."""
+    signature = _signature(cache)
+    _require_tensor("cache", signature)
+    if cache.dtype not in CACHE_DTYPES:
+        raise InputTypeError(
+            f"cache: expected dtype torch.uint8 or {FP8} (its bytes are read), got {cache.dtype}"
+        )
+    shape, strides = signature[SHAPE], signature[STRIDES]
+    if len(shape) != 4 or shape[2] != 1 or shape[3] not in LAYOUT_BY_BYTES_PER_TOKEN:
+        raise ValueError(
+            "cache: expected shape [num_pages, page_size, 1, bytes_per_token] with bytes_per_token in "
+            f"{sorted(LAYOUT_BY_BYTES_PER_TOKEN)} (584: V4 / MODEL1, 656: V3.2), got {list(shape)}"
+        )
+    layout = LAYOUT_BY_BYTES_PER_TOKEN[shape[3]]
+    num_pages, page_size = shape[0], shape[1]
+    if layout.d_qk != d_qk:
+        raise ValueError(f"cache: a {layout.name} cache holds d_qk {layout.d_qk}, got q with d_qk {d_qk}")
+    if page_size < 1 or page_size & (page_size - 1):
+        raise ValueError(f"cache: expected page_size = cache.shape[1] a power of two, got {page_size}")
+    if strides[3] != 1:
+        raise ValueError(f"cache: expected a contiguous last dimension (stride 1), got stride {strides[3]}")
+    page_stride = strides[0]  # read for pages after the first only
+    if num_pages > 1 and page_stride < layout.min_page_bytes(page_size):
+        raise ValueError(
+            f"cache: expected a page stride of at least {layout.min_page_bytes(page_size)} bytes (page_size "
+            f"{page_size} tokens of {layout.bytes_per_token}), got {page_stride}"
+        )
+    if cache.data_ptr() % KV_ROW_ALIGNMENT_BYTES or (num_pages > 1 and page_stride % KV_ROW_ALIGNMENT_BYTES):
+        raise ValueError(
+            f"cache: expected a {KV_ROW_ALIGNMENT_BYTES}-byte aligned base and page stride (rows are read "
+            f"{KV_ROW_ALIGNMENT_BYTES} bytes at a time), got base offset {cache.data_ptr() % 16} and page "
+            f"stride {page_stride}"
+        )
+    if num_pages * page_size >= MAX_SLOTS:
+        raise ValueError(f"cache: expected fewer than 2^31 token slots, got {num_pages} x {page_size}")
+    page_stride = page_stride if num_pages > 1 else layout.padded_page_bytes(page_size)
+    view = _byte_view(cache).as_strided(
+        (num_pages, page_size, layout.bytes_per_token), (page_stride, strides[1], 1)
+    )
+    return layout, view
+
+
+def check_paged_inputs(call: PagedCall) -> tuple[contract.Problem, KvCacheLayout, torch.Tensor]:
+    """Validate a ``sparse_mla_q8kv8_paged_fwd`` call: ``(problem, layout, the cache's view)``; ``problem``'s
+    s_kv is the cache's token slots. The cache is checked first (its device last, with the others').
+
+    As the contract's checks, a valid call's verdict is memoised under its tensors' signatures and scalars
+    (a serving loop's repeated calls pay the signatures and one comparison); invalid calls never are."""
+    sm_scale, d_v, precision = call.sm_scale, call.d_v, call.precision
+    q_scale, attn_sink, topk_length = call.q_scale, call.attn_sink, call.topk_length
+    out, max_logits, lse = call.out, call.max_logits, call.lse
+    key = (
+        type(sm_scale),
+        type(d_v),
+        type(precision),
+        contract.check_device,
+        _signature(call.q),
+        _signature(call.cache),
+        _signature(call.indices),
+        sm_scale,
+        None if q_scale is None else _signature(q_scale),
+        d_v,
+        None if attn_sink is None else _signature(attn_sink),
+        None if topk_length is None else _signature(topk_length),
+        None if out is None else _signature(out),
+        None if max_logits is None else _signature(max_logits),
+        None if lse is None else _signature(lse),
+        precision,
+    )
+    verdict = _memo.get(key)
+    if verdict is None:
+        verdict = _check_paged_call(call)
+        if len(_memo) >= _MEMO_ENTRIES:
+            _memo.clear()
+        _memo[key] = verdict
+    problem, layout, shape, strides = verdict
+    return problem, layout, _byte_view(call.cache).as_strided(shape, strides)
+
+
+_MEMO_ENTRIES = 256
+_memo: dict[tuple, tuple] = contract.register_memo({})  # emptied with the contract's (a forced schedule)
+
+
+def _byte_view(cache: torch.Tensor) -> torch.Tensor:
+    return cache if cache.dtype == torch.uint8 else cache.view(torch.uint8)
+
+
+def _check_paged_call(call: PagedCall) -> tuple:
+    """``check_paged_inputs``'s checks: ``(problem, layout, the view's shape and strides)``."""
+    q = call.q
+    _require_tensor("q", _signature(q))
+    if q.dim() != 3:
+        raise ValueError(f"q: expected a 3-D tensor [s_q, h_q, d_qk], got shape {list(q.shape)}")
+    layout, view = check_cache(call.cache, q.shape[2])
+    num_slots = view.shape[0] * view.shape[1]
+    q_signature = _signature(q)
+    # The cache as a stand-in kv of its token slots and a stand-in kv_scale, valid by construction: on q's
+    # device (a cache on another device is reported as the cache's) at address 0 (overlaps with the cache are
+    # found on its own bytes, below).
+    kv = (torch.Tensor, (num_slots, 1, layout.d_qk), (layout.d_qk, layout.d_qk, 1), FP8, q.device, 0)
+    kv_scale = (torch.Tensor, (1,), (1,), torch.float32, q.device, 0)
+    signatures = _new_call(
+        PrefillCall,
+        (
+            q_signature,
+            kv,
+            _signature(call.indices),
+            call.sm_scale,
+            None if call.q_scale is None else _signature(call.q_scale),
+            kv_scale,
+            call.d_v,
+            None if call.attn_sink is None else _signature(call.attn_sink),
+            None if call.topk_length is None else _signature(call.topk_length),
+            None if call.out is None else _signature(call.out),
+            None if call.max_logits is None else _signature(call.max_logits),
+            None if call.lse is None else _signature(call.lse),
+            call.precision,
+        ),
+    )
+    problem = _check_signatures(signatures, paged=True)
+    cache_span = _span(_signature(view))
+    for name in ("out", "max_logits", "lse"):
+        buffer = getattr(call, name)
+        span = None if buffer is None else _span(_signature(buffer))
+        if span and cache_span and span[0] < cache_span[1] and cache_span[0] < span[1]:
+            if buffer.device == view.device:
+                raise ValueError(f"{name}: expected memory of its own, got memory overlapping cache")
+    if view.device != q.device:
+        contract.check_device({"q": q_signature[DEVICE], "cache": view.device})
+    return problem, layout, tuple(view.shape), view.stride()
+
+
+def run(call: PagedCall) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(out, max_logits, lse)`` of a paged call, launched on the GPU (``sparse_mla_q8kv8_paged_fwd``)."""
+    problem, layout, view = check_paged_inputs(call)
+    if check_ranges_enabled():
+        check_topk_length_range(call.topk_length, problem.topk)
+    q, attn_sink, topk_length = call.q, call.attn_sink, call.topk_length
+    out, max_logits, lse = output_buffers(q, problem.h_q, problem.d_v, call.out, call.max_logits, call.lse)
+    if problem.s_q == 0:
+        return out, max_logits, lse
+    if problem.s_kv == 0:  # an empty cache: every slot is invalid
+        out.zero_()
+        max_logits.fill_(-math.inf)
+        lse.fill_(math.inf)
+        return out, max_logits, lse
+    if not problem.launch_ready:
+        q = q.contiguous()
+        topk_length = None if topk_length is None else topk_length.contiguous()
+        attn_sink = None if attn_sink is None else attn_sink.contiguous()
+    kernels.launch_sparse_prefill(
+        q,
+        view,
+        call.indices,
+        topk_length,
+        attn_sink,
+        call.q_scale,
+        _one(q.device),
+        float(call.sm_scale),
+        out,
+        max_logits,
+        lse,
+        call.precision,
+        problem.tiles_per_cta,
+        problem.launch_ready,
+        problem.splits,
+        problem.split_from,
+        cache=layout.name,
+    )
+    return out, max_logits, lse
+
+
+def _one(device: torch.device) -> torch.Tensor:
+    """A one-element float32 1.0 on ``device``, made once (the kernel's kv_scale: the cache's block scales
+    apply instead)."""
+    one = _ones.get(device)
+    if one is None:
+        one = _ones[device] = torch.ones(1, dtype=torch.float32, device=device)
+    return one

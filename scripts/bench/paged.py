@@ -1,0 +1,348 @@
+"""Attention straight from the paged FP8 cache on an SM90 GPU: chunked prefill, decode, the precisions.
+
+- **Chunked prefill** (``prefill_rows``): one request of ``prefix`` tokens (32k, 128k) in a DeepSeek V3.2
+  cache (pages of 64 tokens at random slots, quantised as FlashMLA's quantiser does: power-of-two scales), a
+  chunk of s_q queries (256, 1024, 4096) at its end, h 16 / 64 / 128, topk 2048 distinct random rows. Arms,
+  timed in interleaved rounds (L2 flushed before each call): the kernel on a ready workspace (``kernel``: the
+  prefill kernel on the layer's bf16 Q and the gathered rows), the paged call alone (``paged``), the layer
+  on the paged path (``layer``) and on the workspace path (``layer ws``), the gather alone; and the layer's
+  host time per call (issuing 50 calls, no sync).
+- **Decode** (``decode_rows``): batch x (1-4 queries) of 64k-token requests, each query attending topk slots
+  of its own request (10% -1), timed as decode runs: CUDA-graph replay, warm L2. Arms: the paged call, the
+  kernel on the selected rows already gathered (``kernel``), and the gather of the selected rows + kernel
+  (``ws``). V3.2 (h 128, 64, 16) and V4 / MODEL1 rows, topk 2048 and 512.
+- **Precisions** (``precision_rows``): against float64 on the exactly dequantised cache, with rows whose
+  largest logit is 20-30: ``||out - ref|| / ||ref||`` and the worst relative error (with its sign) of
+  max_logits and lse, for both precisions, the paged call and the workspace path.
+
+Called by ``python -m scripts.bench`` (``--no-paged`` skips it); alone: ``python -m scripts.bench.paged``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+
+import torch
+
+from q8kv8 import sparse_mla_q8kv8_paged_fwd, sparse_mla_q8kv8_prefill_fwd
+from q8kv8.paged_gather import gather_dequant_paged
+from q8kv8.reference import dequantize_paged_cache, sparse_mla_paged_reference
+from q8kv8.serving import SparsePrefill
+from scripts.bench.common import random_indices, time_interleaved_ms
+
+PAGE_SIZE = 64
+TOPK = 2048
+PREFIX_SHAPES = [
+    (prefix, s_q, h) for prefix in (32768, 131072) for s_q in (256, 1024, 4096) for h in (16, 64, 128)
+]
+LIGHT_PREFIX_SHAPES = [
+    (32768, 256, 16),
+    (32768, 256, 128),
+    (131072, 1024, 128),
+    (131072, 4096, 64),
+    (131072, 4096, 128),
+]
+# (layout, batch, queries per request, h, topk)
+DECODE_SHAPES = [
+    ("v32", 64, 1, 128, 2048),
+    ("v32", 128, 1, 128, 2048),
+    ("v32", 32, 2, 128, 2048),
+    ("v32", 64, 1, 64, 2048),
+    ("v32", 128, 1, 16, 2048),
+    ("v32", 32, 4, 16, 2048),
+    ("v32", 8, 1, 128, 2048),
+    ("v32", 64, 1, 128, 512),
+    ("model1", 64, 1, 128, 512),
+    ("model1", 64, 1, 64, 512),
+]
+DECODE_CONTEXT = 65536
+LAYOUTS = {"v32": (576, 656, 128, 4), "model1": (512, 584, 64, 7)}  # d_qk, bytes a token, group, groups
+
+
+def make_cache(num_slots: int, layout: str, std: float = 0.5, device="cuda") -> torch.Tensor:
+    """``[num_pages, 64, 1, bytes_per_token]`` uint8: normal(0, std) tokens quantised with power-of-two
+    scales per scale group (FlashMLA's V3.2 quantiser, V4's UE8M0), RoPE in bf16."""
+    d_qk, token_bytes, group, groups = LAYOUTS[layout]
+    num_pages = -(-num_slots // PAGE_SIZE)
+    page_bytes = PAGE_SIZE * token_bytes
+    if layout == "model1":
+        page_bytes = -(-page_bytes // 576) * 576
+    pages = torch.zeros(num_pages, page_bytes, dtype=torch.uint8, device=device)
+    step = 1 << 12
+    for first in range(0, num_pages, step):
+        count = min(step, num_pages - first)
+        x = torch.randn(count * PAGE_SIZE, d_qk, device=device) * std
+        d_nope = d_qk - 64
+        tiles = x[:, :d_nope].reshape(-1, groups, group)
+        scales = torch.exp2(torch.ceil(torch.log2(tiles.abs().amax(dim=-1).clamp_min(1e-4) / 448.0)))
+        nope = (tiles / scales[..., None]).to(torch.float8_e4m3fn).view(torch.uint8).reshape(-1, d_nope)
+        rope = x[:, d_nope:].to(torch.bfloat16).contiguous().view(torch.uint8)
+        chunk = pages[first : first + count]
+        if layout == "v32":
+            data = chunk.view(count * PAGE_SIZE, token_bytes)
+            data[:, :512] = nope
+            data[:, 512:528] = scales.float().contiguous().view(torch.uint8)
+            data[:, 528:] = rope
+        else:
+            data = chunk[:, : PAGE_SIZE * 576].unflatten(1, (PAGE_SIZE, 576))  # views: written in place
+            data[..., :448] = nope.view(count, PAGE_SIZE, 448)
+            data[..., 448:] = rope.view(count, PAGE_SIZE, 128)
+            exponents = (torch.log2(scales).round() + 127).to(torch.uint8)
+            region = chunk[:, PAGE_SIZE * 576 : PAGE_SIZE * 584].unflatten(1, (PAGE_SIZE, 8))
+            region[..., :7] = exponents.view(count, PAGE_SIZE, 7)
+    return pages[:, : PAGE_SIZE * token_bytes].view(num_pages, PAGE_SIZE, 1, token_bytes)
+
+
+def prefill_rows(rep_ms: int, full: bool) -> list[dict]:
+    shapes = PREFIX_SHAPES if full else LIGHT_PREFIX_SHAPES
+    print(
+        f"\npaged cache, chunked prefill (V3.2, pages of {PAGE_SIZE}, topk {TOPK}; L2 flushed): ms; "
+        "kernel: on a ready workspace; x: over the kernel; host: the layer's host time per call"
+    )
+    print(
+        f"{'prefix':>7s} {'s_q':>5s} {'h':>4s} | {'kernel':>7s} | {'paged':>7s} {'x':>5s} | {'layer':>7s} "
+        f"{'x':>5s} | {'layer ws':>8s} {'x':>5s} | {'gather':>7s} | {'host us':>7s} {'ws':>7s} | auto"
+    )
+    rows = []
+    cache = None
+    for prefix, s_q, h in shapes:
+        if cache is None or cache.shape[0] * PAGE_SIZE < prefix + prefix // 4:
+            cache = make_cache(prefix + prefix // 4, "v32")
+        row = prefill_row(cache, prefix, s_q, h, rep_ms)
+        k = row["kernel"]
+        print(
+            f"{prefix:7d} {s_q:5d} {h:4d} | {k:7.3f} | {row['paged']:7.3f} {row['paged'] / k:5.2f} | "
+            f"{row['layer']:7.3f} {row['layer'] / k:5.2f} | {row['layer_ws']:8.3f} "
+            f"{row['layer_ws'] / k:5.2f} | {row['gather']:7.3f} | {row['host_us']:7.1f} "
+            f"{row['host_ws_us']:7.1f} | {row['auto']}",
+            flush=True,
+        )
+        rows.append(row)
+    return rows
+
+
+def prefill_row(cache, prefix: int, s_q: int, h: int, rep_ms: int) -> dict:
+    """One chunked-prefill row: a request of ``prefix`` tokens at random slots of ``cache``."""
+    torch.manual_seed(0)
+    page_table = torch.randperm(cache.shape[0] * PAGE_SIZE, device="cuda")[:prefix].to(torch.int32)
+    q = (torch.randn(s_q, h, 576, device="cuda") * 0.5).to(torch.bfloat16)
+    sm_scale = 576**-0.5
+    inputs = {
+        "q": q,
+        "cache": cache,
+        "page_table": page_table,
+        "indices": random_indices(s_q, prefix, TOPK, "cuda"),
+        "seqlens": torch.arange(prefix - s_q + 1, prefix + 1, dtype=torch.int32, device="cuda"),
+        "compress_ratio": 0,
+        "sm_scale": sm_scale,
+    }
+    layer, workspace = SparsePrefill("fp8", path="paged"), SparsePrefill("fp8", path="workspace")
+    layer.forward(**inputs)
+    workspace.forward(**inputs)
+    kv = workspace.workspace.get(prefix, torch.float8_e4m3fn)
+    slots, topk_length = layer.kernels.slot_indices(inputs["indices"], page_table, inputs["seqlens"], 0, TOPK)
+    one = torch.ones(1, device="cuda")
+    indices = inputs["indices"][:, None, :]
+    arms = {
+        "kernel": lambda: sparse_mla_q8kv8_prefill_fwd(
+            q, kv, indices, sm_scale, None, one, 512, None, topk_length
+        ),
+        "paged": lambda: sparse_mla_q8kv8_paged_fwd(q, cache, slots, sm_scale, None, 512, None, topk_length),
+        "layer": lambda: layer.forward(**inputs),
+        "layer_ws": lambda: workspace.forward(**inputs),
+        "gather": lambda: gather_dequant_paged(
+            cache, page_table, PAGE_SIZE, "v32", torch.float8_e4m3fn, 0, kv
+        ),
+    }
+    row = {"prefix": prefix, "s_q": s_q, "h": h, **time_interleaved_ms(arms, rep_ms)}
+    row["host_us"] = host_us(lambda: layer.forward(**inputs))
+    row["host_ws_us"] = host_us(lambda: workspace.forward(**inputs))
+    auto = SparsePrefill("fp8")
+    auto.forward(**inputs)
+    row["auto"] = auto.last_path
+    return row
+
+
+def host_us(call, calls: int = 50) -> float:
+    """The host time of one call: ``calls`` calls issued back to back (the GPU queue absorbs them), no
+    sync."""
+    call()
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    for _ in range(calls):
+        call()
+    elapsed = time.perf_counter() - start
+    torch.cuda.synchronize()
+    return elapsed / calls * 1e6
+
+
+def decode_inputs(layout: str, batch: int, queries: int, h: int, topk: int) -> dict:
+    """A decode step's inputs: ``batch`` requests of ``DECODE_CONTEXT`` tokens at random pages of one cache,
+    ``queries`` new tokens each attending ``topk`` distinct slots of its request (10% -1)."""
+    torch.manual_seed(0)
+    d_qk = LAYOUTS[layout][0]
+    pages_per_request = DECODE_CONTEXT // PAGE_SIZE
+    cache = make_cache(batch * DECODE_CONTEXT, layout)
+    page_order = torch.randperm(cache.shape[0], device="cuda").view(batch, pages_per_request)
+    s_q = batch * queries
+    local = random_indices(s_q, DECODE_CONTEXT, topk, "cuda").long()
+    request = torch.arange(s_q, device="cuda") // queries
+    slots = page_order[request[:, None], local // PAGE_SIZE] * PAGE_SIZE + local % PAGE_SIZE
+    slots = torch.where(torch.rand(slots.shape, device="cuda") < 0.1, -1, slots).to(torch.int32)
+    q = (torch.randn(s_q, h, d_qk, device="cuda") * 0.5).to(torch.bfloat16)
+    return {"q": q, "cache": cache, "indices": slots[:, None, :], "sm_scale": d_qk**-0.5}
+
+
+def graph_ms(call, replays: int = 50) -> float:
+    """Median CUDA-graph replay time of ``call`` (warm L2: replays back to back)."""
+    call()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        call()
+    for _ in range(5):
+        graph.replay()
+    times = []
+    for _ in range(replays):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end))
+    return sorted(times)[len(times) // 2]
+
+
+def decode_rows() -> list[dict]:
+    print(
+        f"\npaged cache, decode ({DECODE_CONTEXT}-token requests, CUDA-graph replay, warm L2): ms; paged: "
+        "the call from the cache; kernel: on the selected rows already gathered; ws: gather + kernel; err: "
+        "out vs "
+        "float64 (default / accurate)"
+    )
+    print(
+        f"{'layout':>6s} {'batch':>5s} {'q':>2s} {'h':>4s} {'topk':>5s} | {'paged':>7s} {'acc':>7s} | "
+        f"{'kernel':>7s} {'ws':>7s} | {'err':>17s}"
+    )
+    rows = []
+    for layout, batch, queries, h, topk in DECODE_SHAPES:
+        row = decode_row(layout, batch, queries, h, topk)
+        errors = row["out_error"]
+        print(
+            f"{layout:>6s} {batch:5d} {queries:2d} {h:4d} {topk:5d} | {row['paged']:7.4f} "
+            f"{row['paged_accurate']:7.4f} | {row['kernel']:7.4f} {row['ws']:7.4f} | "
+            f"{errors[0]:8.2e} {errors[1]:8.2e}",
+            flush=True,
+        )
+        rows.append(row)
+        torch.cuda.empty_cache()
+    return rows
+
+
+def decode_row(layout: str, batch: int, queries: int, h: int, topk: int) -> dict:
+    inputs = decode_inputs(layout, batch, queries, h, topk)
+    q, cache, slots, sm_scale = inputs["q"], inputs["cache"], inputs["indices"], inputs["sm_scale"]
+    s_q = q.shape[0]
+    selected = slots.view(-1)
+    buffers = {
+        "out": torch.empty(s_q, h, 512, dtype=torch.bfloat16, device="cuda"),
+        "max_logits": torch.empty(s_q, h, device="cuda"),
+        "lse": torch.empty(s_q, h, device="cuda"),
+    }
+    kv = gather_dequant_paged(cache, selected, PAGE_SIZE, layout, torch.float8_e4m3fn)
+    rows_of = torch.arange(s_q * topk, device="cuda", dtype=torch.int32).view(s_q, 1, topk)
+    rows_of = torch.where(slots >= 0, rows_of, -1)
+    one = torch.ones(1, device="cuda")
+    row = {"layout": layout, "batch": batch, "queries": queries, "h": h, "topk": topk}
+    row["paged"] = graph_ms(lambda: sparse_mla_q8kv8_paged_fwd(q, cache, slots, sm_scale, **buffers))
+    row["paged_accurate"] = graph_ms(
+        lambda: sparse_mla_q8kv8_paged_fwd(q, cache, slots, sm_scale, precision="accurate", **buffers)
+    )
+    row["kernel"] = graph_ms(
+        lambda: sparse_mla_q8kv8_prefill_fwd(q, kv, rows_of, sm_scale, None, one, **buffers)
+    )
+
+    def gather_and_kernel():
+        gather_dequant_paged(cache, selected, PAGE_SIZE, layout, torch.float8_e4m3fn, 0, kv)
+        sparse_mla_q8kv8_prefill_fwd(q, kv, rows_of, sm_scale, None, one, **buffers)
+
+    row["ws"] = graph_ms(gather_and_kernel)
+    errors = []
+    check = slice(0, min(s_q, 16))
+    for precision in ("default", "accurate"):
+        got = sparse_mla_q8kv8_paged_fwd(q[check], cache, slots[check], sm_scale, precision=precision)
+        ref = sparse_mla_paged_reference(q[check], cache, slots[check], sm_scale, None, chunk_rows=4)
+        errors.append(((got[0].double() - ref[0]).norm() / ref[0].norm()).item())
+    row["out_error"] = errors
+    return row
+
+
+def precision_rows() -> list[dict]:
+    """Errors against float64 on the dequantised cache, rows with a dominant logit of 20-30."""
+    print(
+        "\nprecisions against float64 (paged V3.2 cache, 64 heads, topk 2048, a dominant logit of 20-30 per "
+        "row): "
+        "out rel err; max_logits / lse: worst relative error, signed"
+    )
+    print(f"{'path':>9s} {'precision':>9s} | {'out':>8s} | {'max_logits':>10s} | {'lse':>10s}")
+    torch.manual_seed(1)
+    s_q, h = 64, 64
+    cache = make_cache(32768, "v32")
+    slots = random_indices(s_q, 32768, TOPK, "cuda")[:, None, :]
+    rows_kv = dequantize_paged_cache(cache)
+    q = torch.randn(s_q, h, 576, device="cuda", dtype=torch.float64) * 0.3
+    sm_scale = 576**-0.5
+    for token in range(s_q):
+        row = rows_kv[slots[token, 0, 0], 0].to("cuda")
+        target = 20.0 + 10.0 * torch.rand(h, device="cuda", dtype=torch.float64)
+        q[token] += row[None, :] * (target / (row.square().sum() * sm_scale))[:, None]
+    q = q.to(torch.bfloat16)
+    reference = sparse_mla_paged_reference(q, cache, slots, sm_scale, None, chunk_rows=8)
+    kv = gather_dequant_paged(cache, torch.arange(32768, device="cuda", dtype=torch.int32), PAGE_SIZE, "v32")
+    one = torch.ones(1, device="cuda")
+    results = []
+    for path in ("paged", "workspace"):
+        for precision in ("default", "accurate"):
+            if path == "paged":
+                got = sparse_mla_q8kv8_paged_fwd(q, cache, slots, sm_scale, precision=precision)
+            else:
+                got = sparse_mla_q8kv8_prefill_fwd(q, kv, slots, sm_scale, None, one, precision=precision)
+            out_error = ((got[0].double() - reference[0]).norm() / reference[0].norm()).item()
+            signed = []
+            for got_stat, want in zip(got[1:], reference[1:], strict=True):
+                relative = (got_stat.double() - want) / want.abs()
+                signed.append(relative.view(-1)[relative.abs().argmax()].item())
+            results.append({"path": path, "precision": precision, "out": out_error, "logits": signed})
+            print(
+                f"{path:>9s} {precision:>9s} | {out_error:8.2e} | {signed[0]:+10.2e} | {signed[1]:+10.2e}",
+                flush=True,
+            )
+    return results
+
+
+def run(rep_ms: int = 40, full: bool = False) -> dict:
+    return {
+        "prefill": prefill_rows(rep_ms, full),
+        "decode": decode_rows(),
+        "precisions": precision_rows(),
+    }
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--full", action="store_true", help="every chunked-prefill shape")
+    parser.add_argument("--rep", type=int, default=40, help="do_bench repetition time per arm, ms")
+    args = parser.parse_args()
+    if not (torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)):
+        print("the paged benchmark needs an SM90 GPU", file=sys.stderr)
+        return 2
+    run(args.rep, args.full)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
