@@ -107,7 +107,9 @@ def sparse_mla_prefill_reference(
         logits = logits.masked_fill(~valid[:, None, :], -math.inf)
         row_lse = torch.logsumexp(logits, dim=-1)  # -inf where no slot is valid
         has_valid = valid.any(dim=-1)[:, None]
-        weights = torch.where(valid[:, None, :], torch.exp(logits - row_lse[..., None]), 0.0)
+        # normalised by their sum, not by exp(lse): at logits of 2^53 and more, lse = max + log(count of the
+        # maximum) rounds to the maximum
+        weights = torch.where(valid[:, None, :], torch.softmax(logits, dim=-1), 0.0)
         row_out = torch.einsum("rht,rtd->rhd", weights, gathered[..., :d_v])
         if attn_sink is not None:
             # 1 / (1 + exp(sink - lse)), exactly 1 for sink -inf and 0 for sink +inf; empty rows stay 0.

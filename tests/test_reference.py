@@ -98,6 +98,14 @@ def test_duplicated_index_counts_twice():
     assert lse.item() == pytest.approx(math.log(2 * math.exp(7.5 * 0.3) + math.exp(4.0 * 0.3)), rel=1e-12)
 
 
+def test_a_duplicated_maximum_at_huge_logits_weighs_its_row_once_in_total():
+    """At logits of 2^60, lse = max + log 2 rounds to max in float64: the weights are still the softmax's
+    (1/2 for each copy of the maximum), so out is exactly that value row."""
+    out, max_logits, lse = reference([2, 0, 2], sm_scale=2.0**60)
+    assert torch.equal(out, KV[2:3, :, :D_V].double())
+    assert max_logits.item() == lse.item() == 7.5 * 2.0**60
+
+
 @pytest.mark.parametrize(
     "invalid", [-1, -5, 3, INT32_MIN, INT32_MAX], ids=["-1", "-5", "s_kv", "int_min", "int_max"]
 )
