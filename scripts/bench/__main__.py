@@ -28,14 +28,13 @@ import functools
 import json
 import math
 import sys
-import time
 from pathlib import Path
 
 import torch
 
 import q8kv8  # compiles or loads the kernel variants
 from q8kv8 import kernels
-from scripts.bench.common import SHAPES, check, make_inputs, time_interleaved_ms, time_ms
+from scripts.bench.common import SHAPES, check, host_us, make_inputs, time_interleaved_ms, time_ms
 
 REPO = Path(__file__).resolve().parent.parent.parent
 NO_SM90_STATUS = 2
@@ -99,17 +98,8 @@ def host_overhead_us(
         inputs = bf16_q_inputs(inputs)
     out = q8kv8.sparse_mla_q8kv8_prefill_fwd(**inputs)
     buffers = {"out": out[0], "max_logits": out[1], "lse": out[2]} if given_buffers else {}
-    for _ in range(4 * calls):  # warm-up: caches, allocator, CPU clocks
-        q8kv8.sparse_mla_q8kv8_prefill_fwd(**inputs, **buffers)
-    best = math.inf
-    for _ in range(runs):
-        torch.cuda.synchronize()
-        start = time.perf_counter()
-        for _ in range(calls):
-            q8kv8.sparse_mla_q8kv8_prefill_fwd(**inputs, **buffers)
-        best = min(best, time.perf_counter() - start)
-    torch.cuda.synchronize()
-    return best / calls * 1e6
+    call = functools.partial(q8kv8.sparse_mla_q8kv8_prefill_fwd, **inputs, **buffers)
+    return host_us(call, calls, runs, warmup=4 * calls)  # warm-up: caches, allocator, CPU clocks
 
 
 def main(argv: list[str] | None = None) -> int:

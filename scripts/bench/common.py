@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import math
 import statistics
+import time
 
 import torch
 
@@ -71,6 +73,22 @@ def time_ms(fn, rep_ms: int) -> float:
             end.synchronize()
             times.append(start.elapsed_time(end))
         return statistics.median_high(times)
+
+
+def host_us(fn, calls: int, runs: int = 1, warmup: int = 1) -> float:
+    """The host's time per call of ``fn``: the best of ``runs`` runs of ``calls`` calls issued back to back
+    without syncs (the GPU's launch queue absorbs them), after ``warmup`` calls."""
+    for _ in range(warmup):
+        fn()
+    best = math.inf
+    for _ in range(runs):
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        for _ in range(calls):
+            fn()
+        best = min(best, time.perf_counter() - start)
+    torch.cuda.synchronize()
+    return best / calls * 1e6
 
 
 def time_interleaved_ms(arms: dict, rep_ms: int, rounds: int = 3) -> dict:

@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import argparse
 import sys
-import time
 
 import torch
 
@@ -30,7 +29,7 @@ from q8kv8 import sparse_mla_q8kv8_paged_fwd, sparse_mla_q8kv8_prefill_fwd
 from q8kv8.paged_gather import gather_dequant_paged
 from q8kv8.reference import dequantize_paged_cache, sparse_mla_paged_reference
 from q8kv8.serving import SparsePrefill
-from scripts.bench.common import random_indices, time_interleaved_ms
+from scripts.bench.common import host_us, random_indices, time_interleaved_ms
 
 PAGE_SIZE = 64
 TOPK = 2048
@@ -58,6 +57,7 @@ DECODE_SHAPES = [
     ("model1", 64, 1, 64, 512),
 ]
 DECODE_CONTEXT = 65536
+LAYER_HOST_CALLS = 50  # a layer call's host time: this many calls issued without a sync
 LAYOUTS = {"v32": (576, 656, 128, 4), "model1": (512, 584, 64, 7)}  # d_qk, bytes a token, group, groups
 
 
@@ -157,25 +157,12 @@ def prefill_row(cache, prefix: int, s_q: int, h: int, rep_ms: int) -> dict:
         ),
     }
     row = {"prefix": prefix, "s_q": s_q, "h": h, **time_interleaved_ms(arms, rep_ms)}
-    row["host_us"] = host_us(lambda: layer.forward(**inputs))
-    row["host_ws_us"] = host_us(lambda: workspace.forward(**inputs))
+    row["host_us"] = host_us(lambda: layer.forward(**inputs), LAYER_HOST_CALLS)
+    row["host_ws_us"] = host_us(lambda: workspace.forward(**inputs), LAYER_HOST_CALLS)
     auto = SparsePrefill("fp8")
     auto.forward(**inputs)
     row["auto"] = auto.last_path
     return row
-
-
-def host_us(call, calls: int = 50) -> float:
-    """The host time of one call: ``calls`` calls issued back to back (the GPU queue absorbs them), no
-    sync."""
-    call()
-    torch.cuda.synchronize()
-    start = time.perf_counter()
-    for _ in range(calls):
-        call()
-    elapsed = time.perf_counter() - start
-    torch.cuda.synchronize()
-    return elapsed / calls * 1e6
 
 
 def decode_inputs(layout: str, batch: int, queries: int, h: int, topk: int) -> dict:

@@ -9,26 +9,17 @@ then prints a cProfile of the full call.
 
 import cProfile
 import pstats
-import time
 
 import torch
 
 import q8kv8
 from q8kv8 import contract, eager, kernels, native
 from q8kv8.prefill_call import PrefillCall
-from scripts.bench.common import make_inputs
+from scripts.bench.common import host_us, make_inputs
 
 
-def per_call_us(fn, calls: int = 3000) -> float:
-    for _ in range(100):
-        fn()
-    torch.cuda.synchronize()
-    start = time.perf_counter()
-    for _ in range(calls):
-        fn()
-    elapsed = time.perf_counter() - start
-    torch.cuda.synchronize()
-    return elapsed / calls * 1e6
+def per_call_us(fn) -> float:
+    return host_us(fn, calls=3000, warmup=100)
 
 
 def main() -> None:
