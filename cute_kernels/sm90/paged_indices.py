@@ -4,7 +4,11 @@
 int64 table's entries at or above 2^31 count as outside), else -1, for every ``j`` of the padded top-k of
 ``slots``; ``topk_length[i] = min(max(seqlens[i] // ratio, 0), topk)`` (``seqlens[i]`` itself for ratio 0):
 the rows a query of a compressed (ratio r) or uncompressed cache sees, of the top-k the caller gave. One
-launch for what a layer would otherwise compute in several PyTorch operations; one CTA per query row.
+launch for what a layer would otherwise compute in several PyTorch operations.
+
+Latency-bound (two dependent loads an entry): CTA (i, c) covers entries ``c * ENTRIES_PER_CTA ..`` of query
+row i, and each thread loads its ``ENTRIES_PER_THREAD`` indices before it looks any of them up, so a CTA
+waits for two memory round trips, not two per entry.
 
 Constraints: indices' last dim contiguous.
 """
@@ -14,6 +18,8 @@ import cutlass.cute as cute
 from cutlass import Int32
 
 THREADS = 128
+ENTRIES_PER_THREAD = 4
+ENTRIES_PER_CTA = THREADS * ENTRIES_PER_THREAD
 
 
 class PagedIndicesSm90:
@@ -30,31 +36,39 @@ class PagedIndicesSm90:
         ratio: Int32,  # 0: uncompressed
         stream,
     ):
+        column_ctas = (cute.size(mSlots, mode=[2]) + ENTRIES_PER_CTA - 1) // ENTRIES_PER_CTA
         self.kernel(mIndices, mTable, mSeqlens, mSlots, mTopkLength, ratio).launch(
-            grid=[cute.size(mSlots, mode=[0]), 1, 1], block=[THREADS, 1, 1], stream=stream
+            grid=[cute.size(mSlots, mode=[0]), column_ctas, 1], block=[THREADS, 1, 1], stream=stream
         )
 
     @cute.kernel
     def kernel(self, mIndices, mTable, mSeqlens, mSlots, mTopkLength, ratio: Int32):
         thread, _, _ = cute.arch.thread_idx()
-        row, _, _ = cute.arch.block_idx()
+        row, column_cta, _ = cute.arch.block_idx()
         topk = cute.size(mIndices, mode=[1])
         topk_pad = cute.size(mSlots, mode=[2])
         num_rows = cute.size(mTable, mode=[0])
         wide = cute.size(mTable, mode=[1]) > 1
-        for j in cutlass.range(thread, topk_pad, THREADS, unroll=1):
-            slot = Int32(-1)
+        first = column_cta * ENTRIES_PER_CTA + thread
+        indices = [Int32(-1)] * ENTRIES_PER_THREAD
+        for k in cutlass.range_constexpr(ENTRIES_PER_THREAD):  # every load issued before any is used
+            j = first + k * THREADS
             if j < topk:
-                index = mIndices[row, j]
-                if (index >= 0) & (index < num_rows):
-                    slot = mTable[index, 0]
-                    if wide:
-                        if mTable[index, 1] != 0:
-                            slot = Int32(-1)
-                    if slot < 0:  # negative (int64: from 2^31 on)
+                indices[k] = mIndices[row, j]
+        slots = [Int32(-1)] * ENTRIES_PER_THREAD
+        for k in cutlass.range_constexpr(ENTRIES_PER_THREAD):  # every lookup issued before any store
+            index = indices[k]
+            if (index >= 0) & (index < num_rows):
+                slot = mTable[index, 0]
+                if wide:
+                    if mTable[index, 1] != 0:
                         slot = Int32(-1)
-            mSlots[row, 0, j] = slot
-        if thread == 0:
+                slots[k] = cutlass.max(slot, Int32(-1))  # negative (int64: from 2^31 on): -1
+        for k in cutlass.range_constexpr(ENTRIES_PER_THREAD):
+            j = first + k * THREADS
+            if j < topk_pad:
+                mSlots[row, 0, j] = slots[k]
+        if (thread == 0) & (column_cta == 0):
             seen = mSeqlens[row, 0]
             if cute.size(mSeqlens, mode=[1]) > 1:  # int64: at or beyond 2^31 counts as 2^31 - 1
                 high = mSeqlens[row, 1]
