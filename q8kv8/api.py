@@ -56,7 +56,8 @@ def sparse_mla_q8kv8_prefill_fwd(
             float32, [s_q, h_q] float32) that share no memory with each other or the inputs; written and
             returned when given.
         precision: "default" (P rounded to e4m3 for the PV product: ||out - ref|| / ||ref|| about 3e-2)
-            or "accurate" (P kept as two e4m3 terms: about 3e-3, for 1.13-1.28x the time).
+            or "accurate" (P kept as two e4m3 terms and QK summed in float32 every 3 k-steps: about 3e-3,
+            logits within 5e-4; the README's "Performance" states its cost).
 
     Returns:
         ``out`` (softmax-weighted sum of ``kv[idx, :d_v] * kv_scale``), ``max_logits`` (largest logit) and
