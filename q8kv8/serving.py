@@ -18,7 +18,7 @@ from __future__ import annotations
 import math
 import numbers
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import NamedTuple
 
 import torch
@@ -27,6 +27,7 @@ from q8kv8 import kernels
 from q8kv8.api import sparse_mla_q8kv8_paged_fwd, sparse_mla_q8kv8_prefill_fwd
 from q8kv8.arguments import require_int
 from q8kv8.kv_layout import LAYOUT_BY_BYTES_PER_TOKEN, KvCacheLayout
+from q8kv8.merge import merge_attention
 from q8kv8.metadata import D_V, PRECISIONS, TOPK_ALIGNMENT, topk_length_from_seqlens
 from q8kv8.paged_gather import gather_dequant_paged, slot_words
 from q8kv8.workspace import SparsePrefillWorkspace, _ReusableBuffer, indexed_device
@@ -170,6 +171,17 @@ def topk_length_for(seqlens: torch.Tensor, compress_ratio: int, topk: int) -> to
     return topk_length_from_seqlens(visible, topk)
 
 
+class CacheRows(NamedTuple):
+    """The rows of one cache that a ``SparsePrefill.forward_merged`` call attends: ``forward``'s arguments of
+    the same names."""
+
+    cache: torch.Tensor
+    page_table: torch.Tensor
+    indices: torch.Tensor
+    seqlens: torch.Tensor
+    compress_ratio: int
+
+
 class SparsePrefill:
     """One sparse MLA prefill layer call on a paged FP8 KV cache (DeepSeek V3.2 / V4 serving).
 
@@ -271,10 +283,17 @@ class SparsePrefill:
             return self.kernels.attention_paged(
                 kernel_q, cache, slots, sm_scale, sink, topk_length, self.precision
             )
-        # The workspace's rows are the indices themselves: the slot-index kernel on the identity table pads
-        # them and counts each query's valid ones, in one launch.
-        identity = self._identity_rows(num_rows, indices.device)
-        indices, topk_length = self.kernels.slot_indices(indices, identity, seqlens, compress_ratio, topk_pad)
+        # The workspace's rows are the indices themselves (the kernels ignore entries outside [0, num_rows)).
+        # Already padded and row-major, they go as they are, with each query's valid count from seqlens; else
+        # the slot-index kernel on the identity table pads them and counts, in one launch.
+        if indices.shape[1] == topk_pad and indices.stride(1) == 1:
+            topk_length = topk_length_for(seqlens, compress_ratio, topk_pad)
+            indices = indices.unsqueeze(1)
+        else:
+            identity = self._identity_rows(num_rows, indices.device)
+            indices, topk_length = self.kernels.slot_indices(
+                indices, identity, seqlens, compress_ratio, topk_pad
+            )
         kv_dtype = torch.float8_e4m3fn if self.backend == "fp8" else torch.bfloat16
         if self.workspace is None:
             self.workspace = SparsePrefillWorkspace(q.device, d_qk)
@@ -288,6 +307,40 @@ class SparsePrefill:
         return self.kernels.attention_bf16(kernel_q, kv, indices, sm_scale, sink, topk_length)
 
     __call__ = forward
+
+    def forward_merged(
+        self,
+        q: torch.Tensor,
+        parts: Sequence[CacheRows],
+        sm_scale: float,
+        attn_sink: torch.Tensor | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Attend each query to the rows of several caches as one softmax (DeepSeek V4: the compressed cache's
+        top-k rows and the SWA cache's window): one ``forward`` per part without the sink, merged exactly by
+        their lse (``q8kv8.merge.merge_attention``), then the sink. Returns what ``forward`` returns;
+        ``last_path`` is the parts' paths joined by "+". The merge weighs the parts by their logits: the
+        accurate precision (or the paged path) keeps those weights within 1e-3."""
+        if len(parts) == 0:
+            raise ValueError("parts: expected at least one CacheRows")
+        results, paths = [], []
+        for part in parts:
+            results.append(self.forward(q, *part, sm_scale))
+            paths.append(self.last_path)
+        merged = merge_attention(results, attn_sink)
+        self.last_path = "+".join(paths)
+        return merged
+
+    def info(self) -> dict:
+        """What this layer runs: the backend, precision, path setting and the path of its last call (the
+        merged call's parts joined by "+"), the "auto" path's rule, and the workspace it holds."""
+        return {
+            "backend": self.backend,
+            "precision": self.precision,
+            "path": self.path,
+            "last_path": self.last_path,
+            "paged_rows_per_tile_slot": PAGED_ROWS_PER_TILE_SLOT,
+            "workspace_bytes": 0 if self.workspace is None else self.workspace.capacity_bytes,
+        }
 
     def _choose_path(self, s_q: int, h: int, topk_pad: int, num_rows: int) -> str:
         if self.backend != "fp8":

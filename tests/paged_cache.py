@@ -238,25 +238,34 @@ def ground_truth(batch, layout, sm_scale, attn_sink=None, kv_format="f64", quant
     ``kv_format``: "f64" (exact dequantised cache), "e4m3" or "bf16" (rounded as the gather's output
     is). ``quantize_q``: each (token, head) row of q rounded to e4m3 with its own power-of-two scale, the
     smallest 2^e with max |row| <= 448 * 2^e (as the FP8 kernel quantises a bfloat16 q)."""
+    return union_ground_truth(batch["q"], [batch], layout, sm_scale, attn_sink, kv_format, quantize_q)
+
+
+def union_ground_truth(q, batches, layout, sm_scale, attn_sink=None, kv_format="f64", quantize_q=False):
+    """``ground_truth`` of ``q`` over the union of the rows each batch (a cache of its own) lets a query see:
+    one softmax over them all."""
     from q8kv8.reference import sparse_mla_prefill_reference
 
-    slots = batch["page_table"].tolist()
-    page_size = batch["page_size"]
-    kv = torch.tensor(
-        [decode_token_f64(batch["cache"], s, page_size, layout) for s in slots], dtype=torch.float64
-    )
-    kv = kv.reshape(len(slots), 1, -1)
+    rows, indices = [], []
+    for batch in batches:
+        slots = batch["page_table"].tolist()
+        kv = [decode_token_f64(batch["cache"], s, batch["page_size"], layout) for s in slots]
+        topk = batch["indices"].shape[1]
+        valid = torch.arange(topk)[None, :] < batch["n_valid"][:, None]
+        first = sum(len(r) for r in rows)
+        indices.append(torch.where(valid, batch["indices"].long() + first, -1))
+        rows.append(kv)
+    kv = torch.tensor([r for part in rows for r in part], dtype=torch.float64)
+    kv = kv.reshape(kv.shape[0], 1, -1)
     if kv_format == "e4m3":
         kv = e4m3_round(kv.float())
     elif kv_format == "bf16":
         kv = kv.float().to(torch.bfloat16).double()
-    q = batch["q"].double()
+    q = q.double()
     if quantize_q:
         amax = q.abs().amax(dim=-1, keepdim=True)
         scale = torch.exp2(torch.ceil(torch.log2(torch.clamp(amax / 448.0, min=2.0**-126))))
         scale = torch.where(amax == 0, 1.0, scale)
         q = e4m3_round(q / scale) * scale
-    topk = batch["indices"].shape[1]
-    slot = torch.arange(topk)
-    indices = torch.where(slot[None, :] < batch["n_valid"][:, None], batch["indices"].long(), -1)
+    indices = torch.cat(indices, dim=1)
     return sparse_mla_prefill_reference(q, kv, indices[:, None, :], sm_scale, 1.0, 1.0, 512, attn_sink)

@@ -16,10 +16,12 @@ from paged_cache import (
     ground_truth,
     make_batch,
     same_bits,
+    union_ground_truth,
 )
 from reference_checks import assert_outputs_match
 
 from q8kv8 import kv_layout, paged_gather, query, serving
+from q8kv8.merge import merge_attention
 from q8kv8.paged_gather import gather_dequant_requant_fp8_paged
 from q8kv8.query import cast_q_fp8, dynamic_q_scale
 from q8kv8.reference import (
@@ -28,7 +30,7 @@ from q8kv8.reference import (
     slot_indices_reference,
     sparse_mla_prefill_reference,
 )
-from q8kv8.serving import SparsePrefill
+from q8kv8.serving import CacheRows, SparsePrefill
 from q8kv8.workspace import SparsePrefillWorkspace, indexed_device
 
 E4M3, BF16 = torch.float8_e4m3fn, torch.bfloat16
@@ -702,3 +704,99 @@ def test_auto_path_attends_from_the_cache_when_the_workspace_would_gather_more(g
     assert SparsePrefill("bf16", path="paged", kernels=reference_kernels())._choose_path(
         1, 64, 128, 10**6
     ) == ("workspace")
+
+
+def test_workspace_path_takes_padded_indices_as_they_are(generator):
+    """Indices already padded to a multiple of 128 and row-major reach the kernel as they are (a view, no
+    slot-index pass); others are padded with -1."""
+    seen = []
+    kernels = reference_kernels()
+
+    def attention_fp8(q, kv, indices, *args):
+        seen.append(indices)
+        return kernels.attention_fp8(q, kv, indices, *args)
+
+    batch = make_batch("v32", 64, 0, h=20, topk=128, generator=generator)
+    prefill = SparsePrefill(
+        "fp8",
+        path="workspace",
+        kernels=kernels._replace(attention_fp8=attention_fp8),
+        workspace=SparsePrefillWorkspace("cpu"),
+    )
+    args = (batch["cache"], batch["page_table"], batch["indices"], batch["seqlens"], 0, SM_SCALE)
+    got = prefill.forward(batch["q"], *args)
+    assert seen[-1].data_ptr() == batch["indices"].data_ptr() and seen[-1].shape == (len(batch["q"]), 1, 128)
+    assert_close_to_truth(
+        got, ground_truth(batch, "v32", SM_SCALE, kv_format="e4m3", quantize_q=True), 4e-3, 1e-6
+    )
+    prefill.forward(batch["q"], batch["cache"], batch["page_table"], batch["indices"][:, :100], *args[3:])
+    assert seen[-1].shape == (len(batch["q"]), 1, 128) and (seen[-1][:, 0, 100:] == -1).all()
+
+
+def test_merge_attention_is_one_softmax_over_the_union(generator):
+    """Two parts of each row's slots (some rows empty in one part, some in both), merged with a sink, against
+    the float64 attention over all of them: float32 rounding only."""
+    s_q, h, d = 12, 5, 576
+    q = torch.randn(s_q, h, d, generator=generator, dtype=torch.float64)
+    kv = torch.randn(300, 1, d, generator=generator, dtype=torch.float64)
+    indices = torch.stack([torch.randperm(300, generator=generator)[:40] for _ in range(s_q)])
+    first, second = indices[:, :25].clone(), indices[:, 25:].clone()
+    first[3], second[4] = -1, -1  # row 3 only in the second part, row 4 only in the first
+    first[7], second[7] = -1, -1  # row 7 in neither
+    sink = torch.randn(h, generator=generator, dtype=torch.float64)
+    whole = torch.cat([first, second], dim=1)
+    want = sparse_mla_prefill_reference(q, kv, whole[:, None], 0.05, 1.0, 1.0, 512, sink)
+    parts = [
+        sparse_mla_prefill_reference(q, kv, part[:, None], 0.05, 1.0, 1.0, 512) for part in (first, second)
+    ]
+    got = merge_attention([tuple(t.float() for t in part) for part in parts], sink.float())
+    assert (got[0][7] == 0).all() and (got[1][7] == -math.inf).all() and (got[2][7] == math.inf).all()
+    assert torch.allclose(got[0].double(), want[0], rtol=1e-5, atol=1e-6)
+    assert torch.equal(got[1], want[1].float())
+    assert torch.allclose(got[2].double(), want[2], rtol=1e-6, atol=0)
+    with pytest.raises(ValueError, match="at least one"):
+        merge_attention([])
+    with pytest.raises(ValueError, match=r"parts\[1\]: expected out"):
+        merge_attention([got, (got[0][:3], got[1][:3], got[2][:3])])
+
+
+@pytest.mark.parametrize("path", ["paged", "workspace"])
+def test_forward_merged_attends_two_caches_as_one_softmax(generator, path):
+    """V4's compressed rows and window rows live in two caches: ``forward_merged`` attends both as one
+    softmax, with the sink applied once, against the float64 attention over the union of the rows."""
+    compressed = make_batch("model1", 64, 4, h=20, topk=16, generator=generator)
+    window = make_batch("model1", 64, 4, h=20, topk=8, generator=generator)  # a second cache, same queries
+    sink = torch.randn(20, generator=generator)
+    prefill = SparsePrefill(
+        "fp8", path=path, kernels=reference_kernels(), workspace=SparsePrefillWorkspace("cpu")
+    )
+    parts = [
+        CacheRows(b["cache"], b["page_table"], b["indices"], b["seqlens"], b["compress_ratio"])
+        for b in (compressed, window)
+    ]
+    got = prefill.forward_merged(compressed["q"], parts, SM_SCALE, sink)
+    assert prefill.last_path == f"{path}+{path}" and prefill.info()["last_path"] == prefill.last_path
+    kv_format = "f64" if path == "paged" else "e4m3"
+    q = compressed["q"]
+    truth = union_ground_truth(q, [compressed, window], "model1", SM_SCALE, sink, kv_format, quantize_q=True)
+    assert_close_to_truth(got, truth, out_tol=4e-3, stat_tol=1e-6)
+    assert ((compressed["n_valid"] == 0) & (window["n_valid"] == 0)).any()  # rows that see nothing yet
+    with pytest.raises(ValueError, match="at least one CacheRows"):
+        prefill.forward_merged(q, [], SM_SCALE)
+
+
+def test_info_says_what_the_layer_runs(generator):
+    batch = make_batch("v32", 64, 0, h=20, topk=16, generator=generator)
+    paged, _ = run_pipeline(batch, "fp8", path="paged")
+    assert paged.info() == {
+        "backend": "fp8",
+        "precision": "default",
+        "path": "paged",
+        "last_path": "paged",
+        "paged_rows_per_tile_slot": serving.PAGED_ROWS_PER_TILE_SLOT,
+        "workspace_bytes": 0,
+    }
+    workspace, _ = run_pipeline(batch, "fp8", path="auto")
+    info = workspace.info()
+    assert info["last_path"] == "workspace" and info["path"] == "auto"
+    assert info["workspace_bytes"] == batch["page_table"].shape[0] * 576

@@ -6,12 +6,12 @@
   producer-quantised values.
 - The slot-index kernel is bit-exact with its PyTorch reference (int32 and int64 tables and seqlens, every
   compress ratio, entries outside the table).
-- ``SparsePrefill.forward`` matches the float64 ground truth decoded from the cache bytes for every
-  compress ratio, with the tolerances of ``test_kernel_gpu.py`` (the kernel rounds P to e4m3), on both FP8
-  paths (straight from the cache, and through the workspace), and can be captured in a CUDA graph. Its FP8
-  backend hands the kernel the bfloat16 Q (quantised per row in the kernel, as the ground truth does): its
-  results are the public call's on that Q (``sparse_mla_q8kv8_paged_fwd``, or ``sparse_mla_q8kv8_prefill_fwd``
-  on the workspace), bit for bit.
+- ``SparsePrefill.forward`` (and ``forward_merged`` over two caches) matches the float64 ground truth
+  decoded from the cache bytes for every compress ratio, with the tolerances of ``test_kernel_gpu.py`` (the
+  kernel rounds P to e4m3), on both FP8 paths (straight from the cache, and through the workspace), and can
+  be captured in a CUDA graph. Its FP8 backend hands the kernel the bfloat16 Q (quantised per row in the
+  kernel, as the ground truth does): its results are the public call's on that Q
+  (``sparse_mla_q8kv8_paged_fwd``, or ``sparse_mla_q8kv8_prefill_fwd`` on the workspace), bit for bit.
 - The bf16 backend runs once ``q8kv8.kernels.launch_sparse_prefill_bf16`` exists (skipped before).
 """
 
@@ -27,6 +27,7 @@ from paged_cache import (
     random_bytes_cache,
     same_bits,
     to_device,
+    union_ground_truth,
 )
 from reference_checks import assert_outputs_match
 
@@ -35,7 +36,7 @@ from q8kv8.metadata import pad_topk, padded_num_heads
 from q8kv8.paged_gather import gather_dequant_paged, gather_dequant_requant_fp8_paged
 from q8kv8.query import cast_q_fp8, dynamic_q_scale
 from q8kv8.reference import gather_dequant_paged_reference, slot_indices_reference
-from q8kv8.serving import SparsePrefill, cuda_kernels, topk_length_for
+from q8kv8.serving import CacheRows, SparsePrefill, cuda_kernels, topk_length_for
 from q8kv8.workspace import SparsePrefillWorkspace
 
 pytestmark = pytest.mark.gpu
@@ -186,16 +187,20 @@ def assert_matches(got, truth, out_tol=OUT_TOLERANCE, stat_tol=STAT_TOLERANCE):
     assert_outputs_match(tuple(t.cpu() for t in got), truth, out_tol, stat_tol)
 
 
+@pytest.mark.parametrize("s_q, topk, topk_pad", [(700, 1000, 1024), (33, 5, 128), (3, 2100, 2176)])
 @pytest.mark.parametrize("compress_ratio", [0, 4, 128])
 @pytest.mark.parametrize("word_dtype", [torch.int32, torch.int64])
-def test_slot_indices_kernel_is_the_reference(generator, word_dtype, compress_ratio):
+def test_slot_indices_kernel_is_the_reference(generator, word_dtype, compress_ratio, s_q, topk, topk_pad):
+    """Every entry of the padded top-k, across the CTAs of a row (512 entries each), from a row-strided
+    indices view."""
     table = torch.randint(0, 100000, (3000,), generator=generator).to(word_dtype)
     if word_dtype == torch.int64:
         table[::101] = 2**31 + 5  # outside int32: -1
-    indices = torch.randint(-10, 3010, (700, 1000), generator=generator, dtype=torch.int32)
-    seqlens = torch.randint(-3, 5000, (700,), generator=generator).to(word_dtype)
-    want = slot_indices_reference(indices, table, seqlens, compress_ratio, 1024)
-    got = cuda_kernels().slot_indices(indices.cuda(), table.cuda(), seqlens.cuda(), compress_ratio, 1024)
+    rows = torch.randint(-10, 3010, (s_q, topk + 3), generator=generator, dtype=torch.int32)
+    seqlens = torch.randint(-3, 5000, (s_q,), generator=generator).to(word_dtype)
+    want = slot_indices_reference(rows[:, 1 : topk + 1], table, seqlens, compress_ratio, topk_pad)
+    indices = rows.cuda()[:, 1 : topk + 1]
+    got = cuda_kernels().slot_indices(indices, table.cuda(), seqlens.cuda(), compress_ratio, topk_pad)
     for a, b in zip(got, want, strict=True):
         assert torch.equal(a.cpu(), b)
 
@@ -213,6 +218,29 @@ def test_forward_fp8_matches_float64_ground_truth(generator, layout, compress_ra
     kv_format = "e4m3" if path == "workspace" else "f64"  # the paged path reads the cache as it is
     assert_matches(got, ground_truth(batch, layout, SM_SCALE, sink, kv_format=kv_format, quantize_q=True))
     assert_matches(got, ground_truth(batch, layout, SM_SCALE, sink), out_tol=8e-2, stat_tol=0.15)
+
+
+@pytest.mark.parametrize("precision", ["default", "accurate"])
+@pytest.mark.parametrize("path", ["paged", "workspace"])
+def test_forward_merged_attends_two_caches_as_one_softmax(generator, path, precision):
+    """V4's compressed rows and window rows, in two caches, attended as one softmax with the sink applied once
+    (``forward_merged``), against the float64 attention over the union of the rows."""
+    compressed = make_batch("model1", 64, 4, h=20, topk=16, generator=generator)
+    window = make_batch("model1", 64, 4, h=20, topk=8, generator=generator)  # a second cache, same queries
+    sink = torch.randn(20, generator=generator)
+    prefill = SparsePrefill("fp8", precision=precision, path=path)
+    parts = [
+        CacheRows(b["cache"], b["page_table"], b["indices"], b["seqlens"], b["compress_ratio"])
+        for b in map(cuda_batch, (compressed, window))
+    ]
+    got = prefill.forward_merged(compressed["q"].cuda(), parts, SM_SCALE, sink.cuda())
+    torch.cuda.synchronize()
+    assert prefill.last_path == f"{path}+{path}"
+    kv_format = "e4m3" if path == "workspace" else "f64"
+    q = compressed["q"]
+    assert_matches(
+        got, union_ground_truth(q, [compressed, window], "model1", SM_SCALE, sink, kv_format, True)
+    )
 
 
 @pytest.mark.parametrize("compress_ratio", [0, 4, 128])
@@ -244,11 +272,12 @@ def test_forward_fp8_paged_is_the_public_paged_call(generator, precision):
 
 
 @pytest.mark.parametrize("h", [128, 20])
-def test_forward_fp8_is_the_public_call_on_the_bf16_q(generator, h):
+@pytest.mark.parametrize("topk", [200, 256])
+def test_forward_fp8_is_the_public_call_on_the_bf16_q(generator, h, topk):
     """The layer's FP8 result on the workspace path is ``sparse_mla_q8kv8_prefill_fwd`` on the bfloat16 Q
     (zero heads appended up to a multiple of 64), the gathered rows, ``q_scale=None`` and kv_scale 1.0, bit
-    for bit."""
-    batch = cuda_batch(make_batch("v32", 64, 4, h=h, topk=200, generator=generator))
+    for bit (indices padded to a multiple of 128 by the layer, or taken as they are)."""
+    batch = cuda_batch(make_batch("v32", 64, 4, h=h, topk=topk, generator=generator))
     sink = torch.randn(h, generator=generator).cuda()
     prefill = SparsePrefill("fp8", path="workspace")
     got = forward(prefill, batch, sink)
