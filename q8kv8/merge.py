@@ -4,10 +4,9 @@ Each part is ``(out, max_logits, lse)`` as the attention calls return them, comp
 ``out`` is its rows' softmax-weighted sum, ``lse`` their log-sum-exp (``+inf`` for a row with no valid slot,
 which then weighs nothing). The merge weighs part i by ``exp(lse_i - lse)`` with ``lse`` the log of the summed
 exponentials, in float32, which is the attention over the union of the rows up to the parts' own rounding;
-the sink, applied once to the merged row, multiplies it by ``1 / (1 + exp(attn_sink[h] - lse))``. The
-weights carry the parts' logit errors: merge the accurate mode's results (or the paged path's) where the
-logits matter (``docs/usage.md``, "Precision"). PyTorch operations on the parts' device: no host sync, CUDA
-graph capturable.
+the sink, applied once to the merged row, multiplies it by ``1 / (1 + exp(attn_sink[h] - lse))``. A
+part's weight is off by exp(the absolute error of its lse) (``docs/usage.md``, "Serving path"). PyTorch
+operations on the parts' device: no host sync, CUDA graph capturable.
 """
 
 from __future__ import annotations
