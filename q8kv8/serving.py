@@ -1,12 +1,14 @@
 """The paged serving path: a paged FP8 KV cache in, one sparse-prefill layer call out.
 
-``SparsePrefill.forward`` with the FP8 backend attends straight from the cache: one launch maps the batch's
-top-k rows to the cache's token slots through ``page_table`` and counts each query's valid slots
-(``q8kv8.kernels.launch_paged_indices``), a second runs ``sparse_mla_q8kv8_paged_fwd`` on the bfloat16 Q
-(which the kernel quantises per row) with the cache's own block scales: no workspace, no prefix copy. The
-workspace path (``q8kv8.paged_gather`` into a reusable ``q8kv8.workspace.SparsePrefillWorkspace``, then
-``sparse_mla_q8kv8_prefill_fwd``) is the bf16 backend's, and the FP8 backend's where it is asked for
-(``path="workspace"``). The cache layouts are described in ``q8kv8.kv_layout``.
+``SparsePrefill.forward`` with the FP8 backend takes one of two paths ("auto" picks by the batch's shape, see
+``PAGED_ROWS_PER_TILE_SLOT``). Paged: one launch maps the batch's top-k rows to the cache's token slots
+through ``page_table`` and counts each query's valid slots (``q8kv8.kernels.launch_paged_indices``), a
+second runs ``sparse_mla_q8kv8_paged_fwd`` on the bfloat16 Q (which the kernel quantises per row) with the
+cache's own block scales: no workspace, no prefix copy. Workspace (the bf16 backend's only path):
+``q8kv8.paged_gather`` gathers the ``page_table`` rows into a reusable
+``q8kv8.workspace.SparsePrefillWorkspace``, then ``sparse_mla_q8kv8_prefill_fwd`` attends them.
+``forward_merged`` attends rows that live in several caches as one softmax (``q8kv8.merge``). The cache
+layouts are described in ``q8kv8.kv_layout``.
 
 Nothing here syncs with the GPU: arguments are checked on shapes, dtypes, strides and devices only, so a
 forward can be captured in a CUDA graph once the kernels are built (they build on first use, then come from
