@@ -89,17 +89,25 @@ def _(*_args, **_kwargs):
     return None
 
 
-def call_traced(call: PrefillCall):
-    """What ``sparse_mla_q8kv8_prefill_fwd`` does when torch.compile traces it: one op call."""
-    ops = torch.ops.q8kv8
-    inputs = call[:INPUT_FIELDS]
+def _call_op_pair(call: PrefillCall | PagedCall, input_fields: int, functional, out_op):
+    """One traced call of an op pair: ``functional`` (the call's first ``input_fields`` fields and its
+    precision) when no buffer is given, else ``out_op`` on the buffers, any missing one allocated."""
+    inputs = call[:input_fields]
     if call.out is None and call.max_logits is None and call.lse is None:
-        return ops.sparse_mla_q8kv8_prefill.default(*inputs, call.precision)
+        return functional(*inputs, call.precision)
     out, max_logits, lse = output_buffers(
         call.q, call.q.shape[1], call.d_v, call.out, call.max_logits, call.lse
     )
-    ops.sparse_mla_q8kv8_prefill_out.default(*inputs, call.precision, out, max_logits, lse)
+    out_op(*inputs, call.precision, out, max_logits, lse)
     return out, max_logits, lse
+
+
+def call_traced(call: PrefillCall):
+    """What ``sparse_mla_q8kv8_prefill_fwd`` does when torch.compile traces it: one op call."""
+    ops = torch.ops.q8kv8
+    return _call_op_pair(
+        call, INPUT_FIELDS, ops.sparse_mla_q8kv8_prefill.default, ops.sparse_mla_q8kv8_prefill_out.default
+    )
 
 
 PAGED_FUNCTIONAL_OP = "q8kv8::sparse_mla_q8kv8_paged"
@@ -162,11 +170,6 @@ def _(*_args, **_kwargs):
 def call_paged_traced(call: PagedCall):
     """What ``sparse_mla_q8kv8_paged_fwd`` does when torch.compile traces it: one op call."""
     ops = torch.ops.q8kv8
-    inputs = call[:PAGED_INPUT_FIELDS]
-    if call.out is None and call.max_logits is None and call.lse is None:
-        return ops.sparse_mla_q8kv8_paged.default(*inputs, call.precision)
-    out, max_logits, lse = output_buffers(
-        call.q, call.q.shape[1], call.d_v, call.out, call.max_logits, call.lse
+    return _call_op_pair(
+        call, PAGED_INPUT_FIELDS, ops.sparse_mla_q8kv8_paged.default, ops.sparse_mla_q8kv8_paged_out.default
     )
-    ops.sparse_mla_q8kv8_paged_out.default(*inputs, call.precision, out, max_logits, lse)
-    return out, max_logits, lse
