@@ -152,10 +152,9 @@ def _signature(value) -> tuple:
         return (type(value), None, None, None, None, None)
 
 
-def _check_signatures(signatures: PrefillCall, paged: bool = False) -> Problem:
+def _check_signatures(signatures: PrefillCall) -> Problem:
     """The checks of ``check_inputs`` on a call whose tensors are their signatures (None for an absent
-    optional tensor). ``paged``: kv stands for a paged cache's token slots (``q8kv8.paged``), whose calls run
-    tiles of 64 heads."""
+    optional tensor; kv may stand for a paged cache's token slots, see ``q8kv8.paged``)."""
     q, kv, indices = signatures.q, signatures.kv, signatures.indices
     q_scale, kv_scale = signatures.q_scale, signatures.kv_scale
     attn_sink, topk_length = signatures.attn_sink, signatures.topk_length
@@ -292,9 +291,7 @@ def _check_signatures(signatures: PrefillCall, paged: bool = False) -> Problem:
     device = q[DEVICE]
     chosen = schedule.Schedule(0)
     if device.type == "cuda" and s_q > 0 and s_kv > 0:
-        chosen = schedule.choose(
-            s_q, h_q, topk, topk_length is not None, precision, device.index, paged=paged
-        )
+        chosen = schedule.choose(s_q, h_q, topk, topk_length is not None, precision, device.index)
     launch_ready = (
         q[DATA_PTR] % Q_ALIGNMENT_BYTES == 0
         and _is_contiguous(q[SHAPE], q[STRIDES])

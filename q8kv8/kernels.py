@@ -70,7 +70,7 @@ class VariantKey(NamedTuple):
     schedule: int = ONE_TILE  # ``q8kv8.schedule``'s kind: ONE_TILE, PERSISTENT or SPLIT
     q_dtype: torch.dtype = FP8
     heads: int = HEAD_ALIGNMENT  # 64 heads a tile, or one of SMALL_HEAD_COUNTS (persistent)
-    cache: str | None = None  # a paged cache layout of CACHE_LAYOUTS (64 heads), else None: kv rows in e4m3
+    cache: str | None = None  # a paged cache layout of CACHE_LAYOUTS, else None: kv rows in e4m3
 
     @property
     def name(self) -> str:
@@ -93,7 +93,7 @@ class VariantKey(NamedTuple):
             or self.q_dtype not in KERNEL_Q_DTYPES
             or (small and (self.heads not in SMALL_HEAD_COUNTS or self.schedule != PERSISTENT))
             or (self.schedule == PERSISTENT and self.precision not in PERSISTENT_PRECISIONS)
-            or (self.cache is not None and (CACHE_LAYOUTS.get(self.cache) != self.d_qk or small))
+            or (self.cache is not None and CACHE_LAYOUTS.get(self.cache) != self.d_qk)
         ):
             raise ValueError(f"no attention kernel variant {self}")
 
@@ -310,8 +310,8 @@ def launch_sparse_prefill(
     cache: str | None = None,
 ) -> tuple[tuple[int, Variant], ...]:
     """Launch the kernel on validated tensors: q (e4m3 or bfloat16), out, max_logits, lse row-major with a
-    head count (one of ``SMALL_HEAD_COUNTS`` without ``cache``: the small-head variant, a persistent kernel;
-    any other: tiles of 64 heads, a token's last one partly filled); kv and indices with a contiguous last
+    head count (one of ``SMALL_HEAD_COUNTS``: the small-head variant, a persistent kernel; any other: tiles of
+    64 heads, a token's last one partly filled); kv and indices with a contiguous last
     dimension; one-element scales, ``q_scale`` None for a bfloat16 q. ``cache``: kv is a paged cache of that
     layout (``CACHE_LAYOUTS``) as [num_pages, page_size, bytes per token] uint8 (16-byte aligned base and page
     stride, page_size a power of two), indices its token slots, ``kv_scale`` a one-element 1.0 (its block
@@ -325,7 +325,7 @@ def launch_sparse_prefill(
     launch before. Variants build on their first launch. Returns the launches' ``(schedule kind, variant)``,
     in order."""
     tiles = schedule
-    small = small_heads(q.shape[1]) and cache is None
+    small = small_heads(q.shape[1])
     if small:
         splits = 1
     if tiles is None and small:

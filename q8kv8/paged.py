@@ -162,7 +162,7 @@ def _check_paged_call(call: PagedCall) -> tuple:
             call.precision,
         ),
     )
-    problem = _check_signatures(signatures, paged=True)
+    problem = _check_signatures(signatures)
     cache_span = _span(_signature(view))
     for name in ("out", "max_logits", "lse"):
         buffer = getattr(call, name)

@@ -165,13 +165,11 @@ def choose(
     precision: str,
     device_index: int,
     num_sms: int | None = None,
-    paged: bool = False,
 ) -> Schedule:
     """The ``Schedule`` of a call of ``s_q`` tokens, ``h_q`` heads (ceil(h_q / 64) tiles a token) and
     ``topk`` slots on CUDA device ``device_index`` (or on a GPU of ``num_sms`` SMs): the small-head rule for
-    small heads (not ``paged``: a paged cache's calls run tiles of 64 heads), else the persistent rule first,
-    the split rule for a one-tile launch."""
-    if small_heads(h_q) and not paged:
+    small heads, else the persistent rule first, the split rule for a one-tile launch."""
+    if small_heads(h_q):
         return Schedule(small_head_tiles_per_cta(s_q, device_index, num_sms))
     groups = head_groups(h_q)
     tiles = tiles_per_cta(s_q * groups, topk, has_topk_length, precision, device_index, num_sms)

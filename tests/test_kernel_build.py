@@ -200,34 +200,45 @@ def test_small_head_variants_fit_and_compute_the_transposed_products(d_qk, preci
 
 
 PAGED_KEYS = [
-    (layout, precision, kind, q_dtype)
+    (layout, precision, kind, q_dtype, heads)
     for layout in ("v32", "model1")
     for precision in ("default", "accurate")
-    for kind in (ONE_TILE, PERSISTENT, SPLIT)
+    for kind, heads in (
+        (ONE_TILE, 64),
+        (PERSISTENT, 64),
+        (SPLIT, 64),
+        (PERSISTENT, 8),
+        (PERSISTENT, 16),
+        (PERSISTENT, 32),
+    )
     for q_dtype in (kernels.FP8, kernels.BF16_Q)
 ]
 PAGED_D_QK = {"v32": 576, "model1": 512}
 PAGED_SPILL_BYTES = 40
 """The paged variants' consumers at their register ceiling (240, or 232 beside a producer of
 ``sparse_prefill.WIDE_PRODUCER_REGS``): a bf16 q on the persistent schedule, and V4 in the accurate mode on
-the split one, spill at most this much (measured 4-36 B); every other paged variant fits."""
+the split one, spill at most this much (measured 4-36 B); every other paged variant fits (the small-head ones
+beside a producer of ``sparse_prefill.WIDE_PRODUCER_REGS`` with either q dtype)."""
 
 
-def paged_spills(layout, precision, kind, q_dtype) -> bool:
-    return (kind == PERSISTENT and q_dtype == kernels.BF16_Q) or (
-        layout == "model1" and precision == "accurate" and kind == SPLIT and q_dtype == kernels.FP8
+def paged_spills(layout, precision, kind, q_dtype, heads) -> bool:
+    return heads == 64 and (
+        (kind == PERSISTENT and q_dtype == kernels.BF16_Q)
+        or (layout == "model1" and precision == "accurate" and kind == SPLIT and q_dtype == kernels.FP8)
     )
 
 
-@pytest.mark.parametrize("layout, precision, kind, q_dtype", PAGED_KEYS)
-def test_paged_variants_gather_pages_and_sum_scale_groups(layout, precision, kind, q_dtype):
+@pytest.mark.parametrize("layout, precision, kind, q_dtype, heads", PAGED_KEYS)
+def test_paged_variants_gather_pages_and_sum_scale_groups(layout, precision, kind, q_dtype, heads):
     """The paged kernel (``paged_rows``): S from WGMMA groups of a scale group's k-steps (in the accurate mode
-    at most ``PAGED_ACCURATE_CHUNK_KSTEPS``; N = 32 halves: the first group and the loop's per half, and the
-    RoPE's 2 k-steps x 2 e4m3 terms per half), PV as the one-tile kernel's; per row, four 16-byte copies per
-    64-byte column of its e4m3 nope and bf16 RoPE (no L2 cache hint) and four 4-byte copies of its scales; the
-    Q TMA for an e4m3 q; registers as the others, within the documented spills."""
-    built = variant(PAGED_D_QK[layout], precision, kind, q_dtype, cache=layout)
-    assert built.name.startswith(f"sparse_prefill_sm90_d{PAGED_D_QK[layout]}_paged_{layout}")
+    at most ``PAGED_ACCURATE_CHUNK_KSTEPS``: the first group and the loop's, and the RoPE's 2 k-steps x 2 e4m3
+    terms; 64 heads: once per N = 32 half; small heads: S^T = K . Q^T whole, N = heads), PV as the kernel on
+    gathered rows; per row, four 16-byte copies per 64-byte column of its e4m3 nope and bf16 RoPE (no L2 cache
+    hint) and four 4-byte copies of its scales; the Q TMA for an e4m3 q; registers as the others, within the
+    documented spills."""
+    small = "" if heads == 64 else f"_h{heads}"
+    built = variant(PAGED_D_QK[layout], precision, kind, q_dtype, heads, cache=layout)
+    assert built.name.startswith(f"sparse_prefill_sm90_d{PAGED_D_QK[layout]}{small}_paged_{layout}")
     ptx = built.ptx_path.read_text()
     geometry = paged_rows.cache_geometry(layout)
     chunk = geometry.group_ksteps
@@ -235,7 +246,10 @@ def test_paged_variants_gather_pages_and_sum_scale_groups(layout, precision, kin
         chunk = min(chunk, sparse_prefill.PAGED_ACCURATE_CHUNK_KSTEPS)
     wgmma = re.findall(r"wgmma\.mma_async\.sync\.aligned\.m64n(\d+)k32\.f32\.e4m3\.e4m3", ptx)
     terms = 2 if precision == "accurate" else 1
-    assert wgmma.count("32") == 2 * (2 * chunk + 4) and wgmma.count("64") == (16 + 8 + 8) * terms
+    if heads == 64:
+        assert wgmma.count("32") == 2 * (2 * chunk + 4) and wgmma.count("64") == (16 + 8 + 8) * terms
+    else:
+        assert set(wgmma) == {str(heads)} and len(wgmma) == 2 * chunk + 4 + 4 * 8 * terms
     assert len(re.findall(r"cp\.async\.cg\.shared\.global", ptx)) == 4 * (geometry.nope_columns + 2)
     assert not re.search(r"cp\.async\.cg\.shared\.global\.L2::cache_hint", ptx)
     assert len(re.findall(r"cp\.async\.ca\.shared\.global", ptx)) == 4
@@ -244,7 +258,7 @@ def test_paged_variants_gather_pages_and_sum_scale_groups(layout, precision, kin
     report = build.ptxas_report(built)
     if report is None:
         pytest.skip("ptxas is not on PATH")
-    if paged_spills(layout, precision, kind, q_dtype):
+    if paged_spills(layout, precision, kind, q_dtype, heads):
         assert report.spill_store_bytes <= PAGED_SPILL_BYTES and report.spill_load_bytes <= PAGED_SPILL_BYTES
         assert "wgmma.mma_async instructions are serialized" not in report.text and report.registers <= 168
     else:

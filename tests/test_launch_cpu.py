@@ -167,20 +167,21 @@ def test_a_bf16_q_launches_its_own_variant(monkeypatch, precision, tiles):
     assert launched == [key] * 2
 
 
-def test_a_paged_cache_launches_its_own_variant_with_the_cache_as_kv(calls, monkeypatch):
-    """``cache``: the paged variant of the layout (64-head tiles also for 16 heads), the cache view passed as
-    kv untouched (never re-aligned: the contract checked it)."""
+@pytest.mark.parametrize("h_q, kind, heads", [(48, schedule.ONE_TILE, 64), (16, schedule.PERSISTENT, 16)])
+def test_a_paged_cache_launches_its_own_variant_with_the_cache_as_kv(calls, monkeypatch, h_q, kind, heads):
+    """``cache``: the paged variant of the layout (64-head tiles for 48 heads, the small-head kernel for 16),
+    the cache view passed as kv untouched (never re-aligned: the contract checked it)."""
     keys = []
     registry = kernels._variants
     monkeypatch.setattr(
         kernels, "_variants", types.SimpleNamespace(get=lambda key: keys.append(key) or registry.variant)
     )
     cache = torch.zeros(4, 64, 656, dtype=torch.uint8)[:, :, 8:]  # base 8 bytes off 16: not copied
-    args = launch_args(q=torch.zeros(S_Q, 16, D_QK, dtype=torch.bfloat16), q_scale=None, kv=cache)
-    args |= {"out": torch.empty(S_Q, 16, D_V, dtype=torch.bfloat16), "max_logits": torch.empty(S_Q, 16)}
-    args["lse"] = torch.empty(S_Q, 16)
+    args = launch_args(q=torch.zeros(S_Q, h_q, D_QK, dtype=torch.bfloat16), q_scale=None, kv=cache)
+    args |= {"out": torch.empty(S_Q, h_q, D_V, dtype=torch.bfloat16), "max_logits": torch.empty(S_Q, h_q)}
+    args["lse"] = torch.empty(S_Q, h_q)
     kernels.launch_sparse_prefill(**args, schedule=0, cache="v32")
-    assert keys == [kernels.VariantKey(D_QK, "default", schedule.ONE_TILE, torch.bfloat16, 64, "v32")]
+    assert keys == [kernels.VariantKey(D_QK, "default", kind, torch.bfloat16, heads, "v32")]
     assert calls[0]["kv"] is cache
 
 
@@ -200,15 +201,18 @@ def test_variant_names_and_keys():
     assert kernels.VariantKey(576, schedule=schedule.PERSISTENT, heads=16).name == (
         "sparse_prefill_sm90_d576_h16_persistent"
     )
+    assert kernels.VariantKey(512, "accurate", schedule.PERSISTENT, torch.bfloat16, 8, "model1").name == (
+        "sparse_prefill_sm90_d512_h8_paged_model1_bf16q_accurate_persistent"
+    )
     for bad in (
         kernels.VariantKey(576, heads=16),  # small heads are persistent
+        kernels.VariantKey(576, heads=16, cache="v32"),
         kernels.VariantKey(512, cache="v32"),  # V3.2 is d_qk 576
-        kernels.VariantKey(576, schedule=schedule.PERSISTENT, heads=16, cache="v32"),
     ):
         with pytest.raises(ValueError, match="no attention kernel variant"):
             bad.check()
     names = [key.name for key in kernels.LISTED_KEYS]
-    assert len(names) == len(set(names)) == 72
+    assert len(names) == len(set(names)) == 96
     assert kernels.LISTED_KEYS[: len(kernels.IMPORT_KEYS)] == kernels.IMPORT_KEYS
 
 

@@ -15,8 +15,8 @@ Tolerances (``||out - ref|| / ||ref||``; max_logits and lse relative, absolute b
   scale: out within 1.5e-2 in the accurate mode (measured 8.6e-3 to 9.0e-3).
 
 Every schedule (one tile per CTA, persistent, split, the rule's own), both q dtypes, any head count (tiles of
-64 heads), sinks, ``topk_length``, every kind of invalid slot; the workspace path's errors on the same inputs
-bound the paged call's; CUDA graphs.
+64 heads; 8, 16 and 32 the small-head kernel), sinks, ``topk_length``, every kind of invalid slot; the
+workspace path's errors on the same inputs bound the paged call's; CUDA graphs.
 """
 
 import math
@@ -108,6 +108,29 @@ def test_float32_scales_any_head_count_sink_and_topk_length(generator, h_q, prec
     check(outputs, call, precision, pow2_scales=False)
 
 
+@pytest.mark.parametrize("precision", ["default", "accurate"])
+@pytest.mark.parametrize("q_dtype", [BF16, E4M3], ids=["bf16q", "e4m3q"])
+@pytest.mark.parametrize("h_q", [8, 16, 32])
+@pytest.mark.parametrize("layout", ["v32", "model1"])
+def test_small_heads_match_the_reference_with_any_tokens_per_cta(generator, layout, h_q, q_dtype, precision):
+    """8, 16 or 32 heads (the small-head kernel: S^T, each slot's scales per row of it) with a sink and
+    topk_length (tokens without a valid slot, odd and even block counts): a CTA walking 1, 2 or 3 tokens
+    gives the same bits, which match the float64 reference."""
+    call = make_call(generator, layout, 45, h_q, 1024, q_dtype=q_dtype)
+    call["attn_sink"] = torch.randn(h_q, generator=generator).cuda()
+    topk_length = torch.randint(0, 1025, (45,), generator=generator, dtype=torch.int32)
+    topk_length[3:12] = torch.tensor([0, 1, 64, 65, 128, 0, 0, 200, 1024], dtype=torch.int32)
+    call["topk_length"] = topk_length.cuda()
+    call["indices"][20] = -1
+    results = {}
+    for tiles in (1, 2, 3):
+        with forced_tiles_per_cta(tiles):
+            results[tiles] = [t.clone() for t in run(call, precision=precision)]
+    check(results[1], call, precision)
+    for tiles in (2, 3):
+        assert all(torch.equal(a, b) for a, b in zip(results[tiles], results[1], strict=True)), tiles
+
+
 def test_no_worse_than_the_workspace_path(generator):
     """On the same inputs, the paged call's errors against the float64 reference are at most the workspace
     path's (gather to e4m3 with scale 1, then the prefill kernel), in both precisions and both layouts."""
@@ -173,17 +196,19 @@ def test_persistent_is_bitwise_the_one_tile_kernel(generator, precision):
 
 
 @pytest.mark.parametrize("precision", ["default", "accurate"])
-def test_dominant_logits_up_to_30(generator, precision):
+@pytest.mark.parametrize("h_q", [64, 16])
+def test_dominant_logits_up_to_30(generator, h_q, precision):
     """Rows whose largest logit is 20 to 30 (q a multiple of one selected row's dequantised values):
-    max_logits and lse within 5e-3 (default) and 5e-4 (accurate) of the float64 reference."""
-    call = make_call(generator, "v32", 32, 64, 512, pages=16)
+    max_logits and lse within 5e-3 (default) and 5e-4 (accurate) of the float64 reference, with tiles of 64
+    heads and with the small-head kernel."""
+    call = make_call(generator, "v32", 32, h_q, 512, pages=16)
     reference_kv = dequantize_paged_cache(call["cache"]).cpu()
-    q = torch.randn(32, 64, 576, generator=generator) * 0.3
+    q = torch.randn(32, h_q, 576, generator=generator) * 0.3
     for token in range(32):
         slot = int(call["indices"][token, 0, 0].clamp(min=0))  # slot 0 of the row, made valid
         call["indices"][token, 0, 0] = slot
         row = reference_kv[slot, 0].float()
-        target = 20.0 + 10.0 * torch.rand(64, generator=generator)
+        target = 20.0 + 10.0 * torch.rand(h_q, generator=generator)
         q[token] += row[None, :] * (target / (row.double().square().sum().item() * call["sm_scale"]))[:, None]
     call["q"] = q.to(BF16).cuda()
     reference = sparse_mla_paged_reference(**call, chunk_rows=16)

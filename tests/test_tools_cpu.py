@@ -319,10 +319,10 @@ def test_listings_name_every_variant_once_bf16_q_split_small_heads_and_paged_inc
     variants = kernels.listed_variants()
     names = [v.name for v in variants]
     assert names[: len(kernels.IMPORT_KEYS)] == [key.name for key in kernels.IMPORT_KEYS]
-    assert len(set(names)) == len(names) == 72
+    assert len(set(names)) == len(names) == 96
     assert len([name for name in names if name.endswith("_split")]) == 8 + 8  # 8 of them paged
-    assert len([name for name in names if re.search(r"_h(8|16|32)(_|$)", name)]) == 24
-    assert len([name for name in names if "_paged_" in name]) == 24
+    assert len([name for name in names if re.search(r"_h(8|16|32)(_|$)", name)]) == 24 + 24  # 24 paged
+    assert len([name for name in names if "_paged_" in name]) == 24 + 24
     for variant in variants:
         described = kernels.describe(variant)
         assert described["q_dtype"] == ("bf16" if "_bf16q" in variant.name else "e4m3")

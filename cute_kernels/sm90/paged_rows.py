@@ -17,7 +17,7 @@ scales of the groups the PV product reads as f16 [group][slot]. V's RoPE dims (V
 hi alone: the accurate mode's P keeps the staging tile for its lo term.
 
 Then S = sum over scale groups g of sigma[row, g] * (Q_g . K_g^T), the RoPE a group of its own (its row
-scale, hi and lo), each group's product summed in float32 (``scale_columns``), and the V^T fragments of the
+scale, hi and lo), each group's product summed in float32 (``scale_slots``), and the V^T fragments of the
 PV product are multiplied by their slots' f16 scales and rounded to e4m3 (``scale_v_fragment``): exact for
 power-of-two scales whose products stay in e4m3's range (FlashMLA's V3.2 quantiser, V4's UE8M0), rounded
 once otherwise (as a gathered e4m3 copy of the cache is).
@@ -217,15 +217,13 @@ def scale_v_fragment(geo: CacheGeometry, tables: BlockScaleTables, words, ks, ti
         words[4 * ks + i] = ptx.scale_e4m3x4_f16(words[4 * ks + i], scales[pair], scales[pair + 1])
 
 
-def scale_columns(geo, tables, total, part, tile, group, column_base, quad_lane, first: bool):
-    """``total`` (S, or its N = 32 half whose first column is ``column_base``: 8j + 2t + e + column_base as
-    element e + 2r + 4j) += sigma[column, group] * ``part`` (``first``: total = sigma * total, ``part``
-    unused); ``group`` == ``geo.groups``: the RoPE's row scales. (Unrolled while tracing.)"""
+def scale_slots(geo, tables, total, part, tile, group, slots, slot_of, first: bool):
+    """``total`` += sigma[slot, group] * ``part``, element i's slot (row of block tile ``tile``) being
+    ``slots[slot_of(i)]`` (``first``: total = sigma * total, ``part`` unused); ``group`` == ``geo.groups``:
+    the RoPE's row scales. One scale load per slot. (Unrolled while tracing.)"""
     rope = isinstance(group, int) and group == geo.groups
-    for j in range(cute.size(total) // 4):
-        for e in range(2):
-            column = column_base + 8 * j + 2 * quad_lane + e
-            sigma = rope_scale(tables, tile, column) if rope else raw_scale(geo, tables, tile, column, group)
-            for r in range(2):
-                i = e + 2 * r + 4 * j
+    for k, slot in enumerate(slots):
+        sigma = rope_scale(tables, tile, slot) if rope else raw_scale(geo, tables, tile, slot, group)
+        for i in range(cute.size(total)):
+            if slot_of(i) == k:
                 total[i] = total[i] * sigma if first else total[i] + sigma * part[i]

@@ -67,7 +67,7 @@ from cute_kernels.sm90.paged_rows import (
     convert_rope,
     copy_paged_row,
     page_and_position,
-    scale_columns,
+    scale_slots,
     scale_v_fragment,
 )
 from cute_kernels.sm90.ring import Ring
@@ -80,7 +80,7 @@ from cute_kernels.sm90.row_views import (
     quantize_staged_q_tile,
     stage_q_rows,
 )
-from cute_kernels.sm90.shared_storage import allocate_shared_storage, tile_region, tile_tensor
+from cute_kernels.sm90.shared_storage import allocate_shared_storage, tile_layouts, tile_region, tile_tensor
 from cute_kernels.sm90.tile_scheduler import TileScheduler, TileWork, plain_int32
 
 B_TOPK = 64  # gathered KV rows per block: the N tile of S and two k-steps of the PV product
@@ -107,10 +107,11 @@ SPLIT_WEIGHTS_OFFSET = SPLIT_STATS_OFFSET + max(SPLIT_PARTS) * SPLIT_STATS_BYTES
 PRODUCER_REGS = 24
 CONSUMER_REGS = 240
 # The small-head kernel's producer spills at 24 with an e4m3 q (its Q TMA beside that consumer code), and the
-# paged kernel's (its page and scale addressing), except where the paged consumers need the 240: with a bf16 q
-# on the persistent schedule (they spill 12-28 B at 240, 24-28 B at 232) and with an e4m3 q on the split one
-# (none at 240, 4-8 B at 232). 40 + 2 x 232 = 3 x 168, the launch's registers per thread (setmaxregister only
-# moves registers between the CTA's warps: more waits forever).
+# paged kernel's (its page and scale addressing; small heads with a bf16 q 8-16 B), except where the 64-head
+# paged consumers need the 240: with a bf16 q on the persistent schedule (they spill 12-28 B at 240, 24-28 B
+# at 232) and with an e4m3 q on the split one (none at 240, 4-8 B at 232). 40 + 2 x 232 = 3 x 168, the
+# launch's registers per thread (setmaxregister only moves registers between the CTA's warps: more waits
+# forever).
 WIDE_PRODUCER_REGS = 40
 WIDE_PRODUCER_CONSUMER_REGS = 232
 Q_DTYPES = ("e4m3", "bf16")
@@ -186,7 +187,8 @@ class Consumer(NamedTuple):
     s_valid_slots: cute.Tensor = None
     # Accurate (see qk_promoted) and paged (qk_paged): 64 heads: ((S's N = 32 MMA accumulating, overwriting),
     # its K descriptors per half, a [64 x 32] chunk accumulator, paged: the RoPE lo terms' K descriptors per
-    # half); small heads: (None, None, a chunk accumulator the shape of S^T)
+    # half); small heads: (None, None, a chunk accumulator the shape of S^T, paged: the RoPE lo terms' A
+    # descriptors)
     qk_chunks: tuple = None
     tables: BlockScaleTables = None  # paged: the block tiles' scale tables and RoPE staging tiles
 
@@ -222,7 +224,7 @@ class SparsePrefillSm90(AttentionKernel):
         small-head kernel: a tile is all h = ``heads`` heads of a token; not with ``split``).
         ``cache``: None (kv is a [s_kv, 1, d_qk] e4m3 tensor with a per-tensor scale) or a paged cache layout,
         "v32" or "model1" (kv is the cache, [num_pages, page_size, bytes per token] uint8, indices are its
-        token slots, and its block scales apply: ``paged_rows``; 64 heads only)."""
+        token slots, and its block scales apply: ``paged_rows``)."""
         if d_qk not in (512, 576):
             raise ValueError(f"d_qk must be 512 or 576, got {d_qk}")
         if precision not in ("default", "accurate"):
@@ -236,10 +238,8 @@ class SparsePrefillSm90(AttentionKernel):
         if heads != B_H and split:
             raise ValueError("small heads: not split")
         self.cache = None if cache is None else cache_geometry(cache)
-        if self.cache is not None and (self.cache.d_qk != d_qk or heads != B_H):
-            raise ValueError(
-                f"cache {cache!r}: d_qk {self.cache.d_qk} and {B_H} heads, got {d_qk} and {heads}"
-            )
+        if self.cache is not None and self.cache.d_qk != d_qk:
+            raise ValueError(f"cache {cache!r}: d_qk {self.cache.d_qk}, got {d_qk}")
         self.b_h = heads  # heads per tile: the M side of S (64), or the N side of S^T and O^T (small heads)
         self.small = heads != B_H
         # Pair p uses the KV tiles 2 (p % 2) and 2 (p % 2) + 1; block g its KV tile, P buffer and their
@@ -252,9 +252,8 @@ class SparsePrefillSm90(AttentionKernel):
         self.precision = precision
         self.q_bf16 = q_dtype == "bf16"
         self.registers = (PRODUCER_REGS, CONSUMER_REGS)  # per thread of the producer, of a consumer
-        consumers_need_240 = persistent if self.q_bf16 else split  # paged: they spill at 232
-        paged_producer = self.cache is not None and not consumers_need_240
-        if (self.small and not self.q_bf16) or paged_producer:
+        paged_consumers_need_240 = not self.small and (persistent if self.q_bf16 else split)
+        if (self.small and not self.q_bf16) or (self.cache is not None and not paged_consumers_need_240):
             self.registers = (WIDE_PRODUCER_REGS, WIDE_PRODUCER_CONSUMER_REGS)
         self.p_terms = 2 if precision == "accurate" else 1  # e4m3 terms P is stored as
         self.promote_qk = precision == "accurate"  # S summed in float32 per chunk of k-steps (qk_promoted)
@@ -287,9 +286,12 @@ class SparsePrefillSm90(AttentionKernel):
         self.q_tile_bytes = heads * d_qk
         self.q_shape = (heads, d_qk)
         self.k_shape = (B_TOPK, d_qk, NUM_KV_TILES)
-        # [term][buffer] P tiles; paged: always two terms' room, the second the RoPE staging (paged_rows)
-        self.p_shape = (heads, B_TOPK, NUM_KV_TILES * (2 if self.cache is not None else self.p_terms))
+        # [term][buffer] P tiles; paged, 64 heads: always two terms' room, the second the RoPE staging tiles
+        # (paged_rows), which small heads keep in a region of their own (a P tile of theirs is smaller)
+        self.lo_in_p = self.cache is not None and not self.small
+        self.p_shape = (heads, B_TOPK, NUM_KV_TILES * (2 if self.lo_in_p else self.p_terms))
         self.p_term_bytes = NUM_KV_TILES * heads * B_TOPK  # from a term's P tile to the next term's
+        self.lo_shape = (B_TOPK, B_TOPK, NUM_KV_TILES)  # the RoPE staging tiles: a K tile's RoPE column each
 
     def shared_storage(self):
         """The CTA's shared memory: barriers and row statistics, then the Q, KV block and P tiles."""
@@ -328,6 +330,8 @@ class SparsePrefillSm90(AttentionKernel):
             sQ: tile_region(Float8E4M3FN, self.q_shape)
             sK: tile_region(Float8E4M3FN, self.k_shape)
             sP: tile_region(Float8E4M3FN, self.p_shape)
+            if self.cache is not None and not self.lo_in_p:
+                sLo: tile_region(Float8E4M3FN, self.lo_shape)
 
         return SharedStorage
 
@@ -356,6 +360,7 @@ class SparsePrefillSm90(AttentionKernel):
             mQ, mKV, mIdx, mMaxLogits, mLse, q_by_tma=not self.q_bf16
         )
         sQ_layout, sK_layout, sP_layout = layouts
+        (sLo_layout,) = tile_layouts(self.SMEM_ATOM_KIND, self.ELEMENT_TYPE, (self.lo_shape,))
         launch_cta(
             self.kernel(
                 tma_atom_q,
@@ -375,6 +380,7 @@ class SparsePrefillSm90(AttentionKernel):
                 sQ_layout,
                 sK_layout,
                 sP_layout,
+                sLo_layout,
                 self.shared_storage(),
             ),
             self.scheduler.grid(
@@ -410,6 +416,7 @@ class SparsePrefillSm90(AttentionKernel):
         sQ_layout: cute.ComposedLayout,
         sK_layout: cute.ComposedLayout,
         sP_layout: cute.ComposedLayout,
+        sLo_layout: cute.ComposedLayout,
         SharedStorage: cutlass.Constexpr,
     ):
         tidx, _, _ = cute.arch.thread_idx()
@@ -433,12 +440,17 @@ class SparsePrefillSm90(AttentionKernel):
         sK = tile_tensor(storage.sK, sK_layout)
         sP = tile_tensor(storage.sP, sP_layout)
         tables = None
+        sLo = None  # paged: the RoPE staging tiles (their lo terms, see paged_rows)
         if const_expr(self.cache is not None):
+            if const_expr(self.lo_in_p):
+                sLo = cute.local_tile(sP, self.lo_shape, (0, 0, 1))
+            else:
+                sLo = tile_tensor(storage.sLo, sLo_layout)
             tables = BlockScaleTables(
                 raw=storage.scale_raw.data_ptr().toint(),
                 rope=storage.rope_scale.data_ptr().toint(),
                 v_f16=storage.v_scales.data_ptr().toint(),
-                lo=sP.iterator.toint() + self.p_term_bytes,
+                lo=sLo.iterator.toint(),
             )
         handover = (None, None)  # persistent: mbar_stats_full, mbar_tile_done
         if const_expr(self.persistent):
@@ -501,6 +513,7 @@ class SparsePrefillSm90(AttentionKernel):
                 sQ,
                 sK,
                 sP,
+                sLo,
                 smem_stats,
                 s_valid_words,
                 mIdx,
@@ -725,6 +738,7 @@ class SparsePrefillSm90(AttentionKernel):
         sQ,
         sK,
         sP,
+        sLo,
         smem_stats,
         s_valid_words,
         mIdx,
@@ -793,7 +807,15 @@ class SparsePrefillSm90(AttentionKernel):
         qk_chunks = None
         if const_expr(self.qk_in_groups):
             if const_expr(self.small):  # S^T is small: a chunk accumulator its shape
-                qk_chunks = (None, None, cute.make_rmem_tensor(thr_mma_qk.partition_shape_C(s_tile), Float32))
+                lo_fragments = None
+                if const_expr(self.cache is not None):  # the RoPE lo terms (A operands, as the block tiles)
+                    lo_fragments = tiled_mma_qk.make_fragment_A(thr_mma_qk.partition_A(sLo))
+                qk_chunks = (
+                    None,
+                    None,
+                    cute.make_rmem_tensor(thr_mma_qk.partition_shape_C(s_tile), Float32),
+                    lo_fragments,
+                )
             else:  # S in two N = 32 halves: one [64 x 32] chunk accumulator (16 registers)
                 half = (B_H, B_TOPK // 2)
                 half_mmas = [
@@ -809,10 +831,8 @@ class SparsePrefillSm90(AttentionKernel):
                 k_halves = [cute.local_tile(sK, k_half_tile, (h, 0, 0)) for h in range(2)]
                 lo_fragments = None
                 if const_expr(self.cache is not None):  # the RoPE lo terms, in the P tiles of the second term
-                    lo_tiles = cute.local_tile(sP, (B_TOPK, B_TOPK, NUM_KV_TILES), (0, 0, 1))
                     lo_halves = [
-                        cute.local_tile(lo_tiles, (B_TOPK // 2, B_TOPK, NUM_KV_TILES), (h, 0, 0))
-                        for h in range(2)
+                        cute.local_tile(sLo, (B_TOPK // 2, B_TOPK, NUM_KV_TILES), (h, 0, 0)) for h in range(2)
                     ]
                     lo_fragments = [
                         half_mmas[0].make_fragment_B(thr_half.partition_B(lo)) for lo in lo_halves
@@ -1094,18 +1114,25 @@ class SparsePrefillSm90(AttentionKernel):
     def queue_qk_steps(self, c: Consumer, acc, tile, steps, half=None):
         """Queue the k-steps ``steps`` of S (or of its N = 32 half ``half``) into ``acc`` as one WGMMA group,
         the first overwriting."""
+        k_tiles = c.tSrK if half is None else c.qk_chunks[1][half]
+        self.queue_qk_group(c, acc, [(k, k_tiles[None, None, k, tile]) for k in steps], half)
+
+    def queue_qk_group(self, c: Consumer, acc, operands, half=None):
+        """Queue one WGMMA group into ``acc`` (the first k-step overwriting): per ``(q_step, k_operand)`` of
+        ``operands``, Q's k-step ``q_step`` times the K descriptors ``k_operand`` (of S, of its N = 32 half
+        ``half``, or of S^T = K . Q^T for small heads)."""
         warpgroup.fence()
-        for i, k in enumerate(steps):
+        for i, (q_step, k_operand) in enumerate(operands):
             first = i == 0
             if half is not None:
                 mma = c.qk_chunks[0][1 if first else 0]
-                cute.gemm(mma, acc, c.tSrQ[None, None, k], c.qk_chunks[1][half][None, None, k, tile], acc)
+                cute.gemm(mma, acc, c.tSrQ[None, None, q_step], k_operand, acc)
             else:
                 mma = c.tiled_mma_qk_first if first else c.tiled_mma_qk
                 if const_expr(self.small):  # S^T = K . Q^T
-                    cute.gemm(mma, acc, c.tSrK[None, None, k, tile], c.tSrQ[None, None, k], acc)
+                    cute.gemm(mma, acc, k_operand, c.tSrQ[None, None, q_step], acc)
                 else:
-                    cute.gemm(mma, acc, c.tSrQ[None, None, k], c.tSrK[None, None, k, tile], acc)
+                    cute.gemm(mma, acc, c.tSrQ[None, None, q_step], k_operand, acc)
         warpgroup.commit_group()
 
     def qk_promoted(self, c: Consumer, tile):
@@ -1149,15 +1176,19 @@ class SparsePrefillSm90(AttentionKernel):
     def qk_paged(self, c: Consumer, tile):
         """S = Q . K^T from a paged cache's block tile (``paged_rows``): sum over the scale groups g of
         sigma[slot, g] * (Q_g . K_g^T), summed in float32 from WGMMA groups of ``paged_chunk_ksteps`` k-steps
-        (a scale group, or in the accurate mode at most ``PAGED_ACCURATE_CHUNK_KSTEPS`` of it; S in its two
-        N = 32 halves, as ``qk_promoted``), the RoPE a last group of its two e4m3 terms with its row scales.
-        The first chunk lands in S while this warpgroup converts the block's staged RoPE (``convert_rope``).
-        Returns with S complete."""
+        (a scale group, or in the accurate mode at most ``PAGED_ACCURATE_CHUNK_KSTEPS`` of it; 64 heads: S in
+        its two N = 32 halves, as ``qk_promoted``; small heads: S^T whole), the RoPE a last group of its two
+        e4m3 terms with its row scales. The first chunk lands in S while this warpgroup converts the block's
+        staged RoPE (``convert_rope``). Returns with S complete."""
         geo = self.cache
         part = c.qk_chunks[2]
-        s_half = [cute.make_tensor(c.acc_s.iterator + h * cute.size(part), part.layout) for h in (0, 1)]
-        for h in (0, 1):
-            self.queue_qk_steps(c, s_half[h], tile, range(self.paged_chunk_ksteps), h)
+        halves = [None]  # small heads: S^T, one chunk accumulator its shape
+        s_parts = [c.acc_s]
+        if const_expr(not self.small):
+            halves = [0, 1]
+            s_parts = [cute.make_tensor(c.acc_s.iterator + h * cute.size(part), part.layout) for h in halves]
+        for h, s_part in zip(halves, s_parts, strict=True):
+            self.queue_qk_steps(c, s_part, tile, range(self.paged_chunk_ksteps), h)
         convert_rope(
             geo,
             c.tables,
@@ -1170,15 +1201,16 @@ class SparsePrefillSm90(AttentionKernel):
             barrier_id=int(NamedBarrierFp8.RopeConverted0) + c.index, number_of_threads=THREADS_PER_WG
         )
         warpgroup.wait_group(0)
-        for h in (0, 1):
-            scale_columns(geo, c.tables, s_half[h], None, tile, 0, 32 * h, c.quad_lane, True)
-        for h in (0, 1):
-            self.sum_scale_groups(c, tile, s_half[h], h)
+        for h, s_part in zip(halves, s_parts, strict=True):
+            self.scale_slots(c, s_part, None, tile, 0, h, True)
+        for h, s_part in zip(halves, s_parts, strict=True):
+            self.sum_scale_groups(c, tile, s_part, h)
 
     @cute.jit
     def sum_scale_groups(self, c: Consumer, tile, total: cute.Tensor, half: cutlass.Constexpr):
-        """Paged: ``total`` (S's N = 32 half ``half``) += sigma * each later chunk's product, then the RoPE's,
-        one at a time through the chunk accumulator (a loop, as ``sum_chunks``)."""
+        """Paged: ``total`` (S's N = 32 half ``half``; small heads: S^T, ``half`` None) += sigma * each later
+        chunk's product, then the RoPE's, one at a time through the chunk accumulator (a loop, as
+        ``sum_chunks``)."""
         geo = self.cache
         part = c.qk_chunks[2]
         chunk_ksteps = self.paged_chunk_ksteps
@@ -1186,19 +1218,33 @@ class SparsePrefillSm90(AttentionKernel):
         for chunk in cutlass.range(1, geo.groups * chunks_per_group, unroll=1):
             self.queue_qk_steps(c, part, tile, [chunk * chunk_ksteps + j for j in range(chunk_ksteps)], half)
             warpgroup.wait_group(0)
-            group = chunk // chunks_per_group
-            scale_columns(geo, c.tables, total, part, tile, group, 32 * half, c.quad_lane, False)
+            self.scale_slots(c, total, part, tile, chunk // chunks_per_group, half, False)
         # The RoPE: its hi term in the block tile's RoPE column, its lo term in the staging tile
         rope = geo.rope_column * 2  # its first k-step
-        operands = [(rope + j, c.qk_chunks[1][half][None, None, rope + j, tile]) for j in range(2)]
-        operands += [(rope + j, c.qk_chunks[3][half][None, None, j, tile]) for j in range(2)]
-        warpgroup.fence()
-        for i, (q_step, k_operand) in enumerate(operands):
-            mma = c.qk_chunks[0][1 if i == 0 else 0]
-            cute.gemm(mma, part, c.tSrQ[None, None, q_step], k_operand, part)
-        warpgroup.commit_group()
+        k_tiles = c.tSrK if const_expr(half is None) else c.qk_chunks[1][half]
+        lo_tiles = c.qk_chunks[3] if const_expr(half is None) else c.qk_chunks[3][half]
+        operands = [(rope + j, k_tiles[None, None, rope + j, tile]) for j in range(2)]
+        operands += [(rope + j, lo_tiles[None, None, j, tile]) for j in range(2)]
+        self.queue_qk_group(c, part, operands, half)
         warpgroup.wait_group(0)
-        scale_columns(geo, c.tables, total, part, tile, geo.groups, 32 * half, c.quad_lane, False)
+        self.scale_slots(c, total, part, tile, geo.groups, half, False)
+
+    def scale_slots(self, c: Consumer, total, part, tile, group, half, first: bool):
+        """Paged: ``total`` += sigma[slot, group] * ``part`` per element (``first``: ``total`` = sigma *
+        ``total``), the slot of an element its column (64 heads: S's N = 32 half ``half``) or its row (small
+        heads: S^T); ``group`` == the cache's ``groups``: the RoPE's row scales."""
+        if const_expr(self.small):  # rows 16w + g + 8r: element e + 2r + 4j
+            slots = [c.warp * 16 + c.quad_row + 8 * r for r in range(2)]
+            scale_slots(self.cache, c.tables, total, part, tile, group, slots, lambda i: (i // 2) % 2, first)
+        else:  # columns 32 half + 8j + 2t + e: element e + 2r + 4j
+            slots = [
+                32 * half + 8 * j + 2 * c.quad_lane + e
+                for j in range(cute.size(total) // 4)
+                for e in range(2)
+            ]
+            scale_slots(
+                self.cache, c.tables, total, part, tile, group, slots, lambda i: (i // 4) * 2 + i % 2, first
+            )
 
     @cute.jit
     def softmax_own(self, c: Consumer, block, block_maxima):

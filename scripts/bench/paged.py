@@ -10,10 +10,11 @@
 - **Decode** (``decode_rows``): batch x (1-4 queries) of 64k-token requests, each query attending topk slots
   of its own request (10% -1), timed as decode runs: CUDA-graph replay, warm L2. Arms: the paged call, the
   kernel on the selected rows already gathered (``kernel``), and the gather of the selected rows + kernel
-  (``ws``). V3.2 (h 128, 64, 16) and V4 / MODEL1 rows, topk 2048 and 512.
+  (``ws``). V3.2 (h 128, 64, 16) and V4 / MODEL1 rows (h 128, 64, 16), topk 2048 and 512.
 - **Precisions** (``precision_rows``): against float64 on the exactly dequantised cache, with rows whose
   largest logit is 20-30: ``||out - ref|| / ||ref||`` and the worst relative error (with its sign) of
-  max_logits and lse, for both precisions, the paged call and the workspace path.
+  max_logits and lse, for both precisions, the paged call and the workspace path, 64 heads (tiles of 64) and
+  16 (the small-head kernel).
 
 Called by ``python -m scripts.bench`` (``--no-paged`` skips it); alone: ``python -m scripts.bench.paged``.
 """
@@ -55,6 +56,7 @@ DECODE_SHAPES = [
     ("v32", 64, 1, 128, 512),
     ("model1", 64, 1, 128, 512),
     ("model1", 64, 1, 64, 512),
+    ("model1", 128, 1, 16, 512),
 ]
 DECODE_CONTEXT = 65536
 LAYER_HOST_CALLS = 50  # a layer call's host time: this many calls issued without a sync
@@ -269,16 +271,22 @@ def decode_row(layout: str, batch: int, queries: int, h: int, topk: int) -> dict
 def precision_rows() -> list[dict]:
     """Errors against float64 on the dequantised cache, rows with a dominant logit of 20-30."""
     print(
-        "\nprecisions against float64 (paged V3.2 cache, 64 heads, topk 2048, a dominant logit of 20-30 per "
-        "row): "
-        "out rel err; max_logits / lse: worst relative error, signed"
+        "\nprecisions against float64 (paged V3.2 cache, topk 2048, a dominant logit of 20-30 per row): out "
+        "rel err; max_logits / lse: worst relative error, signed"
     )
-    print(f"{'path':>9s} {'precision':>9s} | {'out':>8s} | {'max_logits':>10s} | {'lse':>10s}")
-    torch.manual_seed(1)
-    s_q, h = 64, 64
+    print(f"{'h':>3s} {'path':>9s} {'precision':>9s} | {'out':>8s} | {'max_logits':>10s} | {'lse':>10s}")
     cache = make_cache(32768, "v32")
-    slots = random_indices(s_q, 32768, TOPK, "cuda")[:, None, :]
+    kv = gather_dequant_paged(cache, torch.arange(32768, device="cuda", dtype=torch.int32), PAGE_SIZE, "v32")
     rows_kv = dequantize_paged_cache(cache)
+    return [row for h in (64, 16) for row in precision_rows_of(cache, kv, rows_kv, h)]
+
+
+def precision_rows_of(cache: torch.Tensor, kv: torch.Tensor, rows_kv: torch.Tensor, h: int) -> list[dict]:
+    """``precision_rows``' rows for ``h`` heads: the cache, its gathered e4m3 rows and its exactly dequantised
+    rows given."""
+    torch.manual_seed(1)
+    s_q = 64
+    slots = random_indices(s_q, 32768, TOPK, "cuda")[:, None, :]
     q = torch.randn(s_q, h, 576, device="cuda", dtype=torch.float64) * 0.3
     sm_scale = 576**-0.5
     for token in range(s_q):
@@ -287,7 +295,6 @@ def precision_rows() -> list[dict]:
         q[token] += row[None, :] * (target / (row.square().sum() * sm_scale))[:, None]
     q = q.to(torch.bfloat16)
     reference = sparse_mla_paged_reference(q, cache, slots, sm_scale, None, chunk_rows=8)
-    kv = gather_dequant_paged(cache, torch.arange(32768, device="cuda", dtype=torch.int32), PAGE_SIZE, "v32")
     one = torch.ones(1, device="cuda")
     results = []
     for path in ("paged", "workspace"):
@@ -301,9 +308,10 @@ def precision_rows() -> list[dict]:
             for got_stat, want in zip(got[1:], reference[1:], strict=True):
                 relative = (got_stat.double() - want) / want.abs()
                 signed.append(relative.view(-1)[relative.abs().argmax()].item())
-            results.append({"path": path, "precision": precision, "out": out_error, "logits": signed})
+            results.append({"h": h, "path": path, "precision": precision, "out": out_error, "logits": signed})
             print(
-                f"{path:>9s} {precision:>9s} | {out_error:8.2e} | {signed[0]:+10.2e} | {signed[1]:+10.2e}",
+                f"{h:3d} {path:>9s} {precision:>9s} | {out_error:8.2e} | {signed[0]:+10.2e} | "
+                f"{signed[1]:+10.2e}",
                 flush=True,
             )
     return results
