@@ -11,9 +11,10 @@ SMALL_HEAD_COUNTS = (8, 16, 32)
 """Head counts the small-head kernel runs (a tile is all of one token's heads); any other head count runs
 in tiles of ``HEAD_ALIGNMENT`` heads."""
 
-SPLIT_PARTS = (2, 4)
-"""Part counts of the split kernel (a tile's index slots over a cluster of that many CTAs): they divide the
-four d tiles of out each consumer warpgroup holds, which the parts share out for the merge."""
+SPLIT_PARTS = (2, 4, 8)
+"""Part counts of the split kernel (a tile's index slots over a cluster of that many CTAs, 8 the most a
+portable cluster holds): they divide the eight d tiles of out (four per consumer warpgroup), which the parts
+share out for the merge."""
 
 TOPK_ALIGNMENT = 128
 """Top-k slots per gathered pair of KV blocks: ``indices.shape[-1]`` must be a multiple."""

@@ -11,12 +11,13 @@ Results are bitwise those of the one-tile kernel, so the choice only ever change
 
 A short grid (at most half as many tiles as SMs: a short prefill chunk) leaves SMs idle. Then each tile is
 split into ``splits`` ranges of index slots, one CTA each (``sparse_prefill.py``, ``split=True``), the
-tile's CTAs a cluster that merges their results through shared memory: ``splits`` is the largest p of 2
-and 4 (the part counts that divide a consumer's four d tiles) with tiles * ``SPLIT_CLUSTER_SMS[p]`` <= SMs
+tile's CTAs a cluster that merges their results through shared memory: ``splits`` is the largest p of 2,
+4 and 8 (the part counts that divide the eight d tiles of out) with tiles * ``SPLIT_CLUSTER_SMS[p]`` <= SMs
 and p * 256 <= topk, so that all clusters run at once and each range keeps two pairs of blocks or more. A
 cluster's CTAs run in one GPC, one per SM (each takes all of an SM's shared memory), and a GPC's SMs need
 not be a multiple of 4: on the 132-SM H200 28 clusters of 4 ran at once and 32 did not, so a tile split
-in 4 is counted as 5 SMs. The merge is in a fixed order, so results are the same bits on every run (not
+in 4 is counted as 5 SMs, and one split in 8 as 11 (at most 12 clusters of 8, 96 CTAs, fewer than the 112
+that ran in clusters of 4). The merge is in a fixed order, so results are the same bits on every run (not
 those of the one-tile kernel).
 
 A longer one-tile grid ends in a partial wave: its last tiles % SMs tiles. When those, rounded up to whole
@@ -56,7 +57,7 @@ PERSISTENT_MIN_WAVES = 4
 SMALL_HEAD_MAX_TILES_PER_CTA = 8
 SPLIT_MAX_PARTS = max(SPLIT_PARTS)
 SPLIT_MIN_SLOTS = 256  # index slots per range: two pairs of blocks
-SPLIT_CLUSTER_SMS = (2, 5)  # SMs counted for a tile split in SPLIT_PARTS[i] (see above)
+SPLIT_CLUSTER_SMS = (2, 5, 11)  # SMs counted for a tile split in SPLIT_PARTS[i] (see above)
 SPLIT_TAIL_MIN_TOPK = 1024  # the split tail's second launch pays for itself from here (docs/perf-notes.md)
 
 _sm_counts: dict[int, int] = {}  # multiprocessors per CUDA device index

@@ -729,8 +729,8 @@ def test_small_heads_run_the_persistent_small_head_kernel(monkeypatch, h_q):
         expected = "small heads, 1 token per CTA" if tiles == 1 else f"small heads, {tiles} tokens per CTA"
         assert schedule.describe(s_q, h_q, topk) == expected
     assert schedule.choose(4096, 64, 512, False, "default", 0) == (4, 1, 0)
-    assert schedule.choose(8, 64, 2048, False, "default", 0) == (0, 4, 0)
-    assert schedule.choose(8, h_q + 4, 2048, False, "default", 0) == (0, 4, 0)
+    assert schedule.choose(8, 64, 2048, False, "default", 0) == (0, 8, 0)
+    assert schedule.choose(8, h_q + 4, 2048, False, "default", 0) == (0, 8, 0)
     assert small_heads(h_q) and not small_heads(h_q + 4) and not small_heads(64)
 
 

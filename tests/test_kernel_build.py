@@ -216,16 +216,14 @@ PAGED_KEYS = [
 PAGED_D_QK = {"v32": 576, "model1": 512}
 PAGED_SPILL_BYTES = 40
 """The paged variants' consumers at their register ceiling (240, or 232 beside a producer of
-``sparse_prefill.WIDE_PRODUCER_REGS``): a bf16 q on the persistent schedule, and V4 in the accurate mode on
-the split one, spill at most this much (measured 4-36 B); every other paged variant fits (the small-head ones
-beside a producer of ``sparse_prefill.WIDE_PRODUCER_REGS`` with either q dtype)."""
+``sparse_prefill.WIDE_PRODUCER_REGS``): 64 heads with a bf16 q on the persistent schedule, and with an e4m3 q
+on the split one (a value kept from the prologue to the epilogue), spill at most this much (measured 4-36 B);
+every other paged variant fits (the small-head ones beside a producer of ``sparse_prefill.WIDE_PRODUCER_REGS``
+with either q dtype)."""
 
 
 def paged_spills(layout, precision, kind, q_dtype, heads) -> bool:
-    return heads == 64 and (
-        (kind == PERSISTENT and q_dtype == kernels.BF16_Q)
-        or (layout == "model1" and precision == "accurate" and kind == SPLIT and q_dtype == kernels.FP8)
-    )
+    return heads == 64 and kind == (PERSISTENT if q_dtype == kernels.BF16_Q else SPLIT)
 
 
 @pytest.mark.parametrize("layout, precision, kind, q_dtype, heads", PAGED_KEYS)

@@ -44,6 +44,7 @@ SCHEDULES = {
     "one_tile": lambda: forced_tiles_per_cta(0),
     "persistent": lambda: forced_tiles_per_cta(2),
     "split": lambda: forced_splits(2),
+    "split8": lambda: forced_splits(8),
 }
 
 

@@ -34,14 +34,14 @@ def test_each_consumer_accumulates_every_block_once_and_owns_alternate_blocks(nu
 
 
 def test_split_parts_are_the_kernels_and_divide_its_d_tiles(monkeypatch):
-    """2 or 4 parts (a consumer's four d tiles of out are shared among the parts), the most that let every
-    cluster run at once (a tile in 4 parts counted as 5 SMs) and the two-pairs-per-range minimum allow; 3
-    is never chosen nor forced."""
-    assert all(4 % parts == 0 for parts in schedule.SPLIT_PARTS)
+    """2, 4 or 8 parts (the eight d tiles of out are shared among the parts), the most that let every cluster
+    run at once (a tile in 4 parts counted as 5 SMs, in 8 as 11) and the two-pairs-per-range minimum allow;
+    3 is never chosen nor forced."""
+    assert all(8 % parts == 0 for parts in schedule.SPLIT_PARTS)
     monkeypatch.setattr(schedule, "_sm_counts", {0: 132})
-    tiles = (1, 26, 27, 33, 34, 66, 67)
-    assert [schedule.splits(t, 2048, 0) for t in tiles] == [4, 4, 2, 2, 2, 2, 1]
-    assert [schedule.splits(1, topk, 0) for topk in (256, 512, 768, 1024)] == [1, 2, 2, 4]
+    tiles = (1, 12, 13, 26, 27, 33, 34, 66, 67)
+    assert [schedule.splits(t, 2048, 0) for t in tiles] == [8, 8, 4, 4, 2, 2, 2, 2, 1]
+    assert [schedule.splits(1, topk, 0) for topk in (256, 512, 768, 1024, 2048)] == [1, 2, 2, 4, 8]
     with pytest.raises(ValueError, match="parts: expected 1 or one of"):
         eager.forced_splits(3)
 
@@ -61,8 +61,8 @@ def test_the_last_partial_wave_is_split_after_whole_waves_of_one_tile(monkeypatc
         (64, 1, 512): (2, 0),
         (132, 1, 2048): (1, 0),  # exactly a wave
         (1024, 1, 2048): (1, 0),  # 100 tiles left: 200 SMs in 2 parts
-        (67, 2, 2048): (4, 66),  # 134 tiles: the last token's 2
-        (70, 2, 2048): (4, 66),  # 140 tiles: 8 left, 4 tokens
+        (67, 2, 2048): (8, 66),  # 134 tiles: the last token's 2
+        (70, 2, 2048): (8, 66),  # 140 tiles: 8 left, 4 tokens
         (100, 2, 2048): (1, 0),  # 68 tiles left
     }
     for (s_q, groups, topk), expected in cases.items():

@@ -64,9 +64,9 @@ def test_split_tail_is_complete_for_the_next_kernel_on_the_stream(make_inputs):
     after it): a copy queued right behind them, without a host synchronisation, sees every row written
     (into NaN-poisoned outputs), the same bits as a synchronised run."""
     sms = torch.cuda.get_device_properties(0).multi_processor_count
-    s_q = 2 * sms + 10  # two waves of one tile per CTA, then 10 tokens split in 4
+    s_q = 2 * sms + 10  # two waves of one tile per CTA, then 10 tokens split in 8
     inputs = make_inputs(s_q, 64, 70000, 576, 2048, device="cuda")
-    assert schedule.choose(s_q, 64, 2048, False, "default", 0) == (0, 4, 2 * sms)
+    assert schedule.choose(s_q, 64, 2048, False, "default", 0) == (0, 8, 2 * sms)
     expected = [t.clone() for t in run_and_sync(inputs)]
     for _ in range(3):
         buffers = [torch.full_like(t, math.nan) for t in expected]
@@ -103,8 +103,11 @@ def test_sentinels_sink_infinities_and_ranges_without_a_valid_slot(make_inputs, 
 
 def test_rule_splits_short_grids_only(make_inputs):
     """The rule's choice: a short grid is split (and gives the forced schedule's bits), a full one is not."""
-    assert schedule.split_tokens(1, 1, 2048, 0) == (4, 0)
+    assert schedule.split_tokens(1, 1, 2048, 0) == (8, 0)
     sms = torch.cuda.get_device_properties(0).multi_processor_count
+    assert schedule.splits(sms // 11, 2048, 0) == 8
+    assert schedule.splits(sms // 11 + 1, 2048, 0) == 4  # clusters of 8 would not all fit at once
+    assert schedule.splits(sms // 11, 1024, 0) == 4  # two pairs of blocks per range at least
     assert schedule.splits(sms // 5, 2048, 0) == 4
     assert schedule.splits(sms // 4, 2048, 0) == 2  # clusters of 4 would not all fit at once
     assert schedule.splits(sms // 3, 2048, 0) == 2  # 3 parts would not divide the d tiles

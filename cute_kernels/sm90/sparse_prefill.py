@@ -8,7 +8,7 @@ of d_v over every block, V^T read from the gathered tiles by ldmatrix.trans (RS 
 walks several tiles per CTA;
 ``q_dtype="bf16"`` takes bf16 q and quantises each Q tile in the consumers (from rows the producer stages in
 the KV ring's pair slot before the tile's first pair), a power-of-two scale per row folded into that row's
-logit scale; ``split`` computes each tile as a cluster of 2 or 4 CTAs, one per
+logit scale; ``split`` computes each tile as a cluster of 2, 4 or 8 CTAs, one per
 range of index slots, which merge their results through distributed shared memory (``merge_parts``).
 ``heads`` = 8, 16 or 32 (small heads: a tile is one token's n heads) computes
 the transposed S^T = K . Q^T, the block's slots on the WGMMA's M side and the heads on N, the per-head
@@ -94,24 +94,47 @@ RESCALE_THRESHOLD = 1.75  # log2 units; 2^(P_SCALE_LOG2 + RESCALE_THRESHOLD) = 4
 SW64_TILE_COLS = 64  # bytes per row of one 64-byte-swizzled column tile
 TILE_ROW_GROUP_BYTES = B_TOPK * SW64_TILE_COLS  # one [64 rows x 64 B] swizzle column tile
 L2_LINE_BYTES = 128
-# Split: the parts of a tile run as one cluster and merge through shared memory (``merge_parts``). Part p
-# owns d tiles mt // (D_TILES_PER_CONSUMER / splits) == p of both consumers; the others' fragments of them (a
-# d tile's 32 values per consumer thread in f16: 8 KiB a consumer) and every part's row statistics land in
-# its KV tiles, free once its loop is done. A fragment is normalised over its part's range and divided by
+# Split: the parts of a tile run as one cluster and merge through shared memory (``merge_parts``). Each of
+# the 8 d tiles of O^T (4 per consumer) has an owner part (``d_tile_owner``); the others' fragments of it (a
+# d tile's 32 values per consumer thread in f16: 8 KiB) and every part's row statistics land in the owner's
+# KV tiles, free once its loop is done. A fragment is normalised over its part's range and divided by
 # kv_scale, so it stays within the e4m3 range of V (|x| <= 448): f16 keeps 11 bits, more than bf16 out.
 FRAGMENT_BYTES = THREADS_PER_WG * 32 * 2  # one d tile of O^T of one consumer, in f16
-SPLIT_STATS_OFFSET = 3 * 2 * FRAGMENT_BYTES  # the received fragments come first: at most 3 senders x 2 tiles
+D_TILES = 2 * D_TILES_PER_CONSUMER  # d tiles of O^T, both consumers'
+
+
+def fragments_received(splits: int) -> int:
+    """Split: the d-tile fragments a part receives: from each other part, those of the d tiles it owns (8
+    parts: its own one from every part, itself included)."""
+    senders = splits if splits > D_TILES_PER_CONSUMER else splits - 1
+    return senders * (D_TILES // splits)
+
+
+# The received fragments come first (at most 8 x 8 KiB)
+SPLIT_STATS_OFFSET = max(fragments_received(p) for p in SPLIT_PARTS) * FRAGMENT_BYTES
 SPLIT_STATS_BYTES = B_H * 8  # a part's (max_logits, lse) per row
 SPLIT_WEIGHTS_OFFSET = SPLIT_STATS_OFFSET + max(SPLIT_PARTS) * SPLIT_STATS_BYTES  # [row][part] merge weights
+SPLIT_WEIGHTS_ROW_BYTES = max(SPLIT_PARTS) * 4
+
+
+def d_tile_owner(splits: int, mt: int, consumer):
+    """The part (of ``splits``) that merges and writes d tile ``mt`` of consumer ``consumer``'s half of O^T:
+    with 2 or 4 parts, d tiles mt // (4 / splits) of both consumers (an int: the consumer is not read); with
+    8, part 2 mt + consumer (``consumer`` may be a run-time value)."""
+    if splits <= D_TILES_PER_CONSUMER:
+        return mt // (D_TILES_PER_CONSUMER // splits)
+    return 2 * mt + consumer
+
 
 PRODUCER_REGS = 24
 CONSUMER_REGS = 240
 # The small-head kernel's producer spills at 24 with an e4m3 q (its Q TMA beside that consumer code), and the
 # paged kernel's (its page and scale addressing; small heads with a bf16 q 8-16 B), except where the 64-head
 # paged consumers need the 240: with a bf16 q on the persistent schedule (they spill 12-28 B at 240, 24-28 B
-# at 232) and with an e4m3 q on the split one (none at 240, 4-8 B at 232). 40 + 2 x 232 = 3 x 168, the
-# launch's registers per thread (setmaxregister only moves registers between the CTA's warps: more waits
-# forever).
+# at 232). (With an e4m3 q on the split schedule the consumers spill 4 B at 232, a scheduler value kept from
+# the prologue to the epilogue, where the producer at 24 would spill 8 B reloaded every pair.) 40 + 2 x 232 =
+# 3 x 168, the launch's registers per thread (setmaxregister only moves registers between the CTA's warps:
+# more waits forever).
 WIDE_PRODUCER_REGS = 40
 WIDE_PRODUCER_CONSUMER_REGS = 232
 Q_DTYPES = ("e4m3", "bf16")
@@ -216,7 +239,7 @@ class SparsePrefillSm90(AttentionKernel):
         finish the current one, whose out stores then drain during the next tile's math.
         ``q_dtype``: "e4m3" (q in e4m3, scaled by ``q_scale``, loaded by TMA) or "bf16" (q in bf16,
         ``q_scale`` not read: the consumers quantise each tile, see ``load_q_bf16``).
-        ``split`` (not with ``persistent``): CTA (t, p) of a [tiles, splits] grid (``splits`` in {2, 4},
+        ``split`` (not with ``persistent``): CTA (t, p) of a [tiles, splits] grid (``splits`` in {2, 4, 8},
         the launch's ``schedule_count``) computes tile t over the p-th of ``splits`` equal ranges of whole
         pairs of index slots (see ``tile_scheduler``); the ``splits`` CTAs of a tile form a cluster and merge
         their results through shared memory (``merge_parts``).
@@ -252,7 +275,7 @@ class SparsePrefillSm90(AttentionKernel):
         self.precision = precision
         self.q_bf16 = q_dtype == "bf16"
         self.registers = (PRODUCER_REGS, CONSUMER_REGS)  # per thread of the producer, of a consumer
-        paged_consumers_need_240 = not self.small and (persistent if self.q_bf16 else split)
+        paged_consumers_need_240 = not self.small and self.q_bf16 and persistent
         if (self.small and not self.q_bf16) or (self.cache is not None and not paged_consumers_need_240):
             self.registers = (WIDE_PRODUCER_REGS, WIDE_PRODUCER_CONSUMER_REGS)
         self.p_terms = 2 if precision == "accurate" else 1  # e4m3 terms P is stored as
@@ -1676,9 +1699,11 @@ class SparsePrefillSm90(AttentionKernel):
                         if p < splits:
                             if p != part:
                                 ptx.mbarrier_arrive_cluster(c.mbar_peers_free.toint(), p)
-                    tiles_per_part = D_TILES_PER_CONSUMER // splits
-                    received = (splits - 1) * tiles_per_part * 2 * FRAGMENT_BYTES + splits * SPLIT_STATS_BYTES
-                    cute.arch.mbarrier_arrive_and_expect_tx(c.mbar_merge_full, received)
+                    for n in cutlass.range_constexpr(len(SPLIT_PARTS)):
+                        if splits == SPLIT_PARTS[n]:
+                            fragments = fragments_received(SPLIT_PARTS[n])
+                            received = fragments * FRAGMENT_BYTES + SPLIT_PARTS[n] * SPLIT_STATS_BYTES
+                            cute.arch.mbarrier_arrive_and_expect_tx(c.mbar_merge_full, received)
         ptx.mbarrier_wait_cluster(c.mbar_peers_free.toint(), 0)
 
     @cute.jit
@@ -1686,15 +1711,16 @@ class SparsePrefillSm90(AttentionKernel):
         """Split: the tile's result from its parts' (one per CTA of the cluster, ``splits`` of them).
 
         Each part has published its (max_logits, lse) per row, over its range and without the sink, to
-        every part (``row_scale``). Part p owns d tiles mt with mt // (4 / splits) == p of both consumers:
-        the other parts store their O^T fragments of them, times their output scales (normalised over
-        their ranges) over kv_scale, in f16, into its KV tiles, where the thread of the same consumer and
-        index reads them. Over the parts with a valid slot, in part order (the same bits on every run):
+        every part (``row_scale``). Each d tile of O^T has its owner part (``d_tile_owner``): the other parts
+        store their O^T fragments of it, times their output scales (normalised over their ranges) over
+        kv_scale, in f16, into the owner's KV tiles, where the thread of the same consumer and index reads
+        them. Over the parts with a valid slot, in part order (the same bits on every run):
         L = max lse_p, t = sum exp(lse_p - L), out = sum exp(lse_p - L) / (t + exp(sink - L)) out_p,
         lse = L + log t, max_logits = max max_logits_p; a row without a valid slot: out 0, -inf, +inf.
 
         The exchange and the merge are compiled once per (splits, part), selected by one uniform branch:
-        with both known, the d tiles, senders and addresses are constants and the loops have no branches."""
+        with both known, the d tiles, senders and addresses are constants and the loops have no branches
+        (with 8 parts they depend on the consumer: one uniform branch more)."""
         inv_kv_scale = 1.0 / kv_scale
         self.for_this_part(lambda splits, part: self.send_fragments(c, splits, part, inv_kv_scale))
         ptx.mbarrier_wait_cluster(c.mbar_merge_full.toint(), 0)  # every part's statistics and fragments
@@ -1707,23 +1733,27 @@ class SparsePrefillSm90(AttentionKernel):
     @cute.jit
     def for_this_part(self, body):
         """Split: ``body(splits, part)`` with this CTA's part count and part as compile-time values, one
-        specialised copy per (splits, part) behind one uniform branch on the launch's values."""
+        specialised copy per (splits, part) behind one uniform branch on the launch's values; with 8 parts one
+        copy, the part a run-time value (each part merges one d tile, all of it from shared memory)."""
         part = cute.arch.block_idx()[1]
         splits = cute.arch.grid_dim()[1]
         for n in cutlass.range_constexpr(len(SPLIT_PARTS)):
             if splits == SPLIT_PARTS[n]:
-                for p in cutlass.range_constexpr(SPLIT_PARTS[n]):
-                    if part == p:
-                        body(SPLIT_PARTS[n], p)
+                if const_expr(SPLIT_PARTS[n] > D_TILES_PER_CONSUMER):
+                    body(SPLIT_PARTS[n], part)
+                else:
+                    for p in cutlass.range_constexpr(SPLIT_PARTS[n]):
+                        if part == p:
+                            body(SPLIT_PARTS[n], p)
 
     @cute.jit
-    def send_fragments(self, c: Consumer, splits: cutlass.Constexpr, part: cutlass.Constexpr, inv_kv_scale):
-        """Split, part ``part`` of ``splits``: this thread's O^T fragments of the d tiles other parts own,
-        times the rows' output scales, to their owners (``st.async``, counted on their ``merge_full``)."""
-        tiles_per_part = D_TILES_PER_CONSUMER // splits
+    def send_fragments(self, c: Consumer, splits: cutlass.Constexpr, part, inv_kv_scale):
+        """Split, part ``part`` of ``splits``: this thread's O^T fragments of the d tiles other parts own (8
+        parts: of every d tile, its own included), times the rows' output scales, to their owners
+        (``st.async``, counted on their ``merge_full``)."""
         for mt in cutlass.range_constexpr(D_TILES_PER_CONSUMER):
-            owner = mt // tiles_per_part
-            if const_expr(owner != part):
+            owner = d_tile_owner(splits, mt, c.index)
+            if const_expr(splits > D_TILES_PER_CONSUMER or owner != part):
                 for j in cutlass.range_constexpr(B_H // 8):
                     scales = (
                         c.s_out_scale[8 * j + 2 * c.quad_lane, c.index] * inv_kv_scale,
@@ -1731,43 +1761,57 @@ class SparsePrefillSm90(AttentionKernel):
                     )
                     v = [c.acc_o[mt][4 * j + k] * scales[k % 2] for k in range(4)]
                     ptx.st_async_cluster(
-                        self.fragment_address(c, part, owner, mt, tiles_per_part, j),
+                        self.fragment_address(c, splits, part, owner, mt, j),
                         c.mbar_merge_full.toint(),
                         owner,
                         [ptx.pack_f16x2(v[0], v[1]), ptx.pack_f16x2(v[2], v[3])],
                     )
 
     @cute.jit
-    def merge_owned_tiles(
-        self, c: Consumer, rows, mOut, splits: cutlass.Constexpr, part: cutlass.Constexpr, kv_scale
-    ):
+    def merge_owned_tiles(self, c: Consumer, rows, mOut, splits: cutlass.Constexpr, part, kv_scale):
         """Split, part ``part`` of ``splits``: this thread's values of the d tiles the part owns, the parts'
-        fragments added with their weights (the weights table) in part order, stored as bf16 out."""
-        tiles_per_part = D_TILES_PER_CONSUMER // splits
+        fragments added with their weights (the weights table) in part order, stored as bf16 out. With 8 parts
+        a part owns one d tile of one consumer (the other has nothing to merge), every part's fragment of it
+        in shared memory."""
+        if const_expr(splits > D_TILES_PER_CONSUMER):
+            if c.index == part % 2:
+                self.merge_d_tiles(c, rows, mOut, splits, part, [part // 2], kv_scale)
+        else:
+            owned = [mt for mt in range(D_TILES_PER_CONSUMER) if d_tile_owner(splits, mt, None) == part]
+            self.merge_d_tiles(c, rows, mOut, splits, part, owned, kv_scale)
+
+    @cute.jit
+    def merge_d_tiles(self, c: Consumer, rows, mOut, splits: cutlass.Constexpr, part, owned, kv_scale):
+        """Split: ``merge_owned_tiles`` for this consumer's d tiles ``owned`` (the part's; 8 parts: one, a
+        run-time value)."""
         weights_base = c.sK_base + SPLIT_WEIGHTS_OFFSET
         out_base = mOut.iterator.toint()
         own_rows = rows.head_rows - 2 * c.quad_lane
         for j in cutlass.range_constexpr(B_H // 8):
             head = 8 * j + 2 * c.quad_lane  # and head + 1: values 4j, 4j + 2 and 4j + 1, 4j + 3
-            weights = (
-                ptx.ld_shared_v4_f32(weights_base + head * 16),
-                ptx.ld_shared_v4_f32(weights_base + (head + 1) * 16),
-            )
-            own_scales = (c.s_out_scale[head, c.index], c.s_out_scale[head + 1, c.index])
-            for mt in cutlass.range_constexpr(part * tiles_per_part, (part + 1) * tiles_per_part):
-                received = [
-                    ptx.ld_shared_f16x4_as_f32(self.fragment_address(c, p, part, mt, tiles_per_part, j))
-                    for p in range(splits)
-                    if p != part
+            weights = [
+                [
+                    w
+                    for quad in range(-(-splits // 4))
+                    for w in ptx.ld_shared_v4_f32(
+                        weights_base + (head + e) * SPLIT_WEIGHTS_ROW_BYTES + quad * 16
+                    )
                 ]
+                for e in range(2)
+            ]
+            own_scales = (c.s_out_scale[head, c.index], c.s_out_scale[head + 1, c.index])
+            for mt in owned:
                 merged = [Float32(0.0)] * 4
                 for p in cutlass.range_constexpr(splits):
+                    if const_expr(splits <= D_TILES_PER_CONSUMER and p == part):
+                        values = [c.acc_o[mt][4 * j + k] * own_scales[k % 2] for k in range(4)]
+                    else:
+                        received = ptx.ld_shared_f16x4_as_f32(
+                            self.fragment_address(c, splits, p, part, mt, j)
+                        )
+                        values = [value * kv_scale for value in received]
                     for k in cutlass.range_constexpr(4):
-                        if const_expr(p == part):
-                            value = c.acc_o[mt][4 * j + k] * own_scales[k % 2]
-                        else:
-                            value = received[p - int(p > part)][k] * kv_scale
-                        merged[k] = merged[k] + weights[k % 2][p] * value
+                        merged[k] = merged[k] + weights[k % 2][p] * values[k]
                 d = (c.index * D_TILES_PER_CONSUMER + mt) * 64 + c.warp * 16 + 2 * c.quad_row
                 for e in cutlass.range_constexpr(2):
                     addr = out_base + (Int64(rows.q_row + head + e) * D_V + d) * 2
@@ -1807,7 +1851,9 @@ class SparsePrefillSm90(AttentionKernel):
                 denom += cute.math.exp2((mSink[sink_head] - lse_max) * LOG2_E, fastmath=True)
             scale = 1.0 / denom
         weights = [terms[p] * scale for p in range(max(SPLIT_PARTS))]
-        ptx.st_shared_v4_f32(c.sK_base + SPLIT_WEIGHTS_OFFSET + row * 16, *weights)
+        for quad in cutlass.range_constexpr(max(SPLIT_PARTS) // 4):
+            address = c.sK_base + SPLIT_WEIGHTS_OFFSET + row * SPLIT_WEIGHTS_ROW_BYTES + quad * 16
+            ptx.st_shared_v4_f32(address, *weights[4 * quad : 4 * quad + 4])
         if cute.arch.block_idx()[1] == 0:
             if row < rows.head_rows:
                 lse = Float32.inf
@@ -1817,13 +1863,17 @@ class SparsePrefillSm90(AttentionKernel):
                 mLse[rows.q_row + row] = lse
 
     @cute.jit
-    def fragment_address(self, c: Consumer, sender, owner, mt, tiles_per_part, j):
+    def fragment_address(self, c: Consumer, splits: cutlass.Constexpr, sender, owner, mt, j):
         """Split: where, in the KV tiles of part ``owner``, part ``sender`` stores (and the owner's thread of
-        the same consumer and index reads) this thread's values 4j .. 4j + 3 of d tile ``mt``: slot
-        (sender's index among the owner's senders, consumer, d tile among the owner's), then [j][thread] in
-        8-byte units, so that a warp's 8-byte accesses are contiguous."""
-        sender_index = sender - Int32(sender > owner)
-        slot = (sender_index * 2 + c.index) * tiles_per_part + mt - owner * tiles_per_part
+        the same consumer and index reads) this thread's values 4j .. 4j + 3 of d tile ``mt``: slot (with 2 or
+        4 parts: the sender's index among the owner's senders, then the (consumer, d tile) among the owner's,
+        consumer-major; with 8: the sender, the owner's own fragment included), then [j][thread] in 8-byte
+        units, so that a warp's 8-byte accesses are contiguous."""
+        if const_expr(splits > D_TILES_PER_CONSUMER):
+            slot = sender
+        else:
+            owned = D_TILES // splits  # (consumer, d tile) pairs a part owns
+            slot = (sender - int(sender > owner)) * owned + c.index * (owned // 2) + mt - owner * (owned // 2)
         return c.sK_base + ((slot * (B_H // 8) + j) * THREADS_PER_WG + c.warp * 32 + c.lane) * 8
 
     @cute.jit

@@ -7,9 +7,9 @@ Small enough to run under ``compute-sanitizer`` (memcheck, racecheck):
 ``--tiles-per-cta K`` forces the persistent kernel with K tiles per CTA (0: the one-tile kernel): with
 K = 4 one CTA walks all four tiles, among them one with no valid slot and one with topk_length 0.
 ``--q-dtype bf16`` passes q in bfloat16 (``q_scale=None``: the kernel quantises each row). ``--splits N``
-forces the split schedule (N parts per tile, 2 or 4, merged in the cluster; with N = 2 the second range holds
-no valid slot of two rows); with ``--split-from T`` only the tokens from T on (a split tail: the others in a
-one-tile launch before). ``--heads N`` runs N heads (8, 16, 32: the small-head kernel; a count that 64
+forces the split schedule (N parts per tile, 2, 4 or 8, merged in the cluster; with N = 2 the second range
+holds no valid slot of two rows); with ``--split-from T`` only the tokens from T on (a split tail: the others
+in a one-tile launch before). ``--heads N`` runs N heads (8, 16, 32: the small-head kernel; a count that 64
 does not divide, 48 or 100 say: each token's last tile of 64 rows partly filled). ``--paged v32|model1``
 attends straight from a paged cache of that layout (``sparse_mla_q8kv8_paged_fwd``: 12 pages of 64 tokens,
 the indices its token slots), against the float64 reference on the dequantised cache.
