@@ -310,8 +310,8 @@ def launch_sparse_prefill(
     cache: str | None = None,
 ) -> tuple[tuple[int, Variant], ...]:
     """Launch the kernel on validated tensors: q (e4m3 or bfloat16), out, max_logits, lse row-major with a
-    head count (one of ``SMALL_HEAD_COUNTS``: the small-head variant, a persistent kernel; any other: tiles of
-    64 heads, a token's last one partly filled); kv and indices with a contiguous last
+    head count (one of ``SMALL_HEAD_COUNTS`` and not split: the small-head variant, a persistent kernel; any
+    other: tiles of 64 heads, a token's last one partly filled); kv and indices with a contiguous last
     dimension; one-element scales, ``q_scale`` None for a bfloat16 q. ``cache``: kv is a paged cache of that
     layout (``CACHE_LAYOUTS``) as [num_pages, page_size, bytes per token] uint8 (16-byte aligned base and page
     stride, page_size a power of two), indices its token slots, ``kv_scale`` a one-element 1.0 (its block
@@ -325,9 +325,7 @@ def launch_sparse_prefill(
     launch before. Variants build on their first launch. Returns the launches' ``(schedule kind, variant)``,
     in order."""
     tiles = schedule
-    small = small_heads(q.shape[1])
-    if small:
-        splits = 1
+    small = small_heads(q.shape[1]) and splits == 1  # small heads split: tiles of 64 heads (schedule.choose)
     if tiles is None and small:
         tiles = small_head_tiles_per_cta(q.shape[0], q.get_device())
     elif tiles is None:

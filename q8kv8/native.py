@@ -77,6 +77,7 @@ def constants() -> dict:
         "persistent_max_topk": schedule.PERSISTENT_MAX_TOPK,
         "persistent_max_tiles_per_cta": schedule.PERSISTENT_MAX_TILES_PER_CTA,
         "small_head_max_tiles_per_cta": schedule.SMALL_HEAD_MAX_TILES_PER_CTA,
+        "small_head_split_min_parts": schedule.SMALL_HEAD_SPLIT_MIN_PARTS,
         "persistent_min_waves": schedule.PERSISTENT_MIN_WAVES,
         "split_parts": schedule.SPLIT_PARTS,
         "split_cluster_sms": schedule.SPLIT_CLUSTER_SMS,

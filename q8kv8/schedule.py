@@ -32,6 +32,11 @@ persistent: a tile gathers as many rows as a 64-head one for a fraction of its m
 (Q load, the first gather's latency, the epilogue) is a large share of it, and a CTA that walks several tokens
 overlaps it with the next token's gather. ``small_head_tiles_per_cta`` tokens per CTA: the count up to 8 that
 keeps the fewest tokens in a row on an SM (waves of CTAs times tokens per CTA; ties: more tokens per CTA).
+The small-head kernel runs one CTA a token: a few tokens (a decode step of a small batch) would leave most
+SMs idle. When the split rule splits a grid of one tile a token in ``SMALL_HEAD_SPLIT_MIN_PARTS`` (4) or
+more, the call runs tiles of 64 heads (the token's h heads and the next tokens' heads beside them, computed
+and not written) split that way instead: 4-8x the CTAs for about 1.4x a small-head tile's math (padded to 64,
+8-32 heads cost 1.05-1.19x the h_q 64 time against the small-head kernel's 0.65-0.93x).
 
 The contract computes the choice once per call signature (``contract.Problem.tiles_per_cta``, memoised
 with the rest of the verdict), so a repeated call pays nothing for it.
@@ -55,6 +60,7 @@ PERSISTENT_MAX_TOPK = 512
 PERSISTENT_MAX_TILES_PER_CTA = 4
 PERSISTENT_MIN_WAVES = 4
 SMALL_HEAD_MAX_TILES_PER_CTA = 8
+SMALL_HEAD_SPLIT_MIN_PARTS = 4  # small heads run split tiles of 64 heads from this many parts (see above)
 SPLIT_MAX_PARTS = max(SPLIT_PARTS)
 SPLIT_MIN_SLOTS = 256  # index slots per range: two pairs of blocks
 SPLIT_CLUSTER_SMS = (2, 5, 11)  # SMs counted for a tile split in SPLIT_PARTS[i] (see above)
@@ -169,9 +175,13 @@ def choose(
 ) -> Schedule:
     """The ``Schedule`` of a call of ``s_q`` tokens, ``h_q`` heads (ceil(h_q / 64) tiles a token) and
     ``topk`` slots on CUDA device ``device_index`` (or on a GPU of ``num_sms`` SMs): the small-head rule for
-    small heads, else the persistent rule first, the split rule for a one-tile launch."""
+    small heads (split tiles of 64 heads when the split rule gives ``SMALL_HEAD_SPLIT_MIN_PARTS`` or more),
+    else the persistent rule first, the split rule for a one-tile launch."""
     if small_heads(h_q):
-        return Schedule(small_head_tiles_per_cta(s_q, device_index, num_sms))
+        parts = splits(s_q, topk, device_index, num_sms)  # a grid of one tile a token
+        if parts < SMALL_HEAD_SPLIT_MIN_PARTS:
+            return Schedule(small_head_tiles_per_cta(s_q, device_index, num_sms))
+        return Schedule(0, parts)
     groups = head_groups(h_q)
     tiles = tiles_per_cta(s_q * groups, topk, has_topk_length, precision, device_index, num_sms)
     if tiles:
@@ -195,7 +205,7 @@ def describe(
     given (132 on an H100 SXM or an H200), which answers without a GPU. Without a CUDA device and without
     ``num_sms`` it raises a ``RuntimeError`` naming ``num_sms=``."""
     tiles, parts, split_from = choose(s_q, h_q, topk, has_topk_length, precision, device_index, num_sms)
-    if small_heads(h_q):
+    if small_heads(h_q) and tiles:
         return f"small heads, {tiles} token{'s' if tiles > 1 else ''} per CTA"
     if tiles:
         return f"persistent, {tiles} tiles per CTA"

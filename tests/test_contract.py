@@ -717,17 +717,22 @@ def test_problem_carries_the_schedule_for_cuda_devices(
 
 @pytest.mark.parametrize("h_q", [8, 16, 32])
 def test_small_heads_run_the_persistent_small_head_kernel(monkeypatch, h_q):
-    """8, 16 or 32 heads: the persistent small-head kernel, never split (the same grids with 64 heads are),
-    with the tokens per CTA (up to 8) that leave an SM the fewest tokens in a row, the most of those on a tie;
-    other head counts below 64 follow the rules of 64."""
+    """8, 16 or 32 heads: the persistent small-head kernel, never split, with the tokens per CTA (up to 8)
+    that leave an SM the fewest tokens in a row, the most of those on a tie; unless the split rule splits a
+    grid of one tile a token in 4 parts or more: then split tiles of 64 heads. Other head counts below 64
+    follow the rules of 64."""
     monkeypatch.setattr(schedule, "_sm_counts", {0: 132})
-    assert schedule.SMALL_HEAD_MAX_TILES_PER_CTA == 8
-    # 4096 tokens: 32 in a row with 1, 2, 4 or 8 per CTA, 35 with 7 (5 waves of 586 CTAs); 200: 2 with 1 or 2.
-    cases = ((4096, 512, 8), (8, 2048, 1), (1, 256, 1), (200, 2048, 2), (1000, 2048, 8), (10**6, 2048, 8))
+    assert schedule.SMALL_HEAD_MAX_TILES_PER_CTA == 8 and schedule.SMALL_HEAD_SPLIT_MIN_PARTS == 4
+    # 4096 tokens: 32 in a row with 1, 2, 4 or 8 per CTA, 35 with 7 (5 waves of 586 CTAs); 200: 2 with 1 or 2;
+    # 8 tokens at topk 512 and 27 at 2048: split in 2 at most with tiles of 64 heads.
+    cases = ((4096, 512, 8), (8, 512, 1), (27, 2048, 1), (1, 256, 1), (200, 2048, 2), (10**6, 2048, 8))
     for s_q, topk, tiles in cases:
         assert schedule.choose(s_q, h_q, topk, False, "default", 0) == (tiles, 1, 0)
         expected = "small heads, 1 token per CTA" if tiles == 1 else f"small heads, {tiles} tokens per CTA"
         assert schedule.describe(s_q, h_q, topk) == expected
+    for s_q, topk, parts in ((8, 2048, 8), (12, 2048, 8), (13, 2048, 4), (26, 1024, 4), (1, 1024, 4)):
+        assert schedule.choose(s_q, h_q, topk, False, "default", 0) == (0, parts, 0)
+        assert schedule.describe(s_q, h_q, topk) == f"split in {parts}"
     assert schedule.choose(4096, 64, 512, False, "default", 0) == (4, 1, 0)
     assert schedule.choose(8, 64, 2048, False, "default", 0) == (0, 8, 0)
     assert schedule.choose(8, h_q + 4, 2048, False, "default", 0) == (0, 8, 0)

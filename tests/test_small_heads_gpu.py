@@ -78,6 +78,24 @@ def test_every_invalid_index_kind_and_sentinels(make_inputs, generator, h_q):
     assert (out[:, 0::4] == 0).all(), "sink +inf must zero out"
 
 
+@Q_DTYPES
+@HEADS
+@pytest.mark.parametrize("precision", ["default", "accurate"])
+def test_a_few_tokens_run_split_tiles_of_64_heads(make_inputs, h_q, precision, q_dtype):
+    """A decode step of a small batch (8 tokens, topk 2048): split tiles of 64 heads (8 parts), which match
+    the reference and give the bits of that forced schedule."""
+    inputs = make_inputs(
+        8, h_q, 70000, 576, 2048, device="cuda", with_sink=True, with_topk_length=True, q_dtype=q_dtype
+    )
+    assert schedule.describe(8, h_q, 2048) == "split in 8"
+    chosen = [t.clone() for t in run_and_sync(inputs, precision=precision)]
+    assert kernels.VariantKey(576, precision, schedule.SPLIT, q_dtype) in kernels._variants
+    assert_matches_float64_reference(chosen, inputs, precision)
+    with eager.forced_splits(8):
+        forced = run_and_sync(inputs, precision=precision)
+    assert all(torch.equal(a, b) for a, b in zip(chosen, forced, strict=True))
+
+
 @pytest.mark.parametrize("q_scale, kv_scale", [(-0.7, 1.3), (0.0, 1.0)])
 def test_zero_and_negative_scales(make_inputs, q_scale, kv_scale):
     inputs = make_inputs(6, 16, 2000, 576, 256, device="cuda")
@@ -90,8 +108,9 @@ def test_zero_and_negative_scales(make_inputs, q_scale, kv_scale):
 @HEADS
 def test_cuda_graph_gives_the_eager_bits(make_inputs, h_q, q_dtype):
     inputs = make_inputs(
-        20, h_q, 3000, 576, 1024, device="cuda", with_sink=True, with_topk_length=True, q_dtype=q_dtype
+        30, h_q, 3000, 576, 1024, device="cuda", with_sink=True, with_topk_length=True, q_dtype=q_dtype
     )
+    assert schedule.describe(30, h_q, 1024) == "small heads, 1 token per CTA"
     expected = [t.clone() for t in run_and_sync(inputs)]
     buffers = [torch.full_like(t, math.nan) for t in expected]
     kwargs = dict(out=buffers[0], max_logits=buffers[1], lse=buffers[2])

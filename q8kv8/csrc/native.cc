@@ -97,6 +97,7 @@ struct Config {
   int64_t persistent_max_topk = 0;
   int64_t persistent_max_tiles_per_cta = 0;
   int64_t small_head_max_tiles_per_cta = 0;
+  int64_t small_head_split_min_parts = 0;  // small heads run split tiles of 64 heads from this many parts
   int64_t persistent_min_waves = 0;
   std::vector<int64_t> split_parts;  // the split kernel's part counts, ascending
   std::vector<int64_t> split_cluster_sms;  // SMs counted for a tile split in split_parts[i]
@@ -459,11 +460,18 @@ Plan Check(const Views& v) {
     return Declined("q, kv or out does not meet the launch's alignment");
   }
 
-  // schedule.choose: the small-head kernel (persistent, never split), else tiles of 64 heads.
-  const size_t heads = HeadsSlot(h_q);
+  // schedule.choose: the small-head kernel (persistent, never split), unless a grid of one tile a token would
+  // split in small_head_split_min_parts or more (then tiles of 64 heads, split); else tiles of 64 heads.
+  size_t heads = HeadsSlot(h_q);
   int64_t tiles = 0, splits = 1, split_from = 0;
   if (heads > 0) {
-    tiles = SmallHeadTilesPerCta(s_q, device->sm_count);
+    const int64_t parts = Splits(s_q, topk, device->sm_count);
+    if (parts >= c.small_head_split_min_parts) {
+      heads = 0;
+      splits = parts;
+    } else {
+      tiles = SmallHeadTilesPerCta(s_q, device->sm_count);
+    }
   } else {
     const int64_t groups = (h_q + c.head_alignment - 1) / c.head_alignment;
     tiles = TilesPerCta(s_q * groups, topk, v.has_topk_length, v.precision, device->sm_count);
@@ -959,6 +967,7 @@ bool Configure(PyObject* constants, Config* c) {
          GetInt(constants, "persistent_max_topk", &c->persistent_max_topk, 0) &&
          GetInt(constants, "persistent_max_tiles_per_cta", &c->persistent_max_tiles_per_cta, 0) &&
          GetInt(constants, "small_head_max_tiles_per_cta", &c->small_head_max_tiles_per_cta, 1) &&
+         GetInt(constants, "small_head_split_min_parts", &c->small_head_split_min_parts, 2) &&
          GetInt(constants, "persistent_min_waves", &c->persistent_min_waves, 1) &&
          GetInt(constants, "split_min_slots", &c->split_min_slots, 1) &&
          GetInt(constants, "split_tail_min_topk", &c->split_tail_min_topk, 0);
