@@ -70,7 +70,8 @@ def run(call: PrefillCall) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     )
     # The call's device (the contract checked): Tensor.is_cuda is the cheap test.
     if q.is_cuda:
-        heads = h_q if small_heads(h_q) else HEAD_ALIGNMENT
+        # Small heads split: tiles of 64 heads (schedule.choose), as the launch ran them
+        heads = h_q if small_heads(h_q) and problem.splits == 1 else HEAD_ALIGNMENT
         device_index = problem.device.index
         for kind, variant in launched:
             native.note_launch(device_index, problem.d_qk, call.precision, kind, variant, q.dtype, heads)

@@ -624,6 +624,12 @@ def test_the_python_path_notes_its_gpu_launches(monkeypatch, fake_kernels, make_
     )
     sparse_mla_q8kv8_prefill_fwd(**{**small, "q": small["q"].as_subclass(CudaLooking)})
     assert noted[3:] == [(0, D_QK, "default", schedule.PERSISTENT, one_tile, FP8, 16)]
+    # Small heads at a few tokens, split: the tiles of 64 heads that ran.
+    split_problem = small_problem._replace(device=torch.device("cuda", 0), tiles_per_cta=0, splits=8)
+    monkeypatch.setattr(eager, "check_inputs", lambda call: split_problem)
+    returned.append(((schedule.SPLIT, split),))
+    sparse_mla_q8kv8_prefill_fwd(**{**small, "q": small["q"].as_subclass(CudaLooking)})
+    assert noted[4:] == [(0, D_QK, "default", schedule.SPLIT, split, FP8, 64)]
 
 
 class CudaLooking(torch.Tensor):
