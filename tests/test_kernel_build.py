@@ -179,6 +179,31 @@ def test_split_ptx_runs_the_one_tile_math_and_merges_in_the_cluster(variants, d_
     assert "griddepcontrol.wait" in split and "griddepcontrol.launch_dependents" not in split
 
 
+@pytest.mark.parametrize("splits", sparse_prefill.SPLIT_PARTS)
+def test_split_merge_slots_are_distinct_and_fit_in_the_kv_tiles(splits):
+    """The split merge's layout in a part's KV tiles: every d tile of O^T has one owner; the fragments an
+    owner receives (from every other part, and with 8 parts its own too) take distinct slots, exactly
+    ``fragments_received`` of them; the statistics and the weights after them fit in the smallest KV tiles."""
+    tiles_per_consumer = sparse_prefill.D_TILES_PER_CONSUMER
+    owners = {
+        (c, mt): sparse_prefill.d_tile_owner(splits, mt, c)
+        for c in (0, 1)
+        for mt in range(tiles_per_consumer)
+    }
+    assert sorted(owners.values()) == sorted(p for p in range(splits) for _ in range(8 // splits))
+    received = {owner: [] for owner in range(splits)}
+    for sender in range(splits):
+        for (c, mt), owner in owners.items():
+            if splits > tiles_per_consumer or owner != sender:
+                received[owner].append(sparse_prefill.fragment_slot(splits, sender, owner, c, mt))
+    count = sparse_prefill.fragments_received(splits)
+    for slots in received.values():
+        assert sorted(slots) == list(range(count)), slots
+    assert count * sparse_prefill.FRAGMENT_BYTES <= sparse_prefill.SPLIT_STATS_OFFSET
+    end = sparse_prefill.SPLIT_WEIGHTS_OFFSET + sparse_prefill.B_H * sparse_prefill.SPLIT_WEIGHTS_ROW_BYTES
+    assert end <= sparse_prefill.NUM_KV_TILES * sparse_prefill.B_TOPK * 512  # d_qk 512's KV tiles
+
+
 @pytest.mark.parametrize("q_dtype", [kernels.FP8, kernels.BF16_Q], ids=["e4m3", "bf16"])
 @pytest.mark.parametrize("heads", [8, 16, 32])
 @pytest.mark.parametrize("d_qk, precision", VARIANT_KEYS)

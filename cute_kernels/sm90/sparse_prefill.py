@@ -117,6 +117,18 @@ SPLIT_WEIGHTS_OFFSET = SPLIT_STATS_OFFSET + max(SPLIT_PARTS) * SPLIT_STATS_BYTES
 SPLIT_WEIGHTS_ROW_BYTES = max(SPLIT_PARTS) * 4
 
 
+def fragment_slot(splits: int, sender, owner, consumer, mt):
+    """Split: the slot (of ``fragments_received(splits)``, a fragment each) in which part ``owner`` receives
+    part ``sender``'s fragment of d tile ``mt`` of consumer ``consumer``: with 2 or 4 parts, the sender's
+    index among the owner's senders, then the (consumer, d tile) among the owner's, consumer-major (``sender``
+    and ``owner`` ints); with 8, the sender (the owner's own fragment included; any may be a run-time
+    value)."""
+    if splits > D_TILES_PER_CONSUMER:
+        return sender
+    owned = D_TILES // splits  # (consumer, d tile) pairs a part owns
+    return (sender - int(sender > owner)) * owned + consumer * (owned // 2) + mt - owner * (owned // 2)
+
+
 def d_tile_owner(splits: int, mt: int, consumer):
     """The part (of ``splits``) that merges and writes d tile ``mt`` of consumer ``consumer``'s half of O^T:
     with 2 or 4 parts, d tiles mt // (4 / splits) of both consumers (an int: the consumer is not read); with
@@ -1865,15 +1877,10 @@ class SparsePrefillSm90(AttentionKernel):
     @cute.jit
     def fragment_address(self, c: Consumer, splits: cutlass.Constexpr, sender, owner, mt, j):
         """Split: where, in the KV tiles of part ``owner``, part ``sender`` stores (and the owner's thread of
-        the same consumer and index reads) this thread's values 4j .. 4j + 3 of d tile ``mt``: slot (with 2 or
-        4 parts: the sender's index among the owner's senders, then the (consumer, d tile) among the owner's,
-        consumer-major; with 8: the sender, the owner's own fragment included), then [j][thread] in 8-byte
-        units, so that a warp's 8-byte accesses are contiguous."""
-        if const_expr(splits > D_TILES_PER_CONSUMER):
-            slot = sender
-        else:
-            owned = D_TILES // splits  # (consumer, d tile) pairs a part owns
-            slot = (sender - int(sender > owner)) * owned + c.index * (owned // 2) + mt - owner * (owned // 2)
+        the same consumer and index reads) this thread's values 4j .. 4j + 3 of d tile ``mt``: its fragment's
+        slot (``fragment_slot``), then [j][thread] in 8-byte units, so that a warp's 8-byte accesses are
+        contiguous."""
+        slot = fragment_slot(splits, sender, owner, c.index, mt)
         return c.sK_base + ((slot * (B_H // 8) + j) * THREADS_PER_WG + c.warp * 32 + c.lane) * 8
 
     @cute.jit
