@@ -247,6 +247,39 @@ def f32_bits_to_f16x2(lo_bits, hi_bits, *, loc=None, ip=None) -> Uint32:
 
 
 @dsl_user_op
+def f32_product_to_f16x2(a_bits, b_bits, *, loc=None, ip=None) -> Uint32:
+    """The float32 product of two float32 (given by their bits), rounded (RN, saturating) to f16 and packed
+    into both halves."""
+    return Uint32(
+        inline_asm(
+            T.i32(),
+            [Uint32(a_bits).ir_value(loc=loc, ip=ip), Uint32(b_bits).ir_value(loc=loc, ip=ip)],
+            "{ .reg .f32 a, b; .reg .b16 h; mov.b32 a, $1; mov.b32 b, $2; mul.rn.f32 a, a, b;\n\t"
+            "cvt.rn.satfinite.f16.f32 h, a; mov.b32 $0, {h, h}; }",
+            "=r,r,r",
+            False,
+        )
+    )
+
+
+@dsl_user_op
+def ceil_log2_f32_bits(bits, *, loc=None, ip=None) -> Int32:
+    """The least integer e with x <= 2^e for the positive float32 x given by its bits, at least -126 (zero
+    and subnormals give -126)."""
+    return Int32(
+        inline_asm(
+            T.i32(),
+            [Uint32(bits).ir_value(loc=loc, ip=ip)],
+            "{ .reg .b32 e, m; .reg .pred p;\n\t"
+            "bfe.u32 e, $1, 23, 8; and.b32 m, $1, 0x7fffff; setp.ne.u32 p, m, 0;\n\t"
+            "@p add.s32 e, e, 1; sub.s32 e, e, 127; max.s32 $0, e, -126; }",
+            "=r,r",
+            False,
+        )
+    )
+
+
+@dsl_user_op
 def scale_e4m3x4_f16(word, scales_lo, scales_hi, *, loc=None, ip=None) -> Uint32:
     """Four e4m3 (``word``, lowest byte first) times f16 scales: bytes 0 and 1 by the two halves of
     ``scales_lo``, bytes 2 and 3 by those of ``scales_hi``, each product (exact in f16 for a power-of-two

@@ -110,6 +110,7 @@ def quantized_cache(
     with whole-tensor operations (``fill_quantized`` writes one slot at a time): per scale group scale =
     max|x| / 448, rounded up to a power of two (``pow2_scales``: FlashMLA's V3.2 quantiser and V4's UE8M0) or
     the exact float32 quotient (V3.2 as SGLang's quantiser writes it); nope = e4m3(x / scale), RoPE = bf16(x).
+    ``std``: one for every value, or a [d_qk] tensor of each column's.
     """
     d_nope, d_rope, group, _ = FORMATS[layout]
     cache = empty_cache(layout, num_pages, page_size, extra_page_bytes)

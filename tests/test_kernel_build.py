@@ -241,13 +241,21 @@ PAGED_KEYS = [
 PAGED_D_QK = {"v32": 576, "model1": 512}
 PAGED_SPILL_BYTES = 40
 """The paged variants' consumers at their register ceiling (240, or 232 beside a producer of
-``sparse_prefill.WIDE_PRODUCER_REGS``): 64 heads with a bf16 q on the persistent schedule, and with an e4m3 q
-on the split one (a value kept from the prologue to the epilogue), spill at most this much (measured 4-36 B);
-every other paged variant fits (the small-head ones beside a producer of ``sparse_prefill.WIDE_PRODUCER_REGS``
-with either q dtype)."""
+``sparse_prefill.WIDE_PRODUCER_REGS``): 64 heads summing S per scale group with a bf16 q on the persistent
+schedule, and with an e4m3 q on the split one (a value kept from the prologue to the epilogue), and V4's
+rescaled rows with 8 or 16 heads and an e4m3 q (a value kept from the prologue to each tile's epilogue),
+spill at most this much (measured 4-36 B); every other paged variant fits (the small-head ones beside a
+producer of ``sparse_prefill.WIDE_PRODUCER_REGS`` with either q dtype)."""
+
+
+def rows_rescaled(layout, precision) -> bool:
+    """Whether the paged variant rescales each block row to one power-of-two scale (``convert_row``)."""
+    return layout == "model1" and precision == "default"
 
 
 def paged_spills(layout, precision, kind, q_dtype, heads) -> bool:
+    if rows_rescaled(layout, precision):
+        return q_dtype == kernels.FP8 and heads in (8, 16)
     return heads == 64 and kind == (PERSISTENT if q_dtype == kernels.BF16_Q else SPLIT)
 
 
@@ -255,10 +263,11 @@ def paged_spills(layout, precision, kind, q_dtype, heads) -> bool:
 def test_paged_variants_gather_pages_and_sum_scale_groups(layout, precision, kind, q_dtype, heads):
     """The paged kernel (``paged_rows``): S from WGMMA groups of a scale group's k-steps (in the accurate mode
     at most ``PAGED_ACCURATE_CHUNK_KSTEPS``: the first group and the loop's, and the RoPE's 2 k-steps x 2 e4m3
-    terms; 64 heads: once per N = 32 half; small heads: S^T = K . Q^T whole, N = heads), PV as the kernel on
-    gathered rows; per row, four 16-byte copies per 64-byte column of its e4m3 nope and bf16 RoPE (no L2 cache
-    hint) and four 4-byte copies of its scales; the Q TMA for an e4m3 q; registers as the others, within the
-    documented spills."""
+    terms; 64 heads: once per N = 32 half; small heads: S^T = K . Q^T whole, N = heads), or with its rows
+    rescaled (V4, default precision) one chain over every k-step and the RoPE's lo terms at N = 64 (small
+    heads: S^T); PV as the kernel on gathered rows; per row, four 16-byte copies per 64-byte column of its
+    e4m3 nope and bf16 RoPE (no L2 cache hint) and four 4-byte copies of its scales; the Q TMA for an e4m3 q;
+    registers as the others, within the documented spills."""
     small = "" if heads == 64 else f"_h{heads}"
     built = variant(PAGED_D_QK[layout], precision, kind, q_dtype, heads, cache=layout)
     assert built.name.startswith(f"sparse_prefill_sm90_d{PAGED_D_QK[layout]}{small}_paged_{layout}")
@@ -269,10 +278,13 @@ def test_paged_variants_gather_pages_and_sum_scale_groups(layout, precision, kin
         chunk = min(chunk, sparse_prefill.PAGED_ACCURATE_CHUNK_KSTEPS)
     wgmma = re.findall(r"wgmma\.mma_async\.sync\.aligned\.m64n(\d+)k32\.f32\.e4m3\.e4m3", ptx)
     terms = 2 if precision == "accurate" else 1
-    if heads == 64:
-        assert wgmma.count("32") == 2 * (2 * chunk + 4) and wgmma.count("64") == (16 + 8 + 8) * terms
+    pv = (16 + 8 + 8) * terms  # a pair of blocks and a single one, per d tile
+    if rows_rescaled(layout, precision):
+        assert wgmma == [str(heads)] * (PAGED_D_QK[layout] // 32 + 2 + pv)
+    elif heads == 64:
+        assert wgmma.count("32") == 2 * (2 * chunk + 4) and wgmma.count("64") == pv
     else:
-        assert set(wgmma) == {str(heads)} and len(wgmma) == 2 * chunk + 4 + 4 * 8 * terms
+        assert set(wgmma) == {str(heads)} and len(wgmma) == 2 * chunk + 4 + pv
     assert len(re.findall(r"cp\.async\.cg\.shared\.global", ptx)) == 4 * (geometry.nope_columns + 2)
     assert not re.search(r"cp\.async\.cg\.shared\.global\.L2::cache_hint", ptx)
     assert len(re.findall(r"cp\.async\.ca\.shared\.global", ptx)) == 4

@@ -7,7 +7,9 @@ Tolerances (``||out - ref|| / ||ref||``; max_logits and lse relative, absolute b
 - QK sums each scale group's product in float32 with its exact scale (the accurate mode two k-steps at a
   time), and the RoPE as two e4m3 terms with a power-of-two scale of its row (~2^-8 relative per element):
   logits within 5e-3 (default: the tensor cores' accumulation over a group of 4 k-steps) and 1e-3 (accurate:
-  measured 5.5e-4 to 6.7e-4 on unit-variance rows, the RoPE's two terms);
+  measured 5.5e-4 to 6.7e-4 on unit-variance rows, the RoPE's two terms); V4 in the default precision
+  rescales each row to one power-of-two scale (exact for its UE8M0 scales but below e4m3's normal range)
+  and sums S in one chain: logits within 5e-3, as the kernel on gathered rows;
 - V is scaled in the PV product, exactly for power-of-two scales (FlashMLA's V3.2 quantiser, V4's UE8M0):
   out within 4e-2 (default: P's e4m3 rounding) and 5e-3 (accurate); with float32 scales (SGLang's V3.2
   quantiser) V's products are rounded once to e4m3 (as the gathered copy of the workspace path rounds them),
@@ -132,6 +134,22 @@ def test_small_heads_match_the_reference_with_any_tokens_per_cta(generator, layo
         assert all(torch.equal(a, b) for a, b in zip(results[tiles], results[1], strict=True)), tiles
 
 
+@pytest.mark.parametrize("h_q", [64, 16])
+def test_v4_rows_whose_groups_and_rope_differ_by_powers_of_two(generator, h_q):
+    """V4, whose default precision rescales each row to one power-of-two scale: scale groups of one row up to
+    2^14 apart and a RoPE 2^-6 or 2^2 times the largest of them (a group far below the row's largest loses its
+    bits below e4m3's normal range, a negligible share of the row), on three schedules, against the float64
+    reference at the usual tolerances."""
+    call = make_call(generator, "model1", 40, h_q, 512)
+    group_std = torch.exp2(torch.randint(-14, 1, (7,), generator=generator).double()).repeat_interleave(64)
+    for rope_std in (2.0**-6, 2.0**2):
+        std = torch.cat([group_std, torch.full((64,), rope_std, dtype=torch.float64)]).float()
+        cache = quantized_cache("model1", 40, 64, generator, pow2_scales=True, std=std)
+        call["cache"] = to_device(cache, "cuda")
+        for schedule in ("rule", "one_tile", "split"):
+            check(run(call, schedule), call, "default")
+
+
 def test_no_worse_than_the_workspace_path(generator):
     """On the same inputs, the paged call's errors against the float64 reference are at most the workspace
     path's (gather to e4m3 with scale 1, then the prefill kernel), in both precisions and both layouts."""
@@ -186,8 +204,9 @@ def test_invalid_slots_sentinels_and_poisoned_buffers(generator):
 
 
 @pytest.mark.parametrize("precision", ["default", "accurate"])
-def test_persistent_is_bitwise_the_one_tile_kernel(generator, precision):
-    call = make_call(generator, "v32", 1100, 64, 256)
+@pytest.mark.parametrize("layout", ["v32", "model1"])
+def test_persistent_is_bitwise_the_one_tile_kernel(generator, layout, precision):
+    call = make_call(generator, layout, 1100, 64, 256)
     call["topk_length"] = torch.randint(0, 257, (1100,), generator=generator, dtype=torch.int32).cuda()
     one_tile = [t.clone() for t in run(call, "one_tile", precision=precision)]
     for tiles in (1, 3):

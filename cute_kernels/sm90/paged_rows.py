@@ -10,17 +10,23 @@ invalid slot's copies are zero-filled (nothing is read). The copies carry no L2 
 has addressed them through uniform registers that nothing writes (``tests/test_kernel_build.py`` checks the
 SASS of every variant).
 
-The block's owner (``convert_rope``, before its QK product): the staged RoPE of each row to two e4m3 terms
-with a power-of-two scale of its own (``shared_row_scale``): hi in place in the RoPE column tile, the residual
-lo = e4m3(x - hi) into the staging tile (about 8 significant bits together, as many as bf16 has); the rows'
-scales of the groups the PV product reads as f16 [group][slot]. V's RoPE dims (V4: V is the whole row) are
-hi alone: the accurate mode's P keeps the staging tile for its lo term.
+The block's owner, before its QK product, in one of two ways:
 
-Then S = sum over scale groups g of sigma[row, g] * (Q_g . K_g^T), the RoPE a group of its own (its row
-scale, hi and lo), each group's product summed in float32 (``scale_slots``), and the V^T fragments of the
-PV product are multiplied by their slots' f16 scales and rounded to e4m3 (``scale_v_fragment``): exact for
-power-of-two scales whose products stay in e4m3's range (FlashMLA's V3.2 quantiser, V4's UE8M0), rounded
-once otherwise (as a gathered e4m3 copy of the cache is).
+- ``convert_rope`` (V3.2, whose float32 scales need not be powers of two, and the accurate mode): the staged
+  RoPE of each row to two e4m3 terms with a power-of-two scale of its own (``shared_row_scale``): hi in place
+  in the RoPE column tile, the residual lo = e4m3(x - hi) into the staging tile (about 8 significant bits
+  together, as many as bf16 has); the rows' scales of the groups the PV product reads as f16 [group][slot].
+  Then S = sum over scale groups g of sigma[row, g] * (Q_g . K_g^T), the RoPE a group of its own (its row
+  scale, hi and lo), each group's product summed in float32 (``scale_slots``).
+- ``convert_row`` (V4, default precision: its UE8M0 scales are powers of two): each row rescaled in place to
+  one power-of-two scale 2^E of its own (every group's bytes times sigma_g 2^-E, the RoPE's two terms at
+  2^-E), so that S = 2^E_s (Q . K_s^T) is one WGMMA chain, as on gathered rows, scaled per slot after it.
+
+V's RoPE dims (V4: V is the whole row) are hi alone: the accurate mode's P keeps the staging tile for its lo
+term. The V^T fragments of the PV product are multiplied by their slots' f16 scales (per group, or the row's
+one) and rounded to e4m3 (``scale_v_fragment``): exact for power-of-two scales whose products stay in e4m3's
+range (FlashMLA's V3.2 quantiser, V4's UE8M0), rounded once otherwise (as a gathered e4m3 copy of the cache
+is).
 
 Constraints: page_size a power of two, cache base and page stride 16-byte aligned, num_pages * page_size <
 2^31.
@@ -40,6 +46,8 @@ from cute_kernels.sm90.row_views import shared_row_scale
 COLUMN_BYTES = 64  # a column tile's row: the e4m3 K tile's 64-byte swizzle
 RAW_SCALE_ENTRY_BYTES = 16  # a row's entry of the raw scale table (its record: V3.2 16 bytes, V4 8)
 ROPE_VALUES = 64
+ROW_MAX_EXPONENT = 126  # a row's scale 2^E (default precision) and its inverse stay normal float32 numbers
+F16X2_ONE = 0x3C003C00  # 1.0 in both f16 halves
 
 
 class CacheGeometry(NamedTuple):
@@ -140,8 +148,8 @@ class BlockScaleTables(NamedTuple):
     """Shared-memory byte addresses of the paged kernel's per-block-tile tables (trace-time bundle)."""
 
     raw: Int32  # [tile][row] the raw scale records (``RAW_SCALE_ENTRY_BYTES`` each)
-    rope: Int32  # [tile][row] float32: the RoPE's row scales (``convert_rope``)
-    v_f16: Int32  # [tile][group][slot] f16: the scales of V's groups (``convert_rope``)
+    rope: Int32  # [tile][row] float32: the RoPE's row scales (``convert_rope``), the rows' (``convert_row``)
+    v_f16: Int32  # [tile][group][slot] f16: the scales of V's groups (``convert_rope``; one: ``convert_row``)
     lo: Int32  # the RoPE staging tiles ([tile] 64 rows x 64 bytes, 64-byte swizzle), then the lo terms
 
 
@@ -174,13 +182,7 @@ def convert_rope(geo: CacheGeometry, tables: BlockScaleTables, tile_rope, tile, 
         offset = swizzle_offset(row, chunk, COLUMN_BYTES)
         words.append(ptx.ld_shared_v4(tile_rope + offset) + ptx.ld_shared_v4(lo_tile + offset))
     exponent, inverse = shared_row_scale(words, (1,))  # the row's two threads
-    for k in cutlass.range_constexpr(2):
-        offset = swizzle_offset(row, chunks[k], COLUMN_BYTES)
-        scaled = [ptx.mul_bf16x2(w, inverse) for w in words[k]]  # exact: a power of two
-        hi = [ptx.bf16x4_to_e4m3x4(scaled[2 * i], scaled[2 * i + 1]) for i in range(4)]
-        ptx.st_shared_v4(tile_rope + offset, *hi)
-        lo = [ptx.e4m3x4_residual(scaled[2 * i], scaled[2 * i + 1], hi[i]) for i in range(4)]
-        ptx.st_shared_v4(lo_tile + offset, *lo)
+    store_rope_terms(tile_rope, lo_tile, row, chunks, words, inverse)
     scale_bits = Uint32((127 + exponent) << 23)
     v_table = tables.v_f16 + tile * (geo.v_groups * 64 * 2)
     if (thread & 1) == 0:
@@ -198,6 +200,61 @@ def convert_rope(geo: CacheGeometry, tables: BlockScaleTables, tile_rope, tile, 
             ptx.st_shared_u32(v_table + (group * 64 + 2 * pair) * 2, ptx.f32_bits_to_f16x2(bits[0], bits[1]))
 
 
+def store_rope_terms(tile_rope, lo_tile, row, chunks, words, inverse):
+    """Row ``row``'s RoPE values of ``chunks`` (``words``: per chunk the RoPE column's then the staging
+    tile's 16 bytes of bf16) times ``inverse`` (2^-e in both bf16 halves) as two e4m3 terms: hi in place in
+    the RoPE column tile at ``tile_rope``, lo = e4m3(x - hi) into the staging tile at ``lo_tile``."""
+    for k in range(len(chunks)):
+        offset = swizzle_offset(row, chunks[k], COLUMN_BYTES)
+        scaled = [ptx.mul_bf16x2(w, inverse) for w in words[k]]  # exact: a power of two
+        hi = [ptx.bf16x4_to_e4m3x4(scaled[2 * i], scaled[2 * i + 1]) for i in range(4)]
+        ptx.st_shared_v4(tile_rope + offset, *hi)
+        lo = [ptx.e4m3x4_residual(scaled[2 * i], scaled[2 * i + 1], hi[i]) for i in range(4)]
+        ptx.st_shared_v4(lo_tile + offset, *lo)
+
+
+@cute.jit
+def convert_row(geo: CacheGeometry, tables: BlockScaleTables, tile_base, tile, thread):
+    """Power-of-two scales (V4's UE8M0), default precision: the owner warpgroup's thread ``thread`` (0-127)
+    rescales half of row ``thread // 2`` of block tile ``tile`` (at shared address ``tile_base``) to one
+    power-of-two scale 2^E of the row, E the least exponent that holds every scale group and the RoPE: each
+    nope group's bytes times sigma_g 2^-E in place (exact but for values that fall below e4m3's normal range,
+    under 2^-6 / 448 of the row's largest), the staged RoPE to two e4m3 terms at 2^-E; 2^E into the row-scale
+    table (float32) and into V's scale table (f16, one per slot: V's d tiles, nope and RoPE, all carry it).
+    Then S = 2^E_s (Q . K_s^T) is one WGMMA chain. The block's QK product reads it all after a fence for the
+    async proxy and a barrier of the warpgroup."""
+    row = thread >> 1
+    col_tile_bytes = 64 * COLUMN_BYTES
+    tile_rope = tile_base + geo.rope_column * col_tile_bytes
+    lo_tile = tables.lo + tile * col_tile_bytes
+    chunks = [(thread & 1) * 2 + k for k in range(2)]
+    words = []
+    for chunk in chunks:  # values 16 chunk .. + 7 from the RoPE column, + 8 .. + 15 from the staging tile
+        offset = swizzle_offset(row, chunk, COLUMN_BYTES)
+        words.append(ptx.ld_shared_v4(tile_rope + offset) + ptx.ld_shared_v4(lo_tile + offset))
+    exponent, _ = shared_row_scale(words, (1,), zero_exponent=-126)  # the row's two threads
+    for group in range(geo.groups):
+        sigma = _raw_scale_bits(geo, tables, tile, row, group)
+        exponent = cutlass.max(exponent, ptx.ceil_log2_f32_bits(sigma))
+    exponent = cutlass.min(exponent, Int32(ROW_MAX_EXPONENT))
+    inverse = Uint32((127 - exponent) << 7)  # 2^-E in bf16
+    store_rope_terms(tile_rope, lo_tile, row, chunks, words, inverse | (inverse << Uint32(16)))
+    inverse_bits = Uint32((127 - exponent) << 23)  # 2^-E
+    columns_per_group = geo.nope_columns // geo.groups
+    for group in cutlass.range_constexpr(geo.groups):
+        factor = ptx.f32_product_to_f16x2(_raw_scale_bits(geo, tables, tile, row, group), inverse_bits)
+        if factor != Uint32(F16X2_ONE):  # the row's largest group (exact at f16's 11 bits) stays as it is
+            for column in cutlass.range_constexpr(group * columns_per_group, (group + 1) * columns_per_group):
+                for chunk in chunks:
+                    address = tile_base + column * col_tile_bytes + swizzle_offset(row, chunk, COLUMN_BYTES)
+                    nope = ptx.ld_shared_v4(address)
+                    ptx.st_shared_v4(address, *[ptx.scale_e4m3x4_f16(w, factor, factor) for w in nope])
+    if (thread & 1) == 0:
+        scale_bits = Uint32((127 + exponent) << 23)
+        ptx.st_shared_u32(tables.rope + (tile * 64 + row) * 4, scale_bits)
+        ptx.st_shared_u16(tables.v_f16 + (tile * 64 + row) * 2, ptx.f32_bits_to_f16x2(scale_bits, scale_bits))
+
+
 def _raw_scale_bits(geo: CacheGeometry, tables: BlockScaleTables, tile, row, group) -> Uint32:
     record = tables.raw + (tile * 64 + row) * RAW_SCALE_ENTRY_BYTES
     if geo.scale_offset >= 0:
@@ -206,11 +263,14 @@ def _raw_scale_bits(geo: CacheGeometry, tables: BlockScaleTables, tile, row, gro
 
 
 @cute.jit
-def scale_v_fragment(geo: CacheGeometry, tables: BlockScaleTables, words, ks, tile, group, half, quad_lane):
+def scale_v_fragment(
+    table_groups: cutlass.Constexpr, tables: BlockScaleTables, words, ks, tile, group, half, quad_lane
+):
     """k-step ``ks`` of a V^T A fragment (``words[4 ks .. 4 ks + 3]``, slots 32 ``half`` .. + 31 of block
     tile ``tile``, the slot order of ``load_v_fragment``: a0 and a1 hold slots 2t, 2t + 1, 8 + 2t, 9 + 2t, a2
-    and a3 the same + 16) times the f16 scales of ``group`` of their slots, rounded to e4m3."""
-    base = tables.v_f16 + ((tile * geo.v_groups + group) * 64 + 32 * half + 2 * quad_lane) * 2
+    and a3 the same + 16) times the f16 scales of ``group`` of their slots (of the ``table_groups`` groups
+    of V's scale table), rounded to e4m3."""
+    base = tables.v_f16 + ((tile * table_groups + group) * 64 + 32 * half + 2 * quad_lane) * 2
     scales = [ptx.ld_shared_u32(base + 2 * slot) for slot in (0, 8, 16, 24)]
     for i in cutlass.range_constexpr(4):
         pair = (i // 2) * 2  # a0, a1: slots 0 and 8 from 2t; a2, a3: slots 16 and 24

@@ -150,11 +150,12 @@ def quantize_staged_q_tile(
 
 
 @cute.jit
-def shared_row_scale(words, lanes: cutlass.Constexpr):
+def shared_row_scale(words, lanes: cutlass.Constexpr, zero_exponent: cutlass.Constexpr = 0):
     """The e4m3 scale 2^e of a row of bf16 values held by several lanes, each of them ``words`` (a list of
     tuples of 32-bit words, two bf16 each): e the least integer with max |value| <= 448 * 2^e, at least -126
-    (e = 0 for a zero row). ``lanes``: the butterfly offsets that join the row's lanes (``(1, 2)`` for four
-    neighbouring lanes). Returns ``(e, 2^-e as bf16 in both halves of a word)``; finite values only."""
+    (e = ``zero_exponent`` for a zero row). ``lanes``: the butterfly offsets that join the row's lanes
+    (``(1, 2)`` for four neighbouring lanes). Returns ``(e, 2^-e as bf16 in both halves of a word)``; finite
+    values only."""
     amax = Uint32(0)
     for group in words:
         for word in group:
@@ -164,7 +165,7 @@ def shared_row_scale(words, lanes: cutlass.Constexpr):
     for offset in lanes:
         amax = ptx.max_u32(amax, Uint32(cute.arch.shuffle_sync_bfly(Int32(amax), offset=offset)))
     amax_bits = Int32(amax) << 16  # as float32 bits: m * 2^E
-    exponent = Int32(0)
+    exponent = Int32(zero_exponent)
     if amax_bits != 0:
         # E - 8 when 448 * 2^(E - 8) >= amax (m <= 1.75), else E - 7
         exponent = (amax_bits >> 23) - (127 + E4M3_MAX_EXPONENT)

@@ -65,6 +65,7 @@ from cute_kernels.sm90.paged_rows import (
     PagedRowGather,
     cache_geometry,
     convert_rope,
+    convert_row,
     copy_paged_row,
     page_and_position,
     scale_slots,
@@ -220,11 +221,12 @@ class Consumer(NamedTuple):
     s_head_sum: cute.Tensor = None  # small heads: smem [head, 4 consumer + warp], the warps' row sums
     # Small heads: smem [block tile], 64 bits: the validity of its slots, from the producer (produce_tile)
     s_valid_slots: cute.Tensor = None
-    # Accurate (see qk_promoted) and paged (qk_paged): 64 heads: ((S's N = 32 MMA accumulating, overwriting),
-    # its K descriptors per half, a [64 x 32] chunk accumulator, paged: the RoPE lo terms' K descriptors per
-    # half); small heads: (None, None, a chunk accumulator the shape of S^T, paged: the RoPE lo terms' A
-    # descriptors)
+    # Accurate (see qk_promoted) and paged per scale group (qk_paged): 64 heads: ((S's N = 32 MMA
+    # accumulating, overwriting), its K descriptors per half, a [64 x 32] chunk accumulator, paged: the RoPE
+    # lo terms' K descriptors per half); small heads: (None, None, a chunk accumulator the shape of S^T,
+    # paged: the RoPE lo terms' A descriptors)
     qk_chunks: tuple = None
+    rope_lo: cute.Tensor = None  # paged, default precision: the RoPE lo terms' descriptors for S (S^T) whole
     tables: BlockScaleTables = None  # paged: the block tiles' scale tables and RoPE staging tiles
 
 
@@ -286,25 +288,34 @@ class SparsePrefillSm90(AttentionKernel):
         self.d_qk = d_qk
         self.precision = precision
         self.q_bf16 = q_dtype == "bf16"
+        self.promote_qk = precision == "accurate"  # S summed in float32 per chunk of k-steps (qk_promoted)
+        # Paged V4, default precision: its UE8M0 scales are powers of two, so each block row is rescaled to
+        # one power-of-two scale (paged_rows.convert_row) and S is one WGMMA chain (qk_row_scaled); V3.2
+        # (whose float32 scales need not be powers of two) and the accurate mode sum S per scale group in
+        # float32 with the exact scales (qk_paged).
+        self.row_scaled = self.cache is not None and not self.promote_qk and self.cache.scale_offset < 0
         self.registers = (PRODUCER_REGS, CONSUMER_REGS)  # per thread of the producer, of a consumer
-        paged_consumers_need_240 = not self.small and self.q_bf16 and persistent
+        paged_consumers_need_240 = not self.small and self.q_bf16 and persistent and not self.row_scaled
         if (self.small and not self.q_bf16) or (self.cache is not None and not paged_consumers_need_240):
             self.registers = (WIDE_PRODUCER_REGS, WIDE_PRODUCER_CONSUMER_REGS)
         self.p_terms = 2 if precision == "accurate" else 1  # e4m3 terms P is stored as
-        self.promote_qk = precision == "accurate"  # S summed in float32 per chunk of k-steps (qk_promoted)
         # S summed in float32 per group of k-steps: the accurate mode's chunks, or a paged cache's scale
         # groups (in the accurate mode at most PAGED_ACCURATE_CHUNK_KSTEPS k-steps of one)
-        self.qk_in_groups = self.promote_qk or self.cache is not None
+        self.qk_in_groups = self.promote_qk or (self.cache is not None and not self.row_scaled)
+        # the groups of V's f16 scale table: the cache's, or one (rows rescaled)
+        self.v_scale_groups = 0 if self.cache is None else 1 if self.row_scaled else self.cache.v_groups
         if self.cache is not None:
             self.paged_chunk_ksteps = self.cache.group_ksteps
             if self.promote_qk:
                 self.paged_chunk_ksteps = min(self.paged_chunk_ksteps, PAGED_ACCURATE_CHUNK_KSTEPS)
         # PV WGMMA groups (d tiles) in flight, each with its V^T fragment live: two; one for the persistent
         # small-head kernel with a bf16 q (which spills 40-56 B with two at 24 / 240 / 240 registers), and
-        # for the 64-head kernel with its QK promoted (with two, its chunk accumulator serialises every
-        # WGMMA: C7512).
+        # for the 64-head kernel with its QK promoted or a paged cache (with two, its chunk accumulator or
+        # V's scaling serialises every WGMMA: C7512).
         self.pv_groups_in_flight = 2
-        if (self.small and self.q_bf16 and persistent) or (self.qk_in_groups and not self.small):
+        if (self.small and self.q_bf16 and persistent) or (
+            (self.promote_qk or self.cache is not None) and not self.small
+        ):
             self.pv_groups_in_flight = 1
         self.persistent = persistent
         self.split = split
@@ -357,7 +368,7 @@ class SparsePrefillSm90(AttentionKernel):
                     cute.struct.MemRange[Uint8, NUM_KV_TILES * B_TOPK * RAW_SCALE_ENTRY_BYTES], 16
                 ]
                 rope_scale: cute.struct.MemRange[Float32, NUM_KV_TILES * B_TOPK]
-                v_scales: cute.struct.MemRange[Uint32, NUM_KV_TILES * self.cache.v_groups * B_TOPK // 2]
+                v_scales: cute.struct.MemRange[Uint32, NUM_KV_TILES * self.v_scale_groups * B_TOPK // 2]
             if self.small:
                 valid_words: cute.struct.MemRange[Uint32, NUM_KV_TILES * 2]  # [block tile, word]
                 column_max: cute.struct.MemRange[Float32, 2 * 2 * WARPS_PER_WG * self.b_h]
@@ -839,6 +850,12 @@ class SparsePrefillSm90(AttentionKernel):
             tSrK = tiled_mma_qk.make_fragment_B(thr_mma_qk.partition_B(sK))  # (MMA, 1, d_qk/32, tile)
         tOrP = tiled_mma_pv.make_fragment_B(thr_mma_pv.partition_B(sP))  # (MMA, 1, 2, term * 4 + buffer)
         acc_s = cute.make_rmem_tensor(thr_mma_qk.partition_shape_C(s_tile), Float32)
+        rope_lo = None
+        if const_expr(self.row_scaled):  # S whole: the RoPE lo terms' operands (small heads A, else B)
+            if const_expr(self.small):
+                rope_lo = tiled_mma_qk.make_fragment_A(thr_mma_qk.partition_A(sLo))
+            else:
+                rope_lo = tiled_mma_qk.make_fragment_B(thr_mma_qk.partition_B(sLo))
         qk_chunks = None
         if const_expr(self.qk_in_groups):
             if const_expr(self.small):  # S^T is small: a chunk accumulator its shape
@@ -936,6 +953,7 @@ class SparsePrefillSm90(AttentionKernel):
             s_column_max=small_tables[0] if const_expr(self.small) else None,
             s_head_sum=small_tables[1] if const_expr(self.small) else None,
             qk_chunks=qk_chunks,
+            rope_lo=rope_lo,
             tables=tables,
         )
 
@@ -1075,6 +1093,8 @@ class SparsePrefillSm90(AttentionKernel):
                             c.mIdx, c.work.token, first_slot, c.lane, c.quad_lane, c.s_kv, c.work.valid_len, 2
                         )
                     warpgroup.wait_group(0)  # S(own)
+                    if const_expr(self.row_scaled):
+                        self.scale_row_scaled_s(c, tile)
                     if const_expr(self.persistent):
                         if own + 2 >= num_blocks:  # this consumer's last QK of the tile is done
                             cute.arch.mbarrier_arrive(mbar_q_empty)
@@ -1133,12 +1153,15 @@ class SparsePrefillSm90(AttentionKernel):
     # ------------------------------------------------------------------------------------
     @cute.jit
     def issue_qk(self, c: Consumer, block):
-        """Queue S = Q . K_block^T (one WGMMA group; accurate: computed, see ``qk_promoted``); returns the
-        block's KV tile (its data has landed)."""
+        """Queue S = Q . K_block^T (one WGMMA group; accurate: computed, see ``qk_promoted``, ``qk_paged``;
+        paged, default precision: the block's rows rescaled first, see ``qk_row_scaled``); returns the block's
+        KV tile (its data has landed)."""
         ring = c.work.block_base + block
         tile = self.kv_ring.index(ring)
         cute.arch.mbarrier_wait(c.mbar_kv_full + tile, self.kv_ring.phase(ring))
-        if const_expr(self.cache is not None):
+        if const_expr(self.row_scaled):
+            self.qk_row_scaled(c, tile)  # S scaled after the consumer's wait (scale_row_scaled_s)
+        elif const_expr(self.cache is not None):
             self.qk_paged(c, tile)
         elif const_expr(self.promote_qk):
             self.qk_promoted(c, tile)
@@ -1207,6 +1230,25 @@ class SparsePrefillSm90(AttentionKernel):
         self.queue_qk_steps(c, part, tile, steps, half)
         warpgroup.wait_group(0)
         add_into(total, part)
+
+    def qk_row_scaled(self, c: Consumer, tile):
+        """Paged, default precision: this warpgroup rescales the block's rows to one power-of-two scale each
+        (``convert_row``), then queues S = Q . K''^T over every k-step and the RoPE's lo terms as one WGMMA
+        group; after its wait, ``scale_row_scaled_s`` multiplies each slot's S by its scale."""
+        geo = self.cache
+        convert_row(geo, c.tables, c.sK_base + tile * self.k_tile_bytes, tile, c.warp * 32 + c.lane)
+        cute.arch.fence_proxy("async.shared", space="cta")  # the stores, seen by the WGMMAs
+        cute.arch.barrier(
+            barrier_id=int(NamedBarrierFp8.RopeConverted0) + c.index, number_of_threads=THREADS_PER_WG
+        )
+        rope = geo.rope_column * 2  # the RoPE's first k-step
+        operands = [(k, c.tSrK[None, None, k, tile]) for k in range(self.d_qk // 32)]
+        operands += [(rope + j, c.rope_lo[None, None, j, tile]) for j in range(2)]
+        self.queue_qk_group(c, c.acc_s, operands)
+
+    def scale_row_scaled_s(self, c: Consumer, tile):
+        """Paged, default precision, S complete: each slot's S times its row scale 2^E (``convert_row``)."""
+        self.scale_slots(c, c.acc_s, None, tile, self.cache.groups, 0, True)
 
     def qk_paged(self, c: Consumer, tile):
         """S = Q . K^T from a paged cache's block tile (``paged_rows``): sum over the scale groups g of
@@ -1506,9 +1548,9 @@ class SparsePrefillSm90(AttentionKernel):
             for half in cutlass.range_constexpr(2):
                 self.load_v_fragment(words, 2 * i + half, tile_base, half, c.warp, c.lane)
                 if const_expr(self.cache is not None):  # V times its slots' scales (paged_rows)
-                    group = d_tile // (8 // self.cache.v_groups)
+                    group = d_tile // (8 // self.v_scale_groups)
                     scale_v_fragment(
-                        self.cache,
+                        self.v_scale_groups,
                         c.tables,
                         words,
                         2 * i + half,
