@@ -247,6 +247,20 @@ def f32_bits_to_f16x2(lo_bits, hi_bits, *, loc=None, ip=None) -> Uint32:
 
 
 @dsl_user_op
+def s32_to_f32_bits(value, *, loc=None, ip=None) -> Uint32:
+    """The float32 bits of the signed integer ``value`` (``cvt.rn.f32.s32``)."""
+    return Uint32(
+        inline_asm(
+            T.i32(),
+            [Int32(value).ir_value(loc=loc, ip=ip)],
+            "{ .reg .f32 f; cvt.rn.f32.s32 f, $1; mov.b32 $0, f; }",
+            "=r,r",
+            False,
+        )
+    )
+
+
+@dsl_user_op
 def f32_product_to_f16x2(a_bits, b_bits, *, loc=None, ip=None) -> Uint32:
     """The float32 product of two float32 (given by their bits), rounded (RN, saturating) to f16 and packed
     into both halves."""

@@ -25,7 +25,7 @@ import math
 
 import pytest
 import torch
-from paged_cache import quantized_cache, to_device
+from paged_cache import quantized_cache, to_device, write_token
 from reference_checks import INT32_MAX, INT32_MIN, assert_outputs_match
 
 from q8kv8 import gather_dequant_requant_fp8_paged, sparse_mla_q8kv8_paged_fwd, sparse_mla_q8kv8_prefill_fwd
@@ -138,13 +138,17 @@ def test_small_heads_match_the_reference_with_any_tokens_per_cta(generator, layo
 def test_v4_rows_whose_groups_and_rope_differ_by_powers_of_two(generator, h_q):
     """V4, whose default precision rescales each row to one power-of-two scale: scale groups of one row up to
     2^14 apart and a RoPE 2^-6 or 2^2 times the largest of them (a group far below the row's largest loses its
-    bits below e4m3's normal range, a negligible share of the row), on three schedules, against the float64
-    reference at the usual tolerances."""
+    bits below e4m3's normal range, a negligible share of the row), and all-zero rows, on three schedules,
+    against the float64 reference at the usual tolerances."""
     call = make_call(generator, "model1", 40, h_q, 512)
     group_std = torch.exp2(torch.randint(-14, 1, (7,), generator=generator).double()).repeat_interleave(64)
+    zero_slots = torch.randint(0, 40 * 64, (300,), generator=generator).tolist()
     for rope_std in (2.0**-6, 2.0**2):
         std = torch.cat([group_std, torch.full((64,), rope_std, dtype=torch.float64)]).float()
         cache = quantized_cache("model1", 40, 64, generator, pow2_scales=True, std=std)
+        for slot in zero_slots:  # all-zero rows (UE8M0 byte 0: 2^-127), attended like the others
+            zeros = torch.zeros(448, dtype=torch.uint8)
+            write_token(cache, slot, 64, "model1", zeros, zeros[:7], torch.zeros(64, dtype=torch.bfloat16))
         call["cache"] = to_device(cache, "cuda")
         for schedule in ("rule", "one_tile", "split"):
             check(run(call, schedule), call, "default")

@@ -101,6 +101,28 @@ def mask_and_row_max(acc_s, valid_bits, scale_log2, publish=None):
     return row_maxima
 
 
+@cute.jit
+def shifted_row_max(acc_s, scale_log2, shifts):
+    """After ``mask_and_row_max``: this thread's rows' maxima of y = S * scale + shift[column] (exp2 domain;
+    ``shifts(j)``: those of columns 8j + 2t, 8j + 2t + 1), S * scale rounded as ``exp2_relative`` rounds it
+    (S is already scaled where the scale is <= 0), -inf where S is."""
+    column_groups = cute.size(acc_s) // 4  # j: 8-column groups
+    row_scales = scale_log2
+    if cutlass.const_expr(not isinstance(scale_log2, tuple)):
+        row_scales = (scale_log2, scale_log2)
+    row_maxima = []
+    for r in cutlass.range_constexpr(2):
+        logit_scale = row_scales[r] if row_scales[r] > 0.0 else Float32(1.0)
+        row_max = -Float32.inf
+        for j in cutlass.range_constexpr(column_groups):
+            pair = shifts(j)
+            for e in cutlass.range_constexpr(2):
+                x = ptx.mul_rn_f32(acc_s[e + 2 * r + 4 * j], logit_scale)
+                row_max = cute.arch.fmax(row_max, x + pair[e])
+        row_maxima.append(quad_max(row_max))
+    return row_maxima
+
+
 def exp2_relative(s, logit_scale, bias):
     """2^(s * logit_scale - bias), the product rounded before the subtraction, as the block maxima are
     (``mask_and_row_max``). Fused, a product of 2^22 or more would differ from the rounded maximum by up to

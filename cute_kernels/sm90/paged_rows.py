@@ -26,7 +26,7 @@ V's RoPE dims (V4: V is the whole row) are hi alone: the accurate mode's P keeps
 term. The V^T fragments of the PV product are multiplied by their slots' f16 scales (per group, or the row's
 one) and rounded to e4m3 (``scale_v_fragment``): exact for power-of-two scales whose products stay in e4m3's
 range (FlashMLA's V3.2 quantiser, V4's UE8M0), rounded once otherwise (as a gathered e4m3 copy of the cache
-is).
+is); with 64 heads and rows rescaled, P carries each slot's 2^E instead (``docs/kernel.md``).
 
 Constraints: page_size a power of two, cache base and page stride 16-byte aligned, num_pages * page_size <
 2^31.
@@ -47,6 +47,10 @@ COLUMN_BYTES = 64  # a column tile's row: the e4m3 K tile's 64-byte swizzle
 RAW_SCALE_ENTRY_BYTES = 16  # a row's entry of the raw scale table (its record: V3.2 16 bytes, V4 8)
 ROPE_VALUES = 64
 ROW_MAX_EXPONENT = 126  # a row's scale 2^E (default precision) and its inverse stay normal float32 numbers
+# ... and at least this: where P carries 2^E, the row sums are taken relative to the max of x + E, so their
+# terms reach 2^(-E + 9); a row under 2^-51 (an all-zero row: its scales and RoPE zero) has its nope bytes
+# shifted to zero, a negligible share of any row above it
+ROW_MIN_EXPONENT = -60
 F16X2_ONE = 0x3C003C00  # 1.0 in both f16 halves
 
 
@@ -151,6 +155,8 @@ class BlockScaleTables(NamedTuple):
     rope: Int32  # [tile][row] float32: the RoPE's row scales (``convert_rope``), the rows' (``convert_row``)
     v_f16: Int32  # [tile][group][slot] f16: the scales of V's groups (``convert_rope``; one: ``convert_row``)
     lo: Int32  # the RoPE staging tiles ([tile] 64 rows x 64 bytes, 64-byte swizzle), then the lo terms
+    # [tile][row] float32: the rows' exponents E (``convert_row`` where P carries each slot's 2^E), else None
+    exponent: Int32 = None
 
 
 def raw_scale(geo: CacheGeometry, tables: BlockScaleTables, tile, row, group) -> Float32:
@@ -220,9 +226,9 @@ def convert_row(geo: CacheGeometry, tables: BlockScaleTables, tile_base, tile, t
     power-of-two scale 2^E of the row, E the least exponent that holds every scale group and the RoPE: each
     nope group's bytes times sigma_g 2^-E in place (exact but for values that fall below e4m3's normal range,
     under 2^-6 / 448 of the row's largest), the staged RoPE to two e4m3 terms at 2^-E; 2^E into the row-scale
-    table (float32) and into V's scale table (f16, one per slot: V's d tiles, nope and RoPE, all carry it).
-    Then S = 2^E_s (Q . K_s^T) is one WGMMA chain. The block's QK product reads it all after a fence for the
-    async proxy and a barrier of the warpgroup."""
+    table (float32) and E into the exponent table (where P carries 2^E_s), else 2^E into V's scale table (f16,
+    one per slot: V's d tiles, nope and RoPE, all carry it). Then S = 2^E_s (Q . K_s^T) is one WGMMA chain.
+    The block's QK product reads it all after a fence for the async proxy and a barrier of the warpgroup."""
     row = thread >> 1
     col_tile_bytes = 64 * COLUMN_BYTES
     tile_rope = tile_base + geo.rope_column * col_tile_bytes
@@ -236,7 +242,7 @@ def convert_row(geo: CacheGeometry, tables: BlockScaleTables, tile_base, tile, t
     for group in range(geo.groups):
         sigma = _raw_scale_bits(geo, tables, tile, row, group)
         exponent = cutlass.max(exponent, ptx.ceil_log2_f32_bits(sigma))
-    exponent = cutlass.min(exponent, Int32(ROW_MAX_EXPONENT))
+    exponent = cutlass.max(cutlass.min(exponent, Int32(ROW_MAX_EXPONENT)), Int32(ROW_MIN_EXPONENT))
     inverse = Uint32((127 - exponent) << 7)  # 2^-E in bf16
     store_rope_terms(tile_rope, lo_tile, row, chunks, words, inverse | (inverse << Uint32(16)))
     inverse_bits = Uint32((127 - exponent) << 23)  # 2^-E
@@ -252,7 +258,11 @@ def convert_row(geo: CacheGeometry, tables: BlockScaleTables, tile_base, tile, t
     if (thread & 1) == 0:
         scale_bits = Uint32((127 + exponent) << 23)
         ptx.st_shared_u32(tables.rope + (tile * 64 + row) * 4, scale_bits)
-        ptx.st_shared_u16(tables.v_f16 + (tile * 64 + row) * 2, ptx.f32_bits_to_f16x2(scale_bits, scale_bits))
+        if const_expr(tables.exponent is None):
+            scale_f16 = ptx.f32_bits_to_f16x2(scale_bits, scale_bits)
+            ptx.st_shared_u16(tables.v_f16 + (tile * 64 + row) * 2, scale_f16)
+        else:
+            ptx.st_shared_u32(tables.exponent + (tile * 64 + row) * 4, ptx.s32_to_f32_bits(exponent))
 
 
 def _raw_scale_bits(geo: CacheGeometry, tables: BlockScaleTables, tile, row, group) -> Uint32:

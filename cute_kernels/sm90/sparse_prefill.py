@@ -56,6 +56,7 @@ from cute_kernels.sm90.mask import (
     mask_and_column_max,
     mask_and_row_max,
     row_valid_bits,
+    shifted_row_max,
     slot_valid_bits,
 )
 from cute_kernels.sm90.named_barrier import NamedBarrierFp8
@@ -302,16 +303,22 @@ class SparsePrefillSm90(AttentionKernel):
         # S summed in float32 per group of k-steps: the accurate mode's chunks, or a paged cache's scale
         # groups (in the accurate mode at most PAGED_ACCURATE_CHUNK_KSTEPS k-steps of one)
         self.qk_in_groups = self.promote_qk or (self.cache is not None and not self.row_scaled)
-        # the groups of V's f16 scale table: the cache's, or one (rows rescaled)
-        self.v_scale_groups = 0 if self.cache is None else 1 if self.row_scaled else self.cache.v_groups
+        # Rows rescaled, 64 heads: P carries each slot's 2^E (the softmax's running max and P on y = x + E_s,
+        # its row sums on x), so V is used as it is; small heads scale V's fragments by the slots' 2^E.
+        self.p_carries_row_scale = self.row_scaled and not self.small
+        # the groups of V's f16 scale table: the cache's, one (rows rescaled), none (P carries the scale)
+        self.v_scale_groups = 0
+        if self.cache is not None and not self.p_carries_row_scale:
+            self.v_scale_groups = 1 if self.row_scaled else self.cache.v_groups
         if self.cache is not None:
             self.paged_chunk_ksteps = self.cache.group_ksteps
             if self.promote_qk:
                 self.paged_chunk_ksteps = min(self.paged_chunk_ksteps, PAGED_ACCURATE_CHUNK_KSTEPS)
         # PV WGMMA groups (d tiles) in flight, each with its V^T fragment live: two; one for the persistent
         # small-head kernel with a bf16 q (which spills 40-56 B with two at 24 / 240 / 240 registers), and
-        # for the 64-head kernel with its QK promoted or a paged cache (with two, its chunk accumulator or
-        # V's scaling serialises every WGMMA: C7512).
+        # for the 64-head kernel with its QK promoted or a paged cache (with two, its chunk accumulator, V's
+        # scaling or the paged tables serialise every WGMMA at 232 registers: C7512; at 240 the producer
+        # spills 36-96 B).
         self.pv_groups_in_flight = 2
         if (self.small and self.q_bf16 and persistent) or (
             (self.promote_qk or self.cache is not None) and not self.small
@@ -368,7 +375,10 @@ class SparsePrefillSm90(AttentionKernel):
                     cute.struct.MemRange[Uint8, NUM_KV_TILES * B_TOPK * RAW_SCALE_ENTRY_BYTES], 16
                 ]
                 rope_scale: cute.struct.MemRange[Float32, NUM_KV_TILES * B_TOPK]
+            if self.v_scale_groups:
                 v_scales: cute.struct.MemRange[Uint32, NUM_KV_TILES * self.v_scale_groups * B_TOPK // 2]
+            if self.p_carries_row_scale:
+                row_exponent: cute.struct.MemRange[Float32, NUM_KV_TILES * B_TOPK]
             if self.small:
                 valid_words: cute.struct.MemRange[Uint32, NUM_KV_TILES * 2]  # [block tile, word]
                 column_max: cute.struct.MemRange[Float32, 2 * 2 * WARPS_PER_WG * self.b_h]
@@ -495,8 +505,11 @@ class SparsePrefillSm90(AttentionKernel):
             tables = BlockScaleTables(
                 raw=storage.scale_raw.data_ptr().toint(),
                 rope=storage.rope_scale.data_ptr().toint(),
-                v_f16=storage.v_scales.data_ptr().toint(),
+                v_f16=storage.v_scales.data_ptr().toint() if const_expr(self.v_scale_groups) else None,
                 lo=sLo.iterator.toint(),
+                exponent=(
+                    storage.row_exponent.data_ptr().toint() if const_expr(self.p_carries_row_scale) else None
+                ),
             )
         handover = (None, None)  # persistent: mbar_stats_full, mbar_tile_done
         if const_expr(self.persistent):
@@ -1112,6 +1125,9 @@ class SparsePrefillSm90(AttentionKernel):
                         )
                     else:
                         block_maxima = mask_and_row_max(c.acc_s, valid_bits, c.scale_log2)
+                        if const_expr(self.p_carries_row_scale):  # (y maxima, x maxima), see softmax_own
+                            shifts = functools.partial(self.slot_pair, c, c.tables.exponent, tile)
+                            block_maxima = (shifted_row_max(c.acc_s, c.scale_log2, shifts), block_maxima)
                     if const_expr(self.persistent):
                         if own == 0:  # consumer 0, the tile's first P
                             self.wait_previous_tile(c, tile_iter)
@@ -1246,6 +1262,11 @@ class SparsePrefillSm90(AttentionKernel):
         operands += [(rope + j, c.rope_lo[None, None, j, tile]) for j in range(2)]
         self.queue_qk_group(c, c.acc_s, operands)
 
+    def slot_pair(self, c: Consumer, table, tile, j):
+        """The float32 entries of ``table`` ([tile][slot]) for this thread's columns 8j + 2t and 8j + 2t + 1
+        of block tile ``tile``."""
+        return ptx.ld_shared_v2_f32(table + (tile * B_TOPK + 8 * j + 2 * c.quad_lane) * 4)
+
     def scale_row_scaled_s(self, c: Consumer, tile):
         """Paged, default precision, S complete: each slot's S times its row scale 2^E (``convert_row``)."""
         self.scale_slots(c, c.acc_s, None, tile, self.cache.groups, 0, True)
@@ -1328,9 +1349,17 @@ class SparsePrefillSm90(AttentionKernel):
         """Softmax of an own block: m_block from m_{block-1} (published by the other consumer)
         and the block's maxima, then P = e4m3(2^7 exp2(S - m_block)) with m_block, alpha_block
         and the moved flag, published by ``p_full``; accumulates this consumer's row sums. Small heads:
-        returns the moved flag (warp-uniform: every warp holds every head's maxima); else 0."""
+        returns the moved flag (warp-uniform: every warp holds every head's maxima); else 0.
+        ``p_carries_row_scale``: ``block_maxima`` is (the maxima of y = x + E_s, those of the logits x); the
+        running max, alpha and P are y's (P = e4m3(2^7 exp2(x - m_block) 2^E_s)), the row sums and
+        ``max_logits`` x's, so that O = sum P V'' has V's own scale."""
         ring = c.work.block_base + block  # the block's ring position (buffers, phases, moved flag)
         buffer = self.kv_ring.index(ring)
+        true_maxima = block_maxima
+        p_scales = None  # p_carries_row_scale: the 2^E of this thread's columns 8j + 2t + e, e = 0, 1, by j
+        if const_expr(self.p_carries_row_scale):
+            block_maxima, true_maxima = block_maxima
+            p_scales = functools.partial(self.slot_pair, c, c.tables.rope, buffer)
         # S is still unscaled when the scale is positive (see mask_and_row_max).
         row_scales = c.scale_log2
         if const_expr(not isinstance(c.scale_log2, tuple)):
@@ -1346,7 +1375,7 @@ class SparsePrefillSm90(AttentionKernel):
             max_prev = -Float32.inf
             if block > 0:
                 max_prev = c.s_max_used[prev_buffer, row]
-            c.row_max_true[r] = cute.arch.fmax(c.row_max_true[r], block_maxima[r])
+            c.row_max_true[r] = cute.arch.fmax(c.row_max_true[r], true_maxima[r])
             # Lazy max: move only when the block's max exceeds it by more than the threshold (compared as a
             # difference: at logits of 2^22 and more, max_prev + threshold would round to max_prev).
             max_used = max_prev
@@ -1368,7 +1397,8 @@ class SparsePrefillSm90(AttentionKernel):
             if const_expr(self.small):
                 exponents.append((logit_scale, bias))
             else:
-                c.row_sum[r] = c.row_sum[r] + self.exp_and_store_p(c, r, row, logit_scale, bias, tile_addr)
+                block_sum = self.exp_and_store_p(c, r, row, logit_scale, bias, tile_addr, p_scales)
+                c.row_sum[r] = c.row_sum[r] + block_sum
         if const_expr(self.small):
             self.exp_and_store_p_transposed(c, exponents, tile_addr)
         if moved:
@@ -1434,10 +1464,11 @@ class SparsePrefillSm90(AttentionKernel):
                 ptx.st_shared_u32(addr + term * self.p_term_bytes, word)
 
     @cute.jit
-    def exp_and_store_p(self, c: Consumer, r, row, logit_scale, bias, tile_addr):
+    def exp_and_store_p(self, c: Consumer, r, row, logit_scale, bias, tile_addr, p_scales=None):
         """Row ``r`` of this thread's S (left unchanged): p = 2^(S * scale - bias) in f32, stored as
         e4m3 P (one term; "accurate": rounded to f16, then the terms hi = e4m3(p) and lo = e4m3(p - hi),
-        the lo tile ``p_term_bytes`` after the hi one); returns the sum of the 16 p (in f32).
+        the lo tile ``p_term_bytes`` after the hi one), times its column's scale when ``p_scales`` (j -> the
+        scales of columns 8j + 2t, 8j + 2t + 1) is given; returns the sum of the 16 p (in f32).
 
         Slot order inside a 32-slot k-step (sigma): k = 4t + b holds slot
         [2t, 2t+1, 8+2t, 9+2t][b] and k + 16 holds slot + 16 -- the order that ldmatrix.trans +
@@ -1450,6 +1481,9 @@ class SparsePrefillSm90(AttentionKernel):
                 columns = (2 * r + 4 * j0, 1 + 2 * r + 4 * j0, 2 * r + 4 * j0 + 4, 1 + 2 * r + 4 * j0 + 4)
                 p = [exp2_relative(c.acc_s[i], logit_scale, bias) for i in columns]
                 block_sum += (p[0] + p[1]) + (p[2] + p[3])
+                if const_expr(p_scales is not None):  # columns 8 j0 + 2t + e, then 8 (j0 + 1) + 2t + e
+                    scales = p_scales(j0) + p_scales(j0 + 1)
+                    p = [p[k] * scales[k] for k in range(4)]
                 if const_expr(self.p_terms == 1):
                     words = (ptx.pack_e4m3x4(p[0], p[1], p[2], p[3]),)
                 else:
@@ -1547,7 +1581,7 @@ class SparsePrefillSm90(AttentionKernel):
             )
             for half in cutlass.range_constexpr(2):
                 self.load_v_fragment(words, 2 * i + half, tile_base, half, c.warp, c.lane)
-                if const_expr(self.cache is not None):  # V times its slots' scales (paged_rows)
+                if const_expr(self.v_scale_groups > 0):  # V times its slots' scales (paged_rows)
                     group = d_tile // (8 // self.v_scale_groups)
                     scale_v_fragment(
                         self.v_scale_groups,
