@@ -179,14 +179,7 @@ def convert_rope(geo: CacheGeometry, tables: BlockScaleTables, tile_rope, tile, 
     scale 2^e, hi in place and the lo residual into the staging tile; 2^e into the RoPE scale table; and its
     share of the f16 table of V's group scales. The block's QK product reads all of it after a fence for the
     async proxy and a barrier of the warpgroup."""
-    row = thread >> 1
-    col_tile_bytes = 64 * COLUMN_BYTES
-    lo_tile = tables.lo + tile * col_tile_bytes
-    chunks = [(thread & 1) * 2 + k for k in range(2)]
-    words = []
-    for chunk in chunks:  # values 16 chunk .. + 7 from the RoPE column, + 8 .. + 15 from the staging tile
-        offset = swizzle_offset(row, chunk, COLUMN_BYTES)
-        words.append(ptx.ld_shared_v4(tile_rope + offset) + ptx.ld_shared_v4(lo_tile + offset))
+    row, chunks, lo_tile, words = load_staged_rope(tables, tile_rope, tile, thread)
     exponent, inverse = shared_row_scale(words, (1,))  # the row's two threads
     store_rope_terms(tile_rope, lo_tile, row, chunks, words, inverse)
     scale_bits = Uint32((127 + exponent) << 23)
@@ -204,6 +197,21 @@ def convert_rope(geo: CacheGeometry, tables: BlockScaleTables, tile_rope, tile, 
         if group < geo.groups:  # warp-uniform
             bits = [_raw_scale_bits(geo, tables, tile, 2 * pair + r, group) for r in range(2)]
             ptx.st_shared_u32(v_table + (group * 64 + 2 * pair) * 2, ptx.f32_bits_to_f16x2(bits[0], bits[1]))
+
+
+def load_staged_rope(tables: BlockScaleTables, tile_rope, tile, thread):
+    """The owner warpgroup's thread ``thread`` (0-127): ``(row, chunks, lo_tile, words)``, its row ``thread
+    // 2`` of block tile ``tile`` (RoPE column tile at ``tile_rope``, staging tile at ``lo_tile``), its two
+    16-byte chunks of each, and per chunk the RoPE column's then the staging tile's words (values 16 chunk ..
+    + 7, then + 8 .. + 15)."""
+    row = thread >> 1
+    lo_tile = tables.lo + tile * (64 * COLUMN_BYTES)
+    chunks = [(thread & 1) * 2 + k for k in range(2)]
+    words = []
+    for chunk in chunks:
+        offset = swizzle_offset(row, chunk, COLUMN_BYTES)
+        words.append(ptx.ld_shared_v4(tile_rope + offset) + ptx.ld_shared_v4(lo_tile + offset))
+    return row, chunks, lo_tile, words
 
 
 def store_rope_terms(tile_rope, lo_tile, row, chunks, words, inverse):
@@ -229,15 +237,9 @@ def convert_row(geo: CacheGeometry, tables: BlockScaleTables, tile_base, tile, t
     table (float32) and E into the exponent table (where P carries 2^E_s), else 2^E into V's scale table (f16,
     one per slot: V's d tiles, nope and RoPE, all carry it). Then S = 2^E_s (Q . K_s^T) is one WGMMA chain.
     The block's QK product reads it all after a fence for the async proxy and a barrier of the warpgroup."""
-    row = thread >> 1
     col_tile_bytes = 64 * COLUMN_BYTES
     tile_rope = tile_base + geo.rope_column * col_tile_bytes
-    lo_tile = tables.lo + tile * col_tile_bytes
-    chunks = [(thread & 1) * 2 + k for k in range(2)]
-    words = []
-    for chunk in chunks:  # values 16 chunk .. + 7 from the RoPE column, + 8 .. + 15 from the staging tile
-        offset = swizzle_offset(row, chunk, COLUMN_BYTES)
-        words.append(ptx.ld_shared_v4(tile_rope + offset) + ptx.ld_shared_v4(lo_tile + offset))
+    row, chunks, lo_tile, words = load_staged_rope(tables, tile_rope, tile, thread)
     exponent, _ = shared_row_scale(words, (1,), zero_exponent=-126)  # the row's two threads
     for group in range(geo.groups):
         sigma = _raw_scale_bits(geo, tables, tile, row, group)
