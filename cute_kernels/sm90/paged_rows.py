@@ -240,7 +240,7 @@ def convert_row(geo: CacheGeometry, tables: BlockScaleTables, tile_base, tile, t
     col_tile_bytes = 64 * COLUMN_BYTES
     tile_rope = tile_base + geo.rope_column * col_tile_bytes
     row, chunks, lo_tile, words = load_staged_rope(tables, tile_rope, tile, thread)
-    exponent, _ = shared_row_scale(words, (1,), zero_exponent=-126)  # the row's two threads
+    exponent, _ = shared_row_scale(words, (1,), zero_exponent=ROW_MIN_EXPONENT)  # the row's two threads
     for group in range(geo.groups):
         sigma = _raw_scale_bits(geo, tables, tile, row, group)
         exponent = cutlass.max(exponent, ptx.ceil_log2_f32_bits(sigma))
