@@ -243,9 +243,10 @@ PAGED_SPILL_BYTES = 40
 """The paged variants' consumers at their register ceiling (240, or 232 beside a producer of
 ``sparse_prefill.WIDE_PRODUCER_REGS``): 64 heads summing S per scale group with a bf16 q on the persistent
 schedule, and with an e4m3 q on the split one (a value kept from the prologue to the epilogue), and V4's
-rescaled rows with 8 or 16 heads and an e4m3 q (a value kept from the prologue to each tile's epilogue),
-spill at most this much (measured 4-36 B); every other paged variant fits (the small-head ones beside a
-producer of ``sparse_prefill.WIDE_PRODUCER_REGS`` with either q dtype)."""
+rescaled rows with 8 or 16 heads and an e4m3 q (a value kept from the prologue to each tile's epilogue; with
+16 heads 8 B more, spilled and reloaded by the producer once a pair), spill at most this much (measured 4-36
+B); every other paged variant fits (the small-head ones beside a producer of
+``sparse_prefill.WIDE_PRODUCER_REGS`` with either q dtype)."""
 
 
 def rows_rescaled(layout, precision) -> bool:

@@ -143,14 +143,16 @@ def row_valid_bits(valid_slots, warp, quad_row):
 
 @cute.jit
 def mask_and_column_max(
-    acc_s, rows_valid, scale_log2, s_column_max, buffer, warp, quad_row, quad_lane, barrier_id
+    acc_s, rows_valid, scale_log2, s_column_max, buffer, warp, quad_row, quad_lane, barrier_id, shifted=None
 ):
     """S^T block: set the invalid rows (slots) to -inf and return the block's column (head) maxima (exp2
     domain) of this thread's columns 8j + 2t + e, as a list indexed 2j + e. The warps' maxima meet in
     ``s_column_max[buffer..., warp, head]`` (``buffer``: the leading coordinates of the warpgroup's table
     for this block) behind named barrier ``barrier_id`` of the warpgroup's 128 threads. The logit scale
     ``scale_log2`` (one, or a tuple: column 8j + 2t + e's as entry 2j + e) is handled as in
-    ``mask_and_row_max``."""
+    ``mask_and_row_max``. ``shifted`` (``(shifts, s_shifted_max)``: this thread's rows' shifts, r = 0, 1,
+    and a table shaped as ``s_column_max``): returns (the maxima of y = S * scale + shift[row], those of
+    S * scale), S * scale rounded as ``exp2_relative`` rounds it."""
     valid_0, valid_1, all_valid = rows_valid
     column_groups = cute.size(acc_s) // 4
     if cutlass.const_expr(isinstance(scale_log2, tuple)):
@@ -170,28 +172,42 @@ def mask_and_column_max(
             for e in cutlass.range_constexpr(2):
                 acc_s[e + 4 * j] = acc_s[e + 4 * j] if valid_0 else -Float32.inf
                 acc_s[e + 2 + 4 * j] = acc_s[e + 2 + 4 * j] if valid_1 else -Float32.inf
-    warp_maxima = []
-    for j in cutlass.range_constexpr(column_groups):
-        for e in cutlass.range_constexpr(2):
-            column_max = cute.arch.fmax(acc_s[e + 4 * j], acc_s[e + 2 + 4 * j])
-            for offset in (4, 8, 16):  # the warp's eight quad rows
-                column_max = cute.arch.fmax(
-                    column_max, cute.arch.shuffle_sync_bfly(column_max, offset=offset)
-                )
-            warp_maxima.append(column_max)
-    if quad_row == 0:
+    tables = [s_column_max]
+    if cutlass.const_expr(shifted is not None):
+        tables.append(shifted[1])
+    for k in cutlass.range_constexpr(len(tables)):
+        warp_maxima = []
         for j in cutlass.range_constexpr(column_groups):
             for e in cutlass.range_constexpr(2):
-                s_column_max[(*buffer, warp, 8 * j + 2 * quad_lane + e)] = warp_maxima[2 * j + e]
+                values = [acc_s[e + 2 * r + 4 * j] for r in range(2)]
+                if cutlass.const_expr(k == 1):  # y: scaled here (as exp2_relative scales), then shifted
+                    scale = column_scales[2 * j + e] if column_scales[2 * j + e] > 0.0 else Float32(1.0)
+                    values = [ptx.mul_rn_f32(values[r], scale) + shifted[0][r] for r in range(2)]
+                column_max = cute.arch.fmax(values[0], values[1])
+                for offset in (4, 8, 16):  # the warp's eight quad rows
+                    column_max = cute.arch.fmax(
+                        column_max, cute.arch.shuffle_sync_bfly(column_max, offset=offset)
+                    )
+                warp_maxima.append(column_max)
+        if quad_row == 0:
+            for j in cutlass.range_constexpr(column_groups):
+                for e in cutlass.range_constexpr(2):
+                    tables[k][(*buffer, warp, 8 * j + 2 * quad_lane + e)] = warp_maxima[2 * j + e]
     cute.arch.barrier(barrier_id=barrier_id, number_of_threads=THREADS_PER_WG)
-    column_maxima = []
-    for j in cutlass.range_constexpr(column_groups):
-        for e in cutlass.range_constexpr(2):
-            head = 8 * j + 2 * quad_lane + e
-            column_max = s_column_max[(*buffer, 0, head)]
-            for w in cutlass.range_constexpr(1, WARPS_PER_WG):
-                column_max = cute.arch.fmax(column_max, s_column_max[(*buffer, w, head)])
-            if column_scales[2 * j + e] > 0.0:
-                column_max = ptx.mul_rn_f32(column_max, column_scales[2 * j + e])  # as exp2_relative rounds
-            column_maxima.append(column_max)
-    return column_maxima
+    maxima = []
+    for k in cutlass.range_constexpr(len(tables)):
+        column_maxima = []
+        for j in cutlass.range_constexpr(column_groups):
+            for e in cutlass.range_constexpr(2):
+                head = 8 * j + 2 * quad_lane + e
+                column_max = tables[k][(*buffer, 0, head)]
+                for w in cutlass.range_constexpr(1, WARPS_PER_WG):
+                    column_max = cute.arch.fmax(column_max, tables[k][(*buffer, w, head)])
+                if cutlass.const_expr(k == 0):
+                    if column_scales[2 * j + e] > 0.0:  # as exp2_relative rounds
+                        column_max = ptx.mul_rn_f32(column_max, column_scales[2 * j + e])
+                column_maxima.append(column_max)
+        maxima.append(column_maxima)
+    if cutlass.const_expr(shifted is not None):
+        return maxima[1], maxima[0]
+    return maxima[0]

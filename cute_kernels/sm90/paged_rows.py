@@ -26,7 +26,7 @@ V's RoPE dims (V4: V is the whole row) are hi alone: the accurate mode's P keeps
 term. The V^T fragments of the PV product are multiplied by their slots' f16 scales (per group, or the row's
 one) and rounded to e4m3 (``scale_v_fragment``): exact for power-of-two scales whose products stay in e4m3's
 range (FlashMLA's V3.2 quantiser, V4's UE8M0), rounded once otherwise (as a gathered e4m3 copy of the cache
-is); with 64 heads and rows rescaled, P carries each slot's 2^E instead (``docs/kernel.md``).
+is); with rows rescaled, P carries each slot's 2^E instead (``docs/kernel.md``).
 
 Constraints: page_size a power of two, cache base and page stride 16-byte aligned, num_pages * page_size <
 2^31.
@@ -234,8 +234,9 @@ def convert_row(geo: CacheGeometry, tables: BlockScaleTables, tile_base, tile, t
     power-of-two scale 2^E of the row, E the least exponent that holds every scale group and the RoPE: each
     nope group's bytes times sigma_g 2^-E in place (exact but for values that fall below e4m3's normal range,
     under 2^-6 / 448 of the row's largest), the staged RoPE to two e4m3 terms at 2^-E; 2^E into the row-scale
-    table (float32) and E into the exponent table (where P carries 2^E_s), else 2^E into V's scale table (f16,
-    one per slot: V's d tiles, nope and RoPE, all carry it). Then S = 2^E_s (Q . K_s^T) is one WGMMA chain.
+    table (float32) and E into the exponent table (P carries each slot's 2^E_s), or else 2^E into V's scale
+    table (f16, one per slot: V's d tiles, nope and RoPE, all carry it). Then S = 2^E_s (Q . K_s^T) is one
+    WGMMA chain.
     The block's QK product reads it all after a fence for the async proxy and a barrier of the warpgroup."""
     col_tile_bytes = 64 * COLUMN_BYTES
     tile_rope = tile_base + geo.rope_column * col_tile_bytes

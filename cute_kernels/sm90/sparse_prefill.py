@@ -220,6 +220,7 @@ class Consumer(NamedTuple):
     # Small heads only: smem [consumer, buffer, warp, head], the S^T blocks' maxima
     s_column_max: cute.Tensor = None
     s_head_sum: cute.Tensor = None  # small heads: smem [head, 4 consumer + warp], the warps' row sums
+    s_column_max_shifted: cute.Tensor = None  # small heads, P carrying the rows' scales: s_column_max of y
     # Small heads: smem [block tile], 64 bits: the validity of its slots, from the producer (produce_tile)
     s_valid_slots: cute.Tensor = None
     # Accurate (see qk_promoted) and paged per scale group (qk_paged): 64 heads: ((S's N = 32 MMA
@@ -303,9 +304,9 @@ class SparsePrefillSm90(AttentionKernel):
         # S summed in float32 per group of k-steps: the accurate mode's chunks, or a paged cache's scale
         # groups (in the accurate mode at most PAGED_ACCURATE_CHUNK_KSTEPS k-steps of one)
         self.qk_in_groups = self.promote_qk or (self.cache is not None and not self.row_scaled)
-        # Rows rescaled, 64 heads: P carries each slot's 2^E (the softmax's running max and P on y = x + E_s,
-        # its row sums on x), so V is used as it is; small heads scale V's fragments by the slots' 2^E.
-        self.p_carries_row_scale = self.row_scaled and not self.small
+        # Rows rescaled: P carries each slot's 2^E (the softmax's running max and P on y = x + E_s, its row
+        # sums on x), so V is used as it is.
+        self.p_carries_row_scale = self.row_scaled
         # the groups of V's f16 scale table: the cache's, one (rows rescaled), none (P carries the scale)
         self.v_scale_groups = 0
         if self.cache is not None and not self.p_carries_row_scale:
@@ -382,6 +383,8 @@ class SparsePrefillSm90(AttentionKernel):
             if self.small:
                 valid_words: cute.struct.MemRange[Uint32, NUM_KV_TILES * 2]  # [block tile, word]
                 column_max: cute.struct.MemRange[Float32, 2 * 2 * WARPS_PER_WG * self.b_h]
+                if self.p_carries_row_scale:  # the maxima of y = x + E_s (softmax_own)
+                    column_max_shifted: cute.struct.MemRange[Float32, 2 * 2 * WARPS_PER_WG * self.b_h]
                 head_sum: cute.struct.MemRange[Float32, self.b_h * 2 * WARPS_PER_WG]
             sQ: tile_region(Float8E4M3FN, self.q_shape)
             sK: tile_region(Float8E4M3FN, self.k_shape)
@@ -556,16 +559,18 @@ class SparsePrefillSm90(AttentionKernel):
             )
             small_tables = ()
             if const_expr(self.small):
+                column_max_layout = cute.make_layout(
+                    (2, 2, WARPS_PER_WG, self.b_h),
+                    stride=(2 * WARPS_PER_WG * self.b_h, WARPS_PER_WG * self.b_h, self.b_h, 1),
+                )
                 small_tables = (
-                    storage.column_max.get_tensor(
-                        cute.make_layout(
-                            (2, 2, WARPS_PER_WG, self.b_h),
-                            stride=(2 * WARPS_PER_WG * self.b_h, WARPS_PER_WG * self.b_h, self.b_h, 1),
-                        )
-                    ),
+                    storage.column_max.get_tensor(column_max_layout),
                     storage.head_sum.get_tensor(
                         cute.make_layout((self.b_h, 2 * WARPS_PER_WG), stride=(2 * WARPS_PER_WG, 1))
                     ),
+                    storage.column_max_shifted.get_tensor(column_max_layout)
+                    if const_expr(self.p_carries_row_scale)
+                    else None,
                 )
             self.consume(
                 consumer,
@@ -965,6 +970,7 @@ class SparsePrefillSm90(AttentionKernel):
             scale_log2=(mKVScale[0] if const_expr(self.q_bf16) else mQScale[0] * mKVScale[0]) * sm_scale_log2,
             s_column_max=small_tables[0] if const_expr(self.small) else None,
             s_head_sum=small_tables[1] if const_expr(self.small) else None,
+            s_column_max_shifted=small_tables[2] if const_expr(self.small) else None,
             qk_chunks=qk_chunks,
             rope_lo=rope_lo,
             tables=tables,
@@ -1112,6 +1118,12 @@ class SparsePrefillSm90(AttentionKernel):
                         if own + 2 >= num_blocks:  # this consumer's last QK of the tile is done
                             cute.arch.mbarrier_arrive(mbar_q_empty)
                     if const_expr(self.small):
+                        shifted = None  # p_carries_row_scale: (y maxima, x maxima), see softmax_own
+                        if const_expr(self.p_carries_row_scale):
+                            shifts = [
+                                ptx.ld_shared_f32(c.tables.exponent + row * 4) for row in self.s_rows(c, tile)
+                            ]
+                            shifted = (shifts, c.s_column_max_shifted)
                         block_maxima = mask_and_column_max(
                             c.acc_s,
                             valid_bits,
@@ -1122,6 +1134,7 @@ class SparsePrefillSm90(AttentionKernel):
                             c.quad_row,
                             c.quad_lane,
                             int(NamedBarrierFp8.ColumnMax0) + consumer,
+                            shifted,
                         )
                     else:
                         block_maxima = mask_and_row_max(c.acc_s, valid_bits, c.scale_log2)
@@ -1262,6 +1275,11 @@ class SparsePrefillSm90(AttentionKernel):
         operands += [(rope + j, c.rope_lo[None, None, j, tile]) for j in range(2)]
         self.queue_qk_group(c, c.acc_s, operands)
 
+    def s_rows(self, c: Consumer, tile):
+        """Small heads: the [tile][slot] table entries (their indices) of this thread's rows of S^T, slots
+        16w + g + 8r of block tile ``tile``, r = 0, 1."""
+        return [tile * B_TOPK + c.warp * 16 + c.quad_row + 8 * r for r in range(2)]
+
     def slot_pair(self, c: Consumer, table, tile, j):
         """The float32 entries of ``table`` ([tile][slot]) for this thread's columns 8j + 2t and 8j + 2t + 1
         of block tile ``tile``."""
@@ -1359,7 +1377,10 @@ class SparsePrefillSm90(AttentionKernel):
         p_scales = None  # p_carries_row_scale: the 2^E of this thread's columns 8j + 2t + e, e = 0, 1, by j
         if const_expr(self.p_carries_row_scale):
             block_maxima, true_maxima = block_maxima
-            p_scales = functools.partial(self.slot_pair, c, c.tables.rope, buffer)
+            if const_expr(self.small):  # this thread's rows (slots) of S^T, r = 0, 1
+                p_scales = [ptx.ld_shared_f32(c.tables.rope + row * 4) for row in self.s_rows(c, buffer)]
+            else:
+                p_scales = functools.partial(self.slot_pair, c, c.tables.rope, buffer)
         # S is still unscaled when the scale is positive (see mask_and_row_max).
         row_scales = c.scale_log2
         if const_expr(not isinstance(c.scale_log2, tuple)):
@@ -1400,7 +1421,7 @@ class SparsePrefillSm90(AttentionKernel):
                 block_sum = self.exp_and_store_p(c, r, row, logit_scale, bias, tile_addr, p_scales)
                 c.row_sum[r] = c.row_sum[r] + block_sum
         if const_expr(self.small):
-            self.exp_and_store_p_transposed(c, exponents, tile_addr)
+            self.exp_and_store_p_transposed(c, exponents, tile_addr, p_scales)
         if moved:
             c.s_moved[buffer] = ring  # any thread: some row's max moved at this block
         cute.arch.fence_proxy("async.shared", space="cta")
@@ -1425,9 +1446,10 @@ class SparsePrefillSm90(AttentionKernel):
         return c.quad_lane == 0
 
     @cute.jit
-    def exp_and_store_p_transposed(self, c: Consumer, exponents, tile_addr):
+    def exp_and_store_p_transposed(self, c: Consumer, exponents, tile_addr, p_scales=None):
         """Small heads: p = 2^(S^T * scale - bias) of the head's ``exponents`` entry, added to the head's
-        row sum and stored as P^T [head][slot] in e4m3 (accurate: two terms, the lo tile after the hi one).
+        row sum and stored as P^T [head][slot] in e4m3 (accurate: two terms, the lo tile after the hi one),
+        times its slot's ``p_scales`` entry (this thread's rows r = 0, 1) when given.
 
         The slot order inside a 32-slot k-step is the 64-head kernel's (``load_v_fragment``): position
         4t + b holds slot [2t, 2t + 1, 8 + 2t, 9 + 2t][b], position + 16 slot + 16. This thread's slots
@@ -1443,6 +1465,8 @@ class SparsePrefillSm90(AttentionKernel):
                 for r in cutlass.range_constexpr(2):
                     p.append(exp2_relative(c.acc_s[e + 2 * r + 4 * j], logit_scale, bias))
                 c.row_sum[2 * j + e] = c.row_sum[2 * j + e] + (p[2 * e] + p[2 * e + 1])
+            if const_expr(p_scales is not None):  # p[2e + r]: row r's slot
+                p = [p[k] * p_scales[k % 2] for k in range(4)]
             # words[term]: bytes [head 2t: slot g, g + 8; head 2t + 1: slot g, g + 8]
             if const_expr(self.p_terms == 1):
                 words = (ptx.pack_e4m3x4(p[0], p[1], p[2], p[3]),)
