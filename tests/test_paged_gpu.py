@@ -37,6 +37,7 @@ pytestmark = pytest.mark.gpu
 BF16, E4M3 = torch.bfloat16, torch.float8_e4m3fn
 LOGIT_TOLERANCE = {"default": 5e-3, "accurate": 1e-3}
 DOMINANT_LOGIT_TOLERANCE = {"default": 5e-3, "accurate": 5e-4}
+ONE_CHAIN_DOMINANT_LOGIT_TOLERANCE = {"default": 1e-2, "accurate": 5e-4}  # V4's rows rescaled: S one chain
 EXACT_V_TOLERANCE = {"default": 4e-2, "accurate": 5e-3}
 ROUNDED_V_TOLERANCE = 4e-2
 V4_ROPE_V_TOLERANCE = 1.5e-2
@@ -221,13 +222,15 @@ def test_persistent_is_bitwise_the_one_tile_kernel(generator, layout, precision)
 
 @pytest.mark.parametrize("precision", ["default", "accurate"])
 @pytest.mark.parametrize("h_q", [64, 16])
-def test_dominant_logits_up_to_30(generator, h_q, precision):
+@pytest.mark.parametrize("layout", ["v32", "model1"])
+def test_dominant_logits_up_to_30(generator, layout, h_q, precision):
     """Rows whose largest logit is 20 to 30 (q a multiple of one selected row's dequantised values):
     max_logits and lse within 5e-3 (default) and 5e-4 (accurate) of the float64 reference, with tiles of 64
-    heads and with the small-head kernel."""
-    call = make_call(generator, "v32", 32, h_q, 512, pages=16)
+    heads and with the small-head kernel; V4 in the default precision, whose S is one chain of the tensor
+    cores' accumulation as on gathered rows, within the default mode's documented 1e-2."""
+    call = make_call(generator, layout, 32, h_q, 512, pages=16)
     reference_kv = dequantize_paged_cache(call["cache"]).cpu()
-    q = torch.randn(32, h_q, 576, generator=generator) * 0.3
+    q = torch.randn(32, h_q, D_QK[layout], generator=generator) * 0.3
     for token in range(32):
         slot = int(call["indices"][token, 0, 0].clamp(min=0))  # slot 0 of the row, made valid
         call["indices"][token, 0, 0] = slot
@@ -238,7 +241,8 @@ def test_dominant_logits_up_to_30(generator, h_q, precision):
     reference = sparse_mla_paged_reference(**call, chunk_rows=16)
     assert reference[1].max() > 19
     outputs = run(call, precision=precision)
-    check(outputs, call, precision, logit_tolerance=DOMINANT_LOGIT_TOLERANCE)
+    tolerance = DOMINANT_LOGIT_TOLERANCE if layout == "v32" else ONE_CHAIN_DOMINANT_LOGIT_TOLERANCE
+    check(outputs, call, precision, logit_tolerance=tolerance)
 
 
 def test_cuda_graph_replay(generator):

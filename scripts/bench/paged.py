@@ -11,10 +11,10 @@
   of its own request (10% -1), timed as decode runs: CUDA-graph replay, warm L2. Arms: the paged call, the
   kernel on the selected rows already gathered (``kernel``), and the gather of the selected rows + kernel
   (``ws``). V3.2 (h 128, 64, 16) and V4 / MODEL1 rows (h 128, 64, 16), topk 2048 and 512.
-- **Precisions** (``precision_rows``): against float64 on the exactly dequantised cache, with rows whose
-  largest logit is 20-30: ``||out - ref|| / ||ref||`` and the worst relative error (with its sign) of
-  max_logits and lse, for both precisions, the paged call and the workspace path, 64 heads (tiles of 64) and
-  16 (the small-head kernel).
+- **Precisions** (``precision_rows``): against float64 on the exactly dequantised cache (V3.2 and V4),
+  with rows whose largest logit is 20-30: ``||out - ref|| / ||ref||`` and the worst relative error (with its
+  sign) of max_logits and lse, for both precisions, the paged call and the workspace path, 64 heads (tiles
+  of 64) and 16 (the small-head kernel).
 
 Called by ``python -m scripts.bench`` (``--no-paged`` skips it); alone: ``python -m scripts.bench.paged``.
 """
@@ -273,24 +273,34 @@ def decode_row(layout: str, batch: int, queries: int, h: int, topk: int) -> dict
 def precision_rows() -> list[dict]:
     """Errors against float64 on the dequantised cache, rows with a dominant logit of 20-30."""
     print(
-        "\nprecisions against float64 (paged V3.2 cache, topk 2048, a dominant logit of 20-30 per row): out "
-        "rel err; max_logits / lse: worst relative error, signed"
+        "\nprecisions against float64 (paged V3.2 and V4 caches, topk 2048, a dominant logit of 20-30 per "
+        "row): out rel err; max_logits / lse: worst relative error, signed"
     )
-    print(f"{'h':>3s} {'path':>9s} {'precision':>9s} | {'out':>8s} | {'max_logits':>10s} | {'lse':>10s}")
-    cache = make_cache(32768, "v32")
-    kv = gather_dequant_paged(cache, torch.arange(32768, device="cuda", dtype=torch.int32), PAGE_SIZE, "v32")
-    rows_kv = dequantize_paged_cache(cache)
-    return [row for h in (64, 16) for row in precision_rows_of(cache, kv, rows_kv, h)]
+    print(
+        f"{'layout':>6s} {'h':>3s} {'path':>9s} {'precision':>9s} | {'out':>8s} | {'max_logits':>10s} | "
+        f"{'lse':>10s}"
+    )
+    rows = []
+    for layout in ("v32", "model1"):
+        cache = make_cache(32768, layout)
+        all_slots = torch.arange(32768, device="cuda", dtype=torch.int32)
+        kv = gather_dequant_paged(cache, all_slots, PAGE_SIZE, layout)
+        rows_kv = dequantize_paged_cache(cache)
+        rows += [row for h in (64, 16) for row in precision_rows_of(cache, kv, rows_kv, h, layout)]
+    return rows
 
 
-def precision_rows_of(cache: torch.Tensor, kv: torch.Tensor, rows_kv: torch.Tensor, h: int) -> list[dict]:
-    """``precision_rows``' rows for ``h`` heads: the cache, its gathered e4m3 rows and its exactly dequantised
-    rows given."""
+def precision_rows_of(
+    cache: torch.Tensor, kv: torch.Tensor, rows_kv: torch.Tensor, h: int, layout: str = "v32"
+) -> list[dict]:
+    """``precision_rows``' rows for ``h`` heads: the cache (``layout``), its gathered e4m3 rows and its
+    exactly dequantised rows given."""
     torch.manual_seed(1)
     s_q = 64
+    d_qk = LAYOUTS[layout][0]
     slots = random_indices(s_q, 32768, TOPK, "cuda")[:, None, :]
-    q = torch.randn(s_q, h, 576, device="cuda", dtype=torch.float64) * 0.3
-    sm_scale = 576**-0.5
+    q = torch.randn(s_q, h, d_qk, device="cuda", dtype=torch.float64) * 0.3
+    sm_scale = d_qk**-0.5
     for token in range(s_q):
         row = rows_kv[slots[token, 0, 0], 0].to("cuda")
         target = 20.0 + 10.0 * torch.rand(h, device="cuda", dtype=torch.float64)
@@ -310,9 +320,10 @@ def precision_rows_of(cache: torch.Tensor, kv: torch.Tensor, rows_kv: torch.Tens
             for got_stat, want in zip(got[1:], reference[1:], strict=True):
                 relative = (got_stat.double() - want) / want.abs()
                 signed.append(relative.view(-1)[relative.abs().argmax()].item())
-            results.append({"h": h, "path": path, "precision": precision, "out": out_error, "logits": signed})
+            row = {"layout": layout, "h": h, "path": path, "precision": precision}
+            results.append(row | {"out": out_error, "logits": signed})
             print(
-                f"{h:3d} {path:>9s} {precision:>9s} | {out_error:8.2e} | {signed[0]:+10.2e} | "
+                f"{layout:>6s} {h:3d} {path:>9s} {precision:>9s} | {out_error:8.2e} | {signed[0]:+10.2e} | "
                 f"{signed[1]:+10.2e}",
                 flush=True,
             )
