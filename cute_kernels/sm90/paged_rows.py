@@ -23,10 +23,10 @@ The block's owner, before its QK product, in one of two ways:
   2^-E), so that S = 2^E_s (Q . K_s^T) is one WGMMA chain, as on gathered rows, scaled per slot after it.
 
 V's RoPE dims (V4: V is the whole row) are hi alone: the accurate mode's P keeps the staging tile for its lo
-term. The V^T fragments of the PV product are multiplied by their slots' f16 scales (per group, or the row's
-one) and rounded to e4m3 (``scale_v_fragment``): exact for power-of-two scales whose products stay in e4m3's
-range (FlashMLA's V3.2 quantiser, V4's UE8M0), rounded once otherwise (as a gathered e4m3 copy of the cache
-is); with rows rescaled, P carries each slot's 2^E instead (``docs/kernel.md``).
+term. The V^T fragments of the PV product are multiplied by their slots' f16 scales per group and rounded to
+e4m3 (``scale_v_fragment``): exact for power-of-two scales whose products stay in e4m3's range (FlashMLA's
+V3.2 quantiser, V4's UE8M0), rounded once otherwise (as a gathered e4m3 copy of the cache is); with rows
+rescaled, P carries each slot's 2^E instead (``docs/kernel.md``).
 
 Constraints: page_size a power of two, cache base and page stride 16-byte aligned, num_pages * page_size <
 2^31.
@@ -153,10 +153,9 @@ class BlockScaleTables(NamedTuple):
 
     raw: Int32  # [tile][row] the raw scale records (``RAW_SCALE_ENTRY_BYTES`` each)
     rope: Int32  # [tile][row] float32: the RoPE's row scales (``convert_rope``), the rows' (``convert_row``)
-    v_f16: Int32  # [tile][group][slot] f16: the scales of V's groups (``convert_rope``; one: ``convert_row``)
+    v_f16: Int32  # [tile][group][slot] f16: the scales of V's groups (``convert_rope``), else None
     lo: Int32  # the RoPE staging tiles ([tile] 64 rows x 64 bytes, 64-byte swizzle), then the lo terms
-    # [tile][row] float32: the rows' exponents E (``convert_row`` where P carries each slot's 2^E), else None
-    exponent: Int32 = None
+    exponent: Int32 = None  # [tile][row] float32: the rows' exponents E (``convert_row``), else None
 
 
 def raw_scale(geo: CacheGeometry, tables: BlockScaleTables, tile, row, group) -> Float32:
@@ -234,9 +233,8 @@ def convert_row(geo: CacheGeometry, tables: BlockScaleTables, tile_base, tile, t
     power-of-two scale 2^E of the row, E the least exponent that holds every scale group and the RoPE: each
     nope group's bytes times sigma_g 2^-E in place (exact but for values that fall below e4m3's normal range,
     under 2^-6 / 448 of the row's largest), the staged RoPE to two e4m3 terms at 2^-E; 2^E into the row-scale
-    table (float32) and E into the exponent table (P carries each slot's 2^E_s), or else 2^E into V's scale
-    table (f16, one per slot: V's d tiles, nope and RoPE, all carry it). Then S = 2^E_s (Q . K_s^T) is one
-    WGMMA chain.
+    table (float32) and E into the exponent table (P carries each slot's 2^E_s, so that V's d tiles, nope and
+    RoPE, need no scaling). Then S = 2^E_s (Q . K_s^T) is one WGMMA chain.
     The block's QK product reads it all after a fence for the async proxy and a barrier of the warpgroup."""
     col_tile_bytes = 64 * COLUMN_BYTES
     tile_rope = tile_base + geo.rope_column * col_tile_bytes
@@ -259,13 +257,8 @@ def convert_row(geo: CacheGeometry, tables: BlockScaleTables, tile_base, tile, t
                     nope = ptx.ld_shared_v4(address)
                     ptx.st_shared_v4(address, *[ptx.scale_e4m3x4_f16(w, factor, factor) for w in nope])
     if (thread & 1) == 0:
-        scale_bits = Uint32((127 + exponent) << 23)
-        ptx.st_shared_u32(tables.rope + (tile * 64 + row) * 4, scale_bits)
-        if const_expr(tables.exponent is None):
-            scale_f16 = ptx.f32_bits_to_f16x2(scale_bits, scale_bits)
-            ptx.st_shared_u16(tables.v_f16 + (tile * 64 + row) * 2, scale_f16)
-        else:
-            ptx.st_shared_u32(tables.exponent + (tile * 64 + row) * 4, ptx.s32_to_f32_bits(exponent))
+        ptx.st_shared_u32(tables.rope + (tile * 64 + row) * 4, Uint32((127 + exponent) << 23))
+        ptx.st_shared_u32(tables.exponent + (tile * 64 + row) * 4, ptx.s32_to_f32_bits(exponent))
 
 
 def _raw_scale_bits(geo: CacheGeometry, tables: BlockScaleTables, tile, row, group) -> Uint32:
@@ -276,14 +269,11 @@ def _raw_scale_bits(geo: CacheGeometry, tables: BlockScaleTables, tile, row, gro
 
 
 @cute.jit
-def scale_v_fragment(
-    table_groups: cutlass.Constexpr, tables: BlockScaleTables, words, ks, tile, group, half, quad_lane
-):
+def scale_v_fragment(geo: CacheGeometry, tables: BlockScaleTables, words, ks, tile, group, half, quad_lane):
     """k-step ``ks`` of a V^T A fragment (``words[4 ks .. 4 ks + 3]``, slots 32 ``half`` .. + 31 of block
     tile ``tile``, the slot order of ``load_v_fragment``: a0 and a1 hold slots 2t, 2t + 1, 8 + 2t, 9 + 2t, a2
-    and a3 the same + 16) times the f16 scales of ``group`` of their slots (of the ``table_groups`` groups
-    of V's scale table), rounded to e4m3."""
-    base = tables.v_f16 + ((tile * table_groups + group) * 64 + 32 * half + 2 * quad_lane) * 2
+    and a3 the same + 16) times the f16 scales of ``group`` of their slots, rounded to e4m3."""
+    base = tables.v_f16 + ((tile * geo.v_groups + group) * 64 + 32 * half + 2 * quad_lane) * 2
     scales = [ptx.ld_shared_u32(base + 2 * slot) for slot in (0, 8, 16, 24)]
     for i in cutlass.range_constexpr(4):
         pair = (i // 2) * 2  # a0, a1: slots 0 and 8 from 2t; a2, a3: slots 16 and 24

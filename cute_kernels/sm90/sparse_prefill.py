@@ -305,12 +305,8 @@ class SparsePrefillSm90(AttentionKernel):
         # groups (in the accurate mode at most PAGED_ACCURATE_CHUNK_KSTEPS k-steps of one)
         self.qk_in_groups = self.promote_qk or (self.cache is not None and not self.row_scaled)
         # Rows rescaled: P carries each slot's 2^E (the softmax's running max and P on y = x + E_s, its row
-        # sums on x), so V is used as it is.
-        self.p_carries_row_scale = self.row_scaled
-        # the groups of V's f16 scale table: the cache's, one (rows rescaled), none (P carries the scale)
-        self.v_scale_groups = 0
-        if self.cache is not None and not self.p_carries_row_scale:
-            self.v_scale_groups = 1 if self.row_scaled else self.cache.v_groups
+        # sums on x), so V is used as it is; otherwise V's fragments are scaled per group (v_scale_groups).
+        self.v_scale_groups = self.cache.v_groups if self.cache is not None and not self.row_scaled else 0
         if self.cache is not None:
             self.paged_chunk_ksteps = self.cache.group_ksteps
             if self.promote_qk:
@@ -318,8 +314,8 @@ class SparsePrefillSm90(AttentionKernel):
         # PV WGMMA groups (d tiles) in flight, each with its V^T fragment live: two; one for the persistent
         # small-head kernel with a bf16 q (which spills 40-56 B with two at 24 / 240 / 240 registers), and
         # for the 64-head kernel with its QK promoted or a paged cache (with two, its chunk accumulator, V's
-        # scaling or the paged tables serialise every WGMMA at 232 registers: C7512; at 240 the producer
-        # spills 36-96 B).
+        # scaling or the paged tables serialise every WGMMA at 232 registers: C7512; at 240 the consumers
+        # spill 36-112 B in the loop).
         self.pv_groups_in_flight = 2
         if (self.small and self.q_bf16 and persistent) or (
             (self.promote_qk or self.cache is not None) and not self.small
@@ -378,12 +374,12 @@ class SparsePrefillSm90(AttentionKernel):
                 rope_scale: cute.struct.MemRange[Float32, NUM_KV_TILES * B_TOPK]
             if self.v_scale_groups:
                 v_scales: cute.struct.MemRange[Uint32, NUM_KV_TILES * self.v_scale_groups * B_TOPK // 2]
-            if self.p_carries_row_scale:
+            if self.row_scaled:
                 row_exponent: cute.struct.MemRange[Float32, NUM_KV_TILES * B_TOPK]
             if self.small:
                 valid_words: cute.struct.MemRange[Uint32, NUM_KV_TILES * 2]  # [block tile, word]
                 column_max: cute.struct.MemRange[Float32, 2 * 2 * WARPS_PER_WG * self.b_h]
-                if self.p_carries_row_scale:  # the maxima of y = x + E_s (softmax_own)
+                if self.row_scaled:  # the maxima of y = x + E_s (softmax_own)
                     column_max_shifted: cute.struct.MemRange[Float32, 2 * 2 * WARPS_PER_WG * self.b_h]
                 head_sum: cute.struct.MemRange[Float32, self.b_h * 2 * WARPS_PER_WG]
             sQ: tile_region(Float8E4M3FN, self.q_shape)
@@ -510,9 +506,7 @@ class SparsePrefillSm90(AttentionKernel):
                 rope=storage.rope_scale.data_ptr().toint(),
                 v_f16=storage.v_scales.data_ptr().toint() if const_expr(self.v_scale_groups) else None,
                 lo=sLo.iterator.toint(),
-                exponent=(
-                    storage.row_exponent.data_ptr().toint() if const_expr(self.p_carries_row_scale) else None
-                ),
+                exponent=storage.row_exponent.data_ptr().toint() if const_expr(self.row_scaled) else None,
             )
         handover = (None, None)  # persistent: mbar_stats_full, mbar_tile_done
         if const_expr(self.persistent):
@@ -569,7 +563,7 @@ class SparsePrefillSm90(AttentionKernel):
                         cute.make_layout((self.b_h, 2 * WARPS_PER_WG), stride=(2 * WARPS_PER_WG, 1))
                     ),
                     storage.column_max_shifted.get_tensor(column_max_layout)
-                    if const_expr(self.p_carries_row_scale)
+                    if const_expr(self.row_scaled)
                     else None,
                 )
             self.consume(
@@ -1118,8 +1112,8 @@ class SparsePrefillSm90(AttentionKernel):
                         if own + 2 >= num_blocks:  # this consumer's last QK of the tile is done
                             cute.arch.mbarrier_arrive(mbar_q_empty)
                     if const_expr(self.small):
-                        shifted = None  # p_carries_row_scale: (y maxima, x maxima), see softmax_own
-                        if const_expr(self.p_carries_row_scale):
+                        shifted = None  # row_scaled: (y maxima, x maxima), see softmax_own
+                        if const_expr(self.row_scaled):
                             shifts = [
                                 ptx.ld_shared_f32(c.tables.exponent + row * 4) for row in self.s_rows(c, tile)
                             ]
@@ -1138,7 +1132,7 @@ class SparsePrefillSm90(AttentionKernel):
                         )
                     else:
                         block_maxima = mask_and_row_max(c.acc_s, valid_bits, c.scale_log2)
-                        if const_expr(self.p_carries_row_scale):  # (y maxima, x maxima), see softmax_own
+                        if const_expr(self.row_scaled):  # (y maxima, x maxima), see softmax_own
                             shifts = functools.partial(self.slot_pair, c, c.tables.exponent, tile)
                             block_maxima = (shifted_row_max(c.acc_s, c.scale_log2, shifts), block_maxima)
                     if const_expr(self.persistent):
@@ -1368,14 +1362,14 @@ class SparsePrefillSm90(AttentionKernel):
         and the block's maxima, then P = e4m3(2^7 exp2(S - m_block)) with m_block, alpha_block
         and the moved flag, published by ``p_full``; accumulates this consumer's row sums. Small heads:
         returns the moved flag (warp-uniform: every warp holds every head's maxima); else 0.
-        ``p_carries_row_scale``: ``block_maxima`` is (the maxima of y = x + E_s, those of the logits x); the
+        ``row_scaled``: ``block_maxima`` is (the maxima of y = x + E_s, those of the logits x); the
         running max, alpha and P are y's (P = e4m3(2^7 exp2(x - m_block) 2^E_s)), the row sums and
         ``max_logits`` x's, so that O = sum P V'' has V's own scale."""
         ring = c.work.block_base + block  # the block's ring position (buffers, phases, moved flag)
         buffer = self.kv_ring.index(ring)
         true_maxima = block_maxima
-        p_scales = None  # p_carries_row_scale: the 2^E of this thread's columns 8j + 2t + e, e = 0, 1, by j
-        if const_expr(self.p_carries_row_scale):
+        p_scales = None  # row_scaled: the 2^E of this thread's columns 8j + 2t + e, e = 0, 1, by j
+        if const_expr(self.row_scaled):
             block_maxima, true_maxima = block_maxima
             if const_expr(self.small):  # this thread's rows (slots) of S^T, r = 0, 1
                 p_scales = [ptx.ld_shared_f32(c.tables.rope + row * 4) for row in self.s_rows(c, buffer)]
@@ -1606,9 +1600,9 @@ class SparsePrefillSm90(AttentionKernel):
             for half in cutlass.range_constexpr(2):
                 self.load_v_fragment(words, 2 * i + half, tile_base, half, c.warp, c.lane)
                 if const_expr(self.v_scale_groups > 0):  # V times its slots' scales (paged_rows)
-                    group = d_tile // (8 // self.v_scale_groups)
+                    group = d_tile // (8 // self.cache.v_groups)
                     scale_v_fragment(
-                        self.v_scale_groups,
+                        self.cache,
                         c.tables,
                         words,
                         2 * i + half,
