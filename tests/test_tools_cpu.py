@@ -312,6 +312,24 @@ def test_gather_energy_probe_compiles_for_sm90a(tmp_path):
     assert binary.stat().st_size > 0
 
 
+def test_paged_scales_emulation_backs_the_paged_kernels_readings():
+    """``scripts/probes/paged_scales.py`` (a float64 emulation quoted in docs/kernel.md): V read at its rows'
+    power-of-two scales keeps the logits of the per-group sums and a cache of small values' precision, which
+    V at scale 1 loses; rows rescaled before the QK product keep V3.2's logits only for power-of-two scales."""
+    from scripts.probes import paged_scales
+
+    for layout, scales in (("v32", "pow2"), ("v32", "float"), ("model1", "pow2")):
+        unit = paged_scales.run(layout, scales, "unit")
+        small = paged_scales.run(layout, scales, "small")
+        for rows in (unit, small):  # (out, lse, max_logits)
+            assert rows["groups, V by rows"][1] == pytest.approx(rows["groups"][1], abs=1e-9)
+        assert small["groups"][0] > 0.1 and small["workspace"][0] > 0.1  # V at scale 1
+        assert small["groups, V by rows"][0] < 3e-2
+        assert unit["groups, V by rows"][0] <= unit["groups"][0] + 1e-3
+        rows_lse = unit["rows"][1]
+        assert rows_lse < 1e-8 if scales == "pow2" else rows_lse > 1e-5
+
+
 def test_listings_name_every_variant_once_bf16_q_split_small_heads_and_paged_included():
     """``listed_variants()`` (what ``python -m q8kv8.compile`` and ``q8kv8.info()`` list): the variants built
     at import first, then every other one of the keyed table (for a bfloat16 q, split, small heads, paged
