@@ -122,8 +122,9 @@ def sparse_mla_q8kv8_paged_fwd(
             ``sparse_mla_q8kv8_prefill_fwd`` (there is no kv_scale: each row's block scales apply).
 
     Each selected row is read from the cache as it is: its e4m3 values with their block scales (the QK
-    product summed in float32 per scale group, V scaled in the PV product: exact for power-of-two scales), its
-    bf16 RoPE as two e4m3 terms with a power-of-two scale of its own row (V4's V: one term). Same outputs,
+    product summed in float32 per scale group; V rescaled to one power-of-two scale per row, which P carries:
+    exact for power-of-two scales at any magnitude), its bf16 RoPE as two e4m3 terms with a power-of-two
+    scale of its own row (V4's V: one term). Same outputs,
     sentinels, head counts (any h_q, in tiles of 64 heads), errors and CUDA-graph behaviour as
     ``sparse_mla_q8kv8_prefill_fwd``; under ``torch.compile`` the custom op
     ``torch.ops.q8kv8.sparse_mla_q8kv8_paged`` (``..._paged_out`` with buffers).

@@ -242,22 +242,25 @@ PAGED_D_QK = {"v32": 576, "model1": 512}
 PAGED_SPILL_BYTES = 40
 """The paged variants' consumers at their register ceiling (240, or 232 beside a producer of
 ``sparse_prefill.WIDE_PRODUCER_REGS``): 64 heads summing S per scale group with a bf16 q on the persistent
-schedule, and with an e4m3 q on the split one (a value kept from the prologue to the epilogue), and V4's
-rescaled rows with 8 or 16 heads and an e4m3 q (a value kept from the prologue to each tile's epilogue; with
-16 heads 8 B more, spilled and reloaded by the producer once a pair), spill at most this much (measured 4-36
-B); every other paged variant fits (the small-head ones beside a producer of
-``sparse_prefill.WIDE_PRODUCER_REGS`` with either q dtype)."""
+schedule, and with an e4m3 q on the split one (a value kept from the prologue to the epilogue), and the
+small-head kernel with an e4m3 q (8, 16 or 32 heads, by layout and precision: a value kept from the prologue
+to each tile's epilogue, and a few bytes the producer spills and reloads once a pass of its gather loop),
+spill at most this much (measured 4-36 B); every other paged variant fits (the small-head ones with a bf16 q
+beside a producer of ``sparse_prefill.WIDE_PRODUCER_REGS``)."""
 
 
 def rows_rescaled(layout, precision) -> bool:
-    """Whether the paged variant rescales each block row to one power-of-two scale (``convert_row``)."""
+    """Whether the paged variant rescales each block row to one power-of-two scale before its QK product
+    (``convert_row``)."""
     return layout == "model1" and precision == "default"
 
 
 def paged_spills(layout, precision, kind, q_dtype, heads) -> bool:
+    if heads != 64:
+        return q_dtype == kernels.FP8
     if rows_rescaled(layout, precision):
-        return q_dtype == kernels.FP8 and heads in (8, 16)
-    return heads == 64 and kind == (PERSISTENT if q_dtype == kernels.BF16_Q else SPLIT)
+        return False
+    return kind == (PERSISTENT if q_dtype == kernels.BF16_Q else SPLIT)
 
 
 @pytest.mark.parametrize("layout, precision, kind, q_dtype, heads", PAGED_KEYS)

@@ -10,11 +10,12 @@ Tolerances (``||out - ref|| / ||ref||``; max_logits and lse relative, absolute b
   measured 5.5e-4 to 6.7e-4 on unit-variance rows, the RoPE's two terms); V4 in the default precision
   rescales each row to one power-of-two scale (exact for its UE8M0 scales but below e4m3's normal range)
   and sums S in one chain: logits within 5e-3, as the kernel on gathered rows;
-- V is scaled in the PV product, exactly for power-of-two scales (FlashMLA's V3.2 quantiser, V4's UE8M0):
-  out within 4e-2 (default: P's e4m3 rounding) and 5e-3 (accurate); with float32 scales (SGLang's V3.2
-  quantiser) V's products are rounded once to e4m3 (as the gathered copy of the workspace path rounds them),
-  so out stays within 4e-2 in both precisions; V4's V includes the RoPE dims, one e4m3 term with a row
-  scale: out within 1.5e-2 in the accurate mode (measured 8.6e-3 to 9.0e-3).
+- V's bytes are rescaled to one power-of-two scale per row and P carries it, exactly for power-of-two scales
+  (FlashMLA's V3.2 quantiser, V4's UE8M0) whatever the cache's magnitude: out within 4e-2 (default: P's e4m3
+  rounding) and 5e-3 (accurate); with float32 scales (SGLang's V3.2 quantiser) V's values are rounded once to
+  e4m3 (as the gathered copy of the workspace path rounds them), so out stays within 4e-2 in both
+  precisions; V4's V includes the RoPE dims, one e4m3 term with a row scale: out within 1.5e-2 in the
+  accurate mode (measured 8.6e-3 to 9.0e-3).
 
 Every schedule (one tile per CTA, persistent, split, the rule's own), both q dtypes, any head count (tiles of
 64 heads; 8, 16 and 32 the small-head kernel), sinks, ``topk_length``, every kind of invalid slot; the
@@ -153,6 +154,20 @@ def test_v4_rows_whose_groups_and_rope_differ_by_powers_of_two(generator, h_q):
         call["cache"] = to_device(cache, "cuda")
         for schedule in ("rule", "one_tile", "split"):
             check(run(call, schedule), call, "default")
+
+
+@pytest.mark.parametrize("h_q", [64, 16])
+@pytest.mark.parametrize("precision", ["default", "accurate"])
+@pytest.mark.parametrize("layout, pow2_scales", [("v32", True), ("v32", False), ("model1", True)])
+def test_caches_of_small_values_keep_their_precision(generator, layout, pow2_scales, precision, h_q):
+    """A cache whose values are about 2^-9 (their products with the block scales under e4m3's normal range,
+    where V at scale 1 would keep a bit or two): V is read at its rows' own scales, so out stays within the
+    usual tolerances (the float64 emulation of ``scripts/probes/paged_scales.py``: 0.28 at scale 1)."""
+    call = make_call(generator, layout, 24, h_q, 512, pow2_scales=pow2_scales)
+    cache = quantized_cache(layout, 40, 64, generator, pow2_scales=pow2_scales, std=2.0**-9)
+    call["cache"] = to_device(cache, "cuda")
+    rel = check(run(call, precision=precision), call, precision, pow2_scales)
+    print(f"paged {layout} small values {precision} h {h_q}: ||out - ref|| / ||ref|| = {rel:.2e}")
 
 
 def test_no_worse_than_the_workspace_path(generator):

@@ -15,18 +15,19 @@ The block's owner, before its QK product, in one of two ways:
 - ``convert_rope`` (V3.2, whose float32 scales need not be powers of two, and the accurate mode): the staged
   RoPE of each row to two e4m3 terms with a power-of-two scale of its own (``shared_row_scale``): hi in place
   in the RoPE column tile, the residual lo = e4m3(x - hi) into the staging tile (about 8 significant bits
-  together, as many as bf16 has); the rows' scales of the groups the PV product reads as f16 [group][slot].
-  Then S = sum over scale groups g of sigma[row, g] * (Q_g . K_g^T), the RoPE a group of its own (its row
-  scale, hi and lo), each group's product summed in float32 (``scale_slots``).
+  together, as many as bf16 has); and the row's V scale 2^E (``v_row_exponent``). Then S = sum over scale
+  groups g of sigma[row, g] * (Q_g . K_g^T), the RoPE a group of its own (its row scale, hi and lo), each
+  group's product summed in float32 (``scale_slots``); after it, ``rescale_v_row`` rescales the row's V bytes
+  in place to 2^E.
 - ``convert_row`` (V4, default precision: its UE8M0 scales are powers of two): each row rescaled in place to
   one power-of-two scale 2^E of its own (every group's bytes times sigma_g 2^-E, the RoPE's two terms at
   2^-E), so that S = 2^E_s (Q . K_s^T) is one WGMMA chain, as on gathered rows, scaled per slot after it.
 
-V's RoPE dims (V4: V is the whole row) are hi alone: the accurate mode's P keeps the staging tile for its lo
-term. The V^T fragments of the PV product are multiplied by their slots' f16 scales per group and rounded to
-e4m3 (``scale_v_fragment``): exact for power-of-two scales whose products stay in e4m3's range (FlashMLA's
-V3.2 quantiser, V4's UE8M0), rounded once otherwise (as a gathered e4m3 copy of the cache is); with rows
-rescaled, P carries each slot's 2^E instead (``docs/kernel.md``).
+Either way the PV product reads V'' = V / 2^E_s, and P carries each slot's 2^E_s (``docs/kernel.md``): V's
+values stay in e4m3's normal range whatever the cache's magnitude, exact for power-of-two scales (FlashMLA's
+V3.2 quantiser, V4's UE8M0) but for groups more than 2^6 / 448 below the row's largest, rounded once otherwise
+(float32 scales: the V3.2 quantisers of vLLM and SGLang). V's RoPE dims (V4: V is the whole row) are hi alone:
+the accurate mode's P keeps the staging tile for its lo term.
 
 Constraints: page_size a power of two, cache base and page stride 16-byte aligned, num_pages * page_size <
 2^31.
@@ -44,14 +45,16 @@ from cute_kernels.sm90.row_gather import CHUNK_BYTES, swizzle_offset
 from cute_kernels.sm90.row_views import shared_row_scale
 
 COLUMN_BYTES = 64  # a column tile's row: the e4m3 K tile's 64-byte swizzle
+COLUMN_TILE_BYTES = 64 * COLUMN_BYTES  # a block tile's column tile: 64 rows
 RAW_SCALE_ENTRY_BYTES = 16  # a row's entry of the raw scale table (its record: V3.2 16 bytes, V4 8)
 ROPE_VALUES = 64
-ROW_MAX_EXPONENT = 126  # a row's scale 2^E (default precision) and its inverse stay normal float32 numbers
-# ... and at least this: where P carries 2^E, the row sums are taken relative to the max of x + E, so their
+ROW_MAX_EXPONENT = 126  # a row's scale 2^E and its inverse stay normal float32 numbers
+# ... and at least this: as P carries 2^E, the row sums are taken relative to the max of x + E, so their
 # terms reach 2^(-E + 9); a row under 2^-51 (an all-zero row: its scales and RoPE zero) has its nope bytes
 # shifted to zero, a negligible share of any row above it
 ROW_MIN_EXPONENT = -60
 F16X2_ONE = 0x3C003C00  # 1.0 in both f16 halves
+ROW_SCALE = "row"  # scale_slots: the rows' scales 2^E
 
 
 class CacheGeometry(NamedTuple):
@@ -152,10 +155,10 @@ class BlockScaleTables(NamedTuple):
     """Shared-memory byte addresses of the paged kernel's per-block-tile tables (trace-time bundle)."""
 
     raw: Int32  # [tile][row] the raw scale records (``RAW_SCALE_ENTRY_BYTES`` each)
-    rope: Int32  # [tile][row] float32: the RoPE's row scales (``convert_rope``), the rows' (``convert_row``)
-    v_f16: Int32  # [tile][group][slot] f16: the scales of V's groups (``convert_rope``), else None
+    rope: Int32  # [tile][row] float32: the RoPE's row scales (``convert_rope``)
     lo: Int32  # the RoPE staging tiles ([tile] 64 rows x 64 bytes, 64-byte swizzle), then the lo terms
-    exponent: Int32 = None  # [tile][row] float32: the rows' exponents E (``convert_row``), else None
+    row_scale: Int32  # [tile][row] float32: the rows' scales 2^E (P carries them; V'' = V / 2^E)
+    exponent: Int32  # [tile][row] float32: the rows' exponents E
 
 
 def raw_scale(geo: CacheGeometry, tables: BlockScaleTables, tile, row, group) -> Float32:
@@ -171,31 +174,46 @@ def rope_scale(tables: BlockScaleTables, tile, row) -> Float32:
     return ptx.ld_shared_f32(tables.rope + (tile * 64 + row) * 4)
 
 
+def row_scale(tables: BlockScaleTables, tile, row) -> Float32:
+    """The row scale 2^E of ``row`` of block tile ``tile``."""
+    return ptx.ld_shared_f32(tables.row_scale + (tile * 64 + row) * 4)
+
+
+def store_row_exponent(tables: BlockScaleTables, tile, row, exponent):
+    """Row ``row``'s 2^E and E (float32) into the tables of block tile ``tile``."""
+    entry = (tile * 64 + row) * 4
+    ptx.st_shared_u32(tables.row_scale + entry, Uint32((127 + exponent) << 23))
+    ptx.st_shared_u32(tables.exponent + entry, ptx.s32_to_f32_bits(exponent))
+
+
+def v_row_exponent(geo: CacheGeometry, tables: BlockScaleTables, tile, row, rope_exponent=None) -> Int32:
+    """E of row ``row`` of block tile ``tile``: the least exponent that holds each of its nope groups' scales
+    (and ``rope_exponent``, the RoPE's, when given), within [``ROW_MIN_EXPONENT``, ``ROW_MAX_EXPONENT``]."""
+    exponent = Int32(ROW_MIN_EXPONENT) if rope_exponent is None else rope_exponent
+    for group in range(geo.groups):
+        exponent = cutlass.max(
+            exponent, ptx.ceil_log2_f32_bits(_raw_scale_bits(geo, tables, tile, row, group))
+        )
+    return cutlass.max(cutlass.min(exponent, Int32(ROW_MAX_EXPONENT)), Int32(ROW_MIN_EXPONENT))
+
+
 @cute.jit
 def convert_rope(geo: CacheGeometry, tables: BlockScaleTables, tile_rope, tile, thread):
     """The owner warpgroup's thread ``thread`` (0-127) of block tile ``tile`` (its RoPE column tile at
     shared address ``tile_rope``): half of row ``thread // 2``'s staged RoPE to two e4m3 terms with the row's
-    scale 2^e, hi in place and the lo residual into the staging tile; 2^e into the RoPE scale table; and its
-    share of the f16 table of V's group scales. The block's QK product reads all of it after a fence for the
-    async proxy and a barrier of the warpgroup."""
+    scale 2^e, hi in place and the lo residual into the staging tile; 2^e into the RoPE scale table; the row's
+    V scale 2^E (``v_row_exponent``; V4: its RoPE too, V's last 64 values) into the row tables. The block's QK
+    product reads all of it after a fence for the async proxy and a barrier of the warpgroup."""
     row, chunks, lo_tile, words = load_staged_rope(tables, tile_rope, tile, thread)
-    exponent, inverse = shared_row_scale(words, (1,))  # the row's two threads
+    # the row's two threads; a zero RoPE (whose terms stay zero) leaves V's exponent to the nope groups
+    exponent, inverse = shared_row_scale(words, (1,), zero_exponent=ROW_MIN_EXPONENT)
     store_rope_terms(tile_rope, lo_tile, row, chunks, words, inverse)
-    scale_bits = Uint32((127 + exponent) << 23)
-    v_table = tables.v_f16 + tile * (geo.v_groups * 64 * 2)
     if (thread & 1) == 0:
-        ptx.st_shared_u32(tables.rope + (tile * 64 + row) * 4, scale_bits)
-        if const_expr(geo.v_groups > geo.groups):  # V4: the RoPE is V's last group
-            ptx.st_shared_u16(
-                v_table + (geo.groups * 64 + row) * 2, ptx.f32_bits_to_f16x2(scale_bits, scale_bits)
-            )
-    # The nope groups' f16 scales: warp w writes groups w, w + 4, ..., lane l slots 2l and 2l + 1 of each.
-    pair = thread & 31
-    for k in cutlass.range_constexpr((geo.groups + 3) // 4):
-        group = (thread >> 5) + 4 * k
-        if group < geo.groups:  # warp-uniform
-            bits = [_raw_scale_bits(geo, tables, tile, 2 * pair + r, group) for r in range(2)]
-            ptx.st_shared_u32(v_table + (group * 64 + 2 * pair) * 2, ptx.f32_bits_to_f16x2(bits[0], bits[1]))
+        ptx.st_shared_u32(tables.rope + (tile * 64 + row) * 4, Uint32((127 + exponent) << 23))
+        v4 = geo.v_groups > geo.groups  # V4: the RoPE is V's last group
+        store_row_exponent(
+            tables, tile, row, v_row_exponent(geo, tables, tile, row, exponent if v4 else None)
+        )
 
 
 def load_staged_rope(tables: BlockScaleTables, tile_rope, tile, thread):
@@ -231,34 +249,58 @@ def convert_row(geo: CacheGeometry, tables: BlockScaleTables, tile_base, tile, t
     """Power-of-two scales (V4's UE8M0), default precision: the owner warpgroup's thread ``thread`` (0-127)
     rescales half of row ``thread // 2`` of block tile ``tile`` (at shared address ``tile_base``) to one
     power-of-two scale 2^E of the row, E the least exponent that holds every scale group and the RoPE: each
-    nope group's bytes times sigma_g 2^-E in place (exact but for values that fall below e4m3's normal range,
-    under 2^-6 / 448 of the row's largest), the staged RoPE to two e4m3 terms at 2^-E; 2^E into the row-scale
-    table (float32) and E into the exponent table (P carries each slot's 2^E_s, so that V's d tiles, nope and
-    RoPE, need no scaling). Then S = 2^E_s (Q . K_s^T) is one WGMMA chain.
+    nope group's bytes times sigma_g 2^-E in place (``rescale_nope``), the staged RoPE to two e4m3 terms at
+    2^-E; 2^E and E into the row tables. Then S = 2^E_s (Q . K_s^T) is one WGMMA chain.
     The block's QK product reads it all after a fence for the async proxy and a barrier of the warpgroup."""
-    col_tile_bytes = 64 * COLUMN_BYTES
-    tile_rope = tile_base + geo.rope_column * col_tile_bytes
+    tile_rope = tile_base + geo.rope_column * COLUMN_TILE_BYTES
     row, chunks, lo_tile, words = load_staged_rope(tables, tile_rope, tile, thread)
-    exponent, _ = shared_row_scale(words, (1,), zero_exponent=ROW_MIN_EXPONENT)  # the row's two threads
-    for group in range(geo.groups):
-        sigma = _raw_scale_bits(geo, tables, tile, row, group)
-        exponent = cutlass.max(exponent, ptx.ceil_log2_f32_bits(sigma))
-    exponent = cutlass.max(cutlass.min(exponent, Int32(ROW_MAX_EXPONENT)), Int32(ROW_MIN_EXPONENT))
+    rope_exponent, _ = shared_row_scale(words, (1,), zero_exponent=ROW_MIN_EXPONENT)  # the row's two threads
+    exponent = v_row_exponent(geo, tables, tile, row, rope_exponent)
     inverse = Uint32((127 - exponent) << 7)  # 2^-E in bf16
     store_rope_terms(tile_rope, lo_tile, row, chunks, words, inverse | (inverse << Uint32(16)))
+    rescale_nope(geo, tables, tile_base, tile, row, chunks, exponent)
+    if (thread & 1) == 0:
+        store_row_exponent(tables, tile, row, exponent)
+
+
+@cute.jit
+def rescale_v_row(geo: CacheGeometry, tables: BlockScaleTables, tile_base, tile, thread):
+    """After the block's QK product (``convert_rope``'s path): the owner warpgroup's thread ``thread`` (0-127)
+    rescales V's bytes of half of row ``thread // 2`` of block tile ``tile`` (at shared address ``tile_base``)
+    in place to the row's scale 2^E: each nope group's (``rescale_nope``) and, V4, the RoPE's hi term (its
+    scale 2^e <= 2^E). The PV products read them after the block's ``p_full``."""
+    row = thread >> 1
+    chunks = [(thread & 1) * 2 + k for k in range(2)]
+    entry = (tile * 64 + row) * 4
+    exponent = Int32(ptx.ld_shared_u32(tables.row_scale + entry) >> Uint32(23)) - 127
+    rescale_nope(geo, tables, tile_base, tile, row, chunks, exponent)
+    if const_expr(geo.v_groups > geo.groups):  # V4: the RoPE's hi terms, times 2^(e - E)
+        inverse_bits = Uint32((127 - exponent) << 23)  # 2^-E
+        factor = ptx.f32_product_to_f16x2(ptx.ld_shared_u32(tables.rope + entry), inverse_bits)
+        scale_chunks(tile_base + geo.rope_column * COLUMN_TILE_BYTES, row, chunks, factor)
+
+
+@cute.jit
+def rescale_nope(geo: CacheGeometry, tables: BlockScaleTables, tile_base, tile, row, chunks, exponent):
+    """``chunks`` of row ``row`` of each nope column tile of block tile ``tile`` times sigma_g 2^-E (its scale
+    group's), rounded to e4m3 in place: exact but for values that fall below e4m3's normal range (under 2^-6 /
+    448 of the row's largest); a group whose factor is 1 (exact at f16's 11 bits) stays as it is."""
     inverse_bits = Uint32((127 - exponent) << 23)  # 2^-E
     columns_per_group = geo.nope_columns // geo.groups
     for group in cutlass.range_constexpr(geo.groups):
         factor = ptx.f32_product_to_f16x2(_raw_scale_bits(geo, tables, tile, row, group), inverse_bits)
-        if factor != Uint32(F16X2_ONE):  # the row's largest group (exact at f16's 11 bits) stays as it is
+        if factor != Uint32(F16X2_ONE):
             for column in cutlass.range_constexpr(group * columns_per_group, (group + 1) * columns_per_group):
-                for chunk in chunks:
-                    address = tile_base + column * col_tile_bytes + swizzle_offset(row, chunk, COLUMN_BYTES)
-                    nope = ptx.ld_shared_v4(address)
-                    ptx.st_shared_v4(address, *[ptx.scale_e4m3x4_f16(w, factor, factor) for w in nope])
-    if (thread & 1) == 0:
-        ptx.st_shared_u32(tables.rope + (tile * 64 + row) * 4, Uint32((127 + exponent) << 23))
-        ptx.st_shared_u32(tables.exponent + (tile * 64 + row) * 4, ptx.s32_to_f32_bits(exponent))
+                scale_chunks(tile_base + column * COLUMN_TILE_BYTES, row, chunks, factor)
+
+
+def scale_chunks(column_tile, row, chunks, factor):
+    """``chunks`` (16 bytes each) of row ``row`` of the e4m3 column tile at ``column_tile`` times ``factor``
+    (f16 in both halves), rounded to e4m3 in place."""
+    for chunk in chunks:
+        address = column_tile + swizzle_offset(row, chunk, COLUMN_BYTES)
+        nope = ptx.ld_shared_v4(address)
+        ptx.st_shared_v4(address, *[ptx.scale_e4m3x4_f16(w, factor, factor) for w in nope])
 
 
 def _raw_scale_bits(geo: CacheGeometry, tables: BlockScaleTables, tile, row, group) -> Uint32:
@@ -268,25 +310,20 @@ def _raw_scale_bits(geo: CacheGeometry, tables: BlockScaleTables, tile, row, gro
     return e8m0_to_f32_bits(ptx.ld_shared_u8(record + group))
 
 
-@cute.jit
-def scale_v_fragment(geo: CacheGeometry, tables: BlockScaleTables, words, ks, tile, group, half, quad_lane):
-    """k-step ``ks`` of a V^T A fragment (``words[4 ks .. 4 ks + 3]``, slots 32 ``half`` .. + 31 of block
-    tile ``tile``, the slot order of ``load_v_fragment``: a0 and a1 hold slots 2t, 2t + 1, 8 + 2t, 9 + 2t, a2
-    and a3 the same + 16) times the f16 scales of ``group`` of their slots, rounded to e4m3."""
-    base = tables.v_f16 + ((tile * geo.v_groups + group) * 64 + 32 * half + 2 * quad_lane) * 2
-    scales = [ptx.ld_shared_u32(base + 2 * slot) for slot in (0, 8, 16, 24)]
-    for i in cutlass.range_constexpr(4):
-        pair = (i // 2) * 2  # a0, a1: slots 0 and 8 from 2t; a2, a3: slots 16 and 24
-        words[4 * ks + i] = ptx.scale_e4m3x4_f16(words[4 * ks + i], scales[pair], scales[pair + 1])
-
-
 def scale_slots(geo, tables, total, part, tile, group, slots, slot_of, first: bool):
     """``total`` += sigma[slot, group] * ``part``, element i's slot (row of block tile ``tile``) being
     ``slots[slot_of(i)]`` (``first``: total = sigma * total, ``part`` unused); ``group`` == ``geo.groups``:
-    the RoPE's row scales. One scale load per slot. (Unrolled while tracing.)"""
+    the RoPE's row scales; ``ROW_SCALE``: the rows' scales 2^E. One scale load per slot. (Unrolled while
+    tracing.)"""
     rope = isinstance(group, int) and group == geo.groups
+    rows = isinstance(group, str) and group == ROW_SCALE
     for k, slot in enumerate(slots):
-        sigma = rope_scale(tables, tile, slot) if rope else raw_scale(geo, tables, tile, slot, group)
+        if rows:
+            sigma = row_scale(tables, tile, slot)
+        elif rope:
+            sigma = rope_scale(tables, tile, slot)
+        else:
+            sigma = raw_scale(geo, tables, tile, slot, group)
         for i in range(cute.size(total)):
             if slot_of(i) == k:
                 total[i] = total[i] * sigma if first else total[i] + sigma * part[i]

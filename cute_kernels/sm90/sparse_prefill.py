@@ -62,6 +62,7 @@ from cute_kernels.sm90.mask import (
 from cute_kernels.sm90.named_barrier import NamedBarrierFp8
 from cute_kernels.sm90.paged_rows import (
     RAW_SCALE_ENTRY_BYTES,
+    ROW_SCALE,
     BlockScaleTables,
     PagedRowGather,
     cache_geometry,
@@ -69,8 +70,8 @@ from cute_kernels.sm90.paged_rows import (
     convert_row,
     copy_paged_row,
     page_and_position,
+    rescale_v_row,
     scale_slots,
-    scale_v_fragment,
 )
 from cute_kernels.sm90.ring import Ring
 from cute_kernels.sm90.row_gather import RowGather, copy_rows, slot_valid_flag, swizzle_offset
@@ -304,9 +305,10 @@ class SparsePrefillSm90(AttentionKernel):
         # S summed in float32 per group of k-steps: the accurate mode's chunks, or a paged cache's scale
         # groups (in the accurate mode at most PAGED_ACCURATE_CHUNK_KSTEPS k-steps of one)
         self.qk_in_groups = self.promote_qk or (self.cache is not None and not self.row_scaled)
-        # Rows rescaled: P carries each slot's 2^E (the softmax's running max and P on y = x + E_s, its row
-        # sums on x), so V is used as it is; otherwise V's fragments are scaled per group (v_scale_groups).
-        self.v_scale_groups = self.cache.v_groups if self.cache is not None and not self.row_scaled else 0
+        # Paged: V's bytes are rescaled to one power-of-two scale 2^E per row (before the QK product with the
+        # rows rescaled, after it otherwise: paged_rows.rescale_v_row), and P carries each slot's 2^E (the
+        # softmax's running max and P on y = x + E_s, its row sums on x): V's fragments are used as they are.
+        self.p_carries_row_scale = self.cache is not None
         if self.cache is not None:
             self.paged_chunk_ksteps = self.cache.group_ksteps
             if self.promote_qk:
@@ -372,14 +374,12 @@ class SparsePrefillSm90(AttentionKernel):
                     cute.struct.MemRange[Uint8, NUM_KV_TILES * B_TOPK * RAW_SCALE_ENTRY_BYTES], 16
                 ]
                 rope_scale: cute.struct.MemRange[Float32, NUM_KV_TILES * B_TOPK]
-            if self.v_scale_groups:
-                v_scales: cute.struct.MemRange[Uint32, NUM_KV_TILES * self.v_scale_groups * B_TOPK // 2]
-            if self.row_scaled:
+                row_scale: cute.struct.MemRange[Float32, NUM_KV_TILES * B_TOPK]
                 row_exponent: cute.struct.MemRange[Float32, NUM_KV_TILES * B_TOPK]
             if self.small:
                 valid_words: cute.struct.MemRange[Uint32, NUM_KV_TILES * 2]  # [block tile, word]
                 column_max: cute.struct.MemRange[Float32, 2 * 2 * WARPS_PER_WG * self.b_h]
-                if self.row_scaled:  # the maxima of y = x + E_s (softmax_own)
+                if self.p_carries_row_scale:  # the maxima of y = x + E_s (softmax_own)
                     column_max_shifted: cute.struct.MemRange[Float32, 2 * 2 * WARPS_PER_WG * self.b_h]
                 head_sum: cute.struct.MemRange[Float32, self.b_h * 2 * WARPS_PER_WG]
             sQ: tile_region(Float8E4M3FN, self.q_shape)
@@ -504,9 +504,9 @@ class SparsePrefillSm90(AttentionKernel):
             tables = BlockScaleTables(
                 raw=storage.scale_raw.data_ptr().toint(),
                 rope=storage.rope_scale.data_ptr().toint(),
-                v_f16=storage.v_scales.data_ptr().toint() if const_expr(self.v_scale_groups) else None,
                 lo=sLo.iterator.toint(),
-                exponent=storage.row_exponent.data_ptr().toint() if const_expr(self.row_scaled) else None,
+                row_scale=storage.row_scale.data_ptr().toint(),
+                exponent=storage.row_exponent.data_ptr().toint(),
             )
         handover = (None, None)  # persistent: mbar_stats_full, mbar_tile_done
         if const_expr(self.persistent):
@@ -563,7 +563,7 @@ class SparsePrefillSm90(AttentionKernel):
                         cute.make_layout((self.b_h, 2 * WARPS_PER_WG), stride=(2 * WARPS_PER_WG, 1))
                     ),
                     storage.column_max_shifted.get_tensor(column_max_layout)
-                    if const_expr(self.row_scaled)
+                    if const_expr(self.p_carries_row_scale)
                     else None,
                 )
             self.consume(
@@ -1112,8 +1112,8 @@ class SparsePrefillSm90(AttentionKernel):
                         if own + 2 >= num_blocks:  # this consumer's last QK of the tile is done
                             cute.arch.mbarrier_arrive(mbar_q_empty)
                     if const_expr(self.small):
-                        shifted = None  # row_scaled: (y maxima, x maxima), see softmax_own
-                        if const_expr(self.row_scaled):
+                        shifted = None  # P carries the rows' scales: (y maxima, x maxima), see softmax_own
+                        if const_expr(self.p_carries_row_scale):
                             shifts = [
                                 ptx.ld_shared_f32(c.tables.exponent + row * 4) for row in self.s_rows(c, tile)
                             ]
@@ -1132,7 +1132,7 @@ class SparsePrefillSm90(AttentionKernel):
                         )
                     else:
                         block_maxima = mask_and_row_max(c.acc_s, valid_bits, c.scale_log2)
-                        if const_expr(self.row_scaled):  # (y maxima, x maxima), see softmax_own
+                        if const_expr(self.p_carries_row_scale):  # (y maxima, x maxima), see softmax_own
                             shifts = functools.partial(self.slot_pair, c, c.tables.exponent, tile)
                             block_maxima = (shifted_row_max(c.acc_s, c.scale_log2, shifts), block_maxima)
                     if const_expr(self.persistent):
@@ -1281,7 +1281,7 @@ class SparsePrefillSm90(AttentionKernel):
 
     def scale_row_scaled_s(self, c: Consumer, tile):
         """Paged, default precision, S complete: each slot's S times its row scale 2^E (``convert_row``)."""
-        self.scale_slots(c, c.acc_s, None, tile, self.cache.groups, 0, True)
+        self.scale_slots(c, c.acc_s, None, tile, ROW_SCALE, 0, True)
 
     def qk_paged(self, c: Consumer, tile):
         """S = Q . K^T from a paged cache's block tile (``paged_rows``): sum over the scale groups g of
@@ -1315,6 +1315,9 @@ class SparsePrefillSm90(AttentionKernel):
             self.scale_slots(c, s_part, None, tile, 0, h, True)
         for h, s_part in zip(halves, s_parts, strict=True):
             self.sum_scale_groups(c, tile, s_part, h)
+        # Every QK WGMMA of the block has completed (each half's last wait): its V bytes to their rows' 2^E,
+        # read by the PV products after the block's p_full.
+        rescale_v_row(geo, c.tables, c.sK_base + tile * self.k_tile_bytes, tile, c.warp * 32 + c.lane)
 
     @cute.jit
     def sum_scale_groups(self, c: Consumer, tile, total: cute.Tensor, half: cutlass.Constexpr):
@@ -1362,19 +1365,19 @@ class SparsePrefillSm90(AttentionKernel):
         and the block's maxima, then P = e4m3(2^7 exp2(S - m_block)) with m_block, alpha_block
         and the moved flag, published by ``p_full``; accumulates this consumer's row sums. Small heads:
         returns the moved flag (warp-uniform: every warp holds every head's maxima); else 0.
-        ``row_scaled``: ``block_maxima`` is (the maxima of y = x + E_s, those of the logits x); the
+        Paged: ``block_maxima`` is (the maxima of y = x + E_s, those of the logits x); the
         running max, alpha and P are y's (P = e4m3(2^7 exp2(x - m_block) 2^E_s)), the row sums and
         ``max_logits`` x's, so that O = sum P V'' has V's own scale."""
         ring = c.work.block_base + block  # the block's ring position (buffers, phases, moved flag)
         buffer = self.kv_ring.index(ring)
         true_maxima = block_maxima
-        p_scales = None  # row_scaled: the 2^E of this thread's columns 8j + 2t + e, e = 0, 1, by j
-        if const_expr(self.row_scaled):
+        p_scales = None  # paged: the 2^E of this thread's columns 8j + 2t + e, e = 0, 1, by j
+        if const_expr(self.p_carries_row_scale):
             block_maxima, true_maxima = block_maxima
             if const_expr(self.small):  # this thread's rows (slots) of S^T, r = 0, 1
-                p_scales = [ptx.ld_shared_f32(c.tables.rope + row * 4) for row in self.s_rows(c, buffer)]
+                p_scales = [ptx.ld_shared_f32(c.tables.row_scale + row * 4) for row in self.s_rows(c, buffer)]
             else:
-                p_scales = functools.partial(self.slot_pair, c, c.tables.rope, buffer)
+                p_scales = functools.partial(self.slot_pair, c, c.tables.row_scale, buffer)
         # S is still unscaled when the scale is positive (see mask_and_row_max).
         row_scales = c.scale_log2
         if const_expr(not isinstance(c.scale_log2, tuple)):
@@ -1599,18 +1602,6 @@ class SparsePrefillSm90(AttentionKernel):
             )
             for half in cutlass.range_constexpr(2):
                 self.load_v_fragment(words, 2 * i + half, tile_base, half, c.warp, c.lane)
-                if const_expr(self.v_scale_groups > 0):  # V times its slots' scales (paged_rows)
-                    group = d_tile // (8 // self.cache.v_groups)
-                    scale_v_fragment(
-                        self.cache,
-                        c.tables,
-                        words,
-                        2 * i + half,
-                        self.kv_ring.index(block),
-                        group,
-                        half,
-                        c.quad_lane,
-                    )
         warpgroup.fence()
         for i, block in enumerate(blocks):
             for half in cutlass.range_constexpr(2):
