@@ -176,18 +176,6 @@ def st_shared_u32(smem_addr, value, *, loc=None, ip=None) -> None:
     )
 
 
-@dsl_user_op
-def st_shared_u16(smem_addr, value, *, loc=None, ip=None) -> None:
-    """Store the low 16 bits of ``value``."""
-    inline_asm(
-        None,
-        [Int32(smem_addr).ir_value(loc=loc, ip=ip), Uint32(value).ir_value(loc=loc, ip=ip)],
-        "{ .reg .b16 h; cvt.u16.u32 h, $1; st.shared.b16 [$0], h; }",
-        "r,r",
-        True,
-    )
-
-
 def _ld_shared_b32(instruction: str, smem_addr, *, loc=None, ip=None) -> Uint32:
     """One shared-memory load into a 32-bit register."""
     operands = [Int32(smem_addr).ir_value(loc=loc, ip=ip)]
@@ -229,21 +217,6 @@ def ld_shared_v4(smem_addr, *, loc=None, ip=None):
         True,
     )
     return tuple(Uint32(llvm.extractvalue(T.i32(), res, [i], loc=loc, ip=ip)) for i in range(4))
-
-
-@dsl_user_op
-def f32_bits_to_f16x2(lo_bits, hi_bits, *, loc=None, ip=None) -> Uint32:
-    """Two float32 (given by their bits) rounded (RN, saturating: never infinite) to f16 and packed,
-    ``lo_bits``'s in the low half."""
-    return Uint32(
-        inline_asm(
-            T.i32(),
-            [Uint32(lo_bits).ir_value(loc=loc, ip=ip), Uint32(hi_bits).ir_value(loc=loc, ip=ip)],
-            "{ .reg .f32 a, b; mov.b32 a, $1; mov.b32 b, $2; cvt.rn.satfinite.f16x2.f32 $0, b, a; }",
-            "=r,r,r",
-            False,
-        )
-    )
 
 
 @dsl_user_op
