@@ -141,8 +141,10 @@ def test_fast_path_and_cuda_graph_give_the_python_paths_bits(make_inputs, q_dtyp
     if native.load() is None:
         pytest.skip("the C++ fast path did not build")
     call_plan = native.load().plan(PrefillCall(**inputs, out=None, max_logits=None, lse=None))
-    assert call_plan == (0, 4, sms if tail else 0), call_plan  # taken, split
-    with eager.forced_splits(4, sms if tail else 0):
+    splits, split_from = schedule.split_tokens(s_q, 1, 2048, 0)  # the tail's 3 tiles: in 8 parts
+    assert splits > 1 and split_from == (sms if tail else 0)
+    assert call_plan == (0, splits, split_from), call_plan  # taken, split as the Python path's rule
+    with eager.forced_splits(splits, split_from):
         forced = run_and_sync(inputs)
     assert all(torch.equal(a, b) for a, b in zip(forced, expected, strict=True))
     fast = run_and_sync(inputs)
