@@ -315,7 +315,8 @@ def test_gather_energy_probe_compiles_for_sm90a(tmp_path):
 def test_paged_scales_emulation_backs_the_paged_kernels_readings():
     """``scripts/probes/paged_scales.py`` (a float64 emulation quoted in docs/kernel.md): V read at its rows'
     power-of-two scales keeps the logits of the per-group sums and a cache of small values' precision, which
-    V at scale 1 loses; rows rescaled before the QK product keep V3.2's logits only for power-of-two scales."""
+    V at scale 1 loses; rows rescaled before the QK product keep V3.2's logits only for power-of-two
+    scales."""
     from scripts.probes import paged_scales
 
     for layout, scales in (("v32", "pow2"), ("v32", "float"), ("model1", "pow2")):
