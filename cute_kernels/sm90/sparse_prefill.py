@@ -315,9 +315,9 @@ class SparsePrefillSm90(AttentionKernel):
                 self.paged_chunk_ksteps = min(self.paged_chunk_ksteps, PAGED_ACCURATE_CHUNK_KSTEPS)
         # PV WGMMA groups (d tiles) in flight, each with its V^T fragment live: two; one for the persistent
         # small-head kernel with a bf16 q (which spills 40-56 B with two at 24 / 240 / 240 registers), and
-        # for the 64-head kernel with its QK promoted or a paged cache (with two, its chunk accumulator, V's
-        # scaling or the paged tables serialise every WGMMA at 232 registers: C7512; at 240 the consumers
-        # spill 36-112 B in the loop).
+        # for the 64-head kernel with its QK promoted or a paged cache (with two, its chunk accumulator or the
+        # paged tables serialise every WGMMA at 232 registers: C7512; at 240 the consumers spill 36-112 B in
+        # the loop).
         self.pv_groups_in_flight = 2
         if (self.small and self.q_bf16 and persistent) or (
             (self.promote_qk or self.cache is not None) and not self.small
