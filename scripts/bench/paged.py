@@ -5,8 +5,9 @@
   chunk of s_q queries (256, 1024, 4096) at its end, h 16 / 64 / 128, topk 2048 distinct random rows. Arms,
   timed in interleaved rounds (L2 flushed before each call): the kernel on a ready workspace (``kernel``: the
   prefill kernel on the layer's bf16 Q and the gathered rows), the paged call alone (``paged``), the layer
-  on the paged path (``layer``) and on the workspace path (``layer ws``), the gather alone; and the layer's
-  host time per call (issuing 50 calls, no sync).
+  on the paged path (``layer``) and on the workspace path (``layer ws``), the gather alone, the gather then
+  the kernel (``g+k``: the workspace path's two launches without the layer); and the layer's host time per
+  call (issuing 50 calls, no sync).
 - **Decode** (``decode_rows``): batch x (1-4 queries) of 64k-token requests, each query attending topk slots
   of its own request (10% -1), timed as decode runs: CUDA-graph replay, warm L2. Arms: the paged call, the
   kernel on the selected rows already gathered (``kernel``), and the gather of the selected rows + kernel
@@ -107,7 +108,8 @@ def prefill_rows(rep_ms: int, full: bool) -> list[dict]:
     )
     print(
         f"{'prefix':>7s} {'s_q':>5s} {'h':>4s} | {'kernel':>7s} | {'paged':>7s} {'x':>5s} | {'layer':>7s} "
-        f"{'x':>5s} | {'layer ws':>8s} {'x':>5s} | {'gather':>7s} | {'host us':>7s} {'ws':>7s} | auto"
+        f"{'x':>5s} | {'layer ws':>8s} {'x':>5s} | {'gather':>7s} {'g+k':>7s} | {'host us':>7s} {'ws':>7s} "
+        "| auto"
     )
     rows = []
     cache = None
@@ -119,7 +121,8 @@ def prefill_rows(rep_ms: int, full: bool) -> list[dict]:
         print(
             f"{prefix:7d} {s_q:5d} {h:4d} | {k:7.3f} | {row['paged']:7.3f} {row['paged'] / k:5.2f} | "
             f"{row['layer']:7.3f} {row['layer'] / k:5.2f} | {row['layer_ws']:8.3f} "
-            f"{row['layer_ws'] / k:5.2f} | {row['gather']:7.3f} | {row['host_us']:7.1f} "
+            f"{row['layer_ws'] / k:5.2f} | {row['gather']:7.3f} {row['gather_kernel']:7.3f} | "
+            f"{row['host_us']:7.1f} "
             f"{row['host_ws_us']:7.1f} | {row['auto']}",
             flush=True,
         )
@@ -160,6 +163,7 @@ def prefill_row(cache, prefix: int, s_q: int, h: int, rep_ms: int) -> dict:
             cache, page_table, PAGE_SIZE, "v32", torch.float8_e4m3fn, 0, kv
         ),
     }
+    arms["gather_kernel"] = lambda: (arms["gather"](), arms["kernel"]())
     row = {"prefix": prefix, "s_q": s_q, "h": h, **time_interleaved_ms(arms, rep_ms)}
     row["host_us"] = host_us(lambda: layer.forward(**inputs), LAYER_HOST_CALLS)
     row["host_ws_us"] = host_us(lambda: workspace.forward(**inputs), LAYER_HOST_CALLS)
