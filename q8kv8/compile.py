@@ -1,8 +1,9 @@
 """``python -m q8kv8.compile``: build every kernel variant ahead of time, into the disk cache.
 
 Run it once per machine (or in a container build) so that no process pays the compile: it builds each
-attention variant (``q8kv8.kernels.listed_variants()``: those for a bfloat16 q too, when the kernel takes
-one) for sm_90a (no GPU needed) or loads it when the cache already holds it, and prints, for each,
+kernel variant (``q8kv8.kernels.listed_variants()``: every attention variant, those for a bfloat16 q
+included, and the serving path's kernels) for sm_90a (no GPU needed) or loads it when the cache already
+holds it, and prints, for each,
 its name, where it came from (``compiled`` or ``cache``) and the seconds it took, then the cache
 location. The cache is ``$Q8KV8_CACHE_DIR`` (default ``~/.cache/q8kv8``); see ``q8kv8.build``.
 

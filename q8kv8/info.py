@@ -1,7 +1,7 @@
 """``python -m q8kv8.info`` and ``q8kv8.info()``: what this installation runs with.
 
 Versions (q8kv8, torch and its CUDA, the CuTe DSL, TVM-FFI, cuda-python, ptxas), the GPU and its arch
-(or "none"), the attention kernel variants (``q8kv8.kernels.listed_variants()``: where each came from,
+(or "none"), the kernel variants (``q8kv8.kernels.listed_variants()``: where each came from,
 registers per thread from ``ptxas -v``, which runs once per variant and ptxas and is kept in the cache
 (``q8kv8.build.ptxas_report``), shared memory per CTA), the disk cache (location, this process's
 hits and misses) and the schedule rules (``q8kv8.schedule.describe`` names the schedule of a call).

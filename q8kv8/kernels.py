@@ -1,21 +1,27 @@
-"""The kernel families q8kv8 builds, and their launchers.
+"""The kernels q8kv8 builds: one table of variants, one loader, and the launchers.
 
-Each family is a table of variants built or loaded by ``q8kv8.build.build_or_load`` (compiled for sm_90a
-with fake tensors, every extent dynamic) and a launcher that calls a variant's TVM-FFI function on torch
-tensors (it launches on the caller's current CUDA stream):
+Every variant of every kernel family has a key, and ``load(key)`` builds it for sm_90a (fake tensors, every
+extent dynamic) or loads it from the disk cache (``q8kv8.build.build_or_load``), once per process:
 
-- the FP8 attention kernel (``cute_kernels/sm90/sparse_prefill.py``): one table keyed by ``VariantKey`` (d_qk,
-  precision, schedule kind, q's dtype, heads a tile, paged cache layout) and one loader, ``load``. The
-  one-tile and persistent variants for an e4m3 q (``IMPORT_KEYS``) are built or loaded when ``q8kv8`` is
-  imported, every other one on its first launch (``listed_variants()`` builds them all); the sink and
-  ``topk_length`` are runtime flags. ``launch_sparse_prefill`` launches the variants of one call's schedule;
-- the paged-cache gather, the query cast and the bf16 attention kernel of the serving path, built on first
-  use (or by ``load_serving_variants()``).
+- ``VariantKey``: the FP8 attention kernel (``cute_kernels/sm90/sparse_prefill.py``) by d_qk, precision,
+  schedule kind, q's dtype, heads a tile and paged cache layout. The one-tile and persistent variants for an
+  e4m3 q (``IMPORT_KEYS``) are loaded when ``q8kv8`` is imported, every other one on its first launch; the
+  sink and ``topk_length`` are runtime flags;
+- the serving path's kernels (``SERVING_KEYS``, built on first use or by ``load_serving_variants()``):
+  ``PagedGatherKey`` (the paged-cache gather, ``paged_kv.py``), ``QCastKey`` (the query cast,
+  ``q_cast.py``), ``SlotIndicesKey`` (top-k rows to token slots, ``paged_indices.py``) and
+  ``Bf16AttentionKey`` (the bf16 attention kernel, ``sparse_prefill_bf16.py``).
+
+A key names its variant (``name``, the cache entry's), says whether the family has it (``check``), gives the
+kernel's configuration object (``kernel``) and compiles it (``compile``). ``LISTED_KEYS`` is every variant
+(``python -m q8kv8.compile`` builds them, ``q8kv8.info()`` lists them). Each launcher calls a variant's
+TVM-FFI function on torch tensors, on the caller's current CUDA stream.
 """
 
 from __future__ import annotations
 
 import functools
+from dataclasses import dataclass
 from pathlib import Path
 from typing import NamedTuple
 
@@ -48,18 +54,19 @@ from q8kv8.schedule import (
     tiles_per_cta,
 )
 
-EXPORTED_FUNCTION = "sparse_prefill"
-
-
 FP8 = torch.float8_e4m3fn
-BF16_Q = torch.bfloat16
+BF16 = torch.bfloat16
+BF16_Q = BF16
 KERNEL_Q_DTYPES = {FP8: "e4m3", BF16_Q: "bf16"}
 """The FP8 kernel's ``q_dtype`` option for each dtype of q (``q8kv8.metadata.Q_DTYPES``)."""
 CACHE_LAYOUTS = {name: layout.d_qk for name, layout in LAYOUTS.items()}
-"""The paged cache layouts the kernel reads (``q8kv8.kv_layout``), with their d_qk."""
+"""The paged cache layouts the kernels read (``q8kv8.kv_layout``), with their d_qk."""
 SCHEDULE_SUFFIXES = {ONE_TILE: "", PERSISTENT: "_persistent", SPLIT: "_split"}
+GATHER_DTYPES = {FP8: "e4m3", BF16: "bf16"}
+"""The gather's output dtypes, as its variant names spell them."""
 
 cache_stats = CacheStats()
+"""This process's disk-cache hits and misses, every family together."""
 
 
 class VariantKey(NamedTuple):
@@ -71,6 +78,8 @@ class VariantKey(NamedTuple):
     q_dtype: torch.dtype = FP8
     heads: int = HEAD_ALIGNMENT  # 64 heads a tile, or one of SMALL_HEAD_COUNTS (persistent)
     cache: str | None = None  # a paged cache layout of CACHE_LAYOUTS, else None: kv rows in e4m3
+
+    exported = "sparse_prefill"  # the TVM-FFI function's name in the object file
 
     @property
     def name(self) -> str:
@@ -112,9 +121,233 @@ class VariantKey(NamedTuple):
             cache=self.cache,
         )
 
+    def compile(self, dump_dir: Path):
+        """Trace and compile the variant with fake tensors (dynamic extents); returns the JIT object.
+        ``dump_dir`` receives the DSL's own copy of the PTX (``--keep-ptx`` writes one)."""
+        cutlass, cute = import_dsl()
+        from cutlass import BFloat16, Float8E4M3FN, Int32, Uint8
 
-def _keys(**fixed) -> list[VariantKey]:
-    """Every variant key whose fields equal ``fixed``'s, in a fixed order."""
+        q_type = BFloat16 if self.q_dtype == BF16_Q else Float8E4M3FN
+        args = _fake_attention_args(cute, Float8E4M3FN, self.d_qk, with_scales=True, q_type=q_type)
+        if (
+            self.cache is not None
+        ):  # kv: the cache, [num_pages, page_size, bytes per token], page stride dynamic
+            kv = cute.runtime.make_fake_tensor(
+                Uint8,
+                (cute.sym_int(), cute.sym_int(), LAYOUTS[self.cache].bytes_per_token),
+                stride=(cute.sym_int64(divisibility=16), cute.sym_int64(), 1),
+                assumed_align=16,
+            )
+            args = (args[0], kv, *args[2:])
+        args = (*args[:-1], Int32(1), args[-1])  # schedule_count (tiles per CTA, or parts), before the stream
+        return compile_for_tvm_ffi(self.kernel(), args, dump_dir)
+
+
+@dataclass(frozen=True, slots=True)
+class Bf16AttentionKey:
+    """The bf16 attention kernel (``cute_kernels/sm90/sparse_prefill_bf16.py``) for one d_qk: the serving
+    path's bf16 backend."""
+
+    d_qk: int
+
+    exported = "sparse_prefill_bf16"
+    precision = "default"
+    q_dtype = BF16
+    cache = None
+
+    @property
+    def name(self) -> str:
+        return f"sparse_prefill_bf16_sm90_d{self.d_qk}"
+
+    def check(self) -> None:
+        if self.d_qk not in D_QK_VARIANTS:
+            raise ValueError(f"d_qk: expected one of {D_QK_VARIANTS}, got {self.d_qk}")
+
+    def kernel(self):
+        import_dsl()
+        from cute_kernels.sm90.sparse_prefill_bf16 import SparsePrefillBf16Sm90
+
+        return SparsePrefillBf16Sm90(self.d_qk)
+
+    def compile(self, dump_dir: Path):
+        cutlass, cute = import_dsl()
+        from cutlass import BFloat16
+
+        args = _fake_attention_args(cute, BFloat16, self.d_qk, with_scales=False)
+        return compile_for_tvm_ffi(self.kernel(), args, dump_dir)
+
+
+@dataclass(frozen=True, slots=True)
+class PagedGatherKey:
+    """The paged-cache gather (``cute_kernels/sm90/paged_kv.py``) for one cache layout and output dtype:
+    token slots into contiguous e4m3 (scale 1) or bf16 rows."""
+
+    layout: str
+    out_dtype: torch.dtype = FP8
+
+    exported = "paged_kv_gather"
+    precision = "default"
+    q_dtype = None
+
+    @property
+    def name(self) -> str:
+        return f"paged_kv_gather_sm90_{self.layout}_{GATHER_DTYPES[self.out_dtype]}"
+
+    @property
+    def d_qk(self) -> int:
+        return LAYOUTS[self.layout].d_qk
+
+    @property
+    def cache(self) -> str:
+        return self.layout
+
+    def check(self) -> None:
+        if self.layout not in LAYOUTS:
+            raise ValueError(f"layout: expected one of {tuple(LAYOUTS)}, got {self.layout!r}")
+        if self.out_dtype not in GATHER_DTYPES:
+            raise ValueError(f"out_dtype: expected one of {tuple(GATHER_DTYPES)}, got {self.out_dtype}")
+
+    def kernel(self):
+        import_dsl()
+        from cute_kernels.sm90.paged_kv import PagedKvGatherSm90
+
+        return PagedKvGatherSm90(self.layout, self.out_dtype == BF16)
+
+    def compile(self, dump_dir: Path):
+        cutlass, cute = import_dsl()
+        from cutlass import BFloat16, Float8E4M3FN, Int32, Uint8
+
+        kernel = self.kernel()
+        args = (
+            cute.runtime.make_fake_tensor(  # cache [num_pages, page_bytes], page stride a multiple of 16
+                Uint8,
+                (cute.sym_int(), cute.sym_int()),
+                stride=(cute.sym_int64(divisibility=16), 1),
+                assumed_align=16,
+            ),
+            cute.runtime.make_fake_tensor(  # slots [num_tokens, 1 or 2 words]
+                Int32, (cute.sym_int(), cute.sym_int()), stride=(cute.sym_int64(), 1), assumed_align=4
+            ),
+            cute.runtime.make_fake_compact_tensor(  # out [rows, 1, d_qk], row-major
+                BFloat16 if self.out_dtype == BF16 else Float8E4M3FN,
+                (cute.sym_int(), 1, kernel.d_qk),
+                stride_order=(2, 1, 0),
+                assumed_align=16,
+            ),
+            Int32(1),  # page_size
+            cute.runtime.make_fake_stream(use_tvm_ffi_env_stream=True),
+        )
+        return compile_for_tvm_ffi(kernel, args, dump_dir)
+
+
+@dataclass(frozen=True, slots=True)
+class QCastKey:
+    """The query cast (``cute_kernels/sm90/q_cast.py``) for head dim ``d``: bf16 Q to e4m3 in a head-padded
+    buffer."""
+
+    d: int
+
+    exported = "cast_q_fp8"
+    precision = "default"
+    q_dtype = BF16
+    cache = None
+
+    @property
+    def name(self) -> str:
+        return f"cast_q_fp8_sm90_d{self.d}"
+
+    @property
+    def d_qk(self) -> int:
+        return self.d
+
+    def check(self) -> None:
+        if self.d not in D_QK_VARIANTS:
+            raise ValueError(f"d: expected one of {D_QK_VARIANTS}, got {self.d}")
+
+    def kernel(self):
+        import_dsl()
+        from cute_kernels.sm90.q_cast import CastQFp8Sm90
+
+        return CastQFp8Sm90(self.d)
+
+    def compile(self, dump_dir: Path):
+        cutlass, cute = import_dsl()
+        from cutlass import BFloat16, Float8E4M3FN, Float32
+
+        args = (
+            cute.runtime.make_fake_tensor(  # q [s_q, h, d]: row strides multiples of 8 elements (16 bytes)
+                BFloat16,
+                (cute.sym_int(), cute.sym_int(), self.d),
+                stride=(cute.sym_int64(divisibility=8), cute.sym_int64(divisibility=8), 1),
+                assumed_align=16,
+            ),
+            cute.runtime.make_fake_compact_tensor(Float32, (1,), assumed_align=4),  # q_scale
+            cute.runtime.make_fake_compact_tensor(  # out [s_q, h_pad, d], row-major
+                Float8E4M3FN,
+                (cute.sym_int(), cute.sym_int(), self.d),
+                stride_order=(2, 1, 0),
+                assumed_align=16,
+            ),
+            cute.runtime.make_fake_stream(use_tvm_ffi_env_stream=True),
+        )
+        return compile_for_tvm_ffi(self.kernel(), args, dump_dir)
+
+
+@dataclass(frozen=True, slots=True)
+class SlotIndicesKey:
+    """The slot-index kernel (``cute_kernels/sm90/paged_indices.py``): a serving layer's top-k rows to
+    token slots through its page table, and each query's valid count. One variant."""
+
+    exported = "paged_indices"
+    precision = "default"
+    q_dtype = None
+    cache = None
+    d_qk = 0
+
+    @property
+    def name(self) -> str:
+        return "paged_indices_sm90"
+
+    def check(self) -> None:
+        pass
+
+    def kernel(self):
+        import_dsl()
+        from cute_kernels.sm90.paged_indices import PagedIndicesSm90
+
+        return PagedIndicesSm90()
+
+    def compile(self, dump_dir: Path):
+        cutlass, cute = import_dsl()
+        from cutlass import Int32
+
+        def words(rows):  # [rows, 1 or 2] int32: an int32 tensor, or an int64 one's (lo, hi) words
+            return cute.runtime.make_fake_tensor(
+                Int32, (rows, cute.sym_int()), stride=(cute.sym_int64(), 1), assumed_align=4
+            )
+
+        s_q = cute.sym_int()
+        args = (
+            cute.runtime.make_fake_tensor(  # indices [s_q, topk], any row stride
+                Int32, (s_q, cute.sym_int()), stride=(cute.sym_int64(), 1), assumed_align=4
+            ),
+            words(cute.sym_int()),  # page table
+            words(s_q),  # seqlens
+            cute.runtime.make_fake_compact_tensor(  # slots [s_q, 1, topk_pad]
+                Int32, (s_q, 1, cute.sym_int()), stride_order=(2, 1, 0), assumed_align=4
+            ),
+            cute.runtime.make_fake_compact_tensor(Int32, (s_q,), assumed_align=4),  # topk_length
+            Int32(0),  # compress ratio
+            cute.runtime.make_fake_stream(use_tvm_ffi_env_stream=True),
+        )
+        return compile_for_tvm_ffi(self.kernel(), args, dump_dir)
+
+
+KernelKey = VariantKey | Bf16AttentionKey | PagedGatherKey | QCastKey | SlotIndicesKey
+
+
+def _attention_keys(**fixed) -> list[VariantKey]:
+    """Every FP8 attention variant key whose fields equal ``fixed``'s, in a fixed order."""
     keys = []
     for d_qk in D_QK_VARIANTS:
         for precision in PRECISIONS:
@@ -132,26 +365,33 @@ def _keys(**fixed) -> list[VariantKey]:
     return keys
 
 
-IMPORT_KEYS = [key for key in _keys(q_dtype=FP8, heads=HEAD_ALIGNMENT, cache=None) if key.schedule != SPLIT]
-"""The variants built (or loaded) when ``q8kv8`` is imported: one-tile and persistent, for an e4m3 q."""
-LISTED_KEYS = IMPORT_KEYS + [key for key in _keys() if key not in IMPORT_KEYS]
-"""Every variant, as the listings show them: those of the import first."""
-_variants: dict[VariantKey, Variant] = {}
+IMPORT_KEYS = [
+    key for key in _attention_keys(q_dtype=FP8, heads=HEAD_ALIGNMENT, cache=None) if key.schedule != SPLIT
+]
+"""The variants loaded when ``q8kv8`` is imported: one-tile and persistent attention, for an e4m3 q."""
+SERVING_KEYS = [
+    SlotIndicesKey(),
+    *(PagedGatherKey(layout, dtype) for layout in LAYOUTS for dtype in GATHER_DTYPES),
+    *(QCastKey(d) for d in D_QK_VARIANTS),
+    *_attention_keys(q_dtype=BF16_Q),
+    *(Bf16AttentionKey(d_qk) for d_qk in D_QK_VARIANTS),
+]
+"""The serving path's variants (``load_serving_variants``): the slot-index kernel, the gathers, the query
+casts, the FP8 attention variants for a bfloat16 q (paged and small-head ones included), the bf16 kernel."""
+LISTED_KEYS = list(dict.fromkeys([*IMPORT_KEYS, *_attention_keys(), *SERVING_KEYS]))
+"""Every variant of every family, as the listings show them: those of the import first."""
+_variants: dict[KernelKey, Variant] = {}
+_KEYS_BY_NAME = {key.name: key for key in LISTED_KEYS}
 
 
-def load(key: VariantKey) -> Variant:
+def load(key: KernelKey) -> Variant:
     """The variant of ``key``, built or loaded from the disk cache on its first use (idempotent; the build is
-    serialised by ``q8kv8.build``'s locks)."""
+    serialised by ``q8kv8.build``'s locks). ValueError for a key its family does not have."""
     variant = _variants.get(key)
     if variant is None:
         key.check()
         variant = _variants[key] = build_or_load(
-            key.name,
-            key.d_qk,
-            lambda dump_dir: _compile(key, dump_dir),
-            EXPORTED_FUNCTION,
-            cache_stats,
-            key.precision,
+            key.name, key.d_qk, key.compile, key.exported, cache_stats, key.precision
         )
     return variant
 
@@ -162,9 +402,15 @@ def load_variants(keys=IMPORT_KEYS) -> list[Variant]:
 
 
 def listed_variants() -> list[Variant]:
-    """Every attention variant, as the listings show them (``python -m q8kv8.compile``, ``q8kv8.info()``,
-    ``make bench``), built or loaded."""
+    """Every variant, as the listings show them (``python -m q8kv8.compile``, ``q8kv8.info()``, ``make
+    bench``), built or loaded."""
     return load_variants(LISTED_KEYS)
+
+
+def load_serving_variants() -> dict[str, Variant]:
+    """Build or load every kernel of the paged serving path (``SERVING_KEYS``), by name: call it before
+    capturing a CUDA graph of ``SparsePrefill``."""
+    return {variant.name: variant for variant in load_variants(SERVING_KEYS)}
 
 
 def variant_loaders() -> list[functools.partial]:
@@ -173,33 +419,9 @@ def variant_loaders() -> list[functools.partial]:
     return [functools.partial(load, key) for key in LISTED_KEYS]
 
 
-def key_of(variant: Variant) -> VariantKey:
-    """The key of a listed attention variant."""
+def key_of(variant: Variant) -> KernelKey:
+    """The key of a listed variant."""
     return _KEYS_BY_NAME[variant.name]
-
-
-_KEYS_BY_NAME = {key.name: key for key in LISTED_KEYS}
-
-
-def _compile(key: VariantKey, dump_dir: Path):
-    """Trace and compile one variant with fake tensors (dynamic extents); returns the JIT object.
-
-    ``dump_dir`` receives the DSL's own copy of the PTX (``--keep-ptx`` writes one)."""
-    cutlass, cute = import_dsl()
-    from cutlass import BFloat16, Float8E4M3FN, Int32, Uint8
-
-    q_type = BFloat16 if key.q_dtype == BF16_Q else Float8E4M3FN
-    args = _fake_attention_args(cute, Float8E4M3FN, key.d_qk, with_scales=True, q_type=q_type)
-    if key.cache is not None:  # kv: the cache, [num_pages, page_size, bytes per token], page stride dynamic
-        kv = cute.runtime.make_fake_tensor(
-            Uint8,
-            (cute.sym_int(), cute.sym_int(), LAYOUTS[key.cache].bytes_per_token),
-            stride=(cute.sym_int64(divisibility=16), cute.sym_int64(), 1),
-            assumed_align=16,
-        )
-        args = (args[0], kv, *args[2:])
-    args = (*args[:-1], Int32(1), args[-1])  # schedule_count (tiles per CTA, or parts), before the stream
-    return compile_for_tvm_ffi(key.kernel(), args, dump_dir)
 
 
 def _fake_attention_args(cute, element_type, d_qk: int, with_scales: bool, q_type=None) -> tuple:
@@ -239,17 +461,17 @@ def _fake_attention_args(cute, element_type, d_qk: int, with_scales: bool, q_typ
 
 
 def describe(variant: Variant) -> dict:
-    """One attention variant as the listings show it (``python -m q8kv8.compile``, ``q8kv8.info()``,
-    ``make bench``): name, d_qk, precision, q's dtype, the paged cache layout it reads (None: e4m3 rows),
-    where it came from and in how many seconds, registers and spill bytes from ``ptxas -v`` (None without
-    ptxas), shared memory per CTA, object file."""
+    """One listed variant as the listings show it (``python -m q8kv8.compile``, ``q8kv8.info()``, ``make
+    bench``): name, d_qk, precision, q's dtype (None: a kernel without q), the paged cache layout it reads
+    (None: none), where it came from and in how many seconds, registers and spill bytes from ``ptxas -v``
+    (None without ptxas), dynamic shared memory per CTA, object file."""
     report = ptxas_report(variant)
     key = key_of(variant)
     return {
         "name": variant.name,
         "d_qk": variant.d_qk,
         "precision": variant.precision,
-        "q_dtype": KERNEL_Q_DTYPES[key.q_dtype],
+        "q_dtype": None if key.q_dtype is None else KERNEL_Q_DTYPES[key.q_dtype],
         "cache": key.cache,
         "source": variant.source,
         "seconds": variant.seconds,
@@ -260,9 +482,10 @@ def describe(variant: Variant) -> dict:
     }
 
 
-def shared_memory_bytes(key: VariantKey) -> int:
-    """Dynamic shared memory per CTA of the variant of ``key``."""
-    return key.kernel().shared_memory_bytes()
+def shared_memory_bytes(key: KernelKey) -> int:
+    """Dynamic shared memory per CTA of the variant of ``key`` (0 for the kernels without any)."""
+    kernel = key.kernel()
+    return kernel.shared_memory_bytes() if hasattr(kernel, "shared_memory_bytes") else 0
 
 
 def placeholders(int_source: torch.Tensor, float_source: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -396,180 +619,25 @@ def _rows(tensor: torch.Tensor, tokens: slice | None) -> torch.Tensor:
     return tensor if tokens is None else tensor[tokens]
 
 
-# ------------------------------------------------------------------------------------------------
-# Paged KV gather (cute_kernels/sm90/paged_kv.py): paged FP8 cache -> contiguous e4m3 or bf16 rows.
-# Four variants (layout x output dtype), each built on first use (lazily, not at import) and
-# cached on disk next to the attention variants (same key, lock and integrity check).
-# ------------------------------------------------------------------------------------------------
-PAGED_KV_LAYOUTS = ("model1", "v32")
-PAGED_KV_FUNCTION = "paged_kv_gather"
-paged_kv_cache_stats = CacheStats()
-_paged_kv_variants: dict[tuple[str, bool], Variant] = {}
-
-
-def paged_kv_variant_name(layout: str, out_bf16: bool) -> str:
-    return f"paged_kv_gather_sm90_{layout}_{'bf16' if out_bf16 else 'e4m3'}"
-
-
-def _compile_paged_kv(layout: str, out_bf16: bool, dump_dir: Path):
-    """Trace and compile one gather variant with fake tensors (every extent and stride dynamic)."""
-    cutlass, cute = import_dsl()
-    from cutlass import BFloat16, Float8E4M3FN, Int32, Uint8
-
-    from cute_kernels.sm90.paged_kv import PagedKvGatherSm90
-
-    kernel = PagedKvGatherSm90(layout, out_bf16)
-    args = (
-        cute.runtime.make_fake_tensor(  # cache [num_pages, page_bytes], page stride a multiple of 16
-            Uint8,
-            (cute.sym_int(), cute.sym_int()),
-            stride=(cute.sym_int64(divisibility=16), 1),
-            assumed_align=16,
-        ),
-        cute.runtime.make_fake_tensor(  # slots [num_tokens, 1 or 2 words]
-            Int32, (cute.sym_int(), cute.sym_int()), stride=(cute.sym_int64(), 1), assumed_align=4
-        ),
-        cute.runtime.make_fake_compact_tensor(  # out [rows, 1, d_qk], row-major
-            BFloat16 if out_bf16 else Float8E4M3FN,
-            (cute.sym_int(), 1, kernel.d_qk),
-            stride_order=(2, 1, 0),
-            assumed_align=16,
-        ),
-        Int32(1),  # page_size
-        cute.runtime.make_fake_stream(use_tvm_ffi_env_stream=True),
-    )
-    return compile_for_tvm_ffi(kernel, args, dump_dir)
-
-
-def load_paged_kv_variant(layout: str, out_bf16: bool) -> Variant:
-    """Build or load one gather variant (idempotent)."""
-    key = (layout, bool(out_bf16))
-    if key not in _paged_kv_variants:
-        if layout not in PAGED_KV_LAYOUTS:
-            raise ValueError(f"layout: expected one of {PAGED_KV_LAYOUTS}, got {layout!r}")
-        d_qk = {"model1": 512, "v32": 576}[layout]
-        _paged_kv_variants[key] = build_or_load(
-            paged_kv_variant_name(layout, out_bf16),
-            d_qk,
-            lambda dump_dir: _compile_paged_kv(layout, out_bf16, dump_dir),
-            PAGED_KV_FUNCTION,
-            paged_kv_cache_stats,
-        )
-    return _paged_kv_variants[key]
-
-
-def load_paged_kv_variants() -> dict[tuple[str, bool], Variant]:
-    """Build or load all four gather variants, keyed by (layout, out_bf16)."""
-    for layout in PAGED_KV_LAYOUTS:
-        for out_bf16 in (False, True):
-            load_paged_kv_variant(layout, out_bf16)
-    return dict(_paged_kv_variants)
-
-
 def launch_paged_kv_gather(cache_pages, slot_words, out, page_size: int, layout: str) -> None:
     """Launch the gather on validated tensors: ``cache_pages`` [num_pages, page_bytes] uint8 (base and
     page stride 16-byte aligned), ``slot_words`` [num_tokens, 1 or 2] int32 (last dim contiguous),
     ``out`` [rows, 1, d_qk] e4m3 or bf16, contiguous and 16-byte aligned, rows > 0."""
-    out_bf16 = out.dtype == torch.bfloat16
-    variant = _paged_kv_variants.get((layout, out_bf16)) or load_paged_kv_variant(layout, out_bf16)
+    key = PagedGatherKey(layout, out.dtype)
+    variant = _variants.get(key) or load(key)
     _call_on_device_of(out, variant.function, cache_pages, slot_words, out, page_size)
-
-
-# Query cast (cute_kernels/sm90/q_cast.py): bf16 Q -> e4m3 in a head-padded buffer. Variants by head dim,
-# built on first use and disk-cached like the gather.
-Q_CAST_FUNCTION = "cast_q_fp8"
-_q_cast_variants: dict[int, Variant] = {}
-
-
-def q_cast_variant_name(d: int) -> str:
-    return f"cast_q_fp8_sm90_d{d}"
-
-
-def _compile_q_cast(d: int, dump_dir: Path):
-    cutlass, cute = import_dsl()
-    from cutlass import BFloat16, Float8E4M3FN, Float32
-
-    from cute_kernels.sm90.q_cast import CastQFp8Sm90
-
-    args = (
-        cute.runtime.make_fake_tensor(  # q [s_q, h, d]: row strides multiples of 8 elements (16 bytes)
-            BFloat16,
-            (cute.sym_int(), cute.sym_int(), d),
-            stride=(cute.sym_int64(divisibility=8), cute.sym_int64(divisibility=8), 1),
-            assumed_align=16,
-        ),
-        cute.runtime.make_fake_compact_tensor(Float32, (1,), assumed_align=4),  # q_scale
-        cute.runtime.make_fake_compact_tensor(  # out [s_q, h_pad, d], row-major
-            Float8E4M3FN, (cute.sym_int(), cute.sym_int(), d), stride_order=(2, 1, 0), assumed_align=16
-        ),
-        cute.runtime.make_fake_stream(use_tvm_ffi_env_stream=True),
-    )
-    return compile_for_tvm_ffi(CastQFp8Sm90(d), args, dump_dir)
-
-
-def load_q_cast_variant(d: int) -> Variant:
-    """Build or load the query-cast kernel for head dim ``d`` (idempotent)."""
-    if d not in _q_cast_variants:
-        _q_cast_variants[d] = build_or_load(
-            q_cast_variant_name(d),
-            d,
-            lambda dump_dir: _compile_q_cast(d, dump_dir),
-            Q_CAST_FUNCTION,
-            paged_kv_cache_stats,
-        )
-    return _q_cast_variants[d]
 
 
 def launch_cast_q_fp8(q, q_scale, out) -> None:
     """Launch the query cast on validated tensors: ``q`` [s_q, h, d] bf16 (16-byte aligned, row strides
     multiples of 8 elements, last dim contiguous), ``q_scale`` [1] float32, ``out`` [s_q, h_pad, d] e4m3
     contiguous, 16-byte aligned, h_pad a multiple of 8 and >= h, s_q > 0."""
-    variant = _q_cast_variants.get(q.shape[2]) or load_q_cast_variant(q.shape[2])
+    key = QCastKey(q.shape[2])
+    variant = _variants.get(key) or load(key)
     _call_on_device_of(out, variant.function, q, q_scale, out)
 
 
-# Slot indices (cute_kernels/sm90/paged_indices.py): a serving layer's top-k rows -> token slots. One
-# variant, built on first use and disk-cached like the gather.
-PAGED_INDICES_FUNCTION = "paged_indices"
-PAGED_INDICES_NAME = "paged_indices_sm90"
-_paged_indices_variants: dict[str, Variant] = {}
-
-
-def _compile_paged_indices(dump_dir: Path):
-    cutlass, cute = import_dsl()
-    from cutlass import Int32
-
-    from cute_kernels.sm90.paged_indices import PagedIndicesSm90
-
-    def words(rows):  # [rows, 1 or 2] int32: an int32 tensor, or an int64 one's (lo, hi) words
-        return cute.runtime.make_fake_tensor(
-            Int32, (rows, cute.sym_int()), stride=(cute.sym_int64(), 1), assumed_align=4
-        )
-
-    s_q = cute.sym_int()
-    args = (
-        cute.runtime.make_fake_tensor(  # indices [s_q, topk], any row stride
-            Int32, (s_q, cute.sym_int()), stride=(cute.sym_int64(), 1), assumed_align=4
-        ),
-        words(cute.sym_int()),  # page table
-        words(s_q),  # seqlens
-        cute.runtime.make_fake_compact_tensor(  # slots [s_q, 1, topk_pad]
-            Int32, (s_q, 1, cute.sym_int()), stride_order=(2, 1, 0), assumed_align=4
-        ),
-        cute.runtime.make_fake_compact_tensor(Int32, (s_q,), assumed_align=4),  # topk_length
-        Int32(0),  # compress ratio
-        cute.runtime.make_fake_stream(use_tvm_ffi_env_stream=True),
-    )
-    return compile_for_tvm_ffi(PagedIndicesSm90(), args, dump_dir)
-
-
-def load_paged_indices_variant() -> Variant:
-    """Build or load the slot-index kernel (idempotent)."""
-    if PAGED_INDICES_NAME not in _paged_indices_variants:
-        _paged_indices_variants[PAGED_INDICES_NAME] = build_or_load(
-            PAGED_INDICES_NAME, 0, _compile_paged_indices, PAGED_INDICES_FUNCTION, paged_kv_cache_stats
-        )
-    return _paged_indices_variants[PAGED_INDICES_NAME]
+_SLOT_INDICES = SlotIndicesKey()
 
 
 def launch_paged_indices(indices, table_words, seqlen_words, slots, topk_length, compress_ratio: int) -> None:
@@ -577,80 +645,10 @@ def launch_paged_indices(indices, table_words, seqlen_words, slots, topk_length,
     contiguous), ``table_words`` [num_rows, 1 or 2] and ``seqlen_words`` [s_q, 1 or 2] int32 (int32 tensors,
     or int64 ones' words), ``slots`` [s_q, 1, topk_pad] and ``topk_length`` [s_q] int32 contiguous,
     s_q > 0."""
-    variant = _paged_indices_variants.get(PAGED_INDICES_NAME) or load_paged_indices_variant()
+    variant = _variants.get(_SLOT_INDICES) or load(_SLOT_INDICES)
     _call_on_device_of(
         slots, variant.function, indices, table_words, seqlen_words, slots, topk_length, compress_ratio
     )
-
-
-def load_serving_variants() -> dict[str, Variant]:
-    """Build or load every kernel of the paged serving path: the slot-index kernel, the four gathers, both
-    query casts, the FP8 attention variants for a bfloat16 q (the paged ones and the small-head ones
-    included) and both bf16 attention variants."""
-    variants = {v.name: v for v in load_paged_kv_variants().values()}
-    variants[PAGED_INDICES_NAME] = load_paged_indices_variant()
-    for d in (512, 576):
-        variant = load_q_cast_variant(d)
-        variants[variant.name] = variant
-    variants.update({v.name: v for v in load_variants(_keys(q_dtype=BF16_Q))})
-    variants.update({v.name: v for v in load_bf16_variants().values()})
-    return variants
-
-
-# ------------------------------------------------------------------------------------------------
-# BF16 attention (cute_kernels/sm90/sparse_prefill_bf16.py): the bf16 instantiation of the sparse
-# prefill kernel, variants by d_qk (512, 576), built on first use (or by load_bf16_variants()) and
-# disk-cached next to the FP8 variants (same key, lock and integrity check).
-# ------------------------------------------------------------------------------------------------
-BF16_FUNCTION = "sparse_prefill_bf16"
-bf16_cache_stats = CacheStats()
-_bf16_variants: dict[int, Variant] = {}
-
-
-def bf16_variant_name(d_qk: int) -> str:
-    return f"sparse_prefill_bf16_sm90_d{d_qk}"
-
-
-def _compile_bf16(d_qk: int, dump_dir: Path):
-    """Trace and compile one bf16 attention variant with fake tensors (dynamic extents)."""
-    cutlass, cute = import_dsl()
-    from cutlass import BFloat16
-
-    from cute_kernels.sm90.sparse_prefill_bf16 import SparsePrefillBf16Sm90
-
-    return compile_for_tvm_ffi(
-        SparsePrefillBf16Sm90(d_qk), _fake_attention_args(cute, BFloat16, d_qk, with_scales=False), dump_dir
-    )
-
-
-def load_bf16_variant(d_qk: int) -> Variant:
-    """Build or load the bf16 attention kernel for ``d_qk`` (idempotent)."""
-    if d_qk not in _bf16_variants:
-        if d_qk not in D_QK_VARIANTS:
-            raise ValueError(f"d_qk: expected one of {D_QK_VARIANTS}, got {d_qk}")
-        _bf16_variants[d_qk] = build_or_load(
-            bf16_variant_name(d_qk),
-            d_qk,
-            lambda dump_dir: _compile_bf16(d_qk, dump_dir),
-            BF16_FUNCTION,
-            bf16_cache_stats,
-        )
-    return _bf16_variants[d_qk]
-
-
-def load_bf16_variants() -> dict[int, Variant]:
-    """Build or load both bf16 attention variants, keyed by d_qk."""
-    for d_qk in D_QK_VARIANTS:
-        load_bf16_variant(d_qk)
-    return dict(_bf16_variants)
-
-
-def bf16_shared_memory_bytes(d_qk: int) -> int:
-    """Dynamic shared memory per CTA of the bf16 variant for ``d_qk``."""
-    import_dsl()
-    from cute_kernels.sm90.sparse_prefill_bf16 import SparsePrefillBf16Sm90
-
-    return SparsePrefillBf16Sm90(d_qk).shared_memory_bytes()
 
 
 def launch_sparse_prefill_bf16(
@@ -661,7 +659,8 @@ def launch_sparse_prefill_bf16(
     contiguous), indices [s_q, 1, topk] int32 (last dim contiguous, topk a multiple of 128),
     topk_length [s_q] int32 or None, attn_sink [h] float32 or None, out [s_q, h, 512] bf16, max_logits
     and lse [s_q, h] float32, all row-major. Launches on the current stream; no host sync."""
-    variant = _bf16_variants.get(q.shape[2]) or load_bf16_variant(q.shape[2])
+    key = Bf16AttentionKey(q.shape[2])
+    variant = _variants.get(key) or load(key)
     if q.data_ptr() % 16 or not q.is_contiguous():  # the Q tile is loaded by TMA
         q = q.contiguous() if not q.is_contiguous() else q.clone()
     if kv.data_ptr() % 16 or kv.stride(0) % 8 or kv.stride(2) != 1:  # rows gathered in 16-byte copies

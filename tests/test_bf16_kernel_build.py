@@ -18,13 +18,13 @@ D_QK = (512, 576)
 
 @pytest.fixture(scope="module")
 def variants():
-    return kernels.load_bf16_variants()
+    return {d_qk: kernels.load(kernels.Bf16AttentionKey(d_qk)) for d_qk in D_QK}
 
 
 def test_both_variants_build(variants):
     assert sorted(variants) == list(D_QK)
     for d_qk, variant in variants.items():
-        assert variant.name == kernels.bf16_variant_name(d_qk)
+        assert variant.name == f"sparse_prefill_bf16_sm90_d{d_qk}"
         assert variant.object_path.exists() and variant.ptx_path.exists()
 
 
@@ -73,7 +73,11 @@ def test_shared_memory_budget(d_qk, slots):
     kernel = sparse_prefill_bf16.SparsePrefillBf16Sm90(d_qk)
     assert kernel.num_slots == slots
     expected = 3072 + 64 * d_qk * 2 + slots * 32 * d_qk * 2 + 2 * 64 * 64 * 2
-    assert kernel.shared_memory_bytes() == kernels.bf16_shared_memory_bytes(d_qk) == expected
+    assert (
+        kernel.shared_memory_bytes()
+        == kernels.shared_memory_bytes(kernels.Bf16AttentionKey(d_qk))
+        == expected
+    )
     assert expected <= sparse_prefill_bf16.MAX_SMEM_BYTES
 
 
@@ -81,13 +85,14 @@ def test_rejects_other_head_dims():
     with pytest.raises(ValueError, match="d_qk must be 512 or 576"):
         sparse_prefill_bf16.SparsePrefillBf16Sm90(128)
     with pytest.raises(ValueError, match="d_qk: expected one of"):
-        kernels.load_bf16_variant(128)
+        kernels.load(kernels.Bf16AttentionKey(128))
 
 
 def test_bf16_variants_are_lazy_and_disk_cached(tmp_path):
     code = (
-        "import q8kv8.kernels as k, q8kv8; assert not k._bf16_variants;"
-        "k.load_bf16_variants(); s = k.bf16_cache_stats; print(s.hits, s.misses)"
+        "import q8kv8.kernels as k, q8kv8; keys = [k.Bf16AttentionKey(d) for d in (512, 576)];"
+        "assert not any(key in k._variants for key in keys); s = k.cache_stats; before = (s.hits, s.misses);"
+        "k.load_variants(keys); print(s.hits - before[0], s.misses - before[1])"
     )
     env = dict(os.environ, Q8KV8_CACHE_DIR=str(tmp_path))
 

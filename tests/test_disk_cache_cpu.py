@@ -66,7 +66,7 @@ def test_import_and_builds_work_without_a_usable_cache(tmp_path):
         warnings.simplefilter("always")
         import q8kv8
         from q8kv8 import disk_cache, kernels, native
-        variant = kernels.load_q_cast_variant(512)
+        variant = kernels.load(kernels.QCastKey(512))
         assert variant.source == "compiled", variant
         assert variant.object_path.parent.parent == disk_cache.cache_dir()
         assert native.load() is not None

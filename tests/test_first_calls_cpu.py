@@ -50,10 +50,10 @@ CONCURRENT_BUILDS = textwrap.dedent(
     from q8kv8 import kernels
 
     loaders = [
-        lambda: kernels.load_q_cast_variant(512),
-        lambda: kernels.load_q_cast_variant(576),
-        lambda: kernels.load_paged_kv_variant("v32", False),
-        lambda: kernels.load_q_cast_variant(512),
+        lambda: kernels.load(kernels.QCastKey(512)),
+        lambda: kernels.load(kernels.QCastKey(576)),
+        lambda: kernels.load(kernels.PagedGatherKey("v32")),
+        lambda: kernels.load(kernels.QCastKey(512)),
     ]
     start = threading.Barrier(len(loaders))
     results, errors = [None] * len(loaders), []
@@ -73,7 +73,7 @@ CONCURRENT_BUILDS = textwrap.dedent(
     assert not errors, errors
     assert all(result is not None and result.function is not None for result in results)
     assert results[0].name == results[3].name == "cast_q_fp8_sm90_d512"
-    print(kernels.paged_kv_cache_stats.misses)
+    print(kernels.cache_stats.misses)
     """
 )
 

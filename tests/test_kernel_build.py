@@ -348,15 +348,15 @@ def test_a_build_says_so_in_one_line_and_a_load_says_nothing(tmp_path, monkeypat
     announcement, one line naming it and its seconds; loading it from the cache prints nothing."""
     monkeypatch.setenv("Q8KV8_CACHE_DIR", str(tmp_path))
     monkeypatch.setattr(disk_cache, "_announced", False)
-    monkeypatch.setattr(kernels, "_q_cast_variants", {})
-    monkeypatch.setattr(kernels, "paged_kv_cache_stats", build.CacheStats())
+    monkeypatch.setattr(kernels, "_variants", {})
+    monkeypatch.setattr(kernels, "cache_stats", build.CacheStats())
     capfd.readouterr()
-    assert kernels.load_q_cast_variant(512).source == "compiled"
+    assert kernels.load(kernels.QCastKey(512)).source == "compiled"
     announcement, built = capfd.readouterr().err.splitlines()
     assert announcement.startswith("q8kv8: building ") and f" into {tmp_path} (" in announcement
     assert re.fullmatch(r"q8kv8: built cast_q_fp8_sm90_d512 \(\d+\.\d s\)", built), built
-    kernels._q_cast_variants.clear()
-    assert kernels.load_q_cast_variant(512).source == "cache"
+    kernels._variants.clear()
+    assert kernels.load(kernels.QCastKey(512)).source == "cache"
     assert capfd.readouterr().err == ""
 
 
@@ -391,7 +391,10 @@ def uniform_registers_read_unwritten(sass: str) -> set[str]:
 def _gather_variants():
     """Every attention variant with a row gather: the FP8 kernel's (every schedule, q dtype, head count and
     cache layout) and the bf16 kernel's."""
-    return kernels.listed_variants() + [kernels.load_bf16_variant(d_qk) for d_qk in (512, 576)]
+    attention = (kernels.VariantKey, kernels.Bf16AttentionKey)
+    return [
+        variant for variant in kernels.listed_variants() if isinstance(kernels.key_of(variant), attention)
+    ]
 
 
 def test_row_copies_read_only_uniform_registers_they_set(tmp_path):

@@ -212,8 +212,30 @@ def test_variant_names_and_keys():
         with pytest.raises(ValueError, match="no attention kernel variant"):
             bad.check()
     names = [key.name for key in kernels.LISTED_KEYS]
-    assert len(names) == len(set(names)) == 96
+    assert len(names) == len(set(names)) == 96 + 9  # the attention variants, the serving path's kernels
     assert kernels.LISTED_KEYS[: len(kernels.IMPORT_KEYS)] == kernels.IMPORT_KEYS
+    assert set(kernels.SERVING_KEYS) < set(kernels.LISTED_KEYS)
+
+
+def test_every_family_is_one_table_of_keys():
+    """The serving path's kernels are keyed in the same table as the attention variants: names, checks,
+    and keys of different families with equal fields kept apart."""
+    assert kernels.PagedGatherKey("v32").name == "paged_kv_gather_sm90_v32_e4m3"
+    assert kernels.PagedGatherKey("model1", torch.bfloat16).name == "paged_kv_gather_sm90_model1_bf16"
+    assert kernels.QCastKey(576).name == "cast_q_fp8_sm90_d576"
+    assert kernels.SlotIndicesKey().name == "paged_indices_sm90"
+    assert kernels.Bf16AttentionKey(512).name == "sparse_prefill_bf16_sm90_d512"
+    table = {kernels.QCastKey(512): "cast", kernels.Bf16AttentionKey(512): "bf16"}
+    assert len(table) == 2 and kernels.QCastKey(512) != kernels.Bf16AttentionKey(512)
+    for bad, message in (
+        (kernels.PagedGatherKey("v4"), "layout: expected one of"),
+        (kernels.PagedGatherKey("v32", torch.float16), "out_dtype: expected one of"),
+        (kernels.QCastKey(128), "d: expected one of"),
+        (kernels.Bf16AttentionKey(128), "d_qk: expected one of"),
+    ):
+        with pytest.raises(ValueError, match=message):
+            kernels.load(bad)
+        assert bad not in kernels._variants
 
 
 def test_given_options_are_passed_and_flagged(calls):
@@ -287,7 +309,7 @@ def test_bf16_launcher_passes_placeholders_and_flags(monkeypatch):
     folded with log2(e), flags."""
     recorded = []
     variant = types.SimpleNamespace(function=lambda *args: recorded.append(args), name="recorder")
-    monkeypatch.setattr(kernels, "_bf16_variants", EveryKey(variant))
+    monkeypatch.setattr(kernels, "_variants", EveryKey(variant))
     monkeypatch.setattr(torch.cuda, "current_device", lambda: None)  # CPU tensors: no device switch
     q = torch.zeros(S_Q, H, D_QK, dtype=torch.bfloat16)
     kv = torch.zeros(S_KV, 1, D_QK, dtype=torch.bfloat16)

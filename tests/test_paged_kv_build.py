@@ -8,6 +8,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 from cute_kernels.sm90 import paged_kv
 from q8kv8 import build, kernels, kv_layout
@@ -18,7 +19,12 @@ VARIANTS = [(layout, out_bf16) for layout in ("model1", "v32") for out_bf16 in (
 
 @pytest.fixture(scope="module")
 def variants():
-    return kernels.load_paged_kv_variants()
+    return {
+        (layout, out_bf16): kernels.load(
+            kernels.PagedGatherKey(layout, torch.bfloat16 if out_bf16 else torch.float8_e4m3fn)
+        )
+        for layout, out_bf16 in VARIANTS
+    }
 
 
 def test_kernel_layout_table_matches_kv_layout():
@@ -43,7 +49,7 @@ def test_kernel_layout_table_matches_kv_layout():
 def test_every_variant_builds(variants):
     assert sorted(variants) == sorted(VARIANTS)
     for (layout, out_bf16), variant in variants.items():
-        assert variant.name == kernels.paged_kv_variant_name(layout, out_bf16)
+        assert variant.name == f"paged_kv_gather_sm90_{layout}_{'bf16' if out_bf16 else 'e4m3'}"
         assert variant.object_path.exists() and variant.ptx_path.exists()
 
 
@@ -78,8 +84,8 @@ def test_ptxas_reports_no_spills(variants, layout, out_bf16):
 
 def test_second_load_hits_the_disk_cache(tmp_path):
     code = (
-        "import q8kv8.kernels as k; k.load_paged_kv_variants(); s = k.paged_kv_cache_stats;"
-        "print(s.hits, s.misses, max(v.seconds for v in k._paged_kv_variants.values()))"
+        "import q8kv8.kernels as k; keys = [x for x in k.SERVING_KEYS if isinstance(x, k.PagedGatherKey)];"
+        "vs = k.load_variants(keys); s = k.cache_stats; print(s.hits, s.misses, max(v.seconds for v in vs))"
     )
     env = dict(os.environ, Q8KV8_CACHE_DIR=str(tmp_path), Q8KV8_COMPILE_AT_IMPORT="0")
 
@@ -98,7 +104,7 @@ def test_second_load_hits_the_disk_cache(tmp_path):
 
 @pytest.mark.parametrize("d", [512, 576])
 def test_q_cast_kernel_builds_without_spills(d):
-    variant = kernels.load_q_cast_variant(d)
+    variant = kernels.load(kernels.QCastKey(d))
     ptx = variant.ptx_path.read_text()
     assert f".reqntid {d // 16}, 8, 1" in ptx
     assert "div.rn.f32" in ptx and "cvt.rn.satfinite.e4m3x2.f32" in ptx and ".ftz" not in ptx

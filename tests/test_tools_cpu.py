@@ -77,7 +77,7 @@ def test_compile_jobs_workers_say_what_they_build_on_stderr(tmp_path, monkeypatc
     monkeypatch.setenv("Q8KV8_CACHE_DIR", str(tmp_path))
     for d, announced in ((512, True), (576, False)):
         monkeypatch.setattr(
-            kernels, "variant_loaders", lambda d=d: [functools.partial(kernels.load_q_cast_variant, d)]
+            kernels, "variant_loaders", lambda d=d: [functools.partial(kernels.load, kernels.QCastKey(d))]
         )
         monkeypatch.setattr(disk_cache, "_announced", announced)
         capfd.readouterr()
@@ -126,7 +126,7 @@ def test_dsl_compile_failure_is_one_line_naming_the_variant(tmp_path, monkeypatc
     monkeypatch.setenv("Q8KV8_CACHE_DIR", str(tmp_path))
     monkeypatch.setattr(kernels, "_variants", {})
     monkeypatch.setattr(kernels, "cache_stats", build.CacheStats())
-    monkeypatch.setattr(kernels, "_compile", compile_fails)
+    monkeypatch.setattr(kernels.VariantKey, "compile", compile_fails)
     with pytest.raises(build.KernelCompileError) as caught:
         kernels.load_variants()
 
@@ -331,23 +331,37 @@ def test_paged_scales_emulation_backs_the_paged_kernels_readings():
         assert rows_lse < 1e-8 if scales == "pow2" else rows_lse > 1e-5
 
 
-def test_listings_name_every_variant_once_bf16_q_split_small_heads_and_paged_included():
+def test_listings_name_every_variant_once_bf16_q_split_small_heads_paged_and_serving_included():
     """``listed_variants()`` (what ``python -m q8kv8.compile`` and ``q8kv8.info()`` list): the variants built
-    at import first, then every other one of the keyed table (for a bfloat16 q, split, small heads, paged
-    caches), each once; each listed with its q dtype and cache layout."""
+    at import first, then every other one of the keyed table (attention for a bfloat16 q, split, small heads,
+    paged caches; the serving path's gathers, query casts, slot-index and bf16 kernels), each once; each
+    listed with its q dtype and cache layout."""
     variants = kernels.listed_variants()
     names = [v.name for v in variants]
     assert names[: len(kernels.IMPORT_KEYS)] == [key.name for key in kernels.IMPORT_KEYS]
-    assert len(set(names)) == len(names) == 96
+    assert len(set(names)) == len(names) == 96 + 9
+    attention = [v for v in variants if v.name.startswith("sparse_prefill_sm90_")]
+    assert len(attention) == 96
     assert len([name for name in names if name.endswith("_split")]) == 8 + 8  # 8 of them paged
     assert len([name for name in names if re.search(r"_h(8|16|32)(_|$)", name)]) == 24 + 24  # 24 paged
     assert len([name for name in names if "_paged_" in name]) == 24 + 24
-    for variant in variants:
+    for variant in attention:
         described = kernels.describe(variant)
         assert described["q_dtype"] == ("bf16" if "_bf16q" in variant.name else "e4m3")
         assert described["cache"] == next(
             (c for c in ("v32", "model1") if f"_paged_{c}" in variant.name), None
         )
+    serving = {v.name: kernels.describe(v) for v in variants if v not in attention}
+    assert sorted(serving) == sorted(
+        [f"paged_kv_gather_sm90_{c}_{t}" for c in ("model1", "v32") for t in ("e4m3", "bf16")]
+        + ["cast_q_fp8_sm90_d512", "cast_q_fp8_sm90_d576", "paged_indices_sm90"]
+        + ["sparse_prefill_bf16_sm90_d512", "sparse_prefill_bf16_sm90_d576"]
+    )
+    assert serving["paged_kv_gather_sm90_v32_bf16"]["cache"] == "v32"
+    assert serving["paged_kv_gather_sm90_v32_bf16"]["q_dtype"] is None
+    assert serving["sparse_prefill_bf16_sm90_d576"]["q_dtype"] == "bf16"
+    assert serving["sparse_prefill_bf16_sm90_d576"]["shared_memory_bytes"] > 0
+    assert serving["paged_indices_sm90"]["shared_memory_bytes"] == 0
 
 
 def test_the_bf16_q_and_split_variants_are_not_built_at_import():

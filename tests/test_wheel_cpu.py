@@ -40,7 +40,7 @@ os.environ["CUTE_DSL_ARCH"] = "sm_90a"
 import q8kv8
 from q8kv8 import kernels, native
 
-variant = kernels.load_q_cast_variant(512)
+variant = kernels.load(kernels.QCastKey(512))
 print(json.dumps({
     "q8kv8": q8kv8.__file__,
     "native_source": str(native.SOURCE),

@@ -47,7 +47,7 @@ def variant_key(d_qk: int, options: dict) -> kernels.VariantKey:
 
 def build_variant(d_qk: int, options: dict):
     with tempfile.TemporaryDirectory() as dump:
-        compiled = kernels._compile(variant_key(d_qk, options), Path(dump))
+        compiled = variant_key(d_qk, options).compile(Path(dump))
     with tempfile.NamedTemporaryFile(suffix=".ptx", mode="w") as ptx:
         ptx.write(compiled.__ptx__)
         ptx.flush()
