@@ -14,7 +14,7 @@ import torch
 
 from q8kv8 import kernels
 from q8kv8.arguments import check_buffer, require_int
-from q8kv8.contract import _overlaps
+from q8kv8.contract import _overlaps, _signature, register_memo
 from q8kv8.kv_layout import get_layout
 
 
@@ -92,7 +92,51 @@ def gather_dequant_paged(
     """Gather token slots of a paged FP8 cache into contiguous ``[num_tokens + extra_rows, 1, d_qk]``
     rows of ``out_dtype`` (e4m3 with per-tensor scale 1.0, or bf16) on the GPU; see
     ``gather_dequant_requant_fp8_paged``. The bf16 rows hold the dequantised nope (rounded to bf16)
-    and the RoPE values unchanged."""
+    and the RoPE values unchanged.
+
+    A valid call's verdict is memoised under its tensors' signatures and its other arguments (as the
+    contract's), so a serving loop's repeated calls pay the signatures and one lookup."""
+    try:
+        key = (
+            type(page_size),
+            page_size,
+            type(extra_rows),
+            extra_rows,
+            type(layout),
+            layout,
+            out_dtype,
+            _signature(cache),
+            _signature(slot_ids),
+            None if out is None else _signature(out),
+        )
+        verdict = _memo.get(key)
+    except TypeError:  # an unhashable argument: the checks say what is wrong with it
+        key = verdict = None
+    if verdict is None:
+        verdict = _check_gather(cache, slot_ids, page_size, layout, out_dtype, extra_rows, out)
+        if key is not None:
+            if len(_memo) >= _MEMO_ENTRIES:
+                _memo.clear()
+            _memo[key] = verdict
+    layout, page_shape, page_strides, shape = verdict
+    if out is None:
+        out = torch.empty(shape, dtype=out_dtype, device=cache.device)
+    if shape[0] == 0:
+        return out
+    words = slot_words(slot_ids)
+    if words.shape[0] == 0 or page_shape[0] == 0:  # nothing to read: only zero rows
+        return out.zero_()
+    pages = cache.view(torch.uint8).as_strided(page_shape, page_strides)
+    kernels.launch_paged_kv_gather(pages, words, out, page_size, layout.name)
+    return out
+
+
+_MEMO_ENTRIES = 64
+_memo: dict[tuple, tuple] = register_memo({})
+
+
+def _check_gather(cache, slot_ids, page_size, layout, out_dtype, extra_rows, out) -> tuple:
+    """``gather_dequant_paged``'s checks: ``(layout, the pages view's shape and strides, out's shape)``."""
     layout = get_layout(layout)
     out_dtype = out_dtype_of(out_dtype)
     extra_rows = require_int("extra_rows", extra_rows, 0)
@@ -103,15 +147,18 @@ def gather_dequant_paged(
             f"got page stride {pages.stride(0)} bytes"
         )
     words = slot_words(slot_ids)
-    rows = words.shape[0] + extra_rows
-    shape = (rows, 1, layout.d_qk)
+    shape = (words.shape[0] + extra_rows, 1, layout.d_qk)
     if out is not None:
         check_buffer("out", out, shape, out_dtype)
         if out.data_ptr() % 16:
             raise ValueError("out: expected a 16-byte aligned buffer (rows are written 16 bytes at a time)")
         if _overlaps(out, pages):
             raise ValueError("out: expected memory of its own, got memory overlapping cache")
-    # Devices last, so that every other check reports the same way on a machine without a GPU.
+    _check_devices(cache, slot_ids, out)  # last, so that every other check reports the same way without a GPU
+    return layout, tuple(pages.shape), pages.stride(), shape
+
+
+def _check_devices(cache, slot_ids, out) -> None:
     if cache.device.type != "cuda":
         raise ValueError(f"cache: expected a CUDA tensor, got device {cache.device}")
     for name, tensor in (("slot_ids", slot_ids), ("out", out)):
@@ -119,14 +166,6 @@ def gather_dequant_paged(
             raise ValueError(
                 f"{name}: expected a tensor on {cache.device} (the cache's device), got {tensor.device}"
             )
-    if out is None:
-        out = torch.empty(shape, dtype=out_dtype, device=cache.device)
-    if rows == 0:
-        return out
-    if words.shape[0] == 0 or pages.shape[0] == 0:  # nothing to read: only zero rows
-        return out.zero_()
-    kernels.launch_paged_kv_gather(pages, words, out, page_size, layout.name)
-    return out
 
 
 def gather_dequant_requant_fp8_paged(

@@ -28,6 +28,7 @@ import torch
 from q8kv8 import kernels
 from q8kv8.api import sparse_mla_q8kv8_paged_fwd, sparse_mla_q8kv8_prefill_fwd
 from q8kv8.arguments import require_int
+from q8kv8.contract import check_ranges_enabled
 from q8kv8.kv_layout import LAYOUT_BY_BYTES_PER_TOKEN, KvCacheLayout
 from q8kv8.merge import merge_attention
 from q8kv8.metadata import D_V, PRECISIONS, TOPK_ALIGNMENT, topk_length_from_seqlens
@@ -286,10 +287,15 @@ class SparsePrefill:
                 kernel_q, cache, slots, sm_scale, sink, topk_length, self.precision
             )
         # The workspace's rows are the indices themselves (the kernels ignore entries outside [0, num_rows)).
-        # Already padded and row-major, they go as they are, with each query's valid count from seqlens; else
-        # the slot-index kernel on the identity table pads them and counts, in one launch.
+        # Already padded and row-major, they go as they are, with each query's valid count from seqlens (int32
+        # seqlens of an uncompressed cache as they are: the kernels clamp topk_length to [0, topk], unless
+        # Q8KV8_CHECK_RANGES=1 has them raise); else the slot-index kernel on the identity table pads them
+        # and counts, in one launch.
         if indices.shape[1] == topk_pad and indices.stride(1) == 1:
-            topk_length = topk_length_for(seqlens, compress_ratio, topk_pad)
+            if compress_ratio == 0 and seqlens.dtype == torch.int32 and not check_ranges_enabled():
+                topk_length = seqlens
+            else:
+                topk_length = topk_length_for(seqlens, compress_ratio, topk_pad)
             indices = indices.unsqueeze(1)
         else:
             identity = self._identity_rows(num_rows, indices.device)

@@ -252,6 +252,54 @@ def test_gather_argument_errors(overrides, error, match):
         _gather(**overrides)
 
 
+@pytest.fixture
+def gather_memo(monkeypatch) -> dict:
+    """The gather's memo, empty, with CPU tensors accepted (its device check replaced by a recorder) and the
+    launch recorded: ``{"device_checks": [...], "launches": [(pages, words, out, page_size, layout)]}``."""
+    record = {"device_checks": [], "launches": []}
+    monkeypatch.setattr(paged_gather, "_memo", {})
+    monkeypatch.setattr(paged_gather, "_check_devices", lambda *a: record["device_checks"].append(a))
+    monkeypatch.setattr(
+        paged_gather.kernels, "launch_paged_kv_gather", lambda *a: record["launches"].append(a)
+    )
+    return record
+
+
+def test_gather_memo_answers_a_repeated_call_and_checks_any_change(gather_memo):
+    """A repeated valid call skips the checks and launches what the checked call launched; new buffers,
+    other sizes, an in-place change the checks would catch, and invalid arguments are checked again."""
+    cache, slots = empty_cache("v32", 2, 64), torch.arange(10, dtype=torch.int32)
+    out = torch.empty(12, 1, 576, dtype=E4M3)
+    for _ in range(3):
+        assert _gather(cache_u8=cache, slot_ids=slots, out=out, extra_rows=2) is out
+    assert len(gather_memo["device_checks"]) == 1
+    first, *later = gather_memo["launches"]
+    for launch in later:
+        pages, words, launched_out, page_size, layout = launch
+        assert (pages.data_ptr(), pages.shape, pages.stride()) == (
+            first[0].data_ptr(),
+            first[0].shape,
+            first[0].stride(),
+        )
+        assert torch.equal(words, first[1]) and launched_out is out and (page_size, layout) == (64, "v32")
+    assert first[0].shape == (2, 64 * 656) and first[0].dtype == torch.uint8
+    _gather(cache_u8=cache, slot_ids=slots, out=torch.empty(12, 1, 576, dtype=E4M3), extra_rows=2)  # moved
+    _gather(cache_u8=cache, slot_ids=slots, extra_rows=2)  # allocating
+    assert len(gather_memo["device_checks"]) == 3
+    out.set_(cache.untyped_storage(), 0, (12, 1, 576), (576, 576, 1))  # same object, now inside the cache
+    with pytest.raises(ValueError, match="out: expected memory of its own"):
+        _gather(cache_u8=cache, slot_ids=slots, out=out, extra_rows=2)
+    for overrides, error in (
+        ({"page_size": True}, TypeError),  # equal to 1 as a key, but not a Python int
+        ({"extra_rows": 2.0}, TypeError),
+        ({"layout": ["v32"]}, ValueError),  # unhashable: checked without the memo
+    ):
+        size = len(paged_gather._memo)
+        with pytest.raises(error):
+            _gather(cache_u8=cache, slot_ids=slots, **overrides)
+        assert len(paged_gather._memo) == size  # errors are never memoised
+
+
 def test_gather_rejects_out_overlapping_the_cache():
     cache = empty_cache("v32", 2, 64)
     out = cache.reshape(-1)[: 10 * 576].view(E4M3).view(10, 1, 576)
@@ -514,16 +562,39 @@ def recording_kernels(calls: list):
 
     def attention_fp8(q, kv, indices, sm_scale, q_scale, kv_scale, attn_sink, topk_length, precision):
         calls.append({"q": q, "q_scale": q_scale, "kv_scale": kv_scale, "attn_sink": attn_sink})
-        calls[-1]["precision"] = precision
+        calls[-1].update(precision=precision, topk_length=topk_length)
         return kernels.attention_fp8(q, kv, indices, sm_scale, q_scale, kv_scale, attn_sink, topk_length)
 
     def attention_bf16(q, kv, indices, sm_scale, attn_sink, topk_length):
-        calls.append({"q": q, "attn_sink": attn_sink})
+        calls.append({"q": q, "attn_sink": attn_sink, "topk_length": topk_length})
         return kernels.attention_bf16(q, kv, indices, sm_scale, attn_sink, topk_length)
 
     return kernels._replace(
         attention_paged=attention_paged, attention_fp8=attention_fp8, attention_bf16=attention_bf16
     )
+
+
+@pytest.mark.parametrize("backend", ["fp8", "bf16"])
+def test_workspace_path_hands_int32_seqlens_as_topk_length(generator, backend, monkeypatch):
+    """Padded indices of an uncompressed cache: int32 seqlens go to the kernel as topk_length as they are
+    (it clamps them to [0, topk]; no launch); int64 ones, a compressed cache and ``Q8KV8_CHECK_RANGES=1``
+    (which has the kernel raise for values past topk) get them clamped to [0, topk] first. Same outputs."""
+    batch = make_batch("v32", 64, 0, h=16, topk=128, generator=generator, garbage_tail=False)
+    seqlens = batch["seqlens"] + 64  # some past topk (a longer request: the same rows, all of them valid)
+    assert batch["indices"].shape[1] == 128 and int(seqlens.max()) > 128
+    args = [batch["q"], batch["cache"], batch["page_table"], batch["indices"]]
+    results, lengths = [], []
+    for seqlens_arg, check_ranges in ((seqlens, "0"), (seqlens.long(), "0"), (seqlens, "1")):
+        monkeypatch.setenv("Q8KV8_CHECK_RANGES", check_ranges)
+        calls = []
+        prefill = SparsePrefill(backend, path="workspace", kernels=recording_kernels(calls))
+        results.append(prefill.forward(*args, seqlens_arg, 0, SM_SCALE))
+        lengths.append(calls[0]["topk_length"])
+    assert lengths[0] is seqlens
+    for clamped in lengths[1:]:
+        assert clamped.dtype == torch.int32 and torch.equal(clamped, seqlens.clamp(0, 128))
+    for result in results[1:]:
+        assert all(torch.equal(a, b) for a, b in zip(result, results[0], strict=True))
 
 
 @pytest.mark.parametrize("backend, path", [("fp8", "paged"), ("fp8", "workspace"), ("bf16", "auto")])
