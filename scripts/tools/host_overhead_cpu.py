@@ -134,6 +134,44 @@ def main() -> None:
         for name, fn in fast_rows.items():
             print(f"{name:48s} {per_call_us(fn):6.2f} us")
 
+    layer_rows()
+
+
+def layer_rows() -> None:
+    """One ``SparsePrefill`` call (V3.2 cache, 32k prefix, s_q 256, h 16, topk 2048) on each path, its
+    kernels no-ops. Last: every tensor reports ``cuda:0`` from here on (the layer's and the gather's device
+    checks pass) and ``torch.empty`` ignores the device."""
+    from q8kv8 import paged, serving, workspace
+
+    page, prefix, s_q, h = 64, 32768, 256, 16
+    num_pages = prefix // page + 4
+    inputs = {
+        "q": torch.zeros(s_q, h, 576, dtype=torch.bfloat16),
+        "cache": torch.zeros(num_pages, page, 1, 656, dtype=torch.uint8),
+        "page_table": torch.randperm(num_pages * page)[:prefix].to(torch.int32),
+        "indices": torch.zeros(s_q, 2048, dtype=torch.int32),
+        "seqlens": torch.arange(prefix - s_q + 1, prefix + 1, dtype=torch.int32),
+        "compress_ratio": 0,
+        "sm_scale": 576**-0.5,
+    }
+    cuda0 = torch.device("cuda", 0)
+    layers = {}
+    for path in ("workspace", "paged"):
+        layer = layers[path] = serving.SparsePrefill("fp8", path=path)
+        layer.workspace = workspace.SparsePrefillWorkspace("cpu", 576)
+        layer.workspace.reserve(prefix, torch.float8_e4m3fn)
+        layer.workspace.device = cuda0
+        layer._ones[cuda0] = torch.ones(1)
+    paged._ones[cuda0] = torch.ones(1)
+    real_empty = torch.empty
+    torch.empty = lambda *args, device=None, **kwargs: real_empty(*args, **kwargs)
+    torch.Tensor.device = property(lambda self: cuda0)
+    torch.Tensor.is_cuda = property(lambda self: True)
+    torch.cuda.device_count = lambda: 1
+    for path, layer in layers.items():
+        name = f"SparsePrefill, {path} path (no-op kernels)"
+        print(f"{name:48s} {per_call_us(lambda layer=layer: layer.forward(**inputs), calls=500):6.2f} us")
+
 
 if __name__ == "__main__":
     main()
