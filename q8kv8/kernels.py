@@ -55,14 +55,13 @@ from q8kv8.schedule import (
 )
 
 FP8 = torch.float8_e4m3fn
-BF16 = torch.bfloat16
-BF16_Q = BF16
+BF16_Q = torch.bfloat16
 KERNEL_Q_DTYPES = {FP8: "e4m3", BF16_Q: "bf16"}
 """The FP8 kernel's ``q_dtype`` option for each dtype of q (``q8kv8.metadata.Q_DTYPES``)."""
 CACHE_LAYOUTS = {name: layout.d_qk for name, layout in LAYOUTS.items()}
 """The paged cache layouts the kernels read (``q8kv8.kv_layout``), with their d_qk."""
 SCHEDULE_SUFFIXES = {ONE_TILE: "", PERSISTENT: "_persistent", SPLIT: "_split"}
-GATHER_DTYPES = {FP8: "e4m3", BF16: "bf16"}
+GATHER_DTYPES = {FP8: "e4m3", torch.bfloat16: "bf16"}
 """The gather's output dtypes, as its variant names spell them."""
 
 cache_stats = CacheStats()
@@ -129,9 +128,8 @@ class VariantKey(NamedTuple):
 
         q_type = BFloat16 if self.q_dtype == BF16_Q else Float8E4M3FN
         args = _fake_attention_args(cute, Float8E4M3FN, self.d_qk, with_scales=True, q_type=q_type)
-        if (
-            self.cache is not None
-        ):  # kv: the cache, [num_pages, page_size, bytes per token], page stride dynamic
+        if self.cache is not None:
+            # kv: the cache, [num_pages, page_size, bytes per token], page stride dynamic
             kv = cute.runtime.make_fake_tensor(
                 Uint8,
                 (cute.sym_int(), cute.sym_int(), LAYOUTS[self.cache].bytes_per_token),
@@ -143,17 +141,28 @@ class VariantKey(NamedTuple):
         return compile_for_tvm_ffi(self.kernel(), args, dump_dir)
 
 
+class _FamilyDefaults:
+    """What the keys of the serving path's kernel families share unless they say otherwise: the default
+    precision, no q dtype (a kernel without q), no cache layout, every key of the family valid."""
+
+    __slots__ = ()
+    precision = "default"
+    q_dtype = None
+    cache = None
+
+    def check(self) -> None:
+        pass
+
+
 @dataclass(frozen=True, slots=True)
-class Bf16AttentionKey:
+class Bf16AttentionKey(_FamilyDefaults):
     """The bf16 attention kernel (``cute_kernels/sm90/sparse_prefill_bf16.py``) for one d_qk: the serving
     path's bf16 backend."""
 
     d_qk: int
 
     exported = "sparse_prefill_bf16"
-    precision = "default"
-    q_dtype = BF16
-    cache = None
+    q_dtype = BF16_Q
 
     @property
     def name(self) -> str:
@@ -178,7 +187,7 @@ class Bf16AttentionKey:
 
 
 @dataclass(frozen=True, slots=True)
-class PagedGatherKey:
+class PagedGatherKey(_FamilyDefaults):
     """The paged-cache gather (``cute_kernels/sm90/paged_kv.py``) for one cache layout and output dtype:
     token slots into contiguous e4m3 (scale 1) or bf16 rows."""
 
@@ -186,8 +195,6 @@ class PagedGatherKey:
     out_dtype: torch.dtype = FP8
 
     exported = "paged_kv_gather"
-    precision = "default"
-    q_dtype = None
 
     @property
     def name(self) -> str:
@@ -211,7 +218,7 @@ class PagedGatherKey:
         import_dsl()
         from cute_kernels.sm90.paged_kv import PagedKvGatherSm90
 
-        return PagedKvGatherSm90(self.layout, self.out_dtype == BF16)
+        return PagedKvGatherSm90(self.layout, self.out_dtype == torch.bfloat16)
 
     def compile(self, dump_dir: Path):
         cutlass, cute = import_dsl()
@@ -229,7 +236,7 @@ class PagedGatherKey:
                 Int32, (cute.sym_int(), cute.sym_int()), stride=(cute.sym_int64(), 1), assumed_align=4
             ),
             cute.runtime.make_fake_compact_tensor(  # out [rows, 1, d_qk], row-major
-                BFloat16 if self.out_dtype == BF16 else Float8E4M3FN,
+                BFloat16 if self.out_dtype == torch.bfloat16 else Float8E4M3FN,
                 (cute.sym_int(), 1, kernel.d_qk),
                 stride_order=(2, 1, 0),
                 assumed_align=16,
@@ -241,16 +248,14 @@ class PagedGatherKey:
 
 
 @dataclass(frozen=True, slots=True)
-class QCastKey:
+class QCastKey(_FamilyDefaults):
     """The query cast (``cute_kernels/sm90/q_cast.py``) for head dim ``d``: bf16 Q to e4m3 in a head-padded
     buffer."""
 
     d: int
 
     exported = "cast_q_fp8"
-    precision = "default"
-    q_dtype = BF16
-    cache = None
+    q_dtype = BF16_Q
 
     @property
     def name(self) -> str:
@@ -294,22 +299,16 @@ class QCastKey:
 
 
 @dataclass(frozen=True, slots=True)
-class SlotIndicesKey:
+class SlotIndicesKey(_FamilyDefaults):
     """The slot-index kernel (``cute_kernels/sm90/paged_indices.py``): a serving layer's top-k rows to
     token slots through its page table, and each query's valid count. One variant."""
 
     exported = "paged_indices"
-    precision = "default"
-    q_dtype = None
-    cache = None
     d_qk = 0
 
     @property
     def name(self) -> str:
         return "paged_indices_sm90"
-
-    def check(self) -> None:
-        pass
 
     def kernel(self):
         import_dsl()
