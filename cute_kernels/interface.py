@@ -2,6 +2,7 @@
 DSL import, so that the host package reads them from here without loading the DSL)."""
 
 import math
+from typing import NamedTuple
 
 HEAD_ALIGNMENT = 64
 """Query heads per tile (one token's head group, one WGMMA M tile): a token of h heads is ceil(h / 64)
@@ -15,6 +16,23 @@ SPLIT_PARTS = (2, 4, 8)
 """Part counts of the split kernel (a tile's index slots over a cluster of that many CTAs, 8 the most a
 portable cluster holds): they divide the eight d tiles of out (four per consumer warpgroup), which the parts
 share out for the merge."""
+
+
+class Precision(NamedTuple):
+    """What a ``precision`` buys: P kept as two e4m3 terms for the PV product (out of bf16 class), and QK
+    summed in float32 every few k-steps (``max_logits`` and ``lse`` to merge by, or to apply a sink to)."""
+
+    p_terms: int  # e4m3 terms P is stored as: 1, or 2 (hi = e4m3(p), lo = e4m3(p - hi))
+    qk_in_float32: bool  # S summed in float32 from short WGMMA groups, each started from zero
+
+
+PRECISIONS = {
+    "default": Precision(p_terms=1, qk_in_float32=False),
+    "accurate": Precision(p_terms=2, qk_in_float32=True),
+    "accurate_out": Precision(p_terms=2, qk_in_float32=False),
+    "accurate_logits": Precision(p_terms=1, qk_in_float32=True),
+}
+"""The kernels' ``precision`` values: "accurate" buys both, "accurate_out" and "accurate_logits" one each."""
 
 TOPK_ALIGNMENT = 128
 """Top-k slots per gathered pair of KV blocks: ``indices.shape[-1]`` must be a multiple."""

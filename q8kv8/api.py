@@ -55,9 +55,11 @@ def sparse_mla_q8kv8_prefill_fwd(
         out, max_logits, lse: optional contiguous output buffers ([s_q, h_q, d_v] bfloat16, [s_q, h_q]
             float32, [s_q, h_q] float32) that share no memory with each other or the inputs; written and
             returned when given.
-        precision: "default" (P rounded to e4m3 for the PV product: ||out - ref|| / ||ref|| about 3e-2)
-            or "accurate" (P kept as two e4m3 terms and QK summed in float32 every 3 k-steps: about 3e-3,
-            logits within 5e-4; the README's "Performance" states its cost).
+        precision: "default" (P rounded to e4m3 for the PV product: ||out - ref|| / ||ref|| about 3e-2;
+            QK summed by the FP8 tensor cores: logits within about 2e-3, up to 1% low on a row led by one
+            slot), "accurate_out" (P kept as two e4m3 terms: about 3e-3), "accurate_logits" (QK summed in
+            float32 every 3 k-steps: logits within 5e-4, to merge by or apply a sink to) or "accurate"
+            (both); each costs only what it buys (``make bench`` times them side by side).
 
     Returns:
         ``out`` (softmax-weighted sum of ``kv[idx, :d_v] * kv_scale``), ``max_logits`` (largest logit) and

@@ -5,8 +5,8 @@ extent dynamic) or loads it from the disk cache (``q8kv8.build.build_or_load``),
 
 - ``VariantKey``: the FP8 attention kernel (``cute_kernels/sm90/sparse_prefill.py``) by d_qk, precision,
   schedule kind, q's dtype, heads a tile and paged cache layout. The one-tile and persistent variants for an
-  e4m3 q (``IMPORT_KEYS``) are loaded when ``q8kv8`` is imported, every other one on its first launch; the
-  sink and ``topk_length`` are runtime flags;
+  e4m3 q in the default and accurate precisions (``IMPORT_KEYS``) are loaded when ``q8kv8`` is imported,
+  every other one on its first launch; the sink and ``topk_length`` are runtime flags;
 - the serving path's kernels (``SERVING_KEYS``, built on first use or by ``load_serving_variants()``):
   ``PagedGatherKey`` (the paged-cache gather, ``paged_kv.py``), ``QCastKey`` (the query cast,
   ``q_cast.py``), ``SlotIndicesKey`` (top-k rows to token slots, ``paged_indices.py``) and
@@ -364,10 +364,14 @@ def _attention_keys(**fixed) -> list[VariantKey]:
     return keys
 
 
+IMPORT_PRECISIONS = ("default", "accurate")
 IMPORT_KEYS = [
-    key for key in _attention_keys(q_dtype=FP8, heads=HEAD_ALIGNMENT, cache=None) if key.schedule != SPLIT
+    key
+    for key in _attention_keys(q_dtype=FP8, heads=HEAD_ALIGNMENT, cache=None)
+    if key.schedule != SPLIT and key.precision in IMPORT_PRECISIONS
 ]
-"""The variants loaded when ``q8kv8`` is imported: one-tile and persistent attention, for an e4m3 q."""
+"""The variants loaded when ``q8kv8`` is imported: one-tile and persistent attention, for an e4m3 q, in the
+``IMPORT_PRECISIONS`` (a precision buying one of the accurate mode's two parts builds on its first call)."""
 SERVING_KEYS = [
     SlotIndicesKey(),
     *(PagedGatherKey(layout, dtype) for layout in LAYOUTS for dtype in GATHER_DTYPES),

@@ -8,6 +8,7 @@ import torch
 from cute_kernels.interface import D_V as D_V
 from cute_kernels.interface import HEAD_ALIGNMENT as HEAD_ALIGNMENT
 from cute_kernels.interface import LOG2_E as LOG2_E
+from cute_kernels.interface import PRECISIONS as _KERNEL_PRECISIONS
 from cute_kernels.interface import SINK_FLAG as SINK_FLAG
 from cute_kernels.interface import SMALL_HEAD_COUNTS as SMALL_HEAD_COUNTS
 from cute_kernels.interface import SPLIT_PARTS as SPLIT_PARTS
@@ -19,8 +20,10 @@ from cute_kernels.interface import TOPK_LENGTH_FLAG as TOPK_LENGTH_FLAG
 __version__ = "0.1.0"
 """The package's version (``q8kv8.__version__``; pyproject.toml reads it here)."""
 
-PRECISIONS = ("default", "accurate")
-"""``precision`` values: P rounded to one e4m3 term for the PV product, or kept as two."""
+PRECISIONS = tuple(_KERNEL_PRECISIONS)
+"""``precision`` values: "default" (P rounded to one e4m3 term for the PV product, S from the FP8 tensor
+cores' own sums), "accurate_out" (P kept as two e4m3 terms: out of bf16 class), "accurate_logits" (S summed in
+float32 every few k-steps: ``max_logits`` and ``lse`` to merge by), "accurate" (both)."""
 
 E4M3_MAX = 448.0
 """The largest finite float8_e4m3fn value; casts to e4m3 saturate at +-E4M3_MAX."""

@@ -5,7 +5,7 @@ The persistent kernel (``cute_kernels/sm90/sparse_prefill.py``, ``persistent=Tru
 (token, 64 heads) tiles (a token of h_q heads has ceil(h_q / 64)); its producer loads the next tile's Q and
 gathers its first rows during the current tile's tail, and the current tile's out stores drain during the next
 tile's math) pays on short tiles and costs on long ones (docs/perf-notes.md has the measurements). So it runs,
-for either precision, when topk <= 512 or topk_length is given (short rows are what topk_length is for), with
+for every precision, when topk <= 512 or topk_length is given (short rows are what topk_length is for), with
 min(4, tiles // (4 * SMs)) tiles per CTA when that is at least 2 (the grid keeps four waves of CTAs or more).
 Results are bitwise those of the one-tile kernel, so the choice only ever changes the time.
 
@@ -50,12 +50,12 @@ from typing import NamedTuple
 
 import torch
 
-from q8kv8.metadata import SPLIT_PARTS, head_groups, small_heads
+from q8kv8.metadata import PRECISIONS, SPLIT_PARTS, head_groups, small_heads
 
 ONE_TILE, PERSISTENT, SPLIT = 0, 1, 2
 """The schedule kinds (a launch's kernel variant): one tile per CTA, persistent, split."""
 
-PERSISTENT_PRECISIONS = ("default", "accurate")
+PERSISTENT_PRECISIONS = PRECISIONS
 PERSISTENT_MAX_TOPK = 512
 PERSISTENT_MAX_TILES_PER_CTA = 4
 PERSISTENT_MIN_WAVES = 4

@@ -190,10 +190,10 @@ class SparsePrefill:
 
     ``backend``: "fp8" (the FP8 kernel on the bfloat16 Q, which it quantises per row, and the cache's e4m3
     rows), "bf16" (Q and the gathered KV in bf16: dequantised nope rounded to bf16 + RoPE; the bf16 kernel),
-    or "auto" (fp8); ``$Q8KV8_PREFILL_BACKEND`` overrides it. ``precision``: the FP8 kernel's, "default" or
-    "accurate" (``sparse_mla_q8kv8_prefill_fwd``: P as two e4m3 terms, and on the paged path the RoPE's two
-    terms); ``$Q8KV8_PRECISION`` overrides it. ``path``: for the FP8 backend, "paged" (attend straight from
-    the cache), "workspace" (gather the rows the batch may attend into a workspace first), or "auto"
+    or "auto" (fp8); ``$Q8KV8_PREFILL_BACKEND`` overrides it. ``precision``: the FP8 kernel's, one of
+    ``q8kv8.metadata.PRECISIONS`` (``sparse_mla_q8kv8_prefill_fwd``); ``$Q8KV8_PRECISION`` overrides it.
+    ``path``: for the FP8 backend, "paged" (attend straight from the cache), "workspace" (gather the rows
+    the batch may attend into a workspace first), or "auto"
     (paged when the workspace would gather more than ``PAGED_ROWS_PER_TILE_SLOT`` rows per tile-slot of the
     batch, else the workspace); ``last_path`` says which ran. ``extra_rows`` zero rows follow the gathered
     rows in the workspace (a landing zone); they are never attended. ``kernels`` replaces the GPU kernels

@@ -12,7 +12,7 @@ import torch
 
 from q8kv8 import contract, schedule, sparse_mla_q8kv8_prefill_fwd
 from q8kv8.contract import InputTypeError, Problem, check_device, check_inputs
-from q8kv8.metadata import small_heads
+from q8kv8.metadata import PRECISIONS, small_heads
 from q8kv8.prefill_call import PrefillCall
 
 S_Q, H_Q, S_KV, D_QK, D_V, TOPK = 4, 16, 32, 576, 512, 128
@@ -263,7 +263,7 @@ VIOLATIONS = [
         "precision-unknown",
         lambda a: {"precision": "fast"},
         ValueError,
-        "precision: expected one of ('default', 'accurate'), got 'fast'",
+        f"precision: expected one of {PRECISIONS}, got 'fast'",
     ),
     (
         "sink-not-a-tensor",

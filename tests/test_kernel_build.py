@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 
+from cute_kernels.interface import PRECISIONS
 from cute_kernels.sm90 import paged_rows, sparse_prefill
 from q8kv8 import build, disk_cache, kernels
 from q8kv8.schedule import ONE_TILE, PERSISTENT, SPLIT
@@ -32,8 +33,22 @@ def persistent_variants():
     return {(d_qk, precision): variant(d_qk, precision, PERSISTENT) for d_qk, precision in PERSISTENT_KEYS}
 
 
-VARIANT_KEYS = [(d_qk, precision) for d_qk in (512, 576) for precision in ("default", "accurate")]
+VARIANT_KEYS = [(d_qk, precision) for d_qk in (512, 576) for precision in kernels.IMPORT_PRECISIONS]
 PERSISTENT_KEYS = VARIANT_KEYS
+SINGLE_PURCHASES = [precision for precision in PRECISIONS if precision not in kernels.IMPORT_PRECISIONS]
+"""The precisions that buy one of the accurate mode's two parts (built on first use): their one-tile
+variants are checked as the others, and one variant of each other kind (d_qk 576) for its registers."""
+ONE_TILE_KEYS = VARIANT_KEYS + [(d_qk, precision) for d_qk in (512, 576) for precision in SINGLE_PURCHASES]
+
+
+def p_terms(precision) -> int:
+    """The e4m3 terms P is stored as."""
+    return PRECISIONS[precision].p_terms
+
+
+def promoted(precision) -> bool:
+    """Whether S is summed in float32 (``qk_promoted``)."""
+    return PRECISIONS[precision].qk_in_float32
 
 
 def test_import_builds_every_variant(variants):
@@ -77,15 +92,15 @@ def promoted_qk_wgmmas(d_qk: int) -> int:
     return 2 * group + d_qk // 32 % group
 
 
-@pytest.mark.parametrize("d_qk, precision", VARIANT_KEYS)
-def test_ptx_uses_fp8_wgmma_tma_and_cp_async(variants, d_qk, precision):
-    ptx = variants[d_qk, precision].ptx_path.read_text()
+@pytest.mark.parametrize("d_qk, precision", ONE_TILE_KEYS)
+def test_ptx_uses_fp8_wgmma_tma_and_cp_async(d_qk, precision):
+    ptx = variant(d_qk, precision).ptx_path.read_text()
     wgmma = re.findall(r"wgmma\.mma_async\.\S+", ptx)
     n64, n32 = (f"wgmma.mma_async.sync.aligned.m64n{n}k32.f32.e4m3.e4m3" for n in (64, 32))
     # k-steps of O^T (4 d tiles x 2 k-steps per block, once per e4m3 term of P) on the three PV paths: two
     # blocks (the common one), the other's block only, own only
-    pv_steps = (16 + 8 + 8) * (2 if precision == "accurate" else 1)
-    if precision == "accurate":  # S in two N = 32 halves
+    pv_steps = (16 + 8 + 8) * p_terms(precision)
+    if promoted(precision):  # S in two N = 32 halves
         assert set(wgmma) == {n64, n32}
         assert wgmma.count(n32) == 2 * promoted_qk_wgmmas(d_qk) and wgmma.count(n64) == pv_steps
     else:  # S = Q.K^T as one group of d_qk / 32 k-steps
@@ -95,24 +110,22 @@ def test_ptx_uses_fp8_wgmma_tma_and_cp_async(variants, d_qk, precision):
     assert "ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16" in ptx
     assert re.search(rf"setmaxnreg\.dec\.sync\.aligned\.u32\s+{sparse_prefill.PRODUCER_REGS};", ptx)
     assert re.search(rf"setmaxnreg\.inc\.sync\.aligned\.u32\s+{sparse_prefill.CONSUMER_REGS};", ptx)
-    # "accurate": f32 exponentials rounded to f16 (cvt.rn.f16x2.f32), split into hi = e4m3(p) and
+    # P of two terms: f32 exponentials rounded to f16 (cvt.rn.f16x2.f32), split into hi = e4m3(p) and
     # lo = e4m3(p - hi) (cvt.rn.f16x2.e4m3x2 takes hi back to f16); 16 per copy of the softmax. No
-    # f16x2 exponentials in either precision.
-    accurate = precision == "accurate"
+    # f16x2 exponentials in any precision.
+    two_terms = p_terms(precision) == 2
     for pattern in (r"cvt\.rn\.f16x2\.f32", r"cvt\.rn\.f16x2\.e4m3x2"):
         count = len(re.findall(pattern, ptx))
-        assert (count > 0 and count % 16 == 0) if accurate else count == 0, (pattern, count)
+        assert (count > 0 and count % 16 == 0) if two_terms else count == 0, (pattern, count)
     assert "ex2.approx.f16x2" not in ptx
 
 
 @pytest.mark.parametrize("persistent", [False, True])
-@pytest.mark.parametrize("d_qk, precision", VARIANT_KEYS)
-def test_ptxas_reports_no_spills_and_no_wgmma_serialisation(variants, d_qk, precision, persistent):
-    if persistent and (d_qk, precision) not in PERSISTENT_KEYS:
-        pytest.skip("no persistent variant")
-    assert_fits_in_registers(
-        variant(d_qk, precision, PERSISTENT) if persistent else variants[d_qk, precision]
-    )
+@pytest.mark.parametrize("d_qk, precision", ONE_TILE_KEYS)
+def test_ptxas_reports_no_spills_and_no_wgmma_serialisation(d_qk, precision, persistent):
+    if persistent and (d_qk, precision) not in PERSISTENT_KEYS and d_qk != 576:
+        pytest.skip("checked at d_qk 576")
+    assert_fits_in_registers(variant(d_qk, precision, PERSISTENT if persistent else ONE_TILE))
 
 
 def assert_fits_in_registers(variant):
@@ -128,10 +141,12 @@ def assert_fits_in_registers(variant):
 
 
 @pytest.mark.parametrize("q_dtype", [kernels.FP8, kernels.BF16_Q], ids=["e4m3", "bf16"])
-@pytest.mark.parametrize("d_qk, precision", VARIANT_KEYS)
+@pytest.mark.parametrize("d_qk, precision", VARIANT_KEYS + [(576, p) for p in SINGLE_PURCHASES])
 def test_split_and_bf16_q_variants_fit_in_registers(d_qk, precision, q_dtype):
     """The variants built on first use (split, for either q dtype; one-tile and persistent for a bfloat16 q)
-    fit as the others do."""
+    fit as the others do (a single purchase: its split variant for an e4m3 q)."""
+    if precision in SINGLE_PURCHASES and q_dtype == kernels.BF16_Q:
+        pytest.skip("checked for an e4m3 q")
     assert_fits_in_registers(variant(d_qk, precision, SPLIT, q_dtype))
     if q_dtype == kernels.BF16_Q:
         for kind in (ONE_TILE, PERSISTENT):
@@ -204,30 +219,39 @@ def test_split_merge_slots_are_distinct_and_fit_in_the_kv_tiles(splits):
     assert end <= sparse_prefill.NUM_KV_TILES * sparse_prefill.B_TOPK * 512  # d_qk 512's KV tiles
 
 
-@pytest.mark.parametrize("q_dtype", [kernels.FP8, kernels.BF16_Q], ids=["e4m3", "bf16"])
-@pytest.mark.parametrize("heads", [8, 16, 32])
-@pytest.mark.parametrize("d_qk, precision", VARIANT_KEYS)
+SMALL_HEAD_KEYS = [
+    (d_qk, precision, heads, q_dtype)
+    for d_qk, precision in VARIANT_KEYS
+    for heads in (8, 16, 32)
+    for q_dtype in (kernels.FP8, kernels.BF16_Q)
+] + [(576, precision, 16, kernels.FP8) for precision in SINGLE_PURCHASES]
+
+
+@pytest.mark.parametrize(
+    "d_qk, precision, heads, q_dtype",
+    SMALL_HEAD_KEYS,
+    ids=[f"{d}-{p}-h{h}-{kernels.KERNEL_Q_DTYPES[q]}" for d, p, h, q in SMALL_HEAD_KEYS],
+)
 def test_small_head_variants_fit_and_compute_the_transposed_products(d_qk, precision, heads, q_dtype):
     """The small-head variants fit as the others do; their QK product is an m64nNk32 WGMMA with the heads on
-    N (d_qk / 32 k-steps; accurate: in groups summed in float32), their PV product the one-tile kernel's O^T
+    N (d_qk / 32 k-steps, or in groups summed in float32), their PV product the one-tile kernel's O^T
     with N = heads (4 d tiles x 8 k-steps: a pair of blocks, the other consumer's alone, the own alone, per P
     term), and P^T is stored in whole 32-bit words (two lanes' slots of one head, joined by a shuffle), no
     16-bit stores."""
     small = variant(d_qk, precision, PERSISTENT, q_dtype, heads)
     assert_fits_in_registers(small)
     ptx = small.ptx_path.read_text()
-    terms = 2 if precision == "accurate" else 1
     wgmmas = re.findall(r"wgmma\.mma_async\.sync\.aligned\.m64n(\d+)k32\.f32\.e4m3\.e4m3", ptx)
     assert set(wgmmas) == {str(heads)}, set(wgmmas)
-    qk_steps = promoted_qk_wgmmas(d_qk) if precision == "accurate" else d_qk // 32
-    assert len(wgmmas) == qk_steps + 4 * 8 * terms
+    qk_steps = promoted_qk_wgmmas(d_qk) if promoted(precision) else d_qk // 32
+    assert len(wgmmas) == qk_steps + 4 * 8 * p_terms(precision)
     assert "st.shared.b32" in ptx and "st.shared.b16" not in ptx
 
 
 PAGED_KEYS = [
     (layout, precision, kind, q_dtype, heads)
     for layout in ("v32", "model1")
-    for precision in ("default", "accurate")
+    for precision in kernels.IMPORT_PRECISIONS
     for kind, heads in (
         (ONE_TILE, 64),
         (PERSISTENT, 64),
@@ -237,6 +261,11 @@ PAGED_KEYS = [
         (PERSISTENT, 32),
     )
     for q_dtype in (kernels.FP8, kernels.BF16_Q)
+] + [
+    (layout, precision, kind, kernels.FP8, heads)
+    for layout in ("v32", "model1")
+    for precision in SINGLE_PURCHASES
+    for kind, heads in ((ONE_TILE, 64), (PERSISTENT, 16))
 ]
 PAGED_D_QK = {"v32": 576, "model1": 512}
 PAGED_SPILL_BYTES = 40
@@ -252,7 +281,7 @@ beside a producer of ``sparse_prefill.WIDE_PRODUCER_REGS``)."""
 def rows_rescaled(layout, precision) -> bool:
     """Whether the paged variant rescales each block row to one power-of-two scale before its QK product
     (``convert_row``)."""
-    return layout == "model1" and precision == "default"
+    return layout == "model1" and not promoted(precision)
 
 
 def paged_spills(layout, precision, kind, q_dtype, heads) -> bool:
@@ -265,10 +294,10 @@ def paged_spills(layout, precision, kind, q_dtype, heads) -> bool:
 
 @pytest.mark.parametrize("layout, precision, kind, q_dtype, heads", PAGED_KEYS)
 def test_paged_variants_gather_pages_and_sum_scale_groups(layout, precision, kind, q_dtype, heads):
-    """The paged kernel (``paged_rows``): S from WGMMA groups of a scale group's k-steps (in the accurate mode
-    at most ``PAGED_ACCURATE_CHUNK_KSTEPS``: the first group and the loop's, and the RoPE's 2 k-steps x 2 e4m3
+    """The paged kernel (``paged_rows``): S from WGMMA groups of a scale group's k-steps (S promoted: at most
+    ``PAGED_ACCURATE_CHUNK_KSTEPS``: the first group and the loop's, and the RoPE's 2 k-steps x 2 e4m3
     terms; 64 heads: once per N = 32 half; small heads: S^T = K . Q^T whole, N = heads), or with its rows
-    rescaled (V4, default precision) one chain over every k-step and the RoPE's lo terms at N = 64 (small
+    rescaled (V4, S not promoted) one chain over every k-step and the RoPE's lo terms at N = 64 (small
     heads: S^T); PV as the kernel on gathered rows; per row, four 16-byte copies per 64-byte column of its
     e4m3 nope and bf16 RoPE (no L2 cache hint) and four 4-byte copies of its scales; the Q TMA for an e4m3 q;
     registers as the others, within the documented spills."""
@@ -278,11 +307,10 @@ def test_paged_variants_gather_pages_and_sum_scale_groups(layout, precision, kin
     ptx = built.ptx_path.read_text()
     geometry = paged_rows.cache_geometry(layout)
     chunk = geometry.group_ksteps
-    if precision == "accurate":
+    if promoted(precision):
         chunk = min(chunk, sparse_prefill.PAGED_ACCURATE_CHUNK_KSTEPS)
     wgmma = re.findall(r"wgmma\.mma_async\.sync\.aligned\.m64n(\d+)k32\.f32\.e4m3\.e4m3", ptx)
-    terms = 2 if precision == "accurate" else 1
-    pv = (16 + 8 + 8) * terms  # a pair of blocks and a single one, per d tile
+    pv = (16 + 8 + 8) * p_terms(precision)  # a pair of blocks and a single one, per d tile
     if rows_rescaled(layout, precision):
         assert wgmma == [str(heads)] * (PAGED_D_QK[layout] // 32 + 2 + pv)
     elif heads == 64:

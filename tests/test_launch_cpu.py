@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from q8kv8 import eager, kernels, schedule
+from q8kv8.metadata import PRECISIONS
 
 S_Q, H, S_KV, D_QK, D_V, TOPK = 3, 64, 40, 576, 512, 128
 FUNCTION_PARAMETERS = (
@@ -143,7 +144,7 @@ def test_a_bf16_q_gets_kv_scale_in_q_scales_place(calls):
 
 
 @pytest.mark.parametrize("tiles", [0, 2])
-@pytest.mark.parametrize("precision", ["default", "accurate"])
+@pytest.mark.parametrize("precision", PRECISIONS)
 def test_a_bf16_q_launches_its_own_variant(monkeypatch, precision, tiles):
     """The variant for a bfloat16 q: looked up by its key (q's dtype included), built on first use
     (``kernels.load``, replaced here by a stand-in: nothing is compiled)."""

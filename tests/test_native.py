@@ -152,7 +152,7 @@ def python_path_launches(fast, args: dict):
 
 @pytest.mark.parametrize("q_dtype", [FP8, BF16], ids=["e4m3", "bf16"])
 @pytest.mark.parametrize("d_qk", [512, 576])
-@pytest.mark.parametrize("precision", ["default", "accurate"])
+@pytest.mark.parametrize("precision", PRECISIONS)
 @pytest.mark.parametrize(
     ("s_q", "h_q", "topk", "with_sink", "with_topk_length"),
     [

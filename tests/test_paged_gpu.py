@@ -27,19 +27,27 @@ import math
 import pytest
 import torch
 from paged_cache import quantized_cache, to_device, write_token
-from reference_checks import INT32_MAX, INT32_MIN, assert_outputs_match
+from reference_checks import (
+    INT32_MAX,
+    INT32_MIN,
+    SAME_LOGITS,
+    assert_outputs_match,
+    logit_tolerances,
+    out_tolerances,
+)
 
 from q8kv8 import gather_dequant_requant_fp8_paged, sparse_mla_q8kv8_paged_fwd, sparse_mla_q8kv8_prefill_fwd
 from q8kv8.eager import forced_splits, forced_tiles_per_cta
+from q8kv8.metadata import PRECISIONS
 from q8kv8.reference import dequantize_paged_cache, sparse_mla_paged_reference
 
 pytestmark = pytest.mark.gpu
 
 BF16, E4M3 = torch.bfloat16, torch.float8_e4m3fn
-LOGIT_TOLERANCE = {"default": 5e-3, "accurate": 1e-3}
-DOMINANT_LOGIT_TOLERANCE = {"default": 5e-3, "accurate": 5e-4}
-ONE_CHAIN_DOMINANT_LOGIT_TOLERANCE = {"default": 1e-2, "accurate": 5e-4}  # V4's rows rescaled: S one chain
-EXACT_V_TOLERANCE = {"default": 4e-2, "accurate": 5e-3}
+LOGIT_TOLERANCE = logit_tolerances(5e-3, 1e-3)
+DOMINANT_LOGIT_TOLERANCE = logit_tolerances(5e-3, 5e-4)
+ONE_CHAIN_DOMINANT_LOGIT_TOLERANCE = logit_tolerances(1e-2, 5e-4)  # V4's rows rescaled: S one chain
+EXACT_V_TOLERANCE = out_tolerances(4e-2, 5e-3)
 ROUNDED_V_TOLERANCE = 4e-2
 V4_ROPE_V_TOLERANCE = 1.5e-2
 D_QK = {"v32": 576, "model1": 512}
@@ -235,14 +243,15 @@ def test_persistent_is_bitwise_the_one_tile_kernel(generator, layout, precision)
         assert all(torch.equal(a, b) for a, b in zip(one_tile, persistent, strict=True)), tiles
 
 
-@pytest.mark.parametrize("precision", ["default", "accurate"])
+@pytest.mark.parametrize("precision", PRECISIONS)
 @pytest.mark.parametrize("h_q", [64, 16])
 @pytest.mark.parametrize("layout", ["v32", "model1"])
 def test_dominant_logits_up_to_30(generator, layout, h_q, precision):
     """Rows whose largest logit is 20 to 30 (q a multiple of one selected row's dequantised values):
-    max_logits and lse within 5e-3 (default) and 5e-4 (accurate) of the float64 reference, with tiles of 64
-    heads and with the small-head kernel; V4 in the default precision, whose S is one chain of the tensor
-    cores' accumulation as on gathered rows, within the default mode's documented 1e-2."""
+    max_logits and lse within 5e-3 (S of the tensor cores' sums per scale group) and 5e-4 (S summed in
+    float32) of the float64 reference, with tiles of 64 heads and with the small-head kernel; V4 with S not
+    summed in float32, one chain of the tensor cores' accumulation as on gathered rows, within the default
+    mode's documented 1e-2."""
     call = make_call(generator, layout, 32, h_q, 512, pages=16)
     reference_kv = dequantize_paged_cache(call["cache"]).cpu()
     q = torch.randn(32, h_q, D_QK[layout], generator=generator) * 0.3
@@ -273,3 +282,19 @@ def test_cuda_graph_replay(generator):
     graph.replay()
     torch.cuda.synchronize()
     assert torch.equal(out, eager[0]) and torch.equal(max_logits, eager[1]) and torch.equal(lse, eager[2])
+
+
+@pytest.mark.parametrize("schedule", ["one_tile", "persistent", "split"])
+@pytest.mark.parametrize("h_q", [64, 16])
+@pytest.mark.parametrize("layout", ["v32", "model1"])
+def test_single_purchases_share_their_logits(generator, layout, h_q, schedule):
+    """The single purchases: "accurate_out" computes S as "default" does and "accurate_logits" as "accurate"
+    does, so their max_logits and lse are bit for bit those precisions'; each precision's out within its
+    bound."""
+    call = make_call(generator, layout, 40, h_q, 1024, q_dtype=E4M3)
+    results = {precision: run(call, schedule, precision=precision) for precision in PRECISIONS}
+    for precision, outputs in results.items():
+        check(outputs, call, precision)
+    for precision, same in SAME_LOGITS.items():
+        assert torch.equal(results[precision][1], results[same][1]), precision
+        assert torch.equal(results[precision][2], results[same][2]), precision

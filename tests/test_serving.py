@@ -719,9 +719,11 @@ def test_precision_reaches_the_kernel_and_the_environment_overrides_it(generator
     batch = make_batch("v32", 64, 0, h=16, topk=16, generator=generator)
     args = (batch["q"], batch["cache"], batch["page_table"], batch["indices"], batch["seqlens"], 0, SM_SCALE)
     for path in ("paged", "workspace"):
-        calls = []
-        SparsePrefill("fp8", precision="accurate", path=path, kernels=recording_kernels(calls)).forward(*args)
-        assert [call["precision"] for call in calls] == ["accurate"]
+        for precision in ("accurate", "accurate_logits"):
+            calls = []
+            prefill = SparsePrefill("fp8", precision=precision, path=path, kernels=recording_kernels(calls))
+            prefill.forward(*args)
+            assert [call["precision"] for call in calls] == [precision]
     monkeypatch.setenv(serving.PRECISION_ENV, "default")
     assert SparsePrefill(precision="accurate").precision == "default"
     monkeypatch.setenv(serving.PRECISION_ENV, "exact")

@@ -12,14 +12,14 @@ SASS of every variant).
 
 The block's owner, before its QK product, in one of two ways:
 
-- ``convert_rope`` (V3.2, whose float32 scales need not be powers of two, and the accurate mode): the staged
+- ``convert_rope`` (V3.2, whose float32 scales need not be powers of two, and S summed in float32): the staged
   RoPE of each row to two e4m3 terms with a power-of-two scale of its own (``shared_row_scale``): hi in place
   in the RoPE column tile, the residual lo = e4m3(x - hi) into the staging tile (about 8 significant bits
   together, as many as bf16 has); and the row's V scale 2^E (``v_row_exponent``). Then S = sum over scale
   groups g of sigma[row, g] * (Q_g . K_g^T), the RoPE a group of its own (its row scale, hi and lo), each
   group's product summed in float32 (``scale_slots``); after it, ``rescale_v_row`` rescales the row's V bytes
   in place to 2^E.
-- ``convert_row`` (V4, default precision: its UE8M0 scales are powers of two): each row rescaled in place to
+- ``convert_row`` (V4, S not promoted: its UE8M0 scales are powers of two): each row rescaled in place to
   one power-of-two scale 2^E of its own (every group's bytes times sigma_g 2^-E, the RoPE's two terms at
   2^-E), so that S = 2^E_s (Q . K_s^T) is one WGMMA chain, as on gathered rows, scaled per slot after it.
 
@@ -27,7 +27,7 @@ Either way the PV product reads V'' = V / 2^E_s, and P carries each slot's 2^E_s
 values stay in e4m3's normal range whatever the cache's magnitude, exact for power-of-two scales (FlashMLA's
 V3.2 quantiser, V4's UE8M0) but for groups more than 2^6 / 448 below the row's largest, rounded once otherwise
 (float32 scales: the V3.2 quantisers of vLLM and SGLang). V's RoPE dims (V4: V is the whole row) are hi alone:
-the accurate mode's P keeps the staging tile for its lo term.
+P of two terms keeps the staging tile for its lo term.
 
 Constraints: page_size a power of two, cache base and page stride 16-byte aligned, num_pages * page_size <
 2^31.
@@ -246,7 +246,7 @@ def store_rope_terms(tile_rope, lo_tile, row, chunks, words, inverse):
 
 @cute.jit
 def convert_row(geo: CacheGeometry, tables: BlockScaleTables, tile_base, tile, thread):
-    """Power-of-two scales (V4's UE8M0), default precision: the owner warpgroup's thread ``thread`` (0-127)
+    """Power-of-two scales (V4's UE8M0), S not promoted: the owner warpgroup's thread ``thread`` (0-127)
     rescales half of row ``thread // 2`` of block tile ``tile`` (at shared address ``tile_base``) to one
     power-of-two scale 2^E of the row, E the least exponent that holds every scale group and the RoPE: each
     nope group's bytes times sigma_g 2^-E in place (``rescale_nope``), the staged RoPE to two e4m3 terms at

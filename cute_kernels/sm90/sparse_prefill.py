@@ -4,7 +4,8 @@ A CTA computes 64 heads of one token. Its producer warpgroup gathers the token's
 64 (two blocks a pair) with cp.async; the two consumer warpgroups own alternate blocks (S, and P
 under a lazy running max chained from one consumer to the other) and each accumulates O^T for half
 of d_v over every block, V^T read from the gathered tiles by ldmatrix.trans (RS WGMMA).
-``precision="accurate"`` sums S in float32 per 3 k-steps and stores P as two e4m3 terms; ``persistent``
+``precision="accurate"`` sums S in float32 per 3 k-steps and stores P as two e4m3 terms ("accurate_logits"
+and "accurate_out" do one of the two); ``persistent``
 walks several tiles per CTA;
 ``q_dtype="bf16"`` takes bf16 q and quantises each Q tile in the consumers (from rows the producer stages in
 the KV ring's pair slot before the tile's first pair), a power-of-two scale per row folded into that row's
@@ -30,7 +31,15 @@ from cutlass import Float8E4M3FN, Float32, Int32, Int64, Uint8, Uint32, Uint64, 
 from cutlass.cute.nvgpu import OperandMajorMode, warpgroup
 
 from cute_kernels import ptx
-from cute_kernels.interface import D_V, LOG2_E, SINK_FLAG, SMALL_HEAD_COUNTS, SPLIT_PARTS, SPLIT_TAIL_FLAG
+from cute_kernels.interface import (
+    D_V,
+    LOG2_E,
+    PRECISIONS,
+    SINK_FLAG,
+    SMALL_HEAD_COUNTS,
+    SPLIT_PARTS,
+    SPLIT_TAIL_FLAG,
+)
 from cute_kernels.sm90.cta import (
     B_H,
     CONSUMER_THREADS,
@@ -153,11 +162,11 @@ CONSUMER_REGS = 240
 WIDE_PRODUCER_REGS = 40
 WIDE_PRODUCER_CONSUMER_REGS = 232
 Q_DTYPES = ("e4m3", "bf16")
-# precision="accurate": S is summed in float32 from WGMMA groups of at most this many k-steps (96 elements of
-# d_qk), each started from zero: the FP8 tensor cores' own accumulation keeps about 14 bits, which costs the
-# logits ~2e-3 relative over the 18 k-steps of d_qk 576, and ~2e-4 over 3.
+# S summed in float32 ("accurate", "accurate_logits"): from WGMMA groups of at most this many k-steps (96
+# elements of d_qk), each started from zero: the FP8 tensor cores' own accumulation keeps about 14 bits,
+# which costs the logits ~2e-3 relative over the 18 k-steps of d_qk 576, and ~2e-4 over 3.
 QK_PROMOTION_KSTEPS = 3
-# A paged cache's scale groups are 4 k-steps (V3.2) or 2 (V4): the accurate mode sums them 2 at a time.
+# A paged cache's scale groups are 4 k-steps (V3.2) or 2 (V4): S summed in float32 sums them 2 at a time.
 PAGED_ACCURATE_CHUNK_KSTEPS = 2
 
 
@@ -229,7 +238,7 @@ class Consumer(NamedTuple):
     # lo terms' K descriptors per half); small heads: (None, None, a chunk accumulator the shape of S^T,
     # paged: the RoPE lo terms' A descriptors)
     qk_chunks: tuple = None
-    rope_lo: cute.Tensor = None  # paged, default precision: the RoPE lo terms' descriptors for S (S^T) whole
+    rope_lo: cute.Tensor = None  # paged rows rescaled: the RoPE lo terms' descriptors for S (S^T) whole
     tables: BlockScaleTables = None  # paged: the block tiles' scale tables and RoPE staging tiles
 
 
@@ -249,8 +258,10 @@ class SparsePrefillSm90(AttentionKernel):
         heads: int = B_H,
         cache: str | None = None,
     ):
-        """``precision``: "default" rounds P to one e4m3 term; "accurate" splits it into two
-        (hi = e4m3(p), lo = e4m3(p - hi)) and runs the PV product once per term.
+        """``precision`` (``PRECISIONS``): "default" rounds P to one e4m3 term and takes S from one WGMMA
+        group; "accurate_out" splits P into two terms (hi = e4m3(p), lo = e4m3(p - hi)) and runs the PV
+        product once per term; "accurate_logits" sums S in float32 from WGMMA groups of a few k-steps
+        (``qk_promoted``); "accurate" does both.
         ``persistent``: each CTA walks ``tiles_per_cta`` tiles (launch argument; tiles bid,
         bid + grid, ...), its producer loading the next tile's Q and first rows while the consumers
         finish the current one, whose out stores then drain during the next tile's math.
@@ -267,8 +278,8 @@ class SparsePrefillSm90(AttentionKernel):
         token slots, and its block scales apply: ``paged_rows``)."""
         if d_qk not in (512, 576):
             raise ValueError(f"d_qk must be 512 or 576, got {d_qk}")
-        if precision not in ("default", "accurate"):
-            raise ValueError(f"precision must be 'default' or 'accurate', got {precision!r}")
+        if precision not in PRECISIONS:
+            raise ValueError(f"precision must be one of {tuple(PRECISIONS)}, got {precision!r}")
         if q_dtype not in Q_DTYPES:
             raise ValueError(f"q_dtype must be one of {Q_DTYPES}, got {q_dtype!r}")
         if split and persistent:
@@ -291,19 +302,19 @@ class SparsePrefillSm90(AttentionKernel):
         self.d_qk = d_qk
         self.precision = precision
         self.q_bf16 = q_dtype == "bf16"
-        self.promote_qk = precision == "accurate"  # S summed in float32 per chunk of k-steps (qk_promoted)
-        # Paged V4, default precision: its UE8M0 scales are powers of two, so each block row is rescaled to
-        # one power-of-two scale (paged_rows.convert_row) and S is one WGMMA chain (qk_row_scaled); V3.2
-        # (whose float32 scales need not be powers of two) and the accurate mode sum S per scale group in
-        # float32 with the exact scales (qk_paged).
+        self.promote_qk = PRECISIONS[precision].qk_in_float32  # S summed in float32 per chunk (qk_promoted)
+        # Paged V4, S not promoted: its UE8M0 scales are powers of two, so each block row is rescaled to one
+        # power-of-two scale (paged_rows.convert_row) and S is one WGMMA chain (qk_row_scaled); V3.2 (whose
+        # float32 scales need not be powers of two), and V4 with S promoted, sum S per scale group in float32
+        # with the exact scales (qk_paged).
         self.row_scaled = self.cache is not None and not self.promote_qk and self.cache.scale_offset < 0
         self.registers = (PRODUCER_REGS, CONSUMER_REGS)  # per thread of the producer, of a consumer
         paged_consumers_need_240 = not self.small and self.q_bf16 and persistent and not self.row_scaled
         if (self.small and not self.q_bf16) or (self.cache is not None and not paged_consumers_need_240):
             self.registers = (WIDE_PRODUCER_REGS, WIDE_PRODUCER_CONSUMER_REGS)
-        self.p_terms = 2 if precision == "accurate" else 1  # e4m3 terms P is stored as
-        # S summed in float32 per group of k-steps: the accurate mode's chunks, or a paged cache's scale
-        # groups (in the accurate mode at most PAGED_ACCURATE_CHUNK_KSTEPS k-steps of one)
+        self.p_terms = PRECISIONS[precision].p_terms  # e4m3 terms P is stored as
+        # S summed in float32 per group of k-steps: the promoted chunks, or a paged cache's scale groups
+        # (promoted: at most PAGED_ACCURATE_CHUNK_KSTEPS k-steps of one)
         self.qk_in_groups = self.promote_qk or (self.cache is not None and not self.row_scaled)
         # Paged: V's bytes are rescaled to one power-of-two scale 2^E per row (before the QK product with the
         # rows rescaled, after it otherwise: paged_rows.rescale_v_row), and P carries each slot's 2^E (the
@@ -1176,9 +1187,9 @@ class SparsePrefillSm90(AttentionKernel):
     # ------------------------------------------------------------------------------------
     @cute.jit
     def issue_qk(self, c: Consumer, block):
-        """Queue S = Q . K_block^T (one WGMMA group; accurate: computed, see ``qk_promoted``, ``qk_paged``;
-        paged, default precision: the block's rows rescaled first, see ``qk_row_scaled``); returns the block's
-        KV tile (its data has landed)."""
+        """Queue S = Q . K_block^T (one WGMMA group; summed in float32: computed, see ``qk_promoted``,
+        ``qk_paged``; paged V4, S not promoted: the block's rows rescaled first, see ``qk_row_scaled``);
+        returns the block's KV tile (its data has landed)."""
         ring = c.work.block_base + block
         tile = self.kv_ring.index(ring)
         cute.arch.mbarrier_wait(c.mbar_kv_full + tile, self.kv_ring.phase(ring))
@@ -1217,10 +1228,11 @@ class SparsePrefillSm90(AttentionKernel):
         warpgroup.commit_group()
 
     def qk_promoted(self, c: Consumer, tile):
-        """S = Q . K^T summed in float32 (accurate mode) from WGMMA groups of ``QK_PROMOTION_KSTEPS`` k-steps,
-        each started from zero. The first lands in S itself, each later one in the chunk accumulator, waited
-        for and added to S. 64 heads: S in its two N = 32 halves (a 64 x 64 chunk accumulator next to O^T
-        serialises the WGMMAs), both halves' first groups queued together. Returns with S complete."""
+        """S = Q . K^T summed in float32 ("accurate", "accurate_logits") from WGMMA groups of
+        ``QK_PROMOTION_KSTEPS`` k-steps, each started from zero. The first lands in S itself, each later one
+        in the chunk accumulator, waited for and added to S. 64 heads: S in its two N = 32 halves (a 64 x 64
+        chunk accumulator next to O^T serialises the WGMMAs), both halves' first groups queued together.
+        Returns with S complete."""
         first = range(QK_PROMOTION_KSTEPS)
         if const_expr(self.small):
             self.queue_qk_steps(c, c.acc_s, tile, first)
@@ -1255,7 +1267,7 @@ class SparsePrefillSm90(AttentionKernel):
         add_into(total, part)
 
     def qk_row_scaled(self, c: Consumer, tile):
-        """Paged, default precision: this warpgroup rescales the block's rows to one power-of-two scale each
+        """Paged V4, S not promoted: this warpgroup rescales the block's rows to one power-of-two scale each
         (``convert_row``), then queues S = Q . K''^T over every k-step and the RoPE's lo terms as one WGMMA
         group; after its wait, ``scale_row_scaled_s`` multiplies each slot's S by its scale."""
         geo = self.cache
@@ -1280,13 +1292,13 @@ class SparsePrefillSm90(AttentionKernel):
         return ptx.ld_shared_v2_f32(table + (tile * B_TOPK + 8 * j + 2 * c.quad_lane) * 4)
 
     def scale_row_scaled_s(self, c: Consumer, tile):
-        """Paged, default precision, S complete: each slot's S times its row scale 2^E (``convert_row``)."""
+        """Paged rows rescaled, S complete: each slot's S times its row scale 2^E (``convert_row``)."""
         self.scale_slots(c, c.acc_s, None, tile, ROW_SCALE, 0, True)
 
     def qk_paged(self, c: Consumer, tile):
         """S = Q . K^T from a paged cache's block tile (``paged_rows``): sum over the scale groups g of
         sigma[slot, g] * (Q_g . K_g^T), summed in float32 from WGMMA groups of ``paged_chunk_ksteps`` k-steps
-        (a scale group, or in the accurate mode at most ``PAGED_ACCURATE_CHUNK_KSTEPS`` of it; 64 heads: S in
+        (a scale group, or promoted at most ``PAGED_ACCURATE_CHUNK_KSTEPS`` of it; 64 heads: S in
         its two N = 32 halves, as ``qk_promoted``; small heads: S^T whole), the RoPE a last group of its two
         e4m3 terms with its row scales. The first chunk lands in S while this warpgroup converts the block's
         staged RoPE (``convert_rope``). Returns with S complete."""
@@ -1445,7 +1457,7 @@ class SparsePrefillSm90(AttentionKernel):
     @cute.jit
     def exp_and_store_p_transposed(self, c: Consumer, exponents, tile_addr, p_scales=None):
         """Small heads: p = 2^(S^T * scale - bias) of the head's ``exponents`` entry, added to the head's
-        row sum and stored as P^T [head][slot] in e4m3 (accurate: two terms, the lo tile after the hi one),
+        row sum and stored as P^T [head][slot] in e4m3 (two terms: the lo tile after the hi one),
         times its slot's ``p_scales`` entry (this thread's rows r = 0, 1) when given.
 
         The slot order inside a 32-slot k-step is the 64-head kernel's (``load_v_fragment``): position
@@ -1487,7 +1499,7 @@ class SparsePrefillSm90(AttentionKernel):
     @cute.jit
     def exp_and_store_p(self, c: Consumer, r, row, logit_scale, bias, tile_addr, p_scales=None):
         """Row ``r`` of this thread's S (left unchanged): p = 2^(S * scale - bias) in f32, stored as
-        e4m3 P (one term; "accurate": rounded to f16, then the terms hi = e4m3(p) and lo = e4m3(p - hi),
+        e4m3 P (one term; two terms: rounded to f16, then the terms hi = e4m3(p) and lo = e4m3(p - hi),
         the lo tile ``p_term_bytes`` after the hi one), times its column's scale when ``p_scales`` (j -> the
         scales of columns 8j + 2t, 8j + 2t + 1) is given; returns the sum of the 16 p (in f32).
 
