@@ -1,10 +1,12 @@
 """``make bench``: time q8kv8's sparse MLA prefill on an SM90 GPU; elsewhere, report the build.
 
 On an H100/H200 it times each shape (median of ``triton.testing.do_bench``, CUDA events otherwise)
-for the q8kv8 kernel in both precisions ("default", and "accurate" with its time relative to the
-default), the kernel on a bfloat16 q (the same values: the e4m3 q dequantised to bf16, which the kernel
-quantises per row itself; its time relative to the e4m3 q's), those three arms timed in interleaved rounds
-(median of three, so that their ratios do not depend on where the clocks stand), and a plain-PyTorch
+for the q8kv8 kernel in every precision ("default"; "accurate" with its time relative to the default in
+the main table, "accurate_out" and "accurate_logits" in the precisions table after it, with each one's
+errors: ``scripts/bench/precisions.py``), the kernel on a bfloat16 q (the same values: the e4m3 q dequantised
+to bf16, which the kernel quantises per row itself; its time relative to the e4m3 q's), those arms timed in
+interleaved rounds (median of three, so that their ratios do not depend on where the clocks stand), and a
+plain-PyTorch
 baseline (gather + bf16 matmul + softmax, what one writes without a kernel), prints a table with TF/s
 (FLOPs = 2 * sum(valid topk) * h_q * (d_qk + 512)), the host overhead per call, and writes
 ``bench/out/results.json`` and ``bench/out/results.png`` (or in ``--out DIR``).
@@ -34,6 +36,7 @@ import torch
 
 import q8kv8  # compiles or loads the kernel variants
 from q8kv8 import kernels
+from q8kv8.metadata import PRECISIONS
 from scripts.bench.common import SHAPES, check, host_us, make_inputs, time_interleaved_ms, time_ms
 
 REPO = Path(__file__).resolve().parent.parent.parent
@@ -112,7 +115,9 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--rep", type=int, default=300, help="do_bench repetition time per arm, ms")
     parser.add_argument("--no-baseline", action="store_true", help="skip the PyTorch baseline arm")
-    parser.add_argument("--no-accurate", action="store_true", help='skip the precision="accurate" arm')
+    parser.add_argument(
+        "--no-accurate", action="store_true", help='skip the arms of every precision but "default"'
+    )
     parser.add_argument("--no-bf16q", action="store_true", help="skip the bfloat16-q arm")
     parser.add_argument(
         "--no-schedules", action="store_true", help="skip the short-chunk and head-count section"
@@ -157,17 +162,14 @@ def main(argv: list[str] | None = None) -> int:
         flops = 2.0 * eff * h_q * (d_qk + 512)
         row = {"shape": name, "s_q": s_q, "s_kv": s_kv, "h_q": h_q, "d_qk": d_qk, "topk": topk}
         row.update(topk_length=tl_mode, sum_valid_topk=eff, flops=flops)
-        # The e4m3-q, bf16-q and accurate arms on the same values, timed in interleaved rounds: the ratios
-        # between them then hold whatever the clocks do (the first shape's first arm would otherwise run
-        # ahead of the power cap).
-        arms = [
-            ("q8kv8", "default", inputs),
-            ("q8kv8_bf16q", "default", None),
-            ("q8kv8_accurate", "accurate", inputs),
-        ]
+        # The e4m3-q, bf16-q and other precisions' arms on the same values, timed in interleaved rounds: the
+        # ratios between them then hold whatever the clocks do (the first shape's first arm would otherwise
+        # run ahead of the power cap).
+        arms = [("q8kv8", "default", inputs), ("q8kv8_bf16q", "default", None)]
+        arms += [(f"q8kv8_{p}", p, inputs) for p in PRECISIONS if p != "default"]
         calls = {}
         for arm, precision, arm_inputs in arms:
-            if (arm == "q8kv8_accurate" and args.no_accurate) or (arm == "q8kv8_bf16q" and args.no_bf16q):
+            if (precision != "default" and args.no_accurate) or (arm == "q8kv8_bf16q" and args.no_bf16q):
                 continue
             if arm_inputs is None:
                 arm_inputs = bf16_q_inputs(inputs)
@@ -204,6 +206,11 @@ def main(argv: list[str] | None = None) -> int:
             )
         print(line, flush=True)
         del inputs
+    if not args.no_accurate:
+        from scripts.bench import precisions
+
+        precisions.print_times(results)
+        precisions_report = {"errors": precisions.error_rows()}
 
     overhead = host_overhead_us()
     overhead_allocating = host_overhead_us(given_buffers=False)
@@ -212,6 +219,8 @@ def main(argv: list[str] | None = None) -> int:
         f"given, {overhead_allocating:.1f} us allocating them"
     )
     report = {"gpu": gpu, "date": str(datetime.date.today()), "build": build, "shapes": results}
+    if not args.no_accurate:
+        report["precisions"] = precisions_report
     report["host_overhead_us"] = overhead
     report["host_overhead_allocating_us"] = overhead_allocating
     if not args.no_bf16q:

@@ -28,6 +28,7 @@ import sys
 import torch
 
 from q8kv8 import sparse_mla_q8kv8_paged_fwd, sparse_mla_q8kv8_prefill_fwd
+from q8kv8.metadata import PRECISIONS
 from q8kv8.paged_gather import gather_dequant_paged
 from q8kv8.reference import dequantize_paged_cache, sparse_mla_paged_reference
 from q8kv8.serving import SparsePrefill
@@ -281,7 +282,7 @@ def precision_rows() -> list[dict]:
         "row): out rel err; max_logits / lse: worst relative error, signed"
     )
     print(
-        f"{'layout':>6s} {'h':>3s} {'path':>9s} {'precision':>9s} | {'out':>8s} | {'max_logits':>10s} | "
+        f"{'layout':>6s} {'h':>3s} {'path':>9s} {'precision':>15s} | {'out':>8s} | {'max_logits':>10s} | "
         f"{'lse':>10s}"
     )
     rows = []
@@ -314,7 +315,7 @@ def precision_rows_of(
     one = torch.ones(1, device="cuda")
     results = []
     for path in ("paged", "workspace"):
-        for precision in ("default", "accurate"):
+        for precision in PRECISIONS:
             if path == "paged":
                 got = sparse_mla_q8kv8_paged_fwd(q, cache, slots, sm_scale, precision=precision)
             else:
@@ -327,7 +328,7 @@ def precision_rows_of(
             row = {"layout": layout, "h": h, "path": path, "precision": precision}
             results.append(row | {"out": out_error, "logits": signed})
             print(
-                f"{layout:>6s} {h:3d} {path:>9s} {precision:>9s} | {out_error:8.2e} | {signed[0]:+10.2e} | "
+                f"{layout:>6s} {h:3d} {path:>9s} {precision:>15s} | {out_error:8.2e} | {signed[0]:+10.2e} | "
                 f"{signed[1]:+10.2e}",
                 flush=True,
             )
