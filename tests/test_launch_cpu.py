@@ -213,7 +213,8 @@ def test_variant_names_and_keys():
         with pytest.raises(ValueError, match="no attention kernel variant"):
             bad.check()
     names = [key.name for key in kernels.LISTED_KEYS]
-    assert len(names) == len(set(names)) == 96 + 9  # the attention variants, the serving path's kernels
+    # the attention variants (48 a precision), the serving path's kernels
+    assert len(names) == len(set(names)) == 48 * len(PRECISIONS) + 9
     assert kernels.LISTED_KEYS[: len(kernels.IMPORT_KEYS)] == kernels.IMPORT_KEYS
     assert set(kernels.SERVING_KEYS) < set(kernels.LISTED_KEYS)
 

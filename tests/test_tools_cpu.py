@@ -23,6 +23,7 @@ import torch
 import q8kv8
 from q8kv8 import build, disk_cache, kernels, native
 from q8kv8 import compile as compile_command
+from q8kv8.metadata import PRECISIONS
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -339,12 +340,13 @@ def test_listings_name_every_variant_once_bf16_q_split_small_heads_paged_and_ser
     variants = kernels.listed_variants()
     names = [v.name for v in variants]
     assert names[: len(kernels.IMPORT_KEYS)] == [key.name for key in kernels.IMPORT_KEYS]
-    assert len(set(names)) == len(names) == 96 + 9
+    per_precision = len(PRECISIONS)
+    assert len(set(names)) == len(names) == 48 * per_precision + 9
     attention = [v for v in variants if v.name.startswith("sparse_prefill_sm90_")]
-    assert len(attention) == 96
-    assert len([name for name in names if name.endswith("_split")]) == 8 + 8  # 8 of them paged
-    assert len([name for name in names if re.search(r"_h(8|16|32)(_|$)", name)]) == 24 + 24  # 24 paged
-    assert len([name for name in names if "_paged_" in name]) == 24 + 24
+    assert len(attention) == 48 * per_precision  # a precision's: 24 on gathered rows, 24 paged
+    assert len([name for name in names if name.endswith("_split")]) == (4 + 4) * per_precision  # half paged
+    assert len([name for name in names if re.search(r"_h(8|16|32)(_|$)", name)]) == (12 + 12) * per_precision
+    assert len([name for name in names if "_paged_" in name]) == 24 * per_precision
     for variant in attention:
         described = kernels.describe(variant)
         assert described["q_dtype"] == ("bf16" if "_bf16q" in variant.name else "e4m3")
