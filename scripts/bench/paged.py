@@ -14,7 +14,7 @@
   (``ws``). V3.2 (h 128, 64, 16) and V4 / MODEL1 rows (h 128, 64, 16), topk 2048 and 512.
 - **Precisions** (``precision_rows``): against float64 on the exactly dequantised cache (V3.2 and V4),
   with rows whose largest logit is 20-30: ``||out - ref|| / ||ref||`` and the worst relative error (with its
-  sign) of max_logits and lse, for both precisions, the paged call and the workspace path, 64 heads (tiles
+  sign) of max_logits and lse, for every precision, the paged call and the workspace path, 64 heads (tiles
   of 64) and 16 (the small-head kernel).
 
 Called by ``python -m scripts.bench`` (``--no-paged`` skips it); alone: ``python -m scripts.bench.paged``.
