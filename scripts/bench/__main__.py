@@ -6,9 +6,8 @@ the main table, "accurate_out" and "accurate_logits" in the precisions table aft
 errors: ``scripts/bench/precisions.py``), the kernel on a bfloat16 q (the same values: the e4m3 q dequantised
 to bf16, which the kernel quantises per row itself; its time relative to the e4m3 q's), those arms timed in
 interleaved rounds (median of three, so that their ratios do not depend on where the clocks stand), and a
-plain-PyTorch
-baseline (gather + bf16 matmul + softmax, what one writes without a kernel), prints a table with TF/s
-(FLOPs = 2 * sum(valid topk) * h_q * (d_qk + 512)), the host overhead per call, and writes
+plain-PyTorch baseline (gather + bf16 matmul + softmax, what one writes without a kernel), prints a table
+with TF/s (FLOPs = 2 * sum(valid topk) * h_q * (d_qk + 512)), the host overhead per call, and writes
 ``bench/out/results.json`` and ``bench/out/results.png`` (or in ``--out DIR``).
 Without an SM90 GPU it builds (or loads) the kernel variants for sm_90a, prints their build report, says
 on stderr in one line that only the report was produced, and exits with status 2 (``NO_SM90_STATUS``).
