@@ -291,7 +291,7 @@ def _check_signatures(signatures: PrefillCall) -> Problem:
     device = q[DEVICE]
     chosen = schedule.Schedule(0)
     if device.type == "cuda" and s_q > 0 and s_kv > 0:
-        chosen = schedule.choose(s_q, h_q, topk, topk_length is not None, precision, device.index)
+        chosen = schedule.choose(s_q, h_q, topk, topk_length is not None, device.index)
     launch_ready = (
         q[DATA_PTR] % Q_ALIGNMENT_BYTES == 0
         and _is_contiguous(q[SHAPE], q[STRIDES])

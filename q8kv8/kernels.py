@@ -48,7 +48,6 @@ from q8kv8.metadata import SUPPORTED_D_QK as D_QK_VARIANTS
 from q8kv8.schedule import (
     ONE_TILE,
     PERSISTENT,
-    PERSISTENT_PRECISIONS,
     SPLIT,
     small_head_tiles_per_cta,
     tiles_per_cta,
@@ -100,7 +99,6 @@ class VariantKey(NamedTuple):
             or self.schedule not in SCHEDULE_SUFFIXES
             or self.q_dtype not in KERNEL_Q_DTYPES
             or (small and (self.heads not in SMALL_HEAD_COUNTS or self.schedule != PERSISTENT))
-            or (self.schedule == PERSISTENT and self.precision not in PERSISTENT_PRECISIONS)
             or (self.cache is not None and CACHE_LAYOUTS.get(self.cache) != self.d_qk)
         ):
             raise ValueError(f"no attention kernel variant {self}")
@@ -559,7 +557,6 @@ def launch_sparse_prefill(
             q.shape[0] * head_groups(q.shape[1]),
             indices.shape[2],
             topk_length is not None,
-            precision,
             q.get_device(),
         )
     key = VariantKey(q.shape[2], precision, ONE_TILE, q.dtype, q.shape[1] if small else HEAD_ALIGNMENT, cache)

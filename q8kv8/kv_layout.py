@@ -90,7 +90,6 @@ V32 = KvCacheLayout(
 )
 
 LAYOUTS = {layout.name: layout for layout in (MODEL1, V32)}
-LAYOUT_BY_D_QK = {layout.d_qk: layout for layout in (MODEL1, V32)}
 LAYOUT_BY_BYTES_PER_TOKEN = {layout.bytes_per_token: layout for layout in (MODEL1, V32)}
 
 

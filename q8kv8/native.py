@@ -64,7 +64,6 @@ def constants() -> dict:
         "row_scaled_q_dtypes": metadata.ROW_SCALED_Q_DTYPES,
         "d_v": metadata.D_V,
         "precisions": metadata.PRECISIONS,
-        "persistent_precisions": schedule.PERSISTENT_PRECISIONS,
         "head_alignment": metadata.HEAD_ALIGNMENT,
         "topk_alignment": metadata.TOPK_ALIGNMENT,
         "q_alignment_bytes": metadata.Q_ALIGNMENT_BYTES,

@@ -25,7 +25,6 @@ from q8kv8.eager import output_buffers
 from q8kv8.metadata import D_V
 from q8kv8.prefill_call import PagedCall, PrefillCall
 
-OP_NAMESPACE = "q8kv8"
 FUNCTIONAL_OP = "q8kv8::sparse_mla_q8kv8_prefill"
 OUT_OP = "q8kv8::sparse_mla_q8kv8_prefill_out"
 INPUT_FIELDS = 9

@@ -50,18 +50,16 @@ from typing import NamedTuple
 
 import torch
 
-from q8kv8.metadata import PRECISIONS, SPLIT_PARTS, head_groups, small_heads
+from q8kv8.metadata import SPLIT_PARTS, head_groups, small_heads
 
 ONE_TILE, PERSISTENT, SPLIT = 0, 1, 2
 """The schedule kinds (a launch's kernel variant): one tile per CTA, persistent, split."""
 
-PERSISTENT_PRECISIONS = PRECISIONS
 PERSISTENT_MAX_TOPK = 512
 PERSISTENT_MAX_TILES_PER_CTA = 4
 PERSISTENT_MIN_WAVES = 4
 SMALL_HEAD_MAX_TILES_PER_CTA = 8
 SMALL_HEAD_SPLIT_MIN_PARTS = 4  # small heads run split tiles of 64 heads from this many parts (see above)
-SPLIT_MAX_PARTS = max(SPLIT_PARTS)
 SPLIT_MIN_SLOTS = 256  # index slots per range: two pairs of blocks
 SPLIT_CLUSTER_SMS = (2, 5, 11)  # SMs counted for a tile split in SPLIT_PARTS[i] (see above)
 SPLIT_TAIL_MIN_TOPK = 1024  # the split tail's second launch pays for itself from here (docs/perf-notes.md)
@@ -98,7 +96,6 @@ def tiles_per_cta(
     num_tiles: int,
     topk: int,
     has_topk_length: bool,
-    precision: str,
     device_index: int,
     num_sms: int | None = None,
 ) -> int:
@@ -106,7 +103,7 @@ def tiles_per_cta(
     (or on ``num_sms`` SMs): 0 selects the one-tile kernel, k >= 2 the persistent one with k tiles per CTA."""
     if forced is not None:
         return forced
-    if precision not in PERSISTENT_PRECISIONS or not (has_topk_length or topk <= PERSISTENT_MAX_TOPK):
+    if not (has_topk_length or topk <= PERSISTENT_MAX_TOPK):
         return 0
     sms = sm_count(device_index, num_sms)
     tiles = min(PERSISTENT_MAX_TILES_PER_CTA, num_tiles // (PERSISTENT_MIN_WAVES * sms))
@@ -169,7 +166,6 @@ def choose(
     h_q: int,
     topk: int,
     has_topk_length: bool,
-    precision: str,
     device_index: int,
     num_sms: int | None = None,
 ) -> Schedule:
@@ -183,7 +179,7 @@ def choose(
             return Schedule(small_head_tiles_per_cta(s_q, device_index, num_sms))
         return Schedule(0, parts)
     groups = head_groups(h_q)
-    tiles = tiles_per_cta(s_q * groups, topk, has_topk_length, precision, device_index, num_sms)
+    tiles = tiles_per_cta(s_q * groups, topk, has_topk_length, device_index, num_sms)
     if tiles:
         return Schedule(tiles)
     return Schedule(0, *split_tokens(s_q, groups, topk, device_index, num_sms))
@@ -194,7 +190,6 @@ def describe(
     h_q: int,
     topk: int,
     has_topk_length: bool = False,
-    precision: str = "default",
     device_index: int = 0,
     num_sms: int | None = None,
 ) -> str:
@@ -204,7 +199,7 @@ def describe(
     The answer depends on the GPU's SM count: that of CUDA device ``device_index``, or ``num_sms`` when
     given (132 on an H100 SXM or an H200), which answers without a GPU. Without a CUDA device and without
     ``num_sms`` it raises a ``RuntimeError`` naming ``num_sms=``."""
-    tiles, parts, split_from = choose(s_q, h_q, topk, has_topk_length, precision, device_index, num_sms)
+    tiles, parts, split_from = choose(s_q, h_q, topk, has_topk_length, device_index, num_sms)
     if small_heads(h_q) and tiles:
         return f"small heads, {tiles} token{'s' if tiles > 1 else ''} per CTA"
     if tiles:

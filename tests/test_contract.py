@@ -727,15 +727,15 @@ def test_small_heads_run_the_persistent_small_head_kernel(monkeypatch, h_q):
     # 8 tokens at topk 512 and 27 at 2048: split in 2 at most with tiles of 64 heads.
     cases = ((4096, 512, 8), (8, 512, 1), (27, 2048, 1), (1, 256, 1), (200, 2048, 2), (10**6, 2048, 8))
     for s_q, topk, tiles in cases:
-        assert schedule.choose(s_q, h_q, topk, False, "default", 0) == (tiles, 1, 0)
+        assert schedule.choose(s_q, h_q, topk, False, 0) == (tiles, 1, 0)
         expected = "small heads, 1 token per CTA" if tiles == 1 else f"small heads, {tiles} tokens per CTA"
         assert schedule.describe(s_q, h_q, topk) == expected
     for s_q, topk, parts in ((8, 2048, 8), (12, 2048, 8), (13, 2048, 4), (26, 1024, 4), (1, 1024, 4)):
-        assert schedule.choose(s_q, h_q, topk, False, "default", 0) == (0, parts, 0)
+        assert schedule.choose(s_q, h_q, topk, False, 0) == (0, parts, 0)
         assert schedule.describe(s_q, h_q, topk) == f"split in {parts}"
-    assert schedule.choose(4096, 64, 512, False, "default", 0) == (4, 1, 0)
-    assert schedule.choose(8, 64, 2048, False, "default", 0) == (0, 8, 0)
-    assert schedule.choose(8, h_q + 4, 2048, False, "default", 0) == (0, 8, 0)
+    assert schedule.choose(4096, 64, 512, False, 0) == (4, 1, 0)
+    assert schedule.choose(8, 64, 2048, False, 0) == (0, 8, 0)
+    assert schedule.choose(8, h_q + 4, 2048, False, 0) == (0, 8, 0)
     assert small_heads(h_q) and not small_heads(h_q + 4) and not small_heads(64)
 
 

@@ -343,7 +343,7 @@ def test_bf16_launcher_passes_placeholders_and_flags(monkeypatch):
 def test_schedule_choice(calls, s_q, topk, with_topk_length, precision, expected):
     """tiles_per_cta: the persistent kernel (>= 2 tiles per CTA, four waves of CTAs or more) for
     short rows, else 0 (the one-tile kernel); what the launch passes."""
-    assert kernels.tiles_per_cta(s_q, topk, with_topk_length, precision, 0) == expected
+    assert kernels.tiles_per_cta(s_q, topk, with_topk_length, 0) == expected
     args = launch_args(
         q=torch.zeros(s_q, H, D_QK, dtype=torch.float8_e4m3fn),
         indices=torch.zeros(s_q, 1, topk, dtype=torch.int32),

@@ -137,9 +137,7 @@ def python_path_launches(fast, args: dict):
     problem = contract.check_inputs(PrefillCall(**args))
     assert problem.launch_ready
     # The schedule the contract gives a CUDA device (for CPU tensors it says 0), on the stand-in SM count.
-    chosen = schedule.choose(
-        problem.s_q, problem.h_q, problem.topk, args["topk_length"] is not None, args["precision"], 0
-    )
+    chosen = schedule.choose(problem.s_q, problem.h_q, problem.topk, args["topk_length"] is not None, 0)
     kernels.launch_sparse_prefill(
         args["q"], args["kv"], args["indices"], args["topk_length"], args["attn_sink"], args["q_scale"],
         args["kv_scale"], float(args["sm_scale"]), args["out"], args["max_logits"], args["lse"],
@@ -261,7 +259,7 @@ def test_schedule_is_the_python_rule_over_a_grid(fast, monkeypatch, generator):
             fast.extension.register_device(KDL_CPU, 0, sm_count)
             monkeypatch.setattr(schedule, "_sm_counts", {0: sm_count})
             topk_length = torch.zeros(s_q, dtype=torch.int32) if with_topk_length else None
-            tiles, splits, split_from = schedule.choose(s_q, h_q, topk, with_topk_length, precision, 0)
+            tiles, splits, split_from = schedule.choose(s_q, h_q, topk, with_topk_length, 0)
             assert fast.extension.plan(call._replace(topk_length=topk_length, precision=precision)) == (
                 tiles,
                 splits,
@@ -647,7 +645,7 @@ def test_a_forced_schedule_suspends_the_fast_path(fast_entry_point, valid_args, 
     )
     launch = native.launch
     with eager.forced_tiles_per_cta(3):
-        assert schedule.tiles_per_cta(1, TOPK, False, "default", 0) == 3
+        assert schedule.tiles_per_cta(1, TOPK, False, 0) == 3
         sparse_mla_q8kv8_prefill_fwd(**valid_args)
         assert native.launch is None and len(python_path) == 1
     assert native.launch is launch and schedule.forced is None

@@ -70,8 +70,8 @@ def test_the_last_partial_wave_is_split_after_whole_waves_of_one_tile(monkeypatc
     assert schedule.describe(437, 64, 2048) == "one tile per CTA, 41 split in 2"
     assert schedule.describe(64, 64, 2048) == "split in 2"
     assert schedule.describe(132, 64, 2048) == "one tile per CTA"
-    assert schedule.choose(437, 64, 2048, False, "default", 0) == (0, 2, 396)
-    assert schedule.choose(437, 64, 2048, True, "default", 0) == (0, 2, 396)  # not 4 waves: no persistent
+    assert schedule.choose(437, 64, 2048, False, 0) == (0, 2, 396)
+    assert schedule.choose(437, 64, 2048, True, 0) == (0, 2, 396)  # not 4 waves: no persistent
     with eager.forced_splits(2, 5):
         assert schedule.split_tokens(437, 1, 2048, 0) == (2, 5)
     with eager.forced_splits(1, 5):
@@ -99,7 +99,7 @@ def test_describe_answers_for_a_given_sm_count_and_names_that_argument_without_a
     assert schedule.describe(64, 64, 2048, num_sms=132) == "split in 2"
     assert schedule.describe(4096, 64, 512, num_sms=132) == "persistent, 4 tiles per CTA"
     assert schedule.describe(200, 16, 2048, num_sms=132) == "small heads, 2 tokens per CTA"
-    assert schedule.choose(437, 64, 2048, False, "default", 0, num_sms=132) == (0, 2, 396)
+    assert schedule.choose(437, 64, 2048, False, 0, num_sms=132) == (0, 2, 396)
     assert schedule._sm_counts == {}  # nothing remembered for the device
     with pytest.raises(ValueError, match="num_sms: expected at least 1, got 0"):
         schedule.describe(437, 64, 2048, num_sms=0)

@@ -66,7 +66,7 @@ def test_split_tail_is_complete_for_the_next_kernel_on_the_stream(make_inputs):
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     s_q = 2 * sms + 10  # two waves of one tile per CTA, then 10 tokens split in 8
     inputs = make_inputs(s_q, 64, 70000, 576, 2048, device="cuda")
-    assert schedule.choose(s_q, 64, 2048, False, "default", 0) == (0, 8, 2 * sms)
+    assert schedule.choose(s_q, 64, 2048, False, 0) == (0, 8, 2 * sms)
     expected = [t.clone() for t in run_and_sync(inputs)]
     for _ in range(3):
         buffers = [torch.full_like(t, math.nan) for t in expected]

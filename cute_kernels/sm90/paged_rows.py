@@ -47,7 +47,6 @@ from cute_kernels.sm90.row_views import shared_row_scale
 COLUMN_BYTES = 64  # a column tile's row: the e4m3 K tile's 64-byte swizzle
 COLUMN_TILE_BYTES = 64 * COLUMN_BYTES  # a block tile's column tile: 64 rows
 RAW_SCALE_ENTRY_BYTES = 16  # a row's entry of the raw scale table (its record: V3.2 16 bytes, V4 8)
-ROPE_VALUES = 64
 ROW_MAX_EXPONENT = 126  # a row's scale 2^E and its inverse stay normal float32 numbers
 # ... and at least this: as P carries 2^E, the row sums are taken relative to the max of x + E, so their
 # terms reach 2^(-E + 9); a row under 2^-51 (an all-zero row: its scales and RoPE zero) has its nope bytes

@@ -84,7 +84,6 @@ struct Config {
   std::vector<bool> q_row_scaled;  // per q dtype: scaled per row by the kernel (q_scale None)
   int64_t d_v = 0;
   std::vector<PyObject*> precisions;  // str, owned
-  std::vector<bool> persistent_precision;  // per precision
   int64_t head_alignment = 0;
   int64_t topk_alignment = 0;
   int64_t q_alignment_bytes = 0;
@@ -287,10 +286,9 @@ bool Overlap(const Span& a, const Span& b) {
 }
 
 // schedule.tiles_per_cta, on the constants configure() received.
-int64_t TilesPerCta(int64_t num_tiles, int64_t topk, bool has_topk_length, size_t precision,
-                    int64_t sm_count) {
+int64_t TilesPerCta(int64_t num_tiles, int64_t topk, bool has_topk_length, int64_t sm_count) {
   const Config& c = registry.config;
-  if (!c.persistent_precision[precision] || !(has_topk_length || topk <= c.persistent_max_topk)) return 0;
+  if (!(has_topk_length || topk <= c.persistent_max_topk)) return 0;
   const int64_t tiles = std::min(c.persistent_max_tiles_per_cta, num_tiles / (c.persistent_min_waves * sm_count));
   return tiles >= 2 ? tiles : 0;
 }
@@ -474,7 +472,7 @@ Plan Check(const Views& v) {
     }
   } else {
     const int64_t groups = (h_q + c.head_alignment - 1) / c.head_alignment;
-    tiles = TilesPerCta(s_q * groups, topk, v.has_topk_length, v.precision, device->sm_count);
+    tiles = TilesPerCta(s_q * groups, topk, v.has_topk_length, device->sm_count);
     if (tiles == 0) std::tie(splits, split_from) = SplitTokens(s_q, groups, topk, device->sm_count);
   }
   const size_t d_qk_index = static_cast<size_t>(d_qk_found - c.supported_d_qk.begin());
@@ -921,11 +919,6 @@ bool Configure(PyObject* constants, Config* c) {
 
   PyObject* precisions = GetSequence(constants, "precisions");
   if (precisions == nullptr) return false;
-  PyObject* persistent = GetSequence(constants, "persistent_precisions");
-  if (persistent == nullptr) {
-    Py_DECREF(precisions);
-    return false;
-  }
   for (Py_ssize_t i = 0; i < PyTuple_GET_SIZE(precisions); ++i) {
     PyObject* name = PyTuple_GET_ITEM(precisions, i);
     if (!PyUnicode_Check(name)) {
@@ -934,12 +927,8 @@ bool Configure(PyObject* constants, Config* c) {
     }
     Py_INCREF(name);
     c->precisions.push_back(name);
-    const int contains = PySequence_Contains(persistent, name);
-    if (contains < 0) break;
-    c->persistent_precision.push_back(contains == 1);
   }
   Py_DECREF(precisions);
-  Py_DECREF(persistent);
   if (PyErr_Occurred()) return false;
 
   PyObject* log2_e = Entry(constants, "log2_e");
