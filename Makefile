@@ -6,7 +6,7 @@
 PYTHON ?= python3
 ARGS ?=
 
-.PHONY: install deps test bench lint
+.PHONY: install deps test test-variants bench lint
 
 install:
 	$(PYTHON) -m pip install -e '.[dev]'
@@ -14,8 +14,13 @@ install:
 deps:
 	@Q8KV8_COMPILE_AT_IMPORT=0 $(PYTHON) -c "import torch, cutlass, q8kv8" 2>/dev/null || { echo "Installing q8kv8 and its dependencies"; $(MAKE) --no-print-directory install; }
 
+# `make test` runs the per-variant build checks (marked `variants`) on a representative subset of the kernel
+# variants; `make test-variants` runs those checks alone, on every variant (CI runs both).
 test: deps
 	$(PYTHON) -m pytest -q -ra tests
+
+test-variants: deps
+	$(PYTHON) -m pytest -q -ra --all-variants -m variants tests
 
 bench: deps
 	$(PYTHON) -m scripts.bench $(ARGS)
