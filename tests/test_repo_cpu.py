@@ -47,12 +47,16 @@ def test_ci_runs_lint_and_tests():
 
 def test_make_test_variants_runs_the_per_variant_checks_on_every_variant():
     """``make test`` runs every test (the per-variant checks on the representative variants); ``make
-    test-variants`` runs the per-variant checks alone, on every variant."""
+    test-variants`` builds every variant in parallel, then runs the per-variant checks alone, on every
+    variant."""
     makefile = (REPO / "Makefile").read_text()
     [test] = re.findall(r"^test: deps\n\t(.+)$", makefile, re.MULTILINE)
-    [variants] = re.findall(r"^test-variants: deps\n\t(.+)$", makefile, re.MULTILINE)
+    [variants] = re.findall(r"^test-variants: deps\n((?:\t.+\n)+)", makefile, re.MULTILINE)
     assert test == "$(PYTHON) -m pytest -q -ra tests"
-    assert variants == "$(PYTHON) -m pytest -q -ra --all-variants -m variants tests"
+    assert variants.splitlines() == [
+        "\tQ8KV8_COMPILE_AT_IMPORT=0 $(PYTHON) -m q8kv8.compile --jobs $(JOBS)",
+        "\t$(PYTHON) -m pytest -q -ra --all-variants -m variants tests",
+    ]
 
 
 def makefile_commands() -> list[str]:
