@@ -475,7 +475,11 @@ def test_row_copies_read_only_uniform_registers_they_set(tmp_path, listing):
     uniform registers an earlier instruction writes (see ``cute_kernels.sm90.row_gather.copy_rows``)."""
     ptxas, disassembler = shutil.which("ptxas"), cuda_tools.disassembler()
     if ptxas is None or disassembler is None:
-        pytest.skip(cuda_tools.missing("ptxas", "nvdisasm"))
+        pytest.skip(
+            cuda_tools.missing(
+                *(name for name, path in (("ptxas", ptxas), ("nvdisasm", disassembler)) if path is None)
+            )
+        )
     failures = {}
     for variant in _gather_variants():
         cubin = tmp_path / f"{variant.name}.cubin"
