@@ -6,7 +6,7 @@
 PYTHON ?= python3
 ARGS ?=
 
-.PHONY: install deps test bench lint
+.PHONY: install deps test test-variants bench lint
 
 install:
 	$(PYTHON) -m pip install -e '.[dev]'
@@ -14,8 +14,17 @@ install:
 deps:
 	@Q8KV8_COMPILE_AT_IMPORT=0 $(PYTHON) -c "import torch, cutlass, q8kv8" 2>/dev/null || { echo "Installing q8kv8 and its dependencies"; $(MAKE) --no-print-directory install; }
 
+# `make test` runs the per-variant build checks (marked `variants`) on a representative subset of the kernel
+# variants; `make test-variants` builds every variant in $(JOBS) processes (one a core), then runs those
+# checks alone, on every variant (CI runs both).
+JOBS ?= $(shell nproc 2>/dev/null || echo 1)
+
 test: deps
 	$(PYTHON) -m pytest -q -ra tests
+
+test-variants: deps
+	Q8KV8_COMPILE_AT_IMPORT=0 $(PYTHON) -m q8kv8.compile --jobs $(JOBS)
+	$(PYTHON) -m pytest -q -ra --all-variants -m variants tests
 
 bench: deps
 	$(PYTHON) -m scripts.bench $(ARGS)

@@ -16,15 +16,23 @@ command made). The variants that ``import q8kv8`` builds are built before the co
 process, unless ``Q8KV8_COMPILE_AT_IMPORT=0`` is set.
 
 Exits with status 1, printing the one-line ``KernelCompileError``, when a variant fails to build.
+
+SIGINT (Ctrl-C) or SIGTERM stops it at once, its worker processes with it (a build in progress is abandoned;
+an entry it left incomplete is rebuilt when next loaded): it says so in one line on stderr and exits with
+status 128 + the signal's number (130, 143). The variants built before stay cached. A failed build stops the
+other workers' builds too.
 """
 
 import argparse
 import multiprocessing
 import os
+import signal
 import sys
+import threading
 from concurrent.futures import ProcessPoolExecutor
 
 COMPILE_AT_IMPORT_ENV = "Q8KV8_COMPILE_AT_IMPORT"
+STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
 
 
 def _positive(text: str) -> int:
@@ -32,6 +40,28 @@ def _positive(text: str) -> int:
     if value < 1:
         raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
     return value
+
+
+class _Stopped(BaseException):
+    """SIGINT or SIGTERM arrived (a ``BaseException``, as ``KeyboardInterrupt``, so no handler of
+    ``Exception`` takes it for a failed build)."""
+
+    def __init__(self, signum: int):
+        super().__init__(signal.Signals(signum).name)
+        self.signum = signum
+
+
+def _stop(signum, _frame):
+    raise _Stopped(signum)
+
+
+def _init_worker(announced: bool) -> None:
+    """(In a worker process.) Ctrl-C reaches the whole process group: a worker leaves it to the command,
+    which terminates its workers."""
+    from q8kv8 import disk_cache
+
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    disk_cache.set_build_announced(announced)
 
 
 def _build(loader) -> tuple[str, str, float]:
@@ -48,13 +78,31 @@ def _build_in_processes(jobs: int) -> dict[str, tuple[str, float]]:
     os.environ[COMPILE_AT_IMPORT_ENV] = "0"  # a worker's import of q8kv8 builds nothing of its own
     try:
         context = multiprocessing.get_context("spawn")  # no CUDA or DSL state forked into the workers
-        with ProcessPoolExecutor(
+        others = set(multiprocessing.active_children())
+        pool = ProcessPoolExecutor(
             jobs,
             mp_context=context,
-            initializer=disk_cache.set_build_announced,
+            initializer=_init_worker,
             initargs=(disk_cache.build_announced(),),
-        ) as pool:
+        )
+        try:
             results = list(pool.map(_build, kernels.variant_loaders()))
+        except BaseException:
+            # A failed build, or a signal: the other workers' builds are not waited for. A second signal
+            # waits until the workers are gone.
+            stopping = signal.pthread_sigmask(signal.SIG_BLOCK, STOP_SIGNALS)
+            try:
+                pool.shutdown(wait=False, cancel_futures=True)
+                workers = [child for child in multiprocessing.active_children() if child not in others]
+                for worker in workers:
+                    worker.terminate()
+                for worker in workers:
+                    worker.join()
+            finally:
+                signal.pthread_sigmask(signal.SIG_SETMASK, stopping)
+            raise
+        finally:
+            pool.shutdown(wait=True)
     finally:
         if previous is None:
             del os.environ[COMPILE_AT_IMPORT_ENV]
@@ -73,12 +121,23 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     from q8kv8 import build, disk_cache, kernels
 
+    in_main_thread = threading.current_thread() is threading.main_thread()
+    previous = {signum: signal.signal(signum, _stop) for signum in STOP_SIGNALS} if in_main_thread else {}
     try:
         built = _build_in_processes(args.jobs) if args.jobs > 1 else {}
         variants = kernels.listed_variants()
     except build.KernelCompileError as error:
         print(error, file=sys.stderr)
         return 1
+    except _Stopped as stopped:
+        print(
+            f"{parser.prog}: stopped by {stopped}; the variants built before are in {disk_cache.cache_dir()}",
+            file=sys.stderr,
+        )
+        return 128 + stopped.signum
+    finally:
+        for signum, handler in previous.items():
+            signal.signal(signum, handler)
     width = max(32, *(len(variant.name) for variant in variants))
     print(f"{'variant':{width}s} {'from':9s} {'seconds':>8s}")
     for variant in variants:

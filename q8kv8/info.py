@@ -6,8 +6,8 @@ registers per thread from ``ptxas -v``, which runs once per variant and ptxas an
 (``q8kv8.build.ptxas_report``), shared memory per CTA), the disk cache (location, this process's
 hits and misses) and the schedule rules (``q8kv8.schedule.describe`` names the schedule of a call).
 
-``info()`` returns a dict; ``python -m q8kv8.info`` prints it as a table. The module is callable, so
-``q8kv8.info()`` is ``q8kv8.info.info()``.
+``info()`` returns a ``Report``: a dict that prints as a table (``print(q8kv8.info())``), the table that
+``python -m q8kv8.info`` prints. The module is callable, so ``q8kv8.info()`` is ``q8kv8.info.info()``.
 """
 
 import importlib.metadata
@@ -18,7 +18,18 @@ import types
 import torch
 
 
-def info() -> dict:
+class Report(dict):
+    """What ``info()`` returns: a dict (``report["versions"]``, ``report["variants"]``, ...) whose ``str`` and
+    ``repr`` are the table of ``python -m q8kv8.info``, so that printing it or showing it in a REPL is
+    readable; ``dict(report)`` is the plain dict."""
+
+    def __str__(self) -> str:
+        return _table(self)
+
+    __repr__ = __str__
+
+
+def info() -> Report:
     """Versions, GPU, kernel variants and cache of this installation (builds or loads the variants)."""
     from q8kv8 import build, disk_cache, kernels, metadata, native, schedule
     from q8kv8.metadata import __version__
@@ -29,7 +40,7 @@ def info() -> dict:
     if torch.cuda.is_available():
         major, minor = torch.cuda.get_device_capability()
         gpu, arch = torch.cuda.get_device_name(), f"sm_{major}{minor}"
-    return {
+    report = {
         "versions": {
             "q8kv8": __version__,
             "torch": torch.__version__,
@@ -65,6 +76,7 @@ def info() -> dict:
             "the fewest tokens in a row on an SM",
         },
     }
+    return Report(report)
 
 
 def _distribution_version(name: str) -> str:
@@ -84,34 +96,39 @@ def _ptxas_version() -> str:
     return match.group(1) if match else "unknown"
 
 
-def main() -> int:
-    report = info()
+def _table(report: dict) -> str:
+    lines = []
     width = max(len(name) for name in report["versions"])
     for name, version in report["versions"].items():
-        print(f"{name:{width}s}  {version}")
+        lines.append(f"{name:{width}s}  {version}")
     gpu = report["gpu"] if report["gpu"] == "none" else f"{report['gpu']} ({report['arch']})"
-    print(f"{'gpu':{width}s}  {gpu}; kernels built for {report['target_arch']}")
+    lines.append(f"{'gpu':{width}s}  {gpu}; kernels built for {report['target_arch']}")
     cache = report["cache"]
-    print(
+    lines.append(
         f"{'cache':{width}s}  {cache['dir']} (this process: {cache['hits']} hits, {cache['misses']} misses, "
         f"{cache['rebuilt_corrupt']} rebuilt)"
     )
-    print(f"{'fast path':{width}s}  {report['fast_path']}")
+    lines.append(f"{'fast path':{width}s}  {report['fast_path']}")
     for kind, rule in report["schedules"].items():
-        print(f"{kind:{width}s}  {rule}")
+        lines.append(f"{kind:{width}s}  {rule}")
     name_width = max(32, *(len(variant["name"]) for variant in report["variants"]))
     header = (
         f"{'variant':{name_width}s} {'d_qk':>5s} {'from':9s} {'seconds':>8s} {'regs':>5s} {'spills':>7s} "
         f"{'smem B':>8s}"
     )
-    print(f"\n{header}")
+    lines.append(f"\n{header}")
     for variant in report["variants"]:
-        print(
+        lines.append(
             f"{variant['name']:{name_width}s} {variant['d_qk']:5d} {variant['source']:9s} "
             f"{variant['seconds']:8.3f} "
             f"{_or_na(variant['registers']):>5s} {_or_na(variant['spill_bytes']):>7s} "
             f"{variant['shared_memory_bytes']:8d}"
         )
+    return "\n".join(lines)
+
+
+def main() -> int:
+    print(info())
     return 0
 
 
@@ -122,7 +139,7 @@ def _or_na(value) -> str:
 class _CallableModule(types.ModuleType):
     """Makes ``q8kv8.info()`` call ``info()`` although ``q8kv8.info`` is this module."""
 
-    def __call__(self) -> dict:
+    def __call__(self) -> Report:
         return info()
 
 

@@ -1,5 +1,6 @@
 """Shared test setup: the kernels built (or loaded) before collection with their build lines on the terminal,
-skipping of ``gpu`` tests off SM90, per-test random generators and input builders."""
+skipping of ``gpu`` tests off SM90, the per-variant build checks on a representative subset of the variants
+unless ``--all-variants`` (``variant_subset``), per-test random generators and input builders."""
 
 import hashlib
 import sys
@@ -7,6 +8,17 @@ import types
 
 import pytest
 import torch
+
+ALL_VARIANTS = "--all-variants"
+
+
+def pytest_addoption(parser):
+    parser.addoption(
+        ALL_VARIANTS,
+        action="store_true",
+        help="run the per-variant build checks (marked `variants`) on every kernel variant, not only on the "
+        "representative ones of tests/variant_subset.py (`make test-variants`)",
+    )
 
 
 def pytest_configure(config):
@@ -27,13 +39,45 @@ def _sm90_missing_reason() -> str | None:
     return None
 
 
+@pytest.hookimpl(tryfirst=True)  # before `-m` selects by marker
 def pytest_collection_modifyitems(config, items):
+    for item in items:  # a case of every variant is a per-variant check too
+        if item.get_closest_marker("all_variants") is not None:
+            item.add_marker(pytest.mark.variants)
+    if not config.getoption(ALL_VARIANTS):
+        deselected = [item for item in items if item.get_closest_marker("all_variants") is not None]
+        if deselected:
+            config.hook.pytest_deselected(items=deselected)
+            items[:] = [item for item in items if item.get_closest_marker("all_variants") is None]
     reason = _sm90_missing_reason()
     if reason is None:
         return
     for item in items:
         if item.get_closest_marker("gpu") is not None:
             item.add_marker(pytest.mark.skip(reason=reason))
+
+
+def pytest_report_header(config):
+    if not config.getoption(ALL_VARIANTS):
+        return (
+            "per-variant build checks: on the representative variants (tests/variant_subset.py); "
+            "`make test-variants` runs them on every variant"
+        )
+    return "per-variant build checks: on every kernel variant"
+
+
+@pytest.fixture
+def listing(request, monkeypatch) -> list:
+    """The variants that the listings (``kernels.listed_variants()``: ``python -m q8kv8.compile``,
+    ``q8kv8.info()``, ``make bench``'s report) list in this test: every one with ``--all-variants``, else the
+    representative ones (``kernels.LISTED_KEYS`` patched for the test). Their keys."""
+    from variant_subset import listed_keys
+
+    from q8kv8 import kernels
+
+    if not request.config.getoption(ALL_VARIANTS):
+        monkeypatch.setattr(kernels, "LISTED_KEYS", listed_keys())
+    return list(kernels.LISTED_KEYS)
 
 
 @pytest.fixture

@@ -7,6 +7,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import cuda_tools
 import pytest
 
 from cute_kernels.sm90 import sparse_prefill_bf16
@@ -55,7 +56,7 @@ def test_ptx_uses_bf16_wgmma_tma_and_cp_async(variants, d_qk):
 def test_ptxas_reports_no_spills_and_no_wgmma_serialisation(variants, d_qk):
     report = build.ptxas_report(variants[d_qk])
     if report is None:
-        pytest.skip("ptxas is not on PATH")
+        pytest.skip(cuda_tools.missing("ptxas"))
     assert report.spill_store_bytes == 0 and report.spill_load_bytes == 0, report.text
     assert "serialized" not in report.text, report.text
     assert not re.search(r"C75(0\d|1\d|20)", report.text), report.text

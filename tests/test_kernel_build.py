@@ -8,7 +8,9 @@ import subprocess
 import sys
 from pathlib import Path
 
+import cuda_tools
 import pytest
+from variant_subset import cases
 
 from cute_kernels.interface import PRECISIONS
 from cute_kernels.sm90 import paged_rows, sparse_prefill
@@ -18,9 +20,13 @@ from q8kv8.schedule import ONE_TILE, PERSISTENT, SPLIT
 REPO = Path(__file__).resolve().parent.parent
 
 
-def variant(d_qk, precision="default", kind=ONE_TILE, q_dtype=kernels.FP8, heads=64, cache=None):
-    """The variant of those options, built or loaded."""
-    return kernels.load(kernels.VariantKey(d_qk, precision, kind, q_dtype, heads, cache))
+def key(d_qk, precision="default", kind=ONE_TILE, q_dtype=kernels.FP8, heads=64, cache=None):
+    return kernels.VariantKey(d_qk, precision, kind, q_dtype, heads, cache)
+
+
+def variant(*options, **named):
+    """The variant of those options (``key``'s), built or loaded."""
+    return kernels.load(key(*options, **named))
 
 
 @pytest.fixture(scope="module")
@@ -63,7 +69,10 @@ def test_import_builds_every_variant(variants):
     assert len(kernels.load_variants()) == len(VARIANT_KEYS) + len(PERSISTENT_KEYS)
 
 
-@pytest.mark.parametrize("d_qk, precision", PERSISTENT_KEYS)
+@pytest.mark.variants
+@pytest.mark.parametrize(
+    "d_qk, precision", cases(PERSISTENT_KEYS, lambda d, p: [key(d, p), key(d, p, PERSISTENT)])
+)
 def test_persistent_ptx_has_the_one_tile_kernels_instructions(variants, d_qk, precision):
     """The persistent variant runs the same WGMMAs, Q TMA and row copies (in a loop over tiles)."""
     one_tile = variants[d_qk, precision].ptx_path.read_text()
@@ -92,7 +101,8 @@ def promoted_qk_wgmmas(d_qk: int) -> int:
     return 2 * group + d_qk // 32 % group
 
 
-@pytest.mark.parametrize("d_qk, precision", ONE_TILE_KEYS)
+@pytest.mark.variants
+@pytest.mark.parametrize("d_qk, precision", cases(ONE_TILE_KEYS, lambda d, p: [key(d, p)]))
 def test_ptx_uses_fp8_wgmma_tma_and_cp_async(d_qk, precision):
     ptx = variant(d_qk, precision).ptx_path.read_text()
     wgmma = re.findall(r"wgmma\.mma_async\.\S+", ptx)
@@ -120,8 +130,14 @@ def test_ptx_uses_fp8_wgmma_tma_and_cp_async(d_qk, precision):
     assert "ex2.approx.f16x2" not in ptx
 
 
-@pytest.mark.parametrize("persistent", [False, True])
-@pytest.mark.parametrize("d_qk, precision", ONE_TILE_KEYS)
+@pytest.mark.variants
+@pytest.mark.parametrize(
+    "d_qk, precision, persistent",
+    cases(
+        [(d_qk, precision, persistent) for persistent in (False, True) for d_qk, precision in ONE_TILE_KEYS],
+        lambda d, p, persistent: [key(d, p, PERSISTENT if persistent else ONE_TILE)],
+    ),
+)
 def test_ptxas_reports_no_spills_and_no_wgmma_serialisation(d_qk, precision, persistent):
     if persistent and (d_qk, precision) not in PERSISTENT_KEYS and d_qk != 576:
         pytest.skip("checked at d_qk 576")
@@ -133,15 +149,34 @@ def assert_fits_in_registers(variant):
     registers per thread (65536 / 384 threads)."""
     report = build.ptxas_report(variant)
     if report is None:
-        pytest.skip("ptxas is not on PATH")
+        pytest.skip(cuda_tools.missing("ptxas"))
     assert report.spill_store_bytes == 0 and report.spill_load_bytes == 0, report.text
     assert "wgmma.mma_async instructions are serialized" not in report.text, report.text
     assert report.stack_frame_bytes == 0, report.text
     assert report.registers <= 168, report.text
 
 
-@pytest.mark.parametrize("q_dtype", [kernels.FP8, kernels.BF16_Q], ids=["e4m3", "bf16"])
-@pytest.mark.parametrize("d_qk, precision", VARIANT_KEYS + [(576, p) for p in SINGLE_PURCHASES])
+SPLIT_AND_BF16_Q_KEYS = [
+    (d_qk, precision, q_dtype)
+    for q_dtype in (kernels.FP8, kernels.BF16_Q)
+    for d_qk, precision in VARIANT_KEYS + [(576, p) for p in SINGLE_PURCHASES]
+]
+
+
+def split_and_bf16_q_keys(d_qk, precision, q_dtype):
+    kinds = (SPLIT, ONE_TILE, PERSISTENT) if q_dtype == kernels.BF16_Q else (SPLIT,)
+    return [key(d_qk, precision, kind, q_dtype) for kind in kinds]
+
+
+@pytest.mark.variants
+@pytest.mark.parametrize(
+    "d_qk, precision, q_dtype",
+    cases(
+        SPLIT_AND_BF16_Q_KEYS,
+        split_and_bf16_q_keys,
+        ids=[f"{d}-{p}-{kernels.KERNEL_Q_DTYPES[q]}" for d, p, q in SPLIT_AND_BF16_Q_KEYS],
+    ),
+)
 def test_split_and_bf16_q_variants_fit_in_registers(d_qk, precision, q_dtype):
     """The variants built on first use (split, for either q dtype; one-tile and persistent for a bfloat16 q)
     fit as the others do (a single purchase: its split variant for an e4m3 q)."""
@@ -153,7 +188,17 @@ def test_split_and_bf16_q_variants_fit_in_registers(d_qk, precision, q_dtype):
             assert_fits_in_registers(variant(d_qk, precision, kind, q_dtype))
 
 
-@pytest.mark.parametrize("d_qk, precision", VARIANT_KEYS)
+@pytest.mark.variants
+@pytest.mark.parametrize(
+    "d_qk, precision",
+    cases(
+        VARIANT_KEYS,
+        lambda d, p: [
+            *(key(d, p, kind, kernels.BF16_Q) for kind in (ONE_TILE, PERSISTENT, SPLIT)),
+            key(d, p, PERSISTENT, kernels.BF16_Q, 16),
+        ],
+    ),
+)
 def test_bf16_q_rows_are_staged_by_bulk_copies(d_qk, precision):
     """With a bfloat16 q the 64-head variants (one-tile, persistent, split) stage a tile's rows in shared
     memory by bulk copies (one per block tile when its 32 rows lie in q, else one per producer thread: half a
@@ -173,7 +218,8 @@ def test_bf16_q_rows_are_staged_by_bulk_copies(d_qk, precision):
     assert len(re.findall(r"ld\.global\.nc\.v4\.b32", small)) == 2 * (d_qk // 64)
 
 
-@pytest.mark.parametrize("d_qk, precision", VARIANT_KEYS)
+@pytest.mark.variants
+@pytest.mark.parametrize("d_qk, precision", cases(VARIANT_KEYS, lambda d, p: [key(d, p), key(d, p, SPLIT)]))
 def test_split_ptx_runs_the_one_tile_math_and_merges_in_the_cluster(variants, d_qk, precision):
     """The split variant runs the one-tile kernel's WGMMAs, Q TMA and row copies; its parts exchange their
     results through the cluster's shared memory (``st.async`` counted on the receiver's mbarrier, after a
@@ -227,10 +273,14 @@ SMALL_HEAD_KEYS = [
 ] + [(576, precision, 16, kernels.FP8) for precision in SINGLE_PURCHASES]
 
 
+@pytest.mark.variants
 @pytest.mark.parametrize(
     "d_qk, precision, heads, q_dtype",
-    SMALL_HEAD_KEYS,
-    ids=[f"{d}-{p}-h{h}-{kernels.KERNEL_Q_DTYPES[q]}" for d, p, h, q in SMALL_HEAD_KEYS],
+    cases(
+        SMALL_HEAD_KEYS,
+        lambda d, p, h, q: [key(d, p, PERSISTENT, q, h)],
+        ids=[f"{d}-{p}-h{h}-{kernels.KERNEL_Q_DTYPES[q]}" for d, p, h, q in SMALL_HEAD_KEYS],
+    ),
 )
 def test_small_head_variants_fit_and_compute_the_transposed_products(d_qk, precision, heads, q_dtype):
     """The small-head variants fit as the others do; their QK product is an m64nNk32 WGMMA with the heads on
@@ -292,7 +342,11 @@ def paged_spills(layout, precision, kind, q_dtype, heads) -> bool:
     return kind == (PERSISTENT if q_dtype == kernels.BF16_Q else SPLIT)
 
 
-@pytest.mark.parametrize("layout, precision, kind, q_dtype, heads", PAGED_KEYS)
+@pytest.mark.variants
+@pytest.mark.parametrize(
+    "layout, precision, kind, q_dtype, heads",
+    cases(PAGED_KEYS, lambda layout, p, kind, q, h: [key(PAGED_D_QK[layout], p, kind, q, h, layout)]),
+)
 def test_paged_variants_gather_pages_and_sum_scale_groups(layout, precision, kind, q_dtype, heads):
     """The paged kernel (``paged_rows``): S from WGMMA groups of a scale group's k-steps (S promoted: at most
     ``PAGED_ACCURATE_CHUNK_KSTEPS``: the first group and the loop's, and the RoPE's 2 k-steps x 2 e4m3
@@ -324,7 +378,7 @@ def test_paged_variants_gather_pages_and_sum_scale_groups(layout, precision, kin
     assert len(re.findall(r"cp\.async\.bulk\.tensor", ptx)) == q_tma
     report = build.ptxas_report(built)
     if report is None:
-        pytest.skip("ptxas is not on PATH")
+        pytest.skip(cuda_tools.missing("ptxas"))
     if paged_spills(layout, precision, kind, q_dtype, heads):
         assert report.spill_store_bytes <= PAGED_SPILL_BYTES and report.spill_load_bytes <= PAGED_SPILL_BYTES
         assert "wgmma.mma_async instructions are serialized" not in report.text and report.registers <= 168
@@ -388,16 +442,6 @@ def test_a_build_says_so_in_one_line_and_a_load_says_nothing(tmp_path, monkeypat
     assert capfd.readouterr().err == ""
 
 
-def _disassembler():
-    """nvdisasm on PATH or in the CUDA toolkit beside ptxas (None when neither has it)."""
-    found = shutil.which("nvdisasm")
-    ptxas = shutil.which("ptxas")
-    if found is None and ptxas is not None:
-        candidate = Path(ptxas).resolve().parent / "nvdisasm"
-        found = str(candidate) if candidate.exists() else None
-    return found
-
-
 def uniform_registers_read_unwritten(sass: str) -> set[str]:
     """The uniform registers that a row copy (``LDGSTS``) reads and no earlier instruction (in address
     order) writes. The copies' registers are set before the gather loops, so a register in this set is
@@ -425,12 +469,17 @@ def _gather_variants():
     ]
 
 
-def test_row_copies_read_only_uniform_registers_they_set(tmp_path):
+@pytest.mark.variants
+def test_row_copies_read_only_uniform_registers_they_set(tmp_path, listing):
     """The SASS of every variant with a row gather (ptxas on its PTX, nvdisasm): each ``LDGSTS`` reads only
     uniform registers an earlier instruction writes (see ``cute_kernels.sm90.row_gather.copy_rows``)."""
-    ptxas, disassembler = shutil.which("ptxas"), _disassembler()
+    ptxas, disassembler = shutil.which("ptxas"), cuda_tools.disassembler()
     if ptxas is None or disassembler is None:
-        pytest.skip("ptxas or nvdisasm is not on PATH")
+        pytest.skip(
+            cuda_tools.missing(
+                *(name for name, path in (("ptxas", ptxas), ("nvdisasm", disassembler)) if path is None)
+            )
+        )
     failures = {}
     for variant in _gather_variants():
         cubin = tmp_path / f"{variant.name}.cubin"

@@ -7,6 +7,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import cuda_tools
 import pytest
 import torch
 
@@ -76,7 +77,7 @@ def test_ptx_uses_wide_accesses_and_explicit_rounding(variants, layout, out_bf16
 def test_ptxas_reports_no_spills(variants, layout, out_bf16):
     report = build.ptxas_report(variants[(layout, out_bf16)])
     if report is None:
-        pytest.skip("ptxas is not on PATH")
+        pytest.skip(cuda_tools.missing("ptxas"))
     assert report.spill_store_bytes == 0 and report.spill_load_bytes == 0, report.text
     assert report.stack_frame_bytes == 0, report.text
     assert report.registers <= 64, report.text
@@ -111,5 +112,5 @@ def test_q_cast_kernel_builds_without_spills(d):
     assert ptx.count("ld.global.nc.v4.b32") == 2 and ptx.count("st.global.v4.b32") == 2  # data, zeros
     report = build.ptxas_report(variant)
     if report is None:
-        pytest.skip("ptxas is not on PATH")
+        pytest.skip(cuda_tools.missing("ptxas"))
     assert report.spill_store_bytes == 0 and report.spill_load_bytes == 0 and report.stack_frame_bytes == 0

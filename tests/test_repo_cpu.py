@@ -1,5 +1,5 @@
-"""Repository plumbing: the pre-commit hooks run the same lint as ``make lint``, CI runs ``make lint`` and
-``make test``, and no Makefile step hides the output of a kernel build."""
+"""Repository plumbing: the pre-commit hooks run the same lint as ``make lint``, CI runs ``make lint``,
+``make test`` and ``make test-variants``, and no Makefile step hides the output of a kernel build."""
 
 import os
 import re
@@ -41,8 +41,22 @@ def test_pre_commit_config_parses_as_yaml_when_pyyaml_is_installed():
 def test_ci_runs_lint_and_tests():
     ci = (REPO / ".ci" / "run").read_text().splitlines()
     commands = [line.strip() for line in ci if line.strip() and not line.lstrip().startswith("#")]
-    assert "make lint" in commands and "make test" in commands
-    assert commands.index("make lint") < commands.index("make test")
+    assert "make lint" in commands and "make test" in commands and "make test-variants" in commands
+    assert commands.index("make lint") < commands.index("make test") < commands.index("make test-variants")
+
+
+def test_make_test_variants_runs_the_per_variant_checks_on_every_variant():
+    """``make test`` runs every test (the per-variant checks on the representative variants); ``make
+    test-variants`` builds every variant in parallel, then runs the per-variant checks alone, on every
+    variant."""
+    makefile = (REPO / "Makefile").read_text()
+    [test] = re.findall(r"^test: deps\n\t(.+)$", makefile, re.MULTILINE)
+    [variants] = re.findall(r"^test-variants: deps\n((?:\t.+\n)+)", makefile, re.MULTILINE)
+    assert test == "$(PYTHON) -m pytest -q -ra tests"
+    assert variants.splitlines() == [
+        "\tQ8KV8_COMPILE_AT_IMPORT=0 $(PYTHON) -m q8kv8.compile --jobs $(JOBS)",
+        "\t$(PYTHON) -m pytest -q -ra --all-variants -m variants tests",
+    ]
 
 
 def makefile_commands() -> list[str]:

@@ -11,12 +11,16 @@ import importlib
 import os
 import re
 import shutil
+import signal
 import subprocess
 import sys
 import textwrap
+import threading
+import time
 import traceback
 from pathlib import Path
 
+import cuda_tools
 import pytest
 import torch
 
@@ -28,10 +32,26 @@ from q8kv8.metadata import PRECISIONS
 REPO = Path(__file__).resolve().parent.parent
 
 
-def run_module(module: str) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [sys.executable, "-m", module], cwd=REPO, env=dict(os.environ), capture_output=True, text=True
-    )
+EVERY_VARIANT = list(kernels.LISTED_KEYS)
+RUN_ON_LISTING = """
+import runpy, sys
+from q8kv8 import kernels
+
+module, *names = sys.argv[1:]
+kernels.LISTED_KEYS = [kernels._KEYS_BY_NAME[name] for name in names]
+sys.argv = [module]
+runpy.run_module(module, run_name="__main__", alter_sys=True)
+"""
+"""``python -m MODULE`` as it runs with the listings (``kernels.LISTED_KEYS``) cut to the given variants."""
+
+
+def run_module(module: str, listing: list) -> subprocess.CompletedProcess:
+    """``python -m module`` in a subprocess, listing the variants of ``listing`` (the fixture)."""
+    if listing == EVERY_VARIANT:
+        command = [sys.executable, "-m", module]  # every variant
+    else:
+        command = [sys.executable, "-c", RUN_ON_LISTING, module, *(key.name for key in listing)]
+    return subprocess.run(command, cwd=REPO, env=dict(os.environ), capture_output=True, text=True)
 
 
 @pytest.fixture(scope="module")
@@ -40,8 +60,9 @@ def variants() -> dict:
     return {variant.name: variant for variant in kernels.load_variants()}
 
 
-def test_python_m_compile_lists_every_variant_and_the_cache(variants):
-    result = run_module("q8kv8.compile")
+@pytest.mark.variants
+def test_python_m_compile_lists_every_variant_and_the_cache(variants, listing):
+    result = run_module("q8kv8.compile", listing)
     assert result.returncode == 0, result.stderr
     lines = result.stdout.splitlines()
     for variant in variants.values():
@@ -51,7 +72,8 @@ def test_python_m_compile_lists_every_variant_and_the_cache(variants):
     assert lines[-1] == f"cache: {disk_cache.cache_dir()}"
 
 
-def test_compile_main_prints_what_this_process_built(variants, capsys):
+@pytest.mark.variants
+def test_compile_main_prints_what_this_process_built(variants, listing, capsys):
     assert compile_command.main([]) == 0
     out = capsys.readouterr().out
     for variant in variants.values():
@@ -59,7 +81,8 @@ def test_compile_main_prints_what_this_process_built(variants, capsys):
     assert f"cache: {disk_cache.cache_dir()}" in out
 
 
-def test_compile_jobs_builds_every_listed_variant_in_worker_processes(variants, capsys):
+@pytest.mark.variants
+def test_compile_jobs_builds_every_listed_variant_in_worker_processes(variants, listing, capsys):
     """``--jobs 2``: two spawned workers build (here: load from the cache) every listed variant; the listing
     is the same as with one process, each line saying where its worker got it; the environment is restored."""
     environment = dict(os.environ)
@@ -93,13 +116,92 @@ def test_compile_jobs_workers_say_what_they_build_on_stderr(tmp_path, monkeypatc
             assert announcement.startswith("q8kv8: building ") and f" into {tmp_path} (" in announcement
 
 
+def live_descendants(pid: int) -> set[int]:
+    """The processes below ``pid`` that still run (from /proc; zombies excluded)."""
+    children: dict[int, list[int]] = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            state, parent = stat.read_text().rpartition(")")[2].split()[:2]
+        except (OSError, ValueError):
+            continue
+        if state != "Z":
+            children.setdefault(int(parent), []).append(int(stat.parent.name))
+    found, pending = set(), [pid]
+    while pending:
+        for child in children.get(pending.pop(), []):
+            found.add(child)
+            pending.append(child)
+    return found
+
+
+def running(pid: int) -> bool:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()[0] != "Z"
+    except (OSError, IndexError):
+        return False
+
+
+@pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="reads the process tree from /proc (Linux)")
+@pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM], ids=["SIGINT", "SIGTERM"])
+def test_compile_jobs_stops_at_once_with_its_workers_on_a_signal(tmp_path, signum):
+    """``python -m q8kv8.compile --jobs 2`` building into an empty cache, stopped by SIGINT to its process
+    group (Ctrl-C) or SIGTERM to it (``kill``) while its workers build: it exits within seconds (it does not
+    wait for the builds in progress) with status 128 + the signal's number and one line on stderr, and none
+    of its processes (the workers, multiprocessing's resource tracker) is left running."""
+    cache = tmp_path / "cache"
+    env = dict(os.environ, Q8KV8_CACHE_DIR=str(cache), Q8KV8_COMPILE_AT_IMPORT="0")
+    command = subprocess.Popen(
+        [sys.executable, "-m", "q8kv8.compile", "--jobs", "2"],
+        cwd=REPO,
+        env=env,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    )
+    stderr: list[str] = []
+    reader = threading.Thread(target=lambda: stderr.extend(iter(command.stderr.readline, "")), daemon=True)
+    reader.start()
+    processes: set[int] = set()
+    try:
+        deadline = time.monotonic() + 180
+        while not any(line.startswith("q8kv8: building ") for line in stderr):  # a worker builds
+            assert command.poll() is None and time.monotonic() < deadline, stderr
+            time.sleep(0.2)
+        time.sleep(1.0)
+        processes = live_descendants(command.pid)
+        assert len(processes) >= 3  # two workers and the resource tracker
+        start = time.monotonic()
+        if signum == signal.SIGINT:
+            os.killpg(command.pid, signum)
+        else:
+            command.send_signal(signum)
+        assert command.wait(timeout=60) == 128 + signum
+        assert time.monotonic() - start < 10
+        deadline = time.monotonic() + 10
+        while any(running(pid) for pid in processes) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert not [pid for pid in processes if running(pid)]
+        reader.join(timeout=10)
+        name = signal.Signals(signum).name
+        assert stderr[-1] == (
+            f"python -m q8kv8.compile: stopped by {name}; the variants built before are in {cache}\n"
+        )
+    finally:
+        for pid in [command.pid, *processes]:
+            if running(pid):
+                os.kill(pid, signal.SIGKILL)
+        command.wait()
+
+
 def test_compile_jobs_must_be_positive(capsys):
     with pytest.raises(SystemExit) as exit_info:
         compile_command.main(["--jobs", "0"])
     assert exit_info.value.code == 2 and "must be at least 1" in capsys.readouterr().err
 
 
-def test_variant_loaders_build_exactly_the_listed_variants():
+@pytest.mark.variants
+def test_variant_loaders_build_exactly_the_listed_variants(listing):
     """``kernels.variant_loaders()`` (what ``--jobs`` hands the workers): one loader per listed variant."""
     names = [loader().name for loader in kernels.variant_loaders()]
     assert sorted(names) == sorted(variant.name for variant in kernels.listed_variants())
@@ -144,7 +246,8 @@ def test_dsl_compile_failure_is_one_line_naming_the_variant(tmp_path, monkeypatc
     assert str(error.log_path) in message and "cute.gemm" in error.log_path.read_text()  # kept for debugging
 
 
-def test_info_reports_versions_gpu_variants_and_cache(variants):
+@pytest.mark.variants
+def test_info_reports_versions_gpu_variants_and_cache(variants, listing):
     report = q8kv8.info()  # the module is callable
     assert report == q8kv8.info.info()
     assert report["versions"]["q8kv8"] == q8kv8.__version__
@@ -168,8 +271,27 @@ def test_info_reports_versions_gpu_variants_and_cache(variants):
     )
 
 
-@pytest.mark.skipif(shutil.which("ptxas") is None, reason="needs ptxas")
-def test_a_second_info_runs_no_ptxas(variants, monkeypatch):
+@pytest.mark.variants
+def test_printed_info_is_the_table_of_python_m_info(variants, listing, capsys):
+    """``print(q8kv8.info())`` (and the report's repr, as a REPL shows it) is the table that ``python -m
+    q8kv8.info`` prints: one line per version, setting and variant, not the dict on one line."""
+    report = q8kv8.info()
+    assert isinstance(report, dict) and repr(report) == str(report)
+    print(report)
+    lines = capsys.readouterr().out.splitlines()
+    assert re.fullmatch(rf"q8kv8\s+{re.escape(q8kv8.__version__)}", lines[0])
+    assert max(len(line) for line in lines) < 300
+    for described in report["variants"]:
+        [line] = [line for line in lines if line.split()[:1] == [described["name"]]]
+        assert line.split()[1:3] == [str(described["d_qk"]), described["source"]]
+    assert q8kv8.info.main() == 0
+    printed = capsys.readouterr().out.splitlines()
+    assert [line.split()[0] for line in printed if line] == [line.split()[0] for line in lines if line]
+
+
+@pytest.mark.variants
+@pytest.mark.skipif(shutil.which("ptxas") is None, reason=cuda_tools.missing("ptxas"))
+def test_a_second_info_runs_no_ptxas(variants, listing, monkeypatch):
     """``info()`` reports each variant's registers and spills from ``ptxas -v``, which runs once per variant:
     its report is kept in the cache, so a later ``info()`` (here: the same process, asking the ptxas version
     again as a fresh process does) reads the kept reports and reports the same."""
@@ -233,8 +355,9 @@ def test_a_kept_ptxas_report_is_used_only_for_the_same_ptx_and_ptxas(tmp_path, m
     assert build.ptxas_report(variant) == first and ptxas_runs() == 3
 
 
-def test_python_m_info_prints_a_table(variants):
-    result = run_module("q8kv8.info")
+@pytest.mark.variants
+def test_python_m_info_prints_a_table(variants, listing):
+    result = run_module("q8kv8.info", listing)
     assert result.returncode == 0, result.stderr
     assert "RuntimeWarning" not in result.stderr
     out = result.stdout
@@ -247,7 +370,10 @@ def test_python_m_info_prints_a_table(variants):
         assert re.search(rf"^{variant.name}\s+{variant.d_qk}\s+(cache|compiled)\s", out, re.MULTILINE)
 
 
-def test_bench_without_an_sm90_gpu_prints_the_build_report_then_says_so_and_exits_2(monkeypatch, capsys):
+@pytest.mark.variants
+def test_bench_without_an_sm90_gpu_prints_the_build_report_then_says_so_and_exits_2(
+    listing, monkeypatch, capsys
+):
     """``make bench`` (``python -m scripts.bench``) where no SM90 GPU is visible: the build report of every
     listed variant on stdout, then one line on stderr saying that only it was produced, and status 2."""
     bench = importlib.import_module("scripts.bench.__main__")
@@ -298,7 +424,7 @@ def test_schedule_timing_power_sampler_averages_the_samples_inside_the_window(tm
     assert all(sample[1] == 650.5 for sample in sampler.samples)  # the header and "[N/A]" were skipped
 
 
-@pytest.mark.skipif(shutil.which("nvcc") is None, reason="needs nvcc")
+@pytest.mark.skipif(shutil.which("nvcc") is None, reason=cuda_tools.missing("nvcc"))
 def test_gather_energy_probe_compiles_for_sm90a(tmp_path):
     """``scripts/probes/gather_energy_probe.cu`` (a GPU measurement quoted in docs/perf-notes.md) still
     builds, with every variant (TMA multicast included) for sm_90a."""
@@ -332,6 +458,8 @@ def test_paged_scales_emulation_backs_the_paged_kernels_readings():
         assert rows_lse < 1e-8 if scales == "pow2" else rows_lse > 1e-5
 
 
+@pytest.mark.variants
+@pytest.mark.all_variants  # counts every variant
 def test_listings_name_every_variant_once_bf16_q_split_small_heads_paged_and_serving_included():
     """``listed_variants()`` (what ``python -m q8kv8.compile`` and ``q8kv8.info()`` list): the variants built
     at import first, then every other one of the keyed table (attention for a bfloat16 q, split, small heads,

@@ -10,6 +10,7 @@ imports torch, the CuTe DSL, tvm-ffi and cuda-python from, as plain paths, so th
 import importlib.util
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -139,6 +140,18 @@ def test_sdist_holds_the_license_readme_and_project_file(dists):
         names = {name.removeprefix(top + "/") for name in sdist.getnames()}
     assert {"LICENSE", "README.md", "pyproject.toml"} <= names
     assert package_files() <= names
+
+
+def test_sdist_holds_the_docs_the_readme_names(dists):
+    """The README is the package's long description: every ``docs/`` page it names is in the sdist (from
+    ``MANIFEST.in``), where the name resolves beside the README."""
+    named = set(re.findall(r"\bdocs/[\w.-]+\.md\b", (REPO / "README.md").read_text()))
+    assert {"docs/usage.md", "docs/kernel.md", "docs/perf-notes.md", "docs/sanitizers.md"} <= named
+    assert named <= set(tracked_files())
+    with tarfile.open(dists["sdist"]) as sdist:
+        top, *_ = sdist.getnames()[0].split("/")
+        names = {name.removeprefix(top + "/") for name in sdist.getnames()}
+    assert named <= names, sorted(named - names)
 
 
 def test_installed_wheel_imports_from_its_environment_and_builds_a_kernel(dists, tmp_path):
