@@ -775,8 +775,11 @@ def test_auto_path_attends_from_the_cache_when_the_workspace_would_gather_more(g
     prefill.forward(*one)  # one query over 127 rows: 127 > 0.4 * 128
     assert prefill.last_path == "paged" and prefill.workspace is not None
     assert SparsePrefill("bf16", path="paged", kernels=reference_kernels())._choose_path(
-        1, 64, 128, 10**6
+        1, 64, 128, 10**6, kv_layout.V32
     ) == ("workspace")
+    auto = SparsePrefill("fp8", kernels=reference_kernels())
+    assert auto._choose_path(1, 64, 128, 10**6, kv_layout.V32) == "paged"
+    assert auto._choose_path(1, 64, 128, 10**6, kv_layout.V41) == "workspace"  # read by the gather only
 
 
 def test_workspace_path_takes_padded_indices_as_they_are(generator):
