@@ -113,10 +113,14 @@ def _value_bits(layout: str) -> int:
 def fill_quantized(cache, page_size, layout, generator, std=1.0) -> None:
     """Every slot holds normal(0, std) values quantised the producers' way (FlashMLA ``quantize_k_cache``):
     per scale group, scale = max|x| / 448 (a power of two rounded up for MODEL1's UE8M0, the exact
-    float32 quotient for V3.2), nope = e4m3(x / scale), RoPE = bf16(x)."""
+    float32 quotient for V3.2), nope = e4m3(x / scale), RoPE = bf16(x); V4.1: ``quantize_v41``'s rules."""
     d_nope, d_rope, group, _ = FORMATS[layout]
     for slot in range(cache.shape[0] * page_size):
         x = torch.randn(d_nope + d_rope, generator=generator) * std
+        if layout in V41_VALUE_BYTES:  # quantize_v41's rules
+            values, scale_field = quantize_v41(x[None], layout)
+            write_token(cache, slot, page_size, layout, values[0], scale_field[0], None)
+            continue
         tiles = x[:d_nope].view(-1, group)
         scales = tiles.abs().amax(dim=1).clamp_min(1e-4) / 448.0
         if layout == "model1":
