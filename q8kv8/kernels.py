@@ -28,7 +28,7 @@ from typing import NamedTuple
 import torch
 
 from q8kv8.build import CacheStats, Variant, build_or_load, compile_for_tvm_ffi, import_dsl, ptxas_report
-from q8kv8.kv_layout import LAYOUTS
+from q8kv8.kv_layout import LAYOUTS, PAGED_ATTENTION_LAYOUTS
 from q8kv8.metadata import (
     D_V,
     HEAD_ALIGNMENT,
@@ -57,8 +57,9 @@ FP8 = torch.float8_e4m3fn
 BF16_Q = torch.bfloat16
 KERNEL_Q_DTYPES = {FP8: "e4m3", BF16_Q: "bf16"}
 """The FP8 kernel's ``q_dtype`` option for each dtype of q (``q8kv8.metadata.Q_DTYPES``)."""
-CACHE_LAYOUTS = {name: layout.d_qk for name, layout in LAYOUTS.items()}
-"""The paged cache layouts the kernels read (``q8kv8.kv_layout``), with their d_qk."""
+CACHE_LAYOUTS = {layout.name: layout.d_qk for layout in PAGED_ATTENTION_LAYOUTS}
+"""The paged cache layouts the attention kernel reads (``q8kv8.kv_layout``), with their d_qk; the gather
+(``PagedGatherKey``) reads every one of ``LAYOUTS``."""
 SCHEDULE_SUFFIXES = {ONE_TILE: "", PERSISTENT: "_persistent", SPLIT: "_split"}
 GATHER_DTYPES = {FP8: "e4m3", torch.bfloat16: "bf16"}
 """The gather's output dtypes, as its variant names spell them."""

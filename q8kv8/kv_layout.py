@@ -1,4 +1,4 @@
-"""The two DeepSeek paged FP8 KV cache layouts the serving path reads: byte offsets, no torch, no DSL.
+"""The DeepSeek paged KV cache layouts q8kv8 reads: byte offsets, no torch, no DSL.
 
 A paged cache is ``num_pages`` pages, ``page_stride`` bytes apart; token slot ``s`` lives in page
 ``s // page_size`` at position ``pos = s % page_size``. Offsets below are bytes from the page start.
@@ -15,12 +15,25 @@ V3.2 (DeepSeek V3.2; FlashMLA ``V32_FP8Sparse``), d_qk 576, 656 bytes per token 
   - ``[512, 528)``: 4 float32 scales, scale t for nope values [128 t, 128 t + 128);
   - ``[528, 656)``: 64 bf16 RoPE values.
   The cache is exposed as ``[num_pages, page_size, 1, 656]`` (page stride ``page_size * 656``).
+V4.1 ("v41", DeepSeek V4.1's main cache), d_qk 512, 528 bytes per token at ``pos * 528``:
+  - ``[0, 512)``: 512 e4m3 values covering all 512 dims (the 64 RoPE dims, 448 to 511, quantised too);
+  - ``[512, 528)``: 16 UE8M0 scales (float8_e8m0fnu), scale t for values [32 t, 32 t + 32).
+  Scales sit inside each token's record; pages are not padded (page stride ``page_size * 528``).
+V4.1 FP4 ("v41_fp4", the extra cache next to a V4.1 main cache), d_qk 512, 288 bytes per token at
+``pos * 288``:
+  - ``[0, 256)``: 512 e2m1 values, two a byte, value 2 i in the low nibble of byte i, 2 i + 1 in the high;
+  - ``[256, 288)``: 32 e4m3 scales, scale t for values [16 t, 16 t + 16).
+  Pages are not padded (page stride ``page_size * 288``).
+Both V4.1 layouts are read by the gather (``q8kv8.paged_gather``) only; ``PAGED_ATTENTION_LAYOUTS`` are
+the ones ``sparse_mla_q8kv8_paged_fwd`` reads directly.
 
 Sources: FlashMLA ``tests/quant.py`` (``quantize_k_cache`` / ``dequantize_k_cache``), FlashMLA
 ``flash_mla/flash_mla_interface.py`` (the 656-byte V3.2 format), FlashMLA
 ``csrc/sm90/decode/sparse_fp8/splitkv_mla.cuh`` (MODEL1 addressing: data at ``pos * (448 + 128)``,
 scales at ``page_size * 576 + pos * 8``), SGLang ``nsa/dequant_k_cache.py`` (V3.2, ``view(-1, 656)``)
-and SGLang's DeepSeek V4 ``dequant_k_cache.py`` (the same MODEL1 page layout).
+and SGLang's DeepSeek V4 ``dequant_k_cache.py`` (the same MODEL1 page layout). The V4.1 layouts follow
+the description of FlashMLA's DeepSeek V4.1 formats (528 and 288 bytes a token as above); the FlashMLA
+sources this package was checked against (up to its release of 2026-04-29) do not define them.
 """
 
 from typing import NamedTuple
@@ -30,14 +43,16 @@ class KvCacheLayout(NamedTuple):
     """Per-token byte layout of one paged FP8 KV cache format."""
 
     name: str
-    d_nope: int  # e4m3 values with a block scale
-    d_rope: int  # bf16 values, not quantised
+    d_nope: int  # values stored with a block scale (V4.1: all of d_qk, the RoPE dims included)
+    d_rope: int  # bf16 values, not quantised (V4.1: none)
     scale_group: int  # nope values per scale
-    scale_bytes: int  # 1 (UE8M0) or 4 (float32)
-    token_bytes: int  # bytes between consecutive tokens' nope+rope data (MODEL1) or records (V3.2)
-    rope_offset: int  # RoPE offset inside a token's data
-    scale_offset: int | None  # scales inside a token's record (V3.2); None: in the page's scale region
+    scale_bytes: int  # 1 (UE8M0 or e4m3) or 4 (float32)
+    token_bytes: int  # bytes between consecutive tokens' nope+rope data (MODEL1) or records (the others)
+    rope_offset: int  # RoPE offset inside a token's data (V4.1: the end of its values)
+    scale_offset: int | None  # scales inside a token's record; None: in the page's scale region (MODEL1)
     bytes_per_token: int  # the last dim of the [num_pages, page_size, 1, bytes_per_token] view
+    value_bits: int  # 8: e4m3 values; 4: e2m1 values, two a byte (low nibble first)
+    scale_type: str  # "float32", "ue8m0" (float8_e8m0fnu) or "e4m3" (float8_e4m3fn)
 
     @property
     def d_qk(self) -> int:
@@ -46,6 +61,11 @@ class KvCacheLayout(NamedTuple):
     @property
     def num_scales(self) -> int:
         return self.d_nope // self.scale_group
+
+    @property
+    def value_bytes(self) -> int:
+        """Bytes of a token's block-scaled values."""
+        return self.d_nope * self.value_bits // 8
 
     def min_page_bytes(self, page_size: int) -> int:
         """Bytes a page must hold: ``page_size`` tokens' data and scales (without padding)."""
@@ -75,6 +95,8 @@ MODEL1 = KvCacheLayout(
     rope_offset=448,
     scale_offset=None,
     bytes_per_token=448 + 64 * 2 + MODEL1_SCALE_RECORD_BYTES,
+    value_bits=8,
+    scale_type="ue8m0",
 )
 
 V32 = KvCacheLayout(
@@ -87,14 +109,47 @@ V32 = KvCacheLayout(
     rope_offset=512 + 4 * 4,
     scale_offset=512,
     bytes_per_token=512 + 4 * 4 + 64 * 2,
+    value_bits=8,
+    scale_type="float32",
 )
 
-LAYOUTS = {layout.name: layout for layout in (MODEL1, V32)}
-LAYOUT_BY_BYTES_PER_TOKEN = {layout.bytes_per_token: layout for layout in (MODEL1, V32)}
+V41 = KvCacheLayout(
+    name="v41",
+    d_nope=512,
+    d_rope=0,
+    scale_group=32,
+    scale_bytes=1,
+    token_bytes=512 + 16,
+    rope_offset=512,
+    scale_offset=512,
+    bytes_per_token=512 + 16,
+    value_bits=8,
+    scale_type="ue8m0",
+)
+
+V41_FP4 = KvCacheLayout(
+    name="v41_fp4",
+    d_nope=512,
+    d_rope=0,
+    scale_group=16,
+    scale_bytes=1,
+    token_bytes=256 + 32,
+    rope_offset=256,
+    scale_offset=256,
+    bytes_per_token=256 + 32,
+    value_bits=4,
+    scale_type="e4m3",
+)
+
+ALL_LAYOUTS = (MODEL1, V32, V41, V41_FP4)
+PAGED_ATTENTION_LAYOUTS = (MODEL1, V32)
+"""The layouts ``sparse_mla_q8kv8_paged_fwd`` reads directly; the gather reads every one of ``LAYOUTS``."""
+LAYOUTS = {layout.name: layout for layout in ALL_LAYOUTS}
+LAYOUT_BY_BYTES_PER_TOKEN = {layout.bytes_per_token: layout for layout in ALL_LAYOUTS}
 
 
 def get_layout(layout) -> KvCacheLayout:
-    """``layout`` as a ``KvCacheLayout``: the object itself or its name ("model1", "v32")."""
+    """``layout`` as a ``KvCacheLayout``: the object itself or its name (a key of ``LAYOUTS``)."""
     if isinstance(layout, KvCacheLayout):
         return layout
     if isinstance(layout, str) and layout in LAYOUTS:

@@ -31,7 +31,7 @@ from q8kv8.contract import (
     check_topk_length_range,
 )
 from q8kv8.eager import output_buffers
-from q8kv8.kv_layout import LAYOUT_BY_BYTES_PER_TOKEN, KvCacheLayout
+from q8kv8.kv_layout import LAYOUT_BY_BYTES_PER_TOKEN, PAGED_ATTENTION_LAYOUTS, KvCacheLayout
 from q8kv8.metadata import KV_ROW_ALIGNMENT_BYTES
 from q8kv8.prefill_call import PagedCall, PrefillCall
 
@@ -54,9 +54,15 @@ def check_cache(cache, d_qk: int) -> tuple[KvCacheLayout, torch.Tensor]:
     if len(shape) != 4 or shape[2] != 1 or shape[3] not in LAYOUT_BY_BYTES_PER_TOKEN:
         raise ValueError(
             "cache: expected shape [num_pages, page_size, 1, bytes_per_token] with bytes_per_token in "
-            f"{sorted(LAYOUT_BY_BYTES_PER_TOKEN)} (584: V4 / MODEL1, 656: V3.2), got {list(shape)}"
+            f"{sorted(LAYOUT_BY_BYTES_PER_TOKEN)} (584: V4 / MODEL1, 656: V3.2; 528, 288: V4.1), got "
+            f"{list(shape)}"
         )
     layout = LAYOUT_BY_BYTES_PER_TOKEN[shape[3]]
+    if layout not in PAGED_ATTENTION_LAYOUTS:
+        raise ValueError(
+            f"cache: a {layout.name} cache ({layout.bytes_per_token} bytes a token) is not read directly; "
+            "gather its rows (q8kv8.gather_dequant_paged) and call sparse_mla_q8kv8_prefill_fwd on them"
+        )
     num_pages, page_size = shape[0], shape[1]
     if layout.d_qk != d_qk:
         raise ValueError(f"cache: a {layout.name} cache holds d_qk {layout.d_qk}, got q with d_qk {d_qk}")

@@ -1,6 +1,8 @@
 """References in plain PyTorch (CPU and GPU), for tests: the float64 sparse MLA prefill, the kernel's
-quantisation of a bfloat16 q (``quantize_q_rows``), the bit-exact paged gather, the float64 attention straight
-from a paged cache (``sparse_mla_paged_reference``), and the serving path's kernels as PyTorch stand-ins
+quantisation of a bfloat16 q (``quantize_q_rows``), the bit-exact paged gather, the exact dequantisation of a
+paged cache of any ``q8kv8.kv_layout`` layout (``dequantize_paged_cache``), the float64 attention straight
+from a paged cache, optionally over a second (extra) cache's slots in the same softmax
+(``sparse_mla_paged_reference``), and the serving path's kernels as PyTorch stand-ins
 (``reference_kernels``).
 
 The attention reference follows the semantics of ``sparse_mla_q8kv8_prefill_fwd`` (see the README) without
@@ -12,7 +14,7 @@ import math
 import torch
 
 from q8kv8.arguments import require_int
-from q8kv8.kv_layout import LAYOUT_BY_BYTES_PER_TOKEN, get_layout
+from q8kv8.kv_layout import LAYOUT_BY_BYTES_PER_TOKEN, KvCacheLayout, get_layout
 from q8kv8.metadata import D_V, E4M3_MAX
 from q8kv8.paged_gather import out_dtype_of, paged_cache_pages, slot_words
 from q8kv8.serving import PrefillKernels
@@ -22,6 +24,10 @@ E4M3_MAX_EXPONENT = 8
 E4M3_MAX_MANTISSA = 1.75
 SCALE_EXPONENTS = (-126, 127)
 """The exponents a row scale of ``quantize_q_rows`` may have: float32's normal powers of two."""
+E2M1_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)
+"""The value of each 4-bit e2m1 code (sign, two exponent bits, one mantissa bit)."""
+SCALE_DTYPES = {"float32": torch.float32, "ue8m0": torch.float8_e8m0fnu, "e4m3": torch.float8_e4m3fn}
+"""The dtype of a layout's block scales (``KvCacheLayout.scale_type``)."""
 
 
 def quantize_q_rows(q: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -151,18 +157,7 @@ def gather_dequant_paged_reference(
             return pages.new_zeros(num_tokens, count)
         return pages[page, offsets + torch.arange(count, device=pages.device)]
 
-    data = take(pos * layout.token_bytes, layout.token_bytes)
-    nope = data[:, : layout.d_nope].view(torch.float8_e4m3fn).float()
-    rope = (
-        data[:, layout.rope_offset : layout.rope_offset + 2 * layout.d_rope].contiguous().view(torch.bfloat16)
-    )
-    if layout.scale_offset is not None:
-        scale_bytes = data[:, layout.scale_offset : layout.scale_offset + 4 * layout.num_scales].contiguous()
-        scales = scale_bytes.view(torch.float32)
-    else:
-        record = layout.scale_region_offset(page_size) + pos * (layout.bytes_per_token - layout.token_bytes)
-        scales = take(record, layout.num_scales).view(torch.float8_e8m0fnu).float()
-    dequant = (nope.view(num_tokens, layout.num_scales, layout.scale_group) * scales[:, :, None]).flatten(1)
+    dequant, rope = _decode_tokens(take, pos, page_size, layout, torch.float32)
     if out_dtype == torch.bfloat16:
         row = torch.cat([dequant.to(torch.bfloat16), rope], dim=1)
     else:
@@ -173,10 +168,34 @@ def gather_dequant_paged_reference(
     return out
 
 
+def _decode_tokens(take, pos: torch.Tensor, page_size: int, layout: KvCacheLayout, dtype: torch.dtype):
+    """``(values, rope)`` of the tokens at positions ``pos`` [n, 1] of their pages: each block-scaled value
+    times its scale in ``dtype`` (float32: the product rounded once, as the gather computes it; float64:
+    exact), [n, d_nope], and the bf16 RoPE values, [n, d_rope]. ``take(offsets [n, 1], count)`` reads
+    ``count`` bytes at each token's page offsets. e2m1 codes are decoded by table (``E2M1_VALUES``)."""
+    data = take(pos * layout.token_bytes, layout.token_bytes)
+    raw = data[:, : layout.value_bytes]
+    if layout.value_bits == 4:  # value 2 i in the low nibble of byte i
+        codes = torch.stack([raw & 0xF, raw >> 4], dim=2).flatten(1).long()
+        values = torch.tensor(E2M1_VALUES, dtype=dtype, device=data.device)[codes]
+    else:
+        values = raw.contiguous().view(torch.float8_e4m3fn).to(dtype)
+    scale_bytes = layout.num_scales * layout.scale_bytes
+    if layout.scale_offset is None:  # the page's scale region (MODEL1)
+        record = layout.scale_region_offset(page_size) + pos * (layout.bytes_per_token - layout.token_bytes)
+        raw_scales = take(record, scale_bytes)
+    else:
+        raw_scales = data[:, layout.scale_offset : layout.scale_offset + scale_bytes]
+    scales = raw_scales.contiguous().view(SCALE_DTYPES[layout.scale_type]).to(dtype)
+    grouped = values.view(data.shape[0], layout.num_scales, layout.scale_group) * scales[:, :, None]
+    rope = data[:, layout.rope_offset : layout.rope_offset + 2 * layout.d_rope].contiguous()
+    return grouped.flatten(1), rope.view(torch.bfloat16)
+
+
 def dequantize_paged_cache(cache: torch.Tensor) -> torch.Tensor:
-    """Every token slot of a paged cache (``[num_pages, page_size, 1, bytes_per_token]``, V3.2 or V4), exactly
-    dequantised: ``[num_pages * page_size, 1, d_qk]`` float64, each nope value times its block scale, then the
-    RoPE's bf16 values."""
+    """Every token slot of a paged cache (``[num_pages, page_size, 1, bytes_per_token]``, any layout of
+    ``q8kv8.kv_layout``, told by bytes_per_token), exactly dequantised: ``[num_pages * page_size, 1, d_qk]``
+    float64, each block-scaled value times its scale, then the RoPE's bf16 values (if the layout has any)."""
     layout = LAYOUT_BY_BYTES_PER_TOKEN[cache.shape[3]]
     page_size = cache.shape[1]
     pages = paged_cache_pages(cache, page_size, layout)
@@ -187,17 +206,8 @@ def dequantize_paged_cache(cache: torch.Tensor) -> torch.Tensor:
     def take(offsets: torch.Tensor, count: int) -> torch.Tensor:  # [num_slots, count] uint8
         return pages[page, offsets + torch.arange(count, device=pages.device)]
 
-    data = take(pos * layout.token_bytes, layout.token_bytes)
-    nope = data[:, : layout.d_nope].contiguous().view(torch.float8_e4m3fn).double()
-    rope = data[:, layout.rope_offset : layout.rope_offset + 2 * layout.d_rope].contiguous()
-    if layout.scale_offset is not None:
-        scale_bytes = data[:, layout.scale_offset : layout.scale_offset + 4 * layout.num_scales].contiguous()
-        scales = scale_bytes.view(torch.float32).double()
-    else:
-        record = layout.scale_region_offset(page_size) + pos * (layout.bytes_per_token - layout.token_bytes)
-        scales = take(record, layout.num_scales).view(torch.float8_e8m0fnu).double()
-    dequant = (nope.view(num_slots, layout.num_scales, layout.scale_group) * scales[:, :, None]).flatten(1)
-    rows = torch.cat([dequant, rope.view(torch.bfloat16).double()], dim=1)
+    dequant, rope = _decode_tokens(take, pos, page_size, layout, torch.float64)
+    rows = torch.cat([dequant, rope.double()], dim=1)
     return rows[:, None, :]
 
 
@@ -211,14 +221,56 @@ def sparse_mla_paged_reference(
     attn_sink: torch.Tensor | None = None,
     topk_length: torch.Tensor | None = None,
     *,
+    extra_cache: torch.Tensor | None = None,
+    extra_indices: torch.Tensor | None = None,
+    extra_topk_length: torch.Tensor | None = None,
     chunk_rows: int = 256,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The float64 reference of ``sparse_mla_q8kv8_paged_fwd``: ``sparse_mla_prefill_reference`` on the
-    exactly dequantised cache (``dequantize_paged_cache``), its indices token slots."""
+    exactly dequantised cache (``dequantize_paged_cache``), its indices token slots.
+
+    With ``extra_cache`` (FlashMLA's ``extra_k_cache``, e.g. a V4.1 FP4 cache next to a V4.1 main cache, of
+    the same d_qk) and ``extra_indices`` [s_q, 1, extra_topk] (its token slots, -1 or out of range for
+    none), each query attends its valid slots of both caches as one softmax: slot ``j`` of the main cache
+    counts when ``j < topk_length[i]``, slot ``j`` of the extra one when ``j < extra_topk_length[i]`` (each
+    None: all). ``attn_sink`` scales out by ``exp(lse) / (exp(lse) + exp(sink))`` with lse over both."""
     kv = dequantize_paged_cache(cache).to(q.device)
+    if extra_cache is None:
+        if extra_indices is not None or extra_topk_length is not None:
+            raise ValueError("extra_indices, extra_topk_length: expected None without an extra_cache")
+        return sparse_mla_prefill_reference(
+            q, kv, indices, sm_scale, q_scale, 1.0, d_v, attn_sink, topk_length, chunk_rows=chunk_rows
+        )
+    if extra_indices is None:
+        raise ValueError("extra_indices: expected the extra cache's slots [s_q, 1, extra_topk], got None")
+    extra_kv = dequantize_paged_cache(extra_cache).to(q.device)
+    if extra_kv.shape[2] != kv.shape[2]:
+        raise ValueError(f"extra_cache: expected d_qk {kv.shape[2]} (the cache's), got {extra_kv.shape[2]}")
+    main = _valid_slots(indices, kv.shape[0], topk_length, q.device)
+    extra = _valid_slots(extra_indices, extra_kv.shape[0], extra_topk_length, q.device)
+    extra = torch.where(extra >= 0, extra + kv.shape[0], -1)
     return sparse_mla_prefill_reference(
-        q, kv, indices, sm_scale, q_scale, 1.0, d_v, attn_sink, topk_length, chunk_rows=chunk_rows
+        q,
+        torch.cat([kv, extra_kv]),
+        torch.cat([main, extra], dim=-1),
+        sm_scale,
+        q_scale,
+        1.0,
+        d_v,
+        attn_sink,
+        chunk_rows=chunk_rows,
     )
+
+
+def _valid_slots(indices: torch.Tensor, num_slots: int, topk_length, device) -> torch.Tensor:
+    """``indices`` [s_q, 1, topk] as int64 on ``device``, -1 where a slot is outside ``[0, num_slots)`` or
+    at or after its row's ``topk_length`` (None: no limit)."""
+    index = indices.to(device=device, dtype=torch.int64)
+    valid = (index >= 0) & (index < num_slots)
+    if topk_length is not None:
+        lengths = topk_length.to(device=device, dtype=torch.int64)
+        valid &= torch.arange(index.shape[-1], device=device) < lengths[:, None, None]
+    return torch.where(valid, index, -1)
 
 
 def _reference_attention_fp8(

@@ -29,7 +29,7 @@ from q8kv8 import kernels
 from q8kv8.api import sparse_mla_q8kv8_paged_fwd, sparse_mla_q8kv8_prefill_fwd
 from q8kv8.arguments import require_int
 from q8kv8.contract import check_ranges_enabled
-from q8kv8.kv_layout import LAYOUT_BY_BYTES_PER_TOKEN, KvCacheLayout
+from q8kv8.kv_layout import LAYOUT_BY_BYTES_PER_TOKEN, PAGED_ATTENTION_LAYOUTS, KvCacheLayout
 from q8kv8.merge import merge_attention
 from q8kv8.metadata import D_V, PRECISIONS, TOPK_ALIGNMENT, topk_length_from_seqlens
 from q8kv8.paged_gather import gather_dequant_paged, slot_words
@@ -150,13 +150,14 @@ def resolve_precision(precision: str = "default") -> str:
 
 def paged_cache_geometry(cache: torch.Tensor) -> tuple[KvCacheLayout, int]:
     """``(layout, page_size)`` of a cache given as ``[num_pages, page_size, 1, bytes_per_token]``
-    (bytes_per_token 656: V3.2, 584: MODEL1), the shape FlashMLA and SGLang use."""
+    (bytes_per_token 656: V3.2, 584: MODEL1, 528: V4.1, 288: V4.1 FP4), the shape FlashMLA and SGLang use."""
     if not isinstance(cache, torch.Tensor):
         raise TypeError(f"cache: expected a torch.Tensor, got {type(cache).__name__}")
     if cache.dim() != 4 or cache.shape[2] != 1 or cache.shape[3] not in LAYOUT_BY_BYTES_PER_TOKEN:
         raise ValueError(
             f"cache: expected shape [num_pages, page_size, 1, bytes_per_token] with bytes_per_token in "
-            f"{sorted(LAYOUT_BY_BYTES_PER_TOKEN)} (584: MODEL1, 656: V3.2), got {list(cache.shape)}"
+            f"{sorted(LAYOUT_BY_BYTES_PER_TOKEN)} (584: MODEL1, 656: V3.2, 528: V4.1, 288: V4.1 FP4), got "
+            f"{list(cache.shape)}"
         )
     if cache.shape[1] < 1:
         raise ValueError(f"cache: expected page_size = cache.shape[1] >= 1, got {cache.shape[1]}")
@@ -195,7 +196,8 @@ class SparsePrefill:
     ``path``: for the FP8 backend, "paged" (attend straight from the cache), "workspace" (gather the rows
     the batch may attend into a workspace first), or "auto"
     (paged when the workspace would gather more than ``PAGED_ROWS_PER_TILE_SLOT`` rows per tile-slot of the
-    batch, else the workspace); ``last_path`` says which ran. ``extra_rows`` zero rows follow the gathered
+    batch, else the workspace; always the workspace for a V4.1 cache, which only the gather reads);
+    ``last_path`` says which ran. ``extra_rows`` zero rows follow the gathered
     rows in the workspace (a landing zone); they are never attended. ``kernels`` replaces the GPU kernels
     (``reference_kernels()`` runs the pipeline in PyTorch).
     """
@@ -278,7 +280,7 @@ class SparsePrefill:
             kernel_q.copy_(q)
         topk_pad = max(1, -(-indices.shape[1] // TOPK_ALIGNMENT)) * TOPK_ALIGNMENT
         num_rows = page_table.shape[0]
-        self.last_path = self._choose_path(s_q, h, topk_pad, num_rows)
+        self.last_path = self._choose_path(s_q, h, topk_pad, num_rows, layout)
         if self.last_path == "paged":
             slots, topk_length = self.kernels.slot_indices(
                 indices, page_table, seqlens, compress_ratio, topk_pad
@@ -351,11 +353,13 @@ class SparsePrefill:
             "workspace_bytes": 0 if self.workspace is None else self.workspace.capacity_bytes,
         }
 
-    def _choose_path(self, s_q: int, h: int, topk_pad: int, num_rows: int) -> str:
+    def _choose_path(self, s_q: int, h: int, topk_pad: int, num_rows: int, layout: KvCacheLayout) -> str:
         if self.backend != "fp8":
             return "workspace"
         if self.path != "auto":
             return self.path
+        if layout not in PAGED_ATTENTION_LAYOUTS:  # read by the gather only
+            return "workspace"
         tile_slots = s_q * -(-h // 64) * topk_pad
         return "paged" if num_rows > PAGED_ROWS_PER_TILE_SLOT * tile_slots else "workspace"
 

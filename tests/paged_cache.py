@@ -1,8 +1,9 @@
-"""Test helpers for the paged FP8 KV caches: build caches byte by byte, decode them independently.
+"""Test helpers for the paged KV caches: build caches byte by byte, quantise values as the producers do,
+decode them independently.
 
 The byte offsets here are written out from the format descriptions (FlashMLA ``tests/quant.py``,
-``flash_mla_interface.py``), not taken from ``q8kv8.kv_layout``, so the tests check the package's
-layout tables rather than repeat them.
+``flash_mla_interface.py``; for V4.1, the 528- and 288-byte formats of docs/kernel.md), not taken from
+``q8kv8.kv_layout``, so the tests check the package's layout tables rather than repeat them.
 """
 
 import math
@@ -11,7 +12,14 @@ import struct
 import torch
 
 # name: (d_nope, d_rope, values per scale, bytes per token in the [pages, page_size, 1, B] view)
-FORMATS = {"model1": (448, 64, 64, 584), "v32": (512, 64, 128, 656)}
+FORMATS = {
+    "model1": (448, 64, 64, 584),
+    "v32": (512, 64, 128, 656),
+    "v41": (512, 0, 32, 528),
+    "v41_fp4": (512, 0, 16, 288),
+}
+V41_VALUE_BYTES = {"v41": 512, "v41_fp4": 256}  # then the scale bytes, to the end of the token's record
+E2M1_MAX, E4M3_TINY = 6.0, 2.0**-9  # the largest e2m1 value, the smallest positive e4m3 one
 
 
 def page_bytes(layout: str, page_size: int) -> int:
@@ -51,10 +59,16 @@ def _page(cache: torch.Tensor, page: int) -> torch.Tensor:
 
 
 def write_token(cache, slot, page_size, layout, nope_bytes, scales, rope_bf16) -> None:
-    """Store one token: ``nope_bytes`` uint8 [d_nope] (e4m3 bit patterns), ``scales`` (MODEL1: uint8
-    UE8M0 bytes [7]; V3.2: float32 [4]), ``rope_bf16`` bfloat16 [64]."""
+    """Store one token: ``nope_bytes`` uint8 [d_nope] (e4m3 bit patterns; V4.1 FP4: [256], two e2m1 codes a
+    byte, the even value's in the low nibble), ``scales`` (MODEL1: uint8 UE8M0 bytes [7]; V3.2: float32 [4];
+    V4.1: UE8M0 bytes [16]; V4.1 FP4: e4m3 bytes [32]), ``rope_bf16`` bfloat16 [64] (V4.1: None)."""
     page, pos = divmod(slot, page_size)
     flat = _page(cache, page)
+    if layout in V41_VALUE_BYTES:
+        token, value_bytes = FORMATS[layout][3], V41_VALUE_BYTES[layout]
+        flat[pos * token : pos * token + value_bytes] = nope_bytes
+        flat[pos * token + value_bytes : (pos + 1) * token] = scales
+        return
     rope = rope_bf16.contiguous().view(torch.uint8)
     if layout == "model1":
         flat[pos * 576 : pos * 576 + 448] = nope_bytes
@@ -68,15 +82,22 @@ def write_token(cache, slot, page_size, layout, nope_bytes, scales, rope_bf16) -
 
 
 def fill_random(cache, page_size, layout, generator, *, scale_bytes=(120, 134), finite=True) -> None:
-    """Random tokens in every slot: e4m3 nope bytes (NaN patterns excluded when ``finite``), UE8M0
-    scale bytes in ``scale_bytes`` (MODEL1) or random positive float32 scales (V3.2), bf16 RoPE."""
+    """Random tokens in every slot: e4m3 nope bytes (NaN patterns excluded when ``finite``) or random e2m1
+    codes (V4.1 FP4), UE8M0 scale bytes in ``scale_bytes`` (MODEL1, V4.1), random positive float32 scales
+    (V3.2) or positive e4m3 scales of 2^-7 to 2^4 (V4.1 FP4), bf16 RoPE."""
     d_nope, d_rope, group, _ = FORMATS[layout]
     num_slots = cache.shape[0] * page_size
     for slot in range(num_slots):
-        nope = torch.randint(0, 256, (d_nope,), generator=generator, dtype=torch.uint8)
-        if finite:
+        nope = torch.randint(
+            0, 256, (d_nope * _value_bits(layout) // 8,), generator=generator, dtype=torch.uint8
+        )
+        if finite and layout != "v41_fp4":
             nope[(nope & 0x7F) == 0x7F] = 0x3C  # 0x7f / 0xff are NaN in e4m3fn
-        if layout == "model1":
+        if layout == "v41_fp4":
+            scales = torch.randint(0x10, 0x60, (d_nope // group,), generator=generator).to(torch.uint8)
+            write_token(cache, slot, page_size, layout, nope, scales, None)
+            continue
+        if layout in ("model1", "v41"):
             scales = torch.randint(scale_bytes[0], scale_bytes[1], (d_nope // group,), generator=generator)
             scales = scales.to(torch.uint8)
         else:
@@ -85,13 +106,21 @@ def fill_random(cache, page_size, layout, generator, *, scale_bytes=(120, 134), 
         write_token(cache, slot, page_size, layout, nope, scales, rope)
 
 
+def _value_bits(layout: str) -> int:
+    return 4 if layout == "v41_fp4" else 8
+
+
 def fill_quantized(cache, page_size, layout, generator, std=1.0) -> None:
     """Every slot holds normal(0, std) values quantised the producers' way (FlashMLA ``quantize_k_cache``):
     per scale group, scale = max|x| / 448 (a power of two rounded up for MODEL1's UE8M0, the exact
-    float32 quotient for V3.2), nope = e4m3(x / scale), RoPE = bf16(x)."""
+    float32 quotient for V3.2), nope = e4m3(x / scale), RoPE = bf16(x); V4.1: ``quantize_v41``'s rules."""
     d_nope, d_rope, group, _ = FORMATS[layout]
     for slot in range(cache.shape[0] * page_size):
         x = torch.randn(d_nope + d_rope, generator=generator) * std
+        if layout in V41_VALUE_BYTES:  # quantize_v41's rules
+            values, scale_field = quantize_v41(x[None], layout)
+            write_token(cache, slot, page_size, layout, values[0], scale_field[0], None)
+            continue
         tiles = x[:d_nope].view(-1, group)
         scales = tiles.abs().amax(dim=1).clamp_min(1e-4) / 448.0
         if layout == "model1":
@@ -110,12 +139,19 @@ def quantized_cache(
     with whole-tensor operations (``fill_quantized`` writes one slot at a time): per scale group scale =
     max|x| / 448, rounded up to a power of two (``pow2_scales``: FlashMLA's V3.2 quantiser and V4's UE8M0) or
     the exact float32 quotient (V3.2 as SGLang's quantiser writes it); nope = e4m3(x / scale), RoPE = bf16(x).
+    V4.1 and V4.1 FP4 caches: ``quantize_v41``'s tokens (``pow2_scales`` has no say).
     ``std``: one for every value, or a [d_qk] tensor of each column's.
     """
     d_nope, d_rope, group, _ = FORMATS[layout]
     cache = empty_cache(layout, num_pages, page_size, extra_page_bytes)
     slots = num_pages * page_size
     x = torch.randn(slots, d_nope + d_rope, generator=generator) * std
+    if layout in V41_VALUE_BYTES:
+        values, scales = quantize_v41(x, layout)
+        token = FORMATS[layout][3]
+        data = cache._base.view(num_pages, -1)[:, : page_size * token].view(num_pages, page_size, token)
+        data[...] = torch.cat([values, scales], dim=1).view(num_pages, page_size, token)
+        return cache
     tiles = x[:, :d_nope].reshape(slots, -1, group)
     scales = tiles.abs().amax(dim=2).clamp_min(1e-4) / 448.0
     if pow2_scales or layout == "model1":
@@ -137,16 +173,64 @@ def quantized_cache(
     return cache
 
 
+def quantize_v41(x: torch.Tensor, layout: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """Tokens ``x`` [n, 512] (float32) quantised to a V4.1 cache's records: ``(value bytes, scale bytes)``,
+    uint8 [n, 512] and [n, 16] ("v41") or [n, 256] and [n, 32] ("v41_fp4").
+
+    "v41", the rule of FlashMLA ``tests/quant.py`` for UE8M0 scales (``_cast_scale_inv_to_ue8m0``) on
+    groups of 32: scale = 2^ceil(log2(max(max|x| / 448, 1e-4))), its byte log2(scale) + 127; value =
+    e4m3(x / scale) rounded to nearest even (|x / scale| <= 448: never saturates).
+    "v41_fp4", groups of 16: scale = max|x| / 6 clamped to [2^-9, 448] and rounded to nearest even into
+    e4m3 (so |x / scale| may reach 6.4); value = x / scale saturated to +-6 and rounded to the nearest e2m1
+    value (0, 0.5, 1, 1.5, 2, 3, 4, 6), ties to the even code (0, 1, 2, 4); the code is sign << 3 | index of
+    the magnitude, value 2 i in the low nibble of byte i.
+    """
+    n = x.shape[0]
+    if layout == "v41":
+        tiles = x.float().view(n, 16, 32)
+        scales = torch.exp2(torch.ceil(torch.log2((tiles.abs().amax(dim=2) / 448.0).clamp_min(1e-4))))
+        values = (tiles / scales[..., None]).to(torch.float8_e4m3fn).view(torch.uint8).flatten(1)
+        return values, (torch.log2(scales).round() + 127).to(torch.uint8)
+    tiles = x.float().view(n, 32, 16)
+    scales = (tiles.abs().amax(dim=2) / E2M1_MAX).clamp(E4M3_TINY, 448.0).to(torch.float8_e4m3fn)
+    y = (tiles / scales.float()[..., None]).clamp(-E2M1_MAX, E2M1_MAX).flatten(1)
+    a = y.abs()
+    index = (a > 0.25).int() + (a >= 0.75) + (a > 1.25) + (a >= 1.75) + (a > 2.5) + (a >= 3.5) + (a > 5.0)
+    codes = (index + 8 * torch.signbit(y).int()).to(torch.uint8)
+    return codes[:, 0::2] | (codes[:, 1::2] << 4), scales.view(torch.uint8)
+
+
+def _ue8m0_value(byte: int) -> float:
+    """The value of a UE8M0 scale byte: 2^(byte - 127), NaN for 255."""
+    return math.nan if byte == 255 else math.ldexp(1.0, byte - 127)
+
+
+def _e2m1_value(code: int) -> float:
+    """The value of a 4-bit e2m1 code: sign, two exponent bits (bias 1), one mantissa bit."""
+    exponent, mantissa = (code >> 1) & 3, code & 1
+    magnitude = mantissa * 0.5 if exponent == 0 else math.ldexp(1.0 + mantissa * 0.5, exponent - 1)
+    return -magnitude if code & 8 else magnitude
+
+
 def decode_token_f64(cache, slot, page_size, layout) -> list[float]:
     """The exact (float64) dequantised values of one token: nope * scale, then RoPE."""
     d_nope, d_rope, group, _ = FORMATS[layout]
     page, pos = divmod(slot, page_size)
     flat = _page(cache, page)
-    if layout == "model1":
+    if layout == "v41_fp4":
+        record = flat[pos * 288 : pos * 288 + 288].tolist()
+        values = [_e2m1_value(code) for byte in record[:256] for code in (byte & 15, byte >> 4)]
+        scales = torch.tensor(record[256:], dtype=torch.uint8).view(torch.float8_e4m3fn).double().tolist()
+        return [v * scales[i // group] for i, v in enumerate(values)]
+    rope = flat[:0]
+    if layout == "v41":
+        nope = flat[pos * 528 : pos * 528 + 512]
+        scales = [_ue8m0_value(b) for b in flat[pos * 528 + 512 : pos * 528 + 528].tolist()]
+    elif layout == "model1":
         nope = flat[pos * 576 : pos * 576 + 448]
         rope = flat[pos * 576 + 448 : pos * 576 + 576]
         scale_bytes = flat[page_size * 576 + pos * 8 : page_size * 576 + pos * 8 + 7].tolist()
-        scales = [math.nan if b == 255 else math.ldexp(1.0, b - 127) for b in scale_bytes]
+        scales = [_ue8m0_value(b) for b in scale_bytes]
     else:
         nope = flat[pos * 656 : pos * 656 + 512]
         scales = list(struct.unpack("<4f", bytes(flat[pos * 656 + 512 : pos * 656 + 528].tolist())))

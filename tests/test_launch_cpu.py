@@ -209,12 +209,13 @@ def test_variant_names_and_keys():
         kernels.VariantKey(576, heads=16),  # small heads are persistent
         kernels.VariantKey(576, heads=16, cache="v32"),
         kernels.VariantKey(512, cache="v32"),  # V3.2 is d_qk 576
+        kernels.VariantKey(512, cache="v41"),  # V4.1 caches are read by the gather only
     ):
         with pytest.raises(ValueError, match="no attention kernel variant"):
             bad.check()
     names = [key.name for key in kernels.LISTED_KEYS]
-    # the attention variants (48 a precision), the serving path's kernels
-    assert len(names) == len(set(names)) == 48 * len(PRECISIONS) + 9
+    # the attention variants (48 a precision), the serving path's kernels (8 of them gathers: 4 layouts)
+    assert len(names) == len(set(names)) == 48 * len(PRECISIONS) + 13
     assert kernels.LISTED_KEYS[: len(kernels.IMPORT_KEYS)] == kernels.IMPORT_KEYS
     assert set(kernels.SERVING_KEYS) < set(kernels.LISTED_KEYS)
 

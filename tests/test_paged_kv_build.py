@@ -15,7 +15,8 @@ from cute_kernels.sm90 import paged_kv
 from q8kv8 import build, kernels, kv_layout
 
 REPO = Path(__file__).resolve().parent.parent
-VARIANTS = [(layout, out_bf16) for layout in ("model1", "v32") for out_bf16 in (False, True)]
+LAYOUTS = ("model1", "v32", "v41", "v41_fp4")
+VARIANTS = [(layout, out_bf16) for layout in LAYOUTS for out_bf16 in (False, True)]
 
 
 @pytest.fixture(scope="module")
@@ -40,11 +41,13 @@ def test_kernel_layout_table_matches_kv_layout():
             layout.token_bytes,
             layout.rope_offset,
         )
+        assert (kernel_layout.value_bits, kernel_layout.scale_type) == (layout.value_bits, layout.scale_type)
         if layout.scale_offset is None:
             assert kernel_layout.scale_offset == -1
             assert kernel_layout.scale_record_bytes == layout.bytes_per_token - layout.token_bytes
         else:
             assert kernel_layout.scale_offset == layout.scale_offset
+    assert sorted(paged_kv.LAYOUTS) == sorted(kv_layout.LAYOUTS) == sorted(LAYOUTS)
 
 
 def test_every_variant_builds(variants):
@@ -58,17 +61,24 @@ def test_every_variant_builds(variants):
 def test_ptx_uses_wide_accesses_and_explicit_rounding(variants, layout, out_bf16):
     ptx = variants[(layout, out_bf16)].ptx_path.read_text()
     out_bytes = 2 if out_bf16 else 1
-    row_threads = (512 if layout == "model1" else 576) * out_bytes // 16  # one 16-byte chunk each
+    row_threads = kv_layout.LAYOUTS[layout].d_qk * out_bytes // 16  # one 16-byte chunk each
     assert f".reqntid {row_threads}, {8 // out_bytes}, 1" in ptx  # 256 or 288 threads: whole warps
-    assert "ld.global.nc.v4.b32" in ptx and "st.global.v4.b32" in ptx
+    assert "st.global.v4.b32" in ptx
     assert "cvt.rn.f16x2.e4m3x2" in ptx and "mul.rn.f32" in ptx
     assert "fma" not in ptx and ".ftz" not in ptx  # no contraction, no flush-to-zero
+    # the values' loads: 16 bytes (e4m3 out) or 8 (bf16 out) of e4m3, half as many of e2m1
+    loads = ("v2.b32", "b32") if layout == "v41_fp4" else ("v4.b32", "v2.b32")
+    assert f"ld.global.nc.{loads[out_bf16]}" in ptx
+    if layout in ("model1", "v32"):
+        assert "ld.global.nc.v4.b32" in ptx  # the RoPE's bf16 values
     if out_bf16:
-        assert "cvt.rn.bf16x2.f32" in ptx and "ld.global.nc.v2.b32" in ptx and "e4m3x2.f32" not in ptx
+        assert "cvt.rn.bf16x2.f32" in ptx and "e4m3x2.f32" not in ptx
     else:
         assert "cvt.rn.satfinite.e4m3x2.f32" in ptx and "bf16x2" not in ptx
-    if layout == "model1":
+    if layout in ("model1", "v41"):
         assert "ld.global.nc.u8" in ptx and "0x7fc00000" in ptx  # UE8M0 scales, byte 255 -> NaN
+    elif layout == "v41_fp4":
+        assert "ld.global.nc.u8" in ptx and "prmt.b32" in ptx  # e4m3 scales; e2m1 widened by a permute
     else:
         assert "ld.global.nc.b32" in ptx  # the float32 scale
 
@@ -97,10 +107,10 @@ def test_second_load_hits_the_disk_cache(tmp_path):
         hits, misses, seconds = result.stdout.split()
         return int(hits), int(misses), float(seconds)
 
-    assert run()[:2] == (0, 4)
+    assert run()[:2] == (0, len(VARIANTS))
     hits, misses, seconds = run()
-    assert (hits, misses) == (4, 0) and seconds < 1.0
-    assert len(list(tmp_path.rglob("paged_kv_gather_*.o"))) == 4
+    assert (hits, misses) == (len(VARIANTS), 0) and seconds < 1.0
+    assert len(list(tmp_path.rglob("paged_kv_gather_*.o"))) == len(VARIANTS)
 
 
 @pytest.mark.parametrize("d", [512, 576])

@@ -143,7 +143,7 @@ def test_model1_scale_byte_255_is_nan_and_254_saturates():
 @pytest.mark.parametrize("out_dtype", [E4M3, BF16], ids=["e4m3", "bf16"])
 @pytest.mark.parametrize("extra_rows", [0, 5])
 @pytest.mark.parametrize("page_size", [64, 256])
-@pytest.mark.parametrize("layout", ["model1", "v32"])
+@pytest.mark.parametrize("layout", ["model1", "v32", "v41", "v41_fp4"])
 def test_reference_matches_decoder_on_random_page_tables(
     generator, layout, page_size, extra_rows, out_dtype, slot_dtype
 ):
@@ -156,7 +156,7 @@ def test_reference_matches_decoder_on_random_page_tables(
     got = gather_dequant_paged_reference(
         cache, slots.to(slot_dtype), page_size, layout, out_dtype, extra_rows
     )
-    assert got.shape == (70 + extra_rows, 1, 512 if layout == "model1" else 576)
+    assert got.shape == (70 + extra_rows, 1, 576 if layout == "v32" else 512)
     assert same_bits(got, expected_rows(cache, slots.tolist(), page_size, layout, out_dtype, extra_rows))
     assert not torch.isnan(got.float()).any()
 
@@ -775,8 +775,11 @@ def test_auto_path_attends_from_the_cache_when_the_workspace_would_gather_more(g
     prefill.forward(*one)  # one query over 127 rows: 127 > 0.4 * 128
     assert prefill.last_path == "paged" and prefill.workspace is not None
     assert SparsePrefill("bf16", path="paged", kernels=reference_kernels())._choose_path(
-        1, 64, 128, 10**6
+        1, 64, 128, 10**6, kv_layout.V32
     ) == ("workspace")
+    auto = SparsePrefill("fp8", kernels=reference_kernels())
+    assert auto._choose_path(1, 64, 128, 10**6, kv_layout.V32) == "paged"
+    assert auto._choose_path(1, 64, 128, 10**6, kv_layout.V41) == "workspace"  # read by the gather only
 
 
 def test_workspace_path_takes_padded_indices_as_they_are(generator):

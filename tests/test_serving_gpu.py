@@ -1,9 +1,9 @@
 """The paged serving path on an H100/H200 (``gpu`` marker; skipped elsewhere).
 
 - The CuTe DSL gather is bit-exact with its PyTorch reference (any NaN matches any NaN: the kernel
-  writes canonical NaNs) for both layouts, both output types, page sizes 64 and 256, int32 and int64
-  page tables, extra rows, reused outputs, caches of random bytes (every bit pattern) and of
-  producer-quantised values.
+  writes canonical NaNs) for every layout (V3.2, V4, V4.1, V4.1 FP4), both output types, page sizes 64
+  and 256, int32 and int64 page tables, extra rows, reused outputs, caches of random bytes (every bit
+  pattern) and of producer-quantised values.
 - The slot-index kernel is bit-exact with its PyTorch reference (int32 and int64 tables and seqlens, every
   compress ratio, entries outside the table).
 - ``SparsePrefill.forward`` (and ``forward_merged`` over two caches) matches the float64 ground truth
@@ -45,6 +45,7 @@ E4M3, BF16 = torch.float8_e4m3fn, torch.bfloat16
 OUT_TOLERANCE = 4e-2  # the kernel rounds P to e4m3 (test_kernel_gpu.py)
 STAT_TOLERANCE = 1e-2
 SM_SCALE = 0.06
+GATHER_LAYOUTS = ["model1", "v32", "v41", "v41_fp4"]
 
 
 def gpu_gather(cache, slots, page_size, layout, out_dtype, extra_rows=0, out=None):
@@ -60,7 +61,7 @@ def gpu_gather(cache, slots, page_size, layout, out_dtype, extra_rows=0, out=Non
 @pytest.mark.parametrize("out_dtype", [E4M3, BF16], ids=["e4m3", "bf16"])
 @pytest.mark.parametrize("extra_rows", [0, 5])
 @pytest.mark.parametrize("page_size", [64, 256])
-@pytest.mark.parametrize("layout", ["model1", "v32"])
+@pytest.mark.parametrize("layout", GATHER_LAYOUTS)
 def test_gather_bit_exact_on_random_bytes(generator, layout, page_size, extra_rows, out_dtype, slot_dtype):
     cache = random_bytes_cache(layout, 6, page_size, generator, extra_page_bytes=48)
     num_slots = 6 * page_size
@@ -79,7 +80,7 @@ def test_gather_bit_exact_on_random_bytes(generator, layout, page_size, extra_ro
 
 
 @pytest.mark.parametrize("out_dtype", [E4M3, BF16], ids=["e4m3", "bf16"])
-@pytest.mark.parametrize("layout", ["model1", "v32"])
+@pytest.mark.parametrize("layout", GATHER_LAYOUTS)
 def test_gather_bit_exact_on_quantized_cache(generator, layout, out_dtype):
     cache = random_bytes_cache(layout, 4, 64, generator)
     fill_quantized(cache, 64, layout, generator, std=3.0)
@@ -91,11 +92,11 @@ def test_gather_bit_exact_on_quantized_cache(generator, layout, out_dtype):
     assert same_bits(want, expected_rows(cache, slots.tolist(), 64, layout, out_dtype))
 
 
-@pytest.mark.parametrize("layout", ["model1", "v32"])
+@pytest.mark.parametrize("layout", GATHER_LAYOUTS)
 def test_gather_reuses_out_and_rezeroes_extra_rows(generator, layout):
     cache = random_bytes_cache(layout, 3, 64, generator)
     slots = torch.randint(-2, 200, (100,), generator=generator)
-    d_qk = 512 if layout == "model1" else 576
+    d_qk = 576 if layout == "v32" else 512
     out = torch.full((107, 1, d_qk), 0x7E, dtype=torch.uint8, device="cuda").view(E4M3)
     for _ in range(2):  # the second call finds the first one's rows in place
         got = gather_dequant_requant_fp8_paged(to_device(cache, "cuda"), slots.cuda(), 64, layout, 7, out)

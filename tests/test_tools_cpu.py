@@ -469,7 +469,7 @@ def test_listings_name_every_variant_once_bf16_q_split_small_heads_paged_and_ser
     names = [v.name for v in variants]
     assert names[: len(kernels.IMPORT_KEYS)] == [key.name for key in kernels.IMPORT_KEYS]
     per_precision = len(PRECISIONS)
-    assert len(set(names)) == len(names) == 48 * per_precision + 9
+    assert len(set(names)) == len(names) == 48 * per_precision + 13  # 8 gathers: 4 layouts, 2 dtypes
     attention = [v for v in variants if v.name.startswith("sparse_prefill_sm90_")]
     assert len(attention) == 48 * per_precision  # a precision's: 24 on gathered rows, 24 paged
     assert len([name for name in names if name.endswith("_split")]) == (4 + 4) * per_precision  # half paged
@@ -483,7 +483,11 @@ def test_listings_name_every_variant_once_bf16_q_split_small_heads_paged_and_ser
         )
     serving = {v.name: kernels.describe(v) for v in variants if v not in attention}
     assert sorted(serving) == sorted(
-        [f"paged_kv_gather_sm90_{c}_{t}" for c in ("model1", "v32") for t in ("e4m3", "bf16")]
+        [
+            f"paged_kv_gather_sm90_{c}_{t}"
+            for c in ("model1", "v32", "v41", "v41_fp4")
+            for t in ("e4m3", "bf16")
+        ]
         + ["cast_q_fp8_sm90_d512", "cast_q_fp8_sm90_d576", "paged_indices_sm90"]
         + ["sparse_prefill_bf16_sm90_d512", "sparse_prefill_bf16_sm90_d576"]
     )

@@ -1,10 +1,13 @@
-"""Paged FP8 KV cache -> contiguous KV workspace: gather, dequantise, requantise (or widen to bf16).
+"""Paged KV cache -> contiguous KV workspace: gather, dequantise, requantise (or widen to bf16).
 
 ``out[r] = convert(cache token slot slots[r])`` for ``r < num_tokens``; zeros for the ``extra_rows``
 rows after them and for any slot outside ``[0, num_pages * page_size)``. Cache layouts MODEL1
-(d_qk 512, UE8M0 scales) and V3.2 (d_qk 576, float32 scales); ``out`` [rows, 1, d_qk] e4m3 or bf16,
-bit-exact with ``q8kv8.reference.gather_dequant_paged_reference``. One thread per 16-byte output
-chunk. Layouts and conversion: docs/kernel.md.
+(d_qk 512, UE8M0 scales), V3.2 (d_qk 576, float32 scales), V4.1 (d_qk 512, e4m3 values with UE8M0
+scales, no bf16 RoPE) and V4.1 FP4 (d_qk 512, e2m1 values with e4m3 scales); ``out`` [rows, 1, d_qk]
+e4m3 or bf16, bit-exact with ``q8kv8.reference.gather_dequant_paged_reference``. Each value times its
+block scale in float32 (exact but for float32 subnormals), rounded once to the output type; e2m1 values
+are first widened to the e4m3 values they equal (a byte permute). One thread per 16-byte output chunk.
+Layouts and conversion: docs/kernel.md.
 
 Constraints: cache base and page stride 16-byte aligned, ``out`` 16-byte aligned and row-major,
 ``num_pages * page_size < 2^31``.
@@ -39,13 +42,17 @@ class Layout(NamedTuple):
     scale_group: int  # nope values per scale
     token_bytes: int  # stride between tokens' data inside a page
     rope_offset: int  # RoPE offset inside the token's data
-    scale_offset: int  # V3.2: float32 scales inside the record; MODEL1: -1 (page scale region)
+    scale_offset: int  # scales inside the record (V3.2, V4.1); MODEL1: -1 (page scale region)
     scale_record_bytes: int  # MODEL1: bytes per token in the scale region
+    value_bits: int  # 8: e4m3 values; 4: e2m1 values, two a byte (low nibble first)
+    scale_type: str  # "float32", "ue8m0" or "e4m3"
 
 
 LAYOUTS = {
-    "model1": Layout(448, 64, 64, 576, 448, -1, 8),
-    "v32": Layout(512, 64, 128, 656, 528, 512, 0),
+    "model1": Layout(448, 64, 64, 576, 448, -1, 8, 8, "ue8m0"),
+    "v32": Layout(512, 64, 128, 656, 528, 512, 0, 8, "float32"),
+    "v41": Layout(512, 0, 32, 528, 512, 512, 0, 8, "ue8m0"),
+    "v41_fp4": Layout(512, 0, 16, 288, 256, 256, 0, 4, "e4m3"),
 }
 
 
@@ -65,6 +72,54 @@ def e8m0_to_f32_bits(byte, *, loc=None, ip=None) -> Uint32:
             "setp.eq.u32 nan, $1, 255;\n\t"
             "selp.b32 bits, 0x00400000, bits, zero;\n\t"
             "selp.b32 $0, 0x7fc00000, bits, nan;\n\t}",
+            "=r,r",
+            False,
+        )
+    )
+
+
+@dsl_user_op
+def e4m3_to_f32_bits(byte, *, loc=None, ip=None) -> Uint32:
+    """The float32 bits of the e4m3 value of ``byte`` (exact; 0x7f and 0xff -> NaN)."""
+    return Uint32(
+        inline_asm(
+            T.i32(),
+            [Uint32(byte).ir_value(loc=loc, ip=ip)],
+            "{\n\t.reg .b16 b;\n\t.reg .b32 h;\n\t.reg .f16 lo, hi;\n\t.reg .f32 f;\n\t"
+            "cvt.u16.u32 b, $1;\n\t"
+            "cvt.rn.f16x2.e4m3x2 h, b;\n\t"
+            "mov.b32 {lo, hi}, h;\n\t"
+            "cvt.f32.f16 f, lo;\n\t"
+            "mov.b32 $0, f;\n\t}",
+            "=r,r",
+            False,
+        )
+    )
+
+
+# The e4m3 bytes of the e2m1 magnitudes 0, 0.5, 1, 1.5 (low word) and 2, 3, 4, 6 (high word).
+E2M1_AS_E4M3 = (0x3C383000, 0x4C484440)
+
+
+@dsl_user_op
+def e2m1x4_to_e4m3x4(word, high: bool, *, loc=None, ip=None) -> Uint32:
+    """Four e2m1 values (the low or ``high`` 16 bits of ``word``, lowest nibble first) as the four e4m3 bytes
+    of the same values (exact): each magnitude's byte picked by ``prmt``, its sign bit moved to bit 7."""
+    source = "shr.b32 w, $1, 16;\n\t" if high else "mov.b32 w, $1;\n\t"
+    signs = "".join(
+        f"and.b32 t, w, {0x8 << (4 * i)};\n\tshl.b32 t, t, {4 * (i + 1)};\n\tor.b32 s, s, t;\n\t"
+        for i in range(4)
+    )
+    return Uint32(
+        inline_asm(
+            T.i32(),
+            [Uint32(word).ir_value(loc=loc, ip=ip)],
+            "{\n\t.reg .b32 w, lo, hi, sel, mag, s, t;\n\t"
+            + source
+            + f"mov.b32 lo, {E2M1_AS_E4M3[0]};\n\tmov.b32 hi, {E2M1_AS_E4M3[1]};\n\t"
+            "and.b32 sel, w, 0x7777;\n\t"
+            "prmt.b32 mag, lo, hi, sel;\n\t"
+            "mov.b32 s, 0;\n\t" + signs + "or.b32 $0, mag, s;\n\t}",
             "=r,r",
             False,
         )
@@ -121,7 +176,7 @@ def dequant_e4m3x4_bf16(word, scale_bits, *, loc=None, ip=None):
 
 # ------------------------------------------------------------------------------------------
 class PagedKvGatherSm90:
-    """Compile-time configuration: the cache layout ("model1" or "v32") and the output type."""
+    """Compile-time configuration: the cache layout (a name of ``LAYOUTS``) and the output type."""
 
     def __init__(self, layout: str, out_bf16: bool):
         if layout not in LAYOUTS:
@@ -172,10 +227,13 @@ class PagedKvGatherSm90:
                 pos = slot - page * page_size
                 page_addr = mCache.iterator.toint() + Int64(page) * Int64(mCache.stride[0])
                 token_addr = page_addr + Int64(pos * self.layout.token_bytes)
-                if chunk < self.nope_chunks:
+                if const_expr(self.layout.d_rope == 0):
                     self.convert_nope(out_addr, page_addr, token_addr, pos, page_size, chunk)
                 else:
-                    self.convert_rope(out_addr, token_addr, chunk - self.nope_chunks)
+                    if chunk < self.nope_chunks:
+                        self.convert_nope(out_addr, page_addr, token_addr, pos, page_size, chunk)
+                    else:
+                        self.convert_rope(out_addr, token_addr, chunk - self.nope_chunks)
             else:
                 st_global_v4(out_addr, Uint32(0), Uint32(0), Uint32(0), Uint32(0))
 
@@ -185,8 +243,12 @@ class PagedKvGatherSm90:
         lay = self.layout
         group = chunk // (lay.scale_group // self.values_per_chunk)
         bits = Uint32(0)
-        if const_expr(lay.scale_offset >= 0):
+        if const_expr(lay.scale_type == "float32"):
             bits = ld_global_nc_b32(token_addr + lay.scale_offset + group * 4)
+        elif const_expr(lay.scale_type == "e4m3"):
+            bits = e4m3_to_f32_bits(ld_global_nc_u8(token_addr + lay.scale_offset + group))
+        elif const_expr(lay.scale_offset >= 0):
+            bits = e8m0_to_f32_bits(ld_global_nc_u8(token_addr + lay.scale_offset + group))
         else:
             scale_addr = page_addr + Int64(page_size * lay.token_bytes + pos * lay.scale_record_bytes)
             bits = e8m0_to_f32_bits(ld_global_nc_u8(scale_addr + group))
@@ -195,7 +257,9 @@ class PagedKvGatherSm90:
     @cute.jit
     def convert_nope(self, out_addr, page_addr, token_addr, pos, page_size, chunk):
         scale = self.scale_bits(page_addr, token_addr, pos, page_size, chunk)
-        if const_expr(self.out_bf16):
+        if const_expr(self.layout.value_bits == 4):
+            self.convert_e2m1(out_addr, token_addr, chunk, scale)
+        elif const_expr(self.out_bf16):
             w = ld_global_nc_v2(token_addr + chunk * 8)
             lo = dequant_e4m3x4_bf16(w[0], scale)
             hi = dequant_e4m3x4_bf16(w[1], scale)
@@ -208,6 +272,24 @@ class PagedKvGatherSm90:
                 requant_e4m3x4(w[1], scale),
                 requant_e4m3x4(w[2], scale),
                 requant_e4m3x4(w[3], scale),
+            )
+
+    @cute.jit
+    def convert_e2m1(self, out_addr, token_addr, chunk, scale):
+        """A chunk of e2m1 values (two a byte): 8 (bf16 out) or 16 (e4m3 out) of them, times the scale."""
+        if const_expr(self.out_bf16):
+            w = ld_global_nc_b32(token_addr + chunk * 4)
+            lo = dequant_e4m3x4_bf16(e2m1x4_to_e4m3x4(w, False), scale)
+            hi = dequant_e4m3x4_bf16(e2m1x4_to_e4m3x4(w, True), scale)
+            st_global_v4(out_addr, lo[0], lo[1], hi[0], hi[1])
+        else:
+            w = ld_global_nc_v2(token_addr + chunk * 8)
+            st_global_v4(
+                out_addr,
+                requant_e4m3x4(e2m1x4_to_e4m3x4(w[0], False), scale),
+                requant_e4m3x4(e2m1x4_to_e4m3x4(w[0], True), scale),
+                requant_e4m3x4(e2m1x4_to_e4m3x4(w[1], False), scale),
+                requant_e4m3x4(e2m1x4_to_e4m3x4(w[1], True), scale),
             )
 
     @cute.jit
