@@ -24,8 +24,8 @@ V4.1 FP4 ("v41_fp4", the extra cache next to a V4.1 main cache), d_qk 512, 288 b
   - ``[0, 256)``: 512 e2m1 values, two a byte, value 2 i in the low nibble of byte i, 2 i + 1 in the high;
   - ``[256, 288)``: 32 e4m3 scales, scale t for values [16 t, 16 t + 16).
   Pages are not padded (page stride ``page_size * 288``).
-Both V4.1 layouts are read by the gather (``q8kv8.paged_gather``) only; ``PAGED_ATTENTION_LAYOUTS`` are
-the ones ``sparse_mla_q8kv8_paged_fwd`` reads directly.
+``PAGED_ATTENTION_LAYOUTS`` are the ones ``sparse_mla_q8kv8_paged_fwd`` reads directly (V3.2, V4, V4.1); the
+gather (``q8kv8.paged_gather``) reads every layout, the V4.1 FP4 one included.
 
 Sources: FlashMLA ``tests/quant.py`` (``quantize_k_cache`` / ``dequantize_k_cache``), FlashMLA
 ``flash_mla/flash_mla_interface.py`` (the 656-byte V3.2 format), FlashMLA
@@ -142,7 +142,7 @@ V41_FP4 = KvCacheLayout(
 )
 
 ALL_LAYOUTS = (MODEL1, V32, V41, V41_FP4)
-PAGED_ATTENTION_LAYOUTS = (MODEL1, V32)
+PAGED_ATTENTION_LAYOUTS = (MODEL1, V32, V41)
 """The layouts ``sparse_mla_q8kv8_paged_fwd`` reads directly; the gather reads every one of ``LAYOUTS``."""
 LAYOUTS = {layout.name: layout for layout in ALL_LAYOUTS}
 LAYOUT_BY_BYTES_PER_TOKEN = {layout.bytes_per_token: layout for layout in ALL_LAYOUTS}

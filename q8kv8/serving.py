@@ -196,7 +196,7 @@ class SparsePrefill:
     ``path``: for the FP8 backend, "paged" (attend straight from the cache), "workspace" (gather the rows
     the batch may attend into a workspace first), or "auto"
     (paged when the workspace would gather more than ``PAGED_ROWS_PER_TILE_SLOT`` rows per tile-slot of the
-    batch, else the workspace; always the workspace for a V4.1 cache, which only the gather reads);
+    batch, else the workspace; always the workspace for a V4.1 FP4 cache, which only the gather reads);
     ``last_path`` says which ran. ``extra_rows`` zero rows follow the gathered
     rows in the workspace (a landing zone); they are never attended. ``kernels`` replaces the GPU kernels
     (``reference_kernels()`` runs the pipeline in PyTorch).

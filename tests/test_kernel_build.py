@@ -300,7 +300,7 @@ def test_small_head_variants_fit_and_compute_the_transposed_products(d_qk, preci
 
 PAGED_KEYS = [
     (layout, precision, kind, q_dtype, heads)
-    for layout in ("v32", "model1")
+    for layout in ("v32", "model1", "v41")
     for precision in kernels.IMPORT_PRECISIONS
     for kind, heads in (
         (ONE_TILE, 64),
@@ -313,11 +313,11 @@ PAGED_KEYS = [
     for q_dtype in (kernels.FP8, kernels.BF16_Q)
 ] + [
     (layout, precision, kind, kernels.FP8, heads)
-    for layout in ("v32", "model1")
+    for layout in ("v32", "model1", "v41")
     for precision in SINGLE_PURCHASES
     for kind, heads in ((ONE_TILE, 64), (PERSISTENT, 16))
 ]
-PAGED_D_QK = {"v32": 576, "model1": 512}
+PAGED_D_QK = {"v32": 576, "model1": 512, "v41": 512}
 PAGED_SPILL_BYTES = 40
 """The paged variants' consumers at their register ceiling (240, or 232 beside a producer of
 ``sparse_prefill.WIDE_PRODUCER_REGS``): 64 heads summing S per scale group with a bf16 q on the persistent
@@ -330,8 +330,8 @@ beside a producer of ``sparse_prefill.WIDE_PRODUCER_REGS``)."""
 
 def rows_rescaled(layout, precision) -> bool:
     """Whether the paged variant rescales each block row to one power-of-two scale before its QK product
-    (``convert_row``)."""
-    return layout == "model1" and not promoted(precision)
+    (``convert_row``): V4 with S not promoted, V4.1 always."""
+    return layout == "v41" or (layout == "model1" and not promoted(precision))
 
 
 def paged_spills(layout, precision, kind, q_dtype, heads) -> bool:
@@ -351,10 +351,11 @@ def test_paged_variants_gather_pages_and_sum_scale_groups(layout, precision, kin
     """The paged kernel (``paged_rows``): S from WGMMA groups of a scale group's k-steps (S promoted: at most
     ``PAGED_ACCURATE_CHUNK_KSTEPS``: the first group and the loop's, and the RoPE's 2 k-steps x 2 e4m3
     terms; 64 heads: once per N = 32 half; small heads: S^T = K . Q^T whole, N = heads), or with its rows
-    rescaled (V4, S not promoted) one chain over every k-step and the RoPE's lo terms at N = 64 (small
-    heads: S^T); PV as the kernel on gathered rows; per row, four 16-byte copies per 64-byte column of its
-    e4m3 nope and bf16 RoPE (no L2 cache hint) and four 4-byte copies of its scales; the Q TMA for an e4m3 q;
-    registers as the others, within the documented spills."""
+    rescaled (V4, S not promoted; V4.1) one chain over every k-step and a bf16 RoPE's lo terms at N = 64
+    (small heads: S^T; V4.1 with S promoted: ``qk_promoted``'s groups); PV as the kernel on gathered rows; per
+    row, four 16-byte copies per 64-byte column of its e4m3 values and bf16 RoPE (no L2 cache hint) and four
+    4-byte copies of its scales; the Q TMA for an e4m3 q; registers as the others, within the documented
+    spills."""
     small = "" if heads == 64 else f"_h{heads}"
     built = variant(PAGED_D_QK[layout], precision, kind, q_dtype, heads, cache=layout)
     assert built.name.startswith(f"sparse_prefill_sm90_d{PAGED_D_QK[layout]}{small}_paged_{layout}")
@@ -365,13 +366,19 @@ def test_paged_variants_gather_pages_and_sum_scale_groups(layout, precision, kin
         chunk = min(chunk, sparse_prefill.PAGED_ACCURATE_CHUNK_KSTEPS)
     wgmma = re.findall(r"wgmma\.mma_async\.sync\.aligned\.m64n(\d+)k32\.f32\.e4m3\.e4m3", ptx)
     pv = (16 + 8 + 8) * p_terms(precision)  # a pair of blocks and a single one, per d tile
-    if rows_rescaled(layout, precision):
-        assert wgmma == [str(heads)] * (PAGED_D_QK[layout] // 32 + 2 + pv)
+    rope_lo = 2 if geometry.rope_column is not None else 0  # a bf16 RoPE's lo terms
+    if rows_rescaled(layout, precision) and promoted(precision):
+        # V4.1: qk_promoted, its first group and its loop's (64 heads: per N = 32 half)
+        halves = 2 if heads == 64 else 1
+        qk = [str(32 if heads == 64 else heads)] * (halves * 2 * sparse_prefill.ROW_SCALED_PROMOTION_KSTEPS)
+        assert sorted(wgmma) == sorted(qk + [str(heads)] * pv)
+    elif rows_rescaled(layout, precision):
+        assert wgmma == [str(heads)] * (PAGED_D_QK[layout] // 32 + rope_lo + pv)
     elif heads == 64:
         assert wgmma.count("32") == 2 * (2 * chunk + 4) and wgmma.count("64") == pv
     else:
         assert set(wgmma) == {str(heads)} and len(wgmma) == 2 * chunk + 4 + pv
-    assert len(re.findall(r"cp\.async\.cg\.shared\.global", ptx)) == 4 * (geometry.nope_columns + 2)
+    assert len(re.findall(r"cp\.async\.cg\.shared\.global", ptx)) == 4 * (geometry.nope_columns + rope_lo)
     assert not re.search(r"cp\.async\.cg\.shared\.global\.L2::cache_hint", ptx)
     assert len(re.findall(r"cp\.async\.ca\.shared\.global", ptx)) == 4
     q_tma = 0 if q_dtype == kernels.BF16_Q else PAGED_D_QK[layout] // 64

@@ -209,13 +209,15 @@ def test_variant_names_and_keys():
         kernels.VariantKey(576, heads=16),  # small heads are persistent
         kernels.VariantKey(576, heads=16, cache="v32"),
         kernels.VariantKey(512, cache="v32"),  # V3.2 is d_qk 576
-        kernels.VariantKey(512, cache="v41"),  # V4.1 caches are read by the gather only
+        kernels.VariantKey(576, cache="v41"),  # V4.1 is d_qk 512
+        kernels.VariantKey(512, cache="v41_fp4"),  # V4.1 FP4 caches are read by the gather only
     ):
         with pytest.raises(ValueError, match="no attention kernel variant"):
             bad.check()
     names = [key.name for key in kernels.LISTED_KEYS]
-    # the attention variants (48 a precision), the serving path's kernels (8 of them gathers: 4 layouts)
-    assert len(names) == len(set(names)) == 48 * len(PRECISIONS) + 13
+    # the attention variants (60 a precision: 24 on gathered rows, 12 a paged layout), the serving path's
+    # kernels (8 of them gathers: 4 layouts)
+    assert len(names) == len(set(names)) == 60 * len(PRECISIONS) + 13
     assert kernels.LISTED_KEYS[: len(kernels.IMPORT_KEYS)] == kernels.IMPORT_KEYS
     assert set(kernels.SERVING_KEYS) < set(kernels.LISTED_KEYS)
 

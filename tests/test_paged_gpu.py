@@ -50,7 +50,7 @@ ONE_CHAIN_DOMINANT_LOGIT_TOLERANCE = logit_tolerances(1e-2, 5e-4)  # V4's rows r
 EXACT_V_TOLERANCE = out_tolerances(4e-2, 5e-3)
 ROUNDED_V_TOLERANCE = 4e-2
 V4_ROPE_V_TOLERANCE = 1.5e-2
-D_QK = {"v32": 576, "model1": 512}
+D_QK = {"v32": 576, "model1": 512, "v41": 512}
 SCHEDULES = {
     "rule": None,
     "one_tile": lambda: forced_tiles_per_cta(0),
@@ -102,7 +102,7 @@ def check(outputs, call, precision, pow2_scales=True, logit_tolerance=LOGIT_TOLE
 @pytest.mark.parametrize("precision", ["default", "accurate"])
 @pytest.mark.parametrize("q_dtype", [BF16, E4M3], ids=["bf16q", "e4m3q"])
 @pytest.mark.parametrize("schedule", list(SCHEDULES))
-@pytest.mark.parametrize("layout", ["v32", "model1"])
+@pytest.mark.parametrize("layout", ["v32", "model1", "v41"])
 def test_matches_the_float64_reference(generator, layout, schedule, q_dtype, precision):
     call = make_call(generator, layout, 24, 64, 512, q_dtype=q_dtype)
     rel = check(run(call, schedule, precision=precision), call, precision)
@@ -124,7 +124,7 @@ def test_float32_scales_any_head_count_sink_and_topk_length(generator, h_q, prec
 @pytest.mark.parametrize("precision", ["default", "accurate"])
 @pytest.mark.parametrize("q_dtype", [BF16, E4M3], ids=["bf16q", "e4m3q"])
 @pytest.mark.parametrize("h_q", [8, 16, 32])
-@pytest.mark.parametrize("layout", ["v32", "model1"])
+@pytest.mark.parametrize("layout", ["v32", "model1", "v41"])
 def test_small_heads_match_the_reference_with_any_tokens_per_cta(generator, layout, h_q, q_dtype, precision):
     """8, 16 or 32 heads (the small-head kernel: S^T, each slot's scales per row of it) with a sink and
     topk_length (tokens without a valid slot, odd and even block counts): a CTA walking 1, 2 or 3 tokens
@@ -166,7 +166,9 @@ def test_v4_rows_whose_groups_and_rope_differ_by_powers_of_two(generator, h_q):
 
 @pytest.mark.parametrize("h_q", [64, 16])
 @pytest.mark.parametrize("precision", ["default", "accurate"])
-@pytest.mark.parametrize("layout, pow2_scales", [("v32", True), ("v32", False), ("model1", True)])
+@pytest.mark.parametrize(
+    "layout, pow2_scales", [("v32", True), ("v32", False), ("model1", True), ("v41", True)]
+)
 def test_caches_of_small_values_keep_their_precision(generator, layout, pow2_scales, precision, h_q):
     """A cache whose values are about 2^-9 (their products with the block scales under e4m3's normal range,
     where V at scale 1 would keep a bit or two): V is read at its rows' own scales, so out stays within the
@@ -232,7 +234,7 @@ def test_invalid_slots_sentinels_and_poisoned_buffers(generator):
 
 
 @pytest.mark.parametrize("precision", ["default", "accurate"])
-@pytest.mark.parametrize("layout", ["v32", "model1"])
+@pytest.mark.parametrize("layout", ["v32", "model1", "v41"])
 def test_persistent_is_bitwise_the_one_tile_kernel(generator, layout, precision):
     call = make_call(generator, layout, 1100, 64, 256)
     call["topk_length"] = torch.randint(0, 257, (1100,), generator=generator, dtype=torch.int32).cuda()
@@ -245,13 +247,13 @@ def test_persistent_is_bitwise_the_one_tile_kernel(generator, layout, precision)
 
 @pytest.mark.parametrize("precision", PRECISIONS)
 @pytest.mark.parametrize("h_q", [64, 16])
-@pytest.mark.parametrize("layout", ["v32", "model1"])
+@pytest.mark.parametrize("layout", ["v32", "model1", "v41"])
 def test_dominant_logits_up_to_30(generator, layout, h_q, precision):
     """Rows whose largest logit is 20 to 30 (q a multiple of one selected row's dequantised values):
     max_logits and lse within 5e-3 (S of the tensor cores' sums per scale group) and 5e-4 (S summed in
-    float32) of the float64 reference, with tiles of 64 heads and with the small-head kernel; V4 with S not
-    summed in float32, one chain of the tensor cores' accumulation as on gathered rows, within the default
-    mode's documented 1e-2."""
+    float32) of the float64 reference, with tiles of 64 heads and with the small-head kernel; V4 and V4.1 with
+    S not summed in float32, one chain of the tensor cores' accumulation as on gathered rows, within the
+    default mode's documented 1e-2."""
     call = make_call(generator, layout, 32, h_q, 512, pages=16)
     reference_kv = dequantize_paged_cache(call["cache"]).cpu()
     q = torch.randn(32, h_q, D_QK[layout], generator=generator) * 0.3
@@ -286,7 +288,7 @@ def test_cuda_graph_replay(generator):
 
 @pytest.mark.parametrize("schedule", ["one_tile", "persistent", "split"])
 @pytest.mark.parametrize("h_q", [64, 16])
-@pytest.mark.parametrize("layout", ["v32", "model1"])
+@pytest.mark.parametrize("layout", ["v32", "model1", "v41"])
 def test_single_purchases_share_their_logits(generator, layout, h_q, schedule):
     """The single purchases: "accurate_out" computes S as "default" does and "accurate_logits" as "accurate"
     does, so their max_logits and lse are bit for bit those precisions'; each precision's out within its

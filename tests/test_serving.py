@@ -779,7 +779,8 @@ def test_auto_path_attends_from_the_cache_when_the_workspace_would_gather_more(g
     ) == ("workspace")
     auto = SparsePrefill("fp8", kernels=reference_kernels())
     assert auto._choose_path(1, 64, 128, 10**6, kv_layout.V32) == "paged"
-    assert auto._choose_path(1, 64, 128, 10**6, kv_layout.V41) == "workspace"  # read by the gather only
+    assert auto._choose_path(1, 64, 128, 10**6, kv_layout.V41) == "paged"
+    assert auto._choose_path(1, 64, 128, 10**6, kv_layout.V41_FP4) == "workspace"  # read by the gather only
 
 
 def test_workspace_path_takes_padded_indices_as_they_are(generator):

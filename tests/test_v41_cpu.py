@@ -43,7 +43,7 @@ def test_layout_offsets():
         )
         assert layout.padded_page_bytes(64) == layout.min_page_bytes(64) == 64 * layout.bytes_per_token
         assert kv_layout.LAYOUT_BY_BYTES_PER_TOKEN[layout.bytes_per_token] is layout
-        assert layout not in kv_layout.PAGED_ATTENTION_LAYOUTS
+    assert v41 in kv_layout.PAGED_ATTENTION_LAYOUTS and fp4 not in kv_layout.PAGED_ATTENTION_LAYOUTS
 
 
 def test_dequantized_rows_are_the_decoded_tokens(generator):
@@ -210,7 +210,7 @@ def test_gather_argument_errors(layout, overrides, error, match):
         gather_dequant_requant_fp8_paged(**args | overrides)
 
 
-@pytest.mark.parametrize("layout", ["v41", "v41_fp4"])
+@pytest.mark.parametrize("layout", ["v41_fp4"])
 def test_the_direct_paged_read_names_the_workspace_path(generator, monkeypatch, layout):
     monkeypatch.setattr(contract, "check_device", lambda named_devices: None)
     cache = quantized_cache(layout, 2, 16, generator, pow2_scales=True)

@@ -40,6 +40,7 @@ import cutlass.cute as cute
 from cutlass import Float32, Int32, Int64, Uint32, const_expr
 
 from cute_kernels import ptx
+from cute_kernels.interface import D_V
 from cute_kernels.sm90.paged_kv import LAYOUTS, e8m0_to_f32_bits
 from cute_kernels.sm90.row_gather import CHUNK_BYTES, swizzle_offset
 from cute_kernels.sm90.row_views import shared_row_scale
@@ -60,33 +61,37 @@ class CacheGeometry(NamedTuple):
     """The kernel's view of one paged cache layout (derived from ``paged_kv.LAYOUTS``)."""
 
     d_qk: int
-    nope_columns: int  # 64-byte column tiles of e4m3 nope values (7 or 8)
-    rope_column: int  # the column tile of the RoPE (7 or 8)
-    groups: int  # nope scale groups (7 or 4)
-    group_ksteps: int  # 32-column k-steps of one scale group (2 or 4)
+    nope_columns: int  # 64-byte column tiles of e4m3 values with block scales (7 or 8)
+    rope_column: int | None  # the column tile of the bf16 RoPE (7 or 8; V4.1: None, its RoPE is e4m3)
+    groups: int  # scale groups of the e4m3 values (7, 4 or 16)
+    group_ksteps: int  # 32-column k-steps of one scale group (2, 4 or 1)
     token_bytes: int  # from a token's data to the next one's inside a page
     rope_offset: int  # the RoPE's bf16 values inside a token's data
-    scale_offset: int  # V3.2: the scales inside a token's record; V4: -1 (the page's scale region)
-    raw_scale_bytes: int  # the raw scale record a row's table entry holds (16: four float32; 8: UE8M0 bytes)
-    v_groups: int  # the scale groups of V (d_v = 512): V3.2 the 4 nope groups, V4 the 7 and the RoPE
+    scale_offset: int  # V3.2, V4.1: the scales inside a token's record; V4: -1 (the page's scale region)
+    raw_scale_bytes: int  # the raw scale record a row's table entry holds (16: four float32, sixteen UE8M0
+    # bytes; 8: seven UE8M0 bytes and a pad)
+    scale_bytes: int  # a scale's bytes: 4 (float32) or 1 (UE8M0)
+    v_groups: int  # the scale groups of V (d_v = 512): V3.2 the 4 nope groups, V4 the 7 and the RoPE, V4.1 16
 
 
 def cache_geometry(layout: str) -> CacheGeometry:
     lay = LAYOUTS[layout]
     nope_columns = lay.d_nope // COLUMN_BYTES
     groups = lay.d_nope // lay.scale_group
-    v4 = lay.scale_offset < 0
+    page_scales = lay.scale_offset < 0  # V4: the page's scale region
+    scale_bytes = 4 if lay.scale_type == "float32" else 1
     return CacheGeometry(
         d_qk=lay.d_nope + lay.d_rope,
         nope_columns=nope_columns,
-        rope_column=nope_columns,
+        rope_column=nope_columns if lay.d_rope else None,
         groups=groups,
         group_ksteps=lay.scale_group // 32,
         token_bytes=lay.token_bytes,
         rope_offset=lay.rope_offset,
         scale_offset=lay.scale_offset,
-        raw_scale_bytes=lay.scale_record_bytes if v4 else 4 * groups,
-        v_groups=groups + 1 if v4 else groups,
+        raw_scale_bytes=lay.scale_record_bytes if page_scales else scale_bytes * groups,
+        scale_bytes=scale_bytes,
+        v_groups=groups + 1 if lay.d_nope < D_V else groups,  # V4: the RoPE is V's last group
     )
 
 
@@ -136,11 +141,12 @@ def copy_paged_row(gather: PagedRowGather, tile: Int32, row, page, position, val
     size = valid * CHUNK_BYTES
     for column in cutlass.range_constexpr(geo.nope_columns):
         ptx.cp_async_16_zfill(dest + column * col_tile_bytes, source + column * COLUMN_BYTES, size, False)
-    # RoPE values 16 chunk .. + 7 into the RoPE column, 16 chunk + 8 .. + 15 into the staging tile
-    rope = token_addr + geo.rope_offset + chunk * 2 * CHUNK_BYTES
-    ptx.cp_async_16_zfill(dest + geo.rope_column * col_tile_bytes, rope, size, False)
-    lo_dest = lo_base + swizzle_offset(row, chunk, COLUMN_BYTES)
-    ptx.cp_async_16_zfill(lo_dest, rope + CHUNK_BYTES, size, False)
+    if const_expr(geo.rope_column is not None):
+        # RoPE values 16 chunk .. + 7 into the RoPE column, 16 chunk + 8 .. + 15 into the staging tile
+        rope = token_addr + geo.rope_offset + chunk * 2 * CHUNK_BYTES
+        ptx.cp_async_16_zfill(dest + geo.rope_column * col_tile_bytes, rope, size, False)
+        lo_dest = lo_base + swizzle_offset(row, chunk, COLUMN_BYTES)
+        ptx.cp_async_16_zfill(lo_dest, rope + CHUNK_BYTES, size, False)
     # The scale record, 4 bytes a lane (V4's 8: lanes 2 and 3 zero-fill the entry's unused half)
     scale_dest = scale_base + row * RAW_SCALE_ENTRY_BYTES + chunk * 4
     if const_expr(geo.scale_offset >= 0):
@@ -163,7 +169,7 @@ class BlockScaleTables(NamedTuple):
 def raw_scale(geo: CacheGeometry, tables: BlockScaleTables, tile, row, group) -> Float32:
     """sigma[row, group] of nope group ``group`` of block tile ``tile``, from its raw record."""
     record = tables.raw + (tile * 64 + row) * RAW_SCALE_ENTRY_BYTES
-    if geo.scale_offset >= 0:
+    if geo.scale_bytes == 4:
         return ptx.ld_shared_f32(record + group * 4)
     return ptx.f32_from_bits(e8m0_to_f32_bits(ptx.ld_shared_u8(record + group)))
 
@@ -245,18 +251,23 @@ def store_rope_terms(tile_rope, lo_tile, row, chunks, words, inverse):
 
 @cute.jit
 def convert_row(geo: CacheGeometry, tables: BlockScaleTables, tile_base, tile, thread):
-    """Power-of-two scales (V4's UE8M0), S not promoted: the owner warpgroup's thread ``thread`` (0-127)
-    rescales half of row ``thread // 2`` of block tile ``tile`` (at shared address ``tile_base``) to one
-    power-of-two scale 2^E of the row, E the least exponent that holds every scale group and the RoPE: each
-    nope group's bytes times sigma_g 2^-E in place (``rescale_nope``), the staged RoPE to two e4m3 terms at
-    2^-E; 2^E and E into the row tables. Then S = 2^E_s (Q . K_s^T) is one WGMMA chain.
+    """Power-of-two scales (UE8M0: V4, V4.1): the owner warpgroup's thread ``thread`` (0-127) rescales half of
+    row ``thread // 2`` of block tile ``tile`` (at shared address ``tile_base``) to one power-of-two scale 2^E
+    of the row, E the least exponent that holds every scale group and a bf16 RoPE: each group's bytes times
+    sigma_g 2^-E in place (``rescale_nope``), a staged bf16 RoPE (V4) to two e4m3 terms at 2^-E; 2^E and E
+    into the row tables. Then S = 2^E_s (Q . K_s^T) is one WGMMA chain (or summed in float32 in chunks).
     The block's QK product reads it all after a fence for the async proxy and a barrier of the warpgroup."""
-    tile_rope = tile_base + geo.rope_column * COLUMN_TILE_BYTES
-    row, chunks, lo_tile, words = load_staged_rope(tables, tile_rope, tile, thread)
-    rope_exponent, _ = shared_row_scale(words, (1,), zero_exponent=ROW_MIN_EXPONENT)  # the row's two threads
-    exponent = v_row_exponent(geo, tables, tile, row, rope_exponent)
-    inverse = Uint32((127 - exponent) << 7)  # 2^-E in bf16
-    store_rope_terms(tile_rope, lo_tile, row, chunks, words, inverse | (inverse << Uint32(16)))
+    if const_expr(geo.rope_column is None):  # V4.1: every value e4m3 with its group's scale
+        row = thread >> 1
+        chunks = [(thread & 1) * 2 + k for k in range(2)]
+        exponent = v_row_exponent(geo, tables, tile, row)
+    else:
+        tile_rope = tile_base + geo.rope_column * COLUMN_TILE_BYTES
+        row, chunks, lo_tile, words = load_staged_rope(tables, tile_rope, tile, thread)
+        rope_exponent, _ = shared_row_scale(words, (1,), zero_exponent=ROW_MIN_EXPONENT)  # the row's threads
+        exponent = v_row_exponent(geo, tables, tile, row, rope_exponent)
+        inverse = Uint32((127 - exponent) << 7)  # 2^-E in bf16
+        store_rope_terms(tile_rope, lo_tile, row, chunks, words, inverse | (inverse << Uint32(16)))
     rescale_nope(geo, tables, tile_base, tile, row, chunks, exponent)
     if (thread & 1) == 0:
         store_row_exponent(tables, tile, row, exponent)
@@ -283,14 +294,25 @@ def rescale_v_row(geo: CacheGeometry, tables: BlockScaleTables, tile_base, tile,
 def rescale_nope(geo: CacheGeometry, tables: BlockScaleTables, tile_base, tile, row, chunks, exponent):
     """``chunks`` of row ``row`` of each nope column tile of block tile ``tile`` times sigma_g 2^-E (its scale
     group's), rounded to e4m3 in place: exact but for values that fall below e4m3's normal range (under 2^-6 /
-    448 of the row's largest); a group whose factor is 1 (exact at f16's 11 bits) stays as it is."""
+    448 of the row's largest); a group whose factor is 1 (exact at f16's 11 bits) stays as it is. ``chunks``
+    lie in one scale group of each column (a half column: V4.1's groups of 32 values)."""
     inverse_bits = Uint32((127 - exponent) << 23)  # 2^-E
-    columns_per_group = geo.nope_columns // geo.groups
-    for group in cutlass.range_constexpr(geo.groups):
-        factor = ptx.f32_product_to_f16x2(_raw_scale_bits(geo, tables, tile, row, group), inverse_bits)
-        if factor != Uint32(F16X2_ONE):
-            for column in cutlass.range_constexpr(group * columns_per_group, (group + 1) * columns_per_group):
+    if const_expr(geo.nope_columns < geo.groups):  # groups of half a column: the chunks' half's
+        groups_per_column = geo.groups // geo.nope_columns
+        chunks_per_group = COLUMN_BYTES // CHUNK_BYTES // groups_per_column
+        for column in cutlass.range_constexpr(geo.nope_columns):
+            group = column * groups_per_column + chunks[0] // chunks_per_group
+            factor = ptx.f32_product_to_f16x2(_raw_scale_bits(geo, tables, tile, row, group), inverse_bits)
+            if factor != Uint32(F16X2_ONE):
                 scale_chunks(tile_base + column * COLUMN_TILE_BYTES, row, chunks, factor)
+    else:
+        columns_per_group = geo.nope_columns // geo.groups
+        for group in cutlass.range_constexpr(geo.groups):
+            factor = ptx.f32_product_to_f16x2(_raw_scale_bits(geo, tables, tile, row, group), inverse_bits)
+            if factor != Uint32(F16X2_ONE):
+                first = group * columns_per_group
+                for column in cutlass.range_constexpr(first, first + columns_per_group):
+                    scale_chunks(tile_base + column * COLUMN_TILE_BYTES, row, chunks, factor)
 
 
 def scale_chunks(column_tile, row, chunks, factor):
@@ -304,7 +326,7 @@ def scale_chunks(column_tile, row, chunks, factor):
 
 def _raw_scale_bits(geo: CacheGeometry, tables: BlockScaleTables, tile, row, group) -> Uint32:
     record = tables.raw + (tile * 64 + row) * RAW_SCALE_ENTRY_BYTES
-    if geo.scale_offset >= 0:
+    if geo.scale_bytes == 4:
         return ptx.ld_shared_u32(record + group * 4)
     return e8m0_to_f32_bits(ptx.ld_shared_u8(record + group))
 

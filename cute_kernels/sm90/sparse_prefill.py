@@ -166,6 +166,9 @@ Q_DTYPES = ("e4m3", "bf16")
 # elements of d_qk), each started from zero: the FP8 tensor cores' own accumulation keeps about 14 bits,
 # which costs the logits ~2e-3 relative over the 18 k-steps of d_qk 576, and ~2e-4 over 3.
 QK_PROMOTION_KSTEPS = 3
+# ... and V4.1's rows rescaled (16 k-steps, no RoPE group): 4 chunks of 4 (about 3e-4; a last chunk of one
+# k-step makes ptxas serialise the 64-head kernel's WGMMAs, C7512)
+ROW_SCALED_PROMOTION_KSTEPS = 4
 # A paged cache's scale groups are 4 k-steps (V3.2) or 2 (V4): S summed in float32 sums them 2 at a time.
 PAGED_ACCURATE_CHUNK_KSTEPS = 2
 
@@ -303,11 +306,16 @@ class SparsePrefillSm90(AttentionKernel):
         self.precision = precision
         self.q_bf16 = q_dtype == "bf16"
         self.promote_qk = PRECISIONS[precision].qk_in_float32  # S summed in float32 per chunk (qk_promoted)
-        # Paged V4, S not promoted: its UE8M0 scales are powers of two, so each block row is rescaled to one
-        # power-of-two scale (paged_rows.convert_row) and S is one WGMMA chain (qk_row_scaled); V3.2 (whose
-        # float32 scales need not be powers of two), and V4 with S promoted, sum S per scale group in float32
-        # with the exact scales (qk_paged).
-        self.row_scaled = self.cache is not None and not self.promote_qk and self.cache.scale_offset < 0
+        # Paged V4, S not promoted, and V4.1: their UE8M0 scales are powers of two, so each block row is
+        # rescaled to one power-of-two scale (paged_rows.convert_row) and S is one WGMMA chain (qk_row_scaled;
+        # V4.1 with S promoted: summed in float32 in chunks, qk_promoted); V3.2 (whose float32 scales need not
+        # be powers of two), and V4 with S promoted, sum S per scale group in float32 with the exact scales
+        # (qk_paged).
+        self.row_scaled = self.cache is not None and (
+            self.cache.rope_column is None or (not self.promote_qk and self.cache.scale_offset < 0)
+        )
+        self.bf16_rope = self.cache is not None and self.cache.rope_column is not None
+        self.promotion_ksteps = ROW_SCALED_PROMOTION_KSTEPS if self.row_scaled else QK_PROMOTION_KSTEPS
         self.registers = (PRODUCER_REGS, CONSUMER_REGS)  # per thread of the producer, of a consumer
         paged_consumers_need_240 = not self.small and self.q_bf16 and persistent and not self.row_scaled
         if (self.small and not self.q_bf16) or (self.cache is not None and not paged_consumers_need_240):
@@ -874,7 +882,7 @@ class SparsePrefillSm90(AttentionKernel):
         tOrP = tiled_mma_pv.make_fragment_B(thr_mma_pv.partition_B(sP))  # (MMA, 1, 2, term * 4 + buffer)
         acc_s = cute.make_rmem_tensor(thr_mma_qk.partition_shape_C(s_tile), Float32)
         rope_lo = None
-        if const_expr(self.row_scaled):  # S whole: the RoPE lo terms' operands (small heads A, else B)
+        if const_expr(self.row_scaled and self.bf16_rope):  # S whole: the RoPE lo terms (small heads A, or B)
             if const_expr(self.small):
                 rope_lo = tiled_mma_qk.make_fragment_A(thr_mma_qk.partition_A(sLo))
             else:
@@ -883,7 +891,7 @@ class SparsePrefillSm90(AttentionKernel):
         if const_expr(self.qk_in_groups):
             if const_expr(self.small):  # S^T is small: a chunk accumulator its shape
                 lo_fragments = None
-                if const_expr(self.cache is not None):  # the RoPE lo terms (A operands, as the block tiles)
+                if const_expr(self.bf16_rope):  # the RoPE lo terms (A operands, as the block tiles)
                     lo_fragments = tiled_mma_qk.make_fragment_A(thr_mma_qk.partition_A(sLo))
                 qk_chunks = (
                     None,
@@ -905,7 +913,7 @@ class SparsePrefillSm90(AttentionKernel):
                 k_half_tile = (B_TOPK // 2, self.d_qk, NUM_KV_TILES)
                 k_halves = [cute.local_tile(sK, k_half_tile, (h, 0, 0)) for h in range(2)]
                 lo_fragments = None
-                if const_expr(self.cache is not None):  # the RoPE lo terms, in the P tiles of the second term
+                if const_expr(self.bf16_rope):  # the RoPE lo terms, in the P tiles of the second term
                     lo_halves = [
                         cute.local_tile(sLo, (B_TOPK // 2, B_TOPK, NUM_KV_TILES), (h, 0, 0)) for h in range(2)
                     ]
@@ -1229,11 +1237,11 @@ class SparsePrefillSm90(AttentionKernel):
 
     def qk_promoted(self, c: Consumer, tile):
         """S = Q . K^T summed in float32 ("accurate", "accurate_logits") from WGMMA groups of
-        ``QK_PROMOTION_KSTEPS`` k-steps, each started from zero. The first lands in S itself, each later one
+        ``promotion_ksteps`` k-steps, each started from zero. The first lands in S itself, each later one
         in the chunk accumulator, waited for and added to S. 64 heads: S in its two N = 32 halves (a 64 x 64
         chunk accumulator next to O^T serialises the WGMMAs), both halves' first groups queued together.
         Returns with S complete."""
-        first = range(QK_PROMOTION_KSTEPS)
+        first = range(self.promotion_ksteps)
         if const_expr(self.small):
             self.queue_qk_steps(c, c.acc_s, tile, first)
             self.sum_chunks(c, tile, c.acc_s, None)
@@ -1251,7 +1259,7 @@ class SparsePrefillSm90(AttentionKernel):
         """``total`` (S, or its N = 32 half ``half``) += each later group of k-steps, one at a time through
         the chunk accumulator. A loop, not unrolled: unrolled, ptxas keeps the descriptors of several groups
         in uniform registers, and the producer's share of them no longer holds its tile state (it spills)."""
-        kc = QK_PROMOTION_KSTEPS
+        kc = self.promotion_ksteps
         n = self.d_qk // 32
         for chunk in cutlass.range(1, n // kc, unroll=1):
             self.add_group(c, tile, total, [chunk * kc + j for j in range(kc)], half)
@@ -1267,19 +1275,24 @@ class SparsePrefillSm90(AttentionKernel):
         add_into(total, part)
 
     def qk_row_scaled(self, c: Consumer, tile):
-        """Paged V4, S not promoted: this warpgroup rescales the block's rows to one power-of-two scale each
-        (``convert_row``), then queues S = Q . K''^T over every k-step and the RoPE's lo terms as one WGMMA
-        group; after its wait, ``scale_row_scaled_s`` multiplies each slot's S by its scale."""
+        """Paged rows of power-of-two scales (V4 with S not promoted, V4.1): this warpgroup rescales the
+        block's rows to one power-of-two scale each (``convert_row``), then queues S = Q . K''^T over every
+        k-step and a bf16 RoPE's lo terms as one WGMMA group (V4.1 with S promoted: ``qk_promoted``, S
+        complete on return); after its wait, ``scale_row_scaled_s`` multiplies each slot's S by its scale."""
         geo = self.cache
         convert_row(geo, c.tables, c.sK_base + tile * self.k_tile_bytes, tile, c.warp * 32 + c.lane)
         cute.arch.fence_proxy("async.shared", space="cta")  # the stores, seen by the WGMMAs
         cute.arch.barrier(
             barrier_id=int(NamedBarrierFp8.RopeConverted0) + c.index, number_of_threads=THREADS_PER_WG
         )
-        rope = geo.rope_column * 2  # the RoPE's first k-step
-        operands = [(k, c.tSrK[None, None, k, tile]) for k in range(self.d_qk // 32)]
-        operands += [(rope + j, c.rope_lo[None, None, j, tile]) for j in range(2)]
-        self.queue_qk_group(c, c.acc_s, operands)
+        if const_expr(self.promote_qk):
+            self.qk_promoted(c, tile)
+        else:
+            operands = [(k, c.tSrK[None, None, k, tile]) for k in range(self.d_qk // 32)]
+            if const_expr(self.bf16_rope):
+                rope = geo.rope_column * 2  # the RoPE's first k-step
+                operands += [(rope + j, c.rope_lo[None, None, j, tile]) for j in range(2)]
+            self.queue_qk_group(c, c.acc_s, operands)
 
     def s_rows(self, c: Consumer, tile):
         """Small heads: the [tile][slot] table entries (their indices) of this thread's rows of S^T, slots
