@@ -319,15 +319,27 @@ PAGED_KEYS = [
 ]
 PAGED_D_QK = {"v32": 576, "model1": 512, "v41": 512}
 PAGED_SPILL_BYTES = 40
-"""The paged variants run their producer at ``sparse_prefill.WIDE_PRODUCER_REGS`` beside consumers at 232: a
-few values kept from the prologue to the epilogue, and a few bytes the producer spills and reloads in its
-gather and conversion loop (``paged_rows.convert_landed_rows``), at most this much (measured 0-24 B)."""
+"""The paged variants' consumers at their register ceiling (240, or 232 beside a producer of
+``sparse_prefill.WIDE_PRODUCER_REGS``): 64 heads summing S per scale group with a bf16 q on the persistent
+schedule, and with an e4m3 q on the split one (a value kept from the prologue to the epilogue), and the
+small-head kernel with an e4m3 q (8, 16 or 32 heads, by layout and precision: a value kept from the prologue
+to each tile's epilogue, and a few bytes the producer spills and reloads once a pass of its gather loop),
+spill at most this much (measured 4-36 B); every other paged variant fits (the small-head ones with a bf16 q
+beside a producer of ``sparse_prefill.WIDE_PRODUCER_REGS``)."""
 
 
 def rows_rescaled(layout, precision) -> bool:
     """Whether the paged variant rescales each block row to one power-of-two scale before its QK product
     (``convert_row``): V4 with S not promoted, V4.1 always."""
     return layout == "v41" or (layout == "model1" and not promoted(precision))
+
+
+def paged_spills(layout, precision, kind, q_dtype, heads) -> bool:
+    if heads != 64:
+        return q_dtype == kernels.FP8
+    if rows_rescaled(layout, precision):
+        return False
+    return kind == (PERSISTENT if q_dtype == kernels.BF16_Q else SPLIT)
 
 
 @pytest.mark.variants
@@ -374,8 +386,11 @@ def test_paged_variants_gather_pages_and_sum_scale_groups(layout, precision, kin
     report = build.ptxas_report(built)
     if report is None:
         pytest.skip(cuda_tools.missing("ptxas"))
-    assert report.spill_store_bytes <= PAGED_SPILL_BYTES and report.spill_load_bytes <= PAGED_SPILL_BYTES
-    assert "wgmma.mma_async instructions are serialized" not in report.text and report.registers <= 168
+    if paged_spills(layout, precision, kind, q_dtype, heads):
+        assert report.spill_store_bytes <= PAGED_SPILL_BYTES and report.spill_load_bytes <= PAGED_SPILL_BYTES
+        assert "wgmma.mma_async instructions are serialized" not in report.text and report.registers <= 168
+    else:
+        assert_fits_in_registers(built)
 
 
 def _import_in_subprocess(cache: Path) -> dict:

@@ -14,6 +14,8 @@ class NamedBarrierFp8(enum.IntEnum):
     ColumnMax1 = 8
     RingFree = 9  # split: the consumers' loops and the producer's copies are done (its KV tiles are free)
     WeightsReady = 10  # split: the merge weights of every row are in shared memory (both consumers)
+    RopeConverted0 = 11  # paged: consumer c converted its block's staged RoPE (its own warpgroup)
+    RopeConverted1 = 12
 
 
 class NamedBarrierBf16(enum.IntEnum):

@@ -10,17 +10,15 @@ invalid slot's copies are zero-filled (nothing is read). The copies carry no L2 
 has addressed them through uniform registers that nothing writes (``tests/test_kernel_build.py`` checks the
 SASS of every variant).
 
-The producer, once the rows it copied have landed (``convert_landed_rows``: each lane its own 16-byte chunk
-of each of its rows, a row's four lanes joined by shuffles), before the block's ``kv_full``, in one of two
-ways:
+The block's owner, before its QK product, in one of two ways:
 
 - ``convert_rope`` (V3.2, whose float32 scales need not be powers of two, and S summed in float32): the staged
   RoPE of each row to two e4m3 terms with a power-of-two scale of its own (``shared_row_scale``): hi in place
   in the RoPE column tile, the residual lo = e4m3(x - hi) into the staging tile (about 8 significant bits
   together, as many as bf16 has); and the row's V scale 2^E (``v_row_exponent``). Then S = sum over scale
   groups g of sigma[row, g] * (Q_g . K_g^T), the RoPE a group of its own (its row scale, hi and lo), each
-  group's product summed in float32 (``scale_slots``); after it, the block's owner rescales the row's V
-  bytes in place to 2^E (``rescale_v_row``: the QK product reads the bytes at their group scales).
+  group's product summed in float32 (``scale_slots``); after it, ``rescale_v_row`` rescales the row's V bytes
+  in place to 2^E.
 - ``convert_row`` (V4, S not promoted: its UE8M0 scales are powers of two): each row rescaled in place to
   one power-of-two scale 2^E of its own (every group's bytes times sigma_g 2^-E, the RoPE's two terms at
   2^-E), so that S = 2^E_s (Q . K_s^T) is one WGMMA chain, as on gathered rows, scaled per slot after it.
@@ -205,44 +203,17 @@ def v_row_exponent(geo: CacheGeometry, tables: BlockScaleTables, tile, row, rope
 
 
 @cute.jit
-def convert_landed_rows(
-    geo: CacheGeometry,
-    tables: BlockScaleTables,
-    tile_base,
-    tile,
-    first_row,
-    row_stride: int,
-    rows: int,
-    chunk,
-    rescaled: bool,
-):
-    """The producer, once its copies of block tile ``tile`` (at shared address ``tile_base``) have landed and
-    its warp has synchronised: this lane's 16-byte chunk ``chunk`` of rows ``first_row + row_stride i``, i <
-    ``rows`` (the rows it copied; a row's four chunks are four neighbouring lanes) converted for the QK
-    product: ``rescaled`` (``convert_row``) or not (``convert_rope``). The consumers read it after a fence for
-    the async proxy and the block's ``kv_full``. (A loop, not unrolled: fewer live values in the producer's
-    registers.)"""
-    for i in cutlass.range(rows, unroll=1):
-        row = first_row + i * row_stride
-        if const_expr(rescaled):
-            convert_row(geo, tables, tile_base, tile, row, [chunk], (1, 2))
-        else:
-            tile_rope = tile_base + geo.rope_column * COLUMN_TILE_BYTES
-            convert_rope(geo, tables, tile_rope, tile, row, [chunk], (1, 2))
-
-
-@cute.jit
-def convert_rope(geo: CacheGeometry, tables: BlockScaleTables, tile_rope, tile, row, chunks, lanes):
-    """Chunks ``chunks`` of row ``row``'s staged RoPE of block tile ``tile`` (its RoPE column tile at shared
-    address ``tile_rope``) to two e4m3 terms with the row's scale 2^e, hi in place and the lo residual into
-    the staging tile (the row's other chunks are held by the lanes ``lanes`` joins, see ``shared_row_scale``);
-    by the row's first lane, 2^e into the RoPE scale table and the row's V scale 2^E (``v_row_exponent``; V4:
-    its RoPE too, V's last 64 values) into the row tables."""
-    lo_tile, words = load_staged_rope(tables, tile_rope, tile, row, chunks)
-    # a zero RoPE (whose terms stay zero) leaves V's exponent to the nope groups
-    exponent, inverse = shared_row_scale(words, lanes, zero_exponent=ROW_MIN_EXPONENT)
+def convert_rope(geo: CacheGeometry, tables: BlockScaleTables, tile_rope, tile, thread):
+    """The owner warpgroup's thread ``thread`` (0-127) of block tile ``tile`` (its RoPE column tile at
+    shared address ``tile_rope``): half of row ``thread // 2``'s staged RoPE to two e4m3 terms with the row's
+    scale 2^e, hi in place and the lo residual into the staging tile; 2^e into the RoPE scale table; the row's
+    V scale 2^E (``v_row_exponent``; V4: its RoPE too, V's last 64 values) into the row tables. The block's QK
+    product reads all of it after a fence for the async proxy and a barrier of the warpgroup."""
+    row, chunks, lo_tile, words = load_staged_rope(tables, tile_rope, tile, thread)
+    # the row's two threads; a zero RoPE (whose terms stay zero) leaves V's exponent to the nope groups
+    exponent, inverse = shared_row_scale(words, (1,), zero_exponent=ROW_MIN_EXPONENT)
     store_rope_terms(tile_rope, lo_tile, row, chunks, words, inverse)
-    if chunks[0] == 0:
+    if (thread & 1) == 0:
         ptx.st_shared_u32(tables.rope + (tile * 64 + row) * 4, Uint32((127 + exponent) << 23))
         v4 = geo.v_groups > geo.groups  # V4: the RoPE is V's last group
         store_row_exponent(
@@ -250,16 +221,19 @@ def convert_rope(geo: CacheGeometry, tables: BlockScaleTables, tile_rope, tile, 
         )
 
 
-def load_staged_rope(tables: BlockScaleTables, tile_rope, tile, row, chunks):
-    """``(lo_tile, words)``: the staging tile of block tile ``tile`` (RoPE column tile at ``tile_rope``) and,
-    per 16-byte chunk of ``chunks`` of row ``row``, the RoPE column's then the staging tile's words (values
-    16 chunk .. + 7, then + 8 .. + 15)."""
+def load_staged_rope(tables: BlockScaleTables, tile_rope, tile, thread):
+    """The owner warpgroup's thread ``thread`` (0-127): ``(row, chunks, lo_tile, words)``, its row ``thread
+    // 2`` of block tile ``tile`` (RoPE column tile at ``tile_rope``, staging tile at ``lo_tile``), its two
+    16-byte chunks of each, and per chunk the RoPE column's then the staging tile's words (values 16 chunk ..
+    + 7, then + 8 .. + 15)."""
+    row = thread >> 1
     lo_tile = tables.lo + tile * (64 * COLUMN_BYTES)
+    chunks = [(thread & 1) * 2 + k for k in range(2)]
     words = []
     for chunk in chunks:
         offset = swizzle_offset(row, chunk, COLUMN_BYTES)
         words.append(ptx.ld_shared_v4(tile_rope + offset) + ptx.ld_shared_v4(lo_tile + offset))
-    return lo_tile, words
+    return row, chunks, lo_tile, words
 
 
 def store_rope_terms(tile_rope, lo_tile, row, chunks, words, inverse):
@@ -276,24 +250,26 @@ def store_rope_terms(tile_rope, lo_tile, row, chunks, words, inverse):
 
 
 @cute.jit
-def convert_row(geo: CacheGeometry, tables: BlockScaleTables, tile_base, tile, row, chunks, lanes):
-    """Power-of-two scales (UE8M0: V4 with S not promoted, V4.1): chunks ``chunks`` of row ``row`` of block
-    tile ``tile`` (at shared address ``tile_base``) rescaled to one power-of-two scale 2^E of the row, E the
-    least exponent that holds every scale group and a bf16 RoPE (the row's other chunks are held by the lanes
-    ``lanes`` joins): each group's bytes times sigma_g 2^-E in place (``rescale_nope``), a staged bf16 RoPE
-    (V4) to two e4m3 terms at 2^-E; by the row's first lane, 2^E and E into the row tables. Then
-    S = 2^E_s (Q . K_s^T) is one WGMMA chain (or summed in float32 in chunks)."""
+def convert_row(geo: CacheGeometry, tables: BlockScaleTables, tile_base, tile, thread):
+    """Power-of-two scales (UE8M0: V4, V4.1): the owner warpgroup's thread ``thread`` (0-127) rescales half of
+    row ``thread // 2`` of block tile ``tile`` (at shared address ``tile_base``) to one power-of-two scale 2^E
+    of the row, E the least exponent that holds every scale group and a bf16 RoPE: each group's bytes times
+    sigma_g 2^-E in place (``rescale_nope``), a staged bf16 RoPE (V4) to two e4m3 terms at 2^-E; 2^E and E
+    into the row tables. Then S = 2^E_s (Q . K_s^T) is one WGMMA chain (or summed in float32 in chunks).
+    The block's QK product reads it all after a fence for the async proxy and a barrier of the warpgroup."""
     if const_expr(geo.rope_column is None):  # V4.1: every value e4m3 with its group's scale
+        row = thread >> 1
+        chunks = [(thread & 1) * 2 + k for k in range(2)]
         exponent = v_row_exponent(geo, tables, tile, row)
     else:
         tile_rope = tile_base + geo.rope_column * COLUMN_TILE_BYTES
-        lo_tile, words = load_staged_rope(tables, tile_rope, tile, row, chunks)
-        rope_exponent, _ = shared_row_scale(words, lanes, zero_exponent=ROW_MIN_EXPONENT)
+        row, chunks, lo_tile, words = load_staged_rope(tables, tile_rope, tile, thread)
+        rope_exponent, _ = shared_row_scale(words, (1,), zero_exponent=ROW_MIN_EXPONENT)  # the row's threads
         exponent = v_row_exponent(geo, tables, tile, row, rope_exponent)
         inverse = Uint32((127 - exponent) << 7)  # 2^-E in bf16
         store_rope_terms(tile_rope, lo_tile, row, chunks, words, inverse | (inverse << Uint32(16)))
     rescale_nope(geo, tables, tile_base, tile, row, chunks, exponent)
-    if chunks[0] == 0:
+    if (thread & 1) == 0:
         store_row_exponent(tables, tile, row, exponent)
 
 

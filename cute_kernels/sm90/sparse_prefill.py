@@ -75,7 +75,8 @@ from cute_kernels.sm90.paged_rows import (
     BlockScaleTables,
     PagedRowGather,
     cache_geometry,
-    convert_landed_rows,
+    convert_rope,
+    convert_row,
     copy_paged_row,
     page_and_position,
     rescale_v_row,
@@ -152,7 +153,10 @@ def d_tile_owner(splits: int, mt: int, consumer):
 PRODUCER_REGS = 24
 CONSUMER_REGS = 240
 # The small-head kernel's producer spills at 24 with an e4m3 q (its Q TMA beside that consumer code), and the
-# paged kernel's (its page and scale addressing, and the conversion of the rows it copies). 40 + 2 x 232 =
+# paged kernel's (its page and scale addressing; small heads with a bf16 q 8-16 B), except where the 64-head
+# paged consumers need the 240: with a bf16 q on the persistent schedule (they spill 12-28 B at 240, 24-28 B
+# at 232). (With an e4m3 q on the split schedule the consumers spill 4 B at 232, a scheduler value kept from
+# the prologue to the epilogue, where the producer at 24 would spill 8 B reloaded every pair.) 40 + 2 x 232 =
 # 3 x 168, the launch's registers per thread (setmaxregister only moves registers between the CTA's warps:
 # more waits forever).
 WIDE_PRODUCER_REGS = 40
@@ -313,8 +317,8 @@ class SparsePrefillSm90(AttentionKernel):
         self.bf16_rope = self.cache is not None and self.cache.rope_column is not None
         self.promotion_ksteps = ROW_SCALED_PROMOTION_KSTEPS if self.row_scaled else QK_PROMOTION_KSTEPS
         self.registers = (PRODUCER_REGS, CONSUMER_REGS)  # per thread of the producer, of a consumer
-        # Paged: the producer converts the rows it copies (paged_rows.convert_landed_rows)
-        if (self.small and not self.q_bf16) or self.cache is not None:
+        paged_consumers_need_240 = not self.small and self.q_bf16 and persistent and not self.row_scaled
+        if (self.small and not self.q_bf16) or (self.cache is not None and not paged_consumers_need_240):
             self.registers = (WIDE_PRODUCER_REGS, WIDE_PRODUCER_CONSUMER_REGS)
         self.p_terms = PRECISIONS[precision].p_terms  # e4m3 terms P is stored as
         # S summed in float32 per group of k-steps: the promoted chunks, or a paged cache's scale groups
@@ -688,7 +692,7 @@ class SparsePrefillSm90(AttentionKernel):
         lane_row = lane // 4  # row (of 8) this lane copies per 8-row group
 
         tile_inputs = (tma_atom_q, mQ_tma, sQ, s_valid_words, mIdx, mbar_q, mbar_kv_full, mbar_kv_empty)
-        geometry = (gather, block_in_pair, row_base, lane_row, tables)
+        geometry = (gather, block_in_pair, row_base, lane_row)
         if const_expr(self.persistent):
             pair_base = Int32(0)  # pairs this CTA gathered before the current tile
             for tile_iter in cutlass.range(tiles.count, unroll=1):
@@ -727,7 +731,7 @@ class SparsePrefillSm90(AttentionKernel):
         (the pairs and staged Q tiles of the CTA's earlier tiles). e4m3 q: the Q tile by TMA (warp 0).
         ``stage_q``: the tile's bf16 rows into the pair slot of position ``pair_base`` (``stage_q_rows``),
         the pairs after it. Small heads with a bf16 q: nothing (the consumers load it)."""
-        gather, block_in_pair, row_base, lane_row, tables = geometry
+        gather, block_in_pair, row_base, lane_row = geometry
         warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
         lane = cute.arch.lane_idx()
         if const_expr(not self.q_bf16):
@@ -780,17 +784,7 @@ class SparsePrefillSm90(AttentionKernel):
                     row_page = cute.arch.shuffle_sync(page, src_lane)
                     row_position = cute.arch.shuffle_sync(position, src_lane)
                     copy_paged_row(gather, stage * 2 + block_in_pair, row, row_page, row_position, row_valid)
-            if const_expr(self.cache is None):
-                cute.arch.cp_async_mbarrier_arrive_noinc(full_barrier)
-            else:  # the rows converted once they have landed (this warp's lanes read each other's copies)
-                ptx.cp_async_wait_all()
-                cute.arch.sync_warp()
-                tile, first_row = stage * 2 + block_in_pair, row_base + lane_row
-                convert_landed_rows(
-                    self.cache, tables, tile_base, tile, first_row, 8, 4, gather.chunk16, self.row_scaled
-                )
-                cute.arch.fence_proxy("async.shared", space="cta")  # the stores, seen by the WGMMAs
-                cute.arch.mbarrier_arrive(full_barrier)
+            cute.arch.cp_async_mbarrier_arrive_noinc(full_barrier)
 
     @cute.jit
     def prefetch_next_q(self, mQ, tile, heads):
@@ -1281,16 +1275,22 @@ class SparsePrefillSm90(AttentionKernel):
         add_into(total, part)
 
     def qk_row_scaled(self, c: Consumer, tile):
-        """Paged rows of power-of-two scales (V4 with S not promoted, V4.1), rescaled to one power-of-two
-        scale each by the producer (``convert_row``): queues S = Q . K''^T over every k-step and a bf16 RoPE's
-        lo terms as one WGMMA group (V4.1 with S promoted: ``qk_promoted``, S complete on return); after its
-        wait, ``scale_row_scaled_s`` multiplies each slot's S by its scale."""
+        """Paged rows of power-of-two scales (V4 with S not promoted, V4.1): this warpgroup rescales the
+        block's rows to one power-of-two scale each (``convert_row``), then queues S = Q . K''^T over every
+        k-step and a bf16 RoPE's lo terms as one WGMMA group (V4.1 with S promoted: ``qk_promoted``, S
+        complete on return); after its wait, ``scale_row_scaled_s`` multiplies each slot's S by its scale."""
+        geo = self.cache
+        convert_row(geo, c.tables, c.sK_base + tile * self.k_tile_bytes, tile, c.warp * 32 + c.lane)
+        cute.arch.fence_proxy("async.shared", space="cta")  # the stores, seen by the WGMMAs
+        cute.arch.barrier(
+            barrier_id=int(NamedBarrierFp8.RopeConverted0) + c.index, number_of_threads=THREADS_PER_WG
+        )
         if const_expr(self.promote_qk):
             self.qk_promoted(c, tile)
         else:
             operands = [(k, c.tSrK[None, None, k, tile]) for k in range(self.d_qk // 32)]
             if const_expr(self.bf16_rope):
-                rope = self.cache.rope_column * 2  # the RoPE's first k-step
+                rope = geo.rope_column * 2  # the RoPE's first k-step
                 operands += [(rope + j, c.rope_lo[None, None, j, tile]) for j in range(2)]
             self.queue_qk_group(c, c.acc_s, operands)
 
@@ -1313,8 +1313,8 @@ class SparsePrefillSm90(AttentionKernel):
         sigma[slot, g] * (Q_g . K_g^T), summed in float32 from WGMMA groups of ``paged_chunk_ksteps`` k-steps
         (a scale group, or promoted at most ``PAGED_ACCURATE_CHUNK_KSTEPS`` of it; 64 heads: S in
         its two N = 32 halves, as ``qk_promoted``; small heads: S^T whole), the RoPE a last group of its two
-        e4m3 terms with its row scales (converted by the producer: ``convert_rope``). The first chunk lands
-        in S. Returns with S complete."""
+        e4m3 terms with its row scales. The first chunk lands in S while this warpgroup converts the block's
+        staged RoPE (``convert_rope``). Returns with S complete."""
         geo = self.cache
         part = c.qk_chunks[2]
         halves = [None]  # small heads: S^T, one chunk accumulator its shape
@@ -1324,6 +1324,17 @@ class SparsePrefillSm90(AttentionKernel):
             s_parts = [cute.make_tensor(c.acc_s.iterator + h * cute.size(part), part.layout) for h in halves]
         for h, s_part in zip(halves, s_parts, strict=True):
             self.queue_qk_steps(c, s_part, tile, range(self.paged_chunk_ksteps), h)
+        convert_rope(
+            geo,
+            c.tables,
+            c.sK_base + tile * self.k_tile_bytes + geo.rope_column * TILE_ROW_GROUP_BYTES,
+            tile,
+            c.warp * 32 + c.lane,
+        )
+        cute.arch.fence_proxy("async.shared", space="cta")  # the stores, seen by the WGMMAs
+        cute.arch.barrier(
+            barrier_id=int(NamedBarrierFp8.RopeConverted0) + c.index, number_of_threads=THREADS_PER_WG
+        )
         warpgroup.wait_group(0)
         for h, s_part in zip(halves, s_parts, strict=True):
             self.scale_slots(c, s_part, None, tile, 0, h, True)
