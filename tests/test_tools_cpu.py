@@ -469,17 +469,17 @@ def test_listings_name_every_variant_once_bf16_q_split_small_heads_paged_and_ser
     names = [v.name for v in variants]
     assert names[: len(kernels.IMPORT_KEYS)] == [key.name for key in kernels.IMPORT_KEYS]
     per_precision = len(PRECISIONS)
-    assert len(set(names)) == len(names) == 48 * per_precision + 13  # 8 gathers: 4 layouts, 2 dtypes
+    assert len(set(names)) == len(names) == 60 * per_precision + 13  # 8 gathers: 4 layouts, 2 dtypes
     attention = [v for v in variants if v.name.startswith("sparse_prefill_sm90_")]
-    assert len(attention) == 48 * per_precision  # a precision's: 24 on gathered rows, 24 paged
-    assert len([name for name in names if name.endswith("_split")]) == (4 + 4) * per_precision  # half paged
-    assert len([name for name in names if re.search(r"_h(8|16|32)(_|$)", name)]) == (12 + 12) * per_precision
-    assert len([name for name in names if "_paged_" in name]) == 24 * per_precision
+    assert len(attention) == 60 * per_precision  # a precision's: 24 on gathered rows, 12 a paged layout
+    assert len([name for name in names if name.endswith("_split")]) == (4 + 6) * per_precision  # 2 a layout
+    assert len([name for name in names if re.search(r"_h(8|16|32)(_|$)", name)]) == (12 + 18) * per_precision
+    assert len([name for name in names if "_paged_" in name]) == 36 * per_precision
     for variant in attention:
         described = kernels.describe(variant)
         assert described["q_dtype"] == ("bf16" if "_bf16q" in variant.name else "e4m3")
         assert described["cache"] == next(
-            (c for c in ("v32", "model1") if f"_paged_{c}" in variant.name), None
+            (c for c in ("v32", "model1", "v41") if f"_paged_{c}" in variant.name), None
         )
     serving = {v.name: kernels.describe(v) for v in variants if v not in attention}
     assert sorted(serving) == sorted(
