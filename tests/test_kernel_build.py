@@ -16,6 +16,7 @@ from cute_kernels.interface import PRECISIONS
 from cute_kernels.sm90 import paged_rows, sparse_prefill
 from q8kv8 import build, disk_cache, kernels
 from q8kv8.schedule import ONE_TILE, PERSISTENT, SPLIT
+from scripts.tools import ptx_manifest
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -499,3 +500,20 @@ def test_row_copies_read_only_uniform_registers_they_set(tmp_path, listing):
         if unwritten:
             failures[variant.name] = sorted(unwritten)
     assert not failures, failures
+
+
+@pytest.mark.variants
+def test_ptx_matches_the_manifest(listing):
+    """Each listed variant's PTX (the representative ones in ``make test``, every one in ``make
+    test-variants``) is byte for byte the PTX ``tests/ptx_manifest.json`` records: a change that only moves
+    code keeps it; a change meant to change kernels rewrites the manifest (``python -m
+    scripts.tools.ptx_manifest``) and names in its commit the variants that changed. Skipped under a CuTe DSL
+    version other than the manifest's."""
+    manifest = ptx_manifest.read_manifest()
+    if manifest["dsl"] != ptx_manifest.dsl_version():
+        pytest.skip(f"the manifest records the PTX of CuTe DSL {manifest['dsl']}")
+    built = ptx_manifest.ptx_hashes(kernels.listed_variants())
+    assert {key.name for key in listing} == set(built)  # every listed variant keeps its PTX
+    recorded = {name: digest for name, digest in manifest["variants"].items() if name in built}
+    lines = ptx_manifest.differences(recorded, built)
+    assert not lines, "\n".join(lines + ["(python -m scripts.tools.ptx_manifest rewrites the manifest)"])

@@ -504,3 +504,17 @@ def test_the_bf16_q_and_split_variants_are_not_built_at_import():
         [sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, check=True
     )
     assert result.stdout.strip() == "8 8"  # only the variants of the import
+
+
+def test_ptx_manifest_names_each_difference():
+    """``scripts.tools.ptx_manifest.differences``: a line for each variant whose PTX changed, each built one
+    the manifest lacks and each recorded one not built; none when they agree."""
+    from scripts.tools.ptx_manifest import differences
+
+    recorded = {"a": "1", "b": "2", "c": "3"}
+    assert differences(recorded, dict(recorded)) == []
+    assert differences(recorded, {"a": "1", "b": "9", "d": "4"}) == [
+        "changed: b",
+        "not in the manifest: d",
+        "not built: c",
+    ]
