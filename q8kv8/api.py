@@ -147,9 +147,9 @@ def sparse_mla_q8kv8_paged_fwd(
     ``sparse_mla_q8kv8_prefill_fwd``, the two merged exactly by their lse, then the sink applied once
     (``max_logits``: the larger of the parts'; ``lse`` over both, without the sink). The main call is checked
     first, then the extra arguments. It is composed of the single-cache calls and torch operations (the
-    custom ops are not extended): under ``torch.compile`` the parts are those calls' ops, the gather of an
-    extra cache the paged kernel does not read runs outside the graph, and the arguments are checked by the
-    parts' ops under the single-cache names.
+    custom ops are not extended): under ``torch.compile`` the parts are those calls' ops (the gather's,
+    ``torch.ops.q8kv8.gather_dequant_paged_out``, for an extra cache the paged kernel does not read), and
+    the arguments are checked by the parts' ops under the single-cache names.
     """
     call = _new_call(
         PagedCall,
@@ -158,9 +158,9 @@ def sparse_mla_q8kv8_paged_fwd(
     if extra_cache is not None or extra_indices is not None or extra_topk_length is not None:
         extra = paged_extra.ExtraCache(extra_cache, extra_indices, extra_topk_length)
         if is_compiling():
-            return paged_extra.attend(call, extra, ops.call_paged_traced, ops.call_traced)
+            return paged_extra.attend(call, extra, ops.call_paged_traced, ops.call_traced, ops.gather_traced)
         paged_extra.check_extra(call, extra)
-        return paged_extra.attend(call, extra, paged.run, eager.run)
+        return paged_extra.attend(call, extra, paged.run, eager.run, paged_extra.gather_rows)
     if is_compiling():
         return ops.call_paged_traced(call)
     return paged.run(call)

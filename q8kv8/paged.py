@@ -6,6 +6,7 @@ layout (656 bytes a token, d_qk 576) or V4 / MODEL1 layout (584, d_qk 512; ``q8k
 stride ``cache.stride(0)`` bytes. ``indices`` hold token slots (page * page_size + position); a slot outside
 ``[0, num_pages * page_size)`` is ignored and never read. The kernel reads each selected row's bytes and its
 block scales itself (``cute_kernels/sm90/paged_rows.py``): no gathered copy of the cache, no workspace.
+A call with an extra cache is ``q8kv8.paged_extra``'s composition of such calls.
 
 Every check but the cache's is the contract's (``q8kv8.contract``): the call is checked as a
 ``sparse_mla_q8kv8_prefill_fwd`` call on a stand-in kv of the cache's token slots, with the same messages,

@@ -13,7 +13,7 @@ Constraints: the extra cache has q's d_qk and any layout of ``q8kv8.kv_layout`` 
 two; ``extra_indices`` are its token slots, ``[s_q, 1, extra_topk]`` int32 with extra_topk a positive
 multiple of 128. The parts' outputs are bfloat16 before the merge (about 2^-9 relative on out). No host
 sync (shapes decide every branch), CUDA graph capturable; under ``torch.compile`` the parts are the custom
-ops of the single-cache calls and the merge torch operations.
+ops of the single-cache calls and of the gather, the merge torch operations.
 """
 
 from collections.abc import Callable
@@ -111,10 +111,12 @@ def attend(
     extra: ExtraCache,
     run_paged: Callable[[PagedCall], tuple],
     run_rows: Callable[[PrefillCall], tuple],
+    gather: Callable,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``(out, max_logits, lse)`` of a checked extra-cache call (see the module), the caller's buffers
     written and returned when given. ``run_paged`` / ``run_rows`` run a single-cache paged / prefill call
-    (eagerly ``q8kv8.paged.run`` / ``q8kv8.eager.run``; traced, the custom ops)."""
+    and ``gather(cache, slot_ids, page_size, layout_name, out)`` gathers e4m3 rows into ``out`` (eagerly
+    ``q8kv8.paged.run``, ``q8kv8.eager.run`` and ``gather_rows``; traced, the custom ops)."""
     bare = call._replace(attn_sink=None, out=None, max_logits=None, lse=None)  # one part's call
     main = run_paged(bare)
     cache, indices = extra.cache, extra.indices
@@ -125,7 +127,8 @@ def attend(
         # Each query's own rows: slot j of query i gathered to row i * extra_topk + j (an out-of-range slot
         # to a zero row, which its index -1 keeps out of the softmax).
         page_size = cache.shape[1]
-        kv = gather_dequant_paged(cache, indices.reshape(-1), page_size, layout)
+        kv = torch.empty((indices.numel(), 1, layout.d_qk), dtype=torch.float8_e4m3fn, device=indices.device)
+        kv = gather(cache, indices.reshape(-1), page_size, layout.name, kv)
         rows = torch.arange(indices.numel(), dtype=torch.int32, device=indices.device).view(indices.shape)
         in_cache = (indices >= 0) & (indices < cache.shape[0] * page_size)
         rows = torch.where(in_cache, rows, -1)
@@ -142,3 +145,8 @@ def attend(
         values if buffer is None else buffer.copy_(values)
         for buffer, values in zip(buffers, merged, strict=True)
     )
+
+
+def gather_rows(cache, slot_ids, page_size: int, layout: str, out: torch.Tensor) -> torch.Tensor:
+    """``gather_dequant_paged`` into ``out`` (its dtype the rows', no extra rows); returns ``out``."""
+    return gather_dequant_paged(cache, slot_ids, page_size, layout, out.dtype, 0, out)

@@ -280,3 +280,21 @@ def test_check_ranges_names_extra_topk_length(generator, launches, monkeypatch):
     with pytest.raises(ValueError, match=r"extra_topk_length: expected values in \[0, 128\]"):
         sparse_mla_q8kv8_paged_fwd(**call)
     assert not launches
+
+
+@pytest.mark.parametrize("extra", ["v41_fp4", "v41"])
+def test_compiled_call_matches_eager(generator, launches, extra):
+    """Under ``torch.compile(fullgraph=True)`` the call is the parts' custom ops (the gather's included) and
+    the merge's torch operations: the eager call's max_logits, its out and lse up to Inductor's own float32
+    merge arithmetic (out one bf16 step at most)."""
+    call = extra_call(generator, extra=extra)
+    expected = sparse_mla_q8kv8_paged_fwd(**call)
+    torch._dynamo.reset()
+    try:
+        got = torch.compile(lambda arguments: sparse_mla_q8kv8_paged_fwd(**arguments), fullgraph=True)(call)
+    finally:
+        torch._dynamo.reset()
+    assert torch.equal(got[1], expected[1])
+    torch.testing.assert_close(got[0].double(), expected[0].double(), rtol=2**-7, atol=1e-6)
+    torch.testing.assert_close(got[2], expected[2], rtol=1e-6, atol=1e-6)
+    assert launches.count("gather v41_fp4") == (2 if extra == "v41_fp4" else 0)
