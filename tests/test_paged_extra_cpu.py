@@ -15,7 +15,7 @@ import math
 
 import pytest
 import torch
-from paged_cache import quantized_cache
+from paged_cache import pow2_fp4_scales, quantized_cache
 
 from q8kv8 import contract, paged_gather, sparse_mla_q8kv8_paged_fwd
 from q8kv8.contract import InputTypeError
@@ -60,14 +60,6 @@ def launches(monkeypatch, fake_kernels) -> list[str]:
     module = fake_kernels(attention)
     module.launch_paged_kv_gather = gather
     return recorded
-
-
-def pow2_fp4_scales(cache: torch.Tensor, generator) -> torch.Tensor:
-    """A V4.1 FP4 cache's e4m3 scales replaced by powers of two (2^-4 to 2^2): its values times their
-    scales are then exact in e4m3."""
-    exponents = torch.randint(-4, 3, (*cache.shape[:3], 32), generator=generator)
-    cache[..., 256:] = torch.exp2(exponents.float()).to(torch.float8_e4m3fn).view(torch.uint8)
-    return cache
 
 
 def make_cache(layout, pages, generator):
