@@ -9,7 +9,7 @@ torch.compile traces it, it is one custom op (``q8kv8.ops``). It never syncs wit
 import torch
 from torch.compiler import is_compiling
 
-from q8kv8 import eager, ops, paged
+from q8kv8 import eager, ops, paged, paged_extra
 from q8kv8.metadata import D_V
 from q8kv8.prefill_call import PagedCall, PrefillCall
 
@@ -109,6 +109,9 @@ def sparse_mla_q8kv8_paged_fwd(
     max_logits: torch.Tensor | None = None,
     lse: torch.Tensor | None = None,
     precision: str = "default",
+    extra_cache: torch.Tensor | None = None,
+    extra_indices: torch.Tensor | None = None,
+    extra_topk_length: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Sparse MLA attention read straight from a paged FP8 KV cache; returns ``(out, max_logits, lse)``.
 
@@ -122,6 +125,13 @@ def sparse_mla_q8kv8_paged_fwd(
             128; a slot outside ``[0, num_pages * page_size)`` is ignored and never read.
         sm_scale, q_scale, d_v, attn_sink, topk_length, out, max_logits, lse, precision: as in
             ``sparse_mla_q8kv8_prefill_fwd`` (there is no kv_scale: each row's block scales apply).
+        extra_cache: optional second paged cache attended in the same softmax (FlashMLA's ``extra_k_cache``:
+            DeepSeek V4.1's FP4 cache, 288 bytes a token, next to its main cache, or V4's SWA cache next to
+            its compressed one): any layout of ``q8kv8.kv_layout`` with q's d_qk, page_size a power of two.
+        extra_indices: [s_q, 1, extra_topk] int32 token slots of ``extra_cache`` (FlashMLA's
+            ``extra_indices_in_kvcache``), extra_topk a positive multiple of 128; required with it.
+        extra_topk_length: optional [s_q] int32, the number of leading slots of ``extra_indices`` to consider
+            (clamped as ``topk_length``).
 
     Each selected row is read from the cache as it is: its e4m3 values with their block scales (the QK
     product summed in float32 per scale group; V rescaled to one power-of-two scale per row, which P carries:
@@ -130,11 +140,27 @@ def sparse_mla_q8kv8_paged_fwd(
     sentinels, head counts (any h_q, in tiles of 64 heads), errors and CUDA-graph behaviour as
     ``sparse_mla_q8kv8_prefill_fwd``; under ``torch.compile`` the custom op
     ``torch.ops.q8kv8.sparse_mla_q8kv8_paged`` (``..._paged_out`` with buffers).
+
+    With an extra cache (``q8kv8.paged_extra``) each query attends its valid slots of both caches as one
+    softmax: the main part without the sink, the extra part read directly when the paged kernel reads its
+    layout (V3.2, V4, V4.1) or else gathered to e4m3 rows (scale 1) and attended by
+    ``sparse_mla_q8kv8_prefill_fwd``, the two merged exactly by their lse, then the sink applied once
+    (``max_logits``: the larger of the parts'; ``lse`` over both, without the sink). The main call is checked
+    first, then the extra arguments. It is composed of the single-cache calls and torch operations (the
+    custom ops are not extended): under ``torch.compile`` the parts are those calls' ops (the gather's,
+    ``torch.ops.q8kv8.gather_dequant_paged_out``, for an extra cache the paged kernel does not read), and
+    the arguments are checked by the parts' ops under the single-cache names.
     """
     call = _new_call(
         PagedCall,
         (q, cache, indices, sm_scale, q_scale, d_v, attn_sink, topk_length, out, max_logits, lse, precision),
     )
+    if extra_cache is not None or extra_indices is not None or extra_topk_length is not None:
+        extra = paged_extra.ExtraCache(extra_cache, extra_indices, extra_topk_length)
+        if is_compiling():
+            return paged_extra.attend(call, extra, ops.call_paged_traced, ops.call_traced, ops.gather_traced)
+        paged_extra.check_extra(call, extra)
+        return paged_extra.attend(call, extra, paged.run, eager.run, paged_extra.gather_rows)
     if is_compiling():
         return ops.call_paged_traced(call)
     return paged.run(call)

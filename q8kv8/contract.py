@@ -360,14 +360,15 @@ except AttributeError:  # not CPython's os._Environ: check_ranges_enabled takes 
     _ENCODED_CHECK_RANGES_ENV = _ENCODED_ONE = None
 
 
-def check_topk_length_range(topk_length: torch.Tensor | None, topk: int) -> None:
-    """Raise ValueError unless every ``topk_length`` value lies in ``[0, topk]``. Reads the values: syncs."""
+def check_topk_length_range(topk_length: torch.Tensor | None, topk: int, name: str = "topk_length") -> None:
+    """Raise ValueError unless every ``topk_length`` value lies in ``[0, topk]`` (the message naming it as
+    ``name``). Reads the values: syncs."""
     if topk_length is None or topk_length.numel() == 0:
         return
     low, high = (int(v) for v in torch.aminmax(topk_length))
     if low < 0 or high > topk:
         raise ValueError(
-            f"topk_length: expected values in [0, {topk}] (0 <= topk_length <= topk), got values from {low} "
+            f"{name}: expected values in [0, {topk}] (0 <= {name} <= topk), got values from {low} "
             f"to {high} (unset {CHECK_RANGES_ENV} to have the kernel clamp them instead)"
         )
 

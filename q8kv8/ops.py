@@ -1,6 +1,7 @@
 """The sparse prefill as PyTorch custom ops (``torch.library``), so that ``torch.compile`` traces it.
 
-Two ops, registered when ``q8kv8`` is imported:
+The prefill ops, registered when ``q8kv8`` is imported (the paged call's pair, ``..._paged`` and
+``..._paged_out``, and the gather's out op, ``gather_dequant_paged_out``, follow the same rules):
 
 - ``torch.ops.q8kv8.sparse_mla_q8kv8_prefill(q, kv, indices, sm_scale, q_scale, kv_scale, d_v=512,
   attn_sink=None, topk_length=None, precision="default") -> (out, max_logits, lse)``: functional, it
@@ -23,6 +24,7 @@ import torch
 from q8kv8 import eager, paged
 from q8kv8.eager import output_buffers
 from q8kv8.metadata import D_V
+from q8kv8.paged_gather import gather_dequant_paged
 from q8kv8.prefill_call import PagedCall, PrefillCall
 
 FUNCTIONAL_OP = "q8kv8::sparse_mla_q8kv8_prefill"
@@ -172,3 +174,26 @@ def call_paged_traced(call: PagedCall):
     return _call_op_pair(
         call, PAGED_INPUT_FIELDS, ops.sparse_mla_q8kv8_paged.default, ops.sparse_mla_q8kv8_paged_out.default
     )
+
+
+GATHER_OUT_OP = "q8kv8::gather_dequant_paged_out"
+
+
+@torch.library.custom_op(GATHER_OUT_OP, mutates_args=("out",))
+def gather_dequant_paged_out(
+    cache: torch.Tensor, slot_ids: torch.Tensor, page_size: int, layout: str, out: torch.Tensor
+) -> None:
+    """``q8kv8.paged_gather.gather_dequant_paged`` into the given ``out`` (its dtype the rows', no extra
+    rows): the gather of a paged call's extra cache (``q8kv8.paged_extra``) when torch.compile traces it."""
+    gather_dequant_paged(cache, slot_ids, page_size, layout, out.dtype, 0, out)
+
+
+@gather_dequant_paged_out.register_fake
+def _(*_args, **_kwargs):
+    return None
+
+
+def gather_traced(cache, slot_ids, page_size: int, layout: str, out):
+    """The gather as one op call, for traced code; returns ``out``."""
+    torch.ops.q8kv8.gather_dequant_paged_out.default(cache, slot_ids, page_size, layout, out)
+    return out

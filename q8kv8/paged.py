@@ -6,6 +6,7 @@ layout (656 bytes a token, d_qk 576) or V4 / MODEL1 layout (584, d_qk 512; ``q8k
 stride ``cache.stride(0)`` bytes. ``indices`` hold token slots (page * page_size + position); a slot outside
 ``[0, num_pages * page_size)`` is ignored and never read. The kernel reads each selected row's bytes and its
 block scales itself (``cute_kernels/sm90/paged_rows.py``): no gathered copy of the cache, no workspace.
+A call with an extra cache is ``q8kv8.paged_extra``'s composition of such calls.
 
 Every check but the cache's is the contract's (``q8kv8.contract``): the call is checked as a
 ``sparse_mla_q8kv8_prefill_fwd`` call on a stand-in kv of the cache's token slots, with the same messages,
@@ -41,49 +42,53 @@ _new_call = tuple.__new__
 _ones: dict[torch.device, torch.Tensor] = {}  # the kernel's kv_scale argument (1.0) per device
 
 
-def check_cache(cache, d_qk: int) -> tuple[KvCacheLayout, torch.Tensor]:
-    """The cache's layout and its ``[num_pages, page_size, bytes_per_token]`` uint8 view (what the kernel
-    reads), or ValueError / ``InputTypeError`` naming what is wrong. Reads no values, never syncs."""
+def check_cache(
+    cache, d_qk: int, name: str = "cache", layouts=PAGED_ATTENTION_LAYOUTS
+) -> tuple[KvCacheLayout, torch.Tensor]:
+    """The cache's layout and its ``[num_pages, page_size, bytes_per_token]`` uint8 view (what the kernels
+    read), or ValueError / ``InputTypeError`` naming what is wrong (as ``name``). ``layouts``: the layouts
+    accepted (by default the ones the paged kernel reads). Reads no values, never syncs."""
     signature = _signature(cache)
-    _require_tensor("cache", signature)
+    _require_tensor(name, signature)
     if cache.dtype not in CACHE_DTYPES:
         raise InputTypeError(
-            f"cache: expected dtype torch.uint8 or {FP8} (its bytes are read), got {cache.dtype}"
+            f"{name}: expected dtype torch.uint8 or {FP8} (its bytes are read), got {cache.dtype}"
         )
     shape, strides = signature[SHAPE], signature[STRIDES]
     if len(shape) != 4 or shape[2] != 1 or shape[3] not in LAYOUT_BY_BYTES_PER_TOKEN:
         raise ValueError(
-            "cache: expected shape [num_pages, page_size, 1, bytes_per_token] with bytes_per_token in "
+            f"{name}: expected shape [num_pages, page_size, 1, bytes_per_token] with bytes_per_token in "
             f"{sorted(LAYOUT_BY_BYTES_PER_TOKEN)} (584: V4 / MODEL1, 656: V3.2; 528, 288: V4.1), got "
             f"{list(shape)}"
         )
     layout = LAYOUT_BY_BYTES_PER_TOKEN[shape[3]]
-    if layout not in PAGED_ATTENTION_LAYOUTS:
+    if layout not in layouts:
         raise ValueError(
-            f"cache: a {layout.name} cache ({layout.bytes_per_token} bytes a token) is not read directly; "
-            "gather its rows (q8kv8.gather_dequant_paged) and call sparse_mla_q8kv8_prefill_fwd on them"
+            f"{name}: a {layout.name} cache ({layout.bytes_per_token} bytes a token) is not read directly; "
+            "gather its rows (q8kv8.gather_dequant_paged) and call sparse_mla_q8kv8_prefill_fwd on them, or "
+            "pass it as the paged call's extra_cache"
         )
     num_pages, page_size = shape[0], shape[1]
     if layout.d_qk != d_qk:
-        raise ValueError(f"cache: a {layout.name} cache holds d_qk {layout.d_qk}, got q with d_qk {d_qk}")
+        raise ValueError(f"{name}: a {layout.name} cache holds d_qk {layout.d_qk}, got q with d_qk {d_qk}")
     if page_size < 1 or page_size & (page_size - 1):
-        raise ValueError(f"cache: expected page_size = cache.shape[1] a power of two, got {page_size}")
+        raise ValueError(f"{name}: expected page_size = {name}.shape[1] a power of two, got {page_size}")
     if strides[3] != 1:
-        raise ValueError(f"cache: expected a contiguous last dimension (stride 1), got stride {strides[3]}")
+        raise ValueError(f"{name}: expected a contiguous last dimension (stride 1), got stride {strides[3]}")
     page_stride = strides[0]  # read for pages after the first only
     if num_pages > 1 and page_stride < layout.min_page_bytes(page_size):
         raise ValueError(
-            f"cache: expected a page stride of at least {layout.min_page_bytes(page_size)} bytes (page_size "
+            f"{name}: expected a page stride of at least {layout.min_page_bytes(page_size)} bytes (page_size "
             f"{page_size} tokens of {layout.bytes_per_token}), got {page_stride}"
         )
     if cache.data_ptr() % KV_ROW_ALIGNMENT_BYTES or (num_pages > 1 and page_stride % KV_ROW_ALIGNMENT_BYTES):
         raise ValueError(
-            f"cache: expected a {KV_ROW_ALIGNMENT_BYTES}-byte aligned base and page stride (rows are read "
+            f"{name}: expected a {KV_ROW_ALIGNMENT_BYTES}-byte aligned base and page stride (rows are read "
             f"{KV_ROW_ALIGNMENT_BYTES} bytes at a time), got base offset {cache.data_ptr() % 16} and page "
             f"stride {page_stride}"
         )
     if num_pages * page_size >= MAX_SLOTS:
-        raise ValueError(f"cache: expected fewer than 2^31 token slots, got {num_pages} x {page_size}")
+        raise ValueError(f"{name}: expected fewer than 2^31 token slots, got {num_pages} x {page_size}")
     page_stride = page_stride if num_pages > 1 else layout.padded_page_bytes(page_size)
     view = _byte_view(cache).as_strided(
         (num_pages, page_size, layout.bytes_per_token), (page_stride, strides[1], 1)

@@ -173,6 +173,14 @@ def quantized_cache(
     return cache
 
 
+def pow2_fp4_scales(cache: torch.Tensor, generator) -> torch.Tensor:
+    """A V4.1 FP4 cache's e4m3 scales (bytes 256 to 287 of each token) replaced, in place, by powers of two
+    from 2^-4 to 2^2: its values times their scales are then exact in e4m3. Returns ``cache``."""
+    exponents = torch.randint(-4, 3, (*cache.shape[:3], 32), generator=generator)
+    cache[..., 256:] = torch.exp2(exponents.float()).to(torch.float8_e4m3fn).view(torch.uint8)
+    return cache
+
+
 def quantize_v41(x: torch.Tensor, layout: str) -> tuple[torch.Tensor, torch.Tensor]:
     """Tokens ``x`` [n, 512] (float32) quantised to a V4.1 cache's records: ``(value bytes, scale bytes)``,
     uint8 [n, 512] and [n, 16] ("v41") or [n, 256] and [n, 32] ("v41_fp4").

@@ -1,0 +1,152 @@
+"""A paged call over a main and an extra cache as one softmax (FlashMLA's ``extra_k_cache``): DeepSeek V4.1's
+main and FP4 caches, or V4's compressed and SWA caches, in one ``sparse_mla_q8kv8_paged_fwd`` call.
+
+Algorithm: the main part is the paged call without the sink; the extra part is the paged call on the extra
+cache when the paged kernel reads its layout (``q8kv8.kv_layout.PAGED_ATTENTION_LAYOUTS``), else its selected
+slots (``s_q * extra_topk`` of them, each query's own) are gathered into e4m3 rows at scale 1
+(``q8kv8.paged_gather``) and ``sparse_mla_q8kv8_prefill_fwd`` attends them, each query its own rows. The two
+are merged exactly by their lse into one softmax (``q8kv8.merge.merge_attention``), which applies the sink
+once. Outputs as the single-cache call's: ``lse`` over both parts without the sink, ``max_logits`` the larger
+of the two, a row with no valid slot in either part out 0, max_logits -inf, lse +inf.
+
+Constraints: the extra cache has q's d_qk and any layout of ``q8kv8.kv_layout`` with page_size a power of
+two; ``extra_indices`` are its token slots, ``[s_q, 1, extra_topk]`` int32 with extra_topk a positive
+multiple of 128. The parts' outputs are bfloat16 before the merge (about 2^-9 relative on out). No host
+sync (shapes decide every branch), CUDA graph capturable; under ``torch.compile`` the parts are the custom
+ops of the single-cache calls and of the gather, the merge torch operations.
+"""
+
+from collections.abc import Callable
+from typing import NamedTuple
+
+import torch
+
+from q8kv8 import paged
+from q8kv8.contract import (
+    DEVICE,
+    SHAPE,
+    STRIDES,
+    _overlaps,
+    _require_dtype,
+    _require_shape,
+    _require_tensor,
+    _signature,
+    check_ranges_enabled,
+    check_topk_length_range,
+)
+from q8kv8.kv_layout import LAYOUT_BY_BYTES_PER_TOKEN, PAGED_ATTENTION_LAYOUTS
+from q8kv8.merge import merge_attention
+from q8kv8.metadata import TOPK_ALIGNMENT
+from q8kv8.paged_gather import gather_dequant_paged
+from q8kv8.prefill_call import PagedCall, PrefillCall
+
+EVERY_LAYOUT = tuple(LAYOUT_BY_BYTES_PER_TOKEN.values())
+
+
+class ExtraCache(NamedTuple):
+    """The extra cache's arguments of a ``sparse_mla_q8kv8_paged_fwd`` call, as the caller gave them."""
+
+    cache: torch.Tensor | None = None
+    indices: torch.Tensor | None = None
+    topk_length: torch.Tensor | None = None
+
+
+def check_extra(call: PagedCall, extra: ExtraCache) -> None:
+    """Validate an extra-cache call: the main call's checks (``q8kv8.paged.check_paged_inputs``, the sink and
+    buffers included), then the extra arguments', their devices last. ValueError (``InputTypeError`` for a
+    type or dtype) naming the argument; reads no values, never syncs unless ``Q8KV8_CHECK_RANGES=1``."""
+    if extra.cache is None:
+        for name in ("indices", "topk_length"):
+            if getattr(extra, name) is not None:
+                raise ValueError(f"extra_{name}: expected None without an extra_cache")
+        return
+    problem = paged.check_paged_inputs(call)[0]
+    if extra.indices is None:
+        raise ValueError(
+            "extra_indices: expected the extra cache's token slots [s_q, 1, extra_topk], got None"
+        )
+    paged.check_cache(extra.cache, problem.d_qk, "extra_cache", EVERY_LAYOUT)
+    indices = _signature(extra.indices)
+    _require_tensor("extra_indices", indices)
+    _require_dtype("extra_indices", indices, torch.int32)
+    shape = indices[SHAPE]
+    if len(shape) != 3 or shape[0] != problem.s_q or shape[1] != 1:
+        raise ValueError(
+            f"extra_indices: expected shape [s_q, 1, extra_topk] with s_q = {problem.s_q}, got {list(shape)}"
+        )
+    if shape[2] <= 0 or shape[2] % TOPK_ALIGNMENT:
+        raise ValueError(
+            f"extra_indices: expected extra_topk = extra_indices.shape[2] a positive multiple of "
+            f"{TOPK_ALIGNMENT}, got {shape[2]}; pad it with q8kv8.pad_topk(extra_indices)"
+        )
+    if indices[STRIDES][2] != 1:
+        stride = indices[STRIDES][2]
+        raise ValueError(
+            f"extra_indices: expected a contiguous last dimension (stride 1), got stride {stride}"
+        )
+    named = {"extra_cache": extra.cache, "extra_indices": extra.indices}
+    if extra.topk_length is not None:
+        length = _signature(extra.topk_length)
+        _require_tensor("extra_topk_length", length)
+        _require_dtype("extra_topk_length", length, torch.int32)
+        _require_shape("extra_topk_length", length, (problem.s_q,), "[s_q]")
+        named["extra_topk_length"] = extra.topk_length
+    for buffer_name in ("out", "max_logits", "lse"):
+        buffer = getattr(call, buffer_name)
+        for name, tensor in named.items():
+            if buffer is not None and _overlaps(buffer, tensor):
+                raise ValueError(f"{buffer_name}: expected memory of its own, got memory overlapping {name}")
+    for name, tensor in named.items():
+        device = _signature(tensor)[DEVICE]
+        if device != problem.device:
+            raise ValueError(
+                f"{name}: expected a tensor on {problem.device} (the device of q), got device {device}"
+            )
+    if check_ranges_enabled():
+        check_topk_length_range(extra.topk_length, shape[2], "extra_topk_length")
+
+
+def attend(
+    call: PagedCall,
+    extra: ExtraCache,
+    run_paged: Callable[[PagedCall], tuple],
+    run_rows: Callable[[PrefillCall], tuple],
+    gather: Callable,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(out, max_logits, lse)`` of a checked extra-cache call (see the module), the caller's buffers
+    written and returned when given. ``run_paged`` / ``run_rows`` run a single-cache paged / prefill call
+    and ``gather(cache, slot_ids, page_size, layout_name, out)`` gathers e4m3 rows into ``out`` (eagerly
+    ``q8kv8.paged.run``, ``q8kv8.eager.run`` and ``gather_rows``; traced, the custom ops)."""
+    bare = call._replace(attn_sink=None, out=None, max_logits=None, lse=None)  # one part's call
+    main = run_paged(bare)
+    cache, indices = extra.cache, extra.indices
+    layout = LAYOUT_BY_BYTES_PER_TOKEN[cache.shape[3]]
+    if layout in PAGED_ATTENTION_LAYOUTS:
+        part = run_paged(bare._replace(cache=cache, indices=indices, topk_length=extra.topk_length))
+    else:
+        # Each query's own rows: slot j of query i gathered to row i * extra_topk + j (an out-of-range slot
+        # to a zero row, which its index -1 keeps out of the softmax).
+        page_size = cache.shape[1]
+        kv = torch.empty((indices.numel(), 1, layout.d_qk), dtype=torch.float8_e4m3fn, device=indices.device)
+        kv = gather(cache, indices.reshape(-1), page_size, layout.name, kv)
+        rows = torch.arange(indices.numel(), dtype=torch.int32, device=indices.device).view(indices.shape)
+        in_cache = (indices >= 0) & (indices < cache.shape[0] * page_size)
+        rows = torch.where(in_cache, rows, -1)
+        q = call.q
+        part = run_rows(
+            PrefillCall(
+                q, kv, rows, call.sm_scale, call.q_scale, paged._one(q.device), call.d_v,
+                topk_length=extra.topk_length, precision=call.precision,
+            )
+        )  # fmt: skip
+    merged = merge_attention((main, part), call.attn_sink)
+    buffers = (call.out, call.max_logits, call.lse)
+    return tuple(
+        values if buffer is None else buffer.copy_(values)
+        for buffer, values in zip(buffers, merged, strict=True)
+    )
+
+
+def gather_rows(cache, slot_ids, page_size: int, layout: str, out: torch.Tensor) -> torch.Tensor:
+    """``gather_dequant_paged`` into ``out`` (its dtype the rows', no extra rows); returns ``out``."""
+    return gather_dequant_paged(cache, slot_ids, page_size, layout, out.dtype, 0, out)
