@@ -1,12 +1,12 @@
 """The CUDA toolkit's tools that CPU tests run on the kernels' PTX (``ptxas``, ``nvdisasm``, ``nvcc``), and
-the reason a test gives when one is missing: where to get it (README, "Install")."""
+the reason a test gives when one is missing: where to get it (docs/usage.md, "Build cache")."""
 
 import shutil
 from pathlib import Path
 
 WHERE = (
     "a CUDA toolkit's bin folder (release 12.9 or later) on PATH, or `pip install nvidia-cuda-nvcc "
-    "nvidia-cuda-nvdisasm` with its nvidia/cu13/bin folder on PATH; README, 'Install'"
+    "nvidia-cuda-nvdisasm` with its nvidia/cu13/bin folder on PATH; docs/usage.md, 'Build cache'"
 )
 
 
