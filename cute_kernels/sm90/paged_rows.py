@@ -221,14 +221,20 @@ def convert_rope(geo: CacheGeometry, tables: BlockScaleTables, tile_rope, tile, 
         )
 
 
+def row_and_chunks(thread):
+    """The owner warpgroup's thread ``thread`` (0-127): ``(row, chunks)``, its row ``thread // 2`` of a block
+    tile and its two 16-byte chunks of each of the row's 64-byte column tiles (the row's other thread holds
+    the other two)."""
+    return thread >> 1, [(thread & 1) * 2 + k for k in range(2)]
+
+
 def load_staged_rope(tables: BlockScaleTables, tile_rope, tile, thread):
-    """The owner warpgroup's thread ``thread`` (0-127): ``(row, chunks, lo_tile, words)``, its row ``thread
-    // 2`` of block tile ``tile`` (RoPE column tile at ``tile_rope``, staging tile at ``lo_tile``), its two
-    16-byte chunks of each, and per chunk the RoPE column's then the staging tile's words (values 16 chunk ..
-    + 7, then + 8 .. + 15)."""
-    row = thread >> 1
+    """The owner warpgroup's thread ``thread`` (0-127): ``(row, chunks, lo_tile, words)``, its row and chunks
+    (``row_and_chunks``) of block tile ``tile`` (RoPE column tile at ``tile_rope``, staging tile at
+    ``lo_tile``), and per chunk the RoPE column's then the staging tile's words (values 16 chunk .. + 7, then
+    + 8 .. + 15)."""
+    row, chunks = row_and_chunks(thread)
     lo_tile = tables.lo + tile * (64 * COLUMN_BYTES)
-    chunks = [(thread & 1) * 2 + k for k in range(2)]
     words = []
     for chunk in chunks:
         offset = swizzle_offset(row, chunk, COLUMN_BYTES)
@@ -258,8 +264,7 @@ def convert_row(geo: CacheGeometry, tables: BlockScaleTables, tile_base, tile, t
     into the row tables. Then S = 2^E_s (Q . K_s^T) is one WGMMA chain (or summed in float32 in chunks).
     The block's QK product reads it all after a fence for the async proxy and a barrier of the warpgroup."""
     if const_expr(geo.rope_column is None):  # V4.1: every value e4m3 with its group's scale
-        row = thread >> 1
-        chunks = [(thread & 1) * 2 + k for k in range(2)]
+        row, chunks = row_and_chunks(thread)
         exponent = v_row_exponent(geo, tables, tile, row)
     else:
         tile_rope = tile_base + geo.rope_column * COLUMN_TILE_BYTES
@@ -279,8 +284,7 @@ def rescale_v_row(geo: CacheGeometry, tables: BlockScaleTables, tile_base, tile,
     rescales V's bytes of half of row ``thread // 2`` of block tile ``tile`` (at shared address ``tile_base``)
     in place to the row's scale 2^E: each nope group's (``rescale_nope``) and, V4, the RoPE's hi term (its
     scale 2^e <= 2^E). The PV products read them after the block's ``p_full``."""
-    row = thread >> 1
-    chunks = [(thread & 1) * 2 + k for k in range(2)]
+    row, chunks = row_and_chunks(thread)
     entry = (tile * 64 + row) * 4
     exponent = Int32(ptx.ld_shared_u32(tables.row_scale + entry) >> Uint32(23)) - 127
     rescale_nope(geo, tables, tile_base, tile, row, chunks, exponent)
