@@ -11,7 +11,8 @@
 - **Decode** (``decode_rows``): batch x (1-4 queries) of 64k-token requests, each query attending topk slots
   of its own request (10% -1), timed as decode runs: CUDA-graph replay, warm L2. Arms: the paged call, the
   kernel on the selected rows already gathered (``kernel``), and the gather of the selected rows + kernel
-  (``ws``). V3.2 (h 128, 64, 16) and V4 / MODEL1 rows (h 128, 64, 16), topk 2048 and 512.
+  (``ws``). V3.2 (h 128, 64, 16), V4 / MODEL1 and V4.1 rows (h 128, 64, 32, 16), topk 512 to 2048; V4 and
+  V4.1 rows of one seed hold the same tokens.
 - **Precisions** (``precision_rows``): against float64 on the exactly dequantised cache (V3.2 and V4),
   with rows whose largest logit is 20-30: ``||out - ref|| / ||ref||`` and the worst relative error (with its
   sign) of max_logits and lse, for every precision, the paged call and the workspace path, 64 heads (tiles
@@ -61,15 +62,24 @@ DECODE_SHAPES = [
     ("model1", 64, 1, 128, 512),
     ("model1", 64, 1, 64, 512),
     ("model1", 128, 1, 16, 512),
+    ("model1", 64, 1, 64, 1152),
+    ("v41", 64, 1, 128, 512),
+    ("v41", 64, 1, 64, 512),
+    ("v41", 128, 1, 16, 512),
+    ("v41", 64, 1, 64, 1152),
+    ("v41", 8, 1, 64, 1152),
+    ("v41", 128, 1, 32, 2048),
 ]
 DECODE_CONTEXT = 65536
 LAYER_HOST_CALLS = 50  # a layer call's host time: this many calls issued without a sync
-LAYOUTS = {"v32": (576, 656, 128, 4), "model1": (512, 584, 64, 7)}  # d_qk, bytes a token, group, groups
+# d_qk, bytes a token, values a scale group, scale groups (V3.2 and V4: of the nope; V4.1: of all 512 values)
+LAYOUTS = {"v32": (576, 656, 128, 4), "model1": (512, 584, 64, 7), "v41": (512, 528, 32, 16)}
 
 
 def make_cache(num_slots: int, layout: str, std: float = 0.5, device="cuda") -> torch.Tensor:
     """``[num_pages, 64, 1, bytes_per_token]`` uint8: normal(0, std) tokens quantised with power-of-two
-    scales per scale group (FlashMLA's V3.2 quantiser, V4's UE8M0), RoPE in bf16."""
+    scales per scale group (FlashMLA's V3.2 quantiser, V4's and V4.1's UE8M0), RoPE in bf16 (V3.2, V4) or
+    e4m3 like the rest (V4.1). The same seed gives V4 and V4.1 caches of the same tokens."""
     d_qk, token_bytes, group, groups = LAYOUTS[layout]
     num_pages = -(-num_slots // PAGE_SIZE)
     page_bytes = PAGE_SIZE * token_bytes
@@ -80,13 +90,17 @@ def make_cache(num_slots: int, layout: str, std: float = 0.5, device="cuda") -> 
     for first in range(0, num_pages, step):
         count = min(step, num_pages - first)
         x = torch.randn(count * PAGE_SIZE, d_qk, device=device) * std
-        d_nope = d_qk - 64
+        d_nope = d_qk if layout == "v41" else d_qk - 64
         tiles = x[:, :d_nope].reshape(-1, groups, group)
         scales = torch.exp2(torch.ceil(torch.log2(tiles.abs().amax(dim=-1).clamp_min(1e-4) / 448.0)))
         nope = (tiles / scales[..., None]).to(torch.float8_e4m3fn).view(torch.uint8).reshape(-1, d_nope)
         rope = x[:, d_nope:].to(torch.bfloat16).contiguous().view(torch.uint8)
         chunk = pages[first : first + count]
-        if layout == "v32":
+        if layout == "v41":
+            data = chunk.view(count * PAGE_SIZE, token_bytes)
+            data[:, :512] = nope
+            data[:, 512:] = (torch.log2(scales).round() + 127).to(torch.uint8)
+        elif layout == "v32":
             data = chunk.view(count * PAGE_SIZE, token_bytes)
             data[:, :512] = nope
             data[:, 512:528] = scales.float().contiguous().view(torch.uint8)
