@@ -11,7 +11,8 @@ import these instead; each is built on q8kv8's own function and keeps SGLang's a
   heads are zero; ``q_scale`` is a 0-d float32 one.
 - ``gather_dequant_requant_fp8_paged(quant_k_cache, page_table_1_flattened, page_size, extra_rows=0,
   out=None)``: ``q8kv8.gather_dequant_requant_fp8_paged`` with the cache layout read from its bytes per
-  token (``paged_kv_layout``), so one call serves DeepSeek V4 (584 bytes per token) and V3.2 (656) caches.
+  token (``paged_kv_layout``), so one call serves DeepSeek V4 (584 bytes per token), V3.2 (656) and V4.1
+  (528; its FP4 extra cache 288) caches.
 
 ``sparse_mla_q8kv8_prefill_fwd`` itself is re-exported unchanged: its argument errors are ValueErrors
 (a wrong type or dtype raises ``q8kv8.InputTypeError``, both a TypeError and a ValueError) whose messages
@@ -26,7 +27,7 @@ import torch
 
 from q8kv8.api import sparse_mla_q8kv8_prefill_fwd
 from q8kv8.contract import InputTypeError
-from q8kv8.kv_layout import LAYOUT_BY_BYTES_PER_TOKEN, MODEL1, V32, KvCacheLayout
+from q8kv8.kv_layout import LAYOUT_BY_BYTES_PER_TOKEN, MODEL1, V32, V41, V41_FP4, KvCacheLayout
 from q8kv8.metadata import E4M3_MAX, HEAD_ALIGNMENT, padded_num_heads
 from q8kv8.paged_gather import gather_dequant_requant_fp8_paged as _gather
 from q8kv8.query import cast_q_fp8
@@ -100,18 +101,23 @@ def cast_q_fp8_for_q8kv8_prefill(
     return out, q_scale
 
 
+# the layouts whose token records lie back to back (no page-level scale region or padding)
+_RECORD_LAYOUTS = frozenset(layout.bytes_per_token for layout in (V32, V41, V41_FP4))
+
+
 def paged_kv_layout(cache: torch.Tensor, page_size: int) -> tuple[torch.Tensor, int, KvCacheLayout]:
     """``(pages, page_size, layout)`` for ``q8kv8.gather_dequant_requant_fp8_paged``, read from the cache's
     bytes per token (any dtype: its bytes are read as uint8):
 
     - ``[num_pages, page_size, 1, bytes_per_token]`` (the FlashMLA / SGLang decode view) or
-      ``[num_tokens, 1, 656]``: the last dim is the bytes per token, 584 (DeepSeek V4) or 656 (V3.2);
+      ``[num_tokens, 1, bytes_per_token]``: the last dim is the bytes per token, 584 (DeepSeek V4), 656
+      (V3.2), 528 (V4.1) or 288 (V4.1 FP4);
     - ``[num_pages, bytes_per_page]`` (SGLang's V4 pool): ``bytes_per_page // page_size`` bytes per token,
-      584 to 655 for V4 (its pages are padded to a multiple of 576 bytes), 656 for V3.2; a last dim of
-      exactly 656 is V3.2 token records.
+      584 to 655 for V4 (its pages are padded to a multiple of 576 bytes), exactly 656, 528 or 288 for
+      V3.2, V4.1 and V4.1 FP4; a last dim of exactly 656, 528 or 288 is token records.
 
-    V3.2 token records lie back to back, so a V3.2 cache is read as one record per slot (page size 1)
-    whenever its records are contiguous."""
+    V3.2's and V4.1's token records lie back to back, so such a cache is read as one record per slot (page
+    size 1) whenever its records are contiguous."""
     if not isinstance(cache, torch.Tensor):
         raise InputTypeError(f"quant_k_cache must be a torch.Tensor, got {type(cache).__name__}")
     if isinstance(page_size, bool) or not isinstance(page_size, numbers.Integral) or page_size < 1:
@@ -127,26 +133,27 @@ def paged_kv_layout(cache: torch.Tensor, page_size: int) -> tuple[torch.Tensor, 
                 f"quant_k_cache: a [num_pages, page_size, 1, 584] cache needs shape[1] == page_size "
                 f"({page_size}), got shape {tuple(cache.shape)}"
             )
-    elif raw.dim() == 2 and last == V32.bytes_per_token:
-        layout = V32
+    elif raw.dim() == 2 and last in _RECORD_LAYOUTS:
+        layout = LAYOUT_BY_BYTES_PER_TOKEN[last]
     elif raw.dim() == 2:
         bytes_per_token = last // page_size
         if MODEL1.bytes_per_token <= bytes_per_token < V32.bytes_per_token:
             layout = MODEL1
-        elif bytes_per_token == V32.bytes_per_token:
-            layout = V32
+        elif bytes_per_token in _RECORD_LAYOUTS and last == bytes_per_token * page_size:
+            layout = LAYOUT_BY_BYTES_PER_TOKEN[bytes_per_token]
         else:
             raise ValueError(
                 f"quant_k_cache: {last} bytes per page for page_size {page_size} is {bytes_per_token} bytes "
-                f"per token; expected 584-655 (DeepSeek V4) or 656 (V3.2)"
+                f"per token; expected 584-655 (DeepSeek V4), 656 (V3.2), 528 (V4.1) or 288 (V4.1 FP4)"
             )
     else:
         raise ValueError(
             f"quant_k_cache: expected [num_pages, page_size, 1, bytes_per_token] with bytes_per_token 584 "
-            f"(DeepSeek V4) or 656 (V3.2), or [num_pages, bytes_per_page], got shape {tuple(cache.shape)}"
+            f"(DeepSeek V4), 656 (V3.2), 528 (V4.1) or 288 (V4.1 FP4), or [num_pages, bytes_per_page], got "
+            f"shape {tuple(cache.shape)}"
         )
-    if layout is V32 and raw.is_contiguous():
-        return raw.view(-1, V32.bytes_per_token), 1, layout
+    if layout.bytes_per_token in _RECORD_LAYOUTS and raw.is_contiguous():
+        return raw.view(-1, layout.bytes_per_token), 1, layout
     return raw, int(page_size), layout
 
 
@@ -158,7 +165,7 @@ def gather_dequant_requant_fp8_paged(
     out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Gather the slots ``page_table_1_flattened`` ([num_tokens] int32/int64) of a paged FP8 cache into
-    ``[num_tokens + extra_rows, 1, d_qk]`` e4m3 rows with a per-tensor scale of 1.0 (d_qk 512 for a V4
+    ``[num_tokens + extra_rows, 1, d_qk]`` e4m3 rows with a per-tensor scale of 1.0 (d_qk 512 for a V4 or V4.1
     cache, 576 for V3.2; the layout from ``paged_kv_layout``); ``extra_rows`` zero rows follow. ``out``: an
     optional contiguous buffer of that shape, fully written. A slot outside the cache gives a zero row and
     is never read. One kernel on the GPU, no host sync (``q8kv8.gather_dequant_requant_fp8_paged``)."""

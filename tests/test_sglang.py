@@ -13,7 +13,7 @@ from paged_cache import random_bytes_cache, same_bits, to_device
 
 import q8kv8
 from q8kv8 import sglang
-from q8kv8.kv_layout import MODEL1, V32
+from q8kv8.kv_layout import MODEL1, V32, V41, V41_FP4
 from q8kv8.reference import gather_dequant_paged_reference
 
 E4M3 = torch.float8_e4m3fn
@@ -108,10 +108,26 @@ def test_layout_of_a_pool_of_pages_any_dtype():
     assert sglang.paged_kv_layout(torch.zeros(40, 656, dtype=torch.uint8), 64)[1:] == (1, V32)
 
 
+@pytest.mark.parametrize("layout", [V41, V41_FP4], ids=lambda layout: layout.name)
+def test_layout_of_v41_caches_read_as_token_records(layout):
+    bytes_per_token = layout.bytes_per_token
+    view = torch.zeros(3, 64, 1, bytes_per_token, dtype=torch.uint8)
+    pages, page_size, found = sglang.paged_kv_layout(view.view(E4M3), 64)
+    assert found is layout and page_size == 1 and pages.shape == (192, bytes_per_token)
+    assert pages.dtype == torch.uint8
+    pool = torch.zeros(4, 64 * bytes_per_token // 2, dtype=torch.bfloat16)
+    assert sglang.paged_kv_layout(pool, 64)[1:] == (1, layout)
+    assert sglang.paged_kv_layout(torch.zeros(40, bytes_per_token, dtype=torch.uint8), 64)[1:] == (1, layout)
+    strided = torch.zeros(3, 64, 1, bytes_per_token + 16, dtype=torch.uint8)[..., :bytes_per_token]
+    pages, page_size, found = sglang.paged_kv_layout(strided, 64)
+    assert found is layout and page_size == 64 and pages.shape == strided.shape
+
+
 @pytest.mark.parametrize(
     ("cache", "page_size", "message"),
     [
         (torch.zeros(4, 64 * 500, dtype=torch.uint8), 64, "500 bytes per token"),
+        (torch.zeros(4, 64 * 528 + 64, dtype=torch.uint8), 64, "529 bytes per token"),
         (torch.zeros(4, 64, 1, 600, dtype=torch.uint8), 64, "bytes_per_token 584"),
         (torch.zeros(4, 32, 1, 584, dtype=torch.uint8), 64, r"shape\[1\] == page_size"),
         (torch.zeros(100, dtype=torch.uint8), 64, "at least 2-D"),
