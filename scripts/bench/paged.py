@@ -13,7 +13,7 @@
   kernel on the selected rows already gathered (``kernel``), and the gather of the selected rows + kernel
   (``ws``). V3.2 (h 128, 64, 16), V4 / MODEL1 and V4.1 rows (h 128, 64, 32, 16), topk 512 to 2048; V4 and
   V4.1 rows of one seed hold the same tokens.
-- **Precisions** (``precision_rows``): against float64 on the exactly dequantised cache (V3.2 and V4),
+- **Precisions** (``precision_rows``): against float64 on the exactly dequantised cache (V3.2, V4, V4.1),
   with rows whose largest logit is 20-30: ``||out - ref|| / ||ref||`` and the worst relative error (with its
   sign) of max_logits and lse, for every precision, the paged call and the workspace path, 64 heads (tiles
   of 64) and 16 (the small-head kernel).
@@ -292,15 +292,15 @@ def decode_row(layout: str, batch: int, queries: int, h: int, topk: int) -> dict
 def precision_rows() -> list[dict]:
     """Errors against float64 on the dequantised cache, rows with a dominant logit of 20-30."""
     print(
-        "\nprecisions against float64 (paged V3.2 and V4 caches, topk 2048, a dominant logit of 20-30 per "
-        "row): out rel err; max_logits / lse: worst relative error, signed"
+        "\nprecisions against float64 (paged V3.2, V4 and V4.1 caches, topk 2048, a dominant logit of 20-30 "
+        "per row): out rel err; max_logits / lse: worst relative error, signed"
     )
     print(
         f"{'layout':>6s} {'h':>3s} {'path':>9s} {'precision':>15s} | {'out':>8s} | {'max_logits':>10s} | "
         f"{'lse':>10s}"
     )
     rows = []
-    for layout in ("v32", "model1"):
+    for layout in ("v32", "model1", "v41"):
         cache = make_cache(32768, layout)
         all_slots = torch.arange(32768, device="cuda", dtype=torch.int32)
         kv = gather_dequant_paged(cache, all_slots, PAGE_SIZE, layout)
