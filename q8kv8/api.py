@@ -117,10 +117,10 @@ def sparse_mla_q8kv8_paged_fwd(
 
     Args:
         q: [s_q, h_q, d_qk] bfloat16 (quantised per row by the kernel, ``q_scale=None``) or float8_e4m3fn with
-            its ``q_scale``; d_qk the cache's (576: V3.2, 512: V4 / MODEL1).
+            its ``q_scale``; d_qk the cache's (576: V3.2, 512: V4 / MODEL1 and V4.1).
         cache: [num_pages, page_size, 1, bytes_per_token] uint8 or float8_e4m3fn: DeepSeek V3.2's layout (656
-            bytes a token) or V4's (584; ``q8kv8.kv_layout``), page_size a power of two, page stride
-            ``cache.stride(0)`` bytes (16-byte aligned, like the base).
+            bytes a token), V4's (584) or V4.1's (528; ``q8kv8.kv_layout``), page_size a power of two, page
+            stride ``cache.stride(0)`` bytes (16-byte aligned, like the base).
         indices: [s_q, 1, topk] int32 token slots (page * page_size + position), topk a positive multiple of
             128; a slot outside ``[0, num_pages * page_size)`` is ignored and never read.
         sm_scale, q_scale, d_v, attn_sink, topk_length, out, max_logits, lse, precision: as in

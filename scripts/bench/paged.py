@@ -13,6 +13,9 @@
   kernel on the selected rows already gathered (``kernel``), and the gather of the selected rows + kernel
   (``ws``). V3.2 (h 128, 64, 16), V4 / MODEL1 and V4.1 rows (h 128, 64, 32, 16), topk 512 to 2048; V4 and
   V4.1 rows of one seed hold the same tokens.
+- **Extra cache** (``extra_rows``): decode with a second cache in the same softmax (V4.1's FP4 cache next
+  to its main cache, or two caches of one layout, as V4's compressed and SWA rows): both against the main
+  cache alone.
 - **Precisions** (``precision_rows``): against float64 on the exactly dequantised cache (V3.2, V4, V4.1),
   with rows whose largest logit is 20-30: ``||out - ref|| / ||ref||`` and the worst relative error (with its
   sign) of max_logits and lse, for every precision, the paged call and the workspace path, 64 heads (tiles
@@ -71,6 +74,15 @@ DECODE_SHAPES = [
     ("v41", 128, 1, 32, 2048),
 ]
 DECODE_CONTEXT = 65536
+# (main layout, extra layout, batch, h, topk, extra topk): one query a request
+EXTRA_SHAPES = [
+    ("v41", "v41_fp4", 64, 64, 512, 128),
+    ("v41", "v41_fp4", 64, 64, 1024, 512),
+    ("v41", "v41", 64, 64, 512, 128),
+    ("model1", "model1", 64, 64, 512, 128),
+    ("v41", "v41_fp4", 128, 16, 512, 128),
+]
+EXTRA_CONTEXT = 8192
 LAYER_HOST_CALLS = 50  # a layer call's host time: this many calls issued without a sync
 # d_qk, bytes a token, values a scale group, scale groups (V3.2 and V4: of the nope; V4.1: of all 512 values)
 LAYOUTS = {"v32": (576, 656, 128, 4), "model1": (512, 584, 64, 7), "v41": (512, 528, 32, 16)}
@@ -349,10 +361,69 @@ def precision_rows_of(
     return results
 
 
+def fp4_cache(num_slots: int, device="cuda") -> torch.Tensor:
+    """A V4.1 FP4 cache (``[num_pages, 64, 1, 288]``) of random e2m1 values (every code) times random e4m3
+    scales of 0.05-0.15 per 16 values: values of about the main caches' magnitude."""
+    tokens = -(-num_slots // PAGE_SIZE) * PAGE_SIZE
+    values = torch.randint(0, 256, (tokens, 256), dtype=torch.uint8, device=device)
+    scales = (0.05 + 0.1 * torch.rand(tokens, 32, device=device)).to(torch.float8_e4m3fn).view(torch.uint8)
+    return torch.cat([values, scales], dim=1).view(-1, PAGE_SIZE, 1, 288)
+
+
+def extra_rows() -> list[dict]:
+    """Decode with an extra cache in the same softmax (V4.1's FP4 cache, or a second cache of the main
+    cache's layout, as V4's SWA rows beside its compressed ones): the call with both caches against the main
+    cache alone."""
+    print(
+        f"\npaged cache with an extra cache, decode ({DECODE_CONTEXT}-token requests, extra caches of "
+        f"{EXTRA_CONTEXT} tokens a request, CUDA-graph replay): ms; main: the main cache alone; +extra: both "
+        "caches in one softmax; err: out vs float64 (default)"
+    )
+    print(
+        f"{'layout':>6s} {'extra':>7s} {'batch':>5s} {'h':>4s} {'topk':>5s} {'extra':>5s} | {'main':>7s} "
+        f"{'+extra':>7s} {'x':>5s} | {'err':>8s}"
+    )
+    rows = []
+    for shape in EXTRA_SHAPES:
+        row = extra_row(*shape)
+        print(
+            f"{row['layout']:>6s} {row['extra_layout']:>7s} {row['batch']:5d} {row['h']:4d} {row['topk']:5d} "
+            f"{row['extra_topk']:5d} | {row['main']:7.4f} {row['extra']:7.4f} "
+            f"{row['extra'] / row['main']:5.2f} | {row['out_error']:8.2e}",
+            flush=True,
+        )
+        rows.append(row)
+        torch.cuda.empty_cache()
+    return rows
+
+
+def extra_row(layout: str, extra_layout: str, batch: int, h: int, topk: int, extra_topk: int) -> dict:
+    inputs = decode_inputs(layout, batch, 1, h, topk)
+    q, cache, slots, sm_scale = inputs["q"], inputs["cache"], inputs["indices"], inputs["sm_scale"]
+    num_slots = batch * EXTRA_CONTEXT
+    extra = fp4_cache(num_slots) if extra_layout == "v41_fp4" else make_cache(num_slots, extra_layout)
+    request = torch.arange(batch, device="cuda", dtype=torch.int32)[:, None] * EXTRA_CONTEXT
+    extra_slots = (random_indices(batch, EXTRA_CONTEXT, extra_topk, "cuda") + request)[
+        :, None, :
+    ].contiguous()
+    both = {"extra_cache": extra, "extra_indices": extra_slots}
+    row = {"layout": layout, "extra_layout": extra_layout, "batch": batch, "h": h, "topk": topk}
+    row["extra_topk"] = extra_topk
+    row["main"] = graph_ms(lambda: sparse_mla_q8kv8_paged_fwd(q, cache, slots, sm_scale))
+    row["extra"] = graph_ms(lambda: sparse_mla_q8kv8_paged_fwd(q, cache, slots, sm_scale, **both))
+    check = slice(0, min(batch, 16))
+    checked = {"extra_cache": extra, "extra_indices": extra_slots[check]}
+    got = sparse_mla_q8kv8_paged_fwd(q[check], cache, slots[check], sm_scale, **checked)
+    ref = sparse_mla_paged_reference(q[check], cache, slots[check], sm_scale, None, chunk_rows=4, **checked)
+    row["out_error"] = ((got[0].double() - ref[0]).norm() / ref[0].norm()).item()
+    return row
+
+
 def run(rep_ms: int = 40, full: bool = False) -> dict:
     return {
         "prefill": prefill_rows(rep_ms, full),
         "decode": decode_rows(),
+        "extra": extra_rows(),
         "precisions": precision_rows(),
     }
 
