@@ -12,8 +12,9 @@ import cuda_tools
 import pytest
 from variant_subset import cases
 
-from cute_kernels.interface import PRECISIONS
-from cute_kernels.sm90 import paged_rows, sparse_prefill
+from cute_kernels.interface import PRECISIONS, SPLIT_PARTS
+from cute_kernels.sm90 import fp8_tile, paged_rows, sparse_prefill, split_merge
+from cute_kernels.sm90.cta import B_H
 from q8kv8 import build, disk_cache, kernels
 from q8kv8.schedule import ONE_TILE, PERSISTENT, SPLIT
 from scripts.tools import ptx_manifest
@@ -241,29 +242,27 @@ def test_split_ptx_runs_the_one_tile_math_and_merges_in_the_cluster(variants, d_
     assert "griddepcontrol.wait" in split and "griddepcontrol.launch_dependents" not in split
 
 
-@pytest.mark.parametrize("splits", sparse_prefill.SPLIT_PARTS)
+@pytest.mark.parametrize("splits", SPLIT_PARTS)
 def test_split_merge_slots_are_distinct_and_fit_in_the_kv_tiles(splits):
     """The split merge's layout in a part's KV tiles: every d tile of O^T has one owner; the fragments an
     owner receives (from every other part, and with 8 parts its own too) take distinct slots, exactly
     ``fragments_received`` of them; the statistics and the weights after them fit in the smallest KV tiles."""
-    tiles_per_consumer = sparse_prefill.D_TILES_PER_CONSUMER
+    tiles_per_consumer = fp8_tile.D_TILES_PER_CONSUMER
     owners = {
-        (c, mt): sparse_prefill.d_tile_owner(splits, mt, c)
-        for c in (0, 1)
-        for mt in range(tiles_per_consumer)
+        (c, mt): split_merge.d_tile_owner(splits, mt, c) for c in (0, 1) for mt in range(tiles_per_consumer)
     }
     assert sorted(owners.values()) == sorted(p for p in range(splits) for _ in range(8 // splits))
     received = {owner: [] for owner in range(splits)}
     for sender in range(splits):
         for (c, mt), owner in owners.items():
             if splits > tiles_per_consumer or owner != sender:
-                received[owner].append(sparse_prefill.fragment_slot(splits, sender, owner, c, mt))
-    count = sparse_prefill.fragments_received(splits)
+                received[owner].append(split_merge.fragment_slot(splits, sender, owner, c, mt))
+    count = split_merge.fragments_received(splits)
     for slots in received.values():
         assert sorted(slots) == list(range(count)), slots
-    assert count * sparse_prefill.FRAGMENT_BYTES <= sparse_prefill.SPLIT_STATS_OFFSET
-    end = sparse_prefill.SPLIT_WEIGHTS_OFFSET + sparse_prefill.B_H * sparse_prefill.SPLIT_WEIGHTS_ROW_BYTES
-    assert end <= sparse_prefill.NUM_KV_TILES * sparse_prefill.B_TOPK * 512  # d_qk 512's KV tiles
+    assert count * split_merge.FRAGMENT_BYTES <= split_merge.SPLIT_STATS_OFFSET
+    end = split_merge.SPLIT_WEIGHTS_OFFSET + B_H * split_merge.SPLIT_WEIGHTS_ROW_BYTES
+    assert end <= fp8_tile.NUM_KV_TILES * fp8_tile.B_TOPK * 512  # d_qk 512's KV tiles
 
 
 SMALL_HEAD_KEYS = [
