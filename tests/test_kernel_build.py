@@ -13,7 +13,7 @@ import pytest
 from variant_subset import cases
 
 from cute_kernels.interface import PRECISIONS, SPLIT_PARTS
-from cute_kernels.sm90 import fp8_tile, paged_rows, sparse_prefill, split_merge
+from cute_kernels.sm90 import fp8_tile, paged_rows, qk_products, sparse_prefill, split_merge
 from cute_kernels.sm90.cta import B_H
 from q8kv8 import build, disk_cache, kernels
 from q8kv8.schedule import ONE_TILE, PERSISTENT, SPLIT
@@ -99,7 +99,7 @@ def assert_same_math_instructions(ptx: str, one_tile_ptx: str) -> None:
 def promoted_qk_wgmmas(d_qk: int) -> int:
     """The WGMMA instructions of S (or of one N = 32 half) summed in float32 (``qk_promoted``): its first
     group, the loop's group, and the last, shorter group when the group size does not divide d_qk / 32."""
-    group = sparse_prefill.QK_PROMOTION_KSTEPS
+    group = qk_products.QK_PROMOTION_KSTEPS
     return 2 * group + d_qk // 32 % group
 
 
@@ -363,14 +363,14 @@ def test_paged_variants_gather_pages_and_sum_scale_groups(layout, precision, kin
     geometry = paged_rows.cache_geometry(layout)
     chunk = geometry.group_ksteps
     if promoted(precision):
-        chunk = min(chunk, sparse_prefill.PAGED_ACCURATE_CHUNK_KSTEPS)
+        chunk = min(chunk, qk_products.PAGED_ACCURATE_CHUNK_KSTEPS)
     wgmma = re.findall(r"wgmma\.mma_async\.sync\.aligned\.m64n(\d+)k32\.f32\.e4m3\.e4m3", ptx)
     pv = (16 + 8 + 8) * p_terms(precision)  # a pair of blocks and a single one, per d tile
     rope_lo = 2 if geometry.rope_column is not None else 0  # a bf16 RoPE's lo terms
     if rows_rescaled(layout, precision) and promoted(precision):
         # V4.1: qk_promoted, its first group and its loop's (64 heads: per N = 32 half)
         halves = 2 if heads == 64 else 1
-        qk = [str(32 if heads == 64 else heads)] * (halves * 2 * sparse_prefill.ROW_SCALED_PROMOTION_KSTEPS)
+        qk = [str(32 if heads == 64 else heads)] * (halves * 2 * qk_products.ROW_SCALED_PROMOTION_KSTEPS)
         assert sorted(wgmma) == sorted(qk + [str(heads)] * pv)
     elif rows_rescaled(layout, precision):
         assert wgmma == [str(heads)] * (PAGED_D_QK[layout] // 32 + rope_lo + pv)
