@@ -22,6 +22,7 @@ aligned; topk_length clamped to [0, topk].
 """
 
 import functools
+from typing import NamedTuple
 
 import cutlass
 import cutlass.cute as cute
@@ -109,6 +110,40 @@ def consumer_steps(num_blocks, consumer):
     [0, num_blocks): every block exactly once, in order. Works on Python ints and DSL Int32
     (both operands are >= 0, so the division rounds the same way)."""
     return (num_blocks - consumer) // 2 + 1
+
+
+class ConsumerInputs(NamedTuple):
+    """What the kernel hands its consumer warpgroups (``SparsePrefillSm90.consume``): the CTA's shared tiles,
+    tables and barriers, the launch's tensors and values, and the CTA's tiles."""
+
+    sQ: cute.Tensor
+    sK: cute.Tensor
+    sP: cute.Tensor
+    sLo: cute.Tensor  # paged: the RoPE staging tiles (None otherwise)
+    smem_stats: tuple  # max_used, alpha, moved, row_sum, out_scale, max_true, max_own (see Consumer)
+    s_valid_words: cute.Tensor  # small heads: the gathered slots' validity (None otherwise)
+    mIdx: cute.Tensor
+    mKV: cute.Tensor
+    mSink: cute.Tensor
+    mQ: cute.Tensor  # bf16 q: the q row view
+    q_row_scale: cute.Tensor  # bf16 q: the Q tile's row scales
+    mQScale: cute.Tensor
+    mKVScale: cute.Tensor
+    mOut: cute.Tensor
+    mMaxLogits: cute.Tensor
+    mLse: cute.Tensor
+    mbar_q: cute.Pointer
+    mbar_q_empty: cute.Pointer
+    mbar_kv_full: cute.Pointer
+    mbar_kv_empty: cute.Pointer
+    mbar_p_full: cute.Pointer
+    handover: tuple  # persistent: mbar_stats_full, mbar_tile_done (else None, None)
+    merge_barriers: tuple  # split: mbar_merge_full, mbar_peers_free (else None, None)
+    sm_scale_log2: Float32
+    flags: Int32
+    tiles: object  # the CTA's tiles (TileScheduler.cta_tiles)
+    small_tables: tuple  # small heads: column_max, head_sum, column_max_shifted (else empty)
+    tables: BlockScaleTables  # paged: the block tiles' scale tables (None otherwise)
 
 
 class SparsePrefillSm90(Producer, QkProducts, SoftmaxP, PvProduct, TileEpilogue, SplitMerge, AttentionKernel):
@@ -453,34 +488,36 @@ class SparsePrefillSm90(Producer, QkProducts, SoftmaxP, PvProduct, TileEpilogue,
                 )
             self.consume(
                 consumer,
-                sQ,
-                sK,
-                sP,
-                sLo,
-                smem_stats,
-                s_valid_words,
-                mIdx,
-                mKV,
-                mSink,
-                mQ_tma,
-                storage.q_row_scale.get_tensor(cute.make_layout(B_H)),
-                mQScale,
-                mKVScale,
-                mOut,
-                mMaxLogits,
-                mLse,
-                mbar_q,
-                mbar_q_empty,
-                mbar_kv_full,
-                mbar_kv_empty,
-                mbar_p_full,
-                handover,
-                merge_barriers,
-                sm_scale_log2,
-                flags,
-                tiles,
-                small_tables,
-                tables,
+                ConsumerInputs(
+                    sQ=sQ,
+                    sK=sK,
+                    sP=sP,
+                    sLo=sLo,
+                    smem_stats=smem_stats,
+                    s_valid_words=s_valid_words,
+                    mIdx=mIdx,
+                    mKV=mKV,
+                    mSink=mSink,
+                    mQ=mQ_tma,
+                    q_row_scale=storage.q_row_scale.get_tensor(cute.make_layout(B_H)),
+                    mQScale=mQScale,
+                    mKVScale=mKVScale,
+                    mOut=mOut,
+                    mMaxLogits=mMaxLogits,
+                    mLse=mLse,
+                    mbar_q=mbar_q,
+                    mbar_q_empty=mbar_q_empty,
+                    mbar_kv_full=mbar_kv_full,
+                    mbar_kv_empty=mbar_kv_empty,
+                    mbar_p_full=mbar_p_full,
+                    handover=handover,
+                    merge_barriers=merge_barriers,
+                    sm_scale_log2=sm_scale_log2,
+                    flags=flags,
+                    tiles=tiles,
+                    small_tables=small_tables,
+                    tables=tables,
+                ),
             )
             # A split tail ends after the one-tile launch before it. (Here, not after the branches: the
             # producer's warps run on fewer registers than the code after the join would use.)
@@ -526,41 +563,10 @@ class SparsePrefillSm90(Producer, QkProducts, SoftmaxP, PvProduct, TileEpilogue,
 
     # ------------------------------------------------------------------------------------
     @cute.jit
-    def consume(
-        self,
-        consumer,
-        sQ,
-        sK,
-        sP,
-        sLo,
-        smem_stats,
-        s_valid_words,
-        mIdx,
-        mKV,
-        mSink,
-        mQ,
-        q_row_scale,
-        mQScale,
-        mKVScale,
-        mOut,
-        mMaxLogits,
-        mLse,
-        mbar_q,
-        mbar_q_empty,
-        mbar_kv_full,
-        mbar_kv_empty,
-        mbar_p_full,
-        handover,
-        merge_barriers,
-        sm_scale_log2,
-        flags,
-        tiles,
-        small_tables,
-        tables,
-    ):
+    def consume(self, consumer, cta: ConsumerInputs):
         """WG1/WG2: S and P of own blocks c, c + 2, ..., O^T for half c of d_v over every block (bf16 q:
         first the tile's Q, see ``load_q_bf16``; small heads: S^T and P^T)."""
-        e4m3 = sQ.element_type
+        e4m3 = cta.sQ.element_type
         wtid = cute.arch.thread_idx()[0] % THREADS_PER_WG  # thread index inside the warpgroup
         lane = cute.arch.lane_idx()
 
@@ -591,25 +597,25 @@ class SparsePrefillSm90(Producer, QkProducts, SoftmaxP, PvProduct, TileEpilogue,
         thr_mma_qk = tiled_mma_qk.get_slice(wtid)
         thr_mma_pv = tiled_mma_pv.get_slice(wtid)
         if const_expr(self.small):
-            tSrK = tiled_mma_qk.make_fragment_A(thr_mma_qk.partition_A(sK))  # (MMA, 1, d_qk/32, tile)
-            tSrQ = tiled_mma_qk.make_fragment_B(thr_mma_qk.partition_B(sQ))  # (MMA, 1, d_qk/32)
+            tSrK = tiled_mma_qk.make_fragment_A(thr_mma_qk.partition_A(cta.sK))  # (MMA, 1, d_qk/32, tile)
+            tSrQ = tiled_mma_qk.make_fragment_B(thr_mma_qk.partition_B(cta.sQ))  # (MMA, 1, d_qk/32)
         else:
-            tSrQ = tiled_mma_qk.make_fragment_A(thr_mma_qk.partition_A(sQ))  # (MMA, 1, d_qk/32)
-            tSrK = tiled_mma_qk.make_fragment_B(thr_mma_qk.partition_B(sK))  # (MMA, 1, d_qk/32, tile)
-        tOrP = tiled_mma_pv.make_fragment_B(thr_mma_pv.partition_B(sP))  # (MMA, 1, 2, term * 4 + buffer)
+            tSrQ = tiled_mma_qk.make_fragment_A(thr_mma_qk.partition_A(cta.sQ))  # (MMA, 1, d_qk/32)
+            tSrK = tiled_mma_qk.make_fragment_B(thr_mma_qk.partition_B(cta.sK))  # (MMA, 1, d_qk/32, tile)
+        tOrP = tiled_mma_pv.make_fragment_B(thr_mma_pv.partition_B(cta.sP))  # (MMA, 1, 2, term * 4 + buffer)
         acc_s = cute.make_rmem_tensor(thr_mma_qk.partition_shape_C(s_tile), Float32)
         rope_lo = None
         if const_expr(self.row_scaled and self.bf16_rope):  # S whole: the RoPE lo terms (small heads A, or B)
             if const_expr(self.small):
-                rope_lo = tiled_mma_qk.make_fragment_A(thr_mma_qk.partition_A(sLo))
+                rope_lo = tiled_mma_qk.make_fragment_A(thr_mma_qk.partition_A(cta.sLo))
             else:
-                rope_lo = tiled_mma_qk.make_fragment_B(thr_mma_qk.partition_B(sLo))
+                rope_lo = tiled_mma_qk.make_fragment_B(thr_mma_qk.partition_B(cta.sLo))
         qk_chunks = None
         if const_expr(self.qk_in_groups):
             if const_expr(self.small):  # S^T is small: a chunk accumulator its shape
                 lo_fragments = None
                 if const_expr(self.bf16_rope):  # the RoPE lo terms (A operands, as the block tiles)
-                    lo_fragments = tiled_mma_qk.make_fragment_A(thr_mma_qk.partition_A(sLo))
+                    lo_fragments = tiled_mma_qk.make_fragment_A(thr_mma_qk.partition_A(cta.sLo))
                 qk_chunks = (
                     None,
                     None,
@@ -628,11 +634,12 @@ class SparsePrefillSm90(Producer, QkProducts, SoftmaxP, PvProduct, TileEpilogue,
                 half_mmas[1].set(warpgroup.Field.ACCUMULATE, False)
                 thr_half = half_mmas[0].get_slice(wtid)
                 k_half_tile = (B_TOPK // 2, self.d_qk, NUM_KV_TILES)
-                k_halves = [cute.local_tile(sK, k_half_tile, (h, 0, 0)) for h in range(2)]
+                k_halves = [cute.local_tile(cta.sK, k_half_tile, (h, 0, 0)) for h in range(2)]
                 lo_fragments = None
                 if const_expr(self.bf16_rope):  # the RoPE lo terms, in the P tiles of the second term
                     lo_halves = [
-                        cute.local_tile(sLo, (B_TOPK // 2, B_TOPK, NUM_KV_TILES), (h, 0, 0)) for h in range(2)
+                        cute.local_tile(cta.sLo, (B_TOPK // 2, B_TOPK, NUM_KV_TILES), (h, 0, 0))
+                        for h in range(2)
                     ]
                     lo_fragments = [
                         half_mmas[0].make_fragment_B(thr_half.partition_B(lo)) for lo in lo_halves
@@ -656,7 +663,7 @@ class SparsePrefillSm90(Producer, QkProducts, SoftmaxP, PvProduct, TileEpilogue,
         if const_expr(not self.persistent and not self.q_bf16):
             self.reset_tile_state(*tile_state)
 
-        s_max_used, s_alpha, s_moved, s_row_sum, s_out_scale, s_max_true, s_max_own = smem_stats
+        s_max_used, s_alpha, s_moved, s_row_sum, s_out_scale, s_max_true, s_max_own = cta.smem_stats
         c = Consumer(
             index=consumer,
             warp=wtid // 32,
@@ -683,45 +690,48 @@ class SparsePrefillSm90(Producer, QkProducts, SoftmaxP, PvProduct, TileEpilogue,
             s_row_sum=s_row_sum,
             s_max_own=s_max_own,
             s_out_scale=s_out_scale,
-            sK_base=sK.iterator.toint(),
-            sP_base=sP.iterator.toint(),
-            mbar_kv_full=mbar_kv_full,
-            mbar_kv_empty=mbar_kv_empty,
-            mbar_p_full=mbar_p_full,
-            mbar_stats_full=handover[0],
-            mbar_tile_done=handover[1],
-            mbar_merge_full=merge_barriers[0],
-            mbar_peers_free=merge_barriers[1],
-            mIdx=mIdx,
-            s_kv=cute.size(mKV, mode=[0])
-            * (1 if const_expr(self.cache is None) else cute.size(mKV, mode=[1])),
-            s_valid_slots=cute.recast_tensor(s_valid_words, Uint64) if const_expr(self.small) else None,
+            sK_base=cta.sK.iterator.toint(),
+            sP_base=cta.sP.iterator.toint(),
+            mbar_kv_full=cta.mbar_kv_full,
+            mbar_kv_empty=cta.mbar_kv_empty,
+            mbar_p_full=cta.mbar_p_full,
+            mbar_stats_full=cta.handover[0],
+            mbar_tile_done=cta.handover[1],
+            mbar_merge_full=cta.merge_barriers[0],
+            mbar_peers_free=cta.merge_barriers[1],
+            mIdx=cta.mIdx,
+            s_kv=cute.size(cta.mKV, mode=[0])
+            * (1 if const_expr(self.cache is None) else cute.size(cta.mKV, mode=[1])),
+            s_valid_slots=cute.recast_tensor(cta.s_valid_words, Uint64) if const_expr(self.small) else None,
             # bf16 q: the rows' own scales join in consume_tile
-            scale_log2=(mKVScale[0] if const_expr(self.q_bf16) else mQScale[0] * mKVScale[0]) * sm_scale_log2,
-            s_column_max=small_tables[0] if const_expr(self.small) else None,
-            s_head_sum=small_tables[1] if const_expr(self.small) else None,
-            s_column_max_shifted=small_tables[2] if const_expr(self.small) else None,
+            scale_log2=(cta.mKVScale[0] if const_expr(self.q_bf16) else cta.mQScale[0] * cta.mKVScale[0])
+            * cta.sm_scale_log2,
+            s_column_max=cta.small_tables[0] if const_expr(self.small) else None,
+            s_head_sum=cta.small_tables[1] if const_expr(self.small) else None,
+            s_column_max_shifted=cta.small_tables[2] if const_expr(self.small) else None,
             qk_chunks=qk_chunks,
             rope_lo=rope_lo,
-            tables=tables,
+            tables=cta.tables,
         )
 
-        tile_barriers = (mbar_q, mbar_q_empty)
-        epilogue_args = (mSink, mKVScale, mOut, mMaxLogits, mLse, flags)
-        q_source = (mQ, sQ.iterator.toint(), q_row_scale) if const_expr(self.q_bf16) else None
+        tile_barriers = (cta.mbar_q, cta.mbar_q_empty)
+        epilogue_args = (cta.mSink, cta.mKVScale, cta.mOut, cta.mMaxLogits, cta.mLse, cta.flags)
+        q_source = (cta.mQ, cta.sQ.iterator.toint(), cta.q_row_scale) if const_expr(self.q_bf16) else None
         if const_expr(self.persistent):
             pair_base = Int32(0)  # pairs of the CTA's earlier tiles (the producer counts the same)
-            for tile_iter in cutlass.range(tiles.count, unroll=1):
-                work = self.scheduler.work(tiles, tile_iter, 2 * (pair_base + self.q_pairs))
+            for tile_iter in cutlass.range(cta.tiles.count, unroll=1):
+                work = self.scheduler.work(cta.tiles, tile_iter, 2 * (pair_base + self.q_pairs))
                 if const_expr(self.q_bf16):
-                    self.load_q_bf16(c, work, tiles.heads, tile_iter, q_source, mbar_q, mbar_q_empty)
+                    self.load_q_bf16(
+                        c, work, cta.tiles.heads, tile_iter, q_source, cta.mbar_q, cta.mbar_q_empty
+                    )
                 self.reset_tile_state(*tile_state)
                 self.consume_tile(c._replace(work=work), tile_iter, *tile_barriers, epilogue_args, q_source)
                 pair_base += work.num_pairs + self.q_pairs
         else:
-            work = self.scheduler.work(tiles, 0, 2 * self.q_pairs)
+            work = self.scheduler.work(cta.tiles, 0, 2 * self.q_pairs)
             if const_expr(self.q_bf16):
-                self.load_q_bf16(c, work, tiles.heads, 0, q_source, mbar_q, mbar_q_empty)
+                self.load_q_bf16(c, work, cta.tiles.heads, 0, q_source, cta.mbar_q, cta.mbar_q_empty)
                 self.reset_tile_state(*tile_state)
             self.consume_tile(c._replace(work=work), 0, *tile_barriers, epilogue_args, q_source)
 
