@@ -6,6 +6,8 @@ consumer warp runs for the persistent small-head kernel.
 ``Producer`` is a part of ``SparsePrefillSm90`` (``sparse_prefill.py``): its methods read the kernel's
 configuration from ``self``."""
 
+from typing import NamedTuple
+
 import cutlass
 import cutlass.cute as cute
 from cutlass import Int32, Int64, const_expr
@@ -14,7 +16,7 @@ from cute_kernels import ptx
 from cute_kernels.sm90.cta import NUM_THREADS
 from cute_kernels.sm90.fp8_tile import B_TOPK, PAIR, SW64_TILE_COLS, TILE_RING
 from cute_kernels.sm90.named_barrier import NamedBarrierFp8
-from cute_kernels.sm90.paged_rows import PagedRowGather, copy_paged_row, page_and_position
+from cute_kernels.sm90.paged_rows import BlockScaleTables, PagedRowGather, copy_paged_row, page_and_position
 from cute_kernels.sm90.row_gather import RowGather, copy_rows, slot_valid_flag
 from cute_kernels.sm90.row_views import STAGED_ROWS_PER_TILE, load_q_tile, stage_q_rows
 from cute_kernels.sm90.tile_scheduler import plain_int32
@@ -22,26 +24,29 @@ from cute_kernels.sm90.tile_scheduler import plain_int32
 L2_LINE_BYTES = 128
 
 
+class ProducerInputs(NamedTuple):
+    """What the kernel hands its producer warpgroup (``Producer.produce``)."""
+
+    tma_atom_q: object  # the Q tile's TMA (None for a bf16 q)
+    mQ_tma: cute.Tensor  # the Q TMA's tensor; bf16 q: the q row view
+    sQ: cute.Tensor
+    sK: cute.Tensor
+    s_valid_words: cute.Tensor  # small heads: the gathered slots' validity (None otherwise)
+    mKV: cute.Tensor  # row-major kv, or a paged cache
+    mIdx: cute.Tensor
+    mbar_q: cute.Pointer
+    mbar_q_empty: cute.Pointer
+    mbar_kv_full: cute.Pointer
+    mbar_kv_empty: cute.Pointer
+    tiles: object  # the CTA's tiles (TileScheduler.cta_tiles)
+    tables: BlockScaleTables  # paged: the block tiles' scale tables (None otherwise)
+
+
 class Producer:
     """WG0 of ``SparsePrefillSm90``: Q and the KV row gather."""
 
     @cute.jit
-    def produce(
-        self,
-        tma_atom_q,
-        mQ_tma,
-        sQ,
-        sK,
-        s_valid_words,
-        mKV,
-        mIdx,
-        mbar_q,
-        mbar_q_empty,
-        mbar_kv_full,
-        mbar_kv_empty,
-        tiles,
-        tables,
-    ):
+    def produce(self, cta: ProducerInputs):
         """WG0, per tile: Q by TMA (one thread; persistent: once both consumers' QKs of the previous
         tile are done; ``stage_q``: the bf16 rows, see ``produce_tile``), then the pair-by-pair row
         gather. Pairs are counted across the CTA's tiles, so the gather runs into the next tile as soon
@@ -50,28 +55,39 @@ class Producer:
         lane = cute.arch.lane_idx()
         # Lane: 16-byte chunk lane % 4 of each 64-byte column tile (of rows lane // 4 + 8i).
         if const_expr(self.cache is None):
-            gather = RowGather(mKV, sK, self.d_qk, lane, SW64_TILE_COLS, B_TOPK)
+            gather = RowGather(cta.mKV, cta.sK, self.d_qk, lane, SW64_TILE_COLS, B_TOPK)
         else:
-            gather = PagedRowGather(mKV, self.cache, sK.iterator.toint(), tables.lo, tables.raw, lane)
+            gather = PagedRowGather(
+                cta.mKV, self.cache, cta.sK.iterator.toint(), cta.tables.lo, cta.tables.raw, lane
+            )
         block_in_pair = warp_idx // 2  # warps 0-1: first block, warps 2-3: second block
         row_base = (warp_idx % 2) * 32  # this warp's 32 rows inside its block
         lane_row = lane // 4  # row (of 8) this lane copies per 8-row group
 
-        tile_inputs = (tma_atom_q, mQ_tma, sQ, s_valid_words, mIdx, mbar_q, mbar_kv_full, mbar_kv_empty)
+        tile_inputs = (
+            cta.tma_atom_q,
+            cta.mQ_tma,
+            cta.sQ,
+            cta.s_valid_words,
+            cta.mIdx,
+            cta.mbar_q,
+            cta.mbar_kv_full,
+            cta.mbar_kv_empty,
+        )
         geometry = (gather, block_in_pair, row_base, lane_row)
         if const_expr(self.persistent):
             pair_base = Int32(0)  # pairs this CTA gathered before the current tile
-            for tile_iter in cutlass.range(tiles.count, unroll=1):
-                work = self.scheduler.work(tiles, tile_iter, 2 * (pair_base + self.q_pairs))
+            for tile_iter in cutlass.range(cta.tiles.count, unroll=1):
+                work = self.scheduler.work(cta.tiles, tile_iter, 2 * (pair_base + self.q_pairs))
                 if const_expr(not self.q_bf16):
                     if warp_idx == 0:
-                        TILE_RING.wait_empty(mbar_q_empty, tile_iter)
-                q_row = self.scheduler.first_q_row(work.tile, tiles.heads)
+                        TILE_RING.wait_empty(cta.mbar_q_empty, tile_iter)
+                q_row = self.scheduler.first_q_row(work.tile, cta.tiles.heads)
                 self.produce_tile(*tile_inputs, work, q_row, pair_base, geometry)
                 pair_base += work.num_pairs + self.q_pairs
         else:
-            work = self.scheduler.work(tiles, 0, 2 * self.q_pairs)
-            q_row = self.scheduler.first_q_row(work.tile, tiles.heads)
+            work = self.scheduler.work(cta.tiles, 0, 2 * self.q_pairs)
+            q_row = self.scheduler.first_q_row(work.tile, cta.tiles.heads)
             self.produce_tile(*tile_inputs, work, q_row, 0, geometry)
         ptx.cp_async_wait_all()
         if const_expr(self.split):  # no copy of this CTA lands in its KV tiles from here on

@@ -10,11 +10,16 @@ walks several tiles per CTA;
 ``q_dtype="bf16"`` takes bf16 q and quantises each Q tile in the consumers (from rows the producer stages in
 the KV ring's pair slot before the tile's first pair), a power-of-two scale per row folded into that row's
 logit scale; ``split`` computes each tile as a cluster of 2, 4 or 8 CTAs, one per
-range of index slots, which merge their results through distributed shared memory (``merge_parts``).
+range of index slots, which merge their results through distributed shared memory (``split_merge``).
 ``heads`` = 8, 16 or 32 (small heads: a tile is one token's n heads) computes
 the transposed S^T = K . Q^T, the block's slots on the WGMMA's M side and the heads on N, the per-head
 softmax a reduction over M, and P^T stored [head][slot] in the slot order of the V^T fragments. Design:
 docs/kernel.md.
+
+``SparsePrefillSm90`` holds the configuration, the shared storage, the launch, the prologue and the
+consumers' tile loop; it inherits the rest from its parts, one concern each: ``producer``, ``qk_products``,
+``softmax_p``, ``pv_product``, ``tile_epilogue`` and ``split_merge`` (the tile geometry and the ``Consumer``
+bundle they share: ``fp8_tile``).
 
 Constraints: h >= 1 (a token's last tile of 64 heads may be partly filled; small heads: h = heads),
 topk % 128 == 0, d_qk in {512, 576}, d_v = 512; q, out, max_logits, lse row-major; q and kv rows 16-byte
@@ -68,7 +73,7 @@ from cute_kernels.sm90.paged_rows import (
     BlockScaleTables,
     cache_geometry,
 )
-from cute_kernels.sm90.producer import Producer
+from cute_kernels.sm90.producer import Producer, ProducerInputs
 from cute_kernels.sm90.pv_product import PvProduct
 from cute_kernels.sm90.qk_products import (
     PAGED_ACCURATE_CHUNK_KSTEPS,
@@ -445,19 +450,21 @@ class SparsePrefillSm90(Producer, QkProducts, SoftmaxP, PvProduct, TileEpilogue,
         if warp_idx < PRODUCER_WARPS:
             cute.arch.setmaxregister_decrease(self.registers[0])
             self.produce(
-                tma_atom_q,
-                mQ_tma,
-                sQ,
-                sK,
-                s_valid_words,
-                mKV,
-                mIdx,
-                mbar_q,
-                mbar_q_empty,
-                mbar_kv_full,
-                mbar_kv_empty,
-                tiles,
-                tables,
+                ProducerInputs(
+                    tma_atom_q=tma_atom_q,
+                    mQ_tma=mQ_tma,
+                    sQ=sQ,
+                    sK=sK,
+                    s_valid_words=s_valid_words,
+                    mKV=mKV,
+                    mIdx=mIdx,
+                    mbar_q=mbar_q,
+                    mbar_q_empty=mbar_q_empty,
+                    mbar_kv_full=mbar_kv_full,
+                    mbar_kv_empty=mbar_kv_empty,
+                    tiles=tiles,
+                    tables=tables,
+                )
             )
         else:
             cute.arch.setmaxregister_increase(self.registers[1])
