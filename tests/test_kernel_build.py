@@ -12,8 +12,9 @@ import cuda_tools
 import pytest
 from variant_subset import cases
 
-from cute_kernels.interface import PRECISIONS
-from cute_kernels.sm90 import paged_rows, sparse_prefill
+from cute_kernels.interface import PRECISIONS, SPLIT_PARTS
+from cute_kernels.sm90 import fp8_tile, paged_rows, qk_products, sparse_prefill, split_merge
+from cute_kernels.sm90.cta import B_H
 from q8kv8 import build, disk_cache, kernels
 from q8kv8.schedule import ONE_TILE, PERSISTENT, SPLIT
 from scripts.tools import ptx_manifest
@@ -98,7 +99,7 @@ def assert_same_math_instructions(ptx: str, one_tile_ptx: str) -> None:
 def promoted_qk_wgmmas(d_qk: int) -> int:
     """The WGMMA instructions of S (or of one N = 32 half) summed in float32 (``qk_promoted``): its first
     group, the loop's group, and the last, shorter group when the group size does not divide d_qk / 32."""
-    group = sparse_prefill.QK_PROMOTION_KSTEPS
+    group = qk_products.QK_PROMOTION_KSTEPS
     return 2 * group + d_qk // 32 % group
 
 
@@ -241,29 +242,27 @@ def test_split_ptx_runs_the_one_tile_math_and_merges_in_the_cluster(variants, d_
     assert "griddepcontrol.wait" in split and "griddepcontrol.launch_dependents" not in split
 
 
-@pytest.mark.parametrize("splits", sparse_prefill.SPLIT_PARTS)
+@pytest.mark.parametrize("splits", SPLIT_PARTS)
 def test_split_merge_slots_are_distinct_and_fit_in_the_kv_tiles(splits):
     """The split merge's layout in a part's KV tiles: every d tile of O^T has one owner; the fragments an
     owner receives (from every other part, and with 8 parts its own too) take distinct slots, exactly
     ``fragments_received`` of them; the statistics and the weights after them fit in the smallest KV tiles."""
-    tiles_per_consumer = sparse_prefill.D_TILES_PER_CONSUMER
+    tiles_per_consumer = fp8_tile.D_TILES_PER_CONSUMER
     owners = {
-        (c, mt): sparse_prefill.d_tile_owner(splits, mt, c)
-        for c in (0, 1)
-        for mt in range(tiles_per_consumer)
+        (c, mt): split_merge.d_tile_owner(splits, mt, c) for c in (0, 1) for mt in range(tiles_per_consumer)
     }
     assert sorted(owners.values()) == sorted(p for p in range(splits) for _ in range(8 // splits))
     received = {owner: [] for owner in range(splits)}
     for sender in range(splits):
         for (c, mt), owner in owners.items():
             if splits > tiles_per_consumer or owner != sender:
-                received[owner].append(sparse_prefill.fragment_slot(splits, sender, owner, c, mt))
-    count = sparse_prefill.fragments_received(splits)
+                received[owner].append(split_merge.fragment_slot(splits, sender, owner, c, mt))
+    count = split_merge.fragments_received(splits)
     for slots in received.values():
         assert sorted(slots) == list(range(count)), slots
-    assert count * sparse_prefill.FRAGMENT_BYTES <= sparse_prefill.SPLIT_STATS_OFFSET
-    end = sparse_prefill.SPLIT_WEIGHTS_OFFSET + sparse_prefill.B_H * sparse_prefill.SPLIT_WEIGHTS_ROW_BYTES
-    assert end <= sparse_prefill.NUM_KV_TILES * sparse_prefill.B_TOPK * 512  # d_qk 512's KV tiles
+    assert count * split_merge.FRAGMENT_BYTES <= split_merge.SPLIT_STATS_OFFSET
+    end = split_merge.SPLIT_WEIGHTS_OFFSET + B_H * split_merge.SPLIT_WEIGHTS_ROW_BYTES
+    assert end <= fp8_tile.NUM_KV_TILES * fp8_tile.B_TOPK * 512  # d_qk 512's KV tiles
 
 
 SMALL_HEAD_KEYS = [
@@ -364,14 +363,14 @@ def test_paged_variants_gather_pages_and_sum_scale_groups(layout, precision, kin
     geometry = paged_rows.cache_geometry(layout)
     chunk = geometry.group_ksteps
     if promoted(precision):
-        chunk = min(chunk, sparse_prefill.PAGED_ACCURATE_CHUNK_KSTEPS)
+        chunk = min(chunk, qk_products.PAGED_ACCURATE_CHUNK_KSTEPS)
     wgmma = re.findall(r"wgmma\.mma_async\.sync\.aligned\.m64n(\d+)k32\.f32\.e4m3\.e4m3", ptx)
     pv = (16 + 8 + 8) * p_terms(precision)  # a pair of blocks and a single one, per d tile
     rope_lo = 2 if geometry.rope_column is not None else 0  # a bf16 RoPE's lo terms
     if rows_rescaled(layout, precision) and promoted(precision):
         # V4.1: qk_promoted, its first group and its loop's (64 heads: per N = 32 half)
         halves = 2 if heads == 64 else 1
-        qk = [str(32 if heads == 64 else heads)] * (halves * 2 * sparse_prefill.ROW_SCALED_PROMOTION_KSTEPS)
+        qk = [str(32 if heads == 64 else heads)] * (halves * 2 * qk_products.ROW_SCALED_PROMOTION_KSTEPS)
         assert sorted(wgmma) == sorted(qk + [str(heads)] * pv)
     elif rows_rescaled(layout, precision):
         assert wgmma == [str(heads)] * (PAGED_D_QK[layout] // 32 + rope_lo + pv)

@@ -4,5 +4,6 @@ Kernels: ``sparse_prefill`` (FP8 sparse MLA prefill), ``sparse_prefill_bf16`` (i
 ``q_cast`` (bf16 queries to e4m3) and ``paged_kv`` (paged FP8 KV cache to contiguous rows). The
 attention kernels are built from ``cta`` (CTA shape, prologue, launch), ``tile_scheduler``,
 ``row_views``, ``shared_storage``, ``row_gather``, ``ring``, ``named_barrier``, ``mask`` and
-``epilogue``.
+``epilogue``; the FP8 kernel also from ``fp8_tile`` (its tile geometry and consumer bundle), ``producer``,
+``qk_products``, ``softmax_p``, ``pv_product``, ``tile_epilogue``, ``split_merge`` and ``paged_rows``.
 """

@@ -10,11 +10,16 @@ walks several tiles per CTA;
 ``q_dtype="bf16"`` takes bf16 q and quantises each Q tile in the consumers (from rows the producer stages in
 the KV ring's pair slot before the tile's first pair), a power-of-two scale per row folded into that row's
 logit scale; ``split`` computes each tile as a cluster of 2, 4 or 8 CTAs, one per
-range of index slots, which merge their results through distributed shared memory (``merge_parts``).
+range of index slots, which merge their results through distributed shared memory (``split_merge``).
 ``heads`` = 8, 16 or 32 (small heads: a tile is one token's n heads) computes
 the transposed S^T = K . Q^T, the block's slots on the WGMMA's M side and the heads on N, the per-head
 softmax a reduction over M, and P^T stored [head][slot] in the slot order of the V^T fragments. Design:
 docs/kernel.md.
+
+``SparsePrefillSm90`` holds the configuration, the shared storage, the launch, the prologue and the
+consumers' tile loop; it inherits the rest from its parts, one concern each: ``producer``, ``qk_products``,
+``softmax_p``, ``pv_product``, ``tile_epilogue`` and ``split_merge`` (the tile geometry and the ``Consumer``
+bundle they share: ``fp8_tile``).
 
 Constraints: h >= 1 (a token's last tile of 64 heads may be partly filled; small heads: h = heads),
 topk % 128 == 0, d_qk in {512, 576}, d_v = 512; q, out, max_logits, lse row-major; q and kv rows 16-byte
@@ -32,18 +37,13 @@ from cutlass.cute.nvgpu import OperandMajorMode, warpgroup
 
 from cute_kernels import ptx
 from cute_kernels.interface import (
-    D_V,
-    LOG2_E,
     PRECISIONS,
-    SINK_FLAG,
     SMALL_HEAD_COUNTS,
-    SPLIT_PARTS,
     SPLIT_TAIL_FLAG,
 )
 from cute_kernels.sm90.cta import (
     B_H,
     CONSUMER_THREADS,
-    NUM_THREADS,
     PRODUCER_WARPS,
     THREADS_PER_WG,
     WARPS_PER_WG,
@@ -52,16 +52,15 @@ from cute_kernels.sm90.cta import (
     init_cta,
     launch_cta,
 )
-from cute_kernels.sm90.epilogue import (
-    LN_2,
-    max_logits_and_lse,
-    output_scale,
-    publish_row_stats,
-    write_max_logits_lse,
+from cute_kernels.sm90.fp8_tile import (
+    B_TOPK,
+    D_TILES_PER_CONSUMER,
+    NUM_KV_TILES,
+    NUM_STAGES,
+    TILE_RING,
+    Consumer,
 )
 from cute_kernels.sm90.mask import (
-    accumulator_row,
-    exp2_relative,
     mask_and_column_max,
     mask_and_row_max,
     row_valid_bits,
@@ -71,84 +70,28 @@ from cute_kernels.sm90.mask import (
 from cute_kernels.sm90.named_barrier import NamedBarrierFp8
 from cute_kernels.sm90.paged_rows import (
     RAW_SCALE_ENTRY_BYTES,
-    ROW_SCALE,
     BlockScaleTables,
-    PagedRowGather,
     cache_geometry,
-    convert_rope,
-    convert_row,
-    copy_paged_row,
-    page_and_position,
-    rescale_v_row,
-    scale_slots,
+)
+from cute_kernels.sm90.producer import Producer, ProducerInputs
+from cute_kernels.sm90.pv_product import PvProduct
+from cute_kernels.sm90.qk_products import (
+    PAGED_ACCURATE_CHUNK_KSTEPS,
+    QK_PROMOTION_KSTEPS,
+    ROW_SCALED_PROMOTION_KSTEPS,
+    QkProducts,
 )
 from cute_kernels.sm90.ring import Ring
-from cute_kernels.sm90.row_gather import RowGather, copy_rows, slot_valid_flag, swizzle_offset
 from cute_kernels.sm90.row_views import (
     Q_THREADS_PER_ROW,
-    STAGED_ROWS_PER_TILE,
-    load_q_tile,
     quantize_q_tile,
     quantize_staged_q_tile,
-    stage_q_rows,
 )
 from cute_kernels.sm90.shared_storage import allocate_shared_storage, tile_layouts, tile_region, tile_tensor
-from cute_kernels.sm90.tile_scheduler import TileScheduler, TileWork, plain_int32
-
-B_TOPK = 64  # gathered KV rows per block: the N tile of S and two k-steps of the PV product
-PAIR = 2 * B_TOPK  # rows per gathered pair (two blocks, one per producer half)
-D_TILES_PER_CONSUMER = 4  # 64-wide d tiles of O^T per consumer (256 of d_v)
-NUM_STAGES = 2  # pairs of KV blocks in flight
-NUM_KV_TILES = 2 * NUM_STAGES  # block tiles; block b uses tile b % 4 (and P buffer b % 4)
-TILE_RING = Ring(1)  # q_full, q_empty, stats_full, tile_done: the CTA's tile i uses phase i % 2
-P_SCALE_LOG2 = 7  # P is stored as e4m3(p * 2^7); undone in the epilogue
-RESCALE_THRESHOLD = 1.75  # log2 units; 2^(P_SCALE_LOG2 + RESCALE_THRESHOLD) = 430 < 448
-SW64_TILE_COLS = 64  # bytes per row of one 64-byte-swizzled column tile
-TILE_ROW_GROUP_BYTES = B_TOPK * SW64_TILE_COLS  # one [64 rows x 64 B] swizzle column tile
-L2_LINE_BYTES = 128
-# Split: the parts of a tile run as one cluster and merge through shared memory (``merge_parts``). Each of
-# the 8 d tiles of O^T (4 per consumer) has an owner part (``d_tile_owner``); the others' fragments of it (a
-# d tile's 32 values per consumer thread in f16: 8 KiB) and every part's row statistics land in the owner's
-# KV tiles, free once its loop is done. A fragment is normalised over its part's range and divided by
-# kv_scale, so it stays within the e4m3 range of V (|x| <= 448): f16 keeps 11 bits, more than bf16 out.
-FRAGMENT_BYTES = THREADS_PER_WG * 32 * 2  # one d tile of O^T of one consumer, in f16
-D_TILES = 2 * D_TILES_PER_CONSUMER  # d tiles of O^T, both consumers'
-
-
-def fragments_received(splits: int) -> int:
-    """Split: the d-tile fragments a part receives: from each other part, those of the d tiles it owns (8
-    parts: its own one from every part, itself included)."""
-    senders = splits if splits > D_TILES_PER_CONSUMER else splits - 1
-    return senders * (D_TILES // splits)
-
-
-# The received fragments come first (at most 8 x 8 KiB)
-SPLIT_STATS_OFFSET = max(fragments_received(p) for p in SPLIT_PARTS) * FRAGMENT_BYTES
-SPLIT_STATS_BYTES = B_H * 8  # a part's (max_logits, lse) per row
-SPLIT_WEIGHTS_OFFSET = SPLIT_STATS_OFFSET + max(SPLIT_PARTS) * SPLIT_STATS_BYTES  # [row][part] merge weights
-SPLIT_WEIGHTS_ROW_BYTES = max(SPLIT_PARTS) * 4
-
-
-def fragment_slot(splits: int, sender, owner, consumer, mt):
-    """Split: the slot (of ``fragments_received(splits)``, a fragment each) in which part ``owner`` receives
-    part ``sender``'s fragment of d tile ``mt`` of consumer ``consumer``: with 2 or 4 parts, the sender's
-    index among the owner's senders, then the (consumer, d tile) among the owner's, consumer-major (``sender``
-    and ``owner`` ints); with 8, the sender (the owner's own fragment included; any may be a run-time
-    value)."""
-    if splits > D_TILES_PER_CONSUMER:
-        return sender
-    owned = D_TILES // splits  # (consumer, d tile) pairs a part owns
-    return (sender - int(sender > owner)) * owned + consumer * (owned // 2) + mt - owner * (owned // 2)
-
-
-def d_tile_owner(splits: int, mt: int, consumer):
-    """The part (of ``splits``) that merges and writes d tile ``mt`` of consumer ``consumer``'s half of O^T:
-    with 2 or 4 parts, d tiles mt // (4 / splits) of both consumers (an int: the consumer is not read); with
-    8, part 2 mt + consumer (``consumer`` may be a run-time value)."""
-    if splits <= D_TILES_PER_CONSUMER:
-        return mt // (D_TILES_PER_CONSUMER // splits)
-    return 2 * mt + consumer
-
+from cute_kernels.sm90.softmax_p import SoftmaxP
+from cute_kernels.sm90.split_merge import SplitMerge
+from cute_kernels.sm90.tile_epilogue import TileEpilogue
+from cute_kernels.sm90.tile_scheduler import TileScheduler
 
 PRODUCER_REGS = 24
 CONSUMER_REGS = 240
@@ -162,21 +105,6 @@ CONSUMER_REGS = 240
 WIDE_PRODUCER_REGS = 40
 WIDE_PRODUCER_CONSUMER_REGS = 232
 Q_DTYPES = ("e4m3", "bf16")
-# S summed in float32 ("accurate", "accurate_logits"): from WGMMA groups of at most this many k-steps (96
-# elements of d_qk), each started from zero: the FP8 tensor cores' own accumulation keeps about 14 bits,
-# which costs the logits ~2e-3 relative over the 18 k-steps of d_qk 576, and ~2e-4 over 3.
-QK_PROMOTION_KSTEPS = 3
-# ... and V4.1's rows rescaled (16 k-steps, no RoPE group): 4 chunks of 4 (about 3e-4; a last chunk of one
-# k-step makes ptxas serialise the 64-head kernel's WGMMAs, C7512)
-ROW_SCALED_PROMOTION_KSTEPS = 4
-# A paged cache's scale groups are 4 k-steps (V3.2) or 2 (V4): S summed in float32 sums them 2 at a time.
-PAGED_ACCURATE_CHUNK_KSTEPS = 2
-
-
-def add_into(total: cute.Tensor, part: cute.Tensor):
-    """total += part, element by element (float32 registers)."""
-    for i in range(cute.size(part)):
-        total[i] = total[i] + part[i]
 
 
 def consumer_steps(num_blocks, consumer):
@@ -189,63 +117,41 @@ def consumer_steps(num_blocks, consumer):
     return (num_blocks - consumer) // 2 + 1
 
 
-class Consumer(NamedTuple):
-    """One consumer warpgroup's view of the CTA (trace-time bundle): who it is, its MMAs and
-    fragments, its running softmax state and the shared buffers it exchanges through."""
+class ConsumerInputs(NamedTuple):
+    """What the kernel hands its consumer warpgroups (``SparsePrefillSm90.consume``): the CTA's shared tiles,
+    tables and barriers, the launch's tensors and values, and the CTA's tiles."""
 
-    index: Int32  # c: owner of blocks c, c + 2, ... (S, P); half c of d_v for O (warp-uniform)
-    warp: Int32  # warp inside the warpgroup: rows 16*warp.. of every M tile
-    lane: Int32
-    quad_row: Int32  # g: C-fragment row inside the warp's 16 rows
-    quad_lane: Int32  # t: C-fragment column pair 2t, 2t+1
-    work: TileWork
-    tiled_mma_qk: cute.TiledMma  # S += Q . K^T
-    tiled_mma_qk_first: cute.TiledMma  # S = Q . K^T (first k-step)
-    tiled_mma_pv: cute.TiledMma
-    tSrQ: cute.Tensor  # Q descriptors (MMA, 1, d_qk/32)
-    tSrK: cute.Tensor  # K descriptors (MMA, 1, d_qk/32, tile)
-    tOrP: cute.Tensor  # P^T descriptors (MMA, 1, 2 k-steps, term * NUM_KV_TILES + buffer)
-    acc_s: cute.Tensor  # S of this consumer's block (32 f32)
-    acc_o: list  # O^T, one 64x64 accumulator per d tile (4 x 32 f32)
-    thr_mma_pv: cute.ThrMma  # this thread's slice of the PV MMA (V^T fragment shapes)
-    row_max_own: cute.Tensor  # per row r: m of this consumer's latest own block (row_sum's base)
-    row_max_true: cute.Tensor  # per row r: exact max over own blocks (for max_logits)
-    row_sum: cute.Tensor  # per row r: this thread's partial sum of 2^7 P over own blocks
-    s_max_used: cute.Tensor  # smem [buffer, row]: m_b, the max P_b is relative to (exp2 domain)
-    s_alpha: cute.Tensor  # smem [buffer, row]: alpha_b = 2^(m_{b-1} - m_b)
-    s_moved: cute.Tensor  # smem [buffer]: b when m_b != m_{b-1} for some row
-    s_max_true: cute.Tensor  # smem [row, consumer]: exact maxima (epilogue)
-    s_row_sum: cute.Tensor  # smem [row, consumer]: row sums of 2^7 P, relative to s_max_own
-    s_max_own: cute.Tensor  # smem [row, consumer]: the max of the consumer's last own block
-    s_out_scale: cute.Tensor  # smem [row, consumer]
-    sK_base: Int32  # shared-memory byte address of the gathered KV tiles
-    sP_base: Int32  # shared-memory byte address of the P tiles
+    sQ: cute.Tensor
+    sK: cute.Tensor
+    sP: cute.Tensor
+    sLo: cute.Tensor  # paged: the RoPE staging tiles (None otherwise)
+    smem_stats: tuple  # max_used, alpha, moved, row_sum, out_scale, max_true, max_own (see Consumer)
+    s_valid_words: cute.Tensor  # small heads: the gathered slots' validity (None otherwise)
+    mIdx: cute.Tensor
+    mKV: cute.Tensor
+    mSink: cute.Tensor
+    mQ: cute.Tensor  # bf16 q: the q row view
+    q_row_scale: cute.Tensor  # bf16 q: the Q tile's row scales
+    mQScale: cute.Tensor
+    mKVScale: cute.Tensor
+    mOut: cute.Tensor
+    mMaxLogits: cute.Tensor
+    mLse: cute.Tensor
+    mbar_q: cute.Pointer
+    mbar_q_empty: cute.Pointer
     mbar_kv_full: cute.Pointer
     mbar_kv_empty: cute.Pointer
     mbar_p_full: cute.Pointer
-    mbar_stats_full: cute.Pointer  # persistent: [consumer], see consume_tile (None otherwise)
-    mbar_tile_done: cute.Pointer  # persistent: see consume_tile (None otherwise)
-    mbar_merge_full: cute.Pointer  # split: completed by the other parts' fragments (None otherwise)
-    mbar_peers_free: cute.Pointer  # split: the other parts arrive when their KV tiles are free (else None)
-    mIdx: cute.Tensor
-    s_kv: Int32
-    scale_log2: object  # q_scale * kv_scale * sm_scale * log2(e); bf16 q: a pair, row r's with its own scale
-    # Small heads only: smem [consumer, buffer, warp, head], the S^T blocks' maxima
-    s_column_max: cute.Tensor = None
-    s_head_sum: cute.Tensor = None  # small heads: smem [head, 4 consumer + warp], the warps' row sums
-    s_column_max_shifted: cute.Tensor = None  # small heads, P carrying the rows' scales: s_column_max of y
-    # Small heads: smem [block tile], 64 bits: the validity of its slots, from the producer (produce_tile)
-    s_valid_slots: cute.Tensor = None
-    # Accurate (see qk_promoted) and paged per scale group (qk_paged): 64 heads: ((S's N = 32 MMA
-    # accumulating, overwriting), its K descriptors per half, a [64 x 32] chunk accumulator, paged: the RoPE
-    # lo terms' K descriptors per half); small heads: (None, None, a chunk accumulator the shape of S^T,
-    # paged: the RoPE lo terms' A descriptors)
-    qk_chunks: tuple = None
-    rope_lo: cute.Tensor = None  # paged rows rescaled: the RoPE lo terms' descriptors for S (S^T) whole
-    tables: BlockScaleTables = None  # paged: the block tiles' scale tables and RoPE staging tiles
+    handover: tuple  # persistent: mbar_stats_full, mbar_tile_done (else None, None)
+    merge_barriers: tuple  # split: mbar_merge_full, mbar_peers_free (else None, None)
+    sm_scale_log2: Float32
+    flags: Int32
+    tiles: object  # the CTA's tiles (TileScheduler.cta_tiles)
+    small_tables: tuple  # small heads: column_max, head_sum, column_max_shifted (else empty)
+    tables: BlockScaleTables  # paged: the block tiles' scale tables (None otherwise)
 
 
-class SparsePrefillSm90(AttentionKernel):
+class SparsePrefillSm90(Producer, QkProducts, SoftmaxP, PvProduct, TileEpilogue, SplitMerge, AttentionKernel):
     """Compile-time configuration of the kernel: ``d_qk`` (512 or 576)."""
 
     SMEM_ATOM_KIND = warpgroup.SmemLayoutAtomKind.K_SW64
@@ -544,19 +450,21 @@ class SparsePrefillSm90(AttentionKernel):
         if warp_idx < PRODUCER_WARPS:
             cute.arch.setmaxregister_decrease(self.registers[0])
             self.produce(
-                tma_atom_q,
-                mQ_tma,
-                sQ,
-                sK,
-                s_valid_words,
-                mKV,
-                mIdx,
-                mbar_q,
-                mbar_q_empty,
-                mbar_kv_full,
-                mbar_kv_empty,
-                tiles,
-                tables,
+                ProducerInputs(
+                    tma_atom_q=tma_atom_q,
+                    mQ_tma=mQ_tma,
+                    sQ=sQ,
+                    sK=sK,
+                    s_valid_words=s_valid_words,
+                    mKV=mKV,
+                    mIdx=mIdx,
+                    mbar_q=mbar_q,
+                    mbar_q_empty=mbar_q_empty,
+                    mbar_kv_full=mbar_kv_full,
+                    mbar_kv_empty=mbar_kv_empty,
+                    tiles=tiles,
+                    tables=tables,
+                )
             )
         else:
             cute.arch.setmaxregister_increase(self.registers[1])
@@ -587,34 +495,36 @@ class SparsePrefillSm90(AttentionKernel):
                 )
             self.consume(
                 consumer,
-                sQ,
-                sK,
-                sP,
-                sLo,
-                smem_stats,
-                s_valid_words,
-                mIdx,
-                mKV,
-                mSink,
-                mQ_tma,
-                storage.q_row_scale.get_tensor(cute.make_layout(B_H)),
-                mQScale,
-                mKVScale,
-                mOut,
-                mMaxLogits,
-                mLse,
-                mbar_q,
-                mbar_q_empty,
-                mbar_kv_full,
-                mbar_kv_empty,
-                mbar_p_full,
-                handover,
-                merge_barriers,
-                sm_scale_log2,
-                flags,
-                tiles,
-                small_tables,
-                tables,
+                ConsumerInputs(
+                    sQ=sQ,
+                    sK=sK,
+                    sP=sP,
+                    sLo=sLo,
+                    smem_stats=smem_stats,
+                    s_valid_words=s_valid_words,
+                    mIdx=mIdx,
+                    mKV=mKV,
+                    mSink=mSink,
+                    mQ=mQ_tma,
+                    q_row_scale=storage.q_row_scale.get_tensor(cute.make_layout(B_H)),
+                    mQScale=mQScale,
+                    mKVScale=mKVScale,
+                    mOut=mOut,
+                    mMaxLogits=mMaxLogits,
+                    mLse=mLse,
+                    mbar_q=mbar_q,
+                    mbar_q_empty=mbar_q_empty,
+                    mbar_kv_full=mbar_kv_full,
+                    mbar_kv_empty=mbar_kv_empty,
+                    mbar_p_full=mbar_p_full,
+                    handover=handover,
+                    merge_barriers=merge_barriers,
+                    sm_scale_log2=sm_scale_log2,
+                    flags=flags,
+                    tiles=tiles,
+                    small_tables=small_tables,
+                    tables=tables,
+                ),
             )
             # A split tail ends after the one-tile launch before it. (Here, not after the branches: the
             # producer's warps run on fewer registers than the code after the join would use.)
@@ -660,190 +570,10 @@ class SparsePrefillSm90(AttentionKernel):
 
     # ------------------------------------------------------------------------------------
     @cute.jit
-    def produce(
-        self,
-        tma_atom_q,
-        mQ_tma,
-        sQ,
-        sK,
-        s_valid_words,
-        mKV,
-        mIdx,
-        mbar_q,
-        mbar_q_empty,
-        mbar_kv_full,
-        mbar_kv_empty,
-        tiles,
-        tables,
-    ):
-        """WG0, per tile: Q by TMA (one thread; persistent: once both consumers' QKs of the previous
-        tile are done; ``stage_q``: the bf16 rows, see ``produce_tile``), then the pair-by-pair row
-        gather. Pairs are counted across the CTA's tiles, so the gather runs into the next tile as soon
-        as block tiles are free."""
-        warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
-        lane = cute.arch.lane_idx()
-        # Lane: 16-byte chunk lane % 4 of each 64-byte column tile (of rows lane // 4 + 8i).
-        if const_expr(self.cache is None):
-            gather = RowGather(mKV, sK, self.d_qk, lane, SW64_TILE_COLS, B_TOPK)
-        else:
-            gather = PagedRowGather(mKV, self.cache, sK.iterator.toint(), tables.lo, tables.raw, lane)
-        block_in_pair = warp_idx // 2  # warps 0-1: first block, warps 2-3: second block
-        row_base = (warp_idx % 2) * 32  # this warp's 32 rows inside its block
-        lane_row = lane // 4  # row (of 8) this lane copies per 8-row group
-
-        tile_inputs = (tma_atom_q, mQ_tma, sQ, s_valid_words, mIdx, mbar_q, mbar_kv_full, mbar_kv_empty)
-        geometry = (gather, block_in_pair, row_base, lane_row)
-        if const_expr(self.persistent):
-            pair_base = Int32(0)  # pairs this CTA gathered before the current tile
-            for tile_iter in cutlass.range(tiles.count, unroll=1):
-                work = self.scheduler.work(tiles, tile_iter, 2 * (pair_base + self.q_pairs))
-                if const_expr(not self.q_bf16):
-                    if warp_idx == 0:
-                        TILE_RING.wait_empty(mbar_q_empty, tile_iter)
-                q_row = self.scheduler.first_q_row(work.tile, tiles.heads)
-                self.produce_tile(*tile_inputs, work, q_row, pair_base, geometry)
-                pair_base += work.num_pairs + self.q_pairs
-        else:
-            work = self.scheduler.work(tiles, 0, 2 * self.q_pairs)
-            q_row = self.scheduler.first_q_row(work.tile, tiles.heads)
-            self.produce_tile(*tile_inputs, work, q_row, 0, geometry)
-        ptx.cp_async_wait_all()
-        if const_expr(self.split):  # no copy of this CTA lands in its KV tiles from here on
-            cute.arch.barrier_arrive(barrier_id=int(NamedBarrierFp8.RingFree), number_of_threads=NUM_THREADS)
-
-    @cute.jit
-    def produce_tile(
-        self,
-        tma_atom_q,
-        mQ_tma,
-        sQ,
-        s_valid_words,
-        mIdx,
-        mbar_q,
-        mbar_kv_full,
-        mbar_kv_empty,
-        work,
-        q_row,
-        pair_base,
-        geometry,
-    ):
-        """One tile's Q (rows ``q_row`` onwards) and pairs, from the ring's pair position ``pair_base`` on
-        (the pairs and staged Q tiles of the CTA's earlier tiles). e4m3 q: the Q tile by TMA (warp 0).
-        ``stage_q``: the tile's bf16 rows into the pair slot of position ``pair_base`` (``stage_q_rows``),
-        the pairs after it. Small heads with a bf16 q: nothing (the consumers load it)."""
-        gather, block_in_pair, row_base, lane_row = geometry
-        warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
-        lane = cute.arch.lane_idx()
-        if const_expr(not self.q_bf16):
-            if warp_idx == 0:
-                load_q_tile(tma_atom_q, mQ_tma, sQ, mbar_q, q_row, self.b_h, self.d_qk, self.q_tile_bytes)
-        if const_expr(self.stage_q):
-            q_tile = self.pair_ring.index(pair_base) * 2 + block_in_pair
-            cute.arch.mbarrier_wait(mbar_kv_empty + q_tile, self.pair_ring.phase(pair_base) ^ 1)
-            stage_q_rows(
-                mQ_tma,
-                q_row,
-                plain_int32(cute.size(mQ_tma, mode=[0])) - 1,
-                block_in_pair * STAGED_ROWS_PER_TILE,
-                row_base + lane,
-                gather.sK_base + q_tile * self.k_tile_bytes,
-                mbar_kv_full + q_tile,
-                self.d_qk,
-            )
-
-        for pair in cutlass.range(work.num_pairs, unroll=1):
-            ring_pair = pair_base + self.q_pairs + pair
-            stage = self.pair_ring.index(ring_pair)
-            phase = self.pair_ring.phase(ring_pair)
-            full_barrier = mbar_kv_full + stage * 2 + block_in_pair
-            empty_barrier = mbar_kv_empty + stage * 2 + block_in_pair
-            slot = pair * PAIR + warp_idx * 32 + lane
-            if const_expr(self.split):
-                slot += work.slot_base
-            kv_row = mIdx[work.token, slot]  # paged: a token slot of the cache
-            if const_expr(self.cache is None):
-                is_valid = slot_valid_flag(kv_row, slot, gather.s_kv, work.valid_len)
-            else:
-                is_valid = slot_valid_flag(kv_row, slot, gather.num_slots, work.valid_len)
-                page, position = page_and_position(gather, kv_row, is_valid)
-            cute.arch.mbarrier_wait(empty_barrier, phase ^ 1)
-            if const_expr(self.small):  # the warp's 32 slots' validity (the consumers read it after kv_full)
-                valid_word = cute.arch.vote_ballot_sync(is_valid != 0)
-                if lane == 0:
-                    s_valid_words[stage * 2 + block_in_pair, warp_idx % 2] = valid_word
-                    cute.arch.mbarrier_arrive(full_barrier)
-            tile_base = gather.sK_base + (stage * 2 + block_in_pair) * self.k_tile_bytes
-            for group in cutlass.range_constexpr(4):  # lane l holds the index of the warp's row l
-                src_lane = group * 8 + lane_row
-                row_valid = cute.arch.shuffle_sync(is_valid, src_lane)
-                row = row_base + group * 8 + lane_row
-                if const_expr(self.cache is None):
-                    row_kv = cute.arch.shuffle_sync(kv_row, src_lane)
-                    copy_rows(gather, tile_base, row, ((0, row_kv, row_valid),))
-                else:
-                    row_page = cute.arch.shuffle_sync(page, src_lane)
-                    row_position = cute.arch.shuffle_sync(position, src_lane)
-                    copy_paged_row(gather, stage * 2 + block_in_pair, row, row_page, row_position, row_valid)
-            cute.arch.cp_async_mbarrier_arrive_noinc(full_barrier)
-
-    @cute.jit
-    def prefetch_next_q(self, mQ, tile, heads):
-        """Persistent small heads, bf16 q (one consumer warp): prefetch into L2 the Q rows of the CTA's next
-        tile (tile + grid size, a whole token), when it exists; ``heads``: h. (Measured on the 64-head
-        persistent kernel before its rows were staged: 2-4% off its rows with a bf16 q.)"""
-        rows = plain_int32(cute.size(mQ, mode=[0]))
-        next_tile = tile + cute.arch.grid_dim()[0]
-        if next_tile < rows // self.b_h:
-            row_bytes = self.d_qk * 2
-            tile_bytes = self.b_h * row_bytes
-            lane_offset = cute.arch.lane_idx() * L2_LINE_BYTES
-            first_row = self.scheduler.first_q_row(next_tile, heads)
-            base = mQ.iterator.toint() + Int64(first_row) * row_bytes + lane_offset
-            line_set = 32 * L2_LINE_BYTES  # a line per lane
-            for line in cutlass.range_constexpr(-(-tile_bytes // line_set)):
-                if const_expr((line + 1) * line_set <= tile_bytes):
-                    ptx.prefetch_l2(base + line * line_set)
-                else:  # the tile ends inside this set of lines
-                    if lane_offset < tile_bytes - line * line_set:
-                        ptx.prefetch_l2(base + line * line_set)
-
-    # ------------------------------------------------------------------------------------
-    @cute.jit
-    def consume(
-        self,
-        consumer,
-        sQ,
-        sK,
-        sP,
-        sLo,
-        smem_stats,
-        s_valid_words,
-        mIdx,
-        mKV,
-        mSink,
-        mQ,
-        q_row_scale,
-        mQScale,
-        mKVScale,
-        mOut,
-        mMaxLogits,
-        mLse,
-        mbar_q,
-        mbar_q_empty,
-        mbar_kv_full,
-        mbar_kv_empty,
-        mbar_p_full,
-        handover,
-        merge_barriers,
-        sm_scale_log2,
-        flags,
-        tiles,
-        small_tables,
-        tables,
-    ):
+    def consume(self, consumer, cta: ConsumerInputs):
         """WG1/WG2: S and P of own blocks c, c + 2, ..., O^T for half c of d_v over every block (bf16 q:
         first the tile's Q, see ``load_q_bf16``; small heads: S^T and P^T)."""
-        e4m3 = sQ.element_type
+        e4m3 = cta.sQ.element_type
         wtid = cute.arch.thread_idx()[0] % THREADS_PER_WG  # thread index inside the warpgroup
         lane = cute.arch.lane_idx()
 
@@ -874,25 +604,25 @@ class SparsePrefillSm90(AttentionKernel):
         thr_mma_qk = tiled_mma_qk.get_slice(wtid)
         thr_mma_pv = tiled_mma_pv.get_slice(wtid)
         if const_expr(self.small):
-            tSrK = tiled_mma_qk.make_fragment_A(thr_mma_qk.partition_A(sK))  # (MMA, 1, d_qk/32, tile)
-            tSrQ = tiled_mma_qk.make_fragment_B(thr_mma_qk.partition_B(sQ))  # (MMA, 1, d_qk/32)
+            tSrK = tiled_mma_qk.make_fragment_A(thr_mma_qk.partition_A(cta.sK))  # (MMA, 1, d_qk/32, tile)
+            tSrQ = tiled_mma_qk.make_fragment_B(thr_mma_qk.partition_B(cta.sQ))  # (MMA, 1, d_qk/32)
         else:
-            tSrQ = tiled_mma_qk.make_fragment_A(thr_mma_qk.partition_A(sQ))  # (MMA, 1, d_qk/32)
-            tSrK = tiled_mma_qk.make_fragment_B(thr_mma_qk.partition_B(sK))  # (MMA, 1, d_qk/32, tile)
-        tOrP = tiled_mma_pv.make_fragment_B(thr_mma_pv.partition_B(sP))  # (MMA, 1, 2, term * 4 + buffer)
+            tSrQ = tiled_mma_qk.make_fragment_A(thr_mma_qk.partition_A(cta.sQ))  # (MMA, 1, d_qk/32)
+            tSrK = tiled_mma_qk.make_fragment_B(thr_mma_qk.partition_B(cta.sK))  # (MMA, 1, d_qk/32, tile)
+        tOrP = tiled_mma_pv.make_fragment_B(thr_mma_pv.partition_B(cta.sP))  # (MMA, 1, 2, term * 4 + buffer)
         acc_s = cute.make_rmem_tensor(thr_mma_qk.partition_shape_C(s_tile), Float32)
         rope_lo = None
         if const_expr(self.row_scaled and self.bf16_rope):  # S whole: the RoPE lo terms (small heads A, or B)
             if const_expr(self.small):
-                rope_lo = tiled_mma_qk.make_fragment_A(thr_mma_qk.partition_A(sLo))
+                rope_lo = tiled_mma_qk.make_fragment_A(thr_mma_qk.partition_A(cta.sLo))
             else:
-                rope_lo = tiled_mma_qk.make_fragment_B(thr_mma_qk.partition_B(sLo))
+                rope_lo = tiled_mma_qk.make_fragment_B(thr_mma_qk.partition_B(cta.sLo))
         qk_chunks = None
         if const_expr(self.qk_in_groups):
             if const_expr(self.small):  # S^T is small: a chunk accumulator its shape
                 lo_fragments = None
                 if const_expr(self.bf16_rope):  # the RoPE lo terms (A operands, as the block tiles)
-                    lo_fragments = tiled_mma_qk.make_fragment_A(thr_mma_qk.partition_A(sLo))
+                    lo_fragments = tiled_mma_qk.make_fragment_A(thr_mma_qk.partition_A(cta.sLo))
                 qk_chunks = (
                     None,
                     None,
@@ -911,11 +641,12 @@ class SparsePrefillSm90(AttentionKernel):
                 half_mmas[1].set(warpgroup.Field.ACCUMULATE, False)
                 thr_half = half_mmas[0].get_slice(wtid)
                 k_half_tile = (B_TOPK // 2, self.d_qk, NUM_KV_TILES)
-                k_halves = [cute.local_tile(sK, k_half_tile, (h, 0, 0)) for h in range(2)]
+                k_halves = [cute.local_tile(cta.sK, k_half_tile, (h, 0, 0)) for h in range(2)]
                 lo_fragments = None
                 if const_expr(self.bf16_rope):  # the RoPE lo terms, in the P tiles of the second term
                     lo_halves = [
-                        cute.local_tile(sLo, (B_TOPK // 2, B_TOPK, NUM_KV_TILES), (h, 0, 0)) for h in range(2)
+                        cute.local_tile(cta.sLo, (B_TOPK // 2, B_TOPK, NUM_KV_TILES), (h, 0, 0))
+                        for h in range(2)
                     ]
                     lo_fragments = [
                         half_mmas[0].make_fragment_B(thr_half.partition_B(lo)) for lo in lo_halves
@@ -939,7 +670,7 @@ class SparsePrefillSm90(AttentionKernel):
         if const_expr(not self.persistent and not self.q_bf16):
             self.reset_tile_state(*tile_state)
 
-        s_max_used, s_alpha, s_moved, s_row_sum, s_out_scale, s_max_true, s_max_own = smem_stats
+        s_max_used, s_alpha, s_moved, s_row_sum, s_out_scale, s_max_true, s_max_own = cta.smem_stats
         c = Consumer(
             index=consumer,
             warp=wtid // 32,
@@ -966,45 +697,48 @@ class SparsePrefillSm90(AttentionKernel):
             s_row_sum=s_row_sum,
             s_max_own=s_max_own,
             s_out_scale=s_out_scale,
-            sK_base=sK.iterator.toint(),
-            sP_base=sP.iterator.toint(),
-            mbar_kv_full=mbar_kv_full,
-            mbar_kv_empty=mbar_kv_empty,
-            mbar_p_full=mbar_p_full,
-            mbar_stats_full=handover[0],
-            mbar_tile_done=handover[1],
-            mbar_merge_full=merge_barriers[0],
-            mbar_peers_free=merge_barriers[1],
-            mIdx=mIdx,
-            s_kv=cute.size(mKV, mode=[0])
-            * (1 if const_expr(self.cache is None) else cute.size(mKV, mode=[1])),
-            s_valid_slots=cute.recast_tensor(s_valid_words, Uint64) if const_expr(self.small) else None,
+            sK_base=cta.sK.iterator.toint(),
+            sP_base=cta.sP.iterator.toint(),
+            mbar_kv_full=cta.mbar_kv_full,
+            mbar_kv_empty=cta.mbar_kv_empty,
+            mbar_p_full=cta.mbar_p_full,
+            mbar_stats_full=cta.handover[0],
+            mbar_tile_done=cta.handover[1],
+            mbar_merge_full=cta.merge_barriers[0],
+            mbar_peers_free=cta.merge_barriers[1],
+            mIdx=cta.mIdx,
+            s_kv=cute.size(cta.mKV, mode=[0])
+            * (1 if const_expr(self.cache is None) else cute.size(cta.mKV, mode=[1])),
+            s_valid_slots=cute.recast_tensor(cta.s_valid_words, Uint64) if const_expr(self.small) else None,
             # bf16 q: the rows' own scales join in consume_tile
-            scale_log2=(mKVScale[0] if const_expr(self.q_bf16) else mQScale[0] * mKVScale[0]) * sm_scale_log2,
-            s_column_max=small_tables[0] if const_expr(self.small) else None,
-            s_head_sum=small_tables[1] if const_expr(self.small) else None,
-            s_column_max_shifted=small_tables[2] if const_expr(self.small) else None,
+            scale_log2=(cta.mKVScale[0] if const_expr(self.q_bf16) else cta.mQScale[0] * cta.mKVScale[0])
+            * cta.sm_scale_log2,
+            s_column_max=cta.small_tables[0] if const_expr(self.small) else None,
+            s_head_sum=cta.small_tables[1] if const_expr(self.small) else None,
+            s_column_max_shifted=cta.small_tables[2] if const_expr(self.small) else None,
             qk_chunks=qk_chunks,
             rope_lo=rope_lo,
-            tables=tables,
+            tables=cta.tables,
         )
 
-        tile_barriers = (mbar_q, mbar_q_empty)
-        epilogue_args = (mSink, mKVScale, mOut, mMaxLogits, mLse, flags)
-        q_source = (mQ, sQ.iterator.toint(), q_row_scale) if const_expr(self.q_bf16) else None
+        tile_barriers = (cta.mbar_q, cta.mbar_q_empty)
+        epilogue_args = (cta.mSink, cta.mKVScale, cta.mOut, cta.mMaxLogits, cta.mLse, cta.flags)
+        q_source = (cta.mQ, cta.sQ.iterator.toint(), cta.q_row_scale) if const_expr(self.q_bf16) else None
         if const_expr(self.persistent):
             pair_base = Int32(0)  # pairs of the CTA's earlier tiles (the producer counts the same)
-            for tile_iter in cutlass.range(tiles.count, unroll=1):
-                work = self.scheduler.work(tiles, tile_iter, 2 * (pair_base + self.q_pairs))
+            for tile_iter in cutlass.range(cta.tiles.count, unroll=1):
+                work = self.scheduler.work(cta.tiles, tile_iter, 2 * (pair_base + self.q_pairs))
                 if const_expr(self.q_bf16):
-                    self.load_q_bf16(c, work, tiles.heads, tile_iter, q_source, mbar_q, mbar_q_empty)
+                    self.load_q_bf16(
+                        c, work, cta.tiles.heads, tile_iter, q_source, cta.mbar_q, cta.mbar_q_empty
+                    )
                 self.reset_tile_state(*tile_state)
                 self.consume_tile(c._replace(work=work), tile_iter, *tile_barriers, epilogue_args, q_source)
                 pair_base += work.num_pairs + self.q_pairs
         else:
-            work = self.scheduler.work(tiles, 0, 2 * self.q_pairs)
+            work = self.scheduler.work(cta.tiles, 0, 2 * self.q_pairs)
             if const_expr(self.q_bf16):
-                self.load_q_bf16(c, work, tiles.heads, 0, q_source, mbar_q, mbar_q_empty)
+                self.load_q_bf16(c, work, cta.tiles.heads, 0, q_source, cta.mbar_q, cta.mbar_q_empty)
                 self.reset_tile_state(*tile_state)
             self.consume_tile(c._replace(work=work), 0, *tile_barriers, epilogue_args, q_source)
 
@@ -1191,833 +925,3 @@ class SparsePrefillSm90(AttentionKernel):
         ``tile_done`` completion ``tile_iter - 1``; nothing to wait for in the CTA's first tile)."""
         if tile_iter > 0:
             TILE_RING.wait(c.mbar_tile_done, tile_iter - 1)
-
-    # ------------------------------------------------------------------------------------
-    @cute.jit
-    def issue_qk(self, c: Consumer, block):
-        """Queue S = Q . K_block^T (one WGMMA group; summed in float32: computed, see ``qk_promoted``,
-        ``qk_paged``; paged V4, S not promoted: the block's rows rescaled first, see ``qk_row_scaled``);
-        returns the block's KV tile (its data has landed)."""
-        ring = c.work.block_base + block
-        tile = self.kv_ring.index(ring)
-        cute.arch.mbarrier_wait(c.mbar_kv_full + tile, self.kv_ring.phase(ring))
-        if const_expr(self.row_scaled):
-            self.qk_row_scaled(c, tile)  # S scaled after the consumer's wait (scale_row_scaled_s)
-        elif const_expr(self.cache is not None):
-            self.qk_paged(c, tile)
-        elif const_expr(self.promote_qk):
-            self.qk_promoted(c, tile)
-        else:
-            self.queue_qk_steps(c, c.acc_s, tile, range(self.d_qk // 32))
-        return tile
-
-    def queue_qk_steps(self, c: Consumer, acc, tile, steps, half=None):
-        """Queue the k-steps ``steps`` of S (or of its N = 32 half ``half``) into ``acc`` as one WGMMA group,
-        the first overwriting."""
-        k_tiles = c.tSrK if half is None else c.qk_chunks[1][half]
-        self.queue_qk_group(c, acc, [(k, k_tiles[None, None, k, tile]) for k in steps], half)
-
-    def queue_qk_group(self, c: Consumer, acc, operands, half=None):
-        """Queue one WGMMA group into ``acc`` (the first k-step overwriting): per ``(q_step, k_operand)`` of
-        ``operands``, Q's k-step ``q_step`` times the K descriptors ``k_operand`` (of S, of its N = 32 half
-        ``half``, or of S^T = K . Q^T for small heads)."""
-        warpgroup.fence()
-        for i, (q_step, k_operand) in enumerate(operands):
-            first = i == 0
-            if half is not None:
-                mma = c.qk_chunks[0][1 if first else 0]
-                cute.gemm(mma, acc, c.tSrQ[None, None, q_step], k_operand, acc)
-            else:
-                mma = c.tiled_mma_qk_first if first else c.tiled_mma_qk
-                if const_expr(self.small):  # S^T = K . Q^T
-                    cute.gemm(mma, acc, k_operand, c.tSrQ[None, None, q_step], acc)
-                else:
-                    cute.gemm(mma, acc, c.tSrQ[None, None, q_step], k_operand, acc)
-        warpgroup.commit_group()
-
-    def qk_promoted(self, c: Consumer, tile):
-        """S = Q . K^T summed in float32 ("accurate", "accurate_logits") from WGMMA groups of
-        ``promotion_ksteps`` k-steps, each started from zero. The first lands in S itself, each later one
-        in the chunk accumulator, waited for and added to S. 64 heads: S in its two N = 32 halves (a 64 x 64
-        chunk accumulator next to O^T serialises the WGMMAs), both halves' first groups queued together.
-        Returns with S complete."""
-        first = range(self.promotion_ksteps)
-        if const_expr(self.small):
-            self.queue_qk_steps(c, c.acc_s, tile, first)
-            self.sum_chunks(c, tile, c.acc_s, None)
-        else:
-            # S's registers of half h are those of columns 32h.. (its 8-column groups 4h..4h+3)
-            part = c.qk_chunks[2]
-            s_half = [cute.make_tensor(c.acc_s.iterator + h * cute.size(part), part.layout) for h in (0, 1)]
-            for h in (0, 1):
-                self.queue_qk_steps(c, s_half[h], tile, first, h)
-            for h in (0, 1):
-                self.sum_chunks(c, tile, s_half[h], h)
-
-    @cute.jit
-    def sum_chunks(self, c: Consumer, tile, total: cute.Tensor, half: cutlass.Constexpr):
-        """``total`` (S, or its N = 32 half ``half``) += each later group of k-steps, one at a time through
-        the chunk accumulator. A loop, not unrolled: unrolled, ptxas keeps the descriptors of several groups
-        in uniform registers, and the producer's share of them no longer holds its tile state (it spills)."""
-        kc = self.promotion_ksteps
-        n = self.d_qk // 32
-        for chunk in cutlass.range(1, n // kc, unroll=1):
-            self.add_group(c, tile, total, [chunk * kc + j for j in range(kc)], half)
-        if const_expr(n % kc):  # the last, shorter group
-            self.add_group(c, tile, total, range(n - n % kc, n), half)
-
-    def add_group(self, c: Consumer, tile, total, steps, half):
-        """``total`` += the k-steps ``steps`` of S (or of its half ``half``), one WGMMA group into the chunk
-        accumulator, waited for."""
-        part = c.qk_chunks[2]
-        self.queue_qk_steps(c, part, tile, steps, half)
-        warpgroup.wait_group(0)
-        add_into(total, part)
-
-    def qk_row_scaled(self, c: Consumer, tile):
-        """Paged rows of power-of-two scales (V4 with S not promoted, V4.1): this warpgroup rescales the
-        block's rows to one power-of-two scale each (``convert_row``), then queues S = Q . K''^T over every
-        k-step and a bf16 RoPE's lo terms as one WGMMA group (V4.1 with S promoted: ``qk_promoted``, S
-        complete on return); after its wait, ``scale_row_scaled_s`` multiplies each slot's S by its scale."""
-        geo = self.cache
-        convert_row(geo, c.tables, c.sK_base + tile * self.k_tile_bytes, tile, c.warp * 32 + c.lane)
-        cute.arch.fence_proxy("async.shared", space="cta")  # the stores, seen by the WGMMAs
-        cute.arch.barrier(
-            barrier_id=int(NamedBarrierFp8.RopeConverted0) + c.index, number_of_threads=THREADS_PER_WG
-        )
-        if const_expr(self.promote_qk):
-            self.qk_promoted(c, tile)
-        else:
-            operands = [(k, c.tSrK[None, None, k, tile]) for k in range(self.d_qk // 32)]
-            if const_expr(self.bf16_rope):
-                rope = geo.rope_column * 2  # the RoPE's first k-step
-                operands += [(rope + j, c.rope_lo[None, None, j, tile]) for j in range(2)]
-            self.queue_qk_group(c, c.acc_s, operands)
-
-    def s_rows(self, c: Consumer, tile):
-        """Small heads: the [tile][slot] table entries (their indices) of this thread's rows of S^T, slots
-        16w + g + 8r of block tile ``tile``, r = 0, 1."""
-        return [tile * B_TOPK + c.warp * 16 + c.quad_row + 8 * r for r in range(2)]
-
-    def slot_pair(self, c: Consumer, table, tile, j):
-        """The float32 entries of ``table`` ([tile][slot]) for this thread's columns 8j + 2t and 8j + 2t + 1
-        of block tile ``tile``."""
-        return ptx.ld_shared_v2_f32(table + (tile * B_TOPK + 8 * j + 2 * c.quad_lane) * 4)
-
-    def scale_row_scaled_s(self, c: Consumer, tile):
-        """Paged rows rescaled, S complete: each slot's S times its row scale 2^E (``convert_row``)."""
-        self.scale_slots(c, c.acc_s, None, tile, ROW_SCALE, 0, True)
-
-    def qk_paged(self, c: Consumer, tile):
-        """S = Q . K^T from a paged cache's block tile (``paged_rows``): sum over the scale groups g of
-        sigma[slot, g] * (Q_g . K_g^T), summed in float32 from WGMMA groups of ``paged_chunk_ksteps`` k-steps
-        (a scale group, or promoted at most ``PAGED_ACCURATE_CHUNK_KSTEPS`` of it; 64 heads: S in
-        its two N = 32 halves, as ``qk_promoted``; small heads: S^T whole), the RoPE a last group of its two
-        e4m3 terms with its row scales. The first chunk lands in S while this warpgroup converts the block's
-        staged RoPE (``convert_rope``). Returns with S complete."""
-        geo = self.cache
-        part = c.qk_chunks[2]
-        halves = [None]  # small heads: S^T, one chunk accumulator its shape
-        s_parts = [c.acc_s]
-        if const_expr(not self.small):
-            halves = [0, 1]
-            s_parts = [cute.make_tensor(c.acc_s.iterator + h * cute.size(part), part.layout) for h in halves]
-        for h, s_part in zip(halves, s_parts, strict=True):
-            self.queue_qk_steps(c, s_part, tile, range(self.paged_chunk_ksteps), h)
-        convert_rope(
-            geo,
-            c.tables,
-            c.sK_base + tile * self.k_tile_bytes + geo.rope_column * TILE_ROW_GROUP_BYTES,
-            tile,
-            c.warp * 32 + c.lane,
-        )
-        cute.arch.fence_proxy("async.shared", space="cta")  # the stores, seen by the WGMMAs
-        cute.arch.barrier(
-            barrier_id=int(NamedBarrierFp8.RopeConverted0) + c.index, number_of_threads=THREADS_PER_WG
-        )
-        warpgroup.wait_group(0)
-        for h, s_part in zip(halves, s_parts, strict=True):
-            self.scale_slots(c, s_part, None, tile, 0, h, True)
-        for h, s_part in zip(halves, s_parts, strict=True):
-            self.sum_scale_groups(c, tile, s_part, h)
-        # Every QK WGMMA of the block has completed (each half's last wait): its V bytes to their rows' 2^E,
-        # read by the PV products after the block's p_full.
-        rescale_v_row(geo, c.tables, c.sK_base + tile * self.k_tile_bytes, tile, c.warp * 32 + c.lane)
-
-    @cute.jit
-    def sum_scale_groups(self, c: Consumer, tile, total: cute.Tensor, half: cutlass.Constexpr):
-        """Paged: ``total`` (S's N = 32 half ``half``; small heads: S^T, ``half`` None) += sigma * each later
-        chunk's product, then the RoPE's, one at a time through the chunk accumulator (a loop, as
-        ``sum_chunks``)."""
-        geo = self.cache
-        part = c.qk_chunks[2]
-        chunk_ksteps = self.paged_chunk_ksteps
-        chunks_per_group = geo.group_ksteps // chunk_ksteps
-        for chunk in cutlass.range(1, geo.groups * chunks_per_group, unroll=1):
-            self.queue_qk_steps(c, part, tile, [chunk * chunk_ksteps + j for j in range(chunk_ksteps)], half)
-            warpgroup.wait_group(0)
-            self.scale_slots(c, total, part, tile, chunk // chunks_per_group, half, False)
-        # The RoPE: its hi term in the block tile's RoPE column, its lo term in the staging tile
-        rope = geo.rope_column * 2  # its first k-step
-        k_tiles = c.tSrK if const_expr(half is None) else c.qk_chunks[1][half]
-        lo_tiles = c.qk_chunks[3] if const_expr(half is None) else c.qk_chunks[3][half]
-        operands = [(rope + j, k_tiles[None, None, rope + j, tile]) for j in range(2)]
-        operands += [(rope + j, lo_tiles[None, None, j, tile]) for j in range(2)]
-        self.queue_qk_group(c, part, operands, half)
-        warpgroup.wait_group(0)
-        self.scale_slots(c, total, part, tile, geo.groups, half, False)
-
-    def scale_slots(self, c: Consumer, total, part, tile, group, half, first: bool):
-        """Paged: ``total`` += sigma[slot, group] * ``part`` per element (``first``: ``total`` = sigma *
-        ``total``), the slot of an element its column (64 heads: S's N = 32 half ``half``) or its row (small
-        heads: S^T); ``group`` == the cache's ``groups``: the RoPE's row scales."""
-        if const_expr(self.small):  # rows 16w + g + 8r: element e + 2r + 4j
-            slots = [c.warp * 16 + c.quad_row + 8 * r for r in range(2)]
-            scale_slots(self.cache, c.tables, total, part, tile, group, slots, lambda i: (i // 2) % 2, first)
-        else:  # columns 32 half + 8j + 2t + e: element e + 2r + 4j
-            slots = [
-                32 * half + 8 * j + 2 * c.quad_lane + e
-                for j in range(cute.size(total) // 4)
-                for e in range(2)
-            ]
-            scale_slots(
-                self.cache, c.tables, total, part, tile, group, slots, lambda i: (i // 4) * 2 + i % 2, first
-            )
-
-    @cute.jit
-    def softmax_own(self, c: Consumer, block, block_maxima):
-        """Softmax of an own block: m_block from m_{block-1} (published by the other consumer)
-        and the block's maxima, then P = e4m3(2^7 exp2(S - m_block)) with m_block, alpha_block
-        and the moved flag, published by ``p_full``; accumulates this consumer's row sums. Small heads:
-        returns the moved flag (warp-uniform: every warp holds every head's maxima); else 0.
-        Paged: ``block_maxima`` is (the maxima of y = x + E_s, those of the logits x); the
-        running max, alpha and P are y's (P = e4m3(2^7 exp2(x - m_block) 2^E_s)), the row sums and
-        ``max_logits`` x's, so that O = sum P V'' has V's own scale."""
-        ring = c.work.block_base + block  # the block's ring position (buffers, phases, moved flag)
-        buffer = self.kv_ring.index(ring)
-        true_maxima = block_maxima
-        p_scales = None  # paged: the 2^E of this thread's columns 8j + 2t + e, e = 0, 1, by j
-        if const_expr(self.p_carries_row_scale):
-            block_maxima, true_maxima = block_maxima
-            if const_expr(self.small):  # this thread's rows (slots) of S^T, r = 0, 1
-                p_scales = [ptx.ld_shared_f32(c.tables.row_scale + row * 4) for row in self.s_rows(c, buffer)]
-            else:
-                p_scales = functools.partial(self.slot_pair, c, c.tables.row_scale, buffer)
-        # S is still unscaled when the scale is positive (see mask_and_row_max).
-        row_scales = c.scale_log2
-        if const_expr(not isinstance(c.scale_log2, tuple)):
-            row_scales = (c.scale_log2,) * self.rows_per_thread
-        tile_addr = c.sP_base + buffer * (self.b_h * B_TOPK)  # the hi term's tile
-        prev_buffer = self.kv_ring.index_before(ring)
-        if block > 0:
-            cute.arch.mbarrier_wait(c.mbar_p_full + prev_buffer, self.kv_ring.phase(ring - 1))
-        moved = False
-        exponents = []  # small heads: (logit scale, bias) per head, for the P^T stores after the loop
-        for r in cutlass.range_constexpr(self.rows_per_thread):
-            row = self.softmax_row(c, r)
-            max_prev = -Float32.inf
-            if block > 0:
-                max_prev = c.s_max_used[prev_buffer, row]
-            c.row_max_true[r] = cute.arch.fmax(c.row_max_true[r], true_maxima[r])
-            # Lazy max: move only when the block's max exceeds it by more than the threshold (compared as a
-            # difference: at logits of 2^22 and more, max_prev + threshold would round to max_prev).
-            max_used = max_prev
-            alpha = Float32(1.0)
-            rises = block_maxima[r] - max_prev > RESCALE_THRESHOLD
-            if rises:
-                alpha = cute.math.exp2(max_prev - block_maxima[r], fastmath=True)
-                max_used = block_maxima[r]
-            moved = moved | rises
-            if max_used != c.row_max_own[r]:  # bring this consumer's sum to the new max
-                c.row_sum[r] = c.row_sum[r] * cute.math.exp2(c.row_max_own[r] - max_used, fastmath=True)
-                c.row_max_own[r] = max_used
-            if self.writes_row(c):
-                c.s_max_used[buffer, row] = max_used
-                c.s_alpha[buffer, row] = alpha
-            # Exponent offset: 2^7 folded in; a row with no valid slot so far (max -inf) uses 0.
-            bias = (max_used if max_used != -Float32.inf else Float32(0.0)) - P_SCALE_LOG2
-            logit_scale = row_scales[r] if row_scales[r] > 0.0 else Float32(1.0)
-            if const_expr(self.small):
-                exponents.append((logit_scale, bias))
-            else:
-                block_sum = self.exp_and_store_p(c, r, row, logit_scale, bias, tile_addr, p_scales)
-                c.row_sum[r] = c.row_sum[r] + block_sum
-        if const_expr(self.small):
-            self.exp_and_store_p_transposed(c, exponents, tile_addr, p_scales)
-        if moved:
-            c.s_moved[buffer] = ring  # any thread: some row's max moved at this block
-        cute.arch.fence_proxy("async.shared", space="cta")
-        cute.arch.mbarrier_arrive(c.mbar_p_full + buffer)
-        own_moved = Int32(0)
-        if const_expr(self.small):
-            own_moved = cute.arch.make_warp_uniform(Int32(cute.arch.vote_any_sync(moved)))
-        return own_moved
-
-    def softmax_row(self, c: Consumer, r):
-        """The row (head) of this thread's softmax state entry ``r``: accumulator row 16w + g + 8r; small
-        heads: column 8j + 2t + e of S^T for r = 2j + e."""
-        if const_expr(self.small):
-            return 8 * (r // 2) + 2 * c.quad_lane + r % 2
-        return accumulator_row(c.warp, c.quad_row, r)
-
-    def writes_row(self, c: Consumer):
-        """Whether this thread writes its rows' entries of the shared softmax tables (one thread per row:
-        the quad's first; small heads: those of quad row 0 in warp 0)."""
-        if const_expr(self.small):
-            return (c.warp == 0) & (c.quad_row == 0)
-        return c.quad_lane == 0
-
-    @cute.jit
-    def exp_and_store_p_transposed(self, c: Consumer, exponents, tile_addr, p_scales=None):
-        """Small heads: p = 2^(S^T * scale - bias) of the head's ``exponents`` entry, added to the head's
-        row sum and stored as P^T [head][slot] in e4m3 (two terms: the lo tile after the hi one),
-        times its slot's ``p_scales`` entry (this thread's rows r = 0, 1) when given.
-
-        The slot order inside a 32-slot k-step is the 64-head kernel's (``load_v_fragment``): position
-        4t + b holds slot [2t, 2t + 1, 8 + 2t, 9 + 2t][b], position + 16 slot + 16. This thread's slots
-        16w + g + 8r (r = 0, 1) sit in word g // 2 of chunk w of a head's row, beside those of quad row
-        g ^ 1 (lane ^ 4): the two lanes swap one head's pair by a shuffle, and each stores one head's
-        whole word (even g: head 8j + 2t, odd g: 8j + 2t + 1), one 32-bit store per term."""
-        odd = (c.lane >> 2) & 1  # g % 2
-        word_offset = (c.lane >> 3) << 2  # 4 (g // 2)
-        for j in cutlass.range_constexpr(self.b_h // 8):
-            p = []
-            for e in cutlass.range_constexpr(2):
-                logit_scale, bias = exponents[2 * j + e]
-                for r in cutlass.range_constexpr(2):
-                    p.append(exp2_relative(c.acc_s[e + 2 * r + 4 * j], logit_scale, bias))
-                c.row_sum[2 * j + e] = c.row_sum[2 * j + e] + (p[2 * e] + p[2 * e + 1])
-            if const_expr(p_scales is not None):  # p[2e + r]: row r's slot
-                p = [p[k] * p_scales[k % 2] for k in range(4)]
-            # words[term]: bytes [head 2t: slot g, g + 8; head 2t + 1: slot g, g + 8]
-            if const_expr(self.p_terms == 1):
-                words = (ptx.pack_e4m3x4(p[0], p[1], p[2], p[3]),)
-            else:
-                words = ptx.split_e4m3x4_from_f16x2(ptx.pack_f16x2(p[0], p[1]), ptx.pack_f16x2(p[2], p[3]))
-            # The bytes of the other lane's head (its e is 1 - this lane's), of the hi term then the lo term;
-            # then this lane's word per term: its own bytes and the received ones, slot g (even lane) first.
-            lo_term = words[self.p_terms - 1]
-            sent = ptx.prmt(words[0], lo_term, 0x5410) if odd == 1 else ptx.prmt(words[0], lo_term, 0x7632)
-            received = Uint32(cute.arch.shuffle_sync_bfly(Int32(sent), offset=4))
-            head = 8 * j + 2 * c.quad_lane + odd
-            addr = tile_addr + swizzle_offset(head, c.warp, SW64_TILE_COLS) + word_offset
-            for term in cutlass.range_constexpr(self.p_terms):
-                own = words[term]
-                if const_expr(term == 0):
-                    word = ptx.prmt(own, received, 0x3524) if odd == 1 else ptx.prmt(own, received, 0x5140)
-                else:
-                    word = ptx.prmt(own, received, 0x3726) if odd == 1 else ptx.prmt(own, received, 0x7160)
-                ptx.st_shared_u32(addr + term * self.p_term_bytes, word)
-
-    @cute.jit
-    def exp_and_store_p(self, c: Consumer, r, row, logit_scale, bias, tile_addr, p_scales=None):
-        """Row ``r`` of this thread's S (left unchanged): p = 2^(S * scale - bias) in f32, stored as
-        e4m3 P (one term; two terms: rounded to f16, then the terms hi = e4m3(p) and lo = e4m3(p - hi),
-        the lo tile ``p_term_bytes`` after the hi one), times its column's scale when ``p_scales`` (j -> the
-        scales of columns 8j + 2t, 8j + 2t + 1) is given; returns the sum of the 16 p (in f32).
-
-        Slot order inside a 32-slot k-step (sigma): k = 4t + b holds slot
-        [2t, 2t+1, 8+2t, 9+2t][b] and k + 16 holds slot + 16 -- the order that ldmatrix.trans +
-        prmt give the V^T fragment. This thread's S columns 8j + 2t + e therefore land in two
-        4-byte words per 32-slot group."""
-        block_sum = Float32(0.0)
-        for kstep in cutlass.range_constexpr(2):
-            for half in cutlass.range_constexpr(2):
-                j0 = 4 * kstep + 2 * half
-                columns = (2 * r + 4 * j0, 1 + 2 * r + 4 * j0, 2 * r + 4 * j0 + 4, 1 + 2 * r + 4 * j0 + 4)
-                p = [exp2_relative(c.acc_s[i], logit_scale, bias) for i in columns]
-                block_sum += (p[0] + p[1]) + (p[2] + p[3])
-                if const_expr(p_scales is not None):  # columns 8 j0 + 2t + e, then 8 (j0 + 1) + 2t + e
-                    scales = p_scales(j0) + p_scales(j0 + 1)
-                    p = [p[k] * scales[k] for k in range(4)]
-                if const_expr(self.p_terms == 1):
-                    words = (ptx.pack_e4m3x4(p[0], p[1], p[2], p[3]),)
-                else:
-                    words = ptx.split_e4m3x4_from_f16x2(
-                        ptx.pack_f16x2(p[0], p[1]), ptx.pack_f16x2(p[2], p[3])
-                    )
-                addr = tile_addr + swizzle_offset(row, 2 * kstep + half, SW64_TILE_COLS) + 4 * c.quad_lane
-                ptx.st_shared_u32(addr, words[0])
-                if const_expr(self.p_terms == 2):
-                    ptx.st_shared_u32(addr + self.p_term_bytes, words[1])
-        return block_sum
-
-    @cute.jit
-    def rescale_o(self, c: Consumer, buffer):
-        """O^T *= alpha of P buffer ``buffer`` per head (column 8j + 2t + e); skipped when the
-        warp's alphas are all 1."""
-        alpha_cols = cute.make_rmem_tensor((self.b_h // 4,), Float32)
-        needed = False
-        for j in cutlass.range_constexpr(self.b_h // 8):
-            for e in cutlass.range_constexpr(2):
-                alpha_cols[2 * j + e] = c.s_alpha[buffer, 8 * j + 2 * c.quad_lane + e]
-                needed = needed | (alpha_cols[2 * j + e] != 1.0)
-        if cute.arch.make_warp_uniform(Int32(cute.arch.vote_any_sync(needed))) != 0:
-            for mt in cutlass.range_constexpr(D_TILES_PER_CONSUMER):
-                for j in cutlass.range_constexpr(self.b_h // 8):
-                    for r in cutlass.range_constexpr(2):
-                        for e in cutlass.range_constexpr(2):
-                            i = e + 2 * r + 4 * j
-                            c.acc_o[mt][i] = c.acc_o[mt][i] * alpha_cols[2 * j + e]
-
-    @cute.jit
-    def accumulate_pv(self, c: Consumer, prev, own, own_moved):
-        """O^T += V^T . P^T over block ``prev`` (the other consumer's; none when < 0) and block
-        ``own`` (none when past the tile's last block), each after its O rescale (small heads: ``own``'s
-        moved flag is ``own_moved``, from ``softmax_own``)."""
-        has_prev = prev >= 0
-        has_own = own < c.work.num_blocks
-        prev = c.work.block_base + prev  # ring positions from here on
-        own = c.work.block_base + own
-        split = Int32(0)
-        if has_prev:
-            prev_buffer = self.kv_ring.index(prev)
-            phase = self.kv_ring.phase(prev)
-            cute.arch.mbarrier_wait(c.mbar_p_full + prev_buffer, phase)  # P, m, alpha of prev
-            cute.arch.mbarrier_wait(c.mbar_kv_full + prev_buffer, phase)  # its cp.async writes
-            if c.s_moved[prev_buffer] == prev:
-                warpgroup.wait_group(0)  # nothing in flight; tells ptxas O is settled (else C7515)
-                self.rescale_o(c, prev_buffer)
-            if has_own:
-                # Own P is this warpgroup's: wait for all of it (and the moved flag).
-                self.kv_ring.wait(c.mbar_p_full, own)
-                if const_expr(self.small):
-                    split = own_moved
-                else:
-                    split = cute.arch.make_warp_uniform(Int32(c.s_moved[self.kv_ring.index(own)] == own))
-        if has_prev & has_own & (split == 0):
-            self.pv_run(c, (prev, own))
-            self.kv_ring.arrive(c.mbar_kv_empty, prev)
-            self.kv_ring.arrive(c.mbar_kv_empty, own)
-        else:
-            if has_prev:
-                self.pv_run(c, (prev,))
-                self.kv_ring.arrive(c.mbar_kv_empty, prev)
-                warpgroup.wait_group(0)  # drained inside this branch (else ptxas serialises: C7512)
-            if has_own:
-                if split != 0:  # own block moved the max: rescale between the two products
-                    self.rescale_o(c, self.kv_ring.index(own))
-                self.pv_run(c, (own,))
-                self.kv_ring.arrive(c.mbar_kv_empty, own)
-
-    @cute.jit
-    def pv_run(self, c: Consumer, blocks):
-        """Queue O^T += V^T . P^T over ``blocks`` (ring positions, one or two) for the 4 d tiles of
-        this consumer's half, one WGMMA group each, at most ``pv_groups_in_flight`` in flight (as many A
-        fragments live)."""
-        in_flight = self.pv_groups_in_flight
-        for mt in cutlass.range_constexpr(D_TILES_PER_CONSUMER):
-            if const_expr(mt >= in_flight):
-                warpgroup.wait_group(in_flight - 1)  # the PV in_flight d tiles back has read its A fragment
-            self.issue_pv(c, mt, blocks)
-
-    @cute.jit
-    def issue_pv(self, c: Consumer, mt, blocks):
-        """Load the V^T A fragment of d tile ``mt`` (of this consumer's half) for ``blocks`` (one
-        or two, 2 k-steps each) with ldmatrix.trans + prmt and queue their k-steps (one WGMMA
-        group)."""
-        # A fresh fragment per call (not a buffer carried through the loop: the single-block calls
-        # would carry the unused half, live, through every step).
-        frag = cute.make_rmem_tensor(c.thr_mma_pv.partition_shape_A((64, B_TOPK * len(blocks))), Float8E4M3FN)
-        words = cute.recast_tensor(frag, Uint32)
-        d_tile = c.index * D_TILES_PER_CONSUMER + mt  # 64-column tile of d (0..7)
-        for i, block in enumerate(blocks):
-            tile_base = (
-                c.sK_base + self.kv_ring.index(block) * self.k_tile_bytes + d_tile * TILE_ROW_GROUP_BYTES
-            )
-            for half in cutlass.range_constexpr(2):
-                self.load_v_fragment(words, 2 * i + half, tile_base, half, c.warp, c.lane)
-        warpgroup.fence()
-        for i, block in enumerate(blocks):
-            for half in cutlass.range_constexpr(2):
-                for term in cutlass.range_constexpr(self.p_terms):
-                    cute.gemm(
-                        c.tiled_mma_pv,
-                        c.acc_o[mt],
-                        frag[None, None, 2 * i + half],
-                        c.tOrP[None, None, half, term * NUM_KV_TILES + self.kv_ring.index(block)],
-                        c.acc_o[mt],
-                    )
-        warpgroup.commit_group()
-
-    @cute.jit
-    def load_v_fragment(self, words, ks, tile_base, half, warp, lane):
-        """k-step ``ks`` of the V^T A fragment, slots 32 * ``half`` .. + 31 of the block tile at
-        ``tile_base`` (one d tile): one ldmatrix.x4.trans + 4 prmt.
-
-        Lane L addresses row (slot) L of the four 8x8 b16 matrices (slots 32*half + 8i + L%8, the
-        16 d bytes of this warp). Thread (g, t) receives, per matrix, bytes
-        [V[2t][2g], V[2t][2g+1], V[2t+1][2g], V[2t+1][2g+1]]; the permutes gather the e4m3 A
-        registers a0 = (d 2g, slots 2t, 2t+1, 8+2t, 9+2t), a1 = the same for d 2g+1, and a2, a3 for
-        slots + 16."""
-        addr = tile_base + swizzle_offset(half * 32 + lane, warp, SW64_TILE_COLS)
-        m0, m1, m2, m3 = ptx.ldmatrix_x4_trans(addr)
-        words[4 * ks + 0] = ptx.prmt(m0, m1, 0x6420)
-        words[4 * ks + 1] = ptx.prmt(m0, m1, 0x7531)
-        words[4 * ks + 2] = ptx.prmt(m2, m3, 0x6420)
-        words[4 * ks + 3] = ptx.prmt(m2, m3, 0x7531)
-
-    @cute.jit
-    def publish_row_stats(self, c: Consumer):
-        """After this consumer's last own softmax (or when it owns no block): its row sums (relative
-        to its last own max), that max and the exact row maxima, for both consumers' epilogues;
-        signals them without waiting: named barrier ``NamedBarrierFp8.StatsPublished0 + c``
-        (arrive), persistent: an arrival on ``stats_full[c]``."""
-        tables = ((c.s_max_own, c.row_max_own), (c.s_max_true, c.row_max_true))
-        if const_expr(self.small):
-            self.publish_head_stats(c, tables)
-        else:
-            publish_row_stats(c.row_sum, c.s_row_sum, tables, c.warp, c.quad_row, c.quad_lane, c.index)
-        if const_expr(self.persistent):
-            cute.arch.mbarrier_arrive(c.mbar_stats_full + c.index)
-        else:
-            cute.arch.barrier_arrive(
-                barrier_id=int(NamedBarrierFp8.StatsPublished0) + c.index, number_of_threads=CONSUMER_THREADS
-            )
-
-    @cute.jit
-    def publish_head_stats(self, c: Consumer, tables):
-        """Small heads: per head of this thread, the warp's total of ``row_sum`` (over its eight quad rows)
-        into ``s_head_sum[head, 4 c + warp]``, and each ``(s_table, values)`` entry into
-        ``s_table[head, c]`` (warp 0's quad row 0)."""
-        for r in cutlass.range_constexpr(self.rows_per_thread):
-            head = self.softmax_row(c, r)
-            total = c.row_sum[r]
-            for offset in (4, 8, 16):
-                total += cute.arch.shuffle_sync_bfly(total, offset=offset)
-            if c.quad_row == 0:
-                c.s_head_sum[head, c.index * WARPS_PER_WG + c.warp] = total
-                if c.warp == 0:
-                    for s_table, values in tables:
-                        s_table[head, c.index] = values[r]
-
-    @cute.jit
-    def final_row_stats(self, c: Consumer, row, last_buffer):
-        """Row (small heads: head) ``row``'s m_final, the max that the P of the tile's last block (in P buffer
-        ``last_buffer``) is relative to, and its sum of 2^7 P over all slots relative to m_final: both
-        consumers' parts (small heads: each the sum of its warps' parts), in the same order in both
-        consumers, so both get the same result."""
-        max_used = -Float32.inf
-        if c.work.num_blocks > 0:
-            max_used = c.s_max_used[last_buffer, row]
-        scaled_sum = Float32(0.0)
-        for k in cutlass.range_constexpr(2):
-            if const_expr(self.small):
-                part = c.s_head_sum[row, k * WARPS_PER_WG]
-                for w in cutlass.range_constexpr(1, WARPS_PER_WG):
-                    part += c.s_head_sum[row, k * WARPS_PER_WG + w]
-            else:
-                part = c.s_row_sum[row, k]
-            if c.s_max_own[row, k] != max_used:
-                part = part * cute.math.exp2(c.s_max_own[row, k] - max_used, fastmath=True)
-            scaled_sum += part
-        return max_used, scaled_sum
-
-    @cute.jit
-    def small_head_scale(self, c: Consumer, rows, kv_scale, flags, mSink, mMaxLogits, mLse):
-        """Small heads, threads 0 .. heads - 1 of each consumer: the output scale of head ``thread`` into
-        ``s_out_scale[head, c]``; consumer 0 writes its max_logits and lse."""
-        head = c.warp * 32 + c.lane
-        if head < self.b_h:
-            last_buffer = self.kv_ring.index_before(c.work.block_base + c.work.num_blocks)
-            max_used, scaled_sum = self.final_row_stats(c, head, last_buffer)
-            c.s_out_scale[head, c.index] = output_scale(
-                scaled_sum, max_used, kv_scale, flags, mSink, head, P_SCALE_LOG2
-            )
-            if c.index == 0:
-                write_max_logits_lse(
-                    mMaxLogits,
-                    mLse,
-                    rows.q_row + head,
-                    scaled_sum,
-                    max_used,
-                    c.s_max_true,
-                    head,
-                    P_SCALE_LOG2,
-                )
-
-    @cute.jit
-    def epilogue(self, c: Consumer, tile_iter, mSink, mKVScale, mOut, mMaxLogits, mLse, flags):
-        """Normalise O, apply kv_scale and the sink, write out (bf16), max_logits and lse of the CTA's
-        tile ``tile_iter`` (split: this part's result, merged with the other parts' by ``merge_parts``)."""
-        kv_scale = mKVScale[0]
-        scale_flags = flags
-        if const_expr(self.split):
-            scale_flags = flags & ~SINK_FLAG  # a part's scales normalise over its range; the merge adds sinks
-            self.open_merge(c)
-        # O (both halves) is relative to the last block's max, m_final; both consumers waited for
-        # the last block's p_full in their last step. The other consumer published its row
-        # statistics after its last own softmax (``publish_row_stats``), usually while this one
-        # still ran PV, so the first consumer to finish writes its half of out while the other
-        # runs its last PV.
-        if const_expr(self.persistent):
-            # Both consumers' statistics of the tile: the own ones were written by the quads' first
-            # threads, read here by all four.
-            TILE_RING.wait(c.mbar_stats_full + (1 - c.index), tile_iter)
-            TILE_RING.wait(c.mbar_stats_full + c.index, tile_iter)
-        else:
-            cute.arch.barrier(
-                barrier_id=int(NamedBarrierFp8.StatsPublished1) - c.index, number_of_threads=CONSUMER_THREADS
-            )
-        # Computed here, from the tile index: nothing of it is live during the tile's blocks.
-        rows = self.scheduler.rows(c.work.tile, plain_int32(cute.size(mOut, mode=[1])))
-        if const_expr(self.small):
-            self.small_head_scale(c, rows, kv_scale, flags, mSink, mMaxLogits, mLse)
-        else:
-            self.row_scale(c, rows, kv_scale, scale_flags, mSink, mMaxLogits, mLse)
-        cute.arch.barrier(
-            barrier_id=int(NamedBarrierFp8.ScaleReady0) + c.index, number_of_threads=THREADS_PER_WG
-        )
-        if const_expr(self.split):
-            self.merge_parts(c, rows, flags, mSink, mOut, mMaxLogits, mLse, kv_scale)
-        else:
-            self.store_out(c, rows, mOut)
-
-    @cute.jit
-    def store_out(self, c: Consumer, rows, mOut):
-        """This consumer's half of out: O^T times the rows' output scales, in bf16."""
-
-        out_base = mOut.iterator.toint()
-        out_bytes = mOut.element_type.width // 8
-        # This thread's heads 8j + 2t + e of the tile; those below head_rows are the token's (the others
-        # are not stored: predicated stores, no branches).
-        own_rows = rows.head_rows - 2 * c.quad_lane
-        for j in cutlass.range_constexpr(self.b_h // 8):
-            for e in cutlass.range_constexpr(2):
-                head = 8 * j + 2 * c.quad_lane + e
-                scale = c.s_out_scale[head, c.index]
-                row_addr = out_base + Int64(rows.q_row + head) * (D_V * out_bytes)
-                store = None if const_expr(self.small) else Int32(8 * j + e < own_rows)
-                for mt in cutlass.range_constexpr(D_TILES_PER_CONSUMER):
-                    d = (c.index * D_TILES_PER_CONSUMER + mt) * 64 + c.warp * 16 + 2 * c.quad_row
-                    lo, hi = c.acc_o[mt][e + 4 * j] * scale, c.acc_o[mt][e + 2 + 4 * j] * scale
-                    ptx.st_global_u32(row_addr + d * out_bytes, ptx.pack_bf16x2(lo, hi), store)
-
-    @cute.jit
-    def publish_part_stats(self, c: Consumer, row, scaled_sum, max_used):
-        """Split: this part's (max_logits, lse) of ``row`` into row ``row`` of its statistics table in every
-        part (itself included), counted on their ``merge_full``."""
-        part = cute.arch.block_idx()[1]
-        splits = cute.arch.grid_dim()[1]
-        stats = max_logits_and_lse(scaled_sum, max_used, c.s_max_true, row, P_SCALE_LOG2)
-        address = c.sK_base + SPLIT_STATS_OFFSET + (part * B_H + row) * 8
-        for p in cutlass.range_constexpr(max(SPLIT_PARTS)):
-            if p < splits:
-                ptx.st_async_cluster(address, c.mbar_merge_full.toint(), p, stats)
-
-    @cute.jit
-    def open_merge(self, c: Consumer):
-        """Split, the epilogue's start: once this CTA's loop and copies are done (``RingFree``, with the
-        producer), its KV tiles may receive the other parts' results: tell them (one arrival each on their
-        ``peers_free``), expect their bytes on ``merge_full``, and wait until theirs are free too."""
-        cute.arch.barrier(barrier_id=int(NamedBarrierFp8.RingFree), number_of_threads=NUM_THREADS)
-        cute.arch.cluster_wait()  # every CTA of the cluster has initialised its barriers
-        part = cute.arch.block_idx()[1]
-        splits = cute.arch.grid_dim()[1]
-        if c.index == 0:
-            if c.warp == 0:
-                if c.lane == 0:
-                    for p in cutlass.range_constexpr(max(SPLIT_PARTS)):
-                        if p < splits:
-                            if p != part:
-                                ptx.mbarrier_arrive_cluster(c.mbar_peers_free.toint(), p)
-                    for n in cutlass.range_constexpr(len(SPLIT_PARTS)):
-                        if splits == SPLIT_PARTS[n]:
-                            fragments = fragments_received(SPLIT_PARTS[n])
-                            received = fragments * FRAGMENT_BYTES + SPLIT_PARTS[n] * SPLIT_STATS_BYTES
-                            cute.arch.mbarrier_arrive_and_expect_tx(c.mbar_merge_full, received)
-        ptx.mbarrier_wait_cluster(c.mbar_peers_free.toint(), 0)
-
-    @cute.jit
-    def merge_parts(self, c: Consumer, rows, flags, mSink, mOut, mMaxLogits, mLse, kv_scale):
-        """Split: the tile's result from its parts' (one per CTA of the cluster, ``splits`` of them).
-
-        Each part has published its (max_logits, lse) per row, over its range and without the sink, to
-        every part (``row_scale``). Each d tile of O^T has its owner part (``d_tile_owner``): the other parts
-        store their O^T fragments of it, times their output scales (normalised over their ranges) over
-        kv_scale, in f16, into the owner's KV tiles, where the thread of the same consumer and index reads
-        them. Over the parts with a valid slot, in part order (the same bits on every run):
-        L = max lse_p, t = sum exp(lse_p - L), out = sum exp(lse_p - L) / (t + exp(sink - L)) out_p,
-        lse = L + log t, max_logits = max max_logits_p; a row without a valid slot: out 0, -inf, +inf.
-
-        The exchange and the merge are compiled once per (splits, part), selected by one uniform branch:
-        with both known, the d tiles, senders and addresses are constants and the loops have no branches
-        (with 8 parts they depend on the consumer: one uniform branch more)."""
-        inv_kv_scale = 1.0 / kv_scale
-        self.for_this_part(lambda splits, part: self.send_fragments(c, splits, part, inv_kv_scale))
-        ptx.mbarrier_wait_cluster(c.mbar_merge_full.toint(), 0)  # every part's statistics and fragments
-        if c.index == 0:
-            if c.warp < B_H // 32:  # one thread per row: its parts' weights
-                self.merge_weights(c, c.warp * 32 + c.lane, rows, flags, mSink, mMaxLogits, mLse)
-        cute.arch.barrier(barrier_id=int(NamedBarrierFp8.WeightsReady), number_of_threads=CONSUMER_THREADS)
-        self.for_this_part(lambda splits, part: self.merge_owned_tiles(c, rows, mOut, splits, part, kv_scale))
-
-    @cute.jit
-    def for_this_part(self, body):
-        """Split: ``body(splits, part)`` with this CTA's part count and part as compile-time values, one
-        specialised copy per (splits, part) behind one uniform branch on the launch's values; with 8 parts one
-        copy, the part a run-time value (each part merges one d tile, all of it from shared memory)."""
-        part = cute.arch.block_idx()[1]
-        splits = cute.arch.grid_dim()[1]
-        for n in cutlass.range_constexpr(len(SPLIT_PARTS)):
-            if splits == SPLIT_PARTS[n]:
-                if const_expr(SPLIT_PARTS[n] > D_TILES_PER_CONSUMER):
-                    body(SPLIT_PARTS[n], part)
-                else:
-                    for p in cutlass.range_constexpr(SPLIT_PARTS[n]):
-                        if part == p:
-                            body(SPLIT_PARTS[n], p)
-
-    @cute.jit
-    def send_fragments(self, c: Consumer, splits: cutlass.Constexpr, part, inv_kv_scale):
-        """Split, part ``part`` of ``splits``: this thread's O^T fragments of the d tiles other parts own (8
-        parts: of every d tile, its own included), times the rows' output scales, to their owners
-        (``st.async``, counted on their ``merge_full``)."""
-        for mt in cutlass.range_constexpr(D_TILES_PER_CONSUMER):
-            owner = d_tile_owner(splits, mt, c.index)
-            if const_expr(splits > D_TILES_PER_CONSUMER or owner != part):
-                for j in cutlass.range_constexpr(B_H // 8):
-                    scales = (
-                        c.s_out_scale[8 * j + 2 * c.quad_lane, c.index] * inv_kv_scale,
-                        c.s_out_scale[8 * j + 2 * c.quad_lane + 1, c.index] * inv_kv_scale,
-                    )
-                    v = [c.acc_o[mt][4 * j + k] * scales[k % 2] for k in range(4)]
-                    ptx.st_async_cluster(
-                        self.fragment_address(c, splits, part, owner, mt, j),
-                        c.mbar_merge_full.toint(),
-                        owner,
-                        [ptx.pack_f16x2(v[0], v[1]), ptx.pack_f16x2(v[2], v[3])],
-                    )
-
-    @cute.jit
-    def merge_owned_tiles(self, c: Consumer, rows, mOut, splits: cutlass.Constexpr, part, kv_scale):
-        """Split, part ``part`` of ``splits``: this thread's values of the d tiles the part owns, the parts'
-        fragments added with their weights (the weights table) in part order, stored as bf16 out. With 8 parts
-        a part owns one d tile of one consumer (the other has nothing to merge), every part's fragment of it
-        in shared memory."""
-        if const_expr(splits > D_TILES_PER_CONSUMER):
-            if c.index == part % 2:
-                self.merge_d_tiles(c, rows, mOut, splits, part, [part // 2], kv_scale)
-        else:
-            owned = [mt for mt in range(D_TILES_PER_CONSUMER) if d_tile_owner(splits, mt, None) == part]
-            self.merge_d_tiles(c, rows, mOut, splits, part, owned, kv_scale)
-
-    @cute.jit
-    def merge_d_tiles(self, c: Consumer, rows, mOut, splits: cutlass.Constexpr, part, owned, kv_scale):
-        """Split: ``merge_owned_tiles`` for this consumer's d tiles ``owned`` (the part's; 8 parts: one, a
-        run-time value)."""
-        weights_base = c.sK_base + SPLIT_WEIGHTS_OFFSET
-        out_base = mOut.iterator.toint()
-        own_rows = rows.head_rows - 2 * c.quad_lane
-        for j in cutlass.range_constexpr(B_H // 8):
-            head = 8 * j + 2 * c.quad_lane  # and head + 1: values 4j, 4j + 2 and 4j + 1, 4j + 3
-            weights = [
-                [
-                    w
-                    for quad in range(-(-splits // 4))
-                    for w in ptx.ld_shared_v4_f32(
-                        weights_base + (head + e) * SPLIT_WEIGHTS_ROW_BYTES + quad * 16
-                    )
-                ]
-                for e in range(2)
-            ]
-            own_scales = (c.s_out_scale[head, c.index], c.s_out_scale[head + 1, c.index])
-            for mt in owned:
-                merged = [Float32(0.0)] * 4
-                for p in cutlass.range_constexpr(splits):
-                    if const_expr(splits <= D_TILES_PER_CONSUMER and p == part):
-                        values = [c.acc_o[mt][4 * j + k] * own_scales[k % 2] for k in range(4)]
-                    else:
-                        received = ptx.ld_shared_f16x4_as_f32(
-                            self.fragment_address(c, splits, p, part, mt, j)
-                        )
-                        values = [value * kv_scale for value in received]
-                    for k in cutlass.range_constexpr(4):
-                        merged[k] = merged[k] + weights[k % 2][p] * values[k]
-                d = (c.index * D_TILES_PER_CONSUMER + mt) * 64 + c.warp * 16 + 2 * c.quad_row
-                for e in cutlass.range_constexpr(2):
-                    addr = out_base + (Int64(rows.q_row + head + e) * D_V + d) * 2
-                    store = Int32(8 * j + e < own_rows)
-                    ptx.st_global_u32(addr, ptx.pack_bf16x2(merged[e], merged[e + 2]), store)
-
-    @cute.jit
-    def merge_weights(self, c: Consumer, row, rows, flags, mSink, mMaxLogits, mLse):
-        """Split, one thread per row: from every part's (max_logits, lse) of ``row`` (statistics table), the
-        weights exp(lse_p - L) / (t + exp(sink - L)) of the parts into the weights table ([row][part], 0 for a
-        part without a valid slot and for every part of a row without one); part 0 writes the row's
-        max_logits and lse (see ``merge_parts``)."""
-        splits = cute.arch.grid_dim()[1]
-        stats_base = c.sK_base + SPLIT_STATS_OFFSET
-        lse_max = -Float32.inf
-        max_logits = -Float32.inf
-        for p in cutlass.range_constexpr(max(SPLIT_PARTS)):
-            if p < splits:
-                part_max, part_lse = ptx.ld_shared_v2_f32(stats_base + (p * B_H + row) * 8)
-                max_logits = cute.arch.fmax(max_logits, part_max)
-                if part_max > -Float32.inf:
-                    lse_max = cute.arch.fmax(lse_max, part_lse)
-        terms = cute.make_rmem_tensor((max(SPLIT_PARTS),), Float32)
-        terms.fill(0.0)
-        total = Float32(0.0)
-        for p in cutlass.range_constexpr(max(SPLIT_PARTS)):
-            if p < splits:
-                part_max, part_lse = ptx.ld_shared_v2_f32(stats_base + (p * B_H + row) * 8)
-                if part_max > -Float32.inf:
-                    terms[p] = cute.math.exp2((part_lse - lse_max) * LOG2_E, fastmath=True)
-                    total += terms[p]
-        scale = Float32(0.0)
-        if lse_max > -Float32.inf:
-            denom = total
-            if (flags & SINK_FLAG) != 0:
-                sink_head = rows.first_head + cutlass.min(row, rows.head_rows - 1)
-                denom += cute.math.exp2((mSink[sink_head] - lse_max) * LOG2_E, fastmath=True)
-            scale = 1.0 / denom
-        weights = [terms[p] * scale for p in range(max(SPLIT_PARTS))]
-        for quad in cutlass.range_constexpr(max(SPLIT_PARTS) // 4):
-            address = c.sK_base + SPLIT_WEIGHTS_OFFSET + row * SPLIT_WEIGHTS_ROW_BYTES + quad * 16
-            ptx.st_shared_v4_f32(address, *weights[4 * quad : 4 * quad + 4])
-        if cute.arch.block_idx()[1] == 0:
-            if row < rows.head_rows:
-                lse = Float32.inf
-                if lse_max > -Float32.inf:
-                    lse = (lse_max * LOG2_E + cute.math.log2(total, fastmath=True)) * LN_2
-                mMaxLogits[rows.q_row + row] = max_logits
-                mLse[rows.q_row + row] = lse
-
-    @cute.jit
-    def fragment_address(self, c: Consumer, splits: cutlass.Constexpr, sender, owner, mt, j):
-        """Split: where, in the KV tiles of part ``owner``, part ``sender`` stores (and the owner's thread of
-        the same consumer and index reads) this thread's values 4j .. 4j + 3 of d tile ``mt``: its fragment's
-        slot (``fragment_slot``), then [j][thread] in 8-byte units, so that a warp's 8-byte accesses are
-        contiguous."""
-        slot = fragment_slot(splits, sender, owner, c.index, mt)
-        return c.sK_base + ((slot * (B_H // 8) + j) * THREADS_PER_WG + c.warp * 32 + c.lane) * 8
-
-    @cute.jit
-    def row_scale(self, c: Consumer, rows, kv_scale, flags, mSink, mMaxLogits, mLse):
-        """The output scales of this thread's rows into ``s_out_scale[row, c]`` (the quad's first thread);
-        consumer 0 writes their max_logits and lse (split: publishes them to every part, see
-        ``merge_parts``)."""
-        last_buffer = self.kv_ring.index_before(c.work.block_base + c.work.num_blocks)
-        for r in cutlass.range_constexpr(2):
-            row = accumulator_row(c.warp, c.quad_row, r)
-            max_used, scaled_sum = self.final_row_stats(c, row, last_buffer)
-            # A row past the token's heads (not written) reads the sink of its last head.
-            head = rows.first_head + cutlass.min(row, rows.head_rows - 1)
-            out_scale = output_scale(scaled_sum, max_used, kv_scale, flags, mSink, head, P_SCALE_LOG2)
-            if c.quad_lane == 0:
-                c.s_out_scale[row, c.index] = out_scale
-                if c.index == 0:
-                    if const_expr(self.split):
-                        self.publish_part_stats(c, row, scaled_sum, max_used)
-                    elif row < rows.head_rows:
-                        write_max_logits_lse(
-                            mMaxLogits,
-                            mLse,
-                            rows.q_row + row,
-                            scaled_sum,
-                            max_used,
-                            c.s_max_true,
-                            row,
-                            P_SCALE_LOG2,
-                        )
