@@ -5,9 +5,11 @@ sources, or compiled (``compile_fn``, with fake tensors: no GPU needed), exporte
 cached. An entry is keyed by a hash of the kernel sources (``cute_kernels/``, this module and
 ``q8kv8/kernels.py``, which holds the compile arguments), the CuTe DSL version and the arch; it holds the
 object file, its SHA-256 (a damaged object is rebuilt), the PTX and, once a listing has asked for it, what
-``ptxas -v`` says about that PTX (``ptxas_report``: ptxas runs once per PTX and ptxas version). Compiles are
-serialised by a thread lock and a file lock (the DSL's compile is not thread-safe), and files are written
-under temporary names renamed into place. The first build of a process says so on stderr
+``ptxas -v`` says about that PTX (``ptxas_report``: ptxas runs once per PTX and ptxas version). A process's
+compiles are serialised by a thread lock (the DSL's compile is not thread-safe); a file lock per variant
+makes a process wait only for another's build of the same variant, so processes build different variants
+at once (``python -m q8kv8.compile --jobs N``); files are written under temporary names renamed into
+place. The first build of a process says so on stderr
 (``disk_cache.announce_build``), and each variant built says so in one line with its seconds
 (``disk_cache.announce_built``); loads are silent.
 """
@@ -117,6 +119,11 @@ def _load_object(cute, object_path: Path, digest_path: Path, function_name: str)
         return None
 
 
+def variant_lock(entry: Path, name: str) -> Path:
+    """The lock file of variant ``name`` in cache entry ``entry``: held while it is loaded or built."""
+    return entry / f".{name}.lock"
+
+
 def build_or_load(
     name: str, d_qk: int, compile_fn, function_name: str, stats: CacheStats, precision: str = "default"
 ) -> Variant:
@@ -127,7 +134,7 @@ def build_or_load(
     entry.mkdir(parents=True, exist_ok=True)
     object_path, digest_path, ptx_path = (entry / f"{name}{ext}" for ext in (".o", ".sha256", ".ptx"))
     start = time.perf_counter()
-    with _compile_lock, disk_cache.file_lock(entry / ".lock"):
+    with _compile_lock, disk_cache.file_lock(variant_lock(entry, name)):
         function = _load_object(cute, object_path, digest_path, function_name)
         if function is not None:
             stats.hits += 1

@@ -7,6 +7,7 @@ import os
 import subprocess
 import sys
 import textwrap
+import threading
 import warnings
 from pathlib import Path
 
@@ -83,3 +84,34 @@ def test_import_and_builds_work_without_a_usable_cache(tmp_path):
         assert len(warning_lines) == 1 and "q8kv8: cache off: " in warning_lines[0], result.stderr
         private = Path(result.stdout.split("PRIVATE ", 1)[1].strip())
         assert not private.exists()  # removed at exit
+
+
+def test_a_build_waits_only_for_the_same_variant(tmp_path, monkeypatch, fresh_resolution):
+    """While another holder has variant A's lock (another process building it), building variant B goes
+    ahead and building A waits for the lock: processes build different variants at once. The stand-in
+    compile exports a file that is no object, so each build ends in its one-line build error."""
+    from q8kv8 import build
+
+    monkeypatch.setenv(disk_cache.CACHE_DIR_ENV, str(tmp_path))
+    cutlass, _ = build.import_dsl()
+    entry = disk_cache.cache_dir() / build._cache_key(cutlass.__version__)
+    entry.mkdir(parents=True)
+
+    class NotAnObject:
+        __ptx__ = ""
+
+        def export_to_c(self, object_file_path, function_name):
+            Path(object_file_path).write_bytes(b"not an object file")
+
+    def build_variant(name, ended):
+        with pytest.raises(build.KernelCompileError, match=name):
+            build.build_or_load(name, 512, lambda dump_dir: NotAnObject(), "f", build.CacheStats())
+        ended.set()
+
+    a_ended, b_ended = threading.Event(), threading.Event()
+    with disk_cache.file_lock(build.variant_lock(entry, "variant_a")):
+        threading.Thread(target=build_variant, args=("variant_b", b_ended), daemon=True).start()
+        assert b_ended.wait(60), "a build of B waited for A's lock"
+        threading.Thread(target=build_variant, args=("variant_a", a_ended), daemon=True).start()
+        assert not a_ended.wait(1.0), "a build of A did not wait for A's lock"
+    assert a_ended.wait(60), "a build of A did not go ahead once A's lock was released"
