@@ -192,15 +192,18 @@ def _decode_tokens(take, pos: torch.Tensor, page_size: int, layout: KvCacheLayou
     return grouped.flatten(1), rope.view(torch.bfloat16)
 
 
-def dequantize_paged_cache(cache: torch.Tensor) -> torch.Tensor:
+def dequantize_paged_cache(cache: torch.Tensor, slots: torch.Tensor | None = None) -> torch.Tensor:
     """Every token slot of a paged cache (``[num_pages, page_size, 1, bytes_per_token]``, any layout of
     ``q8kv8.kv_layout``, told by bytes_per_token), exactly dequantised: ``[num_pages * page_size, 1, d_qk]``
-    float64, each block-scaled value times its scale, then the RoPE's bf16 values (if the layout has any)."""
+    float64, each block-scaled value times its scale, then the RoPE's bf16 values (if the layout has any).
+    ``slots`` (integers in ``[0, num_pages * page_size)``): those slots' rows only, in that order."""
     layout = LAYOUT_BY_BYTES_PER_TOKEN[cache.shape[3]]
     page_size = cache.shape[1]
     pages = paged_cache_pages(cache, page_size, layout)
-    num_slots = pages.shape[0] * page_size
-    slots = torch.arange(num_slots, device=pages.device)
+    if slots is None:
+        slots = torch.arange(pages.shape[0] * page_size, device=pages.device)
+    else:
+        slots = slots.to(device=pages.device, dtype=torch.int64)
     page, pos = (slots // page_size)[:, None], (slots % page_size)[:, None]
 
     def take(offsets: torch.Tensor, count: int) -> torch.Tensor:  # [num_slots, count] uint8
@@ -227,39 +230,39 @@ def sparse_mla_paged_reference(
     chunk_rows: int = 256,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The float64 reference of ``sparse_mla_q8kv8_paged_fwd``: ``sparse_mla_prefill_reference`` on the
-    exactly dequantised cache (``dequantize_paged_cache``), its indices token slots.
+    exactly dequantised cache (``dequantize_paged_cache``; only the slots it reads), its indices token slots.
 
     With ``extra_cache`` (FlashMLA's ``extra_k_cache``, e.g. a V4.1 FP4 cache next to a V4.1 main cache, of
     the same d_qk) and ``extra_indices`` [s_q, 1, extra_topk] (its token slots, -1 or out of range for
     none), each query attends its valid slots of both caches as one softmax: slot ``j`` of the main cache
     counts when ``j < topk_length[i]``, slot ``j`` of the extra one when ``j < extra_topk_length[i]`` (each
     None: all). ``attn_sink`` scales out by ``exp(lse) / (exp(lse) + exp(sink))`` with lse over both."""
-    kv = dequantize_paged_cache(cache).to(q.device)
-    if extra_cache is None:
-        if extra_indices is not None or extra_topk_length is not None:
-            raise ValueError("extra_indices, extra_topk_length: expected None without an extra_cache")
-        return sparse_mla_prefill_reference(
-            q, kv, indices, sm_scale, q_scale, 1.0, d_v, attn_sink, topk_length, chunk_rows=chunk_rows
-        )
-    if extra_indices is None:
+    if extra_cache is None and (extra_indices is not None or extra_topk_length is not None):
+        raise ValueError("extra_indices, extra_topk_length: expected None without an extra_cache")
+    if extra_cache is not None and extra_indices is None:
         raise ValueError("extra_indices: expected the extra cache's slots [s_q, 1, extra_topk], got None")
-    extra_kv = dequantize_paged_cache(extra_cache).to(q.device)
-    if extra_kv.shape[2] != kv.shape[2]:
-        raise ValueError(f"extra_cache: expected d_qk {kv.shape[2]} (the cache's), got {extra_kv.shape[2]}")
-    main = _valid_slots(indices, kv.shape[0], topk_length, q.device)
-    extra = _valid_slots(extra_indices, extra_kv.shape[0], extra_topk_length, q.device)
-    extra = torch.where(extra >= 0, extra + kv.shape[0], -1)
+    kv, index = _selected_rows(cache, indices, topk_length, q.device)
+    if extra_cache is not None:
+        extra_kv, extra_index = _selected_rows(extra_cache, extra_indices, extra_topk_length, q.device)
+        if extra_kv.shape[2] != kv.shape[2]:
+            raise ValueError(
+                f"extra_cache: expected d_qk {kv.shape[2]} (the cache's), got {extra_kv.shape[2]}"
+            )
+        index = torch.cat([index, torch.where(extra_index >= 0, extra_index + kv.shape[0], -1)], dim=-1)
+        kv = torch.cat([kv, extra_kv])
     return sparse_mla_prefill_reference(
-        q,
-        torch.cat([kv, extra_kv]),
-        torch.cat([main, extra], dim=-1),
-        sm_scale,
-        q_scale,
-        1.0,
-        d_v,
-        attn_sink,
-        chunk_rows=chunk_rows,
+        q, kv, index, sm_scale, q_scale, 1.0, d_v, attn_sink, None, chunk_rows=chunk_rows
     )
+
+
+def _selected_rows(cache: torch.Tensor, indices, topk_length, device) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(rows, index)``: the exactly dequantised rows of the slots that ``indices`` selects (each once, on
+    ``device``) and ``indices`` as positions among them (-1: no slot, as ``_valid_slots``), so that a
+    reference over a large cache dequantises only what it reads."""
+    slots = _valid_slots(indices, cache.shape[0] * cache.shape[1], topk_length, device)
+    used = torch.unique(slots[slots >= 0])
+    index = torch.where(slots >= 0, torch.searchsorted(used, slots.clamp(min=0)), -1)
+    return dequantize_paged_cache(cache, used).to(device), index
 
 
 def _valid_slots(indices: torch.Tensor, num_slots: int, topk_length, device) -> torch.Tensor:

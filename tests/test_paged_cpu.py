@@ -183,3 +183,25 @@ def test_check_paged_inputs_reports_the_cache_slots_as_s_kv(generator, monkeypat
     monkeypatch.setattr(contract, "check_device", lambda named_devices: None)
     problem, layout, view = paged.check_paged_inputs(paged.PagedCall(**paged_call(generator, "model1")))
     assert layout.name == "model1" and problem.s_kv == PAGES * PAGE_SIZE and view.dtype == torch.uint8
+
+
+@pytest.mark.parametrize("layout", ["v32", "model1", "v41"])
+def test_reference_reads_only_the_selected_slots(layout):
+    """``sparse_mla_paged_reference`` dequantises only the slots it reads (a decode batch's cache need not
+    fit in float64) and gives, bit for bit, the prefill reference on the whole dequantised cache: slots -1,
+    past the cache and past ``topk_length`` ignored, a sink, rows with no slot."""
+    generator = torch.Generator().manual_seed(7)
+    cache = quantized_cache(layout, 8, 64, generator, pow2_scales=True)
+    d_qk = 576 if layout == "v32" else 512
+    q = torch.randn(6, 16, d_qk, generator=generator).to(torch.bfloat16)
+    indices = torch.randint(-5, 8 * 64 + 40, (6, 1, 128), generator=generator, dtype=torch.int32)
+    topk_length = torch.tensor([0, 5, 128, 64, 1, 100], dtype=torch.int32)
+    sink = torch.randn(16, generator=generator)
+    args = (q, cache, indices, d_qk**-0.5, None, 512, sink, topk_length)
+    got = sparse_mla_paged_reference(*args, chunk_rows=4)
+    kv = dequantize_paged_cache(cache)
+    want = sparse_mla_prefill_reference(
+        q, kv, indices, d_qk**-0.5, None, 1.0, 512, sink, topk_length, chunk_rows=4
+    )
+    assert all(torch.equal(a, b) for a, b in zip(got, want, strict=True))
+    assert torch.isinf(got[2][0]).all()  # the row with no slot
