@@ -25,6 +25,17 @@ PRECISIONS = tuple(_KERNEL_PRECISIONS)
 cores' own sums), "accurate_out" (P kept as two e4m3 terms: out of bf16 class), "accurate_logits" (S summed in
 float32 every few k-steps: ``max_logits`` and ``lse`` to merge by), "accurate" (both)."""
 
+LOGITS_IN_FLOAT32 = {
+    "default": "accurate_logits",
+    "accurate_out": "accurate",
+    "accurate_logits": "accurate_logits",
+    "accurate": "accurate",
+}
+"""Each precision with S summed in float32: what ``SparsePrefill`` runs where the lse is used after the
+kernel (a sink scales out by ``exp(lse) / (exp(lse) + exp(sink))``, parts merge by their lse), since the FP8
+tensor cores' own sums leave the logits of a row led by one slot up to 1% low, and such a row's out takes
+exp(that) where the sink is near or above its lse."""
+
 E4M3_MAX = 448.0
 """The largest finite float8_e4m3fn value; casts to e4m3 saturate at +-E4M3_MAX."""
 

@@ -31,7 +31,7 @@ from q8kv8.arguments import require_int
 from q8kv8.contract import check_ranges_enabled
 from q8kv8.kv_layout import LAYOUT_BY_BYTES_PER_TOKEN, PAGED_ATTENTION_LAYOUTS, KvCacheLayout
 from q8kv8.merge import merge_attention
-from q8kv8.metadata import D_V, PRECISIONS, TOPK_ALIGNMENT, topk_length_from_seqlens
+from q8kv8.metadata import D_V, LOGITS_IN_FLOAT32, PRECISIONS, TOPK_ALIGNMENT, topk_length_from_seqlens
 from q8kv8.paged_gather import gather_dequant_paged, slot_words
 from q8kv8.workspace import SparsePrefillWorkspace, _ReusableBuffer, indexed_device
 
@@ -192,7 +192,10 @@ class SparsePrefill:
     ``backend``: "fp8" (the FP8 kernel on the bfloat16 Q, which it quantises per row, and the cache's e4m3
     rows), "bf16" (Q and the gathered KV in bf16: dequantised nope rounded to bf16 + RoPE; the bf16 kernel),
     or "auto" (fp8); ``$Q8KV8_PREFILL_BACKEND`` overrides it. ``precision``: the FP8 kernel's, one of
-    ``q8kv8.metadata.PRECISIONS`` (``sparse_mla_q8kv8_prefill_fwd``); ``$Q8KV8_PRECISION`` overrides it.
+    ``q8kv8.metadata.PRECISIONS`` (``sparse_mla_q8kv8_prefill_fwd``); ``$Q8KV8_PRECISION`` overrides it. A
+    call with a sink, and the parts of ``forward_merged``, run it with S summed in float32
+    (``q8kv8.metadata.LOGITS_IN_FLOAT32``: "default" runs as "accurate_logits"), since their lse weighs
+    the output.
     ``path``: for the FP8 backend, "paged" (attend straight from the cache), "workspace" (gather the rows
     the batch may attend into a workspace first), or "auto"
     (paged when the workspace would gather more than ``PAGED_ROWS_PER_TILE_SLOT`` rows per tile-slot of the
@@ -265,8 +268,17 @@ class SparsePrefill:
 
         Returns ``out`` [s_q, h, 512] bfloat16, ``max_logits`` and ``lse`` [s_q, h] float32 (the contract of
         ``sparse_mla_q8kv8_prefill_fwd``). The FP8 backend hands the kernel the bfloat16 Q, which it quantises
-        to e4m3 itself with a power-of-two scale per (token, head) row (``q8kv8.reference.quantize_q_rows``).
+        to e4m3 itself with a power-of-two scale per (token, head) row (``q8kv8.reference.quantize_q_rows``);
+        with a sink, S summed in float32 (``LOGITS_IN_FLOAT32``).
         """
+        args = (q, cache, page_table, indices, seqlens, compress_ratio, sm_scale, attn_sink)
+        return self._forward(*args, lse_used=attn_sink is not None)
+
+    __call__ = forward
+
+    def _forward(self, q, cache, page_table, indices, seqlens, compress_ratio, sm_scale, attn_sink, lse_used):
+        """``forward``; ``lse_used``: S summed in float32 (the lse weighs the output afterwards)."""
+        precision = LOGITS_IN_FLOAT32[self.precision] if lse_used else self.precision
         layout, page_size = paged_cache_geometry(cache)
         s_q, h, d_qk = self._check(q, cache, layout, page_table, indices, seqlens, sm_scale, attn_sink)
         if compress_ratio not in COMPRESS_RATIOS:
@@ -285,9 +297,8 @@ class SparsePrefill:
             slots, topk_length = self.kernels.slot_indices(
                 indices, page_table, seqlens, compress_ratio, topk_pad
             )
-            return self.kernels.attention_paged(
-                kernel_q, cache, slots, sm_scale, sink, topk_length, self.precision
-            )
+            paged_args = (kernel_q, cache, slots, sm_scale, sink, topk_length, precision)
+            return self.kernels.attention_paged(*paged_args)
         # The workspace's rows are the indices themselves (the kernels ignore entries outside [0, num_rows)).
         # Already padded and row-major, they go as they are, with each query's valid count from seqlens (int32
         # seqlens of an uncompressed cache as they are: the kernels clamp topk_length to [0, topk], unless
@@ -312,11 +323,9 @@ class SparsePrefill:
         kv = kv[:num_rows]
         if self.backend == "fp8":
             return self.kernels.attention_fp8(
-                kernel_q, kv, indices, sm_scale, None, self._one(q.device), sink, topk_length, self.precision
+                kernel_q, kv, indices, sm_scale, None, self._one(q.device), sink, topk_length, precision
             )
         return self.kernels.attention_bf16(kernel_q, kv, indices, sm_scale, sink, topk_length)
-
-    __call__ = forward
 
     def forward_merged(
         self,
@@ -326,10 +335,11 @@ class SparsePrefill:
         attn_sink: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Attend each query to the rows of several caches as one softmax (DeepSeek V4: the compressed cache's
-        top-k rows and the SWA cache's window): one ``forward`` per part without the sink, merged exactly by
-        their lse (``q8kv8.merge.merge_attention``), then the sink. Returns what ``forward`` returns;
-        ``last_path`` is the parts' paths joined by "+". A part's weight is off by exp(its lse's absolute
-        error): at dominant logits of 20-30 about 1-2% on the paged path, 5-25% on the workspace path
+        top-k rows and the SWA cache's window): one ``forward`` per part without the sink, with S summed in
+        float32 (``LOGITS_IN_FLOAT32``), merged exactly by their lse (``q8kv8.merge.merge_attention``), then
+        the sink. Returns what ``forward`` returns; ``last_path`` is the parts' paths joined by "+". A part's
+        weight is off by exp(its lse's absolute error); with the FP8 tensor cores' own sums that was, at
+        dominant logits of 20-30, about 1-2% on the paged path and 5-25% on the workspace path
         (``docs/usage.md``, "Serving path"). The paged call's ``extra_cache`` merges the same way but takes
         token slots; here each part keeps its own page table, seqlens, compress ratio and path, so the parts
         stay ``forward`` calls."""
@@ -337,7 +347,7 @@ class SparsePrefill:
             raise ValueError("parts: expected at least one CacheRows")
         results, paths = [], []
         for part in parts:
-            results.append(self.forward(q, *part, sm_scale))
+            results.append(self._forward(q, *part, sm_scale, None, lse_used=True))
             paths.append(self.last_path)
         merged = merge_attention(results, attn_sink)
         self.last_path = "+".join(paths)

@@ -20,7 +20,8 @@ from paged_cache import (
 )
 from reference_checks import assert_outputs_match
 
-from q8kv8 import kv_layout, paged_gather, query, serving
+from cute_kernels.interface import PRECISIONS as KERNEL_PRECISIONS
+from q8kv8 import kv_layout, metadata, paged_gather, query, serving
 from q8kv8.merge import merge_attention
 from q8kv8.paged_gather import gather_dequant_requant_fp8_paged
 from q8kv8.query import cast_q_fp8, dynamic_q_scale
@@ -734,6 +735,27 @@ def test_precision_reaches_the_kernel_and_the_environment_overrides_it(generator
         SparsePrefill(precision="exact")
     with pytest.raises(ValueError, match="path: expected one of"):
         SparsePrefill(path="gathered")
+
+
+@pytest.mark.parametrize("path", ["paged", "workspace"])
+def test_sinks_and_merged_parts_sum_logits_in_float32(generator, path):
+    """A call with a sink, and each part of ``forward_merged``, runs the layer's precision with S summed in
+    float32 (their lse weighs the output); a call without a sink runs the precision as it is."""
+    batch = make_batch("model1", 64, 0, h=16, topk=16, generator=generator)
+    args = (batch["q"], batch["cache"], batch["page_table"], batch["indices"], batch["seqlens"], 0, SM_SCALE)
+    sink = torch.randn(16, generator=generator)
+    part = CacheRows(batch["cache"], batch["page_table"], batch["indices"], batch["seqlens"], 0)
+    for precision, summed in metadata.LOGITS_IN_FLOAT32.items():
+        calls = []
+        prefill = SparsePrefill("fp8", precision=precision, path=path, kernels=recording_kernels(calls))
+        prefill.forward(*args)
+        prefill.forward(*args, sink)
+        prefill.forward_merged(batch["q"], [part, part], SM_SCALE, sink)
+        assert [call["precision"] for call in calls] == [precision] + [summed] * 3, precision
+        assert prefill.info()["precision"] == precision
+    for precision, summed in metadata.LOGITS_IN_FLOAT32.items():  # P's terms kept, S in float32
+        assert KERNEL_PRECISIONS[summed] == KERNEL_PRECISIONS[precision]._replace(qk_in_float32=True)
+    assert set(metadata.LOGITS_IN_FLOAT32) == set(metadata.PRECISIONS)
 
 
 @pytest.mark.parametrize("table_dtype", [torch.int32, torch.int64])
