@@ -21,9 +21,10 @@ from cute_kernels.sm90.paged_rows import ROW_SCALE, convert_rope, convert_row, r
 # elements of d_qk), each started from zero: the FP8 tensor cores' own accumulation keeps about 14 bits,
 # which costs the logits ~2e-3 relative over the 18 k-steps of d_qk 576, and ~2e-4 over 3.
 QK_PROMOTION_KSTEPS = 3
-# ... and V4.1's rows rescaled (16 k-steps, no RoPE group): 4 chunks of 4 (about 3e-4; a last chunk of one
-# k-step makes ptxas serialise the 64-head kernel's WGMMAs, C7512)
-ROW_SCALED_PROMOTION_KSTEPS = 4
+# ... and V4.1's rows rescaled (16 k-steps, no RoPE group): 8 chunks of 2, as V4's scale groups (chunks of 4
+# left 8e-4 on rows led by one slot at logits 20-30; a last chunk of one k-step makes ptxas serialise the
+# 64-head kernel's WGMMAs, C7512)
+ROW_SCALED_PROMOTION_KSTEPS = 2
 # A paged cache's scale groups are 4 k-steps (V3.2) or 2 (V4): S summed in float32 sums them 2 at a time.
 PAGED_ACCURATE_CHUNK_KSTEPS = 2
 

@@ -1,8 +1,8 @@
 """Attention straight from the paged FP8 cache on an SM90 GPU: chunked prefill, decode, the precisions.
 
 - **Chunked prefill** (``prefill_rows``): one request of ``prefix`` tokens (32k, 128k) in a DeepSeek V3.2
-  cache (pages of 64 tokens at random slots, quantised as FlashMLA's quantiser does: power-of-two scales), a
-  chunk of s_q queries (256, 1024, 4096) at its end, h 16 / 64 / 128, topk 2048 distinct random rows. Arms,
+  or V4.1 cache (pages of 64 tokens at random slots, quantised with power-of-two scales), a chunk of s_q
+  queries (256, 1024, 4096) at its end, h 16 / 64 / 128, topk 2048 distinct random rows. Arms,
   timed in interleaved rounds (L2 flushed before each call): the kernel on a ready workspace (``kernel``: the
   prefill kernel on the layer's bf16 Q and the gathered rows), the paged call alone (``paged``), the layer
   on the paged path (``layer``) and on the workspace path (``layer ws``), the gather alone, the gather then
@@ -40,15 +40,23 @@ from scripts.bench.common import host_us, random_indices, time_interleaved_ms
 
 PAGE_SIZE = 64
 TOPK = 2048
+# (layout, prefix, s_q, h)
 PREFIX_SHAPES = [
-    (prefix, s_q, h) for prefix in (32768, 131072) for s_q in (256, 1024, 4096) for h in (16, 64, 128)
+    (layout, prefix, s_q, h)
+    for layout in ("v32", "v41")
+    for prefix in (32768, 131072)
+    for s_q in (256, 1024, 4096)
+    for h in (16, 64, 128)
 ]
 LIGHT_PREFIX_SHAPES = [
-    (32768, 256, 16),
-    (32768, 256, 128),
-    (131072, 1024, 128),
-    (131072, 4096, 64),
-    (131072, 4096, 128),
+    ("v32", 32768, 256, 16),
+    ("v32", 32768, 256, 128),
+    ("v32", 131072, 1024, 128),
+    ("v32", 131072, 4096, 64),
+    ("v32", 131072, 4096, 128),
+    ("v41", 131072, 1024, 64),
+    ("v41", 131072, 4096, 64),
+    ("v41", 131072, 4096, 128),
 ]
 # (layout, batch, queries per request, h, topk)
 DECODE_SHAPES = [
@@ -130,24 +138,25 @@ def make_cache(num_slots: int, layout: str, std: float = 0.5, device="cuda") -> 
 def prefill_rows(rep_ms: int, full: bool) -> list[dict]:
     shapes = PREFIX_SHAPES if full else LIGHT_PREFIX_SHAPES
     print(
-        f"\npaged cache, chunked prefill (V3.2, pages of {PAGE_SIZE}, topk {TOPK}; L2 flushed): ms; "
+        f"\npaged cache, chunked prefill (V3.2 and V4.1, pages of {PAGE_SIZE}, topk {TOPK}; L2 flushed): ms; "
         "kernel: on a ready workspace; x: over the kernel; host: the layer's host time per call"
     )
     print(
-        f"{'prefix':>7s} {'s_q':>5s} {'h':>4s} | {'kernel':>7s} | {'paged':>7s} {'x':>5s} | {'layer':>7s} "
-        f"{'x':>5s} | {'layer ws':>8s} {'x':>5s} | {'gather':>7s} {'g+k':>7s} | {'host us':>7s} {'ws':>7s} "
-        "| auto"
+        f"{'layout':>6s} {'prefix':>7s} {'s_q':>5s} {'h':>4s} | {'kernel':>7s} | {'paged':>7s} {'x':>5s} | "
+        f"{'layer':>7s} {'x':>5s} | {'layer ws':>8s} {'x':>5s} | {'gather':>7s} {'g+k':>7s} | "
+        f"{'host us':>7s} {'ws':>7s} | auto"
     )
     rows = []
-    cache = None
-    for prefix, s_q, h in shapes:
-        if cache is None or cache.shape[0] * PAGE_SIZE < prefix + prefix // 4:
-            cache = make_cache(prefix + prefix // 4, "v32")
-        row = prefill_row(cache, prefix, s_q, h, rep_ms)
+    cache, cache_layout = None, None
+    for layout, prefix, s_q, h in shapes:
+        if cache is None or cache_layout != layout or cache.shape[0] * PAGE_SIZE < prefix + prefix // 4:
+            cache, cache_layout = None, layout
+            cache = make_cache(prefix + prefix // 4, layout)
+        row = prefill_row(cache, layout, prefix, s_q, h, rep_ms)
         k = row["kernel"]
         print(
-            f"{prefix:7d} {s_q:5d} {h:4d} | {k:7.3f} | {row['paged']:7.3f} {row['paged'] / k:5.2f} | "
-            f"{row['layer']:7.3f} {row['layer'] / k:5.2f} | {row['layer_ws']:8.3f} "
+            f"{layout:>6s} {prefix:7d} {s_q:5d} {h:4d} | {k:7.3f} | {row['paged']:7.3f} "
+            f"{row['paged'] / k:5.2f} | {row['layer']:7.3f} {row['layer'] / k:5.2f} | {row['layer_ws']:8.3f} "
             f"{row['layer_ws'] / k:5.2f} | {row['gather']:7.3f} {row['gather_kernel']:7.3f} | "
             f"{row['host_us']:7.1f} "
             f"{row['host_ws_us']:7.1f} | {row['auto']}",
@@ -157,12 +166,13 @@ def prefill_rows(rep_ms: int, full: bool) -> list[dict]:
     return rows
 
 
-def prefill_row(cache, prefix: int, s_q: int, h: int, rep_ms: int) -> dict:
-    """One chunked-prefill row: a request of ``prefix`` tokens at random slots of ``cache``."""
+def prefill_row(cache, layout: str, prefix: int, s_q: int, h: int, rep_ms: int) -> dict:
+    """One chunked-prefill row: a request of ``prefix`` tokens at random slots of ``cache`` (``layout``)."""
     torch.manual_seed(0)
+    d_qk = LAYOUTS[layout][0]
     page_table = torch.randperm(cache.shape[0] * PAGE_SIZE, device="cuda")[:prefix].to(torch.int32)
-    q = (torch.randn(s_q, h, 576, device="cuda") * 0.5).to(torch.bfloat16)
-    sm_scale = 576**-0.5
+    q = (torch.randn(s_q, h, d_qk, device="cuda") * 0.5).to(torch.bfloat16)
+    sm_scale = d_qk**-0.5
     inputs = {
         "q": q,
         "cache": cache,
@@ -175,7 +185,7 @@ def prefill_row(cache, prefix: int, s_q: int, h: int, rep_ms: int) -> dict:
     layer, workspace = SparsePrefill("fp8", path="paged"), SparsePrefill("fp8", path="workspace")
     layer.forward(**inputs)
     workspace.forward(**inputs)
-    kv = workspace.workspace.get(prefix, torch.float8_e4m3fn)
+    kv = workspace.workspace.get(prefix, torch.float8_e4m3fn, d_qk)
     slots, topk_length = layer.kernels.slot_indices(inputs["indices"], page_table, inputs["seqlens"], 0, TOPK)
     one = torch.ones(1, device="cuda")
     indices = inputs["indices"][:, None, :]
@@ -187,11 +197,11 @@ def prefill_row(cache, prefix: int, s_q: int, h: int, rep_ms: int) -> dict:
         "layer": lambda: layer.forward(**inputs),
         "layer_ws": lambda: workspace.forward(**inputs),
         "gather": lambda: gather_dequant_paged(
-            cache, page_table, PAGE_SIZE, "v32", torch.float8_e4m3fn, 0, kv
+            cache, page_table, PAGE_SIZE, layout, torch.float8_e4m3fn, 0, kv
         ),
     }
     arms["gather_kernel"] = lambda: (arms["gather"](), arms["kernel"]())
-    row = {"prefix": prefix, "s_q": s_q, "h": h, **time_interleaved_ms(arms, rep_ms)}
+    row = {"layout": layout, "prefix": prefix, "s_q": s_q, "h": h, **time_interleaved_ms(arms, rep_ms)}
     row["host_us"] = host_us(lambda: layer.forward(**inputs), LAYER_HOST_CALLS)
     row["host_ws_us"] = host_us(lambda: workspace.forward(**inputs), LAYER_HOST_CALLS)
     auto = SparsePrefill("fp8")
