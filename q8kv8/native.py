@@ -58,8 +58,8 @@ _FIELDS = {name: index for index, name in enumerate(PrefillCall._fields)}
 
 
 def constants() -> dict:
-    """The extension's configuration (``configure(**constants())``): the call's field names, its free extents,
-    the planner, and the Python exception of each TVM-FFI error kind."""
+    """The extension's configuration (``configure(**constants())``): the call's fields (each name with the
+    dimension of its free extent, or -1), the planner, and the Python exception of each TVM-FFI error kind."""
     import tvm_ffi
 
     error_kinds = {
@@ -69,8 +69,7 @@ def constants() -> dict:
     }
     error_kinds.update(getattr(tvm_ffi.core, "ERROR_NAME_TO_TYPE", {}))  # kinds registered with TVM-FFI
     return {
-        "fields": PrefillCall._fields,
-        "free_extents": tuple((_FIELDS[name], dim) for name, dim in FREE_EXTENTS.items()),
+        "fields": tuple((name, FREE_EXTENTS.get(name, -1)) for name in PrefillCall._fields),
         "planner": launch_plan,
         "error_kinds": error_kinds,
     }
@@ -223,7 +222,7 @@ def register_device(device: torch.device, sm_count: int) -> None:
     plan made before)."""
     _devices[device] = sm_count
     if _extension is not None:
-        _extension.clear()
+        _extension.configure(**constants())
 
 
 def note_launch(device_index: int) -> None:

@@ -1,6 +1,7 @@
-"""The C++ fast path's extension (``q8kv8.native``) on a CPU-only machine, beyond its checks
-(``test_native.py``): its allocation compared with the Python path's (``eager.output_buffers``), its
-configuration and registration interface, and what happens when it cannot be built."""
+"""The C++ fast path's extension (``q8kv8.native``) on a CPU-only machine, beyond its plans
+(``test_native.py``): its allocation of a plan's outputs compared with the Python path's
+(``eager.output_buffers``), its configuration and planner interface, and what happens when it cannot be
+built."""
 
 import os
 import random
@@ -13,6 +14,7 @@ import warnings
 
 import pytest
 import torch
+from native_stub import allocate
 
 from q8kv8 import contract, eager, native, native_build, sparse_mla_q8kv8_prefill_fwd
 from q8kv8.metadata import D_V, output_layouts
@@ -32,7 +34,7 @@ def extension():
 
 
 def layouts(q: torch.Tensor) -> tuple:
-    """The (sizes, dtype) of a call's outputs for ``q`` (what a plan hands the extension to allocate)."""
+    """The (shape, dtype) of a call's outputs for ``q`` (what a plan hands the extension to allocate)."""
     return output_layouts(q.shape[0], q.shape[1], D_V)
 
 
@@ -48,7 +50,7 @@ def test_allocates_what_the_python_path_allocates(extension, q_dtype):
     for _ in range(4):
         s_q, h, d_qk = random.choice([0, 1, 37]), random.choice([16, 64, 128]), random.choice([512, 576])
         q = torch.empty(s_q, h, d_qk, dtype=q_dtype)
-        allocated = extension.allocate(q, layouts(q))
+        allocated = allocate(extension, q, layouts(q))
         expected = eager.output_buffers(q, h, D_V)
         assert [facts(t) for t in allocated] == [facts(t) for t in expected]
         pointers = {t.data_ptr() for t in allocated if t.numel()}
@@ -58,7 +60,7 @@ def test_allocates_what_the_python_path_allocates(extension, q_dtype):
 def test_follows_inference_mode_and_the_deterministic_fill(extension):
     q = torch.empty(3, 64, 576, dtype=torch.float8_e4m3fn)
     with torch.inference_mode():
-        assert all(t.is_inference() for t in extension.allocate(q, layouts(q)))
+        assert all(t.is_inference() for t in allocate(extension, q, layouts(q)))
     restore = (
         torch.are_deterministic_algorithms_enabled(),
         torch.utils.deterministic.fill_uninitialized_memory,
@@ -66,7 +68,7 @@ def test_follows_inference_mode_and_the_deterministic_fill(extension):
     try:
         torch.use_deterministic_algorithms(True)
         torch.utils.deterministic.fill_uninitialized_memory = True
-        assert all(t.float().isnan().all() for t in extension.allocate(q, layouts(q)))
+        assert all(t.float().isnan().all() for t in allocate(extension, q, layouts(q)))
     finally:
         torch.use_deterministic_algorithms(restore[0])
         torch.utils.deterministic.fill_uninitialized_memory = restore[1]
@@ -78,24 +80,12 @@ class TensorSubclass(torch.Tensor):
 
 def test_anything_but_a_plain_tensor_gets_no_buffers(extension):
     q = torch.empty(2, 64, 576)
-    for not_plain in (q.as_subclass(TensorSubclass), q.tolist(), None, 3):
-        assert extension.allocate(not_plain, layouts(q)) == (None, None, None)
+    for not_plain in (q.as_subclass(TensorSubclass), torch._neg_view(q), q.tolist()):
+        assert allocate(extension, not_plain, layouts(q)) is None  # declined
     parameter = torch.nn.Parameter(q, requires_grad=False)  # torch counts a Parameter as a plain tensor
-    assert [facts(t) for t in extension.allocate(parameter, layouts(q))] == [
-        facts(t) for t in extension.allocate(q, layouts(q))
+    assert [facts(t) for t in allocate(extension, parameter, layouts(q))] == [
+        facts(t) for t in allocate(extension, q, layouts(q))
     ]
-
-
-def test_bad_arguments_raise(extension):
-    q = torch.empty(2, 64, 576)
-    with pytest.raises(TypeError, match="takes 2 arguments"):
-        extension.allocate(q)
-    with pytest.raises(TypeError):
-        extension.allocate(q, "512")
-    with pytest.raises(TypeError):
-        extension.allocate(q, (((2, 64), "float32"),))
-    with pytest.raises(ValueError, match="sizes must be >= 0"):
-        extension.allocate(q, (((2, -1), torch.float32),))
 
 
 def test_a_failed_allocation_raises_what_torch_raises(extension):
@@ -103,11 +93,13 @@ def test_a_failed_allocation_raises_what_torch_raises(extension):
     with pytest.raises(Exception) as from_python:
         eager.output_buffers(q, 1, D_V)
     with pytest.raises(Exception) as from_extension:
-        extension.allocate(q, layouts(q))
+        allocate(extension, q, layouts(q))
     assert type(from_extension.value) is type(from_python.value)
 
 
-def test_configuration_and_planner_errors(extension, monkeypatch):
+def test_configuration_and_planner_errors(extension):
+    import tvm_ffi
+
     q = torch.empty(2, 64, 576)
     with pytest.raises(TypeError, match="expected a q8kv8.prefill_call.PrefillCall"):
         extension.launch((q,))
@@ -116,11 +108,16 @@ def test_configuration_and_planner_errors(extension, monkeypatch):
     constants = native.constants()
     call = PrefillCall(q, q, q, 0.1, q, q)
     # The planner's plan is checked: a malformed one raises (a bug of the planner), and is not memoised.
+    handle = tvm_ffi.convert(lambda *args: None).__chandle__()
+    launches = ((handle, 0, 2, ()),)
     for malformed in (
         (),
         "declined",
-        ((0, 1, 0), (), (), ()),
-        ((0, 1, 0), ((0, None, True, 16),), ((0, 0, 2, ()),), ()),
+        ((0, 1, 0), (), launches, ()),  # no tensor argument
+        ((0, 1, 0), ((0, None, True, 16),), ((0, 0, 2, ()),), ()),  # not a TVM-FFI function
+        ((0, 1, 0), ((3, None, True, 16),), launches, ()),  # sm_scale is no tensor
+        ((0, 1, 0), ((0, None, True, 16),), launches, ((9, (2, -1), torch.float32),)),  # a negative size
+        ((0, 1, 0), ((0, None, True, 16),), launches, ((3, (2, 1), torch.float32),)),  # nor an output
     ):
         extension.configure(**{**constants, "planner": lambda call, plan=malformed: plan})
         with pytest.raises(TypeError, match="the planner's plan is malformed"):
@@ -140,9 +137,10 @@ def test_configuration_and_planner_errors(extension, monkeypatch):
     with pytest.raises(TypeError, match="missing required argument 'planner'"):
         extension.configure(**{name: value for name, value in constants.items() if name != "planner"})
     assert extension.plan(call) == -1 and extension.decline_reason(call) == "the fast path is not configured"
-    with pytest.raises(ValueError, match="configure: expected the call's field names"):
-        extension.configure(**{**constants, "free_extents": ((len(PrefillCall._fields), 0),)})
-    with pytest.raises(ValueError, match="configure: expected the call's field names"):
+    for fields in ((("q", 8),), (("q",),), ("q",)):  # a dimension past the last one read, none, no pair
+        with pytest.raises(ValueError, match=r"configure: expected \(name, dim or -1\) pairs, a planner"):
+            extension.configure(**{**constants, "fields": fields})
+    with pytest.raises(ValueError, match="pairs, a planner"):
         extension.configure(**{**constants, "planner": None})
     with pytest.raises(TypeError):
         extension.configure(**{**constants, "error_kinds": ()})
