@@ -207,7 +207,7 @@ def load():
 
                 extension = _import(_compile(_build_dir()))
                 extension.configure(**constants())
-                # Release the registered kernel variants while the interpreter is still alive.
+                # Release the memoised plans (kernel variants, Python objects) while the interpreter is alive.
                 atexit.register(extension.reset)
                 _ffi_function_type = tvm_ffi.Function
                 _extension = extension
