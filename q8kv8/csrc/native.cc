@@ -144,13 +144,14 @@ struct Call {
   size_t key_size = 1;
   void Push(int64_t word) {  // each word multiplied (independently), folded in by rotation
     key[key_size++] = word;
-    key[0] = static_cast<int64_t>(std::rotl(static_cast<uint64_t>(key[0]), 5) ^ word * 0x9E3779B97F4A7C15ULL);
+    const auto hash = static_cast<uint64_t>(key[0]);
+    key[0] = static_cast<int64_t>((hash << 5 | hash >> 59) ^ static_cast<uint64_t>(word) * 0x9E3779B97F4A7C15ULL);
   }
   std::string_view Key() const { return {reinterpret_cast<const char*>(key.data()), key_size * sizeof(int64_t)}; }
 };
 
-// Reads `call` into `c`: "" when every argument is read, else why not.
-std::string Read(PyObject* call, Call* c) {
+// Reads `call` into `c`: whether every argument is read, else *reason says why not.
+bool Read(PyObject* call, Call* c, std::string* reason) {
   c->tuple = call;
   c->key[0] = 0;
   for (Py_ssize_t f = 0; f < static_cast<Py_ssize_t>(state.fields.size()); ++f) {
@@ -171,11 +172,13 @@ std::string Read(PyObject* call, Call* c) {
       }
       continue;
     }
-    PyErr_Clear();  // an int of more than 64 bits, a str that is not UTF-8
+    if (text == nullptr && PyUnicode_CheckExact(value)) PyErr_Clear();  // a str that is not UTF-8
     DLTensor& view = c->views[f];
     if (!THPVariable_CheckExact(value) || !FillDLTensor(THPVariable_Unpack(value), &view)) {
-      return state.fields[f].first + " is not a tensor read here (a plain CPU or CUDA torch.Tensor or nn.Parameter, no "
-             "wrapper, negative or conjugate view; or None, a float, a 64-bit int, a short str)";
+      *reason = state.fields[f].first + " is not a tensor read here (a plain CPU or CUDA torch.Tensor or "
+                                        "nn.Parameter, no wrapper, negative or conjugate view; or None, a float, a "
+                                        "64-bit int, a short str)";
+      return false;
     }
     const at::Tensor& tensor = THPVariable_Unpack(value);
     c->tensors[f] = &tensor;
@@ -184,7 +187,7 @@ std::string Read(PyObject* call, Call* c) {
     for (int d = 0; d < view.ndim; ++d) c->Push(d == state.fields[f].second ? view.shape[d] != 0 : view.shape[d]);
     for (int d = 0; d < view.ndim; ++d) c->Push(view.strides[d]);
   }
-  return std::string();
+  return true;
 }
 
 // The planner's plan for the call read into `c` (and every call of its key), or null with a Python exception
@@ -287,41 +290,37 @@ std::pair<uintptr_t, uintptr_t> Span(const DLTensor& t) {
   return {start, start + static_cast<uintptr_t>((last + 1) * ((t.dtype.bits + 7) / 8))};
 }
 
-// The plan's checks of the tensors' addresses (alignments; no output given sharing memory with another argument,
-// the contract's rule): "" when they pass, else why not.
-std::string CheckAddresses(const Plan& plan, const Call& c) {
+// The plan's address checks (alignments; the contract's: no output given shares memory with another argument).
+bool CheckAddresses(const Plan& plan, const Call& c, std::string* reason) {
   for (const Argument& a : plan.arguments) {
     if (c.tensors[a.field] != nullptr && (reinterpret_cast<uintptr_t>(c.views[a.field].data) & (a.alignment - 1))) {
-      return state.fields[a.field].first + " is not " + std::to_string(a.alignment) + "-byte aligned";
+      return *reason = state.fields[a.field].first + " is not " + std::to_string(a.alignment) + "-byte aligned", false;
     }
   }
-  std::array<std::pair<uintptr_t, uintptr_t>, kMaxFields> spans{};  // empty for a field without a tensor
+  std::array<std::pair<uintptr_t, uintptr_t>, kMaxFields> spans;  // empty for a field without a tensor
   const auto num_fields = static_cast<Py_ssize_t>(state.fields.size());
   for (Py_ssize_t f = 0; f < num_fields; ++f) {
-    if (c.tensors[f] != nullptr) spans[f] = Span(c.views[f]);
+    spans[f] = c.tensors[f] != nullptr ? Span(c.views[f]) : std::pair<uintptr_t, uintptr_t>{};
   }
   for (const Output& output : plan.outputs) {
     const auto [start, end] = spans[output.field];
     for (Py_ssize_t f = 0; f < num_fields; ++f) {
       const auto [other_start, other_end] = spans[f];
-      if (f != output.field && start != end && other_start != other_end && start < other_end && other_start < end) {
-        return state.fields[output.field].first + " shares memory with " + state.fields[f].first;
+      if (other_start < end && start < other_end && f != output.field && start != end && other_start != other_end) {
+        return *reason = state.fields[output.field].first + " shares memory with " + state.fields[f].first, false;
       }
     }
   }
-  return std::string();
+  return true;
 }
 
-// Reads `call`, finds its plan and checks the addresses: true when the plan applies, else false with *reason
-// set, or with a Python exception set (the call is not a PrefillCall, the planner raised).
+// Reads `call`, finds its plan, checks the addresses: whether it applies (else why not, or a Python exception).
 bool Prepare(PyObject* call, Call* c, PlanPtr* plan, std::string* reason) {
   if (state.planner == nullptr) return (*reason = "the fast path is not configured", false);
   if (!PyTuple_Check(call) || PyTuple_GET_SIZE(call) != static_cast<Py_ssize_t>(state.fields.size())) {
     return PyErr_SetString(PyExc_TypeError, "expected a q8kv8.prefill_call.PrefillCall"), false;
   }
-  *reason = Read(call, c);
-  if (reason->empty() && (*plan = Find(*c, reason)) != nullptr) *reason = CheckAddresses(**plan, *c);
-  return *plan != nullptr && reason->empty();
+  return Read(call, c, reason) && (*plan = Find(*c, reason)) != nullptr && CheckAddresses(**plan, *c, reason);
 }
 
 // The allocator at::empty used on each CUDA device, learned from its first allocation there (torch lets it be
@@ -374,21 +373,23 @@ PyObject* RaiseFfiError() {
 int CallLaunch(const Call& c, const Plan& plan, const Launch& launch) {
   std::array<DLTensor, kMaxFields> views;
   std::array<std::array<int64_t, kMaxDims>, kMaxFields> shapes;
-  std::array<TVMFFIAny, kMaxFields> args{};
+  std::array<TVMFFIAny, kMaxFields> args;
   const size_t num_tensors = plan.arguments.size();
   for (size_t i = 0; i < num_tensors; ++i) {
     const Argument& argument = plan.arguments[i];
     const DLTensor& tensor = c.views[argument.field];
-    DLTensor& view = views[i] = tensor;
+    const bool rows = argument.per_token && (launch.first != 0 || launch.count != tensor.shape[0]);
+    (args[i] = TVMFFIAny{}).type_index = kTVMFFIDLTensorPtr;
+    args[i].v_ptr = const_cast<DLTensor*>(&tensor);  // the call's own view, unless retyped or of some rows
+    if (!argument.retyped && !rows) continue;
+    DLTensor& view = *static_cast<DLTensor*>(args[i].v_ptr = &(views[i] = tensor));
     if (argument.retyped) view.dtype = argument.dtype;
-    if (argument.per_token && (launch.first != 0 || launch.count != tensor.shape[0])) {
+    if (rows) {
       std::copy(tensor.shape, tensor.shape + tensor.ndim, shapes[i].begin());
       shapes[i][0] = launch.count;
       view.shape = shapes[i].data();
       view.data = static_cast<char*>(tensor.data) + launch.first * tensor.strides[0] * ((tensor.dtype.bits + 7) / 8);
     }
-    args[i].type_index = kTVMFFIDLTensorPtr;
-    args[i].v_ptr = &view;
   }
   std::copy(launch.scalars.begin(), launch.scalars.end(), args.begin() + static_cast<std::ptrdiff_t>(num_tensors));
   TVMFFIAny result{};  // kTVMFFINone
