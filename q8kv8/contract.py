@@ -21,9 +21,8 @@ from q8kv8 import schedule
 from q8kv8.metadata import (
     D_V,
     KV_ROW_ALIGNMENT_BYTES,
-    OUT_ALIGNMENT_BYTES,
+    LAUNCH_ALIGNMENT_BYTES,
     PRECISIONS,
-    Q_ALIGNMENT_BYTES,
     Q_DTYPES,
     ROW_SCALED_Q_DTYPES,
     SUPPORTED_D_QK,
@@ -293,11 +292,12 @@ def _check_signatures(signatures: PrefillCall) -> Problem:
     if device.type == "cuda" and s_q > 0 and s_kv > 0:
         chosen = schedule.choose(s_q, h_q, topk, topk_length is not None, device.index)
     launch_ready = (
-        q[DATA_PTR] % Q_ALIGNMENT_BYTES == 0
+        all(
+            (signature := getattr(signatures, name)) is None or signature[DATA_PTR] % alignment == 0
+            for name, alignment in LAUNCH_ALIGNMENT_BYTES.items()
+        )
         and _is_contiguous(q[SHAPE], q[STRIDES])
-        and kv[DATA_PTR] % KV_ROW_ALIGNMENT_BYTES == 0
         and kv[STRIDES][0] % KV_ROW_ALIGNMENT_BYTES == 0  # e4m3: elements are bytes
-        and (out is None or out[DATA_PTR] % OUT_ALIGNMENT_BYTES == 0)
         and (topk_length is None or _is_contiguous(topk_length[SHAPE], topk_length[STRIDES]))
         and (attn_sink is None or _is_contiguous(attn_sink[SHAPE], attn_sink[STRIDES]))
     )

@@ -3,8 +3,8 @@
 ``run`` is what ``sparse_mla_q8kv8_prefill_fwd`` and the custom ops' implementations execute. The Python
 path checks the call (``q8kv8.contract``), allocates the outputs and launches the kernel (``q8kv8.kernels``;
 any head count as it is: 8, 16 or 32 heads run the small-head kernel, others tiles of 64 heads, a token's
-last tile partly filled); its first launch of each kernel variant on a GPU registers both with the fast path
-(``q8kv8.native``), which then takes such calls.
+last tile partly filled); its first launch on a GPU registers the device with the fast path
+(``q8kv8.native``), which from then on takes the calls it can plan.
 """
 
 import contextlib
@@ -14,7 +14,7 @@ import torch
 
 from q8kv8 import contract, kernels, native, schedule
 from q8kv8.contract import check_inputs, check_ranges_enabled, check_topk_length_range
-from q8kv8.metadata import HEAD_ALIGNMENT, small_heads
+from q8kv8.metadata import output_layouts
 from q8kv8.prefill_call import PrefillCall
 
 
@@ -50,7 +50,7 @@ def run(call: PrefillCall) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         q = q.contiguous()
         topk_length = None if topk_length is None else topk_length.contiguous()
         attn_sink = None if attn_sink is None else attn_sink.contiguous()
-    launched = kernels.launch_sparse_prefill(
+    kernels.launch_sparse_prefill(
         q,
         call.kv,
         call.indices,
@@ -70,24 +70,22 @@ def run(call: PrefillCall) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     )
     # The call's device (the contract checked): Tensor.is_cuda is the cheap test.
     if q.is_cuda:
-        # Small heads split: tiles of 64 heads (schedule.choose), as the launch ran them
-        heads = h_q if small_heads(h_q) and problem.splits == 1 else HEAD_ALIGNMENT
-        device_index = problem.device.index
-        for kind, variant in launched:
-            native.note_launch(device_index, problem.d_qk, call.precision, kind, variant, q.dtype, heads)
+        native.note_launch(problem.device.index)
     return out, max_logits, lse
 
 
 def output_buffers(q, h, d_v, out=None, max_logits=None, lse=None):
     """``(out, max_logits, lse)`` for q.shape[0] rows of ``h`` heads on q's device, new where not given:
-    [s_q, h, d_v] bfloat16, [s_q, h] float32, [s_q, h] float32."""
-    s_q = q.shape[0]
+    ``q8kv8.metadata.output_layouts``."""
+    (out_shape, out_dtype), (stats_shape, stats_dtype), (lse_shape, lse_dtype) = output_layouts(
+        q.shape[0], h, d_v
+    )
     if out is None:
-        out = q.new_empty((s_q, h, d_v), dtype=torch.bfloat16)
+        out = q.new_empty(out_shape, dtype=out_dtype)
     if max_logits is None:
-        max_logits = q.new_empty((s_q, h), dtype=torch.float32)
+        max_logits = q.new_empty(stats_shape, dtype=stats_dtype)
     if lse is None:
-        lse = q.new_empty((s_q, h), dtype=torch.float32)
+        lse = q.new_empty(lse_shape, dtype=lse_dtype)
     return out, max_logits, lse
 
 

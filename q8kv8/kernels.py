@@ -21,6 +21,7 @@ TVM-FFI function on torch tensors, on the caller's current CUDA stream.
 from __future__ import annotations
 
 import functools
+import operator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import NamedTuple
@@ -515,6 +516,87 @@ def _call_on_device_of(tensor: torch.Tensor, function, *args) -> None:
         function(*args)
 
 
+class AttentionLaunch(NamedTuple):
+    """One launch of the FP8 attention kernel (``attention_plan``)."""
+
+    key: VariantKey
+    rows: slice | None  # the tokens it runs (None: all of them)
+    # The arguments after the tensors: sm_scale * log2(e), the flags, the schedule count.
+    scalars: tuple[float, int, int]
+
+
+@functools.lru_cache(maxsize=1024)
+def attention_plan(
+    q_shape: tuple[int, int, int],
+    q_dtype: torch.dtype,
+    precision: str,
+    sm_scale: float,
+    has_q_scale: bool,
+    has_topk_length: bool,
+    has_sink: bool,
+    tiles: int,
+    splits: int = 1,
+    split_from: int = 0,
+    cache: str | None = None,
+) -> tuple[tuple[tuple[str, torch.dtype | None, bool], ...], tuple[AttentionLaunch, ...]]:
+    """What a call of ``launch_sparse_prefill``'s arguments launches: ``(arguments, launches)``, the one
+    description that both the Python launcher and the C++ fast path (``q8kv8.native``) execute.
+
+    ``arguments``: the kernel's tensor arguments in order, each ``(name, dtype, per_token)``: the
+    ``PrefillCall`` field whose tensor it is, the dtype it is viewed as (None: its own) and whether a launch
+    of some of the tokens passes only their rows. A bfloat16 q has no q_scale: the kernel does not read that
+    argument, which gets kv_scale. An absent topk_length / attn_sink gets the placeholders of
+    ``placeholders`` (a scale's bytes as int32, kv_scale), never read (the flags say absent).
+
+    ``launches``: the persistent variant (``tiles`` > 0, or small heads not split: the small-head variant);
+    else the one-tile variant, the split one (``splits`` > 1), or both for a split tail: the one-tile kernel
+    on the tokens before ``split_from``, then the split one on the others, with the split-tail flag (the two
+    launches overlap)."""
+    s_q, h_q, d_qk = q_shape
+    small = small_heads(h_q) and splits == 1  # small heads split: tiles of 64 heads (schedule.choose)
+    key = VariantKey(d_qk, precision, ONE_TILE, q_dtype, h_q if small else HEAD_ALIGNMENT, cache)
+    if small or tiles:
+        kinds = [PERSISTENT]
+    else:
+        kinds = [ONE_TILE] if splits == 1 or split_from > 0 else []
+        if splits > 1:
+            kinds.append(SPLIT)
+    flags = (TOPK_LENGTH_FLAG if has_topk_length else 0) | (SINK_FLAG if has_sink else 0)
+    if len(kinds) > 1:
+        flags |= SPLIT_TAIL_FLAG
+    tokens = [None] if len(kinds) == 1 else [slice(None, split_from), slice(split_from, None)]
+    logit_scale = sm_scale * LOG2_E
+    launches = tuple(
+        AttentionLaunch(
+            key._replace(schedule=kind), rows, (logit_scale, flags, splits if kind == SPLIT else tiles or 1)
+        )
+        for kind, rows in zip(kinds, tokens, strict=True)
+    )
+    return _attention_arguments(has_q_scale, has_topk_length, has_sink), launches
+
+
+@functools.cache
+def _attention_arguments(has_q_scale: bool, has_topk_length: bool, has_sink: bool) -> tuple:
+    scale = "q_scale" if has_q_scale else "kv_scale"
+    return (
+        ("q", None, True),
+        ("kv", None, False),
+        ("indices", None, True),
+        ("topk_length", None, True) if has_topk_length else (scale, torch.int32, False),
+        ("attn_sink", None, False) if has_sink else ("kv_scale", None, False),
+        (scale, None, False),
+        ("kv_scale", None, False),
+        ("out", None, True),
+        ("max_logits", None, True),
+        ("lse", None, True),
+    )
+
+
+def loaded(key: VariantKey) -> Variant | None:
+    """The variant of ``key`` if this process has loaded it, else None (nothing is built)."""
+    return _variants.get(key)
+
+
 def launch_sparse_prefill(
     q,
     kv,
@@ -547,8 +629,8 @@ def launch_sparse_prefill(
     ``split_from`` (``q8kv8.schedule.split_tokens``'s answer; only with the one-tile schedule): the split
     variant computes each tile of the tokens from ``split_from`` on with a cluster of ``splits`` CTAs, one per
     range of index slots, which merge their results; the tokens before it, if any, run one tile per CTA in a
-    launch before. Variants build on their first launch. Returns the launches' ``(schedule kind, variant)``,
-    in order."""
+    launch before. The launches are ``attention_plan``'s. Variants build on their first launch. Returns the
+    launches' ``(schedule kind, variant)``, in order."""
     tiles = schedule
     small = small_heads(q.shape[1]) and splits == 1  # small heads split: tiles of 64 heads (schedule.choose)
     if tiles is None and small:
@@ -560,17 +642,11 @@ def launch_sparse_prefill(
             topk_length is not None,
             q.get_device(),
         )
-    key = VariantKey(q.shape[2], precision, ONE_TILE, q.dtype, q.shape[1] if small else HEAD_ALIGNMENT, cache)
-    if small or tiles:
-        kinds = [PERSISTENT]
-    else:
-        kinds = [ONE_TILE] if splits == 1 or split_from > 0 else []
-        if splits > 1:
-            kinds.append(SPLIT)
-    launches = [
-        (kind, _variants.get(key._replace(schedule=kind)) or load(key._replace(schedule=kind)))
-        for kind in kinds
-    ]
+    arguments, launches = attention_plan(
+        q.shape, q.dtype, precision, sm_scale, q_scale is not None, topk_length is not None,
+        attn_sink is not None, tiles, splits, split_from, cache,
+    )  # fmt: skip
+    launched = [(launch.key.schedule, _variants.get(launch.key) or load(launch.key)) for launch in launches]
     kernel_out = out
     if not ready:
         if q.data_ptr() % Q_ALIGNMENT_BYTES:  # the Q tile is loaded by TMA
@@ -582,42 +658,39 @@ def launch_sparse_prefill(
             kv = kv.clone(memory_format=torch.contiguous_format)
         if out.data_ptr() % OUT_ALIGNMENT_BYTES:
             kernel_out = torch.empty_like(out)
+    names, retyped, per_token = _argument_layout(arguments)
+    q_scale = q_scale if q_scale is None or q_scale.dim() == 1 else q_scale.reshape(1)
     kv_scale = kv_scale if kv_scale.dim() == 1 else kv_scale.reshape(1)
-    # A bfloat16 q has no q_scale: the kernel does not read that argument, which gets kv_scale.
-    q_scale = kv_scale if q_scale is None else q_scale if q_scale.dim() == 1 else q_scale.reshape(1)
-    no_topk_length, no_sink = placeholders(q_scale, kv_scale)
-    sink = no_sink if attn_sink is None else attn_sink
-    flags = (TOPK_LENGTH_FLAG if topk_length is not None else 0) | (SINK_FLAG if attn_sink is not None else 0)
-    if len(launches) > 1:
-        flags |= SPLIT_TAIL_FLAG  # the two launches overlap
-    # A split tail: the one-tile launch on the tokens before split_from, the split launch on the others.
-    tokens = [None] if len(launches) == 1 else [slice(None, split_from), slice(split_from, None)]
-    for (kind, variant), rows in zip(launches, tokens, strict=True):
-        _call_on_device_of(
-            q,
-            variant.function,
-            _rows(q, rows),
-            kv,
-            _rows(indices, rows),
-            no_topk_length if topk_length is None else _rows(topk_length, rows),
-            sink,
-            q_scale,
-            kv_scale,
-            _rows(kernel_out, rows),
-            _rows(max_logits, rows),
-            _rows(lse, rows),
-            sm_scale * LOG2_E,
-            flags,
-            splits if kind == SPLIT else tiles or 1,  # schedule_count
-        )
+    tensors = names((q, kv, indices, topk_length, attn_sink, q_scale, kv_scale, kernel_out, max_logits, lse))
+    if retyped:
+        tensors = list(tensors)
+        for index, dtype in retyped:
+            tensors[index] = tensors[index].view(dtype)
+    for launch, (_, variant) in zip(launches, launched, strict=True):
+        rows, arguments = launch.rows, tensors
+        if rows is not None:
+            arguments = list(tensors)
+            for index in per_token:
+                arguments[index] = arguments[index][rows]
+        _call_on_device_of(q, variant.function, *arguments, *launch.scalars)
     if kernel_out is not out:
         out.copy_(kernel_out)
-    return tuple(launches)
+    return tuple(launched)
 
 
-def _rows(tensor: torch.Tensor, tokens: slice | None) -> torch.Tensor:
-    """``tensor``'s rows of ``tokens`` (a view), or ``tensor`` itself for None."""
-    return tensor if tokens is None else tensor[tokens]
+_LAUNCH_TENSORS = tuple("q kv indices topk_length attn_sink q_scale kv_scale out max_logits lse".split())
+"""The order in which ``launch_sparse_prefill`` hands its tensors to ``_argument_layout``'s getter."""
+
+
+@functools.cache
+def _argument_layout(arguments: tuple) -> tuple:
+    """``attention_plan``'s arguments as the launcher applies them: a getter of their tensors from a tuple in
+    ``_LAUNCH_TENSORS``'s order, the ``(position, dtype)`` of those viewed as another dtype, the positions of
+    per-token ones."""
+    names = [_LAUNCH_TENSORS.index(name) for name, _, _ in arguments]
+    retyped = tuple((index, dtype) for index, (_, dtype, _) in enumerate(arguments) if dtype is not None)
+    per_token = tuple(index for index, (_, _, rows) in enumerate(arguments) if rows)
+    return operator.itemgetter(*names), retyped, per_token
 
 
 def launch_paged_kv_gather(cache_pages, slot_words, out, page_size: int, layout: str) -> None:

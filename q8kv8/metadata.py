@@ -60,6 +60,21 @@ OUT_ALIGNMENT_BYTES = 4
 """The FP8 kernel writes ``out`` as bf16 pairs: its base must be a multiple of this many bytes (else the
 kernel writes a fresh buffer that is copied back)."""
 
+LAUNCH_ALIGNMENT_BYTES = {"q": Q_ALIGNMENT_BYTES, "kv": KV_ROW_ALIGNMENT_BYTES, "out": OUT_ALIGNMENT_BYTES}
+"""The alignment in bytes of the base addresses the FP8 kernel's launch needs, by argument name
+(``contract.Problem.launch_ready``, and the C++ fast path's per-call checks)."""
+
+
+OUTPUTS = ("out", "max_logits", "lse")
+"""The outputs of a call, by argument name, in the order ``output_layouts`` gives them."""
+
+
+def output_layouts(s_q: int, h: int, d_v: int) -> tuple[tuple[tuple[int, ...], torch.dtype], ...]:
+    """``(shape, dtype)`` of each of the ``OUTPUTS`` of a call of ``s_q`` tokens and ``h`` heads."""
+    stats = (s_q, h)
+    return ((s_q, h, d_v), torch.bfloat16), (stats, torch.float32), (stats, torch.float32)
+
+
 PAD_INDEX = -1
 """The index value ``pad_topk`` appends; any index outside ``[0, s_kv)`` is ignored, -1 is the usual one."""
 

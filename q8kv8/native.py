@@ -1,8 +1,17 @@
-"""The eager fast path: a C++ extension (``csrc/native.cc``) that checks, allocates and launches a call.
+"""The eager fast path: a C++ extension (``csrc/native.cc``) that runs launch plans computed here, once per
+kind of call.
 
 Why: the Python path (``contract.check_inputs`` plus ``kernels.launch_sparse_prefill``) spends microseconds
-of Python on every call; the extension reads the torch tensors directly and does the same in one CPython
-call. ``q8kv8.eager`` offers it every eager call once the Python path has launched on the device
+of Python on every call; the extension reads the torch tensors directly and launches in one CPython call.
+
+How: the extension reads a call's arguments into a key (each argument's type; a tensor's dtype, device, shape
+and strides, with ``FREE_EXTENTS`` only as zero or not; a scalar's value) and memoises, under it, the plan
+that ``launch_plan`` computes here for the first call with that key: the contract's verdict, the schedule
+(``q8kv8.schedule``), the kernel variants, arguments and scalars (``kernels.attention_plan``, which the
+Python path executes too), the alignments to check (``metadata.LAUNCH_ALIGNMENT_BYTES``) and the outputs
+(``metadata.output_layouts``). Every rule lives in Python; the extension keeps only the per-call checks that
+depend on the tensors' addresses (the plan's alignments, and no output sharing memory with another argument)
+and the launch. ``q8kv8.eager`` offers it every eager call once the Python path has launched on the device
 (``note_launch``) and takes the Python path whenever it declines. Built with ``c++`` against torch, Python
 and TVM-FFI, cached under ``disk_cache.cache_dir()``; where it cannot be built, one warning says so and
 every call takes the Python path.
@@ -22,32 +31,35 @@ from pathlib import Path
 
 import torch
 
-from q8kv8 import contract, metadata, native_build, schedule
+from q8kv8 import contract, kernels, metadata, native_build, schedule
 from q8kv8.prefill_call import PrefillCall
 
 SOURCE = Path(__file__).resolve().parent / "csrc" / "native.cc"
 MODULE_NAME = "_q8kv8_native"
-KDL_CUDA = 2  # DLPack's device type of CUDA tensors
+FREE_EXTENTS = {"kv": 0}
+"""The extents a plan depends on only through being zero or not (the contract's ``s_kv``): keyed so, a kv that
+grows from call to call (a serving loop's gathered rows) keeps its plan."""
 
 launch = None
-"""The extension's ``launch`` once a device and a kernel variant are registered, else None (also while
-``suspended``): called with a PrefillCall, it returns ``(out, max_logits, lse)`` having launched, or None
-having launched nothing."""
+"""The extension's ``launch`` once a device is registered, else None (also while ``suspended``): called with a
+PrefillCall, it returns ``(out, max_logits, lse)`` having launched, or None having launched nothing."""
 
 _extension = None
 _build_failed = False
 _lock = threading.Lock()  # the extension's build and import
 _registration_lock = threading.Lock()
-_registered: set[tuple] = set()  # (device, d_qk, precision, schedule kind, q dtype) registered by note_launch
-_registered_devices: set[int] = set()
+_devices: dict[torch.device, int] = {}  # the devices plans are made for, with their SM counts
+_registered_devices: set[int] = set()  # CUDA device indices registered by note_launch
 _suspended = 0
 _resumed_launch = None  # what ``launch`` becomes when the outermost ``suspended`` ends
 _gpu_count: int | None = None  # visible GPUs, counted on the first note_launch
 _ffi_function_type: type | None = None  # tvm_ffi.Function, once ``load`` has imported TVM-FFI
+_FIELDS = {name: index for index, name in enumerate(PrefillCall._fields)}
 
 
 def constants() -> dict:
-    """What the extension's checks compare against: every constant from its one Python definition."""
+    """The extension's configuration (``configure(**constants())``): the call's fields (each name with the
+    dimension of its free extent, or -1), the planner, and the Python exception of each TVM-FFI error kind."""
     import tvm_ffi
 
     error_kinds = {
@@ -57,33 +69,79 @@ def constants() -> dict:
     }
     error_kinds.update(getattr(tvm_ffi.core, "ERROR_NAME_TO_TYPE", {}))  # kinds registered with TVM-FFI
     return {
-        "fields": PrefillCall._fields,
-        "supported_d_qk": metadata.SUPPORTED_D_QK,
-        "small_head_counts": metadata.SMALL_HEAD_COUNTS,
-        "q_dtypes": metadata.Q_DTYPES,
-        "row_scaled_q_dtypes": metadata.ROW_SCALED_Q_DTYPES,
-        "d_v": metadata.D_V,
-        "precisions": metadata.PRECISIONS,
-        "head_alignment": metadata.HEAD_ALIGNMENT,
-        "topk_alignment": metadata.TOPK_ALIGNMENT,
-        "q_alignment_bytes": metadata.Q_ALIGNMENT_BYTES,
-        "kv_row_alignment_bytes": metadata.KV_ROW_ALIGNMENT_BYTES,
-        "out_alignment_bytes": metadata.OUT_ALIGNMENT_BYTES,
-        "log2_e": metadata.LOG2_E,
-        "topk_length_flag": metadata.TOPK_LENGTH_FLAG,
-        "sink_flag": metadata.SINK_FLAG,
-        "split_tail_flag": metadata.SPLIT_TAIL_FLAG,
-        "persistent_max_topk": schedule.PERSISTENT_MAX_TOPK,
-        "persistent_max_tiles_per_cta": schedule.PERSISTENT_MAX_TILES_PER_CTA,
-        "small_head_max_tiles_per_cta": schedule.SMALL_HEAD_MAX_TILES_PER_CTA,
-        "small_head_split_min_parts": schedule.SMALL_HEAD_SPLIT_MIN_PARTS,
-        "persistent_min_waves": schedule.PERSISTENT_MIN_WAVES,
-        "split_parts": schedule.SPLIT_PARTS,
-        "split_cluster_sms": schedule.SPLIT_CLUSTER_SMS,
-        "split_min_slots": schedule.SPLIT_MIN_SLOTS,
-        "split_tail_min_topk": schedule.SPLIT_TAIL_MIN_TOPK,
+        "fields": tuple((name, FREE_EXTENTS.get(name, -1)) for name in PrefillCall._fields),
+        "planner": launch_plan,
         "error_kinds": error_kinds,
     }
+
+
+def launch_plan(call: PrefillCall) -> tuple:
+    """The extension's answer for the key of ``call`` (it asks on a memo miss): a plan, or ``(reason, kept)``,
+    why such calls are left to the Python path, ``kept`` when that holds for every call of the key (memoised,
+    as plans are; else asked again: the contract rejected this call, or its addresses, or a variant is not
+    loaded yet).
+
+    A plan is ``(schedule, arguments, launches, outputs)``, fields by their index in the call: ``schedule``
+    ``(tiles per CTA, splits, split_from)`` (``schedule.choose``); ``arguments`` the kernel's tensor
+    arguments, ``(field, dtype or None, per token, alignment in bytes)`` (``kernels.attention_plan``);
+    ``launches`` ``(TVM-FFI function handle, first token, tokens, scalars)``; ``outputs`` ``(field, shape,
+    dtype)``, returned, and allocated when the call gives none. Only calls of the common case get one: a
+    registered device; a valid call (the contract); a Python float sm_scale; all output buffers or none; no
+    empty extent; 1-D scales; the layout the launch needs without copies; loaded TVM-FFI variants."""
+    q = call.q
+    sms = _devices.get(q.device)
+    if sms is None:
+        return "the device is not registered", True
+    if type(call.sm_scale) is not float:
+        return "sm_scale is not a Python float", True
+    try:
+        problem = contract.check_inputs(call)
+    except (TypeError, ValueError) as error:
+        return f"the Python path raises {type(error).__name__}: {error}", False
+    s_q = problem.s_q
+    given = [getattr(call, name) is not None for name in metadata.OUTPUTS]
+    if any(given) and not all(given):
+        return f"only some of {', '.join(metadata.OUTPUTS)} are given", True
+    if s_q == 0 or problem.s_kv == 0:
+        return "s_q or s_kv is 0", True
+    if any(scale is not None and scale.dim() != 1 for scale in (call.q_scale, call.kv_scale)):
+        return "q_scale or kv_scale is not a 1-D tensor", True
+    alignments = metadata.LAUNCH_ALIGNMENT_BYTES
+    if not problem.launch_ready:
+        aligned = all(
+            (tensor := getattr(call, name)) is None or tensor.data_ptr() % alignment == 0
+            for name, alignment in alignments.items()
+        )
+        return "q, kv, out, topk_length or attn_sink needs a copy for the launch", aligned
+    has_topk_length = call.topk_length is not None
+    chosen = schedule.choose(s_q, problem.h_q, problem.topk, has_topk_length, q.device.index, num_sms=sms)
+    arguments, launches = kernels.attention_plan(
+        q.shape, q.dtype, call.precision, call.sm_scale, call.q_scale is not None, has_topk_length,
+        call.attn_sink is not None, *chosen,
+    )  # fmt: skip
+    calls = []
+    for planned in launches:
+        variant = kernels.loaded(planned.key)
+        if variant is None:
+            return (
+                "the kernel variant is not loaded yet (its first launch on the Python path loads it)",
+                False,
+            )
+        if not isinstance(variant.function, _ffi_function_type):
+            return "the kernel variant is not a TVM-FFI function", True
+        first, stop, _ = (planned.rows or slice(None)).indices(s_q)
+        calls.append((variant.function.__chandle__(), first, stop - first, planned.scalars))
+    return (
+        tuple(chosen),
+        tuple((_FIELDS[name], dtype, rows, alignments.get(name, 1)) for name, dtype, rows in arguments),
+        tuple(calls),
+        tuple(
+            (_FIELDS[name], shape, dtype)
+            for name, (shape, dtype) in zip(
+                metadata.OUTPUTS, metadata.output_layouts(s_q, problem.h_q, problem.d_v), strict=True
+            )
+        ),
+    )
 
 
 def _build_dir() -> Path:
@@ -148,8 +206,8 @@ def load():
                 import tvm_ffi  # loads libtvm_ffi, which the extension shares
 
                 extension = _import(_compile(_build_dir()))
-                extension.configure(constants())
-                # Release the registered kernel variants while the interpreter is still alive.
+                extension.configure(**constants())
+                # Release the memoised plans (kernel variants, Python objects) while the interpreter is alive.
                 atexit.register(extension.reset)
                 _ffi_function_type = tvm_ffi.Function
                 _extension = extension
@@ -159,72 +217,49 @@ def load():
     return _extension
 
 
-def register_variant(
-    extension,
-    d_qk: int,
-    precision: str,
-    schedule_kind: int,
-    function,
-    q_dtype: torch.dtype = torch.float8_e4m3fn,
-    heads: int = metadata.HEAD_ALIGNMENT,
-) -> None:
-    """Let ``extension`` launch ``function`` (a ``tvm_ffi.Function``: the kernel variant the Python path
-    launches for ``d_qk``, ``precision``, the schedule kind (``schedule.ONE_TILE``, ``PERSISTENT`` or
-    ``SPLIT``), a q of ``q_dtype`` and tiles of ``heads`` heads: 64, or a small-head count, whose variant is
-    persistent); it holds a reference until replaced or reset."""
-    extension.register_variant(d_qk, precision, schedule_kind, function.__chandle__(), q_dtype, heads)
+def register_device(device: torch.device, sm_count: int) -> None:
+    """Let the extension's plans run on ``device``, scheduled for ``sm_count`` multiprocessors (forgets every
+    plan made before)."""
+    _devices[device] = sm_count
+    if _extension is not None:
+        _extension.configure(**constants())
 
 
-def note_launch(
-    device_index: int,
-    d_qk: int,
-    precision: str,
-    schedule_kind: int,
-    variant,
-    q_dtype: torch.dtype = torch.float8_e4m3fn,
-    heads: int = metadata.HEAD_ALIGNMENT,
-) -> None:
+def note_launch(device_index: int) -> None:
     """Called by the Python path after each launch on a CUDA device (whose capability the contract has then
-    checked): the first launch on the device registers it, the first of each kernel variant (``variant``,
-    a ``kernels.Variant``, for a q of ``q_dtype``, a schedule kind of ``schedule`` and tiles of ``heads``
-    heads) registers the variant, and from then on ``launch`` takes such calls. Only with one visible GPU
-    (the extension launches on the current device), never while ``suspended``, and only for a variant that is
-    a ``tvm_ffi.Function`` (the compiled kernels are)."""
-    key = (device_index, d_qk, precision, schedule_kind, q_dtype, heads)
-    if key in _registered or _suspended or device_index < 0:
+    checked): the first launch on the device registers it (``schedule.sm_count``'s multiprocessors), and from
+    then on ``launch`` takes the calls it can plan there. Only with one visible GPU (the extension launches on
+    the current device) and never while ``suspended``."""
+    if device_index in _registered_devices or _suspended or device_index < 0:
         return
     with _registration_lock:
-        _register(key, variant)
+        _register(device_index)
 
 
-def _register(key: tuple, variant) -> None:
-    """``note_launch``'s registration of ``key`` (one thread at a time)."""
+def _register(device_index: int) -> None:
+    """``note_launch``'s registration of ``device_index`` (one thread at a time)."""
     global launch, _gpu_count
-    device_index, d_qk, precision, schedule_kind, q_dtype, heads = key
-    if key in _registered:
+    if device_index in _registered_devices:
         return
     if _gpu_count is None:
         _gpu_count = torch.cuda.device_count()
     extension = load() if _gpu_count == 1 else None
-    if extension is None or not isinstance(variant.function, _ffi_function_type):
+    if extension is None:
         return
-    if device_index not in _registered_devices:
-        extension.register_device(KDL_CUDA, device_index, schedule.sm_count(device_index))
-        _registered_devices.add(device_index)
-    register_variant(extension, d_qk, precision, schedule_kind, variant.function, q_dtype, heads)
-    _registered.add(key)
+    register_device(torch.device("cuda", device_index), schedule.sm_count(device_index))
+    _registered_devices.add(device_index)
     launch = extension.launch
 
 
 def disable() -> None:
-    """Forget every registered device and variant (tests); the next launch of the Python path registers
-    again."""
+    """Forget every registered device and memoised plan (tests); the next launch of the Python path on a GPU
+    registers again."""
     global launch, _resumed_launch
     launch = _resumed_launch = None
-    _registered.clear()
     _registered_devices.clear()
+    _devices.clear()
     if _extension is not None:
-        _extension.configure(constants())
+        _extension.configure(**constants())
 
 
 @contextlib.contextmanager

@@ -40,17 +40,17 @@ pytestmark = pytest.mark.skipif(
 
 S_Q, H_Q, S_KV, D_QK, TOPK = 4, 64, 32, 576, 128
 FP8, BF16 = torch.float8_e4m3fn, torch.bfloat16
-KDL_CPU = 1
+CPU = torch.device("cpu")
 SM_COUNT = 2  # a small stand-in multiprocessor count, so that small calls reach the persistent schedule
 DECLINED = -1
 
 
 @pytest.fixture
 def fast(monkeypatch):
-    """The built extension, configured, with CPU device 0 registered and recording kernel variants for every
-    (d_qk, precision, schedule kind) and q dtype (e4m3, bfloat16); ``fast.calls`` lists
-    ``(variant key, arguments)`` of each launch, from either path. Restored to nothing registered
-    afterwards."""
+    """The built extension, configured, with the CPU registered (as a GPU of ``SM_COUNT`` SMs) and recording
+    kernel variants loaded for every (d_qk, precision, schedule kind) and q dtype (e4m3, bfloat16);
+    ``fast.calls`` lists ``(variant key, arguments)`` of each launch, from either path. Restored to nothing
+    registered afterwards."""
     import tvm_ffi
 
     extension = native.load()
@@ -65,11 +65,7 @@ def fast(monkeypatch):
     variants = {}  # kernels' table: VariantKey -> a recording variant
 
     def add(key: kernels.VariantKey, recorded_key: tuple) -> None:
-        function = recorder(recorded_key)
-        variants[key] = types.SimpleNamespace(function=function, name="recorder", d_qk=key.d_qk)
-        native.register_variant(
-            extension, key.d_qk, key.precision, key.schedule, function, key.q_dtype, key.heads
-        )
+        variants[key] = types.SimpleNamespace(function=recorder(recorded_key), name="recorder", d_qk=key.d_qk)
 
     for d_qk in SUPPORTED_D_QK:
         for precision in PRECISIONS:
@@ -85,12 +81,12 @@ def fast(monkeypatch):
                 kind = schedule.PERSISTENT if persistent else schedule.ONE_TILE
                 add(kernels.VariantKey(d_qk, precision, kind), (d_qk, precision, persistent))
                 add(kernels.VariantKey(d_qk, precision, kind, BF16), (d_qk, precision, persistent, "bf16 q"))
-    extension.register_device(KDL_CPU, 0, SM_COUNT)
     monkeypatch.setattr(kernels, "_variants", variants)
+    native.register_device(CPU, SM_COUNT)
     monkeypatch.setattr(schedule, "_sm_counts", {0: SM_COUNT, None: SM_COUNT, -1: SM_COUNT})
     monkeypatch.setattr(contract, "check_device", lambda named_devices: None)  # CPU tensors pass it
     monkeypatch.setattr(contract, "_memo", {})
-    yield types.SimpleNamespace(extension=extension, calls=calls)
+    yield types.SimpleNamespace(extension=extension, calls=calls, variants=variants)
     native.disable()
 
 
@@ -242,9 +238,9 @@ def test_launches_what_the_python_path_launches(
 
 
 def test_schedule_is_the_python_rule_over_a_grid(fast, monkeypatch, generator):
-    """The extension's copies of ``schedule.tiles_per_cta``, ``schedule.split_tokens`` and
-    ``schedule.small_head_tiles_per_cta`` (on the constants it was configured with) give the Python rules'
-    answers over a grid of extents, head counts, SM counts, top-k, topk_length and precisions."""
+    """The plans the extension memoises carry the Python rules' schedule (``schedule.choose``, on the
+    registered device's SM count) over a grid of extents, head counts, SM counts, top-k, topk_length and
+    precisions: its key tells apart every call whose schedule differs."""
     compared = split = tail = small = 0
     for s_q, h_q, topk in itertools.product(
         (1, 2, 7, 8, 9, 16, 17, 40, 150, 263, 437), (8, 16, 32, 48, 64, 128, 192), (128, 512, 640, 1024, 2048)
@@ -256,7 +252,7 @@ def test_schedule_is_the_python_rule_over_a_grid(fast, monkeypatch, generator):
         for sm_count, with_topk_length, precision in itertools.product(
             (1, 2, 3, 5, 132), (False, True), PRECISIONS
         ):
-            fast.extension.register_device(KDL_CPU, 0, sm_count)
+            native.register_device(CPU, sm_count)
             monkeypatch.setattr(schedule, "_sm_counts", {0: sm_count})
             topk_length = torch.zeros(s_q, dtype=torch.int32) if with_topk_length else None
             tiles, splits, split_from = schedule.choose(s_q, h_q, topk, with_topk_length, 0)
@@ -397,46 +393,52 @@ def test_declines_bf16_q_calls_that_need_the_python_path(fast, valid_bf16_q_args
 
 
 def test_q_scale_goes_with_e4m3_q_and_not_with_bf16_q(fast, valid_args, valid_bf16_q_args):
-    """The fast path's own reasons for the q_scale rule (the contract raises for both calls)."""
+    """The q_scale rule is the contract's: the fast path declines both calls, with the contract's message."""
     e4m3_call, bf16_call = PrefillCall(**valid_args), PrefillCall(**valid_bf16_q_args)
     assert DECLINED not in (fast.extension.plan(e4m3_call), fast.extension.plan(bf16_call))
     with_scale = bf16_call._replace(q_scale=valid_args["q_scale"])
-    assert fast.extension.decline_reason(with_scale) == (
-        "q_scale is given for a q that the kernel scales per row (it must be None)"
-    )
     without_scale = e4m3_call._replace(q_scale=None)
-    assert fast.extension.decline_reason(without_scale) == "q_scale is None for a q that needs it"
-    for call in (with_scale, without_scale):
+    for call, message in (
+        (with_scale, "q_scale: expected None for a torch.bfloat16 q, got Tensor"),
+        (without_scale, "q_scale: expected a torch.Tensor, got NoneType"),
+    ):
+        with pytest.raises(contract.InputTypeError, match=message) as error:
+            contract.check_inputs(call)
+        assert fast.extension.decline_reason(call) == f"the Python path raises InputTypeError: {error.value}"
         assert fast.extension.launch(call) is None
     assert not fast.calls
 
 
-def test_declines_unregistered_devices_and_variants(fast, valid_args):
+def test_declines_unregistered_devices_and_variants(fast, valid_args, monkeypatch):
+    """A plan needs a registered device and the loaded (TVM-FFI) variants; a declined call is not memoised, so
+    the call is planned again once they are there."""
     call = PrefillCall(**valid_args)
     fast.extension.reset()
     assert fast.extension.plan(call) == DECLINED  # not even configured
+    assert fast.extension.decline_reason(call) == "the fast path is not configured"
     assert fast.extension.launch(call) is None
-    fast.extension.configure(native.constants())
-    fast.extension.register_device(KDL_CPU, 1, SM_COUNT)  # another device
-    assert fast.extension.plan(call) == DECLINED
-    fast.extension.register_device(KDL_CPU, 0, SM_COUNT)
-    assert fast.extension.plan(call) == DECLINED  # no variant registered
-    native.register_variant(
-        fast.extension, D_QK, "default", False, kernels.load(kernels.VariantKey(D_QK)).function
-    )
+    fast.extension.configure(**native.constants())
+    native.disable()
+    native.register_device(torch.device("meta"), SM_COUNT)  # another device
+    assert fast.extension.decline_reason(call) == "the device is not registered"
+    native.register_device(CPU, SM_COUNT)
+    one_tile = kernels.VariantKey(D_QK)
+    monkeypatch.setattr(kernels, "_variants", {})
+    not_loaded = "the kernel variant is not loaded yet (its first launch on the Python path loads it)"
+    assert fast.extension.plan(call) == DECLINED  # no variant loaded
+    assert fast.extension.decline_reason(call) == not_loaded
+    kernels._variants[one_tile] = types.SimpleNamespace(function=print)  # not a TVM-FFI function
+    assert fast.extension.decline_reason(call) == "the kernel variant is not a TVM-FFI function"
+    kernels._variants[one_tile] = fast.variants[one_tile]
+    assert fast.extension.plan(call) == DECLINED  # a decline of every call of the key, memoised
+    fast.extension.configure(**native.constants())
     assert fast.extension.plan(call) == (0, 1, 0)
     assert fast.extension.plan(call._replace(precision="accurate")) == DECLINED
     bf16_q_call = call._replace(q=valid_args["q"].to(BF16), q_scale=None)
     assert fast.extension.plan(bf16_q_call) == DECLINED  # the bfloat16-q variant is another one
-    assert fast.extension.decline_reason(bf16_q_call) == "the kernel variant is not registered"
-    native.register_variant(
-        fast.extension,
-        D_QK,
-        "default",
-        False,
-        kernels.load(kernels.VariantKey(D_QK, q_dtype=BF16)).function,
-        BF16,
-    )
+    assert fast.extension.decline_reason(bf16_q_call) == not_loaded
+    bf16_one_tile = kernels.VariantKey(D_QK, q_dtype=BF16)
+    kernels._variants[bf16_one_tile] = fast.variants[bf16_one_tile]
     assert fast.extension.plan(bf16_q_call) == (0, 1, 0)
     assert not fast.calls
 
@@ -447,8 +449,10 @@ def test_decline_reason_names_the_check(fast, valid_args, monkeypatch):
     assert reason(call) == "no device registered yet (the first call on a GPU registers it)"
     monkeypatch.setattr(native, "launch", fast.extension.launch)
     assert reason(call) == ""
-    assert reason(call._replace(d_v=256)) == f"d_v is not the Python int {D_V}"
-    assert reason(call._replace(lse=valid_args["max_logits"])) == "two output buffers overlap"
+    assert reason(call._replace(d_v=256)) == (
+        f"the Python path raises ValueError: d_v: expected the integer {D_V}, got 256"
+    )
+    assert reason(call._replace(lse=valid_args["max_logits"])) == "max_logits shares memory with lse"
     assert reason(call._replace(q=valid_args["q"].as_subclass(TensorSubclass))).startswith(
         "q is not a tensor"
     )
@@ -528,8 +532,8 @@ def test_entry_point_reraises_an_error_of_the_launch_itself(fast_entry_point, va
         attempts.append(args)
         raise raised("launch failed")
 
-    native.register_variant(
-        fast_entry_point.extension, D_QK, "default", False, tvm_ffi.convert(failing_launch)
+    fast_entry_point.variants[kernels.VariantKey(D_QK)] = types.SimpleNamespace(
+        function=tvm_ffi.convert(failing_launch)
     )
     valid_args["topk_length"] = None
     with pytest.raises(Exception, match="launch failed") as error:
@@ -548,86 +552,47 @@ def test_logit_scale_is_the_python_paths_double(fast, valid_args):
     assert arguments[10] == 0.1234567890123 * math.log2(math.e)
 
 
-def test_note_launch_registers_once_per_variant_and_again_after_disable(fast, monkeypatch):
-    """The Python path notes each launch on a GPU; the first of a (device, variant) registers it, with one
-    visible GPU only and never while suspended; ``disable`` forgets everything, so the next launch registers
-    again."""
-    variant = kernels.load(kernels.VariantKey(D_QK))
+def test_note_launch_registers_the_device_once_and_again_after_disable(fast, monkeypatch):
+    """The Python path notes each launch on a GPU; the first on a device registers it (with its SM count),
+    with one visible GPU only and never while suspended; ``disable`` forgets everything, so the next launch
+    registers again."""
     native.disable()
+    monkeypatch.setattr(schedule, "_sm_counts", {0: 132})
     monkeypatch.setattr(native, "_gpu_count", 2)
-    native.note_launch(0, D_QK, "default", schedule.ONE_TILE, variant)  # two GPUs: never
+    native.note_launch(0)  # two GPUs: never
     monkeypatch.setattr(native, "_gpu_count", 1)
-    native.note_launch(-1, D_QK, "default", schedule.ONE_TILE, variant)  # a CPU tensor: never
-    native.note_launch(
-        0, D_QK, "default", schedule.ONE_TILE, types.SimpleNamespace(function=print)
-    )  # not TVM-FFI's
+    native.note_launch(-1)  # a CPU tensor: never
     with native.suspended():
-        native.note_launch(0, D_QK, "default", schedule.ONE_TILE, variant)
-    assert native.launch is None and not native._registered
+        native.note_launch(0)
+    assert native.launch is None and not native._registered_devices and not native._devices
     for _ in range(2):
-        native.note_launch(0, D_QK, "default", schedule.ONE_TILE, variant)
+        native.note_launch(0)
         assert native.launch is native.load().launch
-        assert native._registered == {(0, D_QK, "default", schedule.ONE_TILE, FP8, 64)}
         assert native._registered_devices == {0}
+        assert native._devices == {torch.device("cuda", 0): 132}
         with native.suspended():
             assert native.launch is None
         assert native.launch is native.load().launch
         native.disable()
         assert native.launch is None
-        assert not native._registered and not native._registered_devices
-    bf16_q_variant = kernels.load(kernels.VariantKey(D_QK, q_dtype=BF16))
-    native.note_launch(0, D_QK, "default", schedule.ONE_TILE, variant)
-    native.note_launch(0, D_QK, "default", schedule.ONE_TILE, bf16_q_variant, BF16)  # a variant of its own
-    small_variant = kernels.load(kernels.VariantKey(D_QK, schedule=schedule.PERSISTENT, heads=16))
-    native.note_launch(0, D_QK, "default", schedule.PERSISTENT, small_variant, FP8, 16)  # its own too
-    assert native._registered == {
-        (0, D_QK, "default", schedule.ONE_TILE, FP8, 64),
-        (0, D_QK, "default", schedule.ONE_TILE, BF16, 64),
-        (0, D_QK, "default", schedule.PERSISTENT, FP8, 16),
-    }
+        assert not native._registered_devices and not native._devices
 
 
 def test_the_python_path_notes_its_gpu_launches(monkeypatch, fake_kernels, make_inputs):
     """``eager`` (not the kernels module) registers with the fast path, after a launch on a CUDA device whose
-    capability the contract checked: each ``(schedule kind, variant)`` the launch returned (a split tail's
-    two), with the call's q dtype and the heads of its tiles."""
-    one_tile, split = types.SimpleNamespace(function=object()), types.SimpleNamespace(function=object())
-    returned = []
-    fake_kernels(lambda *args: returned[-1])
+    capability the contract checked: the device's index."""
+    fake_kernels(lambda *args: None)
     monkeypatch.setattr(native, "launch", None)
     args = make_inputs(S_Q, H_Q, S_KV, D_QK, TOPK)
     noted = []
     monkeypatch.setattr(native, "note_launch", lambda *args: noted.append(args))
     monkeypatch.setattr(contract, "check_device", lambda named_devices: None)
-    returned.append(((schedule.ONE_TILE, one_tile),))
     sparse_mla_q8kv8_prefill_fwd(**args)
     assert noted == []  # a CPU launch
     problem = contract.check_inputs(PrefillCall(**args))
     monkeypatch.setattr(eager, "check_inputs", lambda call: problem._replace(device=torch.device("cuda", 0)))
-    returned.append(((schedule.ONE_TILE, one_tile), (schedule.SPLIT, split)))
     sparse_mla_q8kv8_prefill_fwd(**{**args, "q": args["q"].as_subclass(CudaLooking)}, precision="accurate")
-    assert noted == [
-        (0, D_QK, "accurate", schedule.ONE_TILE, one_tile, FP8, 64),
-        (0, D_QK, "accurate", schedule.SPLIT, split, FP8, 64),
-    ]
-    bf16_q = args["q"].to(BF16).as_subclass(CudaLooking)
-    returned.append(((schedule.PERSISTENT, one_tile),))
-    sparse_mla_q8kv8_prefill_fwd(**{**args, "q": bf16_q, "q_scale": None})
-    assert noted[2:] == [(0, D_QK, "default", schedule.PERSISTENT, one_tile, BF16, 64)]
-    # Small heads: the small-head variant, with its head count.
-    small = make_inputs(S_Q, 16, S_KV, D_QK, TOPK)
-    small_problem = contract.check_inputs(PrefillCall(**small))
-    monkeypatch.setattr(
-        eager, "check_inputs", lambda call: small_problem._replace(device=torch.device("cuda", 0))
-    )
-    sparse_mla_q8kv8_prefill_fwd(**{**small, "q": small["q"].as_subclass(CudaLooking)})
-    assert noted[3:] == [(0, D_QK, "default", schedule.PERSISTENT, one_tile, FP8, 16)]
-    # Small heads at a few tokens, split: the tiles of 64 heads that ran.
-    split_problem = small_problem._replace(device=torch.device("cuda", 0), tiles_per_cta=0, splits=8)
-    monkeypatch.setattr(eager, "check_inputs", lambda call: split_problem)
-    returned.append(((schedule.SPLIT, split),))
-    sparse_mla_q8kv8_prefill_fwd(**{**small, "q": small["q"].as_subclass(CudaLooking)})
-    assert noted[4:] == [(0, D_QK, "default", schedule.SPLIT, split, FP8, 64)]
+    assert noted == [(0,)]
 
 
 class CudaLooking(torch.Tensor):

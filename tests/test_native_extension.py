@@ -1,6 +1,7 @@
-"""The C++ fast path's extension (``q8kv8.native``) on a CPU-only machine, beyond its checks
-(``test_native.py``): its allocation compared with the Python path's (``eager.output_buffers``), its
-configuration and registration interface, and what happens when it cannot be built."""
+"""The C++ fast path's extension (``q8kv8.native``) on a CPU-only machine, beyond its plans
+(``test_native.py``): its allocation of a plan's outputs compared with the Python path's
+(``eager.output_buffers``), its configuration and planner interface, and what happens when it cannot be
+built."""
 
 import os
 import random
@@ -13,9 +14,10 @@ import warnings
 
 import pytest
 import torch
+from native_stub import allocate
 
-from q8kv8 import contract, eager, native, native_build, schedule, sparse_mla_q8kv8_prefill_fwd
-from q8kv8.metadata import D_V
+from q8kv8 import contract, eager, native, native_build, sparse_mla_q8kv8_prefill_fwd
+from q8kv8.metadata import D_V, output_layouts
 from q8kv8.prefill_call import PrefillCall
 
 pytestmark = pytest.mark.skipif(
@@ -31,6 +33,11 @@ def extension():
     native.disable()  # configured again, nothing registered
 
 
+def layouts(q: torch.Tensor) -> tuple:
+    """The (shape, dtype) of a call's outputs for ``q`` (what a plan hands the extension to allocate)."""
+    return output_layouts(q.shape[0], q.shape[1], D_V)
+
+
 def facts(tensor: torch.Tensor) -> tuple:
     return (
         tensor.shape, tensor.stride(), tensor.dtype, tensor.device, tensor.layout, tensor.requires_grad,
@@ -43,7 +50,7 @@ def test_allocates_what_the_python_path_allocates(extension, q_dtype):
     for _ in range(4):
         s_q, h, d_qk = random.choice([0, 1, 37]), random.choice([16, 64, 128]), random.choice([512, 576])
         q = torch.empty(s_q, h, d_qk, dtype=q_dtype)
-        allocated = extension.allocate(q, D_V)
+        allocated = allocate(extension, q, layouts(q))
         expected = eager.output_buffers(q, h, D_V)
         assert [facts(t) for t in allocated] == [facts(t) for t in expected]
         pointers = {t.data_ptr() for t in allocated if t.numel()}
@@ -53,7 +60,7 @@ def test_allocates_what_the_python_path_allocates(extension, q_dtype):
 def test_follows_inference_mode_and_the_deterministic_fill(extension):
     q = torch.empty(3, 64, 576, dtype=torch.float8_e4m3fn)
     with torch.inference_mode():
-        assert all(t.is_inference() for t in extension.allocate(q, D_V))
+        assert all(t.is_inference() for t in allocate(extension, q, layouts(q)))
     restore = (
         torch.are_deterministic_algorithms_enabled(),
         torch.utils.deterministic.fill_uninitialized_memory,
@@ -61,7 +68,7 @@ def test_follows_inference_mode_and_the_deterministic_fill(extension):
     try:
         torch.use_deterministic_algorithms(True)
         torch.utils.deterministic.fill_uninitialized_memory = True
-        assert all(t.float().isnan().all() for t in extension.allocate(q, D_V))
+        assert all(t.float().isnan().all() for t in allocate(extension, q, layouts(q)))
     finally:
         torch.use_deterministic_algorithms(restore[0])
         torch.utils.deterministic.fill_uninitialized_memory = restore[1]
@@ -71,24 +78,14 @@ class TensorSubclass(torch.Tensor):
     pass
 
 
-def test_anything_but_a_plain_3d_tensor_gets_no_buffers(extension):
+def test_anything_but_a_plain_tensor_gets_no_buffers(extension):
     q = torch.empty(2, 64, 576)
-    for not_plain in (q[0], q.unsqueeze(0), q.as_subclass(TensorSubclass), q.tolist(), None, 3):
-        assert extension.allocate(not_plain, D_V) == (None, None, None)
+    for not_plain in (q.as_subclass(TensorSubclass), torch._neg_view(q), q.tolist()):
+        assert allocate(extension, not_plain, layouts(q)) is None  # declined
     parameter = torch.nn.Parameter(q, requires_grad=False)  # torch counts a Parameter as a plain tensor
-    assert [facts(t) for t in extension.allocate(parameter, D_V)] == [
-        facts(t) for t in extension.allocate(q, D_V)
+    assert [facts(t) for t in allocate(extension, parameter, layouts(q))] == [
+        facts(t) for t in allocate(extension, q, layouts(q))
     ]
-
-
-def test_bad_arguments_raise(extension):
-    q = torch.empty(2, 64, 576)
-    with pytest.raises(TypeError, match="takes 2 arguments"):
-        extension.allocate(q)
-    with pytest.raises(TypeError):
-        extension.allocate(q, "512")
-    with pytest.raises(ValueError, match="d_v must be >= 0"):
-        extension.allocate(q, -1)
 
 
 def test_a_failed_allocation_raises_what_torch_raises(extension):
@@ -96,11 +93,11 @@ def test_a_failed_allocation_raises_what_torch_raises(extension):
     with pytest.raises(Exception) as from_python:
         eager.output_buffers(q, 1, D_V)
     with pytest.raises(Exception) as from_extension:
-        extension.allocate(q, D_V)
+        allocate(extension, q, layouts(q))
     assert type(from_extension.value) is type(from_python.value)
 
 
-def test_configuration_and_registration_errors(extension):
+def test_configuration_and_planner_errors(extension):
     import tvm_ffi
 
     q = torch.empty(2, 64, 576)
@@ -108,46 +105,45 @@ def test_configuration_and_registration_errors(extension):
         extension.launch((q,))
     with pytest.raises(TypeError, match="expected a q8kv8.prefill_call.PrefillCall"):
         extension.plan(None)
-    function = tvm_ffi.convert(lambda: None).__chandle__()
-    fp8 = torch.float8_e4m3fn
-    one_tile, split = schedule.ONE_TILE, schedule.SPLIT
-    with pytest.raises(ValueError, match="no variant d_qk 128"):
-        extension.register_variant(128, "default", one_tile, function, fp8, 64)
-    with pytest.raises(ValueError, match="no variant d_qk 576, precision 'fast'"):
-        extension.register_variant(576, "fast", one_tile, function, fp8, 64)
-    with pytest.raises(ValueError, match=r"precision 'default', schedule kind 0, q dtype torch.float16"):
-        extension.register_variant(576, "default", one_tile, function, torch.float16, 64)
-    with pytest.raises(ValueError, match="q dtype 'bf16'"):
-        extension.register_variant(576, "default", split, function, "bf16", 64)
-    with pytest.raises(ValueError, match="schedule kind 3,"):
-        extension.register_variant(576, "default", 3, function, fp8, 64)
-    with pytest.raises(
-        ValueError, match="q dtype torch.float8_e4m3fn, heads 48"
-    ):  # neither 64 nor small heads
-        extension.register_variant(576, "default", one_tile, function, fp8, 48)
-    with pytest.raises(
-        ValueError, match="schedule kind 0, q dtype torch.float8_e4m3fn, heads 16"
-    ):  # persistent only
-        extension.register_variant(576, "default", one_tile, function, fp8, 16)
-    with pytest.raises(TypeError, match="takes 6 arguments"):
-        extension.register_variant(576, "default", one_tile, function, fp8)
-    with pytest.raises(TypeError, match="register_variant: handle is not a TVM-FFI function"):
-        extension.register_variant(576, "default", one_tile, tvm_ffi.convert([1, 2]).__chandle__(), fp8, 64)
-    with pytest.raises(ValueError, match="sm_count < 1"):
-        extension.register_device(1, 0, 0)
     constants = native.constants()
-    with pytest.raises(KeyError, match="no constant log2_e"):
-        extension.configure({name: value for name, value in constants.items() if name != "log2_e"})
     call = PrefillCall(q, q, q, 0.1, q, q)
+    # The planner's plan is checked: a malformed one raises (a bug of the planner), and is not memoised.
+    handle = tvm_ffi.convert(lambda *args: None).__chandle__()
+    launches = ((handle, 0, 2, ()),)
+    for malformed in (
+        (),
+        "declined",
+        ((0, 1, 0), (), launches, ()),  # no tensor argument
+        ((0, 1, 0), ((0, None, True, 16),), ((0, 0, 2, ()),), ()),  # not a TVM-FFI function
+        ((0, 1, 0), ((3, None, True, 16),), launches, ()),  # sm_scale is no tensor
+        ((0, 1, 0), ((0, None, True, 16),), launches, ((9, (2, -1), torch.float32),)),  # a negative size
+        ((0, 1, 0), ((0, None, True, 16),), launches, ((3, (2, 1), torch.float32),)),  # nor an output
+    ):
+        extension.configure(**{**constants, "planner": lambda call, plan=malformed: plan})
+        with pytest.raises(TypeError, match="the planner's plan is malformed"):
+            extension.launch(call)
+    extension.configure(**{**constants, "planner": lambda call: 1 / 0})
+    with pytest.raises(ZeroDivisionError):
+        extension.plan(call)  # the planner's own error
+    answers = []
+    for kept in (False, True):  # a decline the planner keeps is memoised, another one asked again
+        extension.configure(
+            **{**constants, "planner": lambda call, kept=kept: answers.append(call) or ("no", kept)}
+        )
+        for _ in range(2):
+            assert extension.plan(call) == -1 and extension.decline_reason(call) == "no"
+            assert extension.launch(call) is None
+    assert len(answers) == 6 + 1
+    with pytest.raises(TypeError, match="missing required argument 'planner'"):
+        extension.configure(**{name: value for name, value in constants.items() if name != "planner"})
     assert extension.plan(call) == -1 and extension.decline_reason(call) == "the fast path is not configured"
-    with pytest.raises(ValueError, match="configure: the call has no field indices"):
-        extension.configure({**constants, "fields": ("q", "kv")})
-    with pytest.raises(ValueError, match="head_alignment must be >= 1"):
-        extension.configure({**constants, "head_alignment": 0})
-    with pytest.raises(TypeError, match="q_dtypes must be torch dtypes the checks read"):
-        extension.configure({**constants, "q_dtypes": (torch.float8_e4m3fn, torch.float16)})
-    with pytest.raises(ValueError, match="q_dtypes must not be empty"):
-        extension.configure({**constants, "q_dtypes": ()})
+    for fields in ((("q", 8),), (("q",),), ("q",)):  # a dimension past the last one read, none, no pair
+        with pytest.raises(ValueError, match=r"configure: expected \(name, dim or -1\) pairs, a planner"):
+            extension.configure(**{**constants, "fields": fields})
+    with pytest.raises(ValueError, match="pairs, a planner"):
+        extension.configure(**{**constants, "planner": None})
+    with pytest.raises(TypeError):
+        extension.configure(**{**constants, "error_kinds": ()})
 
 
 def test_a_failed_build_warns_once_and_calls_take_the_python_path(
@@ -171,7 +167,7 @@ def test_a_failed_build_warns_once_and_calls_take_the_python_path(
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         assert native.load() is None  # warned once
-        native.note_launch(0, 576, "default", False, object())  # nothing to register with
+        native.note_launch(0)  # nothing to register with
         assert native.launch is None
         assert (
             native.decline_reason(PrefillCall(**args))

@@ -7,8 +7,10 @@ import math
 import pytest
 import torch
 from cuda_graphs import capture_and_replay
+from native_stub import allocate
 
 from q8kv8 import eager, native, sparse_mla_q8kv8_prefill_fwd
+from q8kv8.metadata import output_layouts
 
 pytestmark = pytest.mark.gpu
 Q_DTYPES = pytest.mark.parametrize("q_dtype", [torch.float8_e4m3fn, torch.bfloat16], ids=["e4m3", "bf16"])
@@ -138,11 +140,13 @@ def test_cuda_allocations_are_torch_caching_allocator_tensors(make_inputs, pytho
     statistics apply), freed when dropped."""
     extension = native.load()
     q = torch.empty(3, 64, 576, dtype=torch.float8_e4m3fn, device="cuda")
+    layouts = output_layouts(3, 64, 512)
     for _ in range(2):  # the first learns the allocator through at::empty, the second uses it directly
         expected = [facts(t) for t in eager.output_buffers(q, 64, 512)]
-        assert [facts(t) for t in extension.allocate(q, 512)] == expected
+        assert [facts(t) for t in allocate(extension, q, layouts)] == expected
     with torch.inference_mode():
-        assert all(t.is_inference() for t in extension.allocate(q, 512))
+        assert all(t.is_inference() for t in allocate(extension, q, layouts))
+    native.disable()  # configured again
     inputs = make_inputs(40, 64, 3000, 576, 256, device="cuda")
     sparse_mla_q8kv8_prefill_fwd(**inputs)  # registers the device and variant
     python_path_tripwire()

@@ -1,24 +1,10 @@
-// q8kv8's eager fast path: a CPython extension, built against torch and linked to TVM-FFI, that takes one
-// call from its Python arguments to the kernel launch (q8kv8/native.py builds, loads and configures it).
-//
-// launch(call) takes a q8kv8.prefill_call.PrefillCall. It reads the torch tensors directly (their
-// TensorImpl, as DLPack views), runs the checks below and, when the call is in the common case, allocates
-// the outputs of a call given no buffers (with the allocator at::empty uses), calls the registered kernel
-// variant (a TVM-FFI function) with the arguments the Python path passes (q8kv8/kernels.py,
-// launch_sparse_prefill) on torch's current stream, and returns (out, max_logits, lse). Otherwise it returns
-// None having launched and kept nothing, and the Python path takes the call (and raises the contract's
-// message for an invalid one). It declines every call the contract (q8kv8/contract.py) rejects and every
-// valid one outside the common case: head counts that need padding, tensors that need copies for alignment,
-// empty extents, buffers given in part, scalars of other Python types, tensors it does not read with
-// certainty (subclasses other than nn.Parameter, wrapper or Python-dispatch TensorImpls, negative or
-// conjugate views), and devices and kernel variants that are not registered. Each check is one of the
-// contract's, or narrower. An error raised by the variant's launch becomes the Python exception of its
-// TVM-FFI error kind. q is e4m3 with a q_scale tensor, or bfloat16 with q_scale None (the kernel scales each
-// row of it); each q dtype has kernel variants of its own.
-//
-// The names of PrefillCall's fields, the supported sizes, alignments, flag bits and the schedule's
-// constants all come from q8kv8's Python modules through configure(). Every function runs with the GIL
-// held, so the registry is never read and written at once.
+// q8kv8's eager fast path: a CPython extension, built against torch and linked to TVM-FFI, that runs the launch
+// plans q8kv8.native computes in Python (q8kv8/native.py builds, loads and configures it, and tells the design).
+// launch(call) reads a PrefillCall's arguments into a key, takes the plan memoised under it (else asks the
+// configured planner and memoises its plan or kept decline), checks the addresses the plan names, allocates
+// absent outputs, launches the plan's TVM-FFI functions on torch's current stream and returns the outputs; else
+// None, having launched nothing (the Python path takes the call). No rule of the call is written here. All runs
+// with the GIL held; the planner and Python-defined variants may let other threads run, hence shared_ptr plans.
 
 #include <Python.h>
 
@@ -38,152 +24,103 @@
 
 #include <algorithm>
 #include <array>
-#include <cmath>
+#include <bit>
 #include <cstdint>
+#include <cstring>
 #include <exception>
+#include <functional>
+#include <memory>
 #include <string>
-#include <tuple>
+#include <string_view>
 #include <typeinfo>
+#include <unordered_map>
 #include <utility>
 #include <vector>
 
 namespace {
 
-constexpr int64_t kDeclined = -1;
+constexpr size_t kMaxFields = 32;  // of a call; and arguments of a launch, tensors and scalars
+constexpr int kMaxDims = 8;  // of a tensor read here
+constexpr size_t kMaxPlans = 4096;  // memoised before the memo is emptied
 
-// The PrefillCall fields read here; configure() maps each name to its position in the tuple.
-enum Field {
-  kQ,
-  kKv,
-  kIndices,
-  kSmScale,
-  kQScale,
-  kKvScale,
-  kDv,
-  kAttnSink,
-  kTopkLength,
-  kOut,
-  kMaxLogits,
-  kLse,
-  kPrecision,
-  kNumFields,
-};
-constexpr const char* kFieldNames[kNumFields] = {
-    "q", "kv", "indices", "sm_scale", "q_scale", "kv_scale", "d_v", "attn_sink", "topk_length", "out",
-    "max_logits", "lse", "precision",
+struct Argument {  // the call's tensor `field`, viewed as `dtype` when retyped, a launch's rows when per_token
+  Py_ssize_t field;
+  bool retyped;
+  int per_token;
+  DLDataType dtype;
+  int64_t alignment;  // of its address, in bytes (a power of two)
 };
 
-// Set by configure() from q8kv8's Python constants.
-struct Config {
-  bool configured = false;
-  Py_ssize_t num_fields = 0;
-  Py_ssize_t field_index[kNumFields] = {};
-  std::vector<int64_t> supported_d_qk;
-  std::vector<int64_t> small_head_counts;  // head counts of the small-head kernel (a tile is a token's heads)
-  std::vector<DLDataType> q_dtypes;  // the dtypes q may have
-  std::vector<bool> q_row_scaled;  // per q dtype: scaled per row by the kernel (q_scale None)
-  int64_t d_v = 0;
-  std::vector<PyObject*> precisions;  // str, owned
-  int64_t head_alignment = 0;
-  int64_t topk_alignment = 0;
-  int64_t q_alignment_bytes = 0;
-  int64_t kv_row_alignment_bytes = 0;
-  int64_t out_alignment_bytes = 0;
-  double log2_e = 0.0;
-  int64_t topk_length_flag = 0;
-  int64_t sink_flag = 0;
-  int64_t split_tail_flag = 0;
-  int64_t persistent_max_topk = 0;
-  int64_t persistent_max_tiles_per_cta = 0;
-  int64_t small_head_max_tiles_per_cta = 0;
-  int64_t small_head_split_min_parts = 0;  // small heads run split tiles of 64 heads from this many parts
-  int64_t persistent_min_waves = 0;
-  std::vector<int64_t> split_parts;  // the split kernel's part counts, ascending
-  std::vector<int64_t> split_cluster_sms;  // SMs counted for a tile split in split_parts[i]
-  int64_t split_min_slots = 0;
-  int64_t split_tail_min_topk = 0;
-  PyObject* error_kinds = nullptr;  // dict: TVM-FFI error kind -> Python exception type, owned
+struct Launch {  // a TVM-FFI function (owned) on the tokens [first, first + count), with its scalars
+  TVMFFIObjectHandle function = nullptr;
+  int64_t first = 0, count = 0;
+  std::vector<TVMFFIAny> scalars;
 };
 
-// A device the launch may run on, with the multiprocessor count the schedule reads.
-struct Device {
-  int32_t type;
-  int32_t id;
-  int64_t sm_count;
+struct Output {  // a returned output, allocated with `sizes` and `dtype` when the call gives none
+  Py_ssize_t field;
+  std::vector<int64_t> sizes;
+  c10::ScalarType dtype;
 };
 
-struct Registry {
-  Config config;
-  std::vector<Device> devices;
-  // TVM-FFI functions (owned references, or null), [q dtype][d_qk][precision][schedule kind][heads]: heads 0
-  // the tiles of 64 heads, 1 + i the small-head kernel of small_head_counts[i].
-  std::vector<TVMFFIObjectHandle> variants;
-};
-
-// Schedule kinds of the registry's variants (q8kv8.schedule.ONE_TILE, PERSISTENT, SPLIT).
-enum ScheduleKind : size_t { kOneTile = 0, kPersistent = 1, kSplit = 2, kScheduleKinds = 3 };
-
-// Never destroyed: releasing what it holds may need the interpreter, which is gone when static destructors
-// run; q8kv8.native empties it at exit instead (reset()).
-Registry& registry = *new Registry();
-
-void ReleaseAll() {
-  Registry& r = registry;
-  for (TVMFFIObjectHandle& variant : r.variants) {
-    if (variant != nullptr) TVMFFIObjectDecRef(variant);
+struct Plan {  // no launches: a declined key
+  PyObject* schedule = nullptr;  // what plan(call) returns, owned; a declined key's: why (a str)
+  std::vector<Argument> arguments;  // the first one's device runs the launches and gets the allocations
+  std::vector<Launch> launches;
+  std::vector<Output> outputs;
+  ~Plan() {  // with the GIL held (dropped by this module's functions only)
+    for (const Launch& launch : launches) TVMFFIObjectDecRef(launch.function);  // never null (Parse)
+    Py_XDECREF(schedule);
   }
-  r.variants.clear();
-  r.devices.clear();
-  for (PyObject* name : r.config.precisions) Py_DECREF(name);
-  Py_XDECREF(r.config.error_kinds);
-  r.config = Config();
+};
+using PlanPtr = std::shared_ptr<const Plan>;
+
+struct KeyHash {  // keys are strings of words, found by a call's string_view; the first word: the others' hash
+  using is_transparent = void;
+  size_t operator()(std::string_view key) const { return *reinterpret_cast<const size_t*>(key.data()); }
+};
+
+struct State {  // configured while it has a planner
+  std::vector<std::pair<std::string, int>> fields;  // name, and the extent keyed only as zero or not (or -1)
+  PyObject* planner = nullptr;  // owned
+  PyObject* error_kinds = nullptr;  // dict: TVM-FFI error kind -> Python exception type, owned
+  std::unordered_map<std::string, PlanPtr, KeyHash, std::equal_to<>> plans;
+  uint64_t generation = 0;  // of the configuration and memo: an answer given across a change is not kept
+};
+
+// Never destroyed (releasing needs the interpreter, gone when static destructors run): emptied at exit, reset().
+State& state = *new State();
+
+void ReleaseAll() {  // the fields stay, unread until configured again
+  state.plans.clear();
+  ++state.generation;
+  Py_CLEAR(state.planner);
+  Py_CLEAR(state.error_kinds);
 }
 
-// ---------------------------------------------------------------------------------------------------
-// Reading the call
-// ---------------------------------------------------------------------------------------------------
-
-// The allocator at::empty used on each CUDA device, learned from its first allocation there: an allocating
-// call then makes its outputs with at::detail::empty_generic directly (what at::empty reaches through the
-// dispatcher). torch lets the CUDA allocator be replaced only before its first allocation, so the learned
-// one stays the current one.
-std::array<c10::Allocator*, 64> g_cuda_allocators{};
-
-// DLPack's dtype of the scalar types the checks accept; an opaque handle (no check accepts it) for others.
+// DLPack's dtype of the scalar types the kernels take; an opaque handle for others.
 DLDataType DLDtypeOf(c10::ScalarType type) {
   switch (type) {
-    case at::kFloat8_e4m3fn:
-      return {kDLFloat8_e4m3fn, 8, 1};
-    case at::kInt:
-      return {kDLInt, 32, 1};
-    case at::kFloat:
-      return {kDLFloat, 32, 1};
-    case at::kBFloat16:
-      return {kDLBfloat, 16, 1};
-    default:
-      return {kDLOpaqueHandle, 0, 0};
+    case at::kFloat8_e4m3fn: return {kDLFloat8_e4m3fn, 8, 1};
+    case at::kInt: return {kDLInt, 32, 1};
+    case at::kFloat: return {kDLFloat, 32, 1};
+    case at::kBFloat16: return {kDLBfloat, 16, 1};
+    default: return {kDLOpaqueHandle, 0, 0};
   }
 }
 
-// A DLPack view of a plain strided CPU or CUDA tensor; false for anything else.
+// A DLPack view of a plain strided CPU or CUDA tensor of at most kMaxDims dimensions; false for anything else: a
+// wrapper TensorImpl (functorch, functionalisation, nested, sparse), Python dispatch, a lazy negative or conjugate
+// view (the kernel would read the wrong values).
 bool FillDLTensor(const at::Tensor& tensor, DLTensor* view) {
   const c10::TensorImpl* impl = tensor.unsafeGetTensorImpl();
-  // No wrapper TensorImpl (functorch, functionalisation, nested, sparse), no Python dispatch, no lazy
-  // negative or conjugate view (the kernel would read the wrong values).
-  if (typeid(*impl) != typeid(c10::TensorImpl) || impl->is_python_dispatch() ||
-      impl->layout() != c10::kStrided || impl->is_neg() || impl->is_conj() || !impl->has_storage()) {
+  const c10::DeviceType device = impl->device_type();
+  if (typeid(*impl) != typeid(c10::TensorImpl) || impl->is_python_dispatch() || impl->layout() != c10::kStrided ||
+      impl->is_neg() || impl->is_conj() || !impl->has_storage() || impl->dim() > kMaxDims ||
+      (device != c10::DeviceType::CPU && device != c10::DeviceType::CUDA)) {
     return false;
   }
-  switch (impl->device_type()) {
-    case c10::DeviceType::CPU:
-      view->device = {kDLCPU, 0};
-      break;
-    case c10::DeviceType::CUDA:
-      view->device = {kDLCUDA, impl->device().index()};
-      break;
-    default:
-      return false;
-  }
+  view->device = device == c10::DeviceType::CUDA ? DLDevice{kDLCUDA, impl->device().index()} : DLDevice{kDLCPU, 0};
   view->dtype = DLDtypeOf(impl->dtype().toScalarType());
   try {
     view->data = const_cast<void*>(impl->data());  // what Tensor.data_ptr() returns (offset included)
@@ -197,420 +134,218 @@ bool FillDLTensor(const at::Tensor& tensor, DLTensor* view) {
   return true;
 }
 
-// A tensor argument: a plain torch.Tensor (or nn.Parameter) that FillDLTensor can view.
-const at::Tensor* ReadTensor(PyObject* object, DLTensor* view) {
-  if (!THPVariable_CheckExact(object)) return nullptr;
-  const at::Tensor& tensor = THPVariable_Unpack(object);
-  return FillDLTensor(tensor, view) ? &tensor : nullptr;
-}
-
-// A call's arguments as read: DLPack views (valid while the call's objects are alive) and scalars.
-struct Views {
-  DLTensor q, kv, indices, q_scale, kv_scale, attn_sink, topk_length, out, max_logits, lse;
-  bool has_q_scale = false;  // false: None (a row-scaled q)
-  bool has_sink = false;
-  bool has_topk_length = false;
-  bool has_outputs = false;  // false: all three absent, allocated after the checks
-  const at::Tensor* q_tensor = nullptr;
-  double sm_scale = 0.0;
-  size_t precision = 0;  // index into Config::precisions
-};
-
-// What the checks decided.
-struct Plan {
-  int64_t tiles = kDeclined;  // tiles per CTA (0: the one-tile kernel), or kDeclined
-  int64_t splits = 1;  // the one-tile kernel: parts per split tile (> 1: the split variant)
-  int64_t split_from = 0;  // splits > 1: the first token split (> 0: the one-tile variant runs those before)
-  TVMFFIObjectHandle variant = nullptr;  // the first launch's
-  TVMFFIObjectHandle split_variant = nullptr;  // a split tail's (split_from > 0), launched second
-  int64_t flags = 0;
-  double logit_scale = 0.0;
-  std::string declined;  // why, when declined
-};
-
-Plan Declined(std::string reason) {
-  Plan plan;
-  plan.declined = std::move(reason);
-  return plan;
-}
-
-bool HasDtype(const DLTensor& t, uint8_t code, uint8_t bits) {
-  return t.dtype.code == code && t.dtype.bits == bits && t.dtype.lanes == 1;
-}
-
-bool SameDtype(const DLDataType& a, const DLDataType& b) {
-  return a.code == b.code && a.bits == b.bits && a.lanes == b.lanes;
-}
-
-int64_t Stride(const DLTensor& t, int dim) { return t.strides[dim]; }
-
-uintptr_t Address(const DLTensor& t) { return reinterpret_cast<uintptr_t>(t.data) + t.byte_offset; }
-
-bool SameDevice(const DLTensor& a, const DLTensor& b) {
-  return a.device.device_type == b.device.device_type && a.device.device_id == b.device.device_id;
-}
-
-// Tensor.is_contiguous(): size-1 dims may have any stride, a tensor with no elements is contiguous.
-bool IsContiguous(const DLTensor& t) {
-  for (int i = 0; i < t.ndim; ++i) {
-    if (t.shape[i] == 0) return true;
+// A call's arguments as read: its tuple, a DLPack view of each tensor (valid while the call is alive), its key
+// (each argument's type; a tensor's scalar type, device and rank in one word, its sizes and strides; a scalar).
+struct Call {
+  PyObject* tuple = nullptr;
+  std::array<DLTensor, kMaxFields> views;
+  std::array<const at::Tensor*, kMaxFields> tensors{};  // null: not a tensor
+  std::array<int64_t, 1 + kMaxFields * (2 + 2 * kMaxDims)> key;  // key[0]: the hash of the others
+  size_t key_size = 1;
+  void Push(int64_t word) {  // each word multiplied (independently), folded in by rotation
+    key[key_size++] = word;
+    const auto hash = static_cast<uint64_t>(key[0]);
+    key[0] = static_cast<int64_t>((hash << 5 | hash >> 59) ^ static_cast<uint64_t>(word) * 0x9E3779B97F4A7C15ULL);
   }
-  int64_t expected = 1;
-  for (int i = t.ndim - 1; i >= 0; --i) {
-    if (t.shape[i] != 1) {
-      if (Stride(t, i) != expected) return false;
-      expected *= t.shape[i];
+  std::string_view Key() const { return {reinterpret_cast<const char*>(key.data()), key_size * sizeof(int64_t)}; }
+};
+
+// Reads `call` into `c`: whether every argument is read, else *reason says why not.
+bool Read(PyObject* call, Call* c, std::string* reason) {
+  c->tuple = call;
+  c->key[0] = 0;
+  for (Py_ssize_t f = 0; f < static_cast<Py_ssize_t>(state.fields.size()); ++f) {
+    PyObject* value = PyTuple_GET_ITEM(call, f);
+    c->Push(static_cast<int64_t>(reinterpret_cast<intptr_t>(Py_TYPE(value))));
+    if (value == Py_None) continue;
+    if (PyFloat_CheckExact(value) && (c->Push(std::bit_cast<int64_t>(PyFloat_AS_DOUBLE(value))), true)) continue;
+    int overflow = 0;  // its value (a float's bits)
+    if (PyLong_CheckExact(value) && (c->Push(PyLong_AsLongLongAndOverflow(value, &overflow)), overflow == 0)) continue;
+    Py_ssize_t size = 0;
+    const char* text = PyUnicode_CheckExact(value) ? PyUnicode_AsUTF8AndSize(value, &size) : nullptr;
+    if (text != nullptr && size <= 8 * 2 * kMaxDims) {  // its length, then its bytes in words
+      c->Push(size);
+      for (Py_ssize_t i = 0; i < size; i += 8) {
+        int64_t word = 0;
+        std::memcpy(&word, text + i, static_cast<size_t>(std::min<Py_ssize_t>(8, size - i)));
+        c->Push(word);
+      }
+      continue;
+    }
+    if (text == nullptr && PyUnicode_CheckExact(value)) PyErr_Clear();  // a str that is not UTF-8
+    DLTensor& view = c->views[f];
+    if (!THPVariable_CheckExact(value) || !FillDLTensor(THPVariable_Unpack(value), &view)) {
+      *reason = state.fields[f].first + " is not a tensor read here (a plain CPU or CUDA torch.Tensor or "
+                                        "nn.Parameter, no wrapper, negative or conjugate view; or None, a float, a "
+                                        "64-bit int, a short str)";
+      return false;
+    }
+    const at::Tensor& tensor = THPVariable_Unpack(value);
+    c->tensors[f] = &tensor;
+    c->Push(static_cast<int64_t>(tensor.scalar_type()) << 56 | int64_t{view.device.device_type} << 48 |
+            int64_t{view.device.device_id} << 8 | view.ndim);  // a device index < 2^31, ndim <= kMaxDims
+    for (int d = 0; d < view.ndim; ++d) c->Push(d == state.fields[f].second ? view.shape[d] != 0 : view.shape[d]);
+    for (int d = 0; d < view.ndim; ++d) c->Push(view.strides[d]);
+  }
+  return true;
+}
+
+// The planner's plan for the call read into `c` (and every call of its key), or null with a Python exception
+// set (a malformed one, a bug of the planner: its tensor arguments and outputs must be the call's tensors).
+PlanPtr Parse(PyObject* answer, const Call& c) {
+  auto plan = std::make_shared<Plan>();
+  const auto is_field = [](Py_ssize_t f) { return f >= 0 && f < static_cast<Py_ssize_t>(state.fields.size()); };
+  PyObject *schedule, *arguments, *launches, *outputs, *dtype, *handle, *scalars, *sizes;
+  bool ok = PyTuple_Check(answer) && PyArg_ParseTuple(answer, "OO!O!O!", &schedule, &PyTuple_Type, &arguments,
+                                                      &PyTuple_Type, &launches, &PyTuple_Type, &outputs);
+  if (ok) plan->schedule = Py_NewRef(schedule);
+  for (Py_ssize_t i = 0; ok && i < PyTuple_GET_SIZE(arguments); ++i) {
+    Argument& argument = plan->arguments.emplace_back();
+    ok = PyArg_ParseTuple(PyTuple_GET_ITEM(arguments, i), "nOpL", &argument.field, &dtype, &argument.per_token,
+                          &argument.alignment) &&
+         is_field(argument.field) && std::has_single_bit(static_cast<uint64_t>(argument.alignment)) &&
+         (dtype == Py_None || THPDtype_Check(dtype));
+    argument.retyped = ok && dtype != Py_None;
+    if (argument.retyped) argument.dtype = DLDtypeOf(reinterpret_cast<THPDtype*>(dtype)->scalar_type);
+  }
+  for (Py_ssize_t i = 0; ok && i < PyTuple_GET_SIZE(launches); ++i) {
+    Launch& launch = plan->launches.emplace_back();
+    ok = PyArg_ParseTuple(PyTuple_GET_ITEM(launches, i), "OLLO!", &handle, &launch.first, &launch.count,
+                          &PyTuple_Type, &scalars);
+    void* function = ok ? PyLong_AsVoidPtr(handle) : nullptr;
+    ok = function != nullptr && TVMFFIObjectGetTypeIndex(function) == kTVMFFIFunction &&
+         plan->arguments.size() + static_cast<size_t>(PyTuple_GET_SIZE(scalars)) <= kMaxFields;
+    if (!ok) plan->launches.pop_back();  // a launch kept has its function
+    if (ok) TVMFFIObjectIncRef(launch.function = function);
+    for (Py_ssize_t j = 0; ok && j < PyTuple_GET_SIZE(scalars); ++j) {
+      PyObject* scalar = PyTuple_GET_ITEM(scalars, j);
+      TVMFFIAny& any = launch.scalars.emplace_back();  // zeroed
+      any.type_index = PyFloat_CheckExact(scalar) ? kTVMFFIFloat : kTVMFFIInt;
+      if (PyFloat_CheckExact(scalar)) any.v_float64 = PyFloat_AS_DOUBLE(scalar);
+      else ok = PyLong_CheckExact(scalar) && ((any.v_int64 = PyLong_AsLongLong(scalar)) != -1 || !PyErr_Occurred());
+    }
+  }
+  for (Py_ssize_t i = 0; ok && i < PyTuple_GET_SIZE(outputs); ++i) {
+    Output& output = plan->outputs.emplace_back();
+    ok = PyArg_ParseTuple(PyTuple_GET_ITEM(outputs, i), "nO!O!", &output.field, &PyTuple_Type, &sizes,
+                          &THPDtypeType, &dtype) &&
+         is_field(output.field) && (c.tensors[output.field] || PyTuple_GET_ITEM(c.tuple, output.field) == Py_None);
+    if (ok) output.dtype = reinterpret_cast<THPDtype*>(dtype)->scalar_type;
+    for (Py_ssize_t j = 0; ok && j < PyTuple_GET_SIZE(sizes); ++j) {
+      ok = (output.sizes.emplace_back(PyLong_AsLongLong(PyTuple_GET_ITEM(sizes, j)))) >= 0;
+    }
+  }
+  for (size_t i = 0; ok && i < plan->arguments.size(); ++i) {  // a tensor of the call (the first), or an output
+    const Argument& a = plan->arguments[i];
+    const auto is_a = [&a](const Output& o) { return o.field == a.field; };
+    const auto output = std::find_if(plan->outputs.begin(), plan->outputs.end(), is_a);
+    const auto allocated = i > 0 && output != plan->outputs.end() ? static_cast<int>(output->sizes.size()) : -1;
+    ok = (c.tensors[a.field] != nullptr ? c.views[a.field].ndim : allocated) >= (a.per_token ? 1 : 0);
+  }
+  if (ok && !plan->arguments.empty() && !plan->launches.empty()) return plan;
+  PyErr_SetString(PyExc_TypeError, "the planner's plan is malformed: expected (schedule, arguments, launches, "
+                                   "outputs) as q8kv8.native.launch_plan documents them");
+  return nullptr;
+}
+
+// The plan memoised under the key of the call read into `c`, else the planner's answer (memoised when a plan or
+// a decline it keeps); null when declined (*reason set) or when the planner raised (a Python exception set).
+PlanPtr Find(const Call& c, std::string* reason) {
+  const auto found = state.plans.find(c.Key());
+  PlanPtr plan = found == state.plans.end() ? nullptr : found->second;
+  if (plan == nullptr) {
+    const uint64_t generation = state.generation;  // the planner's Python code may let other threads run
+    PyObject* planner = Py_NewRef(state.planner);
+    PyObject* answer = PyObject_CallOneArg(planner, c.tuple);
+    Py_DECREF(planner);
+    if (answer == nullptr) return nullptr;
+    PyObject* why = nullptr;
+    int kept = 0;  // (reason, kept): declined
+    if (PyTuple_Check(answer) && PyTuple_GET_SIZE(answer) == 2 &&
+        PyArg_ParseTuple(answer, "O!p", &PyUnicode_Type, &why, &kept) && PyUnicode_AsUTF8(why) != nullptr) {
+      auto declined = std::make_shared<Plan>();
+      declined->schedule = Py_NewRef(why);
+      plan = declined;
+    }
+    plan = plan != nullptr ? plan : Parse(answer, c);
+    Py_DECREF(answer);
+    if (plan != nullptr && (kept || !plan->launches.empty()) && generation == state.generation) {
+      if (state.plans.size() >= kMaxPlans) state.plans.clear();
+      state.plans.emplace(c.Key(), plan);
+    }
+  }
+  if (plan == nullptr || !plan->launches.empty()) return plan;
+  *reason = PyUnicode_AsUTF8(plan->schedule);  // a declined key's reason, checked UTF-8
+  return nullptr;
+}
+
+// The half-open byte interval a tensor's elements may touch (contract._span); empty when it has none.
+std::pair<uintptr_t, uintptr_t> Span(const DLTensor& t) {
+  int64_t last = 0;
+  for (int i = 0; i < t.ndim; ++i) {
+    if (t.shape[i] == 0) return {0, 0};
+    last += (t.shape[i] - 1) * t.strides[i];
+  }
+  const auto start = reinterpret_cast<uintptr_t>(t.data);
+  return {start, start + static_cast<uintptr_t>((last + 1) * ((t.dtype.bits + 7) / 8))};
+}
+
+// The plan's address checks (alignments; the contract's: no output given shares memory with another argument).
+bool CheckAddresses(const Plan& plan, const Call& c, std::string* reason) {
+  for (const Argument& a : plan.arguments) {
+    if (c.tensors[a.field] != nullptr && (reinterpret_cast<uintptr_t>(c.views[a.field].data) & (a.alignment - 1))) {
+      return *reason = state.fields[a.field].first + " is not " + std::to_string(a.alignment) + "-byte aligned", false;
+    }
+  }
+  std::array<std::pair<uintptr_t, uintptr_t>, kMaxFields> spans;  // empty for a field without a tensor
+  const auto num_fields = static_cast<Py_ssize_t>(state.fields.size());
+  for (Py_ssize_t f = 0; f < num_fields; ++f) {
+    spans[f] = c.tensors[f] != nullptr ? Span(c.views[f]) : std::pair<uintptr_t, uintptr_t>{};
+  }
+  for (const Output& output : plan.outputs) {
+    const auto [start, end] = spans[output.field];
+    for (Py_ssize_t f = 0; f < num_fields; ++f) {
+      const auto [other_start, other_end] = spans[f];
+      if (other_start < end && start < other_end && f != output.field && start != end && other_start != other_end) {
+        return *reason = state.fields[output.field].first + " shares memory with " + state.fields[f].first, false;
+      }
     }
   }
   return true;
 }
 
-// The half-open byte interval a tensor's elements may touch (contract._span); empty when it has none.
-struct Span {
-  uintptr_t start;
-  uintptr_t end;
-};
-
-Span SpanOf(const DLTensor& t) {
-  int64_t last = 0;
-  for (int i = 0; i < t.ndim; ++i) {
-    if (t.shape[i] == 0) return {0, 0};
-    last += (t.shape[i] - 1) * Stride(t, i);
+// Reads `call`, finds its plan, checks the addresses: whether it applies (else why not, or a Python exception).
+bool Prepare(PyObject* call, Call* c, PlanPtr* plan, std::string* reason) {
+  if (state.planner == nullptr) return (*reason = "the fast path is not configured", false);
+  if (!PyTuple_Check(call) || PyTuple_GET_SIZE(call) != static_cast<Py_ssize_t>(state.fields.size())) {
+    return PyErr_SetString(PyExc_TypeError, "expected a q8kv8.prefill_call.PrefillCall"), false;
   }
-  const uintptr_t start = Address(t);
-  return {start, start + static_cast<uintptr_t>((last + 1) * ((t.dtype.bits + 7) / 8))};
+  return Read(call, c, reason) && (*plan = Find(*c, reason)) != nullptr && CheckAddresses(**plan, *c, reason);
 }
 
-bool Overlap(const Span& a, const Span& b) {
-  return a.start != a.end && b.start != b.end && a.start < b.end && b.start < a.end;
-}
+// The allocator at::empty used on each CUDA device, learned from its first allocation there (torch lets it be
+// replaced only before that): Empty, at::empty(sizes, like.options().dtype(dtype)), then calls
+// at::detail::empty_generic directly, without the dispatcher (unless deterministic filling of new memory is on).
+std::array<c10::Allocator*, 64> g_cuda_allocators{};
 
-// schedule.tiles_per_cta, on the constants configure() received.
-int64_t TilesPerCta(int64_t num_tiles, int64_t topk, bool has_topk_length, int64_t sm_count) {
-  const Config& c = registry.config;
-  if (!(has_topk_length || topk <= c.persistent_max_topk)) return 0;
-  const int64_t tiles = std::min(c.persistent_max_tiles_per_cta, num_tiles / (c.persistent_min_waves * sm_count));
-  return tiles >= 2 ? tiles : 0;
-}
-
-// schedule.small_head_tiles_per_cta (without a forced answer): the tokens per CTA, up to the maximum, that
-// keep the fewest tokens in a row on an SM (waves of CTAs times tokens per CTA); on a tie the most.
-int64_t SmallHeadTilesPerCta(int64_t s_q, int64_t sm_count) {
-  const Config& c = registry.config;
-  int64_t best = 1, best_rounds = -1;
-  for (int64_t tiles = 1; tiles <= c.small_head_max_tiles_per_cta; ++tiles) {
-    const int64_t rounds = ((s_q + tiles - 1) / tiles + sm_count - 1) / sm_count * tiles;
-    if (best_rounds < 0 || rounds <= best_rounds) {
-      best = tiles;
-      best_rounds = rounds;
-    }
-  }
-  return best;
-}
-
-// schedule.splits (without a forced answer: the fast path is suspended while one is set).
-int64_t Splits(int64_t num_tiles, int64_t topk, int64_t sm_count) {
-  const Config& c = registry.config;
-  const int64_t tiles = std::max<int64_t>(num_tiles, 1);
-  int64_t splits = 1;
-  for (size_t i = 0; i < c.split_parts.size(); ++i) {
-    const int64_t p = c.split_parts[i];
-    if (tiles * c.split_cluster_sms[i] <= sm_count && p * c.split_min_slots <= topk) splits = p;
-  }
-  return splits;
-}
-
-// schedule.split_tokens: {splits, split_from}, the tokens from split_from on split (the last, partial wave).
-std::pair<int64_t, int64_t> SplitTokens(int64_t s_q, int64_t groups, int64_t topk, int64_t sm_count) {
-  const int64_t tail_tokens = (s_q * groups % sm_count + groups - 1) / groups;
-  const int64_t split_from = s_q - tail_tokens;
-  if (tail_tokens == 0 || (split_from > 0 && topk < registry.config.split_tail_min_topk)) return {1, 0};
-  const int64_t parts = Splits(tail_tokens * groups, topk, sm_count);
-  return parts > 1 ? std::pair<int64_t, int64_t>{parts, split_from} : std::pair<int64_t, int64_t>{1, 0};
-}
-
-// The registry's slot of a variant: [q dtype][d_qk][precision][schedule kind][heads], by index into the
-// Config's lists (heads: 0 for tiles of 64 heads, 1 + i for small_head_counts[i]).
-size_t VariantIndex(size_t q_dtype, size_t d_qk, size_t precision, size_t schedule_kind, size_t heads) {
-  const Config& c = registry.config;
-  const size_t kind = ((q_dtype * c.supported_d_qk.size() + d_qk) * c.precisions.size() + precision) *
-                          kScheduleKinds +
-                      schedule_kind;
-  return kind * (1 + c.small_head_counts.size()) + heads;
-}
-
-// The registry's heads slot of a call of h_q heads: 1 + i when h_q is small_head_counts[i], else 0.
-size_t HeadsSlot(int64_t h_q) {
-  const Config& c = registry.config;
-  const auto found = std::find(c.small_head_counts.begin(), c.small_head_counts.end(), h_q);
-  return found == c.small_head_counts.end() ? 0 : 1 + static_cast<size_t>(found - c.small_head_counts.begin());
-}
-
-// The outputs' checks (contract._check_signatures, _check_no_overlap, Problem.launch_ready for out): an
-// empty string when they pass, else why not.
-std::string CheckOutputs(const Views& v) {
-  const Config& c = registry.config;
-  const int64_t s_q = v.q.shape[0], h_q = v.q.shape[1];
-  const DLTensor& out = v.out;
-  if (out.ndim != 3 || out.shape[0] != s_q || out.shape[1] != h_q || out.shape[2] != c.d_v ||
-      !HasDtype(out, kDLBfloat, 16) || !IsContiguous(out)) {
-    return "out is not a contiguous [s_q, h_q, " + std::to_string(c.d_v) + "] bfloat16 tensor";
-  }
-  for (const DLTensor* row_stats : {&v.max_logits, &v.lse}) {
-    if (row_stats->ndim != 2 || row_stats->shape[0] != s_q || row_stats->shape[1] != h_q ||
-        !HasDtype(*row_stats, kDLFloat, 32) || !IsContiguous(*row_stats)) {
-      return "max_logits or lse is not a contiguous [s_q, h_q] float32 tensor";
-    }
-  }
-  // No output shares memory with another output or an input (contract._check_no_overlap).
-  const Span outputs[3] = {SpanOf(v.out), SpanOf(v.max_logits), SpanOf(v.lse)};
-  Span inputs[7] = {SpanOf(v.q), SpanOf(v.kv), SpanOf(v.indices), {0, 0}, SpanOf(v.kv_scale), {0, 0}, {0, 0}};
-  if (v.has_q_scale) inputs[3] = SpanOf(v.q_scale);
-  if (v.has_sink) inputs[5] = SpanOf(v.attn_sink);
-  if (v.has_topk_length) inputs[6] = SpanOf(v.topk_length);
-  for (int i = 0; i < 3; ++i) {
-    for (int j = 0; j < i; ++j) {
-      if (Overlap(outputs[i], outputs[j])) return "two output buffers overlap";
-    }
-    for (const Span& input : inputs) {
-      if (Overlap(outputs[i], input)) return "an output buffer overlaps an input";
-    }
-  }
-  for (const DLTensor* t : {&v.out, &v.max_logits, &v.lse}) {
-    if (!SameDevice(*t, v.q)) return "the tensors are on more than one device";
-  }
-  if (Address(out) % c.out_alignment_bytes != 0) return "q, kv or out does not meet the launch's alignment";
-  return std::string();
-}
-
-// Every check, on the call's views; the outputs' only when given (else they are allocated after, and
-// checked then).
-Plan Check(const Views& v) {
-  const Config& c = registry.config;
-  const DLTensor &q = v.q, &kv = v.kv, &indices = v.indices;
-
-  // Ranks, dtypes, shapes (contract._check_signatures), in the common case: no head padding, no empty
-  // extent.
-  if (q.ndim != 3 || kv.ndim != 3 || indices.ndim != 3) return Declined("q, kv or indices is not 3-D");
-  size_t q_dtype = 0;
-  while (q_dtype < c.q_dtypes.size() && !SameDtype(q.dtype, c.q_dtypes[q_dtype])) ++q_dtype;
-  if (q_dtype == c.q_dtypes.size() || !HasDtype(kv, kDLFloat8_e4m3fn, 8) || !HasDtype(indices, kDLInt, 32)) {
-    return Declined("q, kv or indices has another dtype");
-  }
-  if (Stride(q, 2) != 1 || Stride(kv, 2) != 1 || Stride(indices, 2) != 1) {
-    return Declined("q, kv or indices has a strided last dimension");
-  }
-  const int64_t s_q = q.shape[0], h_q = q.shape[1], d_qk = q.shape[2];
-  const int64_t s_kv = kv.shape[0], topk = indices.shape[2];
-  if (s_q < 1 || s_kv < 1 || h_q < 1) return Declined("s_q, s_kv or h_q is 0");
-  const auto d_qk_found = std::find(c.supported_d_qk.begin(), c.supported_d_qk.end(), d_qk);
-  if (kv.shape[1] != 1 || d_qk_found == c.supported_d_qk.end() || kv.shape[2] != d_qk) {
-    return Declined("kv's shape does not match q's, or d_qk is not supported");
-  }
-  if (indices.shape[0] != s_q || indices.shape[1] != 1) return Declined("indices' shape does not match q's");
-  if (topk <= 0 || topk % c.topk_alignment != 0) {
-    return Declined("topk is not a positive multiple of " + std::to_string(c.topk_alignment));
-  }
-  // A row-scaled q (bfloat16) comes without q_scale, any other with it.
-  if (v.has_q_scale == c.q_row_scaled[q_dtype]) {
-    return Declined(v.has_q_scale ? "q_scale is given for a q that the kernel scales per row (it must be None)"
-                                  : "q_scale is None for a q that needs it");
-  }
-  for (const DLTensor* scale : {&v.q_scale, &v.kv_scale}) {
-    if (scale == &v.q_scale && !v.has_q_scale) continue;
-    if (scale->ndim != 1 || scale->shape[0] != 1 || !HasDtype(*scale, kDLFloat, 32)) {
-      return Declined("q_scale or kv_scale is not a 1-D one-element float32 tensor");
-    }
-  }
-  if (v.has_sink && (v.attn_sink.ndim != 1 || v.attn_sink.shape[0] != h_q ||
-                     !HasDtype(v.attn_sink, kDLFloat, 32) || !IsContiguous(v.attn_sink))) {
-    return Declined("attn_sink is not a contiguous [h_q] float32 tensor");
-  }
-  if (v.has_topk_length && (v.topk_length.ndim != 1 || v.topk_length.shape[0] != s_q ||
-                            !HasDtype(v.topk_length, kDLInt, 32) || !IsContiguous(v.topk_length))) {
-    return Declined("topk_length is not a contiguous [s_q] int32 tensor");
-  }
-  if (v.has_outputs) {
-    std::string reason = CheckOutputs(v);
-    if (!reason.empty()) return Declined(std::move(reason));
-  }
-
-  // One device for all, registered (a device the Python path has launched on: the contract checked it).
-  for (const DLTensor* t : {&kv, &indices, &v.kv_scale}) {
-    if (!SameDevice(*t, q)) return Declined("the tensors are on more than one device");
-  }
-  if ((v.has_q_scale && !SameDevice(v.q_scale, q)) || (v.has_sink && !SameDevice(v.attn_sink, q)) ||
-      (v.has_topk_length && !SameDevice(v.topk_length, q))) {
-    return Declined("the tensors are on more than one device");
-  }
-  const Device* device = nullptr;
-  for (const Device& registered : registry.devices) {
-    if (registered.type == q.device.device_type && registered.id == q.device.device_id) {
-      device = &registered;
-      break;
-    }
-  }
-  if (device == nullptr) return Declined("the device is not registered");
-
-  // The launch's layout needs (contract.Problem.launch_ready): else the Python path copies.
-  if (Address(q) % c.q_alignment_bytes != 0 || !IsContiguous(q) || Address(kv) % c.kv_row_alignment_bytes != 0 ||
-      Stride(kv, 0) % c.kv_row_alignment_bytes != 0) {
-    return Declined("q, kv or out does not meet the launch's alignment");
-  }
-
-  // schedule.choose: the small-head kernel (persistent, never split), unless a grid of one tile a token would
-  // split in small_head_split_min_parts or more (then tiles of 64 heads, split); else tiles of 64 heads.
-  size_t heads = HeadsSlot(h_q);
-  int64_t tiles = 0, splits = 1, split_from = 0;
-  if (heads > 0) {
-    const int64_t parts = Splits(s_q, topk, device->sm_count);
-    if (parts >= c.small_head_split_min_parts) {
-      heads = 0;
-      splits = parts;
-    } else {
-      tiles = SmallHeadTilesPerCta(s_q, device->sm_count);
-    }
-  } else {
-    const int64_t groups = (h_q + c.head_alignment - 1) / c.head_alignment;
-    tiles = TilesPerCta(s_q * groups, topk, v.has_topk_length, device->sm_count);
-    if (tiles == 0) std::tie(splits, split_from) = SplitTokens(s_q, groups, topk, device->sm_count);
-  }
-  const size_t d_qk_index = static_cast<size_t>(d_qk_found - c.supported_d_qk.begin());
-  auto variant_of = [&](size_t kind) {
-    return registry.variants[VariantIndex(q_dtype, d_qk_index, v.precision, kind, heads)];
-  };
-  // A split tail runs the one-tile variant first, then the split one.
-  const size_t kind = tiles > 0 ? kPersistent : splits > 1 && split_from == 0 ? kSplit : kOneTile;
-  TVMFFIObjectHandle variant = variant_of(kind);
-  TVMFFIObjectHandle split_variant = split_from > 0 ? variant_of(kSplit) : nullptr;
-  if (variant == nullptr || (split_from > 0 && split_variant == nullptr)) {
-    return Declined("the kernel variant is not registered");
-  }
-  Plan plan;
-  plan.tiles = tiles;
-  plan.splits = splits;
-  plan.split_from = split_from;
-  plan.variant = variant;
-  plan.split_variant = split_variant;
-  plan.logit_scale = v.sm_scale * c.log2_e;
-  plan.flags = (v.has_topk_length ? c.topk_length_flag : 0) | (v.has_sink ? c.sink_flag : 0);
-  return plan;
-}
-
-// Reads the call into `v` and checks it. `call` is a tuple of Config::num_fields items.
-Plan Inspect(PyObject* call, Views* v) {
-  const Config& c = registry.config;
-  if (!c.configured) return Declined("the fast path is not configured");
-  auto field = [&](Field f) { return PyTuple_GET_ITEM(call, c.field_index[f]); };
-
-  // Scalars: exactly the Python types of the common case (a float, the int d_v, a str).
-  PyObject* sm_scale = field(kSmScale);
-  if (!PyFloat_CheckExact(sm_scale)) return Declined("sm_scale is not a Python float");
-  v->sm_scale = PyFloat_AS_DOUBLE(sm_scale);
-  if (!std::isfinite(v->sm_scale)) return Declined("sm_scale is not finite");
-  PyObject* d_v = field(kDv);
-  int overflow = 0;
-  if (!PyLong_CheckExact(d_v) || PyLong_AsLongLongAndOverflow(d_v, &overflow) != c.d_v || overflow != 0) {
-    PyErr_Clear();
-    return Declined("d_v is not the Python int " + std::to_string(c.d_v));
-  }
-  PyObject* precision = field(kPrecision);
-  if (!PyUnicode_CheckExact(precision)) return Declined("precision is not a str");
-  v->precision = c.precisions.size();
-  for (size_t i = 0; i < c.precisions.size(); ++i) {
-    if (PyUnicode_Compare(precision, c.precisions[i]) == 0) {
-      v->precision = i;
-      break;
-    }
-  }
-  if (v->precision == c.precisions.size()) return Declined("precision is not a supported precision");
-
-  // Tensors: read directly, or declined.
-  static const char* const kNotRead =
-      " is not a tensor read here (a plain CPU or CUDA torch.Tensor: no subclass but nn.Parameter, no "
-      "wrapper, no negative or conjugate view)";
-  const std::pair<Field, DLTensor*> required[] = {
-      {kQ, &v->q}, {kKv, &v->kv}, {kIndices, &v->indices}, {kKvScale, &v->kv_scale}};
-  for (const auto& [f, view] : required) {
-    const at::Tensor* tensor = ReadTensor(field(f), view);
-    if (tensor == nullptr) return Declined(std::string(kFieldNames[f]) + kNotRead);
-    if (f == kQ) v->q_tensor = tensor;
-  }
-  const std::pair<Field, DLTensor*> optional[] = {
-      {kQScale, &v->q_scale}, {kAttnSink, &v->attn_sink}, {kTopkLength, &v->topk_length}};
-  for (const auto& [f, view] : optional) {
-    PyObject* value = field(f);
-    if (value == Py_None) continue;
-    if (ReadTensor(value, view) == nullptr) return Declined(std::string(kFieldNames[f]) + kNotRead);
-    (f == kQScale ? v->has_q_scale : f == kAttnSink ? v->has_sink : v->has_topk_length) = true;
-  }
-  const std::pair<Field, DLTensor*> outputs[] = {{kOut, &v->out}, {kMaxLogits, &v->max_logits}, {kLse, &v->lse}};
-  int given = 0;
-  for (const auto& [f, view] : outputs) {
-    PyObject* value = field(f);
-    if (value == Py_None) continue;
-    ++given;
-    if (ReadTensor(value, view) == nullptr) return Declined(std::string(kFieldNames[f]) + kNotRead);
-  }
-  if (given != 0 && given != 3) return Declined("only some of out, max_logits and lse are given");
-  v->has_outputs = given == 3;
-  return Check(*v);
-}
-
-// ---------------------------------------------------------------------------------------------------
-// Allocating and launching
-// ---------------------------------------------------------------------------------------------------
-
-// at::empty(sizes, q.options().dtype(dtype)), without the dispatcher on a CUDA device whose allocator is
-// known (and deterministic filling of new memory off).
-at::Tensor Empty(const at::Tensor& q, c10::IntArrayRef sizes, c10::ScalarType dtype) {
-  const c10::Device device = q.device();
+at::Tensor Empty(const at::Tensor& like, c10::IntArrayRef sizes, c10::ScalarType dtype) {
+  const c10::Device device = like.device();
   const auto index = static_cast<size_t>(device.index());
-  if (device.is_cuda() && index < g_cuda_allocators.size()) {
-    at::Context& context = at::globalContext();
-    const bool deterministic_fill =
-        context.deterministicAlgorithms() && context.deterministicFillUninitializedMemory();
-    c10::Allocator* allocator = g_cuda_allocators[index];
-    if (allocator != nullptr && !deterministic_fill) {
-      const c10::DeviceGuard guard(device);  // the caching allocator allocates on the current device
-      return at::detail::empty_generic(sizes, allocator, c10::DispatchKeySet(c10::DispatchKey::CUDA), dtype,
-                                       std::nullopt);
-    }
-    at::Tensor tensor = at::empty(sizes, q.options().dtype(dtype).requires_grad(false));
-    if (allocator == nullptr) g_cuda_allocators[index] = tensor.storage().allocator();
-    return tensor;
+  const bool learnt = device.is_cuda() && index < g_cuda_allocators.size();
+  c10::Allocator* allocator = learnt ? g_cuda_allocators[index] : nullptr;
+  at::Context& context = at::globalContext();
+  if (allocator != nullptr && !(context.deterministicAlgorithms() && context.deterministicFillUninitializedMemory())) {
+    const c10::DeviceGuard guard(device);  // the caching allocator allocates on the current device
+    const c10::DispatchKeySet keys(c10::DispatchKey::CUDA);
+    return at::detail::empty_generic(sizes, allocator, keys, dtype, std::nullopt);
   }
-  return at::empty(sizes, q.options().dtype(dtype).requires_grad(false));
+  at::Tensor tensor = at::empty(sizes, like.options().dtype(dtype).requires_grad(false));
+  if (learnt) g_cuda_allocators[index] = tensor.storage().allocator();
+  return tensor;
 }
 
-struct Outputs {
-  at::Tensor out, max_logits, lse;
-};
-
-// [s_q, h, d_v] bfloat16, [s_q, h] float32, [s_q, h] float32 on q's device (eager.output_buffers).
-Outputs AllocateOutputs(const at::Tensor& q, int64_t d_v) {
-  const int64_t s_q = q.size(0);
-  const int64_t h = q.size(1);
-  return {Empty(q, {s_q, h, d_v}, at::kBFloat16), Empty(q, {s_q, h}, at::kFloat), Empty(q, {s_q, h}, at::kFloat)};
-}
-
-PyObject* WrapOutputs(Outputs outputs) {
-  PyObject* result = PyTuple_New(3);
-  if (result == nullptr) return nullptr;
-  PyTuple_SET_ITEM(result, 0, THPVariable_Wrap(std::move(outputs.out)));
-  PyTuple_SET_ITEM(result, 1, THPVariable_Wrap(std::move(outputs.max_logits)));
-  PyTuple_SET_ITEM(result, 2, THPVariable_Wrap(std::move(outputs.lse)));
-  for (Py_ssize_t i = 0; i < 3; ++i) {
-    if (PyTuple_GET_ITEM(result, i) == nullptr) {
-      Py_DECREF(result);
-      return nullptr;
-    }
-  }
-  return result;
-}
-
-// Raises, as a Python exception, the error a TVM-FFI call just returned (its kind mapped through
-// Config::error_kinds, RuntimeError for other kinds); returns nullptr.
+// Raises, as a Python exception, the error a TVM-FFI call just returned (its kind mapped through the configured
+// error kinds, RuntimeError for other kinds); returns nullptr.
 PyObject* RaiseFfiError() {
   TVMFFIObjectHandle error = nullptr;
   TVMFFIErrorMoveFromRaised(&error);
@@ -623,474 +358,142 @@ PyObject* RaiseFfiError() {
   // A Python exception already set (raised by Python code under the call, or a signal) is the error.
   if (!(kind == "EnvErrorAlreadySet" && PyErr_Occurred())) {
     PyErr_Clear();
-    PyObject* type = PyExc_RuntimeError;
-    PyObject* kinds = registry.config.error_kinds;
-    PyObject* found = kinds == nullptr ? nullptr : PyDict_GetItemString(kinds, kind.c_str());
-    if (found != nullptr && PyExceptionClass_Check(found)) type = found;
-    PyObject* message = PyUnicode_DecodeUTF8(cell->message.data, static_cast<Py_ssize_t>(cell->message.size),
-                                             "replace");
-    if (message != nullptr) {
-      PyErr_SetObject(type, message);
-      Py_DECREF(message);
-    }
+    PyObject* found = state.error_kinds == nullptr ? nullptr : PyDict_GetItemString(state.error_kinds, kind.c_str());
+    PyObject* type = found != nullptr && PyExceptionClass_Check(found) ? found : PyExc_RuntimeError;
+    PyObject* message = PyUnicode_DecodeUTF8(cell->message.data, Py_ssize_t(cell->message.size), "replace");
+    if (message != nullptr) PyErr_SetObject(type, message);
+    Py_XDECREF(message);
   }
   TVMFFIObjectDecRef(error);
   return nullptr;
 }
 
-void SetTensor(TVMFFIAny* any, const DLTensor* t) {
-  // DLTensor* is how TVM-FFI passes a borrowed tensor view (kTVMFFIDLTensorPtr); the callee only reads it.
-  any->type_index = kTVMFFIDLTensorPtr;
-  any->zero_padding = 0;
-  any->v_ptr = const_cast<DLTensor*>(t);
-}
-
-// Calls `function` (held for the call: Python code under it, a Python-defined variant, may let another thread
-// reset()); returns TVM-FFI's status.
-int CallFunction(TVMFFIObjectHandle function, TVMFFIAny* args, int32_t num_args) {
-  TVMFFIObjectIncRef(function);
-  TVMFFIAny result = {};
-  result.type_index = kTVMFFINone;
-  const int status = TVMFFIFunctionCall(function, args, num_args, &result);
-  TVMFFIObjectDecRef(function);
+// Calls one launch of the plan; returns TVM-FFI's status. Tensors pass as borrowed DLTensor views
+// (kTVMFFIDLTensorPtr: the callee only reads them), a per-token one as the view of the launch's rows.
+int CallLaunch(const Call& c, const Plan& plan, const Launch& launch) {
+  std::array<DLTensor, kMaxFields> views;
+  std::array<std::array<int64_t, kMaxDims>, kMaxFields> shapes;
+  std::array<TVMFFIAny, kMaxFields> args;
+  const size_t num_tensors = plan.arguments.size();
+  for (size_t i = 0; i < num_tensors; ++i) {
+    const Argument& argument = plan.arguments[i];
+    const DLTensor& tensor = c.views[argument.field];
+    const bool rows = argument.per_token && (launch.first != 0 || launch.count != tensor.shape[0]);
+    (args[i] = TVMFFIAny{}).type_index = kTVMFFIDLTensorPtr;
+    args[i].v_ptr = const_cast<DLTensor*>(&tensor);  // the call's own view, unless retyped or of some rows
+    if (!argument.retyped && !rows) continue;
+    DLTensor& view = *static_cast<DLTensor*>(args[i].v_ptr = &(views[i] = tensor));
+    if (argument.retyped) view.dtype = argument.dtype;
+    if (rows) {
+      std::copy(tensor.shape, tensor.shape + tensor.ndim, shapes[i].begin());
+      shapes[i][0] = launch.count;
+      view.shape = shapes[i].data();
+      view.data = static_cast<char*>(tensor.data) + launch.first * tensor.strides[0] * ((tensor.dtype.bits + 7) / 8);
+    }
+  }
+  std::copy(launch.scalars.begin(), launch.scalars.end(), args.begin() + static_cast<std::ptrdiff_t>(num_tensors));
+  TVMFFIAny result{};  // kTVMFFINone
+  const auto num_args = static_cast<int32_t>(num_tensors + launch.scalars.size());
+  const int status = TVMFFIFunctionCall(launch.function, args.data(), num_args, &result);
   if (status == 0 && result.type_index >= kTVMFFIStaticObjectBegin) TVMFFIObjectDecRef(result.v_obj);
   return status;
 }
 
-// Rows [first, first + count) of a tensor's first dimension: a view of `t` (same strides) with its own
-// shape, valid while `t`'s tensor is alive.
-struct RowsView {
-  DLTensor tensor;
-  int64_t shape[3];
-};
-
-void ViewRows(const DLTensor& t, int64_t first, int64_t count, RowsView* rows) {
-  rows->tensor = t;
-  std::copy(t.shape, t.shape + t.ndim, rows->shape);
-  rows->shape[0] = count;
-  rows->tensor.shape = rows->shape;
-  rows->tensor.data = static_cast<char*>(t.data) + first * Stride(t, 0) * ((t.dtype.bits + 7) / 8);
-}
-
-// Calls `variant` with the Python path's arguments on tokens [first, first + count) of the call
-// (kernels.launch_sparse_prefill), `schedule_count` its tiles per CTA or parts. Returns TVM-FFI's status.
-int CallVariant(const Views& v, const Plan& plan, TVMFFIObjectHandle variant, int64_t first, int64_t count,
-                int64_t schedule_count) {
-  // A row-scaled q has no q_scale: the kernel does not read that argument, which gets kv_scale. An absent
-  // topk_length / attn_sink is passed as a view of the call's own one-element scales (q_scale's bytes as
-  // int32, or kv_scale's without a q_scale; kv_scale), never read (the flags say absent): nothing is
-  // allocated or kept per call, so a launch under CUDA graph capture leaves no allocation behind
-  // (kernels.placeholders).
-  const DLTensor& q_scale = v.has_q_scale ? v.q_scale : v.kv_scale;
-  DLTensor no_topk_length = q_scale;
-  no_topk_length.dtype = {kDLInt, 32, 1};
-  const DLTensor* sink = v.has_sink ? &v.attn_sink : &v.kv_scale;
-  const bool all = first == 0 && count == v.q.shape[0];
-  RowsView q, indices, topk_length, out, max_logits, lse;
-  const DLTensor* per_token[] = {&v.q, &v.indices, v.has_topk_length ? &v.topk_length : &no_topk_length,
-                                 &v.out, &v.max_logits, &v.lse};
-  if (!all) {  // a split tail's launch: its tokens' rows
-    RowsView* views[] = {&q, &indices, &topk_length, &out, &max_logits, &lse};
-    for (size_t i = 0; i < 6; ++i) {
-      if (per_token[i] == &no_topk_length) continue;
-      ViewRows(*per_token[i], first, count, views[i]);
-      per_token[i] = &views[i]->tensor;
-    }
+// launch(call): its outputs, having launched (on torch's current stream on a CUDA device: TVM-FFI's environment
+// stream for the call); plan(call): the schedule of the plan launch(call) would run; decline_reason(call): "" when
+// launch(call) would launch. Else None, -1, and why not.
+enum Mode { kLaunch, kPlan, kReason };
+template <Mode kMode>
+PyObject* Entry(PyObject* /*module*/, PyObject* call) {
+  Call c;
+  PlanPtr plan;  // held for the call: another thread may empty the memo meanwhile
+  std::string reason;
+  const bool planned = Prepare(call, &c, &plan, &reason);
+  if (PyErr_Occurred()) return nullptr;
+  if (kMode == kReason) return PyUnicode_FromStringAndSize(reason.data(), static_cast<Py_ssize_t>(reason.size()));
+  if (kMode == kPlan) return planned ? Py_NewRef(plan->schedule) : PyLong_FromLong(-1);
+  if (!planned) Py_RETURN_NONE;
+  HANDLE_TH_ERRORS  // an allocation that fails raises torch's error (torch.OutOfMemoryError)
+  const at::Tensor& first = *c.tensors[plan->arguments[0].field];
+  // Outputs the call does not give: new tensors, whose addresses torch's allocators align (64 bytes and more).
+  std::vector<at::Tensor> allocated;
+  for (size_t i = 0; i < plan->outputs.size(); ++i) {
+    const Output& output = plan->outputs[i];
+    if (c.tensors[output.field] != nullptr) continue;
+    if (allocated.empty()) allocated.resize(plan->outputs.size());
+    allocated[i] = Empty(first, output.sizes, output.dtype);
+    if (!FillDLTensor(allocated[i], &c.views[output.field])) Py_RETURN_NONE;
+    c.tensors[output.field] = &allocated[i];
   }
-  TVMFFIAny args[13] = {};
-  SetTensor(&args[0], per_token[0]);
-  SetTensor(&args[1], &v.kv);
-  SetTensor(&args[2], per_token[1]);
-  SetTensor(&args[3], per_token[2]);
-  SetTensor(&args[4], sink);
-  SetTensor(&args[5], &q_scale);
-  SetTensor(&args[6], &v.kv_scale);
-  SetTensor(&args[7], per_token[3]);
-  SetTensor(&args[8], per_token[4]);
-  SetTensor(&args[9], per_token[5]);
-  args[10].type_index = kTVMFFIFloat;
-  args[10].v_float64 = plan.logit_scale;
-  args[11].type_index = kTVMFFIInt;
-  // A split tail's two launches overlap (the flag tells both).
-  args[11].v_int64 = plan.flags | (plan.split_from > 0 ? registry.config.split_tail_flag : 0);
-  args[12].type_index = kTVMFFIInt;
-  args[12].v_int64 = schedule_count;
-  return CallFunction(variant, args, 13);
-}
-
-// Launches the plan's variants (a split tail: the one-tile one on the tokens before split_from, then the
-// split one on the others), on `stream` (set as TVM-FFI's environment stream of q's device for the call
-// when set_stream). Returns nullptr with a Python exception set when a launch raised, else Py_None
-// (borrowed).
-PyObject* Run(const Views& v, const Plan& plan, bool set_stream, void* stream) {
-  const DLDevice device = v.q.device;
+  const auto [type, id] = c.views[plan->arguments[0].field].device;
+  const bool set_stream = first.is_cuda();
+  void* stream = set_stream ? c10::impl::getDeviceGuardImpl(c10::kCUDA)->getStream(first.device()).native_handle()
+                            : nullptr;
   TVMFFIStreamHandle previous = nullptr;
-  if (set_stream && TVMFFIEnvSetStream(device.device_type, device.device_id, stream, &previous) != 0) {
-    return RaiseFfiError();
-  }
-  const int64_t s_q = v.q.shape[0];
+  if (set_stream && TVMFFIEnvSetStream(type, id, stream, &previous) != 0) return RaiseFfiError();
   int status = 0;
-  if (plan.split_from > 0) {
-    // Held across both launches: Python code under the first (a Python-defined variant) may let another
-    // thread reset().
-    TVMFFIObjectIncRef(plan.split_variant);
-    status = CallVariant(v, plan, plan.variant, 0, plan.split_from, 1);
-    if (status == 0) {
-      status = CallVariant(v, plan, plan.split_variant, plan.split_from, s_q - plan.split_from, plan.splits);
-    }
-    TVMFFIObjectDecRef(plan.split_variant);
-  } else {
-    // schedule_count: tiles per CTA, or parts
-    status = CallVariant(v, plan, plan.variant, 0, s_q, plan.tiles == 0 ? plan.splits : plan.tiles);
-  }
-  PyObject* raised = status == 0 ? Py_None : RaiseFfiError();
-  if (set_stream && TVMFFIEnvSetStream(device.device_type, device.device_id, previous, nullptr) != 0) {
-    if (raised != nullptr) return RaiseFfiError();
-    TVMFFIObjectHandle error = nullptr;  // the launch's error is the one raised; drop the restore's
+  for (size_t i = 0; status == 0 && i < plan->launches.size(); ++i) status = CallLaunch(c, *plan, plan->launches[i]);
+  if (status != 0) RaiseFfiError();
+  if (set_stream && TVMFFIEnvSetStream(type, id, previous, nullptr) != 0) {
+    TVMFFIObjectHandle error = nullptr;  // a launch's error is the one raised; else the restore's
+    if (status == 0) return RaiseFfiError();
     TVMFFIErrorMoveFromRaised(&error);
     if (error != nullptr) TVMFFIObjectDecRef(error);
   }
-  return raised;
-}
-
-// ---------------------------------------------------------------------------------------------------
-// The module's functions
-// ---------------------------------------------------------------------------------------------------
-
-// Whether `call` may be read as a PrefillCall (a tuple of its fields' count), else a TypeError; anything
-// passes while not configured (Inspect then declines).
-bool IsCall(PyObject* call) {
-  const Config& c = registry.config;
-  if (!c.configured || (PyTuple_Check(call) && PyTuple_GET_SIZE(call) == c.num_fields)) return true;
-  PyErr_SetString(PyExc_TypeError, "expected a q8kv8.prefill_call.PrefillCall");
-  return false;
-}
-
-PyObject* Launch(PyObject* /*module*/, PyObject* call) {
-  if (!IsCall(call)) return nullptr;
-  Views v;
-  const Plan plan = Inspect(call, &v);
-  if (plan.tiles == kDeclined) Py_RETURN_NONE;
-
-  HANDLE_TH_ERRORS  // an allocation that fails raises torch's error (torch.OutOfMemoryError)
-  Outputs outputs;
-  if (!v.has_outputs) {
-    outputs = AllocateOutputs(*v.q_tensor, registry.config.d_v);
-    if (!FillDLTensor(outputs.out, &v.out) || !FillDLTensor(outputs.max_logits, &v.max_logits) ||
-        !FillDLTensor(outputs.lse, &v.lse) || !CheckOutputs(v).empty()) {
-      Py_RETURN_NONE;
-    }
+  if (status != 0) return nullptr;
+  PyObject* result = PyTuple_New(static_cast<Py_ssize_t>(plan->outputs.size()));
+  for (size_t i = 0; result != nullptr && i < plan->outputs.size(); ++i) {
+    PyObject* given = PyTuple_GET_ITEM(call, plan->outputs[i].field);
+    PyObject* output = given == Py_None ? THPVariable_Wrap(std::move(allocated[i])) : Py_NewRef(given);
+    if (output == nullptr) Py_CLEAR(result);
+    if (output != nullptr) PyTuple_SET_ITEM(result, static_cast<Py_ssize_t>(i), output);
   }
-  // The stream TVM-FFI would set for a torch CUDA tensor: torch's current stream on the device.
-  void* stream = nullptr;
-  const bool on_cuda = v.q_tensor->is_cuda();
-  if (on_cuda) {
-    const c10::Device device = v.q_tensor->device();
-    stream = c10::impl::getDeviceGuardImpl(device.type())->getStream(device).native_handle();
-  }
-  if (Run(v, plan, on_cuda, stream) == nullptr) return nullptr;
-  if (!v.has_outputs) return WrapOutputs(std::move(outputs));
-  const Config& c = registry.config;
-  return PyTuple_Pack(3, PyTuple_GET_ITEM(call, c.field_index[kOut]),
-                      PyTuple_GET_ITEM(call, c.field_index[kMaxLogits]), PyTuple_GET_ITEM(call, c.field_index[kLse]));
+  return result;
   END_HANDLE_TH_ERRORS
 }
 
-PyObject* PlanCall(PyObject* /*module*/, PyObject* call) {
-  if (!IsCall(call)) return nullptr;
-  Views v;
-  const Plan plan = Inspect(call, &v);
-  if (plan.tiles == kDeclined) return PyLong_FromLongLong(kDeclined);
-  return Py_BuildValue("(LLL)", static_cast<long long>(plan.tiles), static_cast<long long>(plan.splits),
-                       static_cast<long long>(plan.split_from));
-}
-
-PyObject* DeclineReason(PyObject* /*module*/, PyObject* call) {
-  if (!IsCall(call)) return nullptr;
-  Views v;
-  const Plan plan = Inspect(call, &v);
-  return PyUnicode_FromStringAndSize(plan.declined.data(), static_cast<Py_ssize_t>(plan.declined.size()));
-}
-
-PyObject* Allocate(PyObject* /*module*/, PyObject* const* args, Py_ssize_t nargs) {
-  if (nargs != 2) {
-    PyErr_Format(PyExc_TypeError, "allocate(q, d_v) takes 2 arguments (%zd given)", nargs);
-    return nullptr;
-  }
-  const int64_t d_v = PyLong_AsLongLong(args[1]);
-  if (d_v == -1 && PyErr_Occurred()) return nullptr;
-  if (d_v < 0) {
-    PyErr_SetString(PyExc_ValueError, "allocate: d_v must be >= 0");
-    return nullptr;
-  }
-  if (!THPVariable_CheckExact(args[0])) return PyTuple_Pack(3, Py_None, Py_None, Py_None);
-  const at::Tensor& q = THPVariable_Unpack(args[0]);
-  if (q.dim() != 3) return PyTuple_Pack(3, Py_None, Py_None, Py_None);
-  HANDLE_TH_ERRORS
-  return WrapOutputs(AllocateOutputs(q, d_v));
-  END_HANDLE_TH_ERRORS
-}
-
-// configure() helpers: one entry of the constants dict, or a Python exception.
-PyObject* Entry(PyObject* constants, const char* name) {
-  PyObject* value = PyDict_GetItemString(constants, name);
-  if (value == nullptr) PyErr_Format(PyExc_KeyError, "configure: no constant %s", name);
-  return value;
-}
-
-bool GetInt(PyObject* constants, const char* name, int64_t* out, int64_t minimum) {
-  PyObject* value = Entry(constants, name);
-  if (value == nullptr) return false;
-  *out = PyLong_AsLongLong(value);
-  if (*out == -1 && PyErr_Occurred()) return false;
-  if (*out < minimum) {
-    PyErr_Format(PyExc_ValueError, "configure: %s must be >= %lld", name, static_cast<long long>(minimum));
-    return false;
-  }
-  return true;
-}
-
-// A tuple (or list) entry, as a new reference to a tuple.
-PyObject* GetSequence(PyObject* constants, const char* name) {
-  PyObject* value = Entry(constants, name);
-  return value == nullptr ? nullptr : PySequence_Tuple(value);
-}
-
-bool Configure(PyObject* constants, Config* c) {
-  PyObject* fields = GetSequence(constants, "fields");
-  if (fields == nullptr) return false;
-  c->num_fields = PyTuple_GET_SIZE(fields);
-  for (int f = 0; f < kNumFields; ++f) {
-    c->field_index[f] = -1;
-    for (Py_ssize_t i = 0; i < c->num_fields; ++i) {
-      PyObject* name = PyTuple_GET_ITEM(fields, i);
-      if (PyUnicode_Check(name) && PyUnicode_CompareWithASCIIString(name, kFieldNames[f]) == 0) {
-        c->field_index[f] = i;
-      }
-    }
-    if (c->field_index[f] < 0) {
-      Py_DECREF(fields);
-      PyErr_Format(PyExc_ValueError, "configure: the call has no field %s", kFieldNames[f]);
-      return false;
-    }
-  }
-  Py_DECREF(fields);
-
-  for (const auto& [name, values] : {std::pair<const char*, std::vector<int64_t>*>{"supported_d_qk", &c->supported_d_qk},
-                                     {"small_head_counts", &c->small_head_counts},
-                                     {"split_parts", &c->split_parts},
-                                     {"split_cluster_sms", &c->split_cluster_sms}}) {
-    PyObject* sequence = GetSequence(constants, name);
-    if (sequence == nullptr) return false;
-    for (Py_ssize_t i = 0; i < PyTuple_GET_SIZE(sequence); ++i) {
-      values->push_back(PyLong_AsLongLong(PyTuple_GET_ITEM(sequence, i)));
-    }
-    Py_DECREF(sequence);
-    if (PyErr_Occurred()) return false;
-  }
-
-  PyObject* q_dtypes = GetSequence(constants, "q_dtypes");
-  if (q_dtypes == nullptr) return false;
-  PyObject* row_scaled = GetSequence(constants, "row_scaled_q_dtypes");
-  if (row_scaled == nullptr) {
-    Py_DECREF(q_dtypes);
-    return false;
-  }
-  for (Py_ssize_t i = 0; i < PyTuple_GET_SIZE(q_dtypes); ++i) {
-    PyObject* dtype = PyTuple_GET_ITEM(q_dtypes, i);
-    const DLDataType dl_dtype = THPDtype_Check(dtype) ? DLDtypeOf(reinterpret_cast<THPDtype*>(dtype)->scalar_type)
-                                                      : DLDataType{kDLOpaqueHandle, 0, 0};
-    if (dl_dtype.code == kDLOpaqueHandle) {
-      PyErr_SetString(PyExc_TypeError, "configure: q_dtypes must be torch dtypes the checks read");
-      break;
-    }
-    c->q_dtypes.push_back(dl_dtype);
-    const int contains = PySequence_Contains(row_scaled, dtype);
-    if (contains < 0) break;
-    c->q_row_scaled.push_back(contains == 1);
-  }
-  Py_DECREF(q_dtypes);
-  Py_DECREF(row_scaled);
-  if (PyErr_Occurred()) return false;
-  if (c->q_dtypes.empty()) {
-    PyErr_SetString(PyExc_ValueError, "configure: q_dtypes must not be empty");
-    return false;
-  }
-
-  PyObject* precisions = GetSequence(constants, "precisions");
-  if (precisions == nullptr) return false;
-  for (Py_ssize_t i = 0; i < PyTuple_GET_SIZE(precisions); ++i) {
-    PyObject* name = PyTuple_GET_ITEM(precisions, i);
-    if (!PyUnicode_Check(name)) {
-      PyErr_SetString(PyExc_TypeError, "configure: precisions must be str");
-      break;
-    }
-    Py_INCREF(name);
-    c->precisions.push_back(name);
-  }
-  Py_DECREF(precisions);
-  if (PyErr_Occurred()) return false;
-
-  PyObject* log2_e = Entry(constants, "log2_e");
-  if (log2_e == nullptr) return false;
-  c->log2_e = PyFloat_AsDouble(log2_e);
-  if (PyErr_Occurred()) return false;
-
-  PyObject* error_kinds = Entry(constants, "error_kinds");
-  if (error_kinds == nullptr) return false;
-  if (!PyDict_Check(error_kinds)) {
-    PyErr_SetString(PyExc_TypeError, "configure: error_kinds must be a dict");
-    return false;
-  }
-  Py_INCREF(error_kinds);
-  c->error_kinds = error_kinds;
-
-  return GetInt(constants, "d_v", &c->d_v, 1) && GetInt(constants, "head_alignment", &c->head_alignment, 1) &&
-         GetInt(constants, "topk_alignment", &c->topk_alignment, 1) &&
-         GetInt(constants, "q_alignment_bytes", &c->q_alignment_bytes, 1) &&
-         GetInt(constants, "kv_row_alignment_bytes", &c->kv_row_alignment_bytes, 1) &&
-         GetInt(constants, "out_alignment_bytes", &c->out_alignment_bytes, 1) &&
-         GetInt(constants, "topk_length_flag", &c->topk_length_flag, 1) &&
-         GetInt(constants, "sink_flag", &c->sink_flag, 1) &&
-         GetInt(constants, "split_tail_flag", &c->split_tail_flag, 1) &&
-         GetInt(constants, "persistent_max_topk", &c->persistent_max_topk, 0) &&
-         GetInt(constants, "persistent_max_tiles_per_cta", &c->persistent_max_tiles_per_cta, 0) &&
-         GetInt(constants, "small_head_max_tiles_per_cta", &c->small_head_max_tiles_per_cta, 1) &&
-         GetInt(constants, "small_head_split_min_parts", &c->small_head_split_min_parts, 2) &&
-         GetInt(constants, "persistent_min_waves", &c->persistent_min_waves, 1) &&
-         GetInt(constants, "split_min_slots", &c->split_min_slots, 1) &&
-         GetInt(constants, "split_tail_min_topk", &c->split_tail_min_topk, 0);
-}
-
-// configure(constants): forgets every device and variant, and takes the constants the checks read.
-PyObject* ConfigureCall(PyObject* /*module*/, PyObject* constants) {
-  if (!PyDict_Check(constants)) {
-    PyErr_SetString(PyExc_TypeError, "configure takes a dict of constants");
-    return nullptr;
-  }
+// configure(fields, planner, error_kinds): forgets every plan, and takes the call's fields ((name, the dimension
+// of its extent keyed only as zero or not, or -1) pairs), the planner (call -> plan, or (reason, kept)) and the
+// dict of TVM-FFI error kinds -> Python exception types.
+PyObject* Configure(PyObject* /*module*/, PyObject* args, PyObject* kwargs) {
   ReleaseAll();
-  if (!Configure(constants, &registry.config)) {
-    ReleaseAll();
+  static const char* names[] = {"fields", "planner", "error_kinds", nullptr};
+  PyObject *fields, *planner, *error_kinds;
+  if (!PyArg_ParseTupleAndKeywords(args, kwargs, "O!OO!:configure", const_cast<char**>(names), &PyTuple_Type,
+                                   &fields, &planner, &PyDict_Type, &error_kinds)) {
     return nullptr;
   }
-  const Config& c = registry.config;
-  registry.variants.assign(c.q_dtypes.size() * c.supported_d_qk.size() * c.precisions.size() * kScheduleKinds *
-                               (1 + c.small_head_counts.size()),
-                           nullptr);
-  registry.config.configured = true;
+  bool ok = PyCallable_Check(planner) && static_cast<size_t>(PyTuple_GET_SIZE(fields)) <= kMaxFields;
+  state.fields.clear();
+  for (Py_ssize_t i = 0; ok && i < PyTuple_GET_SIZE(fields); ++i) {
+    const char* name = nullptr;
+    int dim = -1;
+    ok = PyArg_ParseTuple(PyTuple_GET_ITEM(fields, i), "si", &name, &dim) && dim >= -1 && dim < kMaxDims;
+    if (ok) state.fields.emplace_back(name, dim);
+  }
+  if (!ok) return PyErr_SetString(PyExc_ValueError, "configure: expected (name, dim or -1) pairs, a planner"), nullptr;
+  state.planner = Py_NewRef(planner);
+  state.error_kinds = Py_NewRef(error_kinds);
   Py_RETURN_NONE;
 }
 
-// reset(): forgets every device, variant and constant; nothing is taken until configure() again.
-PyObject* Reset(PyObject* /*module*/, PyObject* /*unused*/) {
-  ReleaseAll();
-  Py_RETURN_NONE;
-}
-
-// register_device(device_type, device_id, sm_count): a device (DLPack's type and id) launches may run on.
-PyObject* RegisterDevice(PyObject* /*module*/, PyObject* const* args, Py_ssize_t nargs) {
-  if (nargs != 3) {
-    PyErr_Format(PyExc_TypeError, "register_device(device_type, device_id, sm_count) takes 3 arguments");
-    return nullptr;
-  }
-  const long long type = PyLong_AsLongLong(args[0]);
-  const long long id = PyLong_AsLongLong(args[1]);
-  const long long sm_count = PyLong_AsLongLong(args[2]);
-  if (PyErr_Occurred()) return nullptr;
-  if (!registry.config.configured || sm_count < 1) {
-    PyErr_SetString(PyExc_ValueError, "register_device: not configured, or sm_count < 1");
-    return nullptr;
-  }
-  const Device device{static_cast<int32_t>(type), static_cast<int32_t>(id), sm_count};
-  for (Device& registered : registry.devices) {
-    if (registered.type == device.type && registered.id == device.id) {
-      registered = device;
-      Py_RETURN_NONE;
-    }
-  }
-  registry.devices.push_back(device);
-  Py_RETURN_NONE;
-}
-
-// Whether `handle` is a TVM-FFI function's object handle, else a TypeError naming `caller`.
-bool IsFunctionHandle(void* handle, const char* caller) {
-  if (handle != nullptr && TVMFFIObjectGetTypeIndex(handle) == kTVMFFIFunction) return true;
-  PyErr_Format(PyExc_TypeError, "%s: handle is not a TVM-FFI function", caller);
-  return false;
-}
-
-// register_variant(d_qk, precision, schedule_kind, handle, q_dtype, heads): a kernel variant of a schedule kind
-// (0 one tile per CTA, 1 persistent, 2 split) for a q of q_dtype (a torch dtype) and tiles of `heads` heads (the
-// head alignment, or a small-head count: its persistent variant), the TVM-FFI function whose object handle
-// (tvm_ffi.Function.__chandle__()) is `handle`; referenced until replaced or reset.
-PyObject* RegisterVariant(PyObject* /*module*/, PyObject* const* args, Py_ssize_t nargs) {
-  if (nargs != 6) {
-    PyErr_Format(PyExc_TypeError,
-                 "register_variant(d_qk, precision, schedule_kind, handle, q_dtype, heads) takes 6 arguments");
-    return nullptr;
-  }
-  const Config& c = registry.config;
-  const long long d_qk = PyLong_AsLongLong(args[0]);
-  const long long kind = PyLong_AsLongLong(args[2]);
-  void* handle = PyLong_AsVoidPtr(args[3]);
-  const long long heads = PyLong_AsLongLong(args[5]);
-  if (PyErr_Occurred()) return nullptr;
-  const auto d_qk_found = std::find(c.supported_d_qk.begin(), c.supported_d_qk.end(), d_qk);
-  size_t precision = c.precisions.size();
-  for (size_t i = 0; i < c.precisions.size(); ++i) {
-    if (PyUnicode_Check(args[1]) && PyUnicode_Compare(args[1], c.precisions[i]) == 0) precision = i;
-  }
-  size_t q_dtype = c.q_dtypes.size();
-  if (THPDtype_Check(args[4])) {
-    const DLDataType dtype = DLDtypeOf(reinterpret_cast<THPDtype*>(args[4])->scalar_type);
-    for (size_t i = 0; i < c.q_dtypes.size(); ++i) {
-      if (SameDtype(dtype, c.q_dtypes[i])) q_dtype = i;
-    }
-  }
-  const size_t heads_slot = HeadsSlot(heads);
-  if (!c.configured || d_qk_found == c.supported_d_qk.end() || precision == c.precisions.size() ||
-      q_dtype == c.q_dtypes.size() || kind < 0 || kind >= static_cast<long long>(kScheduleKinds) ||
-      (heads_slot == 0 && heads != c.head_alignment) || (heads_slot > 0 && kind != kPersistent)) {
-    PyErr_Format(PyExc_ValueError,
-                 "register_variant: not configured, or no variant d_qk %lld, precision %R, schedule kind %R, "
-                 "q dtype %R, heads %R",
-                 d_qk, args[1], args[2], args[4], args[5]);
-    return nullptr;
-  }
-  if (!IsFunctionHandle(handle, "register_variant")) return nullptr;
-  const size_t d_qk_index = static_cast<size_t>(d_qk_found - c.supported_d_qk.begin());
-  TVMFFIObjectHandle& slot =
-      registry.variants[VariantIndex(q_dtype, d_qk_index, precision, static_cast<size_t>(kind), heads_slot)];
-  TVMFFIObjectIncRef(handle);
-  if (slot != nullptr) TVMFFIObjectDecRef(slot);
-  slot = handle;
-  Py_RETURN_NONE;
-}
+PyObject* Reset(PyObject* /*module*/, PyObject* /*unused*/) { return ReleaseAll(), Py_NewRef(Py_None); }
 
 #define Q8KV8_METHOD(name, function, flags, doc) \
   {name, reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(function)), flags, doc}
 
 PyMethodDef methods[] = {
-    Q8KV8_METHOD("launch", Launch, METH_O,
-                 "launch(call) -> (out, max_logits, lse), or None when the call is left to the Python path"),
-    Q8KV8_METHOD("plan", PlanCall, METH_O,
-                 "plan(call) -> (tiles per CTA, splits, split_from) launch(call) would run (tiles 0: one-tile "
-                 "kernel, its tokens from split_from on split into `splits` parts when > 1), or -1 (declined)"),
-    Q8KV8_METHOD("decline_reason", DeclineReason, METH_O,
-                 "decline_reason(call) -> why launch(call) declines, '' when it does not"),
-    Q8KV8_METHOD("allocate", Allocate, METH_FASTCALL,
-                 "allocate(q, d_v) -> launch's outputs for q, or (None, None, None) unless q is a 3-d torch.Tensor"),
-    Q8KV8_METHOD("configure", ConfigureCall, METH_O,
-                 "configure(constants): the constants the checks read (forgets every device and variant)"),
-    Q8KV8_METHOD("reset", Reset, METH_NOARGS, "reset(): forget every constant, device and variant"),
-    Q8KV8_METHOD("register_device", RegisterDevice, METH_FASTCALL,
-                 "register_device(device_type, device_id, sm_count)"),
-    Q8KV8_METHOD("register_variant", RegisterVariant, METH_FASTCALL,
-                 "register_variant(d_qk, precision, schedule_kind, handle, q_dtype, heads)"),
+    Q8KV8_METHOD("launch", Entry<kLaunch>, METH_O, "launch(call) -> its outputs, or None: left to the Python path"),
+    Q8KV8_METHOD("plan", Entry<kPlan>, METH_O, "plan(call) -> the schedule of the plan launch(call) runs, or -1"),
+    Q8KV8_METHOD("decline_reason", Entry<kReason>, METH_O, "decline_reason(call) -> why launch(call) declines, or ''"),
+    Q8KV8_METHOD("configure", Configure, METH_VARARGS | METH_KEYWORDS,
+                 "configure(fields, planner, error_kinds): forgets every plan"),
+    Q8KV8_METHOD("reset", Reset, METH_NOARGS, "reset(): forget the configuration and every plan"),
     {nullptr, nullptr, 0, nullptr},
 };
 
-PyModuleDef module_def = {PyModuleDef_HEAD_INIT, "_q8kv8_native", nullptr, -1, methods, nullptr, nullptr, nullptr, nullptr};
+PyModuleDef module_def = {PyModuleDef_HEAD_INIT, "_q8kv8_native", nullptr, -1, methods,
+                          nullptr, nullptr, nullptr, nullptr};
 
 }  // namespace
 

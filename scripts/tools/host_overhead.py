@@ -60,7 +60,6 @@ def main() -> None:
         "full call": lambda: q8kv8.sparse_mla_q8kv8_prefill_fwd(**inputs, **buffers),
         "full call, allocating": lambda: q8kv8.sparse_mla_q8kv8_prefill_fwd(**inputs),
         "the three output allocations alone": lambda: eager.output_buffers(inputs["q"], 64, 512),
-        "the three allocations in C++": lambda: extension.allocate(inputs["q"], 512),
     }
     assert native.launch is extension.launch, "the first call did not enable the fast path"
     for name, fn in rows.items():
