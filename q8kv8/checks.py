@@ -1,7 +1,8 @@
 """The building blocks of every argument check (``q8kv8.contract``, ``q8kv8.paged``, ``q8kv8.paged_extra``,
 ``q8kv8.paged_gather``, ``q8kv8.query``, ``q8kv8.serving``): tensor signatures, their byte spans and overlaps,
-the type, dtype and shape requirements with their messages, and the memos of valid calls' verdicts. Nothing
-here reads a tensor's values: nothing syncs with the GPU.
+the type, dtype and shape requirements with their messages, a paged cache's geometry (its layout from the
+bytes per token, its page size, base and page stride), and the memos of valid calls' verdicts. Nothing here
+reads a tensor's values: nothing syncs with the GPU.
 
 A signature is ``(type, shape, strides, dtype, device, data pointer)`` of a tensor, indexed by ``TYPE``,
 ``SHAPE``, ``STRIDES``, ``DTYPE``, ``DEVICE`` and ``DATA_PTR``: all that the checks read of it, so a check's
@@ -9,6 +10,9 @@ verdict is a function of its arguments' signatures (and scalars) and may be memo
 """
 
 import torch
+
+from q8kv8.kv_layout import LAYOUT_BY_BYTES_PER_TOKEN, KvCacheLayout
+from q8kv8.metadata import KV_ROW_ALIGNMENT_BYTES
 
 FP8 = torch.float8_e4m3fn
 TYPE, SHAPE, STRIDES, DTYPE, DEVICE, DATA_PTR = range(6)
@@ -117,6 +121,34 @@ def overlaps(a: torch.Tensor, b: torch.Tensor) -> bool:
         and span_b[0] < span_a[1]
         and signature_a[DEVICE] == signature_b[DEVICE]
     )
+
+
+def cache_geometry(cache, name: str = "cache") -> tuple[KvCacheLayout, tuple[int, ...]]:
+    """``(layout, shape)`` of a paged cache given as ``[num_pages, page_size, 1, bytes_per_token]`` (the
+    shape FlashMLA and SGLang use), its layout found by its bytes per token (``q8kv8.kv_layout``), or
+    ``InputTypeError`` / ValueError naming it as ``name``. Reads the type and shape only (a traced cache
+    has no address). The page size's own requirements are the reader's (``q8kv8.paged``: a power of two;
+    ``q8kv8.serving``: at least 1)."""
+    require_tensor(name, (type(cache),))
+    shape = cache.shape
+    if len(shape) != 4 or shape[2] != 1 or shape[3] not in LAYOUT_BY_BYTES_PER_TOKEN:
+        raise ValueError(
+            f"{name}: expected shape [num_pages, page_size, 1, bytes_per_token] with bytes_per_token in "
+            f"{sorted(LAYOUT_BY_BYTES_PER_TOKEN)} (584: V4 / MODEL1, 656: V3.2, 528: V4.1, 288: V4.1 FP4), "
+            f"got {list(shape)}"
+        )
+    return LAYOUT_BY_BYTES_PER_TOKEN[shape[3]], shape
+
+
+def require_aligned_pages(name: str, data_ptr: int, num_pages: int, page_stride: int) -> None:
+    """ValueError unless a paged cache's base and (with more than one page) its page stride are multiples
+    of ``KV_ROW_ALIGNMENT_BYTES``: the kernels read its rows that many bytes at a time."""
+    if data_ptr % KV_ROW_ALIGNMENT_BYTES or (num_pages > 1 and page_stride % KV_ROW_ALIGNMENT_BYTES):
+        raise ValueError(
+            f"{name}: expected a {KV_ROW_ALIGNMENT_BYTES}-byte aligned base and page stride (rows are read "
+            f"{KV_ROW_ALIGNMENT_BYTES} bytes at a time), got page stride {page_stride} bytes and base offset "
+            f"{data_ptr % KV_ROW_ALIGNMENT_BYTES}"
+        )
 
 
 _memos: list[dict] = []

@@ -20,11 +20,13 @@ import torch
 
 from q8kv8 import checks, contract, kernels
 from q8kv8.checks import (
+    DATA_PTR,
     DEVICE,
     FP8,
-    SHAPE,
     STRIDES,
     InputTypeError,
+    cache_geometry,
+    require_aligned_pages,
     require_tensor,
     rows_signature,
     scalar_signature,
@@ -32,8 +34,7 @@ from q8kv8.checks import (
 )
 from q8kv8.contract import check_ranges_enabled, check_signatures, check_topk_length_range
 from q8kv8.eager import output_buffers
-from q8kv8.kv_layout import LAYOUT_BY_BYTES_PER_TOKEN, PAGED_ATTENTION_LAYOUTS, KvCacheLayout
-from q8kv8.metadata import KV_ROW_ALIGNMENT_BYTES
+from q8kv8.kv_layout import PAGED_ATTENTION_LAYOUTS, KvCacheLayout
 from q8kv8.prefill_call import PagedCall, PrefillCall
 
 CACHE_DTYPES = (torch.uint8, FP8)
@@ -54,14 +55,8 @@ def check_cache(
         raise InputTypeError(
             f"{name}: expected dtype torch.uint8 or {FP8} (its bytes are read), got {cache.dtype}"
         )
-    shape, strides = described[SHAPE], described[STRIDES]
-    if len(shape) != 4 or shape[2] != 1 or shape[3] not in LAYOUT_BY_BYTES_PER_TOKEN:
-        raise ValueError(
-            f"{name}: expected shape [num_pages, page_size, 1, bytes_per_token] with bytes_per_token in "
-            f"{sorted(LAYOUT_BY_BYTES_PER_TOKEN)} (584: V4 / MODEL1, 656: V3.2; 528, 288: V4.1), got "
-            f"{list(shape)}"
-        )
-    layout = LAYOUT_BY_BYTES_PER_TOKEN[shape[3]]
+    layout, shape = cache_geometry(cache, name)
+    strides = described[STRIDES]
     if layout not in layouts:
         raise ValueError(
             f"{name}: a {layout.name} cache ({layout.bytes_per_token} bytes a token) is not read directly; "
@@ -81,12 +76,7 @@ def check_cache(
             f"{name}: expected a page stride of at least {layout.min_page_bytes(page_size)} bytes (page_size "
             f"{page_size} tokens of {layout.bytes_per_token}), got {page_stride}"
         )
-    if cache.data_ptr() % KV_ROW_ALIGNMENT_BYTES or (num_pages > 1 and page_stride % KV_ROW_ALIGNMENT_BYTES):
-        raise ValueError(
-            f"{name}: expected a {KV_ROW_ALIGNMENT_BYTES}-byte aligned base and page stride (rows are read "
-            f"{KV_ROW_ALIGNMENT_BYTES} bytes at a time), got base offset {cache.data_ptr() % 16} and page "
-            f"stride {page_stride}"
-        )
+    require_aligned_pages(name, described[DATA_PTR], num_pages, page_stride)
     if num_pages * page_size >= MAX_SLOTS:
         raise ValueError(f"{name}: expected fewer than 2^31 token slots, got {num_pages} x {page_size}")
     page_stride = page_stride if num_pages > 1 else layout.padded_page_bytes(page_size)

@@ -26,6 +26,7 @@ from q8kv8.checks import (
     DEVICE,
     SHAPE,
     STRIDES,
+    cache_geometry,
     overlaps,
     require_dtype,
     require_shape,
@@ -119,7 +120,7 @@ def attend(
     bare = call._replace(attn_sink=None, out=None, max_logits=None, lse=None)  # one part's call
     main = run_paged(bare)
     cache, indices = extra.cache, extra.indices
-    layout = LAYOUT_BY_BYTES_PER_TOKEN[cache.shape[3]]
+    layout = cache_geometry(cache)[0]
     if layout in PAGED_ATTENTION_LAYOUTS:
         part = run_paged(bare._replace(cache=cache, indices=indices, topk_length=extra.topk_length))
     else:

@@ -14,7 +14,7 @@ import torch
 
 from q8kv8 import checks, kernels
 from q8kv8.arguments import check_buffer, require_int
-from q8kv8.checks import overlaps, signature
+from q8kv8.checks import overlaps, require_aligned_pages, signature
 from q8kv8.kv_layout import get_layout
 
 
@@ -139,11 +139,7 @@ def _check_gather(cache, slot_ids, page_size, layout, out_dtype, extra_rows, out
     out_dtype = out_dtype_of(out_dtype)
     extra_rows = require_int("extra_rows", extra_rows, 0)
     pages = paged_cache_pages(cache, page_size, layout)
-    if pages.data_ptr() % 16 or (pages.shape[0] > 1 and pages.stride(0) % 16):
-        raise ValueError(
-            f"cache: expected a 16-byte aligned base and page stride (rows are read 16 bytes at a time), "
-            f"got page stride {pages.stride(0)} bytes"
-        )
+    require_aligned_pages("cache", pages.data_ptr(), pages.shape[0], pages.stride(0))
     words = slot_words(slot_ids)
     shape = (words.shape[0] + extra_rows, 1, layout.d_qk)
     if out is not None:

@@ -28,8 +28,9 @@ import torch
 from q8kv8 import kernels
 from q8kv8.api import sparse_mla_q8kv8_paged_fwd, sparse_mla_q8kv8_prefill_fwd
 from q8kv8.arguments import require_int
+from q8kv8.checks import cache_geometry
 from q8kv8.contract import check_ranges_enabled
-from q8kv8.kv_layout import LAYOUT_BY_BYTES_PER_TOKEN, PAGED_ATTENTION_LAYOUTS, KvCacheLayout
+from q8kv8.kv_layout import PAGED_ATTENTION_LAYOUTS, KvCacheLayout
 from q8kv8.merge import merge_attention
 from q8kv8.metadata import D_V, LOGITS_IN_FLOAT32, PRECISIONS, TOPK_ALIGNMENT, topk_length_from_seqlens
 from q8kv8.paged_gather import gather_dequant_paged, slot_words
@@ -150,18 +151,12 @@ def resolve_precision(precision: str = "default") -> str:
 
 def paged_cache_geometry(cache: torch.Tensor) -> tuple[KvCacheLayout, int]:
     """``(layout, page_size)`` of a cache given as ``[num_pages, page_size, 1, bytes_per_token]``
-    (bytes_per_token 656: V3.2, 584: MODEL1, 528: V4.1, 288: V4.1 FP4), the shape FlashMLA and SGLang use."""
-    if not isinstance(cache, torch.Tensor):
-        raise TypeError(f"cache: expected a torch.Tensor, got {type(cache).__name__}")
-    if cache.dim() != 4 or cache.shape[2] != 1 or cache.shape[3] not in LAYOUT_BY_BYTES_PER_TOKEN:
-        raise ValueError(
-            f"cache: expected shape [num_pages, page_size, 1, bytes_per_token] with bytes_per_token in "
-            f"{sorted(LAYOUT_BY_BYTES_PER_TOKEN)} (584: MODEL1, 656: V3.2, 528: V4.1, 288: V4.1 FP4), got "
-            f"{list(cache.shape)}"
-        )
-    if cache.shape[1] < 1:
-        raise ValueError(f"cache: expected page_size = cache.shape[1] >= 1, got {cache.shape[1]}")
-    return LAYOUT_BY_BYTES_PER_TOKEN[cache.shape[3]], cache.shape[1]
+    (bytes_per_token 656: V3.2, 584: MODEL1, 528: V4.1, 288: V4.1 FP4; ``q8kv8.checks.cache_geometry``)."""
+    layout, shape = cache_geometry(cache)
+    page_size = shape[1]
+    if page_size < 1:
+        raise ValueError(f"cache: expected page_size = cache.shape[1] >= 1, got {page_size}")
+    return layout, page_size
 
 
 def topk_length_for(seqlens: torch.Tensor, compress_ratio: int, topk: int) -> torch.Tensor:
