@@ -90,9 +90,7 @@ def sparse_mla_q8kv8_prefill_fwd(
             precision,
         ),
     )
-    if is_compiling():
-        return ops.call_traced(call)
-    return eager.run(call)
+    return attend(call)
 
 
 def sparse_mla_q8kv8_paged_fwd(
@@ -161,6 +159,21 @@ def sparse_mla_q8kv8_paged_fwd(
             return paged_extra.attend(call, extra, ops.call_paged_traced, ops.call_traced, ops.gather_traced)
         paged_extra.check_extra(call, extra)
         return paged_extra.attend(call, extra, paged.run, eager.run, paged_extra.gather_rows)
+    return attend_paged(call)
+
+
+def attend(call: PrefillCall) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``sparse_mla_q8kv8_prefill_fwd`` of a call already gathered into a ``PrefillCall`` (what the public
+    function and the serving layer, ``q8kv8.serving``, run): the custom op while torch.compile traces,
+    else the eager call (``q8kv8.eager.run``), checks included."""
+    if is_compiling():
+        return ops.call_traced(call)
+    return eager.run(call)
+
+
+def attend_paged(call: PagedCall) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``sparse_mla_q8kv8_paged_fwd`` of a single-cache call already gathered into a ``PagedCall``: the
+    custom op while torch.compile traces, else the eager call (``q8kv8.paged.run``), checks included."""
     if is_compiling():
         return ops.call_paged_traced(call)
     return paged.run(call)

@@ -4,9 +4,10 @@
 shape or dtype violation is reported the same way on a machine without a GPU. It reads no tensor values;
 only ``check_topk_length_range``, run when ``Q8KV8_CHECK_RANGES=1``, does (and syncs).
 
-On the hot path of every call: each tensor is read once into a signature (type, shape, strides, dtype,
-device, data pointer), the checks read only the signatures, and a valid call's result is memoised under
-them, so a repeated call costs the signatures and one comparison.
+On the hot path of every call: each tensor is read once into a signature (``q8kv8.checks``: type, shape,
+strides, dtype, device, data pointer), the checks read only the signatures, and a valid call's result is
+memoised under them, so a repeated call costs the signatures and one comparison. ``check_signatures`` runs
+the checks on signatures: ``q8kv8.paged`` checks its calls through it, with the cache's token slots as kv.
 """
 
 import math
@@ -17,7 +18,23 @@ from typing import NamedTuple
 
 import torch
 
-from q8kv8 import schedule
+from q8kv8 import checks, schedule
+from q8kv8.checks import (
+    DATA_PTR,
+    DEVICE,
+    DTYPE,
+    FP8,
+    SHAPE,
+    STRIDES,
+    TYPE,
+    InputTypeError,
+    is_contiguous,
+    require_dtype,
+    require_shape,
+    require_tensor,
+    signature,
+    span,
+)
 from q8kv8.metadata import (
     D_V,
     KV_ROW_ALIGNMENT_BYTES,
@@ -32,12 +49,6 @@ from q8kv8.prefill_call import PrefillCall
 
 SM90 = (9, 0)
 CHECK_RANGES_ENV = "Q8KV8_CHECK_RANGES"
-
-
-class InputTypeError(TypeError, ValueError):
-    """An argument of the wrong type or dtype. A TypeError, as Python's convention has it, and a ValueError,
-    as SGLang's ``sparse_mla_q8kv8_prefill_fwd`` raises for the same calls: code written for either catches
-    it."""
 
 
 class Problem(NamedTuple):
@@ -61,13 +72,10 @@ class Problem(NamedTuple):
 
 _MEMO_ENTRIES = 256  # first-level keys (q's data pointers) before the memo is emptied
 _MEMO_ENTRIES_PER_Q = 8  # signatures remembered per q data pointer, newest first
-_memo: dict[int | None, list[tuple[tuple, Problem]]] = {}
+_memo: dict[int | None, list[tuple[tuple, Problem]]] = checks.memo()
 """``check_inputs``'s verdicts on valid calls: ``(signature key, problem)`` pairs, found through q's data
 pointer (an int: no hashing of the whole key) and then compared whole."""
 
-FP8 = torch.float8_e4m3fn
-# Fields of a tensor's signature (``_signature``).
-TYPE, SHAPE, STRIDES, DTYPE, DEVICE, DATA_PTR = range(6)
 _new_call = tuple.__new__  # a PrefillCall from a tuple of all its fields, without NamedTuple's Python __new__
 
 
@@ -88,18 +96,18 @@ def check_inputs(call: PrefillCall) -> Problem:
     out, max_logits, lse = call.out, call.max_logits, call.lse
     # The call with each tensor replaced by its signature (an absent one stays None), in field order.
     signatures = (
-        _signature(call.q),
-        _signature(call.kv),
-        _signature(call.indices),
+        signature(call.q),
+        signature(call.kv),
+        signature(call.indices),
         sm_scale,
-        None if call.q_scale is None else _signature(call.q_scale),
-        _signature(call.kv_scale),
+        None if call.q_scale is None else signature(call.q_scale),
+        signature(call.kv_scale),
         d_v,
-        None if attn_sink is None else _signature(attn_sink),
-        None if topk_length is None else _signature(topk_length),
-        None if out is None else _signature(out),
-        None if max_logits is None else _signature(max_logits),
-        None if lse is None else _signature(lse),
+        None if attn_sink is None else signature(attn_sink),
+        None if topk_length is None else signature(topk_length),
+        None if out is None else signature(out),
+        None if max_logits is None else signature(max_logits),
+        None if lse is None else signature(lse),
         precision,
     )
     # The scalars' types join the key (1 and 1.0 and True are equal), first: a memoised (valid) call's
@@ -112,11 +120,9 @@ def check_inputs(call: PrefillCall) -> Problem:
         for entry_key, problem in entries:
             if entry_key == key:
                 return problem
-    problem = _check_signatures(_new_call(PrefillCall, signatures))
+    problem = check_signatures(_new_call(PrefillCall, signatures))
     if entries is None:
-        if len(_memo) >= _MEMO_ENTRIES:
-            _memo.clear()
-        _memo[q_data_ptr] = [(key, problem)]
+        checks.remember(_memo, q_data_ptr, [(key, problem)], _MEMO_ENTRIES)
     else:
         entries.insert(0, (key, problem))
         del entries[_MEMO_ENTRIES_PER_Q:]
@@ -124,36 +130,16 @@ def check_inputs(call: PrefillCall) -> Problem:
 
 
 def clear_memo() -> None:
-    """Forget every memoised verdict, this module's and the registered ones (after a change that the memos'
-    keys do not see: a forced schedule)."""
+    """Forget every memoised verdict, this module's and the other checks' (``q8kv8.checks.clear_memos``):
+    after a change that the memos' keys do not see (a forced schedule)."""
     _memo.clear()
-    for memo in _other_memos:
-        memo.clear()
+    checks.clear_memos()
 
 
-_other_memos: list[dict] = []
-
-
-def register_memo(memo: dict) -> dict:
-    """Have ``clear_memo`` empty ``memo`` too (another call's memoised verdicts); returns it."""
-    _other_memos.append(memo)
-    return memo
-
-
-def _signature(value) -> tuple:
-    """``(type, shape, strides, dtype, device, data pointer)`` of a tensor: all that the checks read of
-    it; ``(type, None, ...)`` for anything else."""
-    try:
-        return (type(value), value.shape, value.stride(), value.dtype, value.device, value.data_ptr())
-    except Exception:
-        if isinstance(value, torch.Tensor):
-            raise  # a tensor without strides or storage: torch's own error says so
-        return (type(value), None, None, None, None, None)
-
-
-def _check_signatures(signatures: PrefillCall) -> Problem:
-    """The checks of ``check_inputs`` on a call whose tensors are their signatures (None for an absent
-    optional tensor; kv may stand for a paged cache's token slots, see ``q8kv8.paged``)."""
+def check_signatures(signatures: PrefillCall) -> Problem:
+    """The checks of ``check_inputs`` on a call whose tensors are their signatures (``q8kv8.checks``; None
+    for an absent optional tensor). kv and kv_scale may be ``checks.rows_signature`` and
+    ``checks.scalar_signature``: a paged cache's token slots, as ``q8kv8.paged`` checks its calls."""
     q, kv, indices = signatures.q, signatures.kv, signatures.indices
     q_scale, kv_scale = signatures.q_scale, signatures.kv_scale
     attn_sink, topk_length = signatures.attn_sink, signatures.topk_length
@@ -165,23 +151,21 @@ def _check_signatures(signatures: PrefillCall) -> Problem:
         q[TYPE] is kv[TYPE] is indices[TYPE] is torch.Tensor
         and len(q[SHAPE]) == len(kv[SHAPE]) == len(indices[SHAPE]) == 3
     ):
-        for name, signature, layout in (
+        for name, tensor, layout in (
             ("q", q, "[s_q, h_q, d_qk]"),
             ("kv", kv, "[s_kv, h_kv, d_qk]"),
             ("indices", indices, "[s_q, 1, topk]"),
         ):
-            _require_tensor(name, signature)
-            if len(signature[SHAPE]) != 3:
-                raise ValueError(
-                    f"{name}: expected a 3-D tensor {layout}, got shape {list(signature[SHAPE])}"
-                )
+            require_tensor(name, tensor)
+            if len(tensor[SHAPE]) != 3:
+                raise ValueError(f"{name}: expected a 3-D tensor {layout}, got shape {list(tensor[SHAPE])}")
     if q[DTYPE] not in Q_DTYPES or kv[DTYPE] != FP8 or indices[DTYPE] != torch.int32:
         _require_q_dtype(q)
-        _require_dtype("kv", kv, FP8)
-        _require_dtype("indices", indices, torch.int32)
+        require_dtype("kv", kv, FP8)
+        require_dtype("indices", indices, torch.int32)
     if q[STRIDES][-1] != 1 or kv[STRIDES][-1] != 1 or indices[STRIDES][-1] != 1:
-        for name, signature in (("q", q), ("kv", kv), ("indices", indices)):
-            last_stride = signature[STRIDES][-1]
+        for name, tensor in (("q", q), ("kv", kv), ("indices", indices)):
+            last_stride = tensor[STRIDES][-1]
             if last_stride != 1:
                 raise ValueError(
                     f"{name}: expected a contiguous last dimension (stride 1), got stride {last_stride}"
@@ -236,25 +220,25 @@ def _check_signatures(signatures: PrefillCall) -> Problem:
         scale[TYPE] is torch.Tensor and scale[DTYPE] == torch.float32 and math.prod(scale[SHAPE]) == 1
         for _, scale in scales
     ):
-        for name, signature in scales:
-            _require_tensor(name, signature)
-            _require_dtype(name, signature, torch.float32)
-            if math.prod(signature[SHAPE]) != 1:
+        for name, tensor in scales:
+            require_tensor(name, tensor)
+            require_dtype(name, tensor, torch.float32)
+            if math.prod(tensor[SHAPE]) != 1:
                 raise ValueError(
                     f"{name}: expected a tensor with exactly one element ({name} must be a scalar tensor), "
-                    f"got shape {list(signature[SHAPE])}"
+                    f"got shape {list(tensor[SHAPE])}"
                 )
     if precision not in PRECISIONS:
         raise ValueError(f"precision: expected one of {PRECISIONS}, got {precision!r}")
 
     if attn_sink is not None:
-        _require_tensor("attn_sink", attn_sink)
-        _require_dtype("attn_sink", attn_sink, torch.float32)
-        _require_shape("attn_sink", attn_sink, (h_q,), "[h_q]")
+        require_tensor("attn_sink", attn_sink)
+        require_dtype("attn_sink", attn_sink, torch.float32)
+        require_shape("attn_sink", attn_sink, (h_q,), "[h_q]")
     if topk_length is not None:
-        _require_tensor("topk_length", topk_length)
-        _require_dtype("topk_length", topk_length, torch.int32)
-        _require_shape("topk_length", topk_length, (s_q,), "[s_q]")
+        require_tensor("topk_length", topk_length)
+        require_dtype("topk_length", topk_length, torch.int32)
+        require_shape("topk_length", topk_length, (s_q,), "[s_q]")
 
     inputs = {"q": q, "kv": kv, "indices": indices}
     if q_scale is not None:
@@ -265,27 +249,27 @@ def _check_signatures(signatures: PrefillCall) -> Problem:
     if topk_length is not None:
         inputs["topk_length"] = topk_length
     outputs = {}
-    for name, signature, dtype, shape, row_major, layout in (
+    for name, tensor, dtype, shape, row_major, layout in (
         ("out", out, torch.bfloat16, (s_q, h_q, d_v), (h_q * d_v, d_v, 1), "[s_q, h_q, d_v]"),
         ("max_logits", max_logits, torch.float32, (s_q, h_q), (h_q, 1), "[s_q, h_q]"),
         ("lse", lse, torch.float32, (s_q, h_q), (h_q, 1), "[s_q, h_q]"),
     ):
-        if signature is None:
+        if tensor is None:
             continue
-        if signature[TYPE] is not torch.Tensor or signature[DTYPE] != dtype or signature[SHAPE] != shape:
-            _require_tensor(name, signature)
-            _require_dtype(name, signature, dtype)
-            _require_shape(name, signature, shape, layout)
-        strides = signature[STRIDES]
-        if strides != row_major and not _is_contiguous(shape, strides):
+        if tensor[TYPE] is not torch.Tensor or tensor[DTYPE] != dtype or tensor[SHAPE] != shape:
+            require_tensor(name, tensor)
+            require_dtype(name, tensor, dtype)
+            require_shape(name, tensor, shape, layout)
+        strides = tensor[STRIDES]
+        if strides != row_major and not is_contiguous(shape, strides):
             raise ValueError(f"{name}: expected a contiguous tensor, got strides {list(strides)}")
-        outputs[name] = signature
+        outputs[name] = tensor
     if outputs:
         _check_no_overlap(outputs, inputs)
 
-    devices = {name: signature[DEVICE] for name, signature in inputs.items()}
-    for name, signature in outputs.items():
-        devices[name] = signature[DEVICE]
+    devices = {name: tensor[DEVICE] for name, tensor in inputs.items()}
+    for name, tensor in outputs.items():
+        devices[name] = tensor[DEVICE]
     check_device(devices)
     device = q[DEVICE]
     chosen = schedule.Schedule(0)
@@ -293,13 +277,13 @@ def _check_signatures(signatures: PrefillCall) -> Problem:
         chosen = schedule.choose(s_q, h_q, topk, topk_length is not None, device.index)
     launch_ready = (
         all(
-            (signature := getattr(signatures, name)) is None or signature[DATA_PTR] % alignment == 0
+            (tensor := getattr(signatures, name)) is None or tensor[DATA_PTR] % alignment == 0
             for name, alignment in LAUNCH_ALIGNMENT_BYTES.items()
         )
-        and _is_contiguous(q[SHAPE], q[STRIDES])
+        and is_contiguous(q[SHAPE], q[STRIDES])
         and kv[STRIDES][0] % KV_ROW_ALIGNMENT_BYTES == 0  # e4m3: elements are bytes
-        and (topk_length is None or _is_contiguous(topk_length[SHAPE], topk_length[STRIDES]))
-        and (attn_sink is None or _is_contiguous(attn_sink[SHAPE], attn_sink[STRIDES]))
+        and (topk_length is None or is_contiguous(topk_length[SHAPE], topk_length[STRIDES]))
+        and (attn_sink is None or is_contiguous(attn_sink[SHAPE], attn_sink[STRIDES]))
     )
     tiles, splits, split_from = chosen
     return Problem(s_q, h_q, s_kv, d_qk, int(d_v), topk, device, tiles, launch_ready, splits, split_from)
@@ -373,102 +357,29 @@ def check_topk_length_range(topk_length: torch.Tensor | None, topk: int, name: s
         )
 
 
-def _require_tensor(name: str, signature: tuple) -> None:
-    if not issubclass(signature[TYPE], torch.Tensor):
-        raise InputTypeError(f"{name}: expected a torch.Tensor, got {signature[TYPE].__name__}")
-
-
-_OUTPUTS = ("out", "max_logits", "lse")
-
-
-def _require_dtype(name: str, signature: tuple, dtype: torch.dtype) -> None:
-    if signature[DTYPE] != dtype:
-        # SGLang's wording of the same requirement follows ours, for code that matches its messages.
-        if name in _OUTPUTS:
-            sglang_phrase = f"{name} must have dtype {dtype}"
-        elif dtype == FP8:
-            sglang_phrase = f"{name} must be {dtype}"
-        else:
-            sglang_phrase = f"{name} must be {str(dtype).removeprefix('torch.')}"
-        raise InputTypeError(f"{name}: expected dtype {dtype}, got {signature[DTYPE]} ({sglang_phrase})")
-
-
-def _require_q_dtype(signature: tuple) -> None:
-    if signature[DTYPE] not in Q_DTYPES:
+def _require_q_dtype(q: tuple) -> None:
+    if q[DTYPE] not in Q_DTYPES:
         # SGLang's wording (e4m3 only) follows ours, for code that matches its messages.
         expected = " or ".join(str(dtype) for dtype in Q_DTYPES)
-        raise InputTypeError(f"q: expected dtype {expected}, got {signature[DTYPE]} (q must be {FP8})")
-
-
-def _require_shape(name: str, signature: tuple, shape: tuple[int, ...], layout: str) -> None:
-    if tuple(signature[SHAPE]) != shape:
-        raise ValueError(f"{name}: expected shape {layout} = {list(shape)}, got {list(signature[SHAPE])}")
-
-
-def _is_contiguous(shape: tuple[int, ...], strides: tuple[int, ...]) -> bool:
-    """``Tensor.is_contiguous()`` from a shape and strides (size-1 dims may have any stride)."""
-    if 0 in shape:
-        return True
-    expected = 1
-    for size, stride in zip(reversed(shape), reversed(strides), strict=True):
-        if size != 1:
-            if stride != expected:
-                return False
-            expected *= size
-    return True
-
-
-def _span(signature: tuple) -> tuple[int, int] | None:
-    """The half-open byte interval ``(start, end)`` that a tensor's elements may touch, from its signature
-    (exactly its bytes when it is contiguous, a superset when strided); None for an empty tensor."""
-    _, shape, strides, dtype, _, start = signature
-    if 0 in shape:
-        return None
-    # The offset of the last element, in elements: sum((size - 1) * stride), spelt out for this
-    # function's ranks (a generator expression costs twice as much).
-    rank = len(shape)
-    if rank == 3:
-        (size_0, size_1, size_2), (stride_0, stride_1, stride_2) = shape, strides
-        last = (size_0 - 1) * stride_0 + (size_1 - 1) * stride_1 + (size_2 - 1) * stride_2
-    elif rank == 2:
-        (size_0, size_1), (stride_0, stride_1) = shape, strides
-        last = (size_0 - 1) * stride_0 + (size_1 - 1) * stride_1
-    elif rank == 1:
-        last = (shape[0] - 1) * strides[0]
-    else:
-        last = sum((size - 1) * stride for size, stride in zip(shape, strides, strict=True))
-    return start, start + (last + 1) * dtype.itemsize
-
-
-def _overlaps(a: torch.Tensor, b: torch.Tensor) -> bool:
-    """Conservatively, whether ``a`` and ``b`` may share memory: their byte intervals on one device meet
-    (empty tensors never overlap). The test ``_check_no_overlap`` applies."""
-    signature_a, signature_b = _signature(a), _signature(b)
-    span_a, span_b = _span(signature_a), _span(signature_b)
-    return (
-        span_a is not None
-        and span_b is not None
-        and span_a[0] < span_b[1]
-        and span_b[0] < span_a[1]
-        and signature_a[DEVICE] == signature_b[DEVICE]
-    )
+        raise InputTypeError(f"q: expected dtype {expected}, got {q[DTYPE]} (q must be {FP8})")
 
 
 def _check_no_overlap(outputs: dict[str, tuple], inputs: dict[str, tuple]) -> None:
     """Raise ValueError when an output buffer may share memory with an earlier output or an input (by
-    their signatures): one byte interval per tensor (``_span``) on one device, the test of ``_overlaps``.
+    their signatures): one byte interval per tensor (``checks.span``) on one device, the test of
+    ``checks.overlaps``.
 
     A sweep over the intervals sorted by start finds whether any output's interval meets another one;
     only then are they compared in argument order, devices included, for the message."""
     input_spans = [
-        (*span, False, name, signature[DEVICE])
-        for name, signature in inputs.items()
-        if (span := _span(signature))
+        (*interval, False, name, tensor[DEVICE])
+        for name, tensor in inputs.items()
+        if (interval := span(tensor))
     ]
     output_spans = [
-        (*span, True, name, signature[DEVICE])
-        for name, signature in outputs.items()
-        if (span := _span(signature))
+        (*interval, True, name, tensor[DEVICE])
+        for name, tensor in outputs.items()
+        if (interval := span(tensor))
     ]
     max_end = max_output_end = 0  # over the intervals swept so far, and over the outputs among them
     for start, end, is_output, _, _ in sorted(input_spans + output_spans):

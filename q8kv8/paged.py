@@ -8,32 +8,33 @@ stride ``cache.stride(0)`` bytes. ``indices`` hold token slots (page * page_size
 block scales itself (``cute_kernels/sm90/paged_rows.py``): no gathered copy of the cache, no workspace.
 A call with an extra cache is ``q8kv8.paged_extra``'s composition of such calls.
 
-Every check but the cache's is the contract's (``q8kv8.contract``): the call is checked as a
-``sparse_mla_q8kv8_prefill_fwd`` call on a stand-in kv of the cache's token slots, with the same messages,
-after the cache's own checks. Nothing syncs with the GPU (unless ``Q8KV8_CHECK_RANGES=1``).
+Every check but the cache's is the contract's (``q8kv8.contract.check_signatures``): the call is checked
+as a ``sparse_mla_q8kv8_prefill_fwd`` call whose kv is the cache's token slots
+(``q8kv8.checks.rows_signature``), with the same messages, after the cache's own checks. Nothing syncs with
+the GPU (unless ``Q8KV8_CHECK_RANGES=1``).
 """
 
 import math
 
 import torch
 
-from q8kv8 import contract, kernels
-from q8kv8.contract import (
+from q8kv8 import checks, contract, kernels
+from q8kv8.checks import (
+    DATA_PTR,
     DEVICE,
     FP8,
-    SHAPE,
     STRIDES,
     InputTypeError,
-    _check_signatures,
-    _require_tensor,
-    _signature,
-    _span,
-    check_ranges_enabled,
-    check_topk_length_range,
+    cache_geometry,
+    require_aligned_pages,
+    require_tensor,
+    rows_signature,
+    scalar_signature,
+    signature,
 )
+from q8kv8.contract import check_ranges_enabled, check_signatures, check_topk_length_range
 from q8kv8.eager import output_buffers
-from q8kv8.kv_layout import LAYOUT_BY_BYTES_PER_TOKEN, PAGED_ATTENTION_LAYOUTS, KvCacheLayout
-from q8kv8.metadata import KV_ROW_ALIGNMENT_BYTES
+from q8kv8.kv_layout import PAGED_ATTENTION_LAYOUTS, KvCacheLayout
 from q8kv8.prefill_call import PagedCall, PrefillCall
 
 CACHE_DTYPES = (torch.uint8, FP8)
@@ -48,20 +49,14 @@ def check_cache(
     """The cache's layout and its ``[num_pages, page_size, bytes_per_token]`` uint8 view (what the kernels
     read), or ValueError / ``InputTypeError`` naming what is wrong (as ``name``). ``layouts``: the layouts
     accepted (by default the ones the paged kernel reads). Reads no values, never syncs."""
-    signature = _signature(cache)
-    _require_tensor(name, signature)
+    described = signature(cache)
+    require_tensor(name, described)
     if cache.dtype not in CACHE_DTYPES:
         raise InputTypeError(
             f"{name}: expected dtype torch.uint8 or {FP8} (its bytes are read), got {cache.dtype}"
         )
-    shape, strides = signature[SHAPE], signature[STRIDES]
-    if len(shape) != 4 or shape[2] != 1 or shape[3] not in LAYOUT_BY_BYTES_PER_TOKEN:
-        raise ValueError(
-            f"{name}: expected shape [num_pages, page_size, 1, bytes_per_token] with bytes_per_token in "
-            f"{sorted(LAYOUT_BY_BYTES_PER_TOKEN)} (584: V4 / MODEL1, 656: V3.2; 528, 288: V4.1), got "
-            f"{list(shape)}"
-        )
-    layout = LAYOUT_BY_BYTES_PER_TOKEN[shape[3]]
+    layout, shape = cache_geometry(cache, name)
+    strides = described[STRIDES]
     if layout not in layouts:
         raise ValueError(
             f"{name}: a {layout.name} cache ({layout.bytes_per_token} bytes a token) is not read directly; "
@@ -81,12 +76,7 @@ def check_cache(
             f"{name}: expected a page stride of at least {layout.min_page_bytes(page_size)} bytes (page_size "
             f"{page_size} tokens of {layout.bytes_per_token}), got {page_stride}"
         )
-    if cache.data_ptr() % KV_ROW_ALIGNMENT_BYTES or (num_pages > 1 and page_stride % KV_ROW_ALIGNMENT_BYTES):
-        raise ValueError(
-            f"{name}: expected a {KV_ROW_ALIGNMENT_BYTES}-byte aligned base and page stride (rows are read "
-            f"{KV_ROW_ALIGNMENT_BYTES} bytes at a time), got base offset {cache.data_ptr() % 16} and page "
-            f"stride {page_stride}"
-        )
+    require_aligned_pages(name, described[DATA_PTR], num_pages, page_stride)
     if num_pages * page_size >= MAX_SLOTS:
         raise ValueError(f"{name}: expected fewer than 2^31 token slots, got {num_pages} x {page_size}")
     page_stride = page_stride if num_pages > 1 else layout.padded_page_bytes(page_size)
@@ -110,31 +100,28 @@ def check_paged_inputs(call: PagedCall) -> tuple[contract.Problem, KvCacheLayout
         type(d_v),
         type(precision),
         contract.check_device,
-        _signature(call.q),
-        _signature(call.cache),
-        _signature(call.indices),
+        signature(call.q),
+        signature(call.cache),
+        signature(call.indices),
         sm_scale,
-        None if q_scale is None else _signature(q_scale),
+        None if q_scale is None else signature(q_scale),
         d_v,
-        None if attn_sink is None else _signature(attn_sink),
-        None if topk_length is None else _signature(topk_length),
-        None if out is None else _signature(out),
-        None if max_logits is None else _signature(max_logits),
-        None if lse is None else _signature(lse),
+        None if attn_sink is None else signature(attn_sink),
+        None if topk_length is None else signature(topk_length),
+        None if out is None else signature(out),
+        None if max_logits is None else signature(max_logits),
+        None if lse is None else signature(lse),
         precision,
     )
     verdict = _memo.get(key)
     if verdict is None:
-        verdict = _check_paged_call(call)
-        if len(_memo) >= _MEMO_ENTRIES:
-            _memo.clear()
-        _memo[key] = verdict
+        verdict = checks.remember(_memo, key, _check_paged_call(call), _MEMO_ENTRIES)
     problem, layout, shape, strides = verdict
     return problem, layout, _byte_view(call.cache).as_strided(shape, strides)
 
 
 _MEMO_ENTRIES = 256
-_memo: dict[tuple, tuple] = contract.register_memo({})  # emptied with the contract's (a forced schedule)
+_memo: dict[tuple, tuple] = checks.memo()
 
 
 def _byte_view(cache: torch.Tensor) -> torch.Tensor:
@@ -144,43 +131,37 @@ def _byte_view(cache: torch.Tensor) -> torch.Tensor:
 def _check_paged_call(call: PagedCall) -> tuple:
     """``check_paged_inputs``'s checks: ``(problem, layout, the view's shape and strides)``."""
     q = call.q
-    _require_tensor("q", _signature(q))
+    q_signature = signature(q)
+    require_tensor("q", q_signature)
     if q.dim() != 3:
         raise ValueError(f"q: expected a 3-D tensor [s_q, h_q, d_qk], got shape {list(q.shape)}")
     layout, view = check_cache(call.cache, q.shape[2])
-    num_slots = view.shape[0] * view.shape[1]
-    q_signature = _signature(q)
-    # The cache as a stand-in kv of its token slots and a stand-in kv_scale, valid by construction: on q's
-    # device (a cache on another device is reported as the cache's) at address 0 (overlaps with the cache are
-    # found on its own bytes, below).
-    kv = (torch.Tensor, (num_slots, 1, layout.d_qk), (layout.d_qk, layout.d_qk, 1), FP8, q.device, 0)
-    kv_scale = (torch.Tensor, (1,), (1,), torch.float32, q.device, 0)
+    # kv: the cache's token slots as rows, and kv_scale none of the call's, both on q's device (a cache on
+    # another device is reported as the cache's, below, as are overlaps with its bytes).
+    kv = rows_signature(view.shape[0] * view.shape[1], layout.d_qk, q.device)
     signatures = _new_call(
         PrefillCall,
         (
             q_signature,
             kv,
-            _signature(call.indices),
+            signature(call.indices),
             call.sm_scale,
-            None if call.q_scale is None else _signature(call.q_scale),
-            kv_scale,
+            None if call.q_scale is None else signature(call.q_scale),
+            scalar_signature(q.device),
             call.d_v,
-            None if call.attn_sink is None else _signature(call.attn_sink),
-            None if call.topk_length is None else _signature(call.topk_length),
-            None if call.out is None else _signature(call.out),
-            None if call.max_logits is None else _signature(call.max_logits),
-            None if call.lse is None else _signature(call.lse),
+            None if call.attn_sink is None else signature(call.attn_sink),
+            None if call.topk_length is None else signature(call.topk_length),
+            None if call.out is None else signature(call.out),
+            None if call.max_logits is None else signature(call.max_logits),
+            None if call.lse is None else signature(call.lse),
             call.precision,
         ),
     )
-    problem = _check_signatures(signatures)
-    cache_span = _span(_signature(view))
+    problem = check_signatures(signatures)
     for name in ("out", "max_logits", "lse"):
         buffer = getattr(call, name)
-        span = None if buffer is None else _span(_signature(buffer))
-        if span and cache_span and span[0] < cache_span[1] and cache_span[0] < span[1]:
-            if buffer.device == view.device:
-                raise ValueError(f"{name}: expected memory of its own, got memory overlapping cache")
+        if buffer is not None and checks.overlaps(buffer, view):
+            raise ValueError(f"{name}: expected memory of its own, got memory overlapping cache")
     if view.device != q.device:
         contract.check_device({"q": q_signature[DEVICE], "cache": view.device})
     return problem, layout, tuple(view.shape), view.stride()

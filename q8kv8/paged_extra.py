@@ -22,18 +22,18 @@ from typing import NamedTuple
 import torch
 
 from q8kv8 import paged
-from q8kv8.contract import (
+from q8kv8.checks import (
     DEVICE,
     SHAPE,
     STRIDES,
-    _overlaps,
-    _require_dtype,
-    _require_shape,
-    _require_tensor,
-    _signature,
-    check_ranges_enabled,
-    check_topk_length_range,
+    cache_geometry,
+    overlaps,
+    require_dtype,
+    require_shape,
+    require_tensor,
+    signature,
 )
+from q8kv8.contract import check_ranges_enabled, check_topk_length_range
 from q8kv8.kv_layout import LAYOUT_BY_BYTES_PER_TOKEN, PAGED_ATTENTION_LAYOUTS
 from q8kv8.merge import merge_attention
 from q8kv8.metadata import TOPK_ALIGNMENT
@@ -66,9 +66,9 @@ def check_extra(call: PagedCall, extra: ExtraCache) -> None:
             "extra_indices: expected the extra cache's token slots [s_q, 1, extra_topk], got None"
         )
     paged.check_cache(extra.cache, problem.d_qk, "extra_cache", EVERY_LAYOUT)
-    indices = _signature(extra.indices)
-    _require_tensor("extra_indices", indices)
-    _require_dtype("extra_indices", indices, torch.int32)
+    indices = signature(extra.indices)
+    require_tensor("extra_indices", indices)
+    require_dtype("extra_indices", indices, torch.int32)
     shape = indices[SHAPE]
     if len(shape) != 3 or shape[0] != problem.s_q or shape[1] != 1:
         raise ValueError(
@@ -86,18 +86,18 @@ def check_extra(call: PagedCall, extra: ExtraCache) -> None:
         )
     named = {"extra_cache": extra.cache, "extra_indices": extra.indices}
     if extra.topk_length is not None:
-        length = _signature(extra.topk_length)
-        _require_tensor("extra_topk_length", length)
-        _require_dtype("extra_topk_length", length, torch.int32)
-        _require_shape("extra_topk_length", length, (problem.s_q,), "[s_q]")
+        length = signature(extra.topk_length)
+        require_tensor("extra_topk_length", length)
+        require_dtype("extra_topk_length", length, torch.int32)
+        require_shape("extra_topk_length", length, (problem.s_q,), "[s_q]")
         named["extra_topk_length"] = extra.topk_length
     for buffer_name in ("out", "max_logits", "lse"):
         buffer = getattr(call, buffer_name)
         for name, tensor in named.items():
-            if buffer is not None and _overlaps(buffer, tensor):
+            if buffer is not None and overlaps(buffer, tensor):
                 raise ValueError(f"{buffer_name}: expected memory of its own, got memory overlapping {name}")
     for name, tensor in named.items():
-        device = _signature(tensor)[DEVICE]
+        device = signature(tensor)[DEVICE]
         if device != problem.device:
             raise ValueError(
                 f"{name}: expected a tensor on {problem.device} (the device of q), got device {device}"
@@ -120,7 +120,7 @@ def attend(
     bare = call._replace(attn_sink=None, out=None, max_logits=None, lse=None)  # one part's call
     main = run_paged(bare)
     cache, indices = extra.cache, extra.indices
-    layout = LAYOUT_BY_BYTES_PER_TOKEN[cache.shape[3]]
+    layout = cache_geometry(cache)[0]
     if layout in PAGED_ATTENTION_LAYOUTS:
         part = run_paged(bare._replace(cache=cache, indices=indices, topk_length=extra.topk_length))
     else:

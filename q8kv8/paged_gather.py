@@ -12,9 +12,9 @@ import math
 
 import torch
 
-from q8kv8 import kernels
+from q8kv8 import checks, kernels
 from q8kv8.arguments import check_buffer, require_int
-from q8kv8.contract import _overlaps, _signature, register_memo
+from q8kv8.checks import overlaps, require_aligned_pages, signature
 from q8kv8.kv_layout import get_layout
 
 
@@ -105,9 +105,9 @@ def gather_dequant_paged(
             type(layout),
             layout,
             out_dtype,
-            _signature(cache),
-            _signature(slot_ids),
-            None if out is None else _signature(out),
+            signature(cache),
+            signature(slot_ids),
+            None if out is None else signature(out),
         )
         verdict = _memo.get(key)
     except TypeError:  # an unhashable argument: the checks say what is wrong with it
@@ -115,9 +115,7 @@ def gather_dequant_paged(
     if verdict is None:
         verdict = _check_gather(cache, slot_ids, page_size, layout, out_dtype, extra_rows, out)
         if key is not None:
-            if len(_memo) >= _MEMO_ENTRIES:
-                _memo.clear()
-            _memo[key] = verdict
+            checks.remember(_memo, key, verdict, _MEMO_ENTRIES)
     layout, page_shape, page_strides, shape = verdict
     if out is None:
         out = torch.empty(shape, dtype=out_dtype, device=cache.device)
@@ -132,7 +130,7 @@ def gather_dequant_paged(
 
 
 _MEMO_ENTRIES = 64
-_memo: dict[tuple, tuple] = register_memo({})
+_memo: dict[tuple, tuple] = checks.memo()
 
 
 def _check_gather(cache, slot_ids, page_size, layout, out_dtype, extra_rows, out) -> tuple:
@@ -141,18 +139,14 @@ def _check_gather(cache, slot_ids, page_size, layout, out_dtype, extra_rows, out
     out_dtype = out_dtype_of(out_dtype)
     extra_rows = require_int("extra_rows", extra_rows, 0)
     pages = paged_cache_pages(cache, page_size, layout)
-    if pages.data_ptr() % 16 or (pages.shape[0] > 1 and pages.stride(0) % 16):
-        raise ValueError(
-            f"cache: expected a 16-byte aligned base and page stride (rows are read 16 bytes at a time), "
-            f"got page stride {pages.stride(0)} bytes"
-        )
+    require_aligned_pages("cache", pages.data_ptr(), pages.shape[0], pages.stride(0))
     words = slot_words(slot_ids)
     shape = (words.shape[0] + extra_rows, 1, layout.d_qk)
     if out is not None:
         check_buffer("out", out, shape, out_dtype)
         if out.data_ptr() % 16:
             raise ValueError("out: expected a 16-byte aligned buffer (rows are written 16 bytes at a time)")
-        if _overlaps(out, pages):
+        if overlaps(out, pages):
             raise ValueError("out: expected memory of its own, got memory overlapping cache")
     _check_devices(cache, slot_ids, out)  # last, so that every other check reports the same way without a GPU
     return layout, tuple(pages.shape), pages.stride(), shape

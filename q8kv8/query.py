@@ -12,7 +12,7 @@ import torch
 
 from q8kv8 import kernels
 from q8kv8.arguments import check_buffer
-from q8kv8.contract import _overlaps
+from q8kv8.checks import overlaps
 from q8kv8.metadata import E4M3_MAX, padded_num_heads
 
 _CAST_CHUNK_ELEMENTS = 1 << 24  # float32 temporaries of cast_q_fp8: at most 64 MiB
@@ -49,7 +49,7 @@ def cast_q_fp8(q_bf16: torch.Tensor, q_scale, out: torch.Tensor | None = None) -
         divisor = torch.tensor([float(q_scale)], dtype=torch.float32, device=q_bf16.device)
     if out is not None:
         check_buffer("out", out, shape, torch.float8_e4m3fn)
-        if _overlaps(out, q_bf16):
+        if overlaps(out, q_bf16):
             raise ValueError("out: expected memory of its own, got memory overlapping q")
     for name, tensor in (("q_scale", divisor), ("out", out)):
         if tensor is not None and tensor.device != q_bf16.device:

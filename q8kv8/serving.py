@@ -26,13 +26,15 @@ from typing import NamedTuple
 import torch
 
 from q8kv8 import kernels
-from q8kv8.api import sparse_mla_q8kv8_paged_fwd, sparse_mla_q8kv8_prefill_fwd
+from q8kv8.api import attend, attend_paged
 from q8kv8.arguments import require_int
+from q8kv8.checks import cache_geometry
 from q8kv8.contract import check_ranges_enabled
-from q8kv8.kv_layout import LAYOUT_BY_BYTES_PER_TOKEN, PAGED_ATTENTION_LAYOUTS, KvCacheLayout
+from q8kv8.kv_layout import PAGED_ATTENTION_LAYOUTS, KvCacheLayout
 from q8kv8.merge import merge_attention
 from q8kv8.metadata import D_V, LOGITS_IN_FLOAT32, PRECISIONS, TOPK_ALIGNMENT, topk_length_from_seqlens
 from q8kv8.paged_gather import gather_dequant_paged, slot_words
+from q8kv8.prefill_call import PagedCall, PrefillCall
 from q8kv8.workspace import SparsePrefillWorkspace, _ReusableBuffer, indexed_device
 
 BACKENDS = ("auto", "bf16", "fp8")
@@ -40,6 +42,7 @@ BACKEND_ENV = "Q8KV8_PREFILL_BACKEND"
 PRECISION_ENV = "Q8KV8_PRECISION"
 PATHS = ("auto", "paged", "workspace")
 COMPRESS_RATIOS = (0, 4, 128)
+_new_call = tuple.__new__  # a PrefillCall or PagedCall from a tuple of all its fields
 PAGED_ROWS_PER_TILE_SLOT = 0.4
 """The "auto" path's rule: straight from the cache when the workspace would gather more rows than this many
 per (tile of 64 heads, top-k slot) of the batch. Measured on an H200: the gather takes about 0.5 ns a row,
@@ -84,15 +87,19 @@ def _cuda_slot_indices(indices, page_table, seqlens, compress_ratio, topk_pad):
 
 
 def _cuda_attention_paged(q, cache, slots, sm_scale, attn_sink, topk_length, precision):
-    return sparse_mla_q8kv8_paged_fwd(
-        q, cache, slots, sm_scale, None, D_V, attn_sink, topk_length, precision=precision
+    """``sparse_mla_q8kv8_paged_fwd`` on the call as ``q8kv8.api`` gathers it (``api.attend_paged``)."""
+    return attend_paged(
+        _new_call(
+            PagedCall,
+            (q, cache, slots, sm_scale, None, D_V, attn_sink, topk_length, None, None, None, precision),
+        )
     )
 
 
 def _cuda_attention_fp8(q, kv, indices, sm_scale, q_scale, kv_scale, attn_sink, topk_length, precision):
-    return sparse_mla_q8kv8_prefill_fwd(
-        q, kv, indices, sm_scale, q_scale, kv_scale, D_V, attn_sink, topk_length, precision=precision
-    )
+    """``sparse_mla_q8kv8_prefill_fwd`` on the call as ``q8kv8.api`` gathers it (``api.attend``)."""
+    fields = (q, kv, indices, sm_scale, q_scale, kv_scale, D_V, attn_sink, topk_length, None, None, None)
+    return attend(_new_call(PrefillCall, (*fields, precision)))
 
 
 def _cuda_attention_bf16(q, kv, indices, sm_scale, attn_sink, topk_length):
@@ -150,18 +157,12 @@ def resolve_precision(precision: str = "default") -> str:
 
 def paged_cache_geometry(cache: torch.Tensor) -> tuple[KvCacheLayout, int]:
     """``(layout, page_size)`` of a cache given as ``[num_pages, page_size, 1, bytes_per_token]``
-    (bytes_per_token 656: V3.2, 584: MODEL1, 528: V4.1, 288: V4.1 FP4), the shape FlashMLA and SGLang use."""
-    if not isinstance(cache, torch.Tensor):
-        raise TypeError(f"cache: expected a torch.Tensor, got {type(cache).__name__}")
-    if cache.dim() != 4 or cache.shape[2] != 1 or cache.shape[3] not in LAYOUT_BY_BYTES_PER_TOKEN:
-        raise ValueError(
-            f"cache: expected shape [num_pages, page_size, 1, bytes_per_token] with bytes_per_token in "
-            f"{sorted(LAYOUT_BY_BYTES_PER_TOKEN)} (584: MODEL1, 656: V3.2, 528: V4.1, 288: V4.1 FP4), got "
-            f"{list(cache.shape)}"
-        )
-    if cache.shape[1] < 1:
-        raise ValueError(f"cache: expected page_size = cache.shape[1] >= 1, got {cache.shape[1]}")
-    return LAYOUT_BY_BYTES_PER_TOKEN[cache.shape[3]], cache.shape[1]
+    (bytes_per_token 656: V3.2, 584: MODEL1, 528: V4.1, 288: V4.1 FP4; ``q8kv8.checks.cache_geometry``)."""
+    layout, shape = cache_geometry(cache)
+    page_size = shape[1]
+    if page_size < 1:
+        raise ValueError(f"cache: expected page_size = cache.shape[1] >= 1, got {page_size}")
+    return layout, page_size
 
 
 def topk_length_for(seqlens: torch.Tensor, compress_ratio: int, topk: int) -> torch.Tensor:

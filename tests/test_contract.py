@@ -10,7 +10,7 @@ import math
 import pytest
 import torch
 
-from q8kv8 import contract, schedule, sparse_mla_q8kv8_prefill_fwd
+from q8kv8 import checks, contract, schedule, sparse_mla_q8kv8_prefill_fwd
 from q8kv8.contract import InputTypeError, Problem, check_device, check_inputs
 from q8kv8.metadata import PRECISIONS, small_heads
 from q8kv8.prefill_call import PrefillCall
@@ -643,13 +643,13 @@ def test_non_sm90_gpu_is_rejected(monkeypatch, capability, name):
 def test_overlap_is_judged_by_byte_ranges():
     buffer = torch.zeros(64)
     first, second = buffer[:32], buffer[32:]
-    assert not contract._overlaps(first, second)
-    assert not contract._overlaps(second, first)
-    assert contract._overlaps(buffer[:33], second)
-    assert contract._overlaps(buffer[::2], buffer[1::2])  # interleaved views: conservatively overlapping
-    assert contract._overlaps(buffer.view(torch.int32)[10:11], buffer[10:12])
-    assert not contract._overlaps(buffer[:0], buffer)
-    assert not contract._overlaps(torch.zeros(4), torch.zeros(4))
+    assert not checks.overlaps(first, second)
+    assert not checks.overlaps(second, first)
+    assert checks.overlaps(buffer[:33], second)
+    assert checks.overlaps(buffer[::2], buffer[1::2])  # interleaved views: conservatively overlapping
+    assert checks.overlaps(buffer.view(torch.int32)[10:11], buffer[10:12])
+    assert not checks.overlaps(buffer[:0], buffer)
+    assert not checks.overlaps(torch.zeros(4), torch.zeros(4))
 
 
 def test_check_ranges_is_enabled_only_by_env_value_1(monkeypatch):
@@ -700,16 +700,16 @@ def test_problem_carries_the_schedule_for_cuda_devices(
     monkeypatch.setattr(schedule, "_sm_counts", {0: 132})
     args = make_inputs(s_q, h_q, 300, 576, topk, with_topk_length=with_topk_length)
     signatures = {
-        name: None if value is None else contract._signature(value)
+        name: None if value is None else checks.signature(value)
         for name, value in args.items()
         if name not in ("sm_scale", "d_v")
     }
     cuda = torch.device("cuda", 0)
     signatures = {
-        name: None if sig is None else (*sig[: contract.DEVICE], cuda, *sig[contract.DEVICE + 1 :])
+        name: None if sig is None else (*sig[: checks.DEVICE], cuda, *sig[checks.DEVICE + 1 :])
         for name, sig in signatures.items()
     }
-    problem = contract._check_signatures(
+    problem = contract.check_signatures(
         PrefillCall(**signatures, sm_scale=args["sm_scale"], d_v=args["d_v"], precision=precision)
     )
     assert problem.tiles_per_cta == expected

@@ -10,7 +10,7 @@ import re
 import pytest
 import torch
 
-from q8kv8 import contract
+from q8kv8 import checks, contract
 from q8kv8.contract import check_inputs
 from q8kv8.metadata import PRECISIONS
 from q8kv8.prefill_call import PrefillCall
@@ -140,11 +140,11 @@ def test_the_memo_is_bounded(args, device_checks, monkeypatch):
 )
 def test_signature_contiguity_and_span_match_torch(make):
     tensor = make()
-    signature = contract._signature(tensor)
-    assert contract._is_contiguous(signature[contract.SHAPE], signature[contract.STRIDES]) == (
+    signature = checks.signature(tensor)
+    assert checks.is_contiguous(signature[checks.SHAPE], signature[checks.STRIDES]) == (
         tensor.is_contiguous()
     )
-    span = contract._span(signature)
+    span = checks.span(signature)
     if tensor.numel() == 0:
         assert span is None
     else:

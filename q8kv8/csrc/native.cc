@@ -279,7 +279,7 @@ PlanPtr Find(const Call& c, std::string* reason) {
   return nullptr;
 }
 
-// The half-open byte interval a tensor's elements may touch (contract._span); empty when it has none.
+// The half-open byte interval a tensor's elements may touch (q8kv8.checks.span); empty when it has none.
 std::pair<uintptr_t, uintptr_t> Span(const DLTensor& t) {
   int64_t last = 0;
   for (int i = 0; i < t.ndim; ++i) {
