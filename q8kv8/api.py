@@ -11,9 +11,7 @@ from torch.compiler import is_compiling
 
 from q8kv8 import eager, ops, paged, paged_extra
 from q8kv8.metadata import D_V
-from q8kv8.prefill_call import PagedCall, PrefillCall
-
-_new_call = tuple.__new__  # a PrefillCall from a tuple of all its fields, without NamedTuple's Python __new__
+from q8kv8.prefill_call import PagedCall, PrefillCall, new_call
 
 
 def sparse_mla_q8kv8_prefill_fwd(
@@ -72,7 +70,7 @@ def sparse_mla_q8kv8_prefill_fwd(
     eager call, checks included.
     """
     # The parameters in order are PrefillCall's fields (tests/test_api_cpu.py checks it).
-    call = _new_call(
+    call = new_call(
         PrefillCall,
         (
             q,
@@ -149,7 +147,7 @@ def sparse_mla_q8kv8_paged_fwd(
     ``torch.ops.q8kv8.gather_dequant_paged_out``, for an extra cache the paged kernel does not read), and
     the arguments are checked by the parts' ops under the single-cache names.
     """
-    call = _new_call(
+    call = new_call(
         PagedCall,
         (q, cache, indices, sm_scale, q_scale, d_v, attn_sink, topk_length, out, max_logits, lse, precision),
     )

@@ -45,7 +45,7 @@ from q8kv8.metadata import (
     SUPPORTED_D_QK,
     TOPK_ALIGNMENT,
 )
-from q8kv8.prefill_call import PrefillCall
+from q8kv8.prefill_call import PrefillCall, new_call
 
 SM90 = (9, 0)
 CHECK_RANGES_ENV = "Q8KV8_CHECK_RANGES"
@@ -75,8 +75,6 @@ _MEMO_ENTRIES_PER_Q = 8  # signatures remembered per q data pointer, newest firs
 _memo: dict[int | None, list[tuple[tuple, Problem]]] = checks.memo()
 """``check_inputs``'s verdicts on valid calls: ``(signature key, problem)`` pairs, found through q's data
 pointer (an int: no hashing of the whole key) and then compared whole."""
-
-_new_call = tuple.__new__  # a PrefillCall from a tuple of all its fields, without NamedTuple's Python __new__
 
 
 def check_inputs(call: PrefillCall) -> Problem:
@@ -120,7 +118,7 @@ def check_inputs(call: PrefillCall) -> Problem:
         for entry_key, problem in entries:
             if entry_key == key:
                 return problem
-    problem = check_signatures(_new_call(PrefillCall, signatures))
+    problem = check_signatures(new_call(PrefillCall, signatures))
     if entries is None:
         checks.remember(_memo, q_data_ptr, [(key, problem)], _MEMO_ENTRIES)
     else:

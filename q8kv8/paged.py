@@ -35,11 +35,10 @@ from q8kv8.checks import (
 from q8kv8.contract import check_ranges_enabled, check_signatures, check_topk_length_range
 from q8kv8.eager import output_buffers
 from q8kv8.kv_layout import PAGED_ATTENTION_LAYOUTS, KvCacheLayout
-from q8kv8.prefill_call import PagedCall, PrefillCall
+from q8kv8.prefill_call import PagedCall, PrefillCall, new_call
 
 CACHE_DTYPES = (torch.uint8, FP8)
 MAX_SLOTS = 2**31  # token slots are int32
-_new_call = tuple.__new__
 _ones: dict[torch.device, torch.Tensor] = {}  # the kernel's kv_scale argument (1.0) per device
 
 
@@ -139,7 +138,7 @@ def _check_paged_call(call: PagedCall) -> tuple:
     # kv: the cache's token slots as rows, and kv_scale none of the call's, both on q's device (a cache on
     # another device is reported as the cache's, below, as are overlaps with its bytes).
     kv = rows_signature(view.shape[0] * view.shape[1], layout.d_qk, q.device)
-    signatures = _new_call(
+    signatures = new_call(
         PrefillCall,
         (
             q_signature,

@@ -46,3 +46,8 @@ class PagedCall(NamedTuple):
     max_logits: torch.Tensor | None = None
     lse: torch.Tensor | None = None
     precision: str = "default"
+
+
+new_call = tuple.__new__
+"""``new_call(PrefillCall, fields)`` (or ``PagedCall``): the call from a tuple of all its fields in order,
+without NamedTuple's Python ``__new__`` (the hot path builds one per call)."""

@@ -34,7 +34,7 @@ from q8kv8.kv_layout import PAGED_ATTENTION_LAYOUTS, KvCacheLayout
 from q8kv8.merge import merge_attention
 from q8kv8.metadata import D_V, LOGITS_IN_FLOAT32, PRECISIONS, TOPK_ALIGNMENT, topk_length_from_seqlens
 from q8kv8.paged_gather import gather_dequant_paged, slot_words
-from q8kv8.prefill_call import PagedCall, PrefillCall
+from q8kv8.prefill_call import PagedCall, PrefillCall, new_call
 from q8kv8.workspace import SparsePrefillWorkspace, _ReusableBuffer, indexed_device
 
 BACKENDS = ("auto", "bf16", "fp8")
@@ -42,7 +42,6 @@ BACKEND_ENV = "Q8KV8_PREFILL_BACKEND"
 PRECISION_ENV = "Q8KV8_PRECISION"
 PATHS = ("auto", "paged", "workspace")
 COMPRESS_RATIOS = (0, 4, 128)
-_new_call = tuple.__new__  # a PrefillCall or PagedCall from a tuple of all its fields
 PAGED_ROWS_PER_TILE_SLOT = 0.4
 """The "auto" path's rule: straight from the cache when the workspace would gather more rows than this many
 per (tile of 64 heads, top-k slot) of the batch. Measured on an H200: the gather takes about 0.5 ns a row,
@@ -89,7 +88,7 @@ def _cuda_slot_indices(indices, page_table, seqlens, compress_ratio, topk_pad):
 def _cuda_attention_paged(q, cache, slots, sm_scale, attn_sink, topk_length, precision):
     """``sparse_mla_q8kv8_paged_fwd`` on the call as ``q8kv8.api`` gathers it (``api.attend_paged``)."""
     return attend_paged(
-        _new_call(
+        new_call(
             PagedCall,
             (q, cache, slots, sm_scale, None, D_V, attn_sink, topk_length, None, None, None, precision),
         )
@@ -99,7 +98,7 @@ def _cuda_attention_paged(q, cache, slots, sm_scale, attn_sink, topk_length, pre
 def _cuda_attention_fp8(q, kv, indices, sm_scale, q_scale, kv_scale, attn_sink, topk_length, precision):
     """``sparse_mla_q8kv8_prefill_fwd`` on the call as ``q8kv8.api`` gathers it (``api.attend``)."""
     fields = (q, kv, indices, sm_scale, q_scale, kv_scale, D_V, attn_sink, topk_length, None, None, None)
-    return attend(_new_call(PrefillCall, (*fields, precision)))
+    return attend(new_call(PrefillCall, (*fields, precision)))
 
 
 def _cuda_attention_bf16(q, kv, indices, sm_scale, attn_sink, topk_length):
@@ -298,8 +297,9 @@ class SparsePrefill:
             slots, topk_length = self.kernels.slot_indices(
                 indices, page_table, seqlens, compress_ratio, topk_pad
             )
-            paged_args = (kernel_q, cache, slots, sm_scale, sink, topk_length, precision)
-            return self.kernels.attention_paged(*paged_args)
+            return self.kernels.attention_paged(
+                kernel_q, cache, slots, sm_scale, sink, topk_length, precision
+            )
         # The workspace's rows are the indices themselves (the kernels ignore entries outside [0, num_rows)).
         # Already padded and row-major, they go as they are, with each query's valid count from seqlens (int32
         # seqlens of an uncompressed cache as they are: the kernels clamp topk_length to [0, topk], unless
