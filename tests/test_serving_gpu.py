@@ -32,7 +32,7 @@ from paged_cache import (
 from reference_checks import assert_outputs_match
 
 from q8kv8 import sparse_mla_q8kv8_paged_fwd, sparse_mla_q8kv8_prefill_fwd
-from q8kv8.metadata import pad_topk, padded_num_heads
+from q8kv8.metadata import LOGITS_IN_FLOAT32, pad_topk, padded_num_heads
 from q8kv8.paged_gather import gather_dequant_paged, gather_dequant_requant_fp8_paged
 from q8kv8.query import cast_q_fp8, dynamic_q_scale
 from q8kv8.reference import gather_dequant_paged_reference, slot_indices_reference
@@ -254,18 +254,21 @@ def test_forward_bf16_matches_float64_ground_truth(generator, layout, compress_r
     assert_matches(got, ground_truth(batch, layout, SM_SCALE, sink), 2e-2, 1e-2)
 
 
+@pytest.mark.parametrize("with_sink", [True, False], ids=["sink", "no sink"])
 @pytest.mark.parametrize("precision", ["default", "accurate"])
-def test_forward_fp8_paged_is_the_public_paged_call(generator, precision):
+def test_forward_fp8_paged_is_the_public_paged_call(generator, precision, with_sink):
     """The layer's paged result is ``sparse_mla_q8kv8_paged_fwd`` on the bfloat16 Q, the slots its indices
-    select through the page table and their topk_length, in the layer's precision, bit for bit."""
+    select through the page table and their topk_length, in the layer's precision (with a sink, S summed
+    in float32: ``LOGITS_IN_FLOAT32``), bit for bit."""
     batch = cuda_batch(make_batch("model1", 64, 0, h=64, topk=200, generator=generator))
-    sink = torch.randn(64, generator=generator).cuda()
+    sink = torch.randn(64, generator=generator).cuda() if with_sink else None
     got = forward(SparsePrefill("fp8", precision=precision, path="paged"), batch, sink)
     slots, topk_length = slot_indices_reference(
         batch["indices"], batch["page_table"], batch["seqlens"], 0, 256
     )
+    kernel_precision = LOGITS_IN_FLOAT32[precision] if with_sink else precision
     want = sparse_mla_q8kv8_paged_fwd(
-        batch["q"], batch["cache"], slots, SM_SCALE, None, 512, sink, topk_length, precision=precision
+        batch["q"], batch["cache"], slots, SM_SCALE, None, 512, sink, topk_length, precision=kernel_precision
     )
     torch.cuda.synchronize()
     for a, b in zip(got, want, strict=True):
@@ -276,8 +279,9 @@ def test_forward_fp8_paged_is_the_public_paged_call(generator, precision):
 @pytest.mark.parametrize("topk", [200, 256])
 def test_forward_fp8_is_the_public_call_on_the_bf16_q(generator, h, topk):
     """The layer's FP8 result on the workspace path is ``sparse_mla_q8kv8_prefill_fwd`` on the bfloat16 Q
-    (zero heads appended up to a multiple of 64), the gathered rows, ``q_scale=None`` and kv_scale 1.0, bit
-    for bit (indices padded to a multiple of 128 by the layer, or taken as they are)."""
+    (zero heads appended up to a multiple of 64), the gathered rows, ``q_scale=None`` and kv_scale 1.0, with
+    the sink's S summed in float32 (``LOGITS_IN_FLOAT32["default"]``), bit for bit (indices padded to a
+    multiple of 128 by the layer, or taken as they are)."""
     batch = cuda_batch(make_batch("v32", 64, 4, h=h, topk=topk, generator=generator))
     sink = torch.randn(h, generator=generator).cuda()
     prefill = SparsePrefill("fp8", path="workspace")
@@ -291,7 +295,16 @@ def test_forward_fp8_is_the_public_call_on_the_bf16_q(generator, h, topk):
     topk_length = topk_length_for(batch["seqlens"], 4, indices.shape[2])
     one = torch.ones(1, device="cuda")
     want = sparse_mla_q8kv8_prefill_fwd(
-        q_padded, kv, indices, SM_SCALE, None, one, 512, sink_padded, topk_length
+        q_padded,
+        kv,
+        indices,
+        SM_SCALE,
+        None,
+        one,
+        512,
+        sink_padded,
+        topk_length,
+        precision=LOGITS_IN_FLOAT32["default"],
     )
     torch.cuda.synchronize()
     for a, b in zip(got, want, strict=True):
