@@ -152,6 +152,27 @@ def make_inputs(generator, randn_fp8):
 
 
 @pytest.fixture
+def make_valid_args(make_inputs):
+    """``make_valid_args(s_q, h_q, s_kv, d_qk, topk, **options)``: the keyword arguments of
+    ``make_inputs(s_q, h_q, s_kv, d_qk, topk, with_sink=True, with_topk_length=True, **options)`` (options
+    may turn the sink or topk_length off) with ``precision="default"`` and new output buffers: a call the
+    contract accepts on CPU tensors but for the device check."""
+
+    def make(*sizes: int, **options) -> dict:
+        args = make_inputs(*sizes, **{"with_sink": True, "with_topk_length": True, **options})
+        s_q, h_q = args["q"].shape[:2]
+        return {
+            **args,
+            "precision": "default",
+            "out": torch.empty(s_q, h_q, args["d_v"], dtype=torch.bfloat16),
+            "max_logits": torch.empty(s_q, h_q),
+            "lse": torch.empty(s_q, h_q),
+        }
+
+    return make
+
+
+@pytest.fixture
 def fake_kernels(monkeypatch):
     """``fake_kernels(launch)``: a module whose ``launch_sparse_prefill`` is ``launch`` stands for
     ``q8kv8.kernels`` for this test only, wherever the package launches from (``from q8kv8 import kernels``
