@@ -11,6 +11,7 @@ import math
 
 import pytest
 import torch
+from cuda_graphs import assert_replays_match_eager
 from reference_checks import assert_outputs_match, with_every_invalid_index_kind
 
 from q8kv8 import kernels, serving
@@ -197,18 +198,11 @@ def test_serving_hook_pads_heads(generator):
 
 def test_cuda_graph_replay(generator):
     inputs = make_inputs(generator, 24, 128, 3000, 576, 512, sink=True, topk_length=True)
-    eager = [t.clone() for t in run_kernel(inputs)]
-    out, max_logits, lse = (torch.empty_like(t) for t in eager)
-    run_kernel(inputs, out, max_logits, lse)  # warm-up outside capture
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        launch(inputs, out, max_logits, lse)
-    for _ in range(3):
-        for buffer in (out, max_logits, lse):
-            buffer.fill_(math.nan)
-        graph.replay()
-        torch.cuda.synchronize()
-        assert torch.equal(out, eager[0]) and torch.equal(max_logits, eager[1]) and torch.equal(lse, eager[2])
+    assert_replays_match_eager(
+        lambda **buffers: run_kernel(inputs, **buffers),
+        lambda **buffers: launch(inputs, **buffers),
+        replays=3,
+    )
 
 
 def test_runs_on_callers_stream(generator):

@@ -11,6 +11,7 @@ import textwrap
 
 import pytest
 import torch
+from cuda_graphs import capture_and_replay
 
 from q8kv8 import sparse_mla_q8kv8_prefill_fwd
 
@@ -91,14 +92,7 @@ def test_compiled_call_captured_in_a_cuda_graph(make_inputs, q_dtype):
     buffers = nan_buffers_like(eager)
     compiled = compiled_call(inputs["sm_scale"])
     compiled(**tensors, **buffers)  # compiles and warms up outside the capture
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        compiled(**tensors, **buffers)
-    for buffer in buffers.values():
-        buffer.fill_(math.nan)
-    graph.replay()
-    torch.cuda.synchronize()
+    capture_and_replay(lambda: compiled(**tensors, **buffers), buffers.values())
     assert_equal(tuple(buffers.values()), eager)
 
 
