@@ -12,7 +12,7 @@ import math
 import pytest
 import torch
 from cuda_graphs import assert_replays_match_eager
-from reference_checks import assert_outputs_match, with_every_invalid_index_kind
+from reference_checks import assert_outputs_match, grid_s_kv, reference_grid, with_every_invalid_index_kind
 
 from q8kv8 import kernels, serving
 from q8kv8.reference import sparse_mla_prefill_reference
@@ -90,15 +90,11 @@ def assert_matches_reference(outputs, inputs, out_tolerance=OUT_TOLERANCE):
     return assert_outputs_match(outputs, reference(inputs), out_tolerance, STAT_TOLERANCE)
 
 
-@pytest.mark.parametrize("s_kv_kind", ["below_topk", "64k"])
-@pytest.mark.parametrize("topk", [128, 512, 2048])
-@pytest.mark.parametrize("h", [64, 128])
-@pytest.mark.parametrize("d_qk", [512, 576])
-@pytest.mark.parametrize("extras", ["plain", "sink_and_topk_length"])
-def test_matches_reference(generator, d_qk, h, topk, s_kv_kind, extras):
-    s_kv = topk // 2 + 3 if s_kv_kind == "below_topk" else 65536
+@reference_grid
+def test_matches_reference(generator, d_qk, h_q, topk, s_kv_kind, extras):
+    s_kv = grid_s_kv(topk, s_kv_kind)
     with_extras = extras == "sink_and_topk_length"
-    inputs = make_inputs(generator, 37, h, s_kv, d_qk, topk, sink=with_extras, topk_length=with_extras)
+    inputs = make_inputs(generator, 37, h_q, s_kv, d_qk, topk, sink=with_extras, topk_length=with_extras)
     assert_matches_reference(run_kernel(inputs), inputs)
 
 

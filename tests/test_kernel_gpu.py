@@ -15,8 +15,10 @@ from cuda_graphs import assert_replays_match_eager, assert_same_outputs, capture
 from reference_checks import (
     SAME_LOGITS,
     assert_outputs_match,
+    grid_s_kv,
     logit_tolerances,
     out_tolerances,
+    reference_grid,
     with_every_invalid_index_kind,
 )
 
@@ -53,13 +55,9 @@ def assert_matches_reference(outputs, inputs, rows=None, out_tolerance=OUT_TOLER
     return assert_outputs_match((out, max_logits, lse), reference, out_tolerance, STAT_TOLERANCE)
 
 
-@pytest.mark.parametrize("s_kv_kind", ["below_topk", "64k"])
-@pytest.mark.parametrize("topk", [128, 512, 2048])
-@pytest.mark.parametrize("h_q", [64, 128])
-@pytest.mark.parametrize("d_qk", [512, 576])
-@pytest.mark.parametrize("extras", ["plain", "sink_and_topk_length"])
+@reference_grid
 def test_matches_reference(make_inputs, d_qk, h_q, topk, s_kv_kind, extras):
-    s_kv = topk // 2 + 3 if s_kv_kind == "below_topk" else 65536
+    s_kv = grid_s_kv(topk, s_kv_kind)
     with_extras = extras == "sink_and_topk_length"
     inputs = make_inputs(
         37, h_q, s_kv, d_qk, topk, device="cuda", with_sink=with_extras, with_topk_length=with_extras
