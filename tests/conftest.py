@@ -179,14 +179,14 @@ def fake_kernels(monkeypatch):
     included)."""
 
     import q8kv8
-    from q8kv8 import eager, paged, paged_gather, query, serving
+    from q8kv8 import eager, paged_gather, query, serving
 
     def install(launch) -> types.ModuleType:
         module = types.ModuleType("q8kv8.kernels")
         module.launch_sparse_prefill = launch
         monkeypatch.setitem(sys.modules, "q8kv8.kernels", module)
         monkeypatch.setattr(q8kv8, "kernels", module, raising=False)
-        for user in (eager, paged, paged_gather, query, serving):
+        for user in (eager, paged_gather, query, serving):
             monkeypatch.setattr(user, "kernels", module)
         return module
 
