@@ -15,7 +15,7 @@ import torch
 from q8kv8 import contract, kernels, native, schedule
 from q8kv8.contract import check_inputs, check_ranges_enabled, check_topk_length_range
 from q8kv8.metadata import output_layouts
-from q8kv8.prefill_call import PrefillCall
+from q8kv8.prefill_call import PagedCall, PrefillCall
 
 
 def run(call: PrefillCall) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -29,22 +29,34 @@ def run(call: PrefillCall) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
             return outputs
     # The Python path: every call the fast path declines, with the contract's message for invalid ones.
     problem = check_inputs(call)
-    q, attn_sink, topk_length = call.q, call.attn_sink, call.topk_length
-    out, max_logits, lse = call.out, call.max_logits, call.lse
+    q, out, max_logits, lse = call.q, call.out, call.max_logits, call.lse
     if check_ranges_enabled():
-        check_topk_length_range(topk_length, problem.topk)
-    s_q, h_q = problem.s_q, problem.h_q
+        check_topk_length_range(call.topk_length, problem.topk)
     if out is None or max_logits is None or lse is None:
-        out, max_logits, lse = output_buffers(q, h_q, problem.d_v, out, max_logits, lse)
-    if s_q == 0:
-        return out, max_logits, lse
+        out, max_logits, lse = output_buffers(q, problem.h_q, problem.d_v, out, max_logits, lse)
+    if launch_checked(call, problem, call.kv, call.kv_scale, out, max_logits, lse) and q.is_cuda:
+        # The call's device (the contract checked): Tensor.is_cuda is the cheap test.
+        native.note_launch(problem.device.index)
+    return out, max_logits, lse
+
+
+def launch_checked(
+    call: PrefillCall | PagedCall, problem: contract.Problem, kv, kv_scale, out, max_logits, lse, **cache
+) -> bool:
+    """Write a checked call's outputs (``problem``: the contract's verdict) into ``out``, ``max_logits`` and
+    ``lse``: for no query, nothing; for no kv row, the no-valid-slot results; else the kernel launched on
+    ``kv`` and ``kv_scale`` (q, topk_length and attn_sink made contiguous first unless the contract saw them
+    meet the launch's needs). ``cache``: ``kernels.launch_sparse_prefill``'s, for a paged call. Whether the
+    kernel was launched."""
+    if problem.s_q == 0:
+        return False
     if problem.s_kv == 0:
         # Every slot is invalid: the no-valid-slot results, without launching on an empty kv.
         out.zero_()
         max_logits.fill_(-math.inf)
         lse.fill_(math.inf)
-        return out, max_logits, lse
-
+        return False
+    q, attn_sink, topk_length = call.q, call.attn_sink, call.topk_length
     ready = problem.launch_ready  # the contract saw these tensors meet the launch's needs
     if not ready:
         q = q.contiguous()
@@ -52,12 +64,12 @@ def run(call: PrefillCall) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         attn_sink = None if attn_sink is None else attn_sink.contiguous()
     kernels.launch_sparse_prefill(
         q,
-        call.kv,
+        kv,
         call.indices,
         topk_length,
         attn_sink,
         call.q_scale,
-        call.kv_scale,
+        kv_scale,
         float(call.sm_scale),
         out,
         max_logits,
@@ -67,11 +79,9 @@ def run(call: PrefillCall) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         ready,
         problem.splits,
         problem.split_from,
+        **cache,
     )
-    # The call's device (the contract checked): Tensor.is_cuda is the cheap test.
-    if q.is_cuda:
-        native.note_launch(problem.device.index)
-    return out, max_logits, lse
+    return True
 
 
 def output_buffers(q, h, d_v, out=None, max_logits=None, lse=None):

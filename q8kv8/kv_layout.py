@@ -84,62 +84,53 @@ class KvCacheLayout(NamedTuple):
 
 MODEL1_SCALE_RECORD_BYTES = 8  # 7 UE8M0 scales + 1 pad byte per token
 MODEL1_PAGE_ALIGN = 576
+_SCALE_BYTES = {"float32": 4, "ue8m0": 1, "e4m3": 1}
 
-MODEL1 = KvCacheLayout(
-    name="model1",
-    d_nope=448,
-    d_rope=64,
-    scale_group=64,
-    scale_bytes=1,
-    token_bytes=448 + 64 * 2,
-    rope_offset=448,
-    scale_offset=None,
-    bytes_per_token=448 + 64 * 2 + MODEL1_SCALE_RECORD_BYTES,
-    value_bits=8,
-    scale_type="ue8m0",
-)
 
-V32 = KvCacheLayout(
-    name="v32",
-    d_nope=512,
-    d_rope=64,
-    scale_group=128,
-    scale_bytes=4,
-    token_bytes=512 + 4 * 4 + 64 * 2,
-    rope_offset=512 + 4 * 4,
-    scale_offset=512,
-    bytes_per_token=512 + 4 * 4 + 64 * 2,
-    value_bits=8,
-    scale_type="float32",
-)
+def _layout(
+    name: str,
+    d_nope: int,
+    d_rope: int,
+    scale_group: int,
+    scale_type: str,
+    value_bits: int = 8,
+    *,
+    page_scales: bool = False,
+) -> KvCacheLayout:
+    """A layout from its values and scales: a token's data is its block-scaled values, then its bf16 RoPE
+    values, the scales in the page's scale region, ``MODEL1_SCALE_RECORD_BYTES`` a token (``page_scales``:
+    MODEL1); or else a record of the values, their scales, then the RoPE values (with none, ``rope_offset``
+    is the end of the values)."""
+    values = d_nope * value_bits // 8
+    scale_bytes = _SCALE_BYTES[scale_type]
+    if page_scales:
+        token_bytes = values + 2 * d_rope
+        rope_offset, scale_offset = values, None
+        bytes_per_token = token_bytes + MODEL1_SCALE_RECORD_BYTES
+    else:
+        scales = d_nope // scale_group * scale_bytes
+        token_bytes = bytes_per_token = values + scales + 2 * d_rope
+        rope_offset = values + scales if d_rope else values
+        scale_offset = values
+    return KvCacheLayout(
+        name=name,
+        d_nope=d_nope,
+        d_rope=d_rope,
+        scale_group=scale_group,
+        scale_bytes=scale_bytes,
+        token_bytes=token_bytes,
+        rope_offset=rope_offset,
+        scale_offset=scale_offset,
+        bytes_per_token=bytes_per_token,
+        value_bits=value_bits,
+        scale_type=scale_type,
+    )
 
-V41 = KvCacheLayout(
-    name="v41",
-    d_nope=512,
-    d_rope=0,
-    scale_group=32,
-    scale_bytes=1,
-    token_bytes=512 + 16,
-    rope_offset=512,
-    scale_offset=512,
-    bytes_per_token=512 + 16,
-    value_bits=8,
-    scale_type="ue8m0",
-)
 
-V41_FP4 = KvCacheLayout(
-    name="v41_fp4",
-    d_nope=512,
-    d_rope=0,
-    scale_group=16,
-    scale_bytes=1,
-    token_bytes=256 + 32,
-    rope_offset=256,
-    scale_offset=256,
-    bytes_per_token=256 + 32,
-    value_bits=4,
-    scale_type="e4m3",
-)
+MODEL1 = _layout("model1", d_nope=448, d_rope=64, scale_group=64, scale_type="ue8m0", page_scales=True)
+V32 = _layout("v32", d_nope=512, d_rope=64, scale_group=128, scale_type="float32")
+V41 = _layout("v41", d_nope=512, d_rope=0, scale_group=32, scale_type="ue8m0")
+V41_FP4 = _layout("v41_fp4", d_nope=512, d_rope=0, scale_group=16, scale_type="e4m3", value_bits=4)
 
 ALL_LAYOUTS = (MODEL1, V32, V41, V41_FP4)
 PAGED_ATTENTION_LAYOUTS = (MODEL1, V32, V41)

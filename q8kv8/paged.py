@@ -14,11 +14,9 @@ as a ``sparse_mla_q8kv8_prefill_fwd`` call whose kv is the cache's token slots
 the GPU (unless ``Q8KV8_CHECK_RANGES=1``).
 """
 
-import math
-
 import torch
 
-from q8kv8 import checks, contract, kernels
+from q8kv8 import checks, contract
 from q8kv8.checks import (
     DATA_PTR,
     DEVICE,
@@ -33,7 +31,7 @@ from q8kv8.checks import (
     signature,
 )
 from q8kv8.contract import check_ranges_enabled, check_signatures, check_topk_length_range
-from q8kv8.eager import output_buffers
+from q8kv8.eager import launch_checked, output_buffers
 from q8kv8.kv_layout import PAGED_ATTENTION_LAYOUTS, KvCacheLayout
 from q8kv8.prefill_call import PagedCall, PrefillCall, new_call
 
@@ -171,38 +169,12 @@ def run(call: PagedCall) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     problem, layout, view = check_paged_inputs(call)
     if check_ranges_enabled():
         check_topk_length_range(call.topk_length, problem.topk)
-    q, attn_sink, topk_length = call.q, call.attn_sink, call.topk_length
+    q = call.q
     out, max_logits, lse = output_buffers(q, problem.h_q, problem.d_v, call.out, call.max_logits, call.lse)
-    if problem.s_q == 0:
-        return out, max_logits, lse
-    if problem.s_kv == 0:  # an empty cache: every slot is invalid
-        out.zero_()
-        max_logits.fill_(-math.inf)
-        lse.fill_(math.inf)
-        return out, max_logits, lse
-    if not problem.launch_ready:
-        q = q.contiguous()
-        topk_length = None if topk_length is None else topk_length.contiguous()
-        attn_sink = None if attn_sink is None else attn_sink.contiguous()
-    kernels.launch_sparse_prefill(
-        q,
-        view,
-        call.indices,
-        topk_length,
-        attn_sink,
-        call.q_scale,
-        _one(q.device),
-        float(call.sm_scale),
-        out,
-        max_logits,
-        lse,
-        call.precision,
-        problem.tiles_per_cta,
-        problem.launch_ready,
-        problem.splits,
-        problem.split_from,
-        cache=layout.name,
-    )
+    # kv_scale: a 1.0 (the cache's block scales apply), made for a launch only; an empty cache (s_kv 0) has
+    # every slot invalid and launches nothing.
+    kv_scale = _one(q.device) if problem.s_q and problem.s_kv else None
+    launch_checked(call, problem, view, kv_scale, out, max_logits, lse, cache=layout.name)
     return out, max_logits, lse
 
 

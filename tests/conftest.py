@@ -152,20 +152,41 @@ def make_inputs(generator, randn_fp8):
 
 
 @pytest.fixture
+def make_valid_args(make_inputs):
+    """``make_valid_args(s_q, h_q, s_kv, d_qk, topk, **options)``: the keyword arguments of
+    ``make_inputs(s_q, h_q, s_kv, d_qk, topk, with_sink=True, with_topk_length=True, **options)`` (options
+    may turn the sink or topk_length off) with ``precision="default"`` and new output buffers: a call the
+    contract accepts on CPU tensors but for the device check."""
+
+    def make(*sizes: int, **options) -> dict:
+        args = make_inputs(*sizes, **{"with_sink": True, "with_topk_length": True, **options})
+        s_q, h_q = args["q"].shape[:2]
+        return {
+            **args,
+            "precision": "default",
+            "out": torch.empty(s_q, h_q, args["d_v"], dtype=torch.bfloat16),
+            "max_logits": torch.empty(s_q, h_q),
+            "lse": torch.empty(s_q, h_q),
+        }
+
+    return make
+
+
+@pytest.fixture
 def fake_kernels(monkeypatch):
     """``fake_kernels(launch)``: a module whose ``launch_sparse_prefill`` is ``launch`` stands for
     ``q8kv8.kernels`` for this test only, wherever the package launches from (``from q8kv8 import kernels``
     included)."""
 
     import q8kv8
-    from q8kv8 import eager, paged, paged_gather, query, serving
+    from q8kv8 import eager, paged_gather, query, serving
 
     def install(launch) -> types.ModuleType:
         module = types.ModuleType("q8kv8.kernels")
         module.launch_sparse_prefill = launch
         monkeypatch.setitem(sys.modules, "q8kv8.kernels", module)
         monkeypatch.setattr(q8kv8, "kernels", module, raising=False)
-        for user in (eager, paged, paged_gather, query, serving):
+        for user in (eager, paged_gather, query, serving):
             monkeypatch.setattr(user, "kernels", module)
         return module
 

@@ -3,6 +3,7 @@ invalid-index case they share."""
 
 import math
 
+import pytest
 import torch
 
 from cute_kernels.interface import PRECISIONS
@@ -71,6 +72,21 @@ def assert_outputs_match(outputs, reference, out_tolerance: float, stat_toleranc
         if err.numel():
             assert err.max().item() <= stat_tolerance, f"{name}: max relative error {err.max().item():.3e}"
     return rel
+
+
+def reference_grid(test):
+    """``test`` parametrized over the kernels' grid of reference cases: ``extras`` ("plain" or
+    "sink_and_topk_length"), ``d_qk``, ``h_q``, ``topk`` and ``s_kv_kind`` (``grid_s_kv``)."""
+    test = pytest.mark.parametrize("extras", ["plain", "sink_and_topk_length"])(test)
+    test = pytest.mark.parametrize("d_qk", [512, 576])(test)
+    test = pytest.mark.parametrize("h_q", [64, 128])(test)
+    test = pytest.mark.parametrize("topk", [128, 512, 2048])(test)
+    return pytest.mark.parametrize("s_kv_kind", ["below_topk", "64k"])(test)
+
+
+def grid_s_kv(topk: int, s_kv_kind: str) -> int:
+    """The s_kv of a ``reference_grid`` case: below topk (``topk // 2 + 3``) or 64k."""
+    return topk // 2 + 3 if s_kv_kind == "below_topk" else 65536
 
 
 def run_and_sync(inputs: dict, **kwargs):

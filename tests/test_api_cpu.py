@@ -11,35 +11,18 @@ import math
 
 import pytest
 import torch
+from reference_launch import launch_arguments, write_reference_outputs
 
 from q8kv8 import contract, sparse_mla_q8kv8_prefill_fwd
 from q8kv8.prefill_call import PrefillCall
 from q8kv8.reference import sparse_mla_prefill_reference
 
 S_Q, S_KV, D_QK, D_V, TOPK = 5, 200, 576, 512, 128
-LAUNCH_PARAMETERS = (
-    "q",
-    "kv",
-    "indices",
-    "topk_length",
-    "attn_sink",
-    "q_scale",
-    "kv_scale",
-    "sm_scale",
-    "out",
-    "max_logits",
-    "lse",
-    "precision",
-    "schedule",
-    "ready",
-    "splits",
-    "split_from",
-)
 
 
 def reference_launch(*args):
     """A stand-in for ``q8kv8.kernels.launch_sparse_prefill`` that checks its promised arguments."""
-    launch = dict(zip(LAUNCH_PARAMETERS, args, strict=True))
+    launch = launch_arguments(args)
     q, out, max_logits, lse = launch["q"], launch["out"], launch["max_logits"], launch["lse"]
     s_q, h_kernel, _ = q.shape
     assert out.shape == (s_q, h_kernel, D_V) and max_logits.shape == lse.shape == (s_q, h_kernel)
@@ -60,19 +43,7 @@ def reference_launch(*args):
     if launch["ready"]:  # the launch will not check alignment: the contract promised it
         assert q.data_ptr() % 16 == 0 and out.data_ptr() % 4 == 0
         assert launch["kv"].data_ptr() % 16 == 0 and launch["kv"].stride(0) % 16 == 0
-    reference = sparse_mla_prefill_reference(
-        q,
-        launch["kv"],
-        launch["indices"],
-        launch["sm_scale"],
-        launch["q_scale"],
-        launch["kv_scale"],
-        D_V,
-        launch["attn_sink"],
-        launch["topk_length"],
-    )
-    for buffer, values in zip((out, max_logits, lse), reference, strict=True):
-        buffer.copy_(values)
+    write_reference_outputs(launch)
     return launch
 
 

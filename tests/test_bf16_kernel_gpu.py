@@ -11,7 +11,8 @@ import math
 
 import pytest
 import torch
-from reference_checks import assert_outputs_match, with_every_invalid_index_kind
+from cuda_graphs import assert_replays_match_eager
+from reference_checks import assert_outputs_match, grid_s_kv, reference_grid, with_every_invalid_index_kind
 
 from q8kv8 import kernels, serving
 from q8kv8.reference import sparse_mla_prefill_reference
@@ -89,15 +90,11 @@ def assert_matches_reference(outputs, inputs, out_tolerance=OUT_TOLERANCE):
     return assert_outputs_match(outputs, reference(inputs), out_tolerance, STAT_TOLERANCE)
 
 
-@pytest.mark.parametrize("s_kv_kind", ["below_topk", "64k"])
-@pytest.mark.parametrize("topk", [128, 512, 2048])
-@pytest.mark.parametrize("h", [64, 128])
-@pytest.mark.parametrize("d_qk", [512, 576])
-@pytest.mark.parametrize("extras", ["plain", "sink_and_topk_length"])
-def test_matches_reference(generator, d_qk, h, topk, s_kv_kind, extras):
-    s_kv = topk // 2 + 3 if s_kv_kind == "below_topk" else 65536
+@reference_grid
+def test_matches_reference(generator, d_qk, h_q, topk, s_kv_kind, extras):
+    s_kv = grid_s_kv(topk, s_kv_kind)
     with_extras = extras == "sink_and_topk_length"
-    inputs = make_inputs(generator, 37, h, s_kv, d_qk, topk, sink=with_extras, topk_length=with_extras)
+    inputs = make_inputs(generator, 37, h_q, s_kv, d_qk, topk, sink=with_extras, topk_length=with_extras)
     assert_matches_reference(run_kernel(inputs), inputs)
 
 
@@ -197,18 +194,11 @@ def test_serving_hook_pads_heads(generator):
 
 def test_cuda_graph_replay(generator):
     inputs = make_inputs(generator, 24, 128, 3000, 576, 512, sink=True, topk_length=True)
-    eager = [t.clone() for t in run_kernel(inputs)]
-    out, max_logits, lse = (torch.empty_like(t) for t in eager)
-    run_kernel(inputs, out, max_logits, lse)  # warm-up outside capture
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        launch(inputs, out, max_logits, lse)
-    for _ in range(3):
-        for buffer in (out, max_logits, lse):
-            buffer.fill_(math.nan)
-        graph.replay()
-        torch.cuda.synchronize()
-        assert torch.equal(out, eager[0]) and torch.equal(max_logits, eager[1]) and torch.equal(lse, eager[2])
+    assert_replays_match_eager(
+        lambda **buffers: run_kernel(inputs, **buffers),
+        lambda **buffers: launch(inputs, **buffers),
+        replays=3,
+    )
 
 
 def test_runs_on_callers_stream(generator):

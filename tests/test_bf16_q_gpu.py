@@ -21,6 +21,7 @@ import math
 
 import pytest
 import torch
+from cuda_graphs import assert_replays_match_eager, assert_same_outputs
 from reference_checks import assert_outputs_match, with_every_invalid_index_kind
 
 from q8kv8 import sparse_mla_q8kv8_prefill_fwd
@@ -269,20 +270,13 @@ def test_rows_of_one_scale_match_the_e4m3_kernel(make_inputs, randn_fp8, precisi
 
 def test_cuda_graph_replay(make_inputs):
     inputs = bf16_inputs(make_inputs, 24, 128, 3000, 576, 256, with_sink=True, with_topk_length=True)
-    eager = [t.clone() for t in run_kernel(inputs)]
-    out, max_logits, lse = (torch.empty_like(t) for t in eager)
-    run_kernel(inputs, out=out, max_logits=max_logits, lse=lse)  # warm-up outside capture
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        sparse_mla_q8kv8_prefill_fwd(**inputs, out=out, max_logits=max_logits, lse=lse)
-    for _ in range(3):
-        for buffer in (out, max_logits, lse):
-            buffer.fill_(math.nan)
-        graph.replay()
-        torch.cuda.synchronize()
-        assert torch.equal(out, eager[0]) and torch.equal(max_logits, eager[1]) and torch.equal(lse, eager[2])
+    graph, buffers = assert_replays_match_eager(
+        lambda **buffers: run_kernel(inputs, **buffers),
+        lambda **buffers: sparse_mla_q8kv8_prefill_fwd(**inputs, **buffers),
+        replays=3,
+    )
     inputs["q"].copy_(inputs["q"] * 3)  # new values in the captured q: read at replay
     want = [t.clone() for t in run_kernel(inputs)]
     graph.replay()
     torch.cuda.synchronize()
-    assert torch.equal(out, want[0]) and torch.equal(max_logits, want[1]) and torch.equal(lse, want[2])
+    assert_same_outputs(buffers.values(), want)

@@ -40,14 +40,15 @@ def overlapping_float32(tensor: torch.Tensor, shape: tuple[int, ...]) -> torch.T
 
 
 @pytest.fixture
-def valid_args(make_inputs) -> dict:
+def valid_args(make_valid_args) -> dict:
     """Keyword arguments of a valid call on CPU tensors, with a sink, topk_length and output buffers."""
-    args = make_inputs(S_Q, H_Q, S_KV, D_QK, TOPK, with_sink=True, with_topk_length=True)
-    args["out"] = torch.empty(S_Q, H_Q, D_V, dtype=torch.bfloat16)
-    args["max_logits"] = torch.empty(S_Q, H_Q)
-    args["lse"] = torch.empty(S_Q, H_Q)
-    args["precision"] = "default"
-    return args
+    return make_valid_args(S_Q, H_Q, S_KV, D_QK, TOPK)
+
+
+@pytest.fixture
+def valid_bf16_q_args(make_valid_args) -> dict:
+    """``valid_args`` with a bfloat16 q (``q_scale`` None)."""
+    return make_valid_args(S_Q, H_Q, S_KV, D_QK, TOPK, q_dtype=torch.bfloat16)
 
 
 @pytest.fixture
@@ -58,6 +59,59 @@ def tripwire_kernels(fake_kernels):
         raise AssertionError("the kernel was launched for arguments that break the contract")
 
     return fake_kernels(launch_sparse_prefill)
+
+
+def scale_violations(name: str, id_prefix: str = "") -> list:
+    """The violations of a one-element float32 scale argument ``name`` (as ``VIOLATIONS``): a float, a
+    float64 tensor, a tensor of two elements."""
+    case = id_prefix + name.replace("_", "-")
+    return [
+        (
+            f"{case}-float",
+            lambda a: {name: 1.0},
+            InputTypeError,
+            f"{name}: expected a torch.Tensor, got float",
+        ),
+        (
+            f"{case}-dtype",
+            lambda a: {name: torch.ones(1, dtype=torch.float64)},
+            InputTypeError,
+            f"{name}: expected dtype torch.float32, got torch.float64",
+        ),
+        (
+            f"{case}-two-elements",
+            lambda a: {name: torch.ones(2)},
+            ValueError,
+            f"{name}: expected a tensor with exactly one element ({name} must be a scalar tensor), got "
+            "shape [2]",
+        ),
+    ]
+
+
+def stats_buffer_violations(name: str, wrong_shape: tuple[int, ...], wrong_dtype: torch.dtype) -> list:
+    """The violations of an ``[s_q, h_q]`` float32 output buffer ``name`` (as ``VIOLATIONS``): a buffer of
+    ``wrong_shape``, one of ``wrong_dtype``, a transposed one."""
+    case = name.replace("_", "-")
+    return [
+        (
+            f"{case}-shape",
+            lambda a: {name: torch.empty(wrong_shape)},
+            ValueError,
+            f"{name}: expected shape [s_q, h_q] = [{S_Q}, {H_Q}], got {list(wrong_shape)}",
+        ),
+        (
+            f"{case}-dtype",
+            lambda a: {name: torch.empty(S_Q, H_Q, dtype=wrong_dtype)},
+            InputTypeError,
+            f"{name}: expected dtype torch.float32, got {wrong_dtype}",
+        ),
+        (
+            f"{case}-not-contiguous",
+            lambda a: {name: torch.empty(H_Q, S_Q).t()},
+            ValueError,
+            f"{name}: expected a contiguous tensor",
+        ),
+    ]
 
 
 # (test id, changes to the valid arguments: a function of them, expected exception, message fragment)
@@ -221,25 +275,7 @@ VIOLATIONS = [
         ValueError,
         "sm_scale: expected a finite number, got -inf",
     ),
-    (
-        "q-scale-float",
-        lambda a: {"q_scale": 1.0},
-        InputTypeError,
-        "q_scale: expected a torch.Tensor, got float",
-    ),
-    (
-        "q-scale-dtype",
-        lambda a: {"q_scale": torch.ones(1, dtype=torch.float64)},
-        InputTypeError,
-        "q_scale: expected dtype torch.float32, got torch.float64",
-    ),
-    (
-        "q-scale-two-elements",
-        lambda a: {"q_scale": torch.ones(2)},
-        ValueError,
-        "q_scale: expected a tensor with exactly one element (q_scale must be a scalar tensor), got shape"
-        " [2]",
-    ),
+    *scale_violations("q_scale"),
     (
         "kv-scale-float",
         lambda a: {"kv_scale": 1.0},
@@ -314,42 +350,8 @@ VIOLATIONS = [
         ValueError,
         "out: expected a contiguous tensor",
     ),
-    (
-        "max-logits-shape",
-        lambda a: {"max_logits": torch.empty(S_Q, H_Q + 1)},
-        ValueError,
-        "max_logits: expected shape [s_q, h_q] = [4, 16], got [4, 17]",
-    ),
-    (
-        "max-logits-dtype",
-        lambda a: {"max_logits": torch.empty(S_Q, H_Q, dtype=torch.float64)},
-        InputTypeError,
-        "max_logits: expected dtype torch.float32, got torch.float64",
-    ),
-    (
-        "max-logits-not-contiguous",
-        lambda a: {"max_logits": torch.empty(H_Q, S_Q).t()},
-        ValueError,
-        "max_logits: expected a contiguous tensor",
-    ),
-    (
-        "lse-shape",
-        lambda a: {"lse": torch.empty(S_Q * H_Q)},
-        ValueError,
-        "lse: expected shape [s_q, h_q] = [4, 16], got [64]",
-    ),
-    (
-        "lse-dtype",
-        lambda a: {"lse": torch.empty(S_Q, H_Q, dtype=torch.bfloat16)},
-        InputTypeError,
-        "lse: expected dtype torch.float32, got torch.bfloat16",
-    ),
-    (
-        "lse-not-contiguous",
-        lambda a: {"lse": torch.empty(H_Q, S_Q).t()},
-        ValueError,
-        "lse: expected a contiguous tensor",
-    ),
+    *stats_buffer_violations("max_logits", (S_Q, H_Q + 1), torch.float64),
+    *stats_buffer_violations("lse", (S_Q * H_Q,), torch.bfloat16),
     (
         "lse-is-max-logits",
         lambda a: {"lse": a["max_logits"]},
@@ -401,29 +403,28 @@ VIOLATIONS = [
 ]
 
 
-@pytest.mark.parametrize(
-    ("changes", "exception", "message"),
-    [case[1:] for case in VIOLATIONS],
-    ids=[case[0] for case in VIOLATIONS],
-)
-def test_violation_raises_before_any_launch(valid_args, tripwire_kernels, changes, exception, message):
-    valid_args.update(changes(valid_args))
+def violation_cases(violations: list):
+    """``pytest.mark.parametrize`` of a test's ``changes``, ``exception`` and ``message`` over
+    ``violations`` (as ``VIOLATIONS``), with their ids."""
+    return pytest.mark.parametrize(
+        ("changes", "exception", "message"),
+        [case[1:] for case in violations],
+        ids=[case[0] for case in violations],
+    )
+
+
+def assert_raises_before_any_launch(valid: dict, changes, exception, message) -> None:
+    """The call of the valid arguments ``valid`` with ``changes`` raises ``exception`` (that very type)
+    with ``message`` in its text (the kernels are a tripwire)."""
+    valid.update(changes(valid))
     with pytest.raises(exception) as error:
-        sparse_mla_q8kv8_prefill_fwd(**valid_args)
+        sparse_mla_q8kv8_prefill_fwd(**valid)
     assert type(error.value) is exception and message in str(error.value)
 
 
-@pytest.fixture
-def valid_bf16_q_args(make_inputs) -> dict:
-    """``valid_args`` with a bfloat16 q (``q_scale`` None)."""
-    args = make_inputs(
-        S_Q, H_Q, S_KV, D_QK, TOPK, with_sink=True, with_topk_length=True, q_dtype=torch.bfloat16
-    )
-    args["out"] = torch.empty(S_Q, H_Q, D_V, dtype=torch.bfloat16)
-    args["max_logits"] = torch.empty(S_Q, H_Q)
-    args["lse"] = torch.empty(S_Q, H_Q)
-    args["precision"] = "default"
-    return args
+@violation_cases(VIOLATIONS)
+def test_violation_raises_before_any_launch(valid_args, tripwire_kernels, changes, exception, message):
+    assert_raises_before_any_launch(valid_args, changes, exception, message)
 
 
 # Violations of calls with a bfloat16 q (``valid_bf16_q_args``), as ``VIOLATIONS``.
@@ -435,25 +436,7 @@ BF16_Q_VIOLATIONS = [
         "q_scale: expected None for a torch.bfloat16 q, got Tensor (q_scale must be None for bfloat16 q: "
         "the kernel scales each row itself)",
     ),
-    (
-        "bf16-kv-scale-float",
-        lambda a: {"kv_scale": 1.0},
-        InputTypeError,
-        "kv_scale: expected a torch.Tensor, got float",
-    ),
-    (
-        "bf16-kv-scale-dtype",
-        lambda a: {"kv_scale": torch.ones(1, dtype=torch.float64)},
-        InputTypeError,
-        "kv_scale: expected dtype torch.float32, got torch.float64",
-    ),
-    (
-        "bf16-kv-scale-two-elements",
-        lambda a: {"kv_scale": torch.ones(2)},
-        ValueError,
-        "kv_scale: expected a tensor with exactly one element (kv_scale must be a scalar tensor), got shape"
-        " [2]",
-    ),
+    *scale_violations("kv_scale", "bf16-"),
     (
         "bf16-kv-dtype",
         lambda a: {"kv": a["kv"].to(torch.bfloat16)},
@@ -499,29 +482,33 @@ BF16_Q_VIOLATIONS = [
 ]
 
 
-@pytest.mark.parametrize(
-    ("changes", "exception", "message"),
-    [case[1:] for case in BF16_Q_VIOLATIONS],
-    ids=[case[0] for case in BF16_Q_VIOLATIONS],
-)
+@violation_cases(BF16_Q_VIOLATIONS)
 def test_bf16_q_violation_raises_before_any_launch(
     valid_bf16_q_args, tripwire_kernels, changes, exception, message
 ):
-    valid_bf16_q_args.update(changes(valid_bf16_q_args))
-    with pytest.raises(exception) as error:
-        sparse_mla_q8kv8_prefill_fwd(**valid_bf16_q_args)
-    assert type(error.value) is exception and message in str(error.value)
+    assert_raises_before_any_launch(valid_bf16_q_args, changes, exception, message)
+
+
+def assert_fails_only_the_device_check(valid: dict) -> None:
+    """The call of the valid arguments ``valid``, on CPU tensors, fails the device check alone."""
+    with pytest.raises(ValueError, match="^q: expected a CUDA tensor, got device cpu$"):
+        sparse_mla_q8kv8_prefill_fwd(**valid)
+
+
+def checked_with_devices_seen(valid: dict, monkeypatch) -> tuple[Problem, dict]:
+    """``check_inputs``'s problem for the call of ``valid`` and the devices it handed the device check, by
+    tensor name."""
+    seen = {}
+    monkeypatch.setattr(contract, "check_device", seen.update)
+    return check_inputs(PrefillCall(**valid)), seen
 
 
 def test_bf16_q_without_q_scale_fails_only_the_device_check(valid_bf16_q_args, tripwire_kernels):
-    with pytest.raises(ValueError, match="^q: expected a CUDA tensor, got device cpu$"):
-        sparse_mla_q8kv8_prefill_fwd(**valid_bf16_q_args)
+    assert_fails_only_the_device_check(valid_bf16_q_args)
 
 
 def test_bf16_q_hands_every_tensor_but_the_absent_q_scale_to_the_device_check(valid_bf16_q_args, monkeypatch):
-    seen = {}
-    monkeypatch.setattr(contract, "check_device", seen.update)
-    problem = check_inputs(PrefillCall(**valid_bf16_q_args))
+    problem, seen = checked_with_devices_seen(valid_bf16_q_args, monkeypatch)
     assert problem == Problem(S_Q, H_Q, S_KV, D_QK, D_V, TOPK, torch.device("cpu"), launch_ready=True)
     assert list(seen) == [
         "q", "kv", "indices", "kv_scale", "attn_sink", "topk_length", "out", "max_logits", "lse",
@@ -559,14 +546,11 @@ def test_type_and_dtype_errors_are_caught_as_type_and_value_errors(valid_args, t
 
 
 def test_valid_cpu_inputs_fail_only_the_device_check(valid_args, tripwire_kernels):
-    with pytest.raises(ValueError, match="^q: expected a CUDA tensor, got device cpu$"):
-        sparse_mla_q8kv8_prefill_fwd(**valid_args)
+    assert_fails_only_the_device_check(valid_args)
 
 
 def test_check_inputs_hands_every_tensor_to_the_device_check(valid_args, monkeypatch):
-    seen = {}
-    monkeypatch.setattr(contract, "check_device", seen.update)
-    problem = check_inputs(PrefillCall(**valid_args))
+    problem, seen = checked_with_devices_seen(valid_args, monkeypatch)
     assert problem == Problem(
         s_q=S_Q,
         h_q=H_Q,

@@ -28,13 +28,8 @@ def device_checks(monkeypatch) -> list:
 
 
 @pytest.fixture
-def args(make_inputs) -> dict:
-    args = make_inputs(S_Q, H_Q, S_KV, D_QK, TOPK, with_sink=True, with_topk_length=True)
-    args["out"] = torch.empty(S_Q, H_Q, D_V, dtype=torch.bfloat16)
-    args["max_logits"] = torch.empty(S_Q, H_Q)
-    args["lse"] = torch.empty(S_Q, H_Q)
-    args["precision"] = "default"
-    return args
+def args(make_valid_args) -> dict:
+    return make_valid_args(S_Q, H_Q, S_KV, D_QK, TOPK)
 
 
 def test_repeated_call_is_answered_from_the_memo(args, device_checks):

@@ -6,12 +6,11 @@ finds a module in ``sys.modules`` while another still runs its body sees it part
 
 import ast
 import os
-import subprocess
-import sys
 import textwrap
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parent.parent
+from fresh_process import REPO, run_python
+
 # The modules an eager call, a custom op or a serving layer call runs through.
 CALL_PATH = ("api", "contract", "eager", "kernels", "native", "ops", "paged_gather", "query", "serving")
 
@@ -46,31 +45,15 @@ def test_no_function_on_the_call_path_imports_the_package():
 
 CONCURRENT_BUILDS = textwrap.dedent(
     """
-    import sys, threading
+    from fresh_process import run_at_once
     from q8kv8 import kernels
 
-    loaders = [
+    results = run_at_once([
         lambda: kernels.load(kernels.QCastKey(512)),
         lambda: kernels.load(kernels.QCastKey(576)),
         lambda: kernels.load(kernels.PagedGatherKey("v32")),
         lambda: kernels.load(kernels.QCastKey(512)),
-    ]
-    start = threading.Barrier(len(loaders))
-    results, errors = [None] * len(loaders), []
-
-    def run(i):
-        start.wait()
-        try:
-            results[i] = loaders[i]()
-        except BaseException as exc:
-            errors.append(repr(exc))
-
-    threads = [threading.Thread(target=run, args=(i,)) for i in range(len(loaders))]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join()
-    assert not errors, errors
+    ])
     assert all(result is not None and result.function is not None for result in results)
     assert results[0].name == results[3].name == "cast_q_fp8_sm90_d512"
     print(kernels.cache_stats.misses)
@@ -83,13 +66,6 @@ def test_threads_build_their_first_kernels_at_once(tmp_path):
     for the same one); each succeeds, and each kernel is built once."""
     env = dict(os.environ, Q8KV8_CACHE_DIR=str(tmp_path), Q8KV8_COMPILE_AT_IMPORT="0")
     env.pop("CUTE_DSL_ARCH", None)
-    result = subprocess.run(
-        [sys.executable, "-c", CONCURRENT_BUILDS],
-        cwd=REPO,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
+    result = run_python(CONCURRENT_BUILDS, env=env, timeout=600)
     assert result.returncode == 0, result.stderr[-3000:]
     assert result.stdout.split() == ["3"], (result.stdout, result.stderr[-3000:])

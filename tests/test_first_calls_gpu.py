@@ -4,22 +4,19 @@ variants together, with the disk cache warm or empty; every call succeeds, and e
 same call gives afterwards, made alone."""
 
 import os
-import subprocess
-import sys
 import textwrap
-from pathlib import Path
 
 import pytest
 import torch
+from fresh_process import run_python
 
 pytestmark = pytest.mark.gpu
 
-REPO = Path(__file__).resolve().parent.parent
-
 FIRST_CALLS = textwrap.dedent(
     """
-    import sys, threading
+    import sys
     import torch
+    from fresh_process import run_at_once
     from q8kv8 import sparse_mla_q8kv8_prefill_fwd
 
     BF16, E4M3 = torch.bfloat16, torch.float8_e4m3fn
@@ -52,24 +49,13 @@ FIRST_CALLS = textwrap.dedent(
         )
         return args
 
+    def first_call(call):
+        outputs = sparse_mla_q8kv8_prefill_fwd(**call)
+        torch.cuda.synchronize()
+        return outputs
+
     calls = [inputs(*case) for case in CASES]
-    start = threading.Barrier(len(calls))
-    first, errors = [None] * len(calls), []
-
-    def run(i):
-        start.wait()
-        try:
-            first[i] = sparse_mla_q8kv8_prefill_fwd(**calls[i])
-            torch.cuda.synchronize()
-        except BaseException as exc:
-            errors.append(f"case {i}: {exc!r}")
-
-    threads = [threading.Thread(target=run, args=(i,)) for i in range(len(calls))]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join()
-    assert not errors, errors
+    first = run_at_once([lambda call=call: first_call(call) for call in calls])
     for i, call in enumerate(calls):
         again = sparse_mla_q8kv8_prefill_fwd(**call)
         for name, a, b in zip(("out", "max_logits", "lse"), first[i], again):
@@ -91,13 +77,6 @@ def test_first_calls_from_threads(tmp_path, generator, cache):
         env["Q8KV8_CACHE_DIR"] = str(tmp_path)
         threads = 2
     seed = int(torch.randint(2**31, (1,), generator=generator))
-    result = subprocess.run(
-        [sys.executable, "-c", FIRST_CALLS, str(seed), str(threads)],
-        cwd=REPO,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=900,
-    )
+    result = run_python(FIRST_CALLS, str(seed), str(threads), env=env, timeout=900)
     assert result.returncode == 0, result.stderr[-4000:]
     assert result.stdout.split() == ["ok", str(threads)], result.stdout

@@ -11,11 +11,14 @@ import math
 
 import pytest
 import torch
+from cuda_graphs import assert_replays_match_eager, assert_same_outputs, capture, poison_and_replay
 from reference_checks import (
     SAME_LOGITS,
     assert_outputs_match,
+    grid_s_kv,
     logit_tolerances,
     out_tolerances,
+    reference_grid,
     with_every_invalid_index_kind,
 )
 
@@ -52,13 +55,9 @@ def assert_matches_reference(outputs, inputs, rows=None, out_tolerance=OUT_TOLER
     return assert_outputs_match((out, max_logits, lse), reference, out_tolerance, STAT_TOLERANCE)
 
 
-@pytest.mark.parametrize("s_kv_kind", ["below_topk", "64k"])
-@pytest.mark.parametrize("topk", [128, 512, 2048])
-@pytest.mark.parametrize("h_q", [64, 128])
-@pytest.mark.parametrize("d_qk", [512, 576])
-@pytest.mark.parametrize("extras", ["plain", "sink_and_topk_length"])
+@reference_grid
 def test_matches_reference(make_inputs, d_qk, h_q, topk, s_kv_kind, extras):
-    s_kv = topk // 2 + 3 if s_kv_kind == "below_topk" else 65536
+    s_kv = grid_s_kv(topk, s_kv_kind)
     with_extras = extras == "sink_and_topk_length"
     inputs = make_inputs(
         37, h_q, s_kv, d_qk, topk, device="cuda", with_sink=with_extras, with_topk_length=with_extras
@@ -212,18 +211,10 @@ def test_left_packed_with_topk_length_matches_none(make_inputs, generator):
 
 def test_cuda_graph_replay(make_inputs):
     inputs = make_inputs(24, 128, 3000, 576, 256, device="cuda", with_sink=True, with_topk_length=True)
-    eager = [t.clone() for t in run_kernel(inputs)]
-    out = torch.empty_like(eager[0])
-    max_logits, lse = torch.empty_like(eager[1]), torch.empty_like(eager[2])
-    run_kernel(inputs, out=out, max_logits=max_logits, lse=lse)  # warm-up outside capture
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        sparse_mla_q8kv8_prefill_fwd(**inputs, out=out, max_logits=max_logits, lse=lse)
-    for buffer in (out, max_logits, lse):
-        buffer.fill_(math.nan)
-    graph.replay()
-    torch.cuda.synchronize()
-    assert torch.equal(out, eager[0]) and torch.equal(max_logits, eager[1]) and torch.equal(lse, eager[2])
+    assert_replays_match_eager(
+        lambda **buffers: run_kernel(inputs, **buffers),
+        lambda **buffers: sparse_mla_q8kv8_prefill_fwd(**inputs, **buffers),
+    )
 
 
 @pytest.mark.parametrize("q_dtype", [torch.float8_e4m3fn, torch.bfloat16], ids=["e4m3", "bf16"])
@@ -281,17 +272,13 @@ def test_concurrent_streams(make_inputs):
 def test_cuda_graph_replays_repeatedly(make_inputs):
     inputs = make_inputs(300, 128, 3000, 576, 256, device="cuda", with_topk_length=True)
     eager = [t.clone() for t in run_kernel(inputs)]
-    out, max_logits, lse = (torch.empty_like(t) for t in eager)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        sparse_mla_q8kv8_prefill_fwd(**inputs, out=out, max_logits=max_logits, lse=lse)
+    out, max_logits, lse = buffers = tuple(torch.empty_like(t) for t in eager)
+    graph = capture(lambda: sparse_mla_q8kv8_prefill_fwd(**inputs, out=out, max_logits=max_logits, lse=lse))
     for _ in range(4):
-        for buffer in (out, max_logits, lse):
-            buffer.fill_(math.nan)
-        graph.replay()
+        poison_and_replay(graph, buffers)
         run_kernel(inputs)  # eager launches between replays, on the same stream
         torch.cuda.synchronize()
-        assert torch.equal(out, eager[0]) and torch.equal(max_logits, eager[1]) and torch.equal(lse, eager[2])
+        assert_same_outputs(buffers, eager)
 
 
 def test_side_stream_ordered_by_events(make_inputs, randn_fp8):

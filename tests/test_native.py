@@ -21,7 +21,13 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from test_contract import BF16_Q_VIOLATIONS, VIOLATIONS, every_other_in_last_dim, offset_by  # noqa: E402
+from test_contract import (  # noqa: E402
+    BF16_Q_VIOLATIONS,
+    VIOLATIONS,
+    every_other_in_last_dim,
+    offset_by,
+    violation_cases,
+)
 
 from q8kv8 import (  # noqa: E402
     contract,
@@ -90,30 +96,16 @@ def fast(monkeypatch):
     native.disable()
 
 
-def with_buffers(args: dict) -> dict:
-    s_q, h_q = args["q"].shape[:2]
-    return {
-        "d_v": D_V,
-        "precision": "default",
-        **args,
-        "out": torch.empty(s_q, h_q, D_V, dtype=torch.bfloat16),
-        "max_logits": torch.empty(s_q, h_q),
-        "lse": torch.empty(s_q, h_q),
-    }
-
-
 @pytest.fixture
-def valid_args(make_inputs) -> dict:
+def valid_args(make_valid_args) -> dict:
     """A valid call on CPU tensors that the fast path takes: 64 heads, sink, topk_length, buffers."""
-    return with_buffers(make_inputs(S_Q, H_Q, S_KV, D_QK, TOPK, with_sink=True, with_topk_length=True))
+    return make_valid_args(S_Q, H_Q, S_KV, D_QK, TOPK)
 
 
 @pytest.fixture
-def valid_bf16_q_args(make_inputs) -> dict:
+def valid_bf16_q_args(make_valid_args) -> dict:
     """``valid_args`` with a bfloat16 q and no q_scale."""
-    return with_buffers(
-        make_inputs(S_Q, H_Q, S_KV, D_QK, TOPK, with_sink=True, with_topk_length=True, q_dtype=BF16)
-    )
+    return make_valid_args(S_Q, H_Q, S_KV, D_QK, TOPK, q_dtype=BF16)
 
 
 def normalized(arguments: tuple) -> list:
@@ -170,23 +162,14 @@ def python_path_launches(fast, args: dict):
     ],
 )
 def test_launches_what_the_python_path_launches(
-    fast, make_inputs, q_dtype, d_qk, precision, s_q, h_q, topk, with_sink, with_topk_length
+    fast, make_valid_args, q_dtype, d_qk, precision, s_q, h_q, topk, with_sink, with_topk_length
 ):
     """Same variant, schedule and arguments (for a bfloat16 q: the bfloat16-q variant, with kv_scale in
     q_scale's place and, without topk_length, kv_scale's bytes as its placeholder; a split schedule: the
     split variant, with the part count as its last argument; a split tail: the one-tile variant on the tokens
     before split_from, then the split variant on the others)."""
-    args = with_buffers(
-        make_inputs(
-            s_q,
-            h_q,
-            S_KV,
-            d_qk,
-            topk,
-            with_sink=with_sink,
-            with_topk_length=with_topk_length,
-            q_dtype=q_dtype,
-        )
+    args = make_valid_args(
+        s_q, h_q, S_KV, d_qk, topk, with_sink=with_sink, with_topk_length=with_topk_length, q_dtype=q_dtype
     )
     args["precision"] = precision
     expected_schedule, expected_launches = python_path_launches(fast, args)
@@ -271,15 +254,12 @@ def test_schedule_is_the_python_rule_over_a_grid(fast, monkeypatch, generator):
     assert small > 100  # and small-head launches of several tokens per CTA
 
 
-@pytest.mark.parametrize(
-    ("changes", "exception", "message"),
-    [case[1:] for case in VIOLATIONS],
-    ids=[case[0] for case in VIOLATIONS],
-)
-def test_declines_every_contract_violation(fast, valid_args, changes, exception, message):
-    assert fast.extension.plan(PrefillCall(**valid_args)) != DECLINED
-    valid_args.update(changes(valid_args))
-    call = PrefillCall(**valid_args)
+def assert_declined(fast, valid: dict, changes, exception) -> None:
+    """The fast path takes the call of the valid arguments ``valid`` and declines it with ``changes``, which
+    the contract rejects with ``exception``: it says why, launches nothing and raises nothing."""
+    assert fast.extension.plan(PrefillCall(**valid)) != DECLINED
+    valid.update(changes(valid))
+    call = PrefillCall(**valid)
     with pytest.raises(exception):
         contract.check_inputs(call)
     assert fast.extension.plan(call) == DECLINED
@@ -288,23 +268,16 @@ def test_declines_every_contract_violation(fast, valid_args, changes, exception,
     assert not fast.calls
 
 
-@pytest.mark.parametrize(
-    ("changes", "exception", "message"),
-    [case[1:] for case in BF16_Q_VIOLATIONS],
-    ids=[case[0] for case in BF16_Q_VIOLATIONS],
-)
+@violation_cases(VIOLATIONS)
+def test_declines_every_contract_violation(fast, valid_args, changes, exception, message):
+    assert_declined(fast, valid_args, changes, exception)
+
+
+@violation_cases(BF16_Q_VIOLATIONS)
 def test_declines_every_contract_violation_of_a_bf16_q_call(
     fast, valid_bf16_q_args, changes, exception, message
 ):
-    assert fast.extension.plan(PrefillCall(**valid_bf16_q_args)) != DECLINED
-    valid_bf16_q_args.update(changes(valid_bf16_q_args))
-    call = PrefillCall(**valid_bf16_q_args)
-    with pytest.raises(exception):
-        contract.check_inputs(call)
-    assert fast.extension.plan(call) == DECLINED
-    assert fast.extension.decline_reason(call)
-    assert fast.extension.launch(call) is None
-    assert not fast.calls
+    assert_declined(fast, valid_bf16_q_args, changes, exception)
 
 
 def _declined_cases(args: dict, randn_fp8) -> dict:

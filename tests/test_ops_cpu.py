@@ -9,11 +9,11 @@ import math
 
 import pytest
 import torch
+from reference_launch import launch_arguments, write_reference_outputs
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 from q8kv8 import contract, ops, sparse_mla_q8kv8_prefill_fwd
 from q8kv8.prefill_call import PrefillCall
-from q8kv8.reference import sparse_mla_prefill_reference
 
 S_Q, S_KV, D_V, TOPK = 5, 200, 512, 128
 FUNCTIONAL = torch.ops.q8kv8.sparse_mla_q8kv8_prefill.default
@@ -24,25 +24,8 @@ OPCHECK_TESTS = ("test_autograd_registration", "test_faketensor", "test_aot_disp
 by ``test_out_op_writes_only_its_buffers``)."""
 
 
-def reference_launch(
-    q,
-    kv,
-    indices,
-    topk_length,
-    attn_sink,
-    q_scale,
-    kv_scale,
-    sm_scale,
-    out,
-    max_logits,
-    lse,
-    *_precision_schedule,
-):
-    results = sparse_mla_prefill_reference(
-        q, kv, indices, sm_scale, q_scale, kv_scale, D_V, attn_sink, topk_length
-    )
-    for buffer, values in zip((out, max_logits, lse), results, strict=True):
-        buffer.copy_(values)
+def reference_launch(*args):
+    write_reference_outputs(launch_arguments(args))
 
 
 @pytest.fixture(autouse=True)

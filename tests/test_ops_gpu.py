@@ -11,6 +11,7 @@ import textwrap
 
 import pytest
 import torch
+from cuda_graphs import capture_and_replay
 
 from q8kv8 import sparse_mla_q8kv8_prefill_fwd
 
@@ -44,6 +45,29 @@ def assert_equal(got, want):
         assert a.shape == b.shape and a.dtype == b.dtype and torch.equal(a, b)
 
 
+def gpu_inputs(
+    make_inputs, q_dtype, s_q, h_q, s_kv, d_qk, topk, with_sink=True, with_topk_length=True
+) -> dict:
+    """``make_inputs``' call of these sizes on the GPU with a q of ``q_dtype`` (and by default a sink and
+    topk_length)."""
+    return make_inputs(
+        s_q,
+        h_q,
+        s_kv,
+        d_qk,
+        topk,
+        device="cuda",
+        with_sink=with_sink,
+        with_topk_length=with_topk_length,
+        q_dtype=q_dtype,
+    )
+
+
+def compiled_arguments(inputs: dict) -> dict:
+    """The tensors of ``inputs`` that ``compiled_call``'s function takes (``TENSORS``), by name."""
+    return {name: inputs[name] for name in TENSORS}
+
+
 def compiled_call(sm_scale, **options):
     def call(q, kv, indices, q_scale, kv_scale, attn_sink, topk_length, **buffers):
         return sparse_mla_q8kv8_prefill_fwd(
@@ -57,12 +81,10 @@ def compiled_call(sm_scale, **options):
 @pytest.mark.parametrize("h_q", [128, 48])
 @pytest.mark.parametrize("with_buffers", [False, True])
 def test_compiled_matches_eager(make_inputs, h_q, with_buffers, q_dtype):
-    inputs = make_inputs(
-        40, h_q, 5000, 576, 512, device="cuda", with_sink=True, with_topk_length=True, q_dtype=q_dtype
-    )
+    inputs = gpu_inputs(make_inputs, q_dtype, 40, h_q, 5000, 576, 512)
     eager = sparse_mla_q8kv8_prefill_fwd(**inputs)
     buffers = nan_buffers_like(eager) if with_buffers else {}
-    compiled = compiled_call(inputs["sm_scale"])(**{name: inputs[name] for name in TENSORS}, **buffers)
+    compiled = compiled_call(inputs["sm_scale"])(**compiled_arguments(inputs), **buffers)
     torch.cuda.synchronize()
     assert_equal(compiled, eager)
     if with_buffers:
@@ -71,9 +93,7 @@ def test_compiled_matches_eager(make_inputs, h_q, with_buffers, q_dtype):
 
 @Q_DTYPES
 def test_opcheck(make_inputs, q_dtype):
-    inputs = make_inputs(
-        12, 64, 3000, 512, 256, device="cuda", with_sink=True, with_topk_length=True, q_dtype=q_dtype
-    )
+    inputs = gpu_inputs(make_inputs, q_dtype, 12, 64, 3000, 512, 256)
     args = tuple(inputs[name] for name in ("q", "kv", "indices", "sm_scale", "q_scale", "kv_scale", "d_v"))
     options = (inputs["attn_sink"], inputs["topk_length"], "default")
     torch.library.opcheck(FUNCTIONAL, (*args, *options), test_utils=OPCHECK_TESTS)
@@ -83,32 +103,21 @@ def test_opcheck(make_inputs, q_dtype):
 
 @Q_DTYPES
 def test_compiled_call_captured_in_a_cuda_graph(make_inputs, q_dtype):
-    inputs = make_inputs(
-        24, 128, 3000, 576, 256, device="cuda", with_sink=True, with_topk_length=True, q_dtype=q_dtype
-    )
-    tensors = {name: inputs[name] for name in TENSORS}
+    inputs = gpu_inputs(make_inputs, q_dtype, 24, 128, 3000, 576, 256)
+    tensors = compiled_arguments(inputs)
     eager = [t.clone() for t in sparse_mla_q8kv8_prefill_fwd(**inputs)]
     buffers = nan_buffers_like(eager)
     compiled = compiled_call(inputs["sm_scale"])
     compiled(**tensors, **buffers)  # compiles and warms up outside the capture
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        compiled(**tensors, **buffers)
-    for buffer in buffers.values():
-        buffer.fill_(math.nan)
-    graph.replay()
-    torch.cuda.synchronize()
+    capture_and_replay(lambda: compiled(**tensors, **buffers), buffers.values())
     assert_equal(tuple(buffers.values()), eager)
 
 
 @Q_DTYPES
 def test_reduce_overhead_mode(make_inputs, q_dtype):
     """Inductor's own CUDA graphs: warm-up, recording and replays all give the eager outputs."""
-    inputs = make_inputs(
-        24, 64, 3000, 512, 256, device="cuda", with_sink=True, with_topk_length=True, q_dtype=q_dtype
-    )
-    tensors = {name: inputs[name] for name in TENSORS}
+    inputs = gpu_inputs(make_inputs, q_dtype, 24, 64, 3000, 512, 256)
+    tensors = compiled_arguments(inputs)
     eager = [t.clone() for t in sparse_mla_q8kv8_prefill_fwd(**inputs)]
     compiled = compiled_call(inputs["sm_scale"], mode="reduce-overhead")
     for _ in range(4):
@@ -157,18 +166,10 @@ def test_reduce_overhead_functional_and_out_ops(
     functional op and the out op (buffers allocated inside the compiled function), with and without
     sink / topk_length, with head padding (48) and without, both precisions; also after the inputs'
     values change in place (the graph reads the new values)."""
-    inputs = make_inputs(
-        24,
-        h_q,
-        3000,
-        576,
-        256,
-        device="cuda",
-        with_sink=with_sink,
-        with_topk_length=with_topk_length,
-        q_dtype=q_dtype,
+    inputs = gpu_inputs(
+        make_inputs, q_dtype, 24, h_q, 3000, 576, 256, with_sink=with_sink, with_topk_length=with_topk_length
     )
-    tensors = {name: inputs[name] for name in TENSORS}
+    tensors = compiled_arguments(inputs)
     compiled = reduce_overhead_call(inputs["sm_scale"], precision, with_buffers)
 
     def eager():

@@ -26,6 +26,7 @@ import math
 
 import pytest
 import torch
+from cuda_graphs import assert_replays_match_eager
 from paged_cache import quantized_cache, to_device, write_token
 from reference_checks import (
     INT32_MAX,
@@ -273,17 +274,10 @@ def test_dominant_logits_up_to_30(generator, layout, h_q, precision):
 
 def test_cuda_graph_replay(generator):
     call = make_call(generator, "v32", 20, 128, 512)
-    eager = [t.clone() for t in run(call)]
-    out, max_logits, lse = (torch.empty_like(t) for t in eager)
-    run(call, out=out, max_logits=max_logits, lse=lse)  # warm-up outside capture
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        sparse_mla_q8kv8_paged_fwd(**call, out=out, max_logits=max_logits, lse=lse)
-    for buffer in (out, max_logits, lse):
-        buffer.fill_(math.nan)
-    graph.replay()
-    torch.cuda.synchronize()
-    assert torch.equal(out, eager[0]) and torch.equal(max_logits, eager[1]) and torch.equal(lse, eager[2])
+    assert_replays_match_eager(
+        lambda **buffers: run(call, **buffers),
+        lambda **buffers: sparse_mla_q8kv8_paged_fwd(**call, **buffers),
+    )
 
 
 @pytest.mark.parametrize("schedule", ["one_tile", "persistent", "split"])

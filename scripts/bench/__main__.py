@@ -36,7 +36,15 @@ import torch
 import q8kv8  # compiles or loads the kernel variants
 from q8kv8 import kernels
 from q8kv8.metadata import PRECISIONS
-from scripts.bench.common import SHAPES, check, host_us, make_inputs, time_interleaved_ms, time_ms
+from scripts.bench.common import (
+    SHAPES,
+    check,
+    host_us,
+    make_inputs,
+    sm90_visible,
+    time_interleaved_ms,
+    time_ms,
+)
 
 REPO = Path(__file__).resolve().parent.parent.parent
 NO_SM90_STATUS = 2
@@ -138,7 +146,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
 
     build = compile_report()
-    if not (torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)):
+    if not sm90_visible():
         sys.stdout.flush()  # the report first, then the line that says why nothing else follows
         print(NO_SM90_MESSAGE, file=sys.stderr)
         return NO_SM90_STATUS

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import argparse
 import math
 import statistics
+import sys
 import time
 
 import torch
@@ -110,3 +112,34 @@ def check(inputs: dict, outputs, rows: int = 32) -> float:
     }
     ref_out, _, _ = sparse_mla_prefill_reference(**sub, chunk_rows=8)
     return ((outputs[0][:rows].double() - ref_out).norm() / ref_out.norm()).item()
+
+
+def sm90_visible() -> bool:
+    """Whether the current GPU is an SM90 one (H100, H200): what the benchmarks time."""
+    return torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)
+
+
+def section_args(doc: str, rep_ms: int, flag: str, flag_help: str, name: str) -> argparse.Namespace | None:
+    """The command line of a benchmark section run alone (``python -m scripts.bench.<section>``, described by
+    its ``doc``): a store-true ``flag`` and ``--rep`` (default ``rep_ms``). None, said on stderr, where no
+    SM90 GPU is visible (``name``: the section, in that line)."""
+    parser = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument(flag, action="store_true", help=flag_help)
+    parser.add_argument("--rep", type=int, default=rep_ms, help="do_bench repetition time per arm, ms")
+    args = parser.parse_args()
+    if not sm90_visible():
+        print(f"the {name} benchmark needs an SM90 GPU", file=sys.stderr)
+        return None
+    return args
+
+
+def measured_rows(shapes, measure, line) -> list[dict]:
+    """``measure(*shape)`` of each of ``shapes``, each row printed as ``line(shape, row)`` when measured, the
+    CUDA caching allocator's free memory released after each; the rows."""
+    rows = []
+    for shape in shapes:
+        row = measure(*shape)
+        print(line(shape, row), flush=True)
+        rows.append(row)
+        torch.cuda.empty_cache()
+    return rows

@@ -26,7 +26,6 @@ Called by ``python -m scripts.bench`` (``--no-paged`` skips it); alone: ``python
 
 from __future__ import annotations
 
-import argparse
 import sys
 
 import torch
@@ -36,7 +35,7 @@ from q8kv8.metadata import PRECISIONS
 from q8kv8.paged_gather import gather_dequant_paged
 from q8kv8.reference import dequantize_paged_cache, sparse_mla_paged_reference
 from q8kv8.serving import SparsePrefill
-from scripts.bench.common import host_us, random_indices, time_interleaved_ms
+from scripts.bench.common import host_us, measured_rows, random_indices, section_args, time_interleaved_ms
 
 PAGE_SIZE = 64
 TOPK = 2048
@@ -258,19 +257,17 @@ def decode_rows() -> list[dict]:
         f"{'layout':>6s} {'batch':>5s} {'q':>2s} {'h':>4s} {'topk':>5s} | {'paged':>7s} {'acc':>7s} | "
         f"{'kernel':>7s} {'ws':>7s} | {'err':>17s}"
     )
-    rows = []
-    for layout, batch, queries, h, topk in DECODE_SHAPES:
-        row = decode_row(layout, batch, queries, h, topk)
-        errors = row["out_error"]
-        print(
-            f"{layout:>6s} {batch:5d} {queries:2d} {h:4d} {topk:5d} | {row['paged']:7.4f} "
-            f"{row['paged_accurate']:7.4f} | {row['kernel']:7.4f} {row['ws']:7.4f} | "
-            f"{errors[0]:8.2e} {errors[1]:8.2e}",
-            flush=True,
-        )
-        rows.append(row)
-        torch.cuda.empty_cache()
-    return rows
+    return measured_rows(DECODE_SHAPES, decode_row, decode_line)
+
+
+def decode_line(shape: tuple, row: dict) -> str:
+    layout, batch, queries, h, topk = shape
+    errors = row["out_error"]
+    return (
+        f"{layout:>6s} {batch:5d} {queries:2d} {h:4d} {topk:5d} | {row['paged']:7.4f} "
+        f"{row['paged_accurate']:7.4f} | {row['kernel']:7.4f} {row['ws']:7.4f} | "
+        f"{errors[0]:8.2e} {errors[1]:8.2e}"
+    )
 
 
 def decode_row(layout: str, batch: int, queries: int, h: int, topk: int) -> dict:
@@ -393,18 +390,15 @@ def extra_rows() -> list[dict]:
         f"{'layout':>6s} {'extra':>7s} {'batch':>5s} {'h':>4s} {'topk':>5s} {'extra':>5s} | {'main':>7s} "
         f"{'+extra':>7s} {'x':>5s} | {'err':>8s}"
     )
-    rows = []
-    for shape in EXTRA_SHAPES:
-        row = extra_row(*shape)
-        print(
-            f"{row['layout']:>6s} {row['extra_layout']:>7s} {row['batch']:5d} {row['h']:4d} {row['topk']:5d} "
-            f"{row['extra_topk']:5d} | {row['main']:7.4f} {row['extra']:7.4f} "
-            f"{row['extra'] / row['main']:5.2f} | {row['out_error']:8.2e}",
-            flush=True,
-        )
-        rows.append(row)
-        torch.cuda.empty_cache()
-    return rows
+    return measured_rows(EXTRA_SHAPES, extra_row, extra_line)
+
+
+def extra_line(shape: tuple, row: dict) -> str:
+    return (
+        f"{row['layout']:>6s} {row['extra_layout']:>7s} {row['batch']:5d} {row['h']:4d} {row['topk']:5d} "
+        f"{row['extra_topk']:5d} | {row['main']:7.4f} {row['extra']:7.4f} "
+        f"{row['extra'] / row['main']:5.2f} | {row['out_error']:8.2e}"
+    )
 
 
 def extra_row(layout: str, extra_layout: str, batch: int, h: int, topk: int, extra_topk: int) -> dict:
@@ -439,14 +433,8 @@ def run(rep_ms: int = 40, full: bool = False) -> dict:
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
-    parser.add_argument("--full", action="store_true", help="every chunked-prefill shape")
-    parser.add_argument("--rep", type=int, default=40, help="do_bench repetition time per arm, ms")
-    args = parser.parse_args()
-    if not (torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)):
-        print("the paged benchmark needs an SM90 GPU", file=sys.stderr)
+    args = section_args(__doc__, 40, "--full", "every chunked-prefill shape", "paged")
+    if args is None:
         return 2
     run(args.rep, args.full)
     return 0

@@ -16,7 +16,7 @@ import torch
 from q8kv8 import sparse_mla_q8kv8_prefill_fwd
 from q8kv8.metadata import PRECISIONS
 from q8kv8.reference import sparse_mla_prefill_reference
-from scripts.bench.common import make_inputs, quantize
+from scripts.bench.common import make_inputs, quantize, sm90_visible
 
 ERROR_SHAPES = [(576, 2048), (512, 512)]  # d_qk, topk: h_q 64, 64 query rows over 32k kv rows
 ERROR_ROWS, ERROR_HEADS, ERROR_S_KV = 64, 64, 32768
@@ -85,7 +85,7 @@ def error_rows() -> list[dict]:
 
 
 def main() -> int:
-    if not (torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)):
+    if not sm90_visible():
         print("the precisions' errors are measured on an SM90 GPU; none is visible here", file=sys.stderr)
         return 2
     error_rows()

@@ -13,7 +13,6 @@ call and kernel alone) appear when ``q8kv8.kernels.launch_sparse_prefill_bf16`` 
 
 from __future__ import annotations
 
-import argparse
 import sys
 
 import torch
@@ -22,7 +21,7 @@ from q8kv8 import kernels, sparse_mla_q8kv8_prefill_fwd
 from q8kv8.paged_gather import gather_dequant_paged
 from q8kv8.query import cast_q_fp8, dynamic_q_scale
 from q8kv8.serving import SparsePrefill, topk_length_for
-from scripts.bench.common import random_indices, time_interleaved_ms, time_ms
+from scripts.bench.common import random_indices, section_args, time_interleaved_ms, time_ms
 
 PAGE_SIZE = 64
 TOPK = 2048
@@ -192,14 +191,8 @@ def run(rep_ms: int = 300, full: bool = False) -> dict:
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
-    parser.add_argument("--light", action="store_true", help="only the 64k-context, h 128 layer shape")
-    parser.add_argument("--rep", type=int, default=300, help="do_bench repetition time per arm, ms")
-    args = parser.parse_args()
-    if not (torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)):
-        print("the serving benchmark needs an SM90 GPU")
+    args = section_args(__doc__, 300, "--light", "only the 64k-context, h 128 layer shape", "serving")
+    if args is None:
         return 2
     run(args.rep, full=not args.light)
     return 0
