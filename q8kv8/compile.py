@@ -70,7 +70,7 @@ def _build(loader) -> tuple[str, str, float]:
     return variant.name, variant.source, variant.seconds
 
 
-def _build_in_processes(jobs: int) -> dict[str, tuple[str, float]]:
+def build_in_processes(jobs: int) -> dict[str, tuple[str, float]]:
     """Every listed variant, built or loaded by ``jobs`` worker processes; by name: (from, seconds)."""
     from q8kv8 import disk_cache, kernels
 
@@ -124,7 +124,7 @@ def main(argv: list[str] | None = None) -> int:
     in_main_thread = threading.current_thread() is threading.main_thread()
     previous = {signum: signal.signal(signum, _stop) for signum in STOP_SIGNALS} if in_main_thread else {}
     try:
-        built = _build_in_processes(args.jobs) if args.jobs > 1 else {}
+        built = build_in_processes(args.jobs) if args.jobs > 1 else {}
         variants = kernels.listed_variants()
     except build.KernelCompileError as error:
         print(error, file=sys.stderr)

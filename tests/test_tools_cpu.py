@@ -105,7 +105,7 @@ def test_compile_jobs_workers_say_what_they_build_on_stderr(tmp_path, monkeypatc
         )
         monkeypatch.setattr(disk_cache, "_announced", announced)
         capfd.readouterr()
-        [(name, (source, seconds))] = compile_command._build_in_processes(1).items()
+        [(name, (source, seconds))] = compile_command.build_in_processes(1).items()
         assert (name, source) == (f"cast_q_fp8_sm90_d{d}", "compiled")
         lines = capfd.readouterr().err.splitlines()
         assert lines[-1] == f"q8kv8: built {name} ({seconds:.1f} s)"
