@@ -22,6 +22,17 @@ SW64_TILE_COLS = 64  # bytes per row of one 64-byte-swizzled column tile
 TILE_ROW_GROUP_BYTES = B_TOPK * SW64_TILE_COLS  # one [64 rows x 64 B] swizzle column tile
 
 
+class QkChunks(NamedTuple):
+    """The consumer's pieces for S summed in float32 from groups of k-steps (``qk_promoted``) or per scale
+    group (``qk_paged``). 64 heads: S in two N = 32 halves through one [64 x 32] chunk accumulator (16
+    registers); small heads: a chunk accumulator the shape of S^T."""
+
+    part: cute.Tensor  # the chunk accumulator
+    mmas: list = None  # 64 heads: S's N = 32 MMA (accumulating, overwriting); small heads: None
+    k_halves: list = None  # 64 heads: the K descriptors of each half; small heads: None
+    rope_lo: object = None  # paged, bf16 RoPE: its lo terms' descriptors (64 heads: per half; small: A)
+
+
 class Consumer(NamedTuple):
     """One consumer warpgroup's view of the CTA (trace-time bundle): who it is, its MMAs and
     fragments, its running softmax state and the shared buffers it exchanges through."""
@@ -69,10 +80,6 @@ class Consumer(NamedTuple):
     s_column_max_shifted: cute.Tensor = None  # small heads, P carrying the rows' scales: s_column_max of y
     # Small heads: smem [block tile], 64 bits: the validity of its slots, from the producer (produce_tile)
     s_valid_slots: cute.Tensor = None
-    # Accurate (see qk_promoted) and paged per scale group (qk_paged): 64 heads: ((S's N = 32 MMA
-    # accumulating, overwriting), its K descriptors per half, a [64 x 32] chunk accumulator, paged: the RoPE
-    # lo terms' K descriptors per half); small heads: (None, None, a chunk accumulator the shape of S^T,
-    # paged: the RoPE lo terms' A descriptors)
-    qk_chunks: tuple = None
+    qk_chunks: QkChunks = None  # S summed in float32 from groups (qk_promoted) or per scale group (qk_paged)
     rope_lo: cute.Tensor = None  # paged rows rescaled: the RoPE lo terms' descriptors for S (S^T) whole
     tables: BlockScaleTables = None  # paged: the block tiles' scale tables and RoPE staging tiles

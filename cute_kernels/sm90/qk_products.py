@@ -59,7 +59,7 @@ class QkProducts:
     def queue_qk_steps(self, c: Consumer, acc, tile, steps, half=None):
         """Queue the k-steps ``steps`` of S (or of its N = 32 half ``half``) into ``acc`` as one WGMMA group,
         the first overwriting."""
-        k_tiles = c.tSrK if half is None else c.qk_chunks[1][half]
+        k_tiles = c.tSrK if half is None else c.qk_chunks.k_halves[half]
         self.queue_qk_group(c, acc, [(k, k_tiles[None, None, k, tile]) for k in steps], half)
 
     def queue_qk_group(self, c: Consumer, acc, operands, half=None):
@@ -70,7 +70,7 @@ class QkProducts:
         for i, (q_step, k_operand) in enumerate(operands):
             first = i == 0
             if half is not None:
-                mma = c.qk_chunks[0][1 if first else 0]
+                mma = c.qk_chunks.mmas[1 if first else 0]
                 cute.gemm(mma, acc, c.tSrQ[None, None, q_step], k_operand, acc)
             else:
                 mma = c.tiled_mma_qk_first if first else c.tiled_mma_qk
@@ -92,7 +92,7 @@ class QkProducts:
             self.sum_chunks(c, tile, c.acc_s, None)
         else:
             # S's registers of half h are those of columns 32h.. (its 8-column groups 4h..4h+3)
-            part = c.qk_chunks[2]
+            part = c.qk_chunks.part
             s_half = [cute.make_tensor(c.acc_s.iterator + h * cute.size(part), part.layout) for h in (0, 1)]
             for h in (0, 1):
                 self.queue_qk_steps(c, s_half[h], tile, first, h)
@@ -114,7 +114,7 @@ class QkProducts:
     def add_group(self, c: Consumer, tile, total, steps, half):
         """``total`` += the k-steps ``steps`` of S (or of its half ``half``), one WGMMA group into the chunk
         accumulator, waited for."""
-        part = c.qk_chunks[2]
+        part = c.qk_chunks.part
         self.queue_qk_steps(c, part, tile, steps, half)
         warpgroup.wait_group(0)
         add_into(total, part)
@@ -161,7 +161,7 @@ class QkProducts:
         e4m3 terms with its row scales. The first chunk lands in S while this warpgroup converts the block's
         staged RoPE (``convert_rope``). Returns with S complete."""
         geo = self.cache
-        part = c.qk_chunks[2]
+        part = c.qk_chunks.part
         halves = [None]  # small heads: S^T, one chunk accumulator its shape
         s_parts = [c.acc_s]
         if const_expr(not self.small):
@@ -195,7 +195,7 @@ class QkProducts:
         chunk's product, then the RoPE's, one at a time through the chunk accumulator (a loop, as
         ``sum_chunks``)."""
         geo = self.cache
-        part = c.qk_chunks[2]
+        part = c.qk_chunks.part
         chunk_ksteps = self.paged_chunk_ksteps
         chunks_per_group = geo.group_ksteps // chunk_ksteps
         for chunk in cutlass.range(1, geo.groups * chunks_per_group, unroll=1):
@@ -204,8 +204,8 @@ class QkProducts:
             self.scale_slots(c, total, part, tile, chunk // chunks_per_group, half, False)
         # The RoPE: its hi term in the block tile's RoPE column, its lo term in the staging tile
         rope = geo.rope_column * 2  # its first k-step
-        k_tiles = c.tSrK if const_expr(half is None) else c.qk_chunks[1][half]
-        lo_tiles = c.qk_chunks[3] if const_expr(half is None) else c.qk_chunks[3][half]
+        k_tiles = c.tSrK if const_expr(half is None) else c.qk_chunks.k_halves[half]
+        lo_tiles = c.qk_chunks.rope_lo if const_expr(half is None) else c.qk_chunks.rope_lo[half]
         operands = [(rope + j, k_tiles[None, None, rope + j, tile]) for j in range(2)]
         operands += [(rope + j, lo_tiles[None, None, j, tile]) for j in range(2)]
         self.queue_qk_group(c, part, operands, half)

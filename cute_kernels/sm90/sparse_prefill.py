@@ -59,6 +59,7 @@ from cute_kernels.sm90.fp8_tile import (
     NUM_STAGES,
     TILE_RING,
     Consumer,
+    QkChunks,
 )
 from cute_kernels.sm90.mask import (
     mask_and_column_max,
@@ -623,11 +624,9 @@ class SparsePrefillSm90(Producer, QkProducts, SoftmaxP, PvProduct, TileEpilogue,
                 lo_fragments = None
                 if const_expr(self.bf16_rope):  # the RoPE lo terms (A operands, as the block tiles)
                     lo_fragments = tiled_mma_qk.make_fragment_A(thr_mma_qk.partition_A(cta.sLo))
-                qk_chunks = (
-                    None,
-                    None,
-                    cute.make_rmem_tensor(thr_mma_qk.partition_shape_C(s_tile), Float32),
-                    lo_fragments,
+                qk_chunks = QkChunks(
+                    part=cute.make_rmem_tensor(thr_mma_qk.partition_shape_C(s_tile), Float32),
+                    rope_lo=lo_fragments,
                 )
             else:  # S in two N = 32 halves: one [64 x 32] chunk accumulator (16 registers)
                 half = (B_H, B_TOPK // 2)
@@ -651,11 +650,11 @@ class SparsePrefillSm90(Producer, QkProducts, SoftmaxP, PvProduct, TileEpilogue,
                     lo_fragments = [
                         half_mmas[0].make_fragment_B(thr_half.partition_B(lo)) for lo in lo_halves
                     ]
-                qk_chunks = (
-                    half_mmas,
-                    [half_mmas[0].make_fragment_B(thr_half.partition_B(k_half)) for k_half in k_halves],
-                    cute.make_rmem_tensor(thr_half.partition_shape_C(half), Float32),
-                    lo_fragments,
+                qk_chunks = QkChunks(
+                    part=cute.make_rmem_tensor(thr_half.partition_shape_C(half), Float32),
+                    mmas=half_mmas,
+                    k_halves=[half_mmas[0].make_fragment_B(thr_half.partition_B(k)) for k in k_halves],
+                    rope_lo=lo_fragments,
                 )
         acc_o = [
             cute.make_rmem_tensor(thr_mma_pv.partition_shape_C((64, self.b_h)), Float32)
