@@ -42,6 +42,15 @@ class ProducerInputs(NamedTuple):
     tables: BlockScaleTables  # paged: the block tiles' scale tables (None otherwise)
 
 
+class ProducerLanes(NamedTuple):
+    """What a producer thread copies: the gather, and its place in a pair's block tiles."""
+
+    gather: object  # RowGather or PagedRowGather
+    block_in_pair: Int32  # warps 0-1: the pair's first block, warps 2-3: its second
+    row_base: Int32  # this warp's 32 rows inside its block
+    lane_row: Int32  # the row (of 8) this lane copies per 8-row group
+
+
 class Producer:
     """WG0 of ``SparsePrefillSm90``: Q and the KV row gather."""
 
@@ -60,21 +69,7 @@ class Producer:
             gather = PagedRowGather(
                 cta.mKV, self.cache, cta.sK.iterator.toint(), cta.tables.lo, cta.tables.raw, lane
             )
-        block_in_pair = warp_idx // 2  # warps 0-1: first block, warps 2-3: second block
-        row_base = (warp_idx % 2) * 32  # this warp's 32 rows inside its block
-        lane_row = lane // 4  # row (of 8) this lane copies per 8-row group
-
-        tile_inputs = (
-            cta.tma_atom_q,
-            cta.mQ_tma,
-            cta.sQ,
-            cta.s_valid_words,
-            cta.mIdx,
-            cta.mbar_q,
-            cta.mbar_kv_full,
-            cta.mbar_kv_empty,
-        )
-        geometry = (gather, block_in_pair, row_base, lane_row)
+        lanes = ProducerLanes(gather, warp_idx // 2, (warp_idx % 2) * 32, lane // 4)
         if const_expr(self.persistent):
             pair_base = Int32(0)  # pairs this CTA gathered before the current tile
             for tile_iter in cutlass.range(cta.tiles.count, unroll=1):
@@ -83,42 +78,31 @@ class Producer:
                     if warp_idx == 0:
                         TILE_RING.wait_empty(cta.mbar_q_empty, tile_iter)
                 q_row = self.scheduler.first_q_row(work.tile, cta.tiles.heads)
-                self.produce_tile(*tile_inputs, work, q_row, pair_base, geometry)
+                self.produce_tile(cta, lanes, work, q_row, pair_base)
                 pair_base += work.num_pairs + self.q_pairs
         else:
             work = self.scheduler.work(cta.tiles, 0, 2 * self.q_pairs)
             q_row = self.scheduler.first_q_row(work.tile, cta.tiles.heads)
-            self.produce_tile(*tile_inputs, work, q_row, 0, geometry)
+            self.produce_tile(cta, lanes, work, q_row, 0)
         ptx.cp_async_wait_all()
         if const_expr(self.split):  # no copy of this CTA lands in its KV tiles from here on
             cute.arch.barrier_arrive(barrier_id=int(NamedBarrierFp8.RingFree), number_of_threads=NUM_THREADS)
 
     @cute.jit
-    def produce_tile(
-        self,
-        tma_atom_q,
-        mQ_tma,
-        sQ,
-        s_valid_words,
-        mIdx,
-        mbar_q,
-        mbar_kv_full,
-        mbar_kv_empty,
-        work,
-        q_row,
-        pair_base,
-        geometry,
-    ):
+    def produce_tile(self, cta: ProducerInputs, lanes: ProducerLanes, work, q_row, pair_base):
         """One tile's Q (rows ``q_row`` onwards) and pairs, from the ring's pair position ``pair_base`` on
         (the pairs and staged Q tiles of the CTA's earlier tiles). e4m3 q: the Q tile by TMA (warp 0).
         ``stage_q``: the tile's bf16 rows into the pair slot of position ``pair_base`` (``stage_q_rows``),
         the pairs after it. Small heads with a bf16 q: nothing (the consumers load it)."""
-        gather, block_in_pair, row_base, lane_row = geometry
+        gather, block_in_pair, row_base, lane_row = lanes
+        mQ_tma, mIdx, mbar_kv_full, mbar_kv_empty = cta.mQ_tma, cta.mIdx, cta.mbar_kv_full, cta.mbar_kv_empty
         warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
         lane = cute.arch.lane_idx()
         if const_expr(not self.q_bf16):
             if warp_idx == 0:
-                load_q_tile(tma_atom_q, mQ_tma, sQ, mbar_q, q_row, self.b_h, self.d_qk, self.q_tile_bytes)
+                load_q_tile(
+                    cta.tma_atom_q, mQ_tma, cta.sQ, cta.mbar_q, q_row, self.b_h, self.d_qk, self.q_tile_bytes
+                )
         if const_expr(self.stage_q):
             q_tile = self.pair_ring.index(pair_base) * 2 + block_in_pair
             cute.arch.mbarrier_wait(mbar_kv_empty + q_tile, self.pair_ring.phase(pair_base) ^ 1)
@@ -152,7 +136,7 @@ class Producer:
             if const_expr(self.small):  # the warp's 32 slots' validity (the consumers read it after kv_full)
                 valid_word = cute.arch.vote_ballot_sync(is_valid != 0)
                 if lane == 0:
-                    s_valid_words[stage * 2 + block_in_pair, warp_idx % 2] = valid_word
+                    cta.s_valid_words[stage * 2 + block_in_pair, warp_idx % 2] = valid_word
                     cute.arch.mbarrier_arrive(full_barrier)
             tile_base = gather.sK_base + (stage * 2 + block_in_pair) * self.k_tile_bytes
             for group in cutlass.range_constexpr(4):  # lane l holds the index of the warp's row l
