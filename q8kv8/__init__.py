@@ -4,8 +4,8 @@ from PyTorch.
 ``sparse_mla_q8kv8_prefill_fwd`` is a drop-in for SGLang's function of that name, and
 ``sparse_mla_q8kv8_paged_fwd`` runs the same attention straight from a paged FP8 KV cache;
 ``padded_num_heads``, ``pad_topk`` and ``topk_length_from_seqlens`` help callers lay out their inputs.
-``SparsePrefill`` (``q8kv8.serving``) runs one layer on a paged FP8 KV cache (DeepSeek V3.2 / V4 layouts).
-Under ``torch.compile`` the calls are custom ops (``torch.ops.q8kv8.sparse_mla_q8kv8_prefill`` and
+``SparsePrefill`` (``q8kv8.serving``) runs one layer on a paged FP8 KV cache (DeepSeek V3.2 / V4 / V4.1
+layouts). Under ``torch.compile`` the calls are custom ops (``torch.ops.q8kv8.sparse_mla_q8kv8_prefill`` and
 ``..._paged``, ``q8kv8.ops``). ``q8kv8.info()`` reports versions, GPU, kernel variants and cache;
 ``python -m q8kv8.compile`` pre-builds the kernels."""
 
@@ -44,9 +44,9 @@ def __getattr__(name: str):
     raise AttributeError(f"module 'q8kv8' has no attribute {name!r}")
 
 
-# Compile (or load from the disk cache) every kernel variant and the C++ fast path now, so the first call
-# pays no compile. Works without a GPU (the target is sm_90a); Q8KV8_COMPILE_AT_IMPORT=0 defers it to the
-# first call.
+# Compile (or load from the disk cache) the import's kernel variants (q8kv8.kernels.IMPORT_KEYS) and the C++
+# fast path now, so the first call pays no compile. Works without a GPU (the target is sm_90a);
+# Q8KV8_COMPILE_AT_IMPORT=0 defers it to the first call.
 if os.environ.get("Q8KV8_COMPILE_AT_IMPORT", "1") != "0":
     from q8kv8 import kernels as _kernels
     from q8kv8 import native as _native

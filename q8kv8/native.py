@@ -12,9 +12,9 @@ Python path executes too), the alignments to check (``metadata.LAUNCH_ALIGNMENT_
 (``metadata.output_layouts``). Every rule lives in Python; the extension keeps only the per-call checks that
 depend on the tensors' addresses (the plan's alignments, and no output sharing memory with another argument)
 and the launch. ``q8kv8.eager`` offers it every eager call once the Python path has launched on the device
-(``note_launch``) and takes the Python path whenever it declines. Built with ``c++`` against torch, Python
-and TVM-FFI, cached under ``disk_cache.cache_dir()``; where it cannot be built, one warning says so and
-every call takes the Python path.
+(``note_launch``) and takes the Python path whenever it declines. Built with ``$CXX`` (else ``c++`` or
+``g++``) against torch, Python and TVM-FFI, cached under ``disk_cache.cache_dir()``; where it cannot be
+built, one warning says so and every call takes the Python path.
 """
 
 from __future__ import annotations

@@ -1,4 +1,5 @@
-"""Building q8kv8's C++ extension (``csrc/``) with the system's ``c++``, cached on disk.
+"""Building q8kv8's C++ extension (``csrc/``) with the system's C++ compiler (``$CXX``, else
+``c++`` or ``g++``), cached on disk.
 
 ``build_library`` compiles one source file into a shared library in a cache directory that the caller
 names by a digest of everything the binary depends on (the source, the headers' package versions, the

@@ -2,11 +2,12 @@
 ``sparse_mla_q8kv8_paged_fwd`` (``q8kv8.api``).
 
 The cache is ``[num_pages, page_size, 1, bytes_per_token]`` uint8 (or an e4m3 view of it) in DeepSeek's V3.2
-layout (656 bytes a token, d_qk 576) or V4 / MODEL1 layout (584, d_qk 512; ``q8kv8.kv_layout``), its page
-stride ``cache.stride(0)`` bytes. ``indices`` hold token slots (page * page_size + position); a slot outside
-``[0, num_pages * page_size)`` is ignored and never read. The kernel reads each selected row's bytes and its
-block scales itself (``cute_kernels/sm90/paged_rows.py``): no gathered copy of the cache, no workspace.
-A call with an extra cache is ``q8kv8.paged_extra``'s composition of such calls.
+layout (656 bytes a token, d_qk 576), V4 / MODEL1 layout (584, d_qk 512) or V4.1 layout (528, d_qk 512;
+``q8kv8.kv_layout``), its page stride ``cache.stride(0)`` bytes. ``indices`` hold token slots (page *
+page_size + position); a slot outside ``[0, num_pages * page_size)`` is ignored and never read. The kernel
+reads each selected row's bytes and its block scales itself (``cute_kernels/sm90/paged_rows.py``): no gathered
+copy of the cache, no workspace. A call with an extra cache is ``q8kv8.paged_extra``'s composition of such
+calls.
 
 Every check but the cache's is the contract's (``q8kv8.contract.check_signatures``): the call is checked
 as a ``sparse_mla_q8kv8_prefill_fwd`` call whose kv is the cache's token slots

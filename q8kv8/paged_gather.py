@@ -1,7 +1,7 @@
 """The paged KV gather: token slots of a paged FP8 cache into contiguous e4m3 or bf16 rows, one GPU kernel.
 
 A paged cache is ``[num_pages, ...]`` with each page's bytes contiguous; slot ``s`` is position
-``s % page_size`` of page ``s // page_size``. The two cache layouts are described in ``q8kv8.kv_layout`` and
+``s % page_size`` of page ``s // page_size``. The cache layouts are described in ``q8kv8.kv_layout`` and
 ``cute_kernels/sm90/paged_kv.py``; ``q8kv8.reference.gather_dequant_paged_reference`` is the bit-exact
 PyTorch version. Arguments are checked on shapes, dtypes, strides and devices only: no host sync.
 """

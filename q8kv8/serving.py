@@ -187,7 +187,7 @@ class CacheRows(NamedTuple):
 
 
 class SparsePrefill:
-    """One sparse MLA prefill layer call on a paged FP8 KV cache (DeepSeek V3.2 / V4 serving).
+    """One sparse MLA prefill layer call on a paged FP8 KV cache (DeepSeek V3.2 / V4 / V4.1 serving).
 
     ``backend``: "fp8" (the FP8 kernel on the bfloat16 Q, which it quantises per row, and the cache's e4m3
     rows), "bf16" (Q and the gathered KV in bf16: dequantised nope rounded to bf16 + RoPE; the bf16 kernel),
@@ -243,12 +243,12 @@ class SparsePrefill:
 
         Args:
             q: [s_q, h, d_qk] bfloat16, the queries of every request of the batch, concatenated;
-                d_qk 576 (V3.2) or 512 (MODEL1), matching the cache.
+                d_qk 576 (V3.2) or 512 (MODEL1, V4.1), matching the cache.
             cache: [num_pages, page_size, 1, bytes_per_token] uint8 or float8_e4m3fn paged cache
-                (bytes_per_token 656: V3.2, 584: MODEL1; page stride = ``cache.stride(0)`` bytes, e.g.
-                the 576-byte-padded MODEL1 page; the paged path needs page_size a power of two). For
-                ``compress_ratio`` r > 0 this is the compressed cache (one entry per r tokens), with the same
-                layout.
+                (bytes_per_token 656: V3.2, 584: MODEL1, 528: V4.1, 288: V4.1 FP4, gathered only; page
+                stride = ``cache.stride(0)`` bytes, e.g. the 576-byte-padded MODEL1 page; the paged path
+                needs page_size a power of two). For ``compress_ratio`` r > 0 this is the compressed cache
+                (one entry per r tokens), with the same layout.
             page_table: [num_rows] int32/int64: the cache slots the batch may attend (SGLang's
                 ``page_table_1_flattened``: each request's slots of its tokens, or of its compressed rows for
                 r > 0, requests concatenated). Slot s is position ``s % page_size`` of page
