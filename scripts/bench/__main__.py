@@ -15,10 +15,13 @@ on stderr in one line that only the report was produced, and exits with status 2
 Then short prefill chunks and small head counts with the schedule each ran (``scripts/bench/schedules.py``;
 none with ``--no-schedules``), and the paged serving path (``scripts/bench/serving.py``): a layer call
 (gather + kernel on the bf16 Q) next to the kernel alone and the gather's bandwidth; one layer shape by
-default, all of them with ``--serving``, none with ``--no-serving``.
+default, all of them with ``--serving``, none with ``--no-serving``; and attention straight from the paged
+cache (``scripts/bench/paged.py``: prefill chunks, decode, an extra cache, the precisions; a subset of the
+chunked-prefill shapes by default, all of them with ``--paged``; none of it with ``--no-paged``).
 
     python -m scripts.bench [--shapes NAME,...] [--check] [--rep MS] [--no-baseline] [--no-accurate]
-                            [--no-bf16q] [--no-schedules] [--[no-]serving] [--jobs N] [--out DIR]
+                            [--no-bf16q] [--no-schedules] [--[no-]serving] [--[no-]paged] [--jobs N]
+                            [--out DIR]
 """
 
 from __future__ import annotations
