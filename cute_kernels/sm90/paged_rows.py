@@ -1,11 +1,12 @@
-"""Rows of a paged FP8 KV cache (DeepSeek V3.2 and V4 / MODEL1), gathered straight into the attention
+"""Rows of a paged FP8 KV cache (DeepSeek V3.2, V4 / MODEL1 and V4.1), gathered straight into the attention
 kernel's block tiles, and the block scales that come with them.
 
 Producer (``PagedRowGather``, ``copy_paged_row``): a row's token slot s is position s % page_size of page
 s // page_size. Its e4m3 nope bytes are copied as they are (16-byte ``cp.async``) into the block tile's
 column tiles; its 64 bf16 RoPE values (128 bytes) are staged, half into the tile's RoPE column tile and half
 into a staging tile beside it (the P buffer's second term); its raw scale record (V3.2: four float32, one per
-128 nope values; V4: seven UE8M0 bytes, one per 64, and a pad byte) goes to the block's scale table. An
+128 nope values; V4: seven UE8M0 bytes, one per 64, and a pad byte; V4.1: sixteen UE8M0 bytes, one per 32, and
+no RoPE to stage) goes to the block's scale table. An
 invalid slot's copies are zero-filled (nothing is read). The copies carry no L2 cache policy: with one, ptxas
 has addressed them through uniform registers that nothing writes (``tests/test_kernel_build.py`` checks the
 SASS of every variant).
@@ -19,7 +20,8 @@ The block's owner, before its QK product, in one of two ways:
   groups g of sigma[row, g] * (Q_g . K_g^T), the RoPE a group of its own (its row scale, hi and lo), each
   group's product summed in float32 (``scale_slots``); after it, ``rescale_v_row`` rescales the row's V bytes
   in place to 2^E.
-- ``convert_row`` (V4, S not promoted: its UE8M0 scales are powers of two): each row rescaled in place to
+- ``convert_row`` (V4 with S not promoted, and V4.1: their UE8M0 scales are powers of two; V4.1's RoPE is
+  e4m3 already, among its 16 groups of 32 values): each row rescaled in place to
   one power-of-two scale 2^E of its own (every group's bytes times sigma_g 2^-E, the RoPE's two terms at
   2^-E), so that S = 2^E_s (Q . K_s^T) is one WGMMA chain, as on gathered rows, scaled per slot after it.
 
