@@ -184,8 +184,8 @@ class SparsePrefillSm90(Producer, QkProducts, SoftmaxP, PvProduct, TileEpilogue,
         ``heads``: 64 (a tile is 64 heads of a token, h a multiple), or one of ``SMALL_HEAD_COUNTS`` (the
         small-head kernel: a tile is all h = ``heads`` heads of a token; not with ``split``).
         ``cache``: None (kv is a [s_kv, 1, d_qk] e4m3 tensor with a per-tensor scale) or a paged cache layout,
-        "v32", "model1" or "v41" (kv is the cache, [num_pages, page_size, bytes per token] uint8, indices are its
-        token slots, and its block scales apply: ``paged_rows``)."""
+        "v32", "model1" or "v41" (kv is the cache, [num_pages, page_size, bytes per token] uint8, indices are
+        its token slots, and its block scales apply: ``paged_rows``)."""
         if d_qk not in (512, 576):
             raise ValueError(f"d_qk must be 512 or 576, got {d_qk}")
         if precision not in PRECISIONS:
