@@ -44,7 +44,7 @@ from cutlass import Float32, Int32, Int64, Uint32, const_expr
 from cute_kernels import ptx
 from cute_kernels.interface import D_V
 from cute_kernels.sm90.paged_kv import LAYOUTS, e8m0_to_f32_bits
-from cute_kernels.sm90.row_gather import CHUNK_BYTES, swizzle_offset
+from cute_kernels.sm90.row_gather import CHUNK_BYTES, slot_valid_flag, swizzle_offset
 from cute_kernels.sm90.row_views import shared_row_scale
 
 COLUMN_BYTES = 64  # a column tile's row: the e4m3 K tile's 64-byte swizzle
@@ -114,6 +114,17 @@ class PagedRowGather:
         self.lo_base: Int32 = lo_base
         self.scale_base: Int32 = scale_base
         self.chunk16: Int32 = lane % (COLUMN_BYTES // CHUNK_BYTES)
+
+    def locate(self, slot, index, valid_len):
+        """``(valid, where)`` of token slot ``slot`` at index position ``index`` (``RowGather.locate``):
+        ``where`` is ``(page, position)`` (0, 0 for an invalid slot)."""
+        valid = slot_valid_flag(slot, index, self.num_slots, valid_len)
+        return valid, page_and_position(self, slot, valid)
+
+    def copy_row(self, tile, tile_base, row, where, valid):
+        """Queue the copies of the token ``where`` (``locate``'s) into row ``row`` of block tile ``tile``
+        (``copy_paged_row``; ``tile_base`` unused here), zeros where ``valid`` is 0."""
+        copy_paged_row(self, tile, row, where[0], where[1], valid)
 
 
 def page_and_position(gather: PagedRowGather, slot, valid):

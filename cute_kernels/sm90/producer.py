@@ -16,8 +16,8 @@ from cute_kernels import ptx
 from cute_kernels.sm90.cta import NUM_THREADS
 from cute_kernels.sm90.fp8_tile import B_TOPK, PAIR, SW64_TILE_COLS, TILE_RING
 from cute_kernels.sm90.named_barrier import NamedBarrierFp8
-from cute_kernels.sm90.paged_rows import BlockScaleTables, PagedRowGather, copy_paged_row, page_and_position
-from cute_kernels.sm90.row_gather import RowGather, copy_rows, slot_valid_flag
+from cute_kernels.sm90.paged_rows import BlockScaleTables, PagedRowGather
+from cute_kernels.sm90.row_gather import RowGather
 from cute_kernels.sm90.row_views import STAGED_ROWS_PER_TILE, load_q_tile, stage_q_rows
 from cute_kernels.sm90.tile_scheduler import plain_int32
 
@@ -117,6 +117,9 @@ class Producer:
                 self.d_qk,
             )
 
+        # The KV source's two steps, bound outside the loop (a method called inside would make the DSL carry
+        # the gather object through the loop as a value it may change)
+        locate, copy_row = gather.locate, gather.copy_row
         for pair in cutlass.range(work.num_pairs, unroll=1):
             ring_pair = pair_base + self.q_pairs + pair
             stage = self.pair_ring.index(ring_pair)
@@ -127,11 +130,7 @@ class Producer:
             if const_expr(self.split):
                 slot += work.slot_base
             kv_row = mIdx[work.token, slot]  # paged: a token slot of the cache
-            if const_expr(self.cache is None):
-                is_valid = slot_valid_flag(kv_row, slot, gather.s_kv, work.valid_len)
-            else:
-                is_valid = slot_valid_flag(kv_row, slot, gather.num_slots, work.valid_len)
-                page, position = page_and_position(gather, kv_row, is_valid)
+            is_valid, where = locate(kv_row, slot, work.valid_len)
             cute.arch.mbarrier_wait(empty_barrier, phase ^ 1)
             if const_expr(self.small):  # the warp's 32 slots' validity (the consumers read it after kv_full)
                 valid_word = cute.arch.vote_ballot_sync(is_valid != 0)
@@ -143,13 +142,8 @@ class Producer:
                 src_lane = group * 8 + lane_row
                 row_valid = cute.arch.shuffle_sync(is_valid, src_lane)
                 row = row_base + group * 8 + lane_row
-                if const_expr(self.cache is None):
-                    row_kv = cute.arch.shuffle_sync(kv_row, src_lane)
-                    copy_rows(gather, tile_base, row, ((0, row_kv, row_valid),))
-                else:
-                    row_page = cute.arch.shuffle_sync(page, src_lane)
-                    row_position = cute.arch.shuffle_sync(position, src_lane)
-                    copy_paged_row(gather, stage * 2 + block_in_pair, row, row_page, row_position, row_valid)
+                row_where = [cute.arch.shuffle_sync(value, src_lane) for value in where]
+                copy_row(stage * 2 + block_in_pair, tile_base, row, row_where, row_valid)
             cute.arch.cp_async_mbarrier_arrive_noinc(full_barrier)
 
     @cute.jit

@@ -61,6 +61,18 @@ class RowGather:
         self.tile_rows = tile_rows
         self.col_tiles = d_qk * elem_bytes // row_bytes
 
+    # The FP8 kernel's producer reads any KV source through ``locate`` and ``copy_row`` (``PagedRowGather``
+    # has the same two).
+    def locate(self, kv_row, slot, valid_len):
+        """``(valid, where)`` of index ``kv_row`` at ``slot``: ``slot_valid_flag``, and the values a row copy
+        needs, which the producer hands from lane to lane: ``(kv_row,)``."""
+        return slot_valid_flag(kv_row, slot, self.s_kv, valid_len), (kv_row,)
+
+    def copy_row(self, tile, tile_base, row, where, valid):
+        """Queue the copies of the row ``where`` (``locate``'s) into row ``row`` of the block tile at shared
+        address ``tile_base`` (``tile``: its index, unused here), zeros where ``valid`` is 0."""
+        copy_rows(self, tile_base, row, ((0, where[0], valid),))
+
 
 def copy_rows(gather: RowGather, tile_base, first_row, rows) -> None:
     """Queue the copies of ``rows``, each ``(offset, kv_row, valid)``: kv row ``kv_row`` into row
