@@ -518,3 +518,30 @@ def test_ptx_manifest_names_each_difference():
         "not in the manifest: d",
         "not built: c",
     ]
+
+
+def test_layer_timeline_gaps_span_and_table(monkeypatch, capsys):
+    """``scripts.tools.layer_timeline``: kernels ordered by start, each gap from the previous kernel's end
+    (the first from the host's start), the span and sums; without an SM90 GPU it says so and exits 2."""
+    from scripts.tools import layer_timeline as tl
+
+    spans = [
+        tl.KernelSpan("kernel", 30.0, 100.0),
+        tl.KernelSpan("gather", 10.0, 15.0),
+        tl.KernelSpan("x" * 60, 135.0, 5.0),
+    ]
+    rows = tl.timeline_rows(spans)
+    assert [(r["name"][:6], r["gap_us"]) for r in rows] == [
+        ("gather", 10.0),
+        ("kernel", 5.0),
+        ("xxxxxx", 5.0),
+    ]
+    assert tl.summary(rows) == {"span_us": 130.0, "kernels_us": 120.0, "gaps_us": 10.0}
+    assert tl.summary([]) == {"span_us": 0.0, "kernels_us": 0.0, "gaps_us": 0.0}
+    lines = tl.format_rows(rows)
+    assert len(lines) == 4 and lines[3].startswith("x" * (tl.NAME_WIDTH - 3) + "...")
+    assert lines[2].split()[1:] == ["30.0", "100.0", "5.0"]
+    if not torch.cuda.is_available():
+        monkeypatch.setattr(sys, "argv", ["layer_timeline"])
+        assert tl.main() == 2
+        assert "needs an SM90 GPU" in capsys.readouterr().err
