@@ -10,9 +10,11 @@ K = 4 one CTA walks all four tiles, among them one with no valid slot and one wi
 forces the split schedule (N parts per tile, 2, 4 or 8, merged in the cluster; with N = 2 the second range
 holds no valid slot of two rows); with ``--split-from T`` only the tokens from T on (a split tail: the others
 in a one-tile launch before). ``--heads N`` runs N heads (8, 16, 32: the small-head kernel; a count that 64
-does not divide, 48 or 100 say: each token's last tile of 64 rows partly filled). ``--paged v32|model1``
+does not divide, 48 or 100 say: each token's last tile of 64 rows partly filled). ``--paged v32|model1|v41``
 attends straight from a paged cache of that layout (``sparse_mla_q8kv8_paged_fwd``: 12 pages of 64 tokens,
-the indices its token slots), against the float64 reference on the dequantised cache.
+the indices its token slots), against the float64 reference on the dequantised cache; ``--extra
+v41_fp4|v41|model1`` adds an extra cache of that layout (4 pages, 128 slots a row, some invalid, an
+``extra_topk_length``) attended in the same softmax.
 """
 
 import argparse
@@ -39,8 +41,18 @@ def main() -> int:
     parser.add_argument("--split-from", type=int, default=0, help="with --splits: the first token split")
     parser.add_argument("--heads", type=int, default=64, help="heads (8, 16, 32: small-head kernel)")
     parser.add_argument("--topk-length", default="256,100,0,200", help="the four rows' topk_length")
-    parser.add_argument("--paged", default=None, choices=("v32", "model1"), help="a paged cache's layout")
+    parser.add_argument(
+        "--paged", default=None, choices=("v32", "model1", "v41"), help="a paged cache's layout"
+    )
+    parser.add_argument(
+        "--extra",
+        default=None,
+        choices=("v41_fp4", "v41", "model1"),
+        help="an extra cache's layout (with --paged)",
+    )
     args = parser.parse_args()
+    if args.extra is not None and args.paged is None:
+        parser.error("--extra needs --paged")
     torch.manual_seed(args.seed)
     s_q, h_q, s_kv, d_qk, topk = 4, args.heads, 700, 576, 256
     if args.paged is not None:
@@ -74,6 +86,17 @@ def main() -> int:
     if args.paged is not None:
         del inputs["kv"], inputs["kv_scale"]
         inputs["cache"] = cache
+    if args.extra is not None:
+        from scripts.bench.paged import fp4_cache
+
+        extra_slots = 4 * 64
+        inputs["extra_cache"] = (
+            fp4_cache(extra_slots) if args.extra == "v41_fp4" else make_cache(extra_slots, args.extra)
+        )
+        inputs["extra_indices"] = torch.randint(
+            -20, extra_slots + 20, (s_q, 1, 128), dtype=torch.int32, device="cuda"
+        )
+        inputs["extra_topk_length"] = torch.tensor([128, 0, 30, 100], dtype=torch.int32, device="cuda")
     call = sparse_mla_q8kv8_prefill_fwd if args.paged is None else sparse_mla_q8kv8_paged_fwd
     with schedule:
         out, max_logits, lse = call(**inputs, precision=args.precision)
@@ -91,9 +114,21 @@ def main() -> int:
         f"out rel err {rel:.3e}, lse err {lse_err:.2e}, max_logits err {max_err:.2e}, sentinels {sentinels}"
     )
     limit = 5e-3 if PRECISIONS[args.precision].p_terms == 2 else 4e-2
-    if args.paged == "model1":  # V's RoPE dims one e4m3 term with a row scale (tests/test_paged_gpu.py)
+    logit_limit = 1e-2
+    if "model1" in (
+        args.paged,
+        args.extra,
+    ):  # V's RoPE dims one e4m3 term with a row scale (test_paged_gpu.py)
         limit = max(limit, 1.5e-2)
-    ok = rel <= limit and lse_err <= 1e-2 and max_err <= 1e-2 and sentinels and not torch.isnan(out).any()
+    if args.extra == "v41_fp4":  # random e4m3 scales, rounded once to e4m3 (tests/test_paged_extra_gpu.py)
+        limit, logit_limit = 8e-2, 0.15
+    ok = (
+        rel <= limit
+        and lse_err <= logit_limit
+        and max_err <= logit_limit
+        and sentinels
+        and not torch.isnan(out).any()
+    )
     print("OK" if ok else "MISMATCH")
     return 0 if ok else 1
 
