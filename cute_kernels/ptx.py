@@ -176,6 +176,18 @@ def st_shared_u32(smem_addr, value, *, loc=None, ip=None) -> None:
     )
 
 
+@dsl_user_op
+def st_shared_u16(smem_addr, value, *, loc=None, ip=None) -> None:
+    """Store the low 16 bits of ``value``."""
+    inline_asm(
+        None,
+        [Int32(smem_addr).ir_value(loc=loc, ip=ip), Uint32(value).ir_value(loc=loc, ip=ip)],
+        "{ .reg .b16 h; cvt.u16.u32 h, $1; st.shared.b16 [$0], h; }",
+        "r,r",
+        True,
+    )
+
+
 def _ld_shared_b32(instruction: str, smem_addr, *, loc=None, ip=None) -> Uint32:
     """One shared-memory load into a 32-bit register."""
     operands = [Int32(smem_addr).ir_value(loc=loc, ip=ip)]

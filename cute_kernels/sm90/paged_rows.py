@@ -18,8 +18,8 @@ The block's owner, before its QK product, in one of two ways:
   in the RoPE column tile, the residual lo = e4m3(x - hi) into the staging tile (about 8 significant bits
   together, as many as bf16 has); and the row's V scale 2^E (``v_row_exponent``). Then S = sum over scale
   groups g of sigma[row, g] * (Q_g . K_g^T), the RoPE a group of its own (its row scale, hi and lo), each
-  group's product summed in float32 (``scale_slots``); after it, ``rescale_v_row`` rescales the row's V bytes
-  in place to 2^E.
+  group's product summed in float32 (``scale_slots``); the row's V factors sigma_g 2^-E go to a table
+  (``store_v_factors``) by which the PV products scale V's fragments (``scale_v_fragment``).
 - ``convert_row`` (V4 with S not promoted, and V4.1: their UE8M0 scales are powers of two; V4.1's RoPE is
   e4m3 already, among its 16 groups of 32 values): each row rescaled in place to
   one power-of-two scale 2^E of its own (every group's bytes times sigma_g 2^-E, the RoPE's two terms at
@@ -177,6 +177,7 @@ class BlockScaleTables(NamedTuple):
     lo: Int32  # the RoPE staging tiles ([tile] 64 rows x 64 bytes, 64-byte swizzle), then the lo terms
     row_scale: Int32  # [tile][row] float32: the rows' scales 2^E (P carries them; V'' = V / 2^E)
     exponent: Int32  # [tile][row] float32: the rows' exponents E
+    v_factors: Int32 = None  # [tile][V group][row] f16: sigma_g 2^-E, V's factors (``convert_rope``'s path)
 
 
 def raw_scale(geo: CacheGeometry, tables: BlockScaleTables, tile, row, group) -> Float32:
@@ -227,11 +228,38 @@ def convert_rope(geo: CacheGeometry, tables: BlockScaleTables, tile_rope, tile, 
     exponent, inverse = shared_row_scale(words, (1,), zero_exponent=ROW_MIN_EXPONENT)
     store_rope_terms(tile_rope, lo_tile, row, chunks, words, inverse)
     if (thread & 1) == 0:
-        ptx.st_shared_u32(tables.rope + (tile * 64 + row) * 4, Uint32((127 + exponent) << 23))
+        rope_bits = Uint32((127 + exponent) << 23)
+        ptx.st_shared_u32(tables.rope + (tile * 64 + row) * 4, rope_bits)
         v4 = geo.v_groups > geo.groups  # V4: the RoPE is V's last group
-        store_row_exponent(
-            tables, tile, row, v_row_exponent(geo, tables, tile, row, exponent if v4 else None)
-        )
+        v_exponent = v_row_exponent(geo, tables, tile, row, exponent if v4 else None)
+        store_row_exponent(tables, tile, row, v_exponent)
+        store_v_factors(geo, tables, tile, row, v_exponent, rope_bits)
+
+
+def store_v_factors(geo: CacheGeometry, tables: BlockScaleTables, tile, row, exponent, rope_bits):
+    """Row ``row``'s factors of V's groups, sigma_g 2^-E in f16 (V4: the RoPE's hi terms 2^(e - E), its scale
+    ``rope_bits``), into the table the PV products scale V's fragments by (``scale_v_fragment``): the bytes
+    as ``rescale_nope`` would leave them in place, without a pass over the tile."""
+    inverse_bits = Uint32((127 - exponent) << 23)  # 2^-E
+    table = tables.v_factors + tile * (geo.v_groups * 64 * 2) + row * 2
+    for group in range(geo.groups):
+        factor = ptx.f32_product_to_f16x2(_raw_scale_bits(geo, tables, tile, row, group), inverse_bits)
+        ptx.st_shared_u16(table + group * 64 * 2, factor)
+    if const_expr(geo.v_groups > geo.groups):
+        ptx.st_shared_u16(table + geo.groups * 64 * 2, ptx.f32_product_to_f16x2(rope_bits, inverse_bits))
+
+
+@cute.jit
+def scale_v_fragment(geo: CacheGeometry, tables: BlockScaleTables, words, ks, tile, group, half, quad_lane):
+    """k-step ``ks`` of a V^T A fragment (``words[4 ks .. 4 ks + 3]``, slots 32 ``half`` .. + 31 of block
+    tile ``tile``, the slot order of ``load_v_fragment``: a0 and a1 hold slots 2t, 2t + 1, 8 + 2t, 9 + 2t, a2
+    and a3 the same + 16) times V group ``group``'s factors of their slots (``store_v_factors``), rounded to
+    e4m3: the same bytes as ``rescale_nope`` writes, so P carrying 2^E finds V as on the other paths."""
+    base = tables.v_factors + ((tile * geo.v_groups + group) * 64 + 32 * half + 2 * quad_lane) * 2
+    factors = [ptx.ld_shared_u32(base + 2 * slot) for slot in (0, 8, 16, 24)]
+    for i in cutlass.range_constexpr(4):
+        pair = (i // 2) * 2  # a0, a1: slots 0 and 8 from 2t; a2, a3: slots 16 and 24
+        words[4 * ks + i] = ptx.scale_e4m3x4_f16(words[4 * ks + i], factors[pair], factors[pair + 1])
 
 
 def row_and_chunks(thread):
@@ -289,22 +317,6 @@ def convert_row(geo: CacheGeometry, tables: BlockScaleTables, tile_base, tile, t
     rescale_nope(geo, tables, tile_base, tile, row, chunks, exponent)
     if (thread & 1) == 0:
         store_row_exponent(tables, tile, row, exponent)
-
-
-@cute.jit
-def rescale_v_row(geo: CacheGeometry, tables: BlockScaleTables, tile_base, tile, thread):
-    """After the block's QK product (``convert_rope``'s path): the owner warpgroup's thread ``thread`` (0-127)
-    rescales V's bytes of half of row ``thread // 2`` of block tile ``tile`` (at shared address ``tile_base``)
-    in place to the row's scale 2^E: each nope group's (``rescale_nope``) and, V4, the RoPE's hi term (its
-    scale 2^e <= 2^E). The PV products read them after the block's ``p_full``."""
-    row, chunks = row_and_chunks(thread)
-    entry = (tile * 64 + row) * 4
-    exponent = Int32(ptx.ld_shared_u32(tables.row_scale + entry) >> Uint32(23)) - 127
-    rescale_nope(geo, tables, tile_base, tile, row, chunks, exponent)
-    if const_expr(geo.v_groups > geo.groups):  # V4: the RoPE's hi terms, times 2^(e - E)
-        inverse_bits = Uint32((127 - exponent) << 23)  # 2^-E
-        factor = ptx.f32_product_to_f16x2(ptx.ld_shared_u32(tables.rope + entry), inverse_bits)
-        scale_chunks(tile_base + geo.rope_column * COLUMN_TILE_BYTES, row, chunks, factor)
 
 
 @cute.jit

@@ -19,6 +19,7 @@ from cute_kernels.sm90.fp8_tile import (
     TILE_ROW_GROUP_BYTES,
     Consumer,
 )
+from cute_kernels.sm90.paged_rows import scale_v_fragment
 from cute_kernels.sm90.row_gather import swizzle_offset
 
 
@@ -110,6 +111,12 @@ class PvProduct:
             )
             for half in cutlass.range_constexpr(2):
                 self.load_v_fragment(words, 2 * i + half, tile_base, half, c.warp, c.lane)
+                if const_expr(self.v_fragment_factors):  # V's bytes to their rows' 2^E (paged_rows)
+                    group = d_tile // (8 // self.cache.v_groups)
+                    tile = self.kv_ring.index(block)
+                    scale_v_fragment(
+                        self.cache, c.tables, words, 2 * i + half, tile, group, half, c.quad_lane
+                    )
         warpgroup.fence()
         for i, block in enumerate(blocks):
             for half in cutlass.range_constexpr(2):

@@ -15,7 +15,7 @@ from cute_kernels import ptx
 from cute_kernels.sm90.cta import THREADS_PER_WG
 from cute_kernels.sm90.fp8_tile import B_TOPK, TILE_ROW_GROUP_BYTES, Consumer
 from cute_kernels.sm90.named_barrier import NamedBarrierFp8
-from cute_kernels.sm90.paged_rows import ROW_SCALE, convert_rope, convert_row, rescale_v_row, scale_slots
+from cute_kernels.sm90.paged_rows import ROW_SCALE, convert_rope, convert_row, scale_slots
 
 # S summed in float32 ("accurate", "accurate_logits"): from WGMMA groups of at most this many k-steps (96
 # elements of d_qk), each started from zero: the FP8 tensor cores' own accumulation keeps about 14 bits,
@@ -185,9 +185,6 @@ class QkProducts:
             self.scale_slots(c, s_part, None, tile, 0, h, True)
         for h, s_part in zip(halves, s_parts, strict=True):
             self.sum_scale_groups(c, tile, s_part, h)
-        # Every QK WGMMA of the block has completed (each half's last wait): its V bytes to their rows' 2^E,
-        # read by the PV products after the block's p_full.
-        rescale_v_row(geo, c.tables, c.sK_base + tile * self.k_tile_bytes, tile, c.warp * 32 + c.lane)
 
     @cute.jit
     def sum_scale_groups(self, c: Consumer, tile, total: cute.Tensor, half: cutlass.Constexpr):

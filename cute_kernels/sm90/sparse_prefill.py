@@ -32,7 +32,7 @@ from typing import NamedTuple
 import cutlass
 import cutlass.cute as cute
 import cutlass.utils.hopper_helpers as sm90_utils
-from cutlass import Float8E4M3FN, Float32, Int32, Int64, Uint8, Uint32, Uint64, const_expr
+from cutlass import Float8E4M3FN, Float32, Int32, Int64, Uint8, Uint16, Uint32, Uint64, const_expr
 from cutlass.cute.nvgpu import OperandMajorMode, warpgroup
 
 from cute_kernels import ptx
@@ -231,10 +231,12 @@ class SparsePrefillSm90(Producer, QkProducts, SoftmaxP, PvProduct, TileEpilogue,
         # S summed in float32 per group of k-steps: the promoted chunks, or a paged cache's scale groups
         # (promoted: at most PAGED_ACCURATE_CHUNK_KSTEPS k-steps of one)
         self.qk_in_groups = self.promote_qk or (self.cache is not None and not self.row_scaled)
-        # Paged: V's bytes are rescaled to one power-of-two scale 2^E per row (before the QK product with the
-        # rows rescaled, after it otherwise: paged_rows.rescale_v_row), and P carries each slot's 2^E (the
-        # softmax's running max and P on y = x + E_s, its row sums on x): V's fragments are used as they are.
+        # Paged: V is read at one power-of-two scale 2^E per row, and P carries each slot's 2^E (the softmax's
+        # running max and P on y = x + E_s, its row sums on x). With the rows rescaled before the QK product
+        # V's bytes are so in place; otherwise the PV products scale V's fragments by sigma_g 2^-E
+        # (paged_rows.scale_v_fragment, the same bytes).
         self.p_carries_row_scale = self.cache is not None
+        self.v_fragment_factors = self.cache is not None and not self.row_scaled
         if self.cache is not None:
             self.paged_chunk_ksteps = self.cache.group_ksteps
             if self.promote_qk:
@@ -302,6 +304,8 @@ class SparsePrefillSm90(Producer, QkProducts, SoftmaxP, PvProduct, TileEpilogue,
                 rope_scale: cute.struct.MemRange[Float32, NUM_KV_TILES * B_TOPK]
                 row_scale: cute.struct.MemRange[Float32, NUM_KV_TILES * B_TOPK]
                 row_exponent: cute.struct.MemRange[Float32, NUM_KV_TILES * B_TOPK]
+                if self.v_fragment_factors:  # [tile][V group][row] f16
+                    v_factors: cute.struct.MemRange[Uint16, NUM_KV_TILES * self.cache.v_groups * B_TOPK]
             if self.small:
                 valid_words: cute.struct.MemRange[Uint32, NUM_KV_TILES * 2]  # [block tile, word]
                 column_max: cute.struct.MemRange[Float32, 2 * 2 * WARPS_PER_WG * self.b_h]
@@ -433,6 +437,9 @@ class SparsePrefillSm90(Producer, QkProducts, SoftmaxP, PvProduct, TileEpilogue,
                 lo=sLo.iterator.toint(),
                 row_scale=storage.row_scale.data_ptr().toint(),
                 exponent=storage.row_exponent.data_ptr().toint(),
+                v_factors=storage.v_factors.data_ptr().toint()
+                if const_expr(self.v_fragment_factors)
+                else None,
             )
         handover = (None, None)  # persistent: mbar_stats_full, mbar_tile_done
         if const_expr(self.persistent):
