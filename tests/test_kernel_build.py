@@ -320,8 +320,9 @@ PAGED_KEYS = [
 PAGED_D_QK = {"v32": 576, "model1": 512, "v41": 512}
 PAGED_SPILL_BYTES = 40
 """The paged variants' consumers at their register ceiling (240, or 232 beside a producer of
-``sparse_prefill.WIDE_PRODUCER_REGS``): 64 heads summing S per scale group with a bf16 q on the persistent
-schedule, and with an e4m3 q on the split one (a value kept from the prologue to the epilogue), and the
+``sparse_prefill.WIDE_PRODUCER_REGS``): 64 heads summing S per scale group on the persistent schedule (the
+PV products' V factors beside the tile state; 4-16 B with an e4m3 q), and with an e4m3 q on the split one (a
+value kept from the prologue to the epilogue), and the
 small-head kernel with an e4m3 q (8, 16 or 32 heads, by layout and precision: a value kept from the prologue
 to each tile's epilogue, and a few bytes the producer spills and reloads once a pass of its gather loop),
 spill at most this much (measured 4-36 B); every other paged variant fits (the small-head ones with a bf16 q
@@ -339,7 +340,7 @@ def paged_spills(layout, precision, kind, q_dtype, heads) -> bool:
         return q_dtype == kernels.FP8
     if rows_rescaled(layout, precision):
         return False
-    return kind == (PERSISTENT if q_dtype == kernels.BF16_Q else SPLIT)
+    return kind == PERSISTENT or (kind == SPLIT and q_dtype == kernels.FP8)
 
 
 @pytest.mark.variants
