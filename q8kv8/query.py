@@ -46,7 +46,8 @@ def cast_q_fp8(q_bf16: torch.Tensor, q_scale, out: torch.Tensor | None = None) -
     else:
         if isinstance(q_scale, bool) or not isinstance(q_scale, numbers.Real) or not q_scale > 0:
             raise ValueError(f"q_scale: expected a positive number or a float32 tensor, got {q_scale!r}")
-        divisor = torch.tensor([float(q_scale)], dtype=torch.float32, device=q_bf16.device)
+        # a fill kernel: a copy from the host would sync the stream
+        divisor = torch.full((1,), float(q_scale), dtype=torch.float32, device=q_bf16.device)
     if out is not None:
         check_buffer("out", out, shape, torch.float8_e4m3fn)
         if overlaps(out, q_bf16):
