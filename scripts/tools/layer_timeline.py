@@ -2,10 +2,10 @@
 it, against the host time of the call; where a layer costs more than its gather plus its kernel.
 
 Runs ``SparsePrefill.forward`` on the serving benchmark's V3.2 layer (``scripts.bench.serving``: s_q 4096 at
-the end of one ``--context`` request, ``--heads`` heads, topk 2048) on each path, warm, then once more under
-``torch.profiler`` (CUDA activity), and prints per kernel: its start after the call began on the host, its
-time and the gap since the previous kernel ended; then the span from the first kernel's start to the last's
-end, the kernels' sum and the call's host time.
+the end of one ``--context`` request, ``--heads`` heads, topk 2048) on each path, warm, then three times more
+under ``torch.profiler`` (CUDA activity), each after a device sync, and prints for the last call, per kernel:
+its start after the call began on the host, its time and the gap since the previous kernel ended; then the
+span from the first kernel's start to the last's end, the kernels' sum and the call's host time.
 
     python -m scripts.tools.layer_timeline [--context N] [--heads H] [--path workspace,paged]
 """
@@ -58,26 +58,32 @@ def format_rows(rows: list[dict]) -> list[str]:
     return lines
 
 
-def profile_call(call) -> tuple[list[KernelSpan], float]:
-    """The kernels of one ``call()`` (already warm) and its host time, us, from ``torch.profiler``."""
+def profile_call(call, calls: int = 3) -> tuple[list[KernelSpan], float]:
+    """The kernels of the last of ``calls`` calls of ``call()`` (already warm), each after a device sync, and
+    its host time, us, from ``torch.profiler`` (the profiler's own start-up delays its first launches)."""
     import torch
     from torch.profiler import ProfilerActivity, profile, record_function
 
-    torch.cuda.synchronize()
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-        with record_function("layer_call"):
-            call()
+        for _ in range(calls):
+            torch.cuda.synchronize()
+            with record_function("layer_call"):
+                call()
         torch.cuda.synchronize()
     events = prof.events()
     cuda = torch.autograd.DeviceType.CUDA
-    host = next(e for e in events if e.name == "layer_call" and e.device_type != cuda)
-    origin = host.time_range.start
-    kernels = [  # the range's own GPU-side annotation left out
+    hosts = [e for e in events if e.name == "layer_call" and e.device_type != cuda]
+    host = max(hosts, key=lambda e: e.time_range.start)
+    origin, end = host.time_range.start, host.time_range.end
+    kernels = [  # the last call's kernels: from its host start to the next sync; range annotations left out
         KernelSpan(e.name, e.time_range.start - origin, e.time_range.elapsed_us())
         for e in events
-        if e.device_type == cuda and e.name != "layer_call"
+        if e.device_type == cuda
+        and e.name != "layer_call"
+        and not getattr(e, "is_user_annotation", False)
+        and e.time_range.start >= origin
     ]
-    return kernels, host.time_range.elapsed_us()
+    return kernels, end - origin
 
 
 def main() -> int:
