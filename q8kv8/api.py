@@ -56,7 +56,7 @@ def sparse_mla_q8kv8_prefill_fwd(
         precision: "default" (P rounded to e4m3 for the PV product: ||out - ref|| / ||ref|| about 3e-2;
             QK summed by the FP8 tensor cores: logits within about 2e-3, up to 1% low on a row led by one
             slot), "accurate_out" (P kept as two e4m3 terms: about 3e-3), "accurate_logits" (QK summed in
-            float32 every 3 k-steps: logits within 3e-4, 7.5e-4 on a row led by one slot; to merge by or
+            float32 every 2 k-steps: logits within 3.3e-4, on a row led by one slot too; to merge by or
             apply a sink to) or "accurate" (both); each costs only what it buys (``make bench`` times them
             side by side).
 

@@ -4,7 +4,7 @@ A CTA computes 64 heads of one token. Its producer warpgroup gathers the token's
 64 (two blocks a pair) with cp.async; the two consumer warpgroups own alternate blocks (S, and P
 under a lazy running max chained from one consumer to the other) and each accumulates O^T for half
 of d_v over every block, V^T read from the gathered tiles by ldmatrix.trans (RS WGMMA).
-``precision="accurate"`` sums S in float32 per 3 k-steps and stores P as two e4m3 terms ("accurate_logits"
+``precision="accurate"`` sums S in float32 per 2 k-steps and stores P as two e4m3 terms ("accurate_logits"
 and "accurate_out" do one of the two); ``persistent``
 walks several tiles per CTA;
 ``q_dtype="bf16"`` takes bf16 q and quantises each Q tile in the consumers (from rows the producer stages in
