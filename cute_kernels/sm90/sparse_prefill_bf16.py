@@ -311,8 +311,10 @@ class SparsePrefillBf16Sm90(AttentionKernel):
     @cute.jit
     def consume(self, consumer, cta: ConsumerInputs):
         """WG1/WG2: S for block c of each pair, softmax, O for half c of d_v, epilogue."""
-        sQ, sK, sV, sP, smem_stats, mIdx, mKV, mSink, mOut, mMaxLogits, mLse = cta[:11]
-        mbar_q, mbar_kv_full, mbar_kv_empty, sm_scale_log2, flags, work = cta[11:]
+        (
+            sQ, sK, sV, sP, smem_stats, mIdx, mKV, mSink, mOut, mMaxLogits, mLse, mbar_q, mbar_kv_full,
+            mbar_kv_empty, sm_scale_log2, flags, work,
+        ) = cta  # fmt: skip
         bf16 = sQ.element_type
         wtid = cute.arch.thread_idx()[0] % THREADS_PER_WG  # thread index inside the warpgroup
         lane = cute.arch.lane_idx()
