@@ -243,7 +243,7 @@ def store_v_factors(geo: CacheGeometry, tables: BlockScaleTables, tile, row, exp
     inverse_bits = Uint32((127 - exponent) << 23)  # 2^-E
     table = tables.v_factors + tile * (geo.v_groups * 64 * 2) + row * 2
     for group in range(geo.groups):
-        factor = ptx.f32_product_to_f16x2(_raw_scale_bits(geo, tables, tile, row, group), inverse_bits)
+        factor = group_factor(geo, tables, tile, row, group, inverse_bits)
         ptx.st_shared_u16(table + group * 64 * 2, factor)
     if const_expr(geo.v_groups > geo.groups):
         ptx.st_shared_u16(table + geo.groups * 64 * 2, ptx.f32_product_to_f16x2(rope_bits, inverse_bits))
@@ -331,13 +331,13 @@ def rescale_nope(geo: CacheGeometry, tables: BlockScaleTables, tile_base, tile, 
         chunks_per_group = COLUMN_BYTES // CHUNK_BYTES // groups_per_column
         for column in cutlass.range_constexpr(geo.nope_columns):
             group = column * groups_per_column + chunks[0] // chunks_per_group
-            factor = ptx.f32_product_to_f16x2(_raw_scale_bits(geo, tables, tile, row, group), inverse_bits)
+            factor = group_factor(geo, tables, tile, row, group, inverse_bits)
             if factor != Uint32(F16X2_ONE):
                 scale_chunks(tile_base + column * COLUMN_TILE_BYTES, row, chunks, factor)
     else:
         columns_per_group = geo.nope_columns // geo.groups
         for group in cutlass.range_constexpr(geo.groups):
-            factor = ptx.f32_product_to_f16x2(_raw_scale_bits(geo, tables, tile, row, group), inverse_bits)
+            factor = group_factor(geo, tables, tile, row, group, inverse_bits)
             if factor != Uint32(F16X2_ONE):
                 first = group * columns_per_group
                 for column in cutlass.range_constexpr(first, first + columns_per_group):
@@ -351,6 +351,12 @@ def scale_chunks(column_tile, row, chunks, factor):
         address = column_tile + swizzle_offset(row, chunk, COLUMN_BYTES)
         nope = ptx.ld_shared_v4(address)
         ptx.st_shared_v4(address, *[ptx.scale_e4m3x4_f16(w, factor, factor) for w in nope])
+
+
+def group_factor(geo: CacheGeometry, tables: BlockScaleTables, tile, row, group, inverse_bits) -> Uint32:
+    """sigma[row, group] of block tile ``tile`` times ``inverse_bits`` (2^-E as float32 bits), in f16 in both
+    halves: the factor that takes the group's e4m3 bytes to the row's scale 2^E."""
+    return ptx.f32_product_to_f16x2(_raw_scale_bits(geo, tables, tile, row, group), inverse_bits)
 
 
 def _raw_scale_bits(geo: CacheGeometry, tables: BlockScaleTables, tile, row, group) -> Uint32:
