@@ -340,9 +340,11 @@ def test_logits_up_to_30_in_every_precision(make_inputs, d_qk, schedule):
     """q and kv ~ N(0, 1) in e4m3 (bf16 q: against its quantised rows), sm_scale 0.25, unit scales: logits up
     to ~30, where the QK product's accumulation error shows in max_logits and lse (``LARGE_LOGIT_TOLERANCE``,
     tighter than the other tests' 1e-2; 5e-4 with S summed in float32). Each precision buys what it names:
-    "accurate_out" keeps P as two terms (out as "accurate"'s bound, well below "default"'s error) and computes
-    S as "default" does, "accurate_logits" as "accurate" does, so each gives that precision's max_logits and
-    lse bit for bit."""
+    "accurate_out" keeps P as two terms and computes S as "default" does, "accurate_logits" as "accurate"
+    does, so each gives that precision's max_logits and lse bit for bit. At these logits out also carries
+    S's error: P's two terms cut out's error 4x where S is the same ("accurate" against "accurate_logits";
+    measured 1.8e-3 against 1.1e-2 on an H100) and at least 2x on the default's S ("accurate_out" against
+    "default"; 3.3e-3 against 0.9-1.1e-2)."""
     h_q, q_dtype, forced = LARGE_LOGIT_SCHEDULES[schedule]
     inputs = make_inputs(48, h_q, 4096, d_qk, 2048, device="cuda", invalid_fraction=0.0, q_dtype=q_dtype)
     one = torch.ones(1, device="cuda")
@@ -359,7 +361,8 @@ def test_logits_up_to_30_in_every_precision(make_inputs, d_qk, schedule):
     for precision, same in SAME_LOGITS.items():
         assert torch.equal(results[precision][1], results[same][1]), precision
         assert torch.equal(results[precision][2], results[same][2]), precision
-    assert errors["accurate_out"] < errors["default"] / 4, errors
+    assert errors["accurate"] < errors["accurate_logits"] / 4, errors
+    assert errors["accurate_out"] < errors["default"] / 2, errors
 
 
 @pytest.mark.parametrize("d_qk", [512, 576])
