@@ -90,8 +90,10 @@ def _one_launch(parts, attn_sink) -> bool:
     out = parts[0][0]
     if not out.is_cuda or out.dtype != torch.bfloat16 or out.dim() != 3 or out.shape[2] != D_V:
         return False
-    if out.shape[0] * out.shape[1] == 0 or (attn_sink is not None and not attn_sink.is_contiguous()):
+    if out.shape[0] * out.shape[1] == 0:
         return False
+    if attn_sink is not None and (attn_sink.device != out.device or not attn_sink.is_contiguous()):
+        return False  # PyTorch's operations then raise for a sink on another device
     return all(
         tensor.is_contiguous() and (tensor is not part[0] or tensor.data_ptr() % 16 == 0)
         for part in parts
