@@ -142,11 +142,12 @@ def sparse_mla_q8kv8_paged_fwd(
     softmax: the main part without the sink, the extra part read directly when the paged kernel reads its
     layout (V3.2, V4, V4.1) or else gathered to e4m3 rows (scale 1) and attended by
     ``sparse_mla_q8kv8_prefill_fwd``, the two merged exactly by their lse, then the sink applied once
-    (``max_logits``: the larger of the parts'; ``lse`` over both, without the sink). The main call is checked
-    first, then the extra arguments. It is composed of the single-cache calls and torch operations (the
-    custom ops are not extended): under ``torch.compile`` the parts are those calls' ops (the gather's,
-    ``torch.ops.q8kv8.gather_dequant_paged_out``, for an extra cache the paged kernel does not read), and
-    the arguments are checked by the parts' ops under the single-cache names.
+    (``max_logits``: the larger of the parts'; ``lse`` over both, without the sink). ``extra_indices`` or
+    ``extra_topk_length`` without ``extra_cache`` is an error before anything else is checked; with one, the
+    main call is checked first, then the extra arguments. It is composed of the single-cache calls and torch
+    operations (the custom ops are not extended): under ``torch.compile`` the parts are those calls' ops (the
+    gather's, ``torch.ops.q8kv8.gather_dequant_paged_out``, for an extra cache the paged kernel does not
+    read), and the arguments are checked by the parts' ops under the single-cache names.
     """
     call = new_call(
         PagedCall,

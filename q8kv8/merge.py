@@ -76,7 +76,8 @@ def merge_attention(
     lse = torch.where(has_rows, top + torch.log(total), torch.inf)
     weights = weights / torch.where(has_rows, total, 1.0)
     if attn_sink is not None:
-        weights = weights * torch.sigmoid(lse - attn_sink)  # 1 / (1 + exp(sink - lse)); 1 for an empty row
+        # 1 / (1 + exp(sink - lse)); an empty row's weights stay 0 (inf - inf would make them NaN)
+        weights = weights * torch.where(has_rows, torch.sigmoid(lse - attn_sink), 1.0)
     out = sum(w[..., None] * part[0].float() for w, part in zip(weights, parts, strict=True))
     max_logits = torch.stack([m for _, m, _ in parts]).amax(dim=0)
     return out.to(first_out.dtype), max_logits, lse

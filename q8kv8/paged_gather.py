@@ -180,8 +180,8 @@ def gather_dequant_requant_fp8_paged(
             ``s % page_size`` of page ``s // page_size``. A slot outside ``[0, num_pages * page_size)``
             gives a zero row and is never read.
         page_size: tokens per page.
-        layout: "model1" (DeepSeek V4, d_qk 512) or "v32" (DeepSeek V3.2, d_qk 576), or a
-            ``q8kv8.kv_layout.KvCacheLayout``.
+        layout: "model1" (DeepSeek V4, d_qk 512), "v32" (DeepSeek V3.2, d_qk 576), "v41" or "v41_fp4"
+            (DeepSeek V4.1, d_qk 512), or a ``q8kv8.kv_layout.KvCacheLayout``.
         extra_rows: zero rows appended after the gathered ones (a landing zone).
         out: optional ``[num_tokens + extra_rows, 1, d_qk]`` float8_e4m3fn contiguous buffer, reused
             (its extra rows are re-zeroed).

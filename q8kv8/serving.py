@@ -340,7 +340,7 @@ class SparsePrefill:
         float32 (``LOGITS_IN_FLOAT32``), merged exactly by their lse (``q8kv8.merge.merge_attention``), then
         the sink. Returns what ``forward`` returns; ``last_path`` is the parts' paths joined by "+". A part's
         weight is off by exp(its lse's absolute error); with the FP8 tensor cores' own sums that was, at
-        dominant logits of 20-30, about 1-2% on the paged path and 5-25% on the workspace path
+        dominant logits of 20-30, about 2% on the paged path and 5-25% on the workspace path
         (``docs/usage.md``, "Serving path"). The paged call's ``extra_cache`` merges the same way but takes
         token slots; here each part keeps its own page table, seqlens, compress ratio and path, so the parts
         stay ``forward`` calls."""

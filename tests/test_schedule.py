@@ -103,3 +103,26 @@ def test_describe_answers_for_a_given_sm_count_and_names_that_argument_without_a
     assert schedule._sm_counts == {}  # nothing remembered for the device
     with pytest.raises(ValueError, match="num_sms: expected at least 1, got 0"):
         schedule.describe(437, 64, 2048, num_sms=0)
+
+
+def test_a_paged_cache_splits_into_ranges_of_one_pair(monkeypatch):
+    """From a paged cache a split range may be one pair of blocks (``PAGED_SPLIT_MIN_SLOTS``): a small decode
+    batch at topk 512 or 1152 splits in twice the parts it does on gathered rows, where it fits; small heads
+    and longer top-k choose as on gathered rows."""
+    monkeypatch.setattr(schedule, "_sm_counts", {0: 132})
+    assert schedule.PAGED_SPLIT_MIN_SLOTS == 128
+    cases = {  # (s_q, h_q, topk): (parts on gathered rows, parts from a paged cache)
+        (8, 64, 512): (2, 4),
+        (8, 128, 512): (2, 4),  # 16 tiles in 4 parts: 80 SMs
+        (8, 64, 1152): (4, 8),
+        (16, 64, 1152): (4, 4),  # 8 parts would need 176 SMs
+        (1, 64, 256): (1, 2),
+        (64, 64, 2048): (2, 2),
+        (8, 64, 2048): (8, 8),
+    }
+    for (s_q, h_q, topk), parts in cases.items():
+        got = tuple(schedule.choose(s_q, h_q, topk, False, 0, paged=paged).splits for paged in (False, True))
+        assert got == parts, (s_q, h_q, topk)
+    for s_q in (8, 128):  # small heads: the small-head kernel either way
+        assert schedule.choose(s_q, 16, 512, False, 0, paged=True) == schedule.choose(s_q, 16, 512, False, 0)
+    assert schedule.describe(8, 64, 512, num_sms=132, paged=True) == "split in 4"

@@ -851,6 +851,9 @@ def test_merge_attention_is_one_softmax_over_the_union(generator):
     got = merge_attention([tuple(t.float() for t in part) for part in parts], sink.float())
     assert (got[0][7] == 0).all() and (got[1][7] == -math.inf).all() and (got[2][7] == math.inf).all()
     assert torch.allclose(got[0].double(), want[0], rtol=1e-5, atol=1e-6)
+    sink[1] = math.inf  # a head's sink takes all of its rows, and an empty row stays 0 (not NaN)
+    edge = merge_attention([tuple(t.float() for t in part) for part in parts], sink.float())[0]
+    assert (edge[:, 1] == 0).all() and torch.equal(edge[:, 2:], got[0][:, 2:])
     assert torch.equal(got[1], want[1].float())
     assert torch.allclose(got[2].double(), want[2], rtol=1e-6, atol=0)
     with pytest.raises(ValueError, match="at least one"):

@@ -20,7 +20,7 @@ from cute_kernels.sm90.paged_rows import ROW_SCALE, convert_rope, convert_row, s
 # S summed in float32 ("accurate", "accurate_logits"): from WGMMA groups of at most this many k-steps (64
 # elements of d_qk), each started from zero: the FP8 tensor cores' own accumulation keeps about 14 bits, which
 # costs the logits ~2e-3 relative over the 18 k-steps of d_qk 576, up to 7.5e-4 over 3 on a row led by one
-# slot (same-sign products), and ~5e-4 or less over 2 (V4.1's rows meet it at 2)
+# slot (same-sign products), and 3.3e-4 over 2 (docs/perf-notes.md, "The logits: QK accumulation")
 QK_PROMOTION_KSTEPS = 2
 # ... and V4.1's rows rescaled (16 k-steps, no RoPE group): 8 chunks of 2, as V4's scale groups (chunks of 4
 # left 8e-4 on rows led by one slot at logits 20-30; a last chunk of one k-step makes ptxas serialise the

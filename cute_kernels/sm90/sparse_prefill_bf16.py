@@ -90,6 +90,28 @@ class Consumer(NamedTuple):
     scale_log2: Float32  # sm_scale * log2(e)
 
 
+class ConsumerInputs(NamedTuple):
+    """What the kernel hands its consumer warpgroups (``SparsePrefillBf16Sm90.consume``)."""
+
+    sQ: cute.Tensor
+    sK: cute.Tensor
+    sV: cute.Tensor  # V^T: the gathered tiles seen as PV's MN-major B operand
+    sP: cute.Tensor
+    smem_stats: tuple  # row_max, row_sum, update, max_true
+    mIdx: cute.Tensor
+    mKV: cute.Tensor
+    mSink: cute.Tensor
+    mOut: cute.Tensor
+    mMaxLogits: cute.Tensor
+    mLse: cute.Tensor
+    mbar_q: cute.Pointer
+    mbar_kv_full: cute.Pointer
+    mbar_kv_empty: cute.Pointer
+    sm_scale_log2: Float32
+    flags: Int32
+    work: object  # the CTA's tile (TileScheduler.work)
+
+
 class SparsePrefillBf16Sm90(AttentionKernel):
     """Compile-time configuration of the bf16 kernel: ``d_qk`` (512 or 576)."""
 
@@ -239,24 +261,11 @@ class SparsePrefillBf16Sm90(AttentionKernel):
             )
             self.consume(
                 consumer,
-                sQ,
-                sK,
-                sV,
-                sP,
-                smem_stats,
-                mIdx,
-                mKV,
-                mSink,
-                mOut,
-                mMaxLogits,
-                mLse,
-                mbar_q,
-                mbar_kv_full,
-                mbar_kv_empty,
-                sm_scale_log2,
-                flags,
-                work,
-            )
+                ConsumerInputs(
+                    sQ, sK, sV, sP, smem_stats, mIdx, mKV, mSink, mOut, mMaxLogits, mLse, mbar_q,
+                    mbar_kv_full, mbar_kv_empty, sm_scale_log2, flags, work,
+                ),
+            )  # fmt: skip
 
     @cute.jit
     def init_barriers(self, mbar_q, mbar_kv_full, mbar_kv_empty):
@@ -300,28 +309,10 @@ class SparsePrefillBf16Sm90(AttentionKernel):
 
     # ------------------------------------------------------------------------------------
     @cute.jit
-    def consume(
-        self,
-        consumer,
-        sQ,
-        sK,
-        sV,
-        sP,
-        smem_stats,
-        mIdx,
-        mKV,
-        mSink,
-        mOut,
-        mMaxLogits,
-        mLse,
-        mbar_q,
-        mbar_kv_full,
-        mbar_kv_empty,
-        sm_scale_log2,
-        flags,
-        work,
-    ):
+    def consume(self, consumer, cta: ConsumerInputs):
         """WG1/WG2: S for block c of each pair, softmax, O for half c of d_v, epilogue."""
+        sQ, sK, sV, sP, smem_stats, mIdx, mKV, mSink, mOut, mMaxLogits, mLse = cta[:11]
+        mbar_q, mbar_kv_full, mbar_kv_empty, sm_scale_log2, flags, work = cta[11:]
         bf16 = sQ.element_type
         wtid = cute.arch.thread_idx()[0] % THREADS_PER_WG  # thread index inside the warpgroup
         lane = cute.arch.lane_idx()
