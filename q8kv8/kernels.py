@@ -9,8 +9,9 @@ extent dynamic) or loads it from the disk cache (``q8kv8.build.build_or_load``),
   every other one on its first launch; the sink and ``topk_length`` are runtime flags;
 - the serving path's kernels (``SERVING_KEYS``, built on first use or by ``load_serving_variants()``):
   ``PagedGatherKey`` (the paged-cache gather, ``paged_kv.py``), ``QCastKey`` (the query cast,
-  ``q_cast.py``), ``SlotIndicesKey`` (top-k rows to token slots, ``paged_indices.py``) and
-  ``Bf16AttentionKey`` (the bf16 attention kernel, ``sparse_prefill_bf16.py``).
+  ``q_cast.py``), ``SlotIndicesKey`` (top-k rows to token slots, ``paged_indices.py``), ``MergeKey`` (two
+  attentions merged into one softmax, ``attention_merge.py``) and ``Bf16AttentionKey`` (the bf16 attention
+  kernel, ``sparse_prefill_bf16.py``).
 
 A key names its variant (``name``, the cache entry's), says whether the family has it (``check``), gives the
 kernel's configuration object (``kernel``) and compiles it (``compile``). ``LISTED_KEYS`` is every variant
@@ -342,7 +343,51 @@ class SlotIndicesKey(_FamilyDefaults):
         return compile_for_tvm_ffi(self.kernel(), args, dump_dir)
 
 
-KernelKey = VariantKey | Bf16AttentionKey | PagedGatherKey | QCastKey | SlotIndicesKey
+@dataclass(frozen=True, slots=True)
+class MergeKey(_FamilyDefaults):
+    """The merge of two attentions into one softmax (``cute_kernels/sm90/attention_merge.py``): an extra
+    cache's part beside the main one, a serving layer's merged parts. One variant."""
+
+    exported = "attention_merge"
+    d_qk = 0
+
+    @property
+    def name(self) -> str:
+        return "attention_merge_sm90"
+
+    def kernel(self):
+        import_dsl()
+        from cute_kernels.sm90.attention_merge import AttentionMergeSm90
+
+        return AttentionMergeSm90()
+
+    def compile(self, dump_dir: Path):
+        cutlass, cute = import_dsl()
+        from cutlass import BFloat16, Float32, Int32
+
+        rows = cute.sym_int()
+
+        def out_rows():  # [rows, D_V] bf16, row-major
+            return cute.runtime.make_fake_compact_tensor(
+                BFloat16, (rows, D_V), stride_order=(1, 0), assumed_align=16
+            )
+
+        def stats():  # [rows] f32
+            return cute.runtime.make_fake_compact_tensor(Float32, (rows,), assumed_align=4)
+
+        args = (
+            out_rows(), stats(), stats(),  # part 0
+            out_rows(), stats(), stats(),  # part 1
+            cute.runtime.make_fake_compact_tensor(Float32, (cute.sym_int(),), assumed_align=4),  # attn_sink
+            out_rows(), stats(), stats(),  # out, max_logits, lse
+            Int32(1),  # num_heads
+            Int32(0),  # flags
+            cute.runtime.make_fake_stream(use_tvm_ffi_env_stream=True),
+        )  # fmt: skip
+        return compile_for_tvm_ffi(self.kernel(), args, dump_dir)
+
+
+KernelKey = VariantKey | Bf16AttentionKey | PagedGatherKey | QCastKey | SlotIndicesKey | MergeKey
 
 
 def _attention_keys(**fixed) -> list[VariantKey]:
@@ -374,13 +419,15 @@ IMPORT_KEYS = [
 ``IMPORT_PRECISIONS`` (a precision buying one of the accurate mode's two parts builds on its first call)."""
 SERVING_KEYS = [
     SlotIndicesKey(),
+    MergeKey(),
     *(PagedGatherKey(layout, dtype) for layout in LAYOUTS for dtype in GATHER_DTYPES),
     *(QCastKey(d) for d in D_QK_VARIANTS),
     *_attention_keys(q_dtype=BF16_Q),
     *(Bf16AttentionKey(d_qk) for d_qk in D_QK_VARIANTS),
 ]
-"""The serving path's variants (``load_serving_variants``): the slot-index kernel, the gathers, the query
-casts, the FP8 attention variants for a bfloat16 q (paged and small-head ones included), the bf16 kernel."""
+"""The serving path's variants (``load_serving_variants``): the slot-index kernel, the merge, the gathers,
+the query casts, the FP8 attention variants for a bfloat16 q (paged and small-head ones included), the bf16
+kernel."""
 LISTED_KEYS = list(dict.fromkeys([*IMPORT_KEYS, *_attention_keys(), *SERVING_KEYS]))
 """Every variant of every family, as the listings show them: those of the import first."""
 _variants: dict[KernelKey, Variant] = {}
@@ -723,6 +770,21 @@ def launch_paged_indices(indices, table_words, seqlen_words, slots, topk_length,
     _call_on_device_of(
         slots, variant.function, indices, table_words, seqlen_words, slots, topk_length, compress_ratio
     )
+
+
+_MERGE = MergeKey()
+
+
+def launch_attention_merge(part0, part1, attn_sink, out, max_logits, lse) -> None:
+    """Launch the merge on validated tensors: each part ``(out [rows, D_V] bf16, max_logits [rows] float32,
+    lse [rows] float32)``, ``attn_sink`` [h] float32 or None (rows of head ``row % h``), ``out`` [rows, D_V]
+    bf16, ``max_logits`` and ``lse`` [rows] float32; every tensor contiguous, the bf16 ones 16-byte aligned,
+    rows > 0."""
+    variant = _variants.get(_MERGE) or load(_MERGE)
+    sink = max_logits[:1] if attn_sink is None else attn_sink  # a placeholder that is not read
+    num_heads = 1 if attn_sink is None else attn_sink.shape[0]
+    flags = 0 if attn_sink is None else SINK_FLAG
+    _call_on_device_of(out, variant.function, *part0, *part1, sink, out, max_logits, lse, num_heads, flags)
 
 
 def launch_sparse_prefill_bf16(

@@ -5,8 +5,12 @@ Each part is ``(out, max_logits, lse)`` as the attention calls return them, comp
 which then weighs nothing). The merge weighs part i by ``exp(lse_i - lse)`` with ``lse`` the log of the summed
 exponentials, in float32, which is the attention over the union of the rows up to the parts' own rounding;
 the sink, applied once to the merged row, multiplies it by ``1 / (1 + exp(attn_sink[h] - lse))``. A
-part's weight is off by exp(the absolute error of its lse) (``docs/usage.md``, "Serving path"). PyTorch
-operations on the parts' device: no host sync, CUDA graph capturable.
+part's weight is off by exp(the absolute error of its lse) (``docs/usage.md``, "Serving path").
+
+Two bfloat16 parts of contiguous rows of ``D_V`` values on a GPU merge in one launch
+(``cute_kernels/sm90/attention_merge.py``, the same weights in float32, the output rounded once); any other
+parts, on CPU, or traced by ``torch.compile``, in PyTorch operations on the parts' device. No host sync, CUDA
+graph capturable either way.
 """
 
 from __future__ import annotations
@@ -14,6 +18,9 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 import torch
+
+from q8kv8 import kernels
+from q8kv8.metadata import D_V
 
 
 def merge_attention(
@@ -49,6 +56,16 @@ def merge_attention(
         raise ValueError(
             f"attn_sink: expected a float32 tensor [h] = [{h}], got {attn_sink.dtype} {list(attn_sink.shape)}"
         )
+    if _one_launch(parts, attn_sink):
+        (out0, max0, lse0), (out1, max1, lse1) = parts
+        out = torch.empty_like(out0)
+        max_logits, lse = torch.empty_like(max0), torch.empty_like(lse0)
+        kernels.launch_attention_merge(
+            (out0.view(-1, D_V), max0.view(-1), lse0.view(-1)),
+            (out1.view(-1, D_V), max1.view(-1), lse1.view(-1)),
+            attn_sink, out.view(-1, D_V), max_logits.view(-1), lse.view(-1),
+        )  # fmt: skip
+        return out, max_logits, lse
     lses = torch.stack([lse for _, _, lse in parts])
     lses = torch.where(lses == torch.inf, -torch.inf, lses)  # an empty part weighs nothing
     top = lses.amax(dim=0)
@@ -64,3 +81,22 @@ def merge_attention(
     out = sum(w[..., None] * part[0].float() for w, part in zip(weights, parts, strict=True))
     max_logits = torch.stack([m for _, m, _ in parts]).amax(dim=0)
     return out.to(first_out.dtype), max_logits, lse
+
+
+def _one_launch(parts, attn_sink) -> bool:
+    """Whether ``parts`` (checked) merge in one launch of the merge kernel: two bfloat16 parts on a GPU, rows
+    of ``D_V`` values, every tensor contiguous and the outs 16-byte aligned, at least one row, not traced."""
+    if len(parts) != 2 or torch.compiler.is_compiling():
+        return False
+    out = parts[0][0]
+    if not out.is_cuda or out.dtype != torch.bfloat16 or out.dim() != 3 or out.shape[2] != D_V:
+        return False
+    if out.shape[0] * out.shape[1] == 0:
+        return False
+    if attn_sink is not None and (attn_sink.device != out.device or not attn_sink.is_contiguous()):
+        return False  # PyTorch's operations then raise for a sink on another device
+    return all(
+        tensor.is_contiguous() and (tensor is not part[0] or tensor.data_ptr() % 16 == 0)
+        for part in parts
+        for tensor in part
+    )

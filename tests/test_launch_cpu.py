@@ -216,8 +216,8 @@ def test_variant_names_and_keys():
             bad.check()
     names = [key.name for key in kernels.LISTED_KEYS]
     # the attention variants (60 a precision: 24 on gathered rows, 12 a paged layout), the serving path's
-    # kernels (8 of them gathers: 4 layouts)
-    assert len(names) == len(set(names)) == 60 * len(PRECISIONS) + 13
+    # kernels (8 of them gathers: 4 layouts; the slot indices, the merge, 2 query casts, 2 bf16 kernels)
+    assert len(names) == len(set(names)) == 60 * len(PRECISIONS) + 14
     assert kernels.LISTED_KEYS[: len(kernels.IMPORT_KEYS)] == kernels.IMPORT_KEYS
     assert set(kernels.SERVING_KEYS) < set(kernels.LISTED_KEYS)
 
@@ -229,6 +229,7 @@ def test_every_family_is_one_table_of_keys():
     assert kernels.PagedGatherKey("model1", torch.bfloat16).name == "paged_kv_gather_sm90_model1_bf16"
     assert kernels.QCastKey(576).name == "cast_q_fp8_sm90_d576"
     assert kernels.SlotIndicesKey().name == "paged_indices_sm90"
+    assert kernels.MergeKey().name == "attention_merge_sm90"
     assert kernels.Bf16AttentionKey(512).name == "sparse_prefill_bf16_sm90_d512"
     table = {kernels.QCastKey(512): "cast", kernels.Bf16AttentionKey(512): "bf16"}
     assert len(table) == 2 and kernels.QCastKey(512) != kernels.Bf16AttentionKey(512)

@@ -463,13 +463,13 @@ def test_paged_scales_emulation_backs_the_paged_kernels_readings():
 def test_listings_name_every_variant_once_bf16_q_split_small_heads_paged_and_serving_included():
     """``listed_variants()`` (what ``python -m q8kv8.compile`` and ``q8kv8.info()`` list): the variants built
     at import first, then every other one of the keyed table (attention for a bfloat16 q, split, small heads,
-    paged caches; the serving path's gathers, query casts, slot-index and bf16 kernels), each once; each
-    listed with its q dtype and cache layout."""
+    paged caches; the serving path's gathers, query casts, slot-index, merge and bf16 kernels), each once;
+    each listed with its q dtype and cache layout."""
     variants = kernels.listed_variants()
     names = [v.name for v in variants]
     assert names[: len(kernels.IMPORT_KEYS)] == [key.name for key in kernels.IMPORT_KEYS]
     per_precision = len(PRECISIONS)
-    assert len(set(names)) == len(names) == 60 * per_precision + 13  # 8 gathers: 4 layouts, 2 dtypes
+    assert len(set(names)) == len(names) == 60 * per_precision + 14  # 8 gathers: 4 layouts, 2 dtypes
     attention = [v for v in variants if v.name.startswith("sparse_prefill_sm90_")]
     assert len(attention) == 60 * per_precision  # a precision's: 24 on gathered rows, 12 a paged layout
     assert len([name for name in names if name.endswith("_split")]) == (4 + 6) * per_precision  # 2 a layout
@@ -488,7 +488,7 @@ def test_listings_name_every_variant_once_bf16_q_split_small_heads_paged_and_ser
             for c in ("model1", "v32", "v41", "v41_fp4")
             for t in ("e4m3", "bf16")
         ]
-        + ["cast_q_fp8_sm90_d512", "cast_q_fp8_sm90_d576", "paged_indices_sm90"]
+        + ["cast_q_fp8_sm90_d512", "cast_q_fp8_sm90_d576", "paged_indices_sm90", "attention_merge_sm90"]
         + ["sparse_prefill_bf16_sm90_d512", "sparse_prefill_bf16_sm90_d576"]
     )
     assert serving["paged_kv_gather_sm90_v32_bf16"]["cache"] == "v32"
@@ -496,6 +496,7 @@ def test_listings_name_every_variant_once_bf16_q_split_small_heads_paged_and_ser
     assert serving["sparse_prefill_bf16_sm90_d576"]["q_dtype"] == "bf16"
     assert serving["sparse_prefill_bf16_sm90_d576"]["shared_memory_bytes"] > 0
     assert serving["paged_indices_sm90"]["shared_memory_bytes"] == 0
+    assert serving["attention_merge_sm90"]["shared_memory_bytes"] == 0
 
 
 def test_the_bf16_q_and_split_variants_are_not_built_at_import():

@@ -30,7 +30,7 @@ REPRESENTATIVE = frozenset(
         _V(512, "default", PERSISTENT, FP8, 32, "model1"),  # paged: rows rescaled, small heads
         _V(512, "default", ONE_TILE, FP8, 64, "v41"),  # paged: e4m3 values only, rows rescaled
         _V(512, "accurate", PERSISTENT, BF16_Q, 64, "v41"),  # paged: rows rescaled, S promoted
-        *kernels.SERVING_KEYS[: 1 + 4 + 2],  # the slot indices, gathers and query casts (small kernels)
+        *kernels.SERVING_KEYS[: 1 + 1 + 6],  # the slot indices, the merge and six gathers (small kernels)
         kernels.Bf16AttentionKey(512),  # the bf16 kernel
         kernels.Bf16AttentionKey(576),
     ]
