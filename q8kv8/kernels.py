@@ -128,16 +128,22 @@ class VariantKey(NamedTuple):
 
         q_type = BFloat16 if self.q_dtype == BF16_Q else Float8E4M3FN
         args = _fake_attention_args(cute, Float8E4M3FN, self.d_qk, with_scales=True, q_type=q_type)
+        extra = args[1]  # a row-major kv: kv again, in the extra cache's place
         if self.cache is not None:
-            # kv: the cache, [num_pages, page_size, bytes per token], page stride dynamic
-            kv = cute.runtime.make_fake_tensor(
-                Uint8,
-                (cute.sym_int(), cute.sym_int(), LAYOUTS[self.cache].bytes_per_token),
-                stride=(cute.sym_int64(divisibility=16), cute.sym_int64(), 1),
-                assumed_align=16,
+            # kv and the extra cache: each [num_pages, page_size, bytes per token], page stride dynamic
+            kv, extra = (
+                cute.runtime.make_fake_tensor(
+                    Uint8,
+                    (cute.sym_int(), cute.sym_int(), LAYOUTS[self.cache].bytes_per_token),
+                    stride=(cute.sym_int64(divisibility=16), cute.sym_int64(), 1),
+                    assumed_align=16,
+                )
+                for _ in range(2)
             )
             args = (args[0], kv, *args[2:])
-        args = (*args[:-1], Int32(1), args[-1])  # schedule_count (tiles per CTA, or parts), before the stream
+        lse = _LAUNCH_TENSORS.index("lse")
+        # the extra cache after lse; schedule_count (tiles per CTA, or parts) and extra_from before the stream
+        args = (*args[: lse + 1], extra, *args[lse + 1 : -1], Int32(1), Int32(0), args[-1])
         return compile_for_tvm_ffi(self.kernel(), args, dump_dir)
 
 
@@ -521,8 +527,9 @@ class AttentionLaunch(NamedTuple):
 
     key: VariantKey
     rows: slice | None  # the tokens it runs (None: all of them)
-    # The arguments after the tensors: sm_scale * log2(e), the flags, the schedule count.
-    scalars: tuple[float, int, int]
+    # The arguments after the tensors: sm_scale * log2(e), the flags, the schedule count, the extra cache's
+    # first index slot.
+    scalars: tuple[float, int, int, int]
 
 
 @functools.lru_cache(maxsize=1024)
@@ -538,6 +545,7 @@ def attention_plan(
     splits: int = 1,
     split_from: int = 0,
     cache: str | None = None,
+    extra_from: int = 0,
 ) -> tuple[tuple[tuple[str, torch.dtype | None, bool], ...], tuple[AttentionLaunch, ...]]:
     """What a call of ``launch_sparse_prefill``'s arguments launches: ``(arguments, launches)``, the one
     description that both the Python launcher and the C++ fast path (``q8kv8.native``) execute.
@@ -546,12 +554,14 @@ def attention_plan(
     ``PrefillCall`` field whose tensor it is, the dtype it is viewed as (None: its own) and whether a launch
     of some of the tokens passes only their rows. A bfloat16 q has no q_scale: the kernel does not read that
     argument, which gets kv_scale. An absent topk_length / attn_sink gets the placeholders of
-    ``placeholders`` (a scale's bytes as int32, kv_scale), never read (the flags say absent).
+    ``placeholders`` (a scale's bytes as int32, kv_scale), never read (the flags say absent). The last is a
+    paged call's extra cache (``launch_sparse_prefill``'s ``extra_cache``); on kv rows, kv again, not read.
 
     ``launches``: the persistent variant (``tiles`` > 0, or small heads not split: the small-head variant);
     else the one-tile variant, the split one (``splits`` > 1), or both for a split tail: the one-tile kernel
     on the tokens before ``split_from``, then the split one on the others, with the split-tail flag (the two
-    launches overlap)."""
+    launches overlap). ``extra_from``: a paged call's first index slot of its extra cache (its top-k when it
+    has none; 0 on kv rows, where the kernel does not read it)."""
     s_q, h_q, d_qk = q_shape
     small = small_heads(h_q) and splits == 1  # small heads split: tiles of 64 heads (schedule.choose)
     key = VariantKey(d_qk, precision, ONE_TILE, q_dtype, h_q if small else HEAD_ALIGNMENT, cache)
@@ -568,15 +578,17 @@ def attention_plan(
     logit_scale = sm_scale * LOG2_E
     launches = tuple(
         AttentionLaunch(
-            key._replace(schedule=kind), rows, (logit_scale, flags, splits if kind == SPLIT else tiles or 1)
+            key._replace(schedule=kind),
+            rows,
+            (logit_scale, flags, splits if kind == SPLIT else tiles or 1, extra_from),
         )
         for kind, rows in zip(kinds, tokens, strict=True)
     )
-    return _attention_arguments(has_q_scale, has_topk_length, has_sink), launches
+    return _attention_arguments(has_q_scale, has_topk_length, has_sink, cache is not None), launches
 
 
 @functools.cache
-def _attention_arguments(has_q_scale: bool, has_topk_length: bool, has_sink: bool) -> tuple:
+def _attention_arguments(has_q_scale: bool, has_topk_length: bool, has_sink: bool, paged: bool) -> tuple:
     scale = "q_scale" if has_q_scale else "kv_scale"
     return (
         ("q", None, True),
@@ -589,6 +601,7 @@ def _attention_arguments(has_q_scale: bool, has_topk_length: bool, has_sink: boo
         ("out", None, True),
         ("max_logits", None, True),
         ("lse", None, True),
+        ("extra_cache" if paged else "kv", None, False),
     )
 
 
@@ -615,6 +628,8 @@ def launch_sparse_prefill(
     splits: int = 1,
     split_from: int = 0,
     cache: str | None = None,
+    extra_cache: torch.Tensor | None = None,
+    extra_from: int | None = None,
 ) -> tuple[tuple[int, Variant], ...]:
     """Launch the kernel on validated tensors: q (e4m3 or bfloat16), out, max_logits, lse row-major with a
     head count (one of ``SMALL_HEAD_COUNTS`` and not split: the small-head variant, a persistent kernel; any
@@ -622,15 +637,17 @@ def launch_sparse_prefill(
     dimension; one-element scales, ``q_scale`` None for a bfloat16 q. ``cache``: kv is a paged cache of that
     layout (``CACHE_LAYOUTS``) as [num_pages, page_size, bytes per token] uint8 (16-byte aligned base and page
     stride, page_size a power of two), indices its token slots, ``kv_scale`` a one-element 1.0 (its block
-    scales apply instead). ``schedule``: ``tiles_per_cta``'s (small heads: ``small_head_tiles_per_cta``'s)
-    answer when the caller has it (the contract memoises it), else computed here. ``ready``: the caller knows
-    that q, kv and out meet the alignments of ``q8kv8.metadata`` (``contract.Problem.launch_ready``), so they
-    are not checked again (else misaligned tensors are copied to aligned ones). ``splits`` > 1 and
-    ``split_from`` (``q8kv8.schedule.split_tokens``'s answer; only with the one-tile schedule): the split
-    variant computes each tile of the tokens from ``split_from`` on with a cluster of ``splits`` CTAs, one per
-    range of index slots, which merge their results; the tokens before it, if any, run one tile per CTA in a
-    launch before. The launches are ``attention_plan``'s. Variants build on their first launch. Returns the
-    launches' ``(schedule kind, variant)``, in order."""
+    scales apply instead); ``extra_cache``: None, or a second cache of that layout whose token slots are the
+    index slots from ``extra_from`` on (the cache's those before it), attended in the same softmax.
+    ``schedule``: ``tiles_per_cta``'s (small heads: ``small_head_tiles_per_cta``'s) answer when the caller has
+    it (the contract memoises it), else computed here. ``ready``: the caller knows that q, kv and out meet the
+    alignments of ``q8kv8.metadata`` (``contract.Problem.launch_ready``), so they are not checked again (else
+    misaligned tensors are copied to aligned ones). ``splits`` > 1 and ``split_from``
+    (``q8kv8.schedule.split_tokens``'s answer; only with the one-tile schedule): the split variant computes
+    each tile of the tokens from ``split_from`` on with a cluster of ``splits`` CTAs, one per range of index
+    slots, which merge their results; the tokens before it, if any, run one tile per CTA in a launch before.
+    The launches are ``attention_plan``'s. Variants build on their first launch. Returns the launches'
+    ``(schedule kind, variant)``, in order."""
     tiles = schedule
     small = small_heads(q.shape[1]) and splits == 1  # small heads split: tiles of 64 heads (schedule.choose)
     if tiles is None and small:
@@ -642,9 +659,11 @@ def launch_sparse_prefill(
             topk_length is not None,
             q.get_device(),
         )
+    if cache is not None and extra_from is None:
+        extra_from = indices.shape[2]  # no extra cache
     arguments, launches = attention_plan(
         q.shape, q.dtype, precision, sm_scale, q_scale is not None, topk_length is not None,
-        attn_sink is not None, tiles, splits, split_from, cache,
+        attn_sink is not None, tiles, splits, split_from, cache, extra_from or 0,
     )  # fmt: skip
     launched = [(launch.key.schedule, _variants.get(launch.key) or load(launch.key)) for launch in launches]
     kernel_out = out
@@ -661,7 +680,11 @@ def launch_sparse_prefill(
     names, retyped, per_token = _argument_layout(arguments)
     q_scale = q_scale if q_scale is None or q_scale.dim() == 1 else q_scale.reshape(1)
     kv_scale = kv_scale if kv_scale.dim() == 1 else kv_scale.reshape(1)
-    tensors = names((q, kv, indices, topk_length, attn_sink, q_scale, kv_scale, kernel_out, max_logits, lse))
+    if cache is not None and extra_cache is None:
+        extra_cache = kv[:0]  # no extra cache: one of no pages
+    tensors = names(
+        (q, kv, indices, topk_length, attn_sink, q_scale, kv_scale, kernel_out, max_logits, lse, extra_cache)
+    )
     if retyped:
         tensors = list(tensors)
         for index, dtype in retyped:
@@ -678,7 +701,9 @@ def launch_sparse_prefill(
     return tuple(launched)
 
 
-_LAUNCH_TENSORS = tuple("q kv indices topk_length attn_sink q_scale kv_scale out max_logits lse".split())
+_LAUNCH_TENSORS = tuple(
+    "q kv indices topk_length attn_sink q_scale kv_scale out max_logits lse extra_cache".split()
+)
 """The order in which ``launch_sparse_prefill`` hands its tensors to ``_argument_layout``'s getter."""
 
 

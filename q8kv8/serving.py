@@ -341,9 +341,9 @@ class SparsePrefill:
         the sink. Returns what ``forward`` returns; ``last_path`` is the parts' paths joined by "+". A part's
         weight is off by exp(its lse's absolute error); with the FP8 tensor cores' own sums that was, at
         dominant logits of 20-30, about 2% on the paged path and 5-25% on the workspace path
-        (``docs/usage.md``, "Serving path"). The paged call's ``extra_cache`` merges the same way but takes
-        token slots; here each part keeps its own page table, seqlens, compress ratio and path, so the parts
-        stay ``forward`` calls."""
+        (``docs/usage.md``, "Serving path"). The paged call's ``extra_cache`` takes token slots (one of the
+        main layout is read in the main launch, any other merged the same way); here each part keeps its own
+        page table, seqlens, compress ratio and path, so the parts stay ``forward`` calls."""
         if len(parts) == 0:
             raise ValueError("parts: expected at least one CacheRows")
         results, paths = [], []

@@ -27,9 +27,11 @@ FUNCTION_PARAMETERS = (
     "out",
     "max_logits",
     "lse",
+    "extra_cache",
     "scale_log2",
     "flags",
     "tiles_per_cta",
+    "extra_from",
 )
 
 
