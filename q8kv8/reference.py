@@ -309,10 +309,12 @@ def slot_indices_reference(indices, page_table, seqlens, compress_ratio: int, to
     return out, seen.clamp(0, topk).to(torch.int32)
 
 
-def _reference_attention_paged(q, cache, slots, sm_scale, attn_sink, topk_length, precision=None):
+def _reference_attention_paged(q, cache, slots, sm_scale, attn_sink, topk_length, precision=None, extra=None):
+    extra_cache, extra_indices, extra_topk_length = extra if extra is not None else (None, None, None)
     out, max_logits, lse = sparse_mla_paged_reference(
-        q, cache, slots, sm_scale, None, D_V, attn_sink, topk_length
-    )
+        q, cache, slots, sm_scale, None, D_V, attn_sink, topk_length,
+        extra_cache=extra_cache, extra_indices=extra_indices, extra_topk_length=extra_topk_length,
+    )  # fmt: skip
     return out.to(torch.bfloat16), max_logits.float(), lse.float()
 
 
