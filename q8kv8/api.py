@@ -140,8 +140,9 @@ def sparse_mla_q8kv8_paged_fwd(
 
     With an extra cache (``q8kv8.paged_extra``) each query attends its valid slots of both caches as one
     softmax. An extra cache of the cache's layout is read in the same launch (both index rows joined into
-    one). Another one is a second part: read directly when the paged kernel reads its layout (V3.2, V4, V4.1)
-    or else gathered to e4m3 rows (scale 1) and attended by ``sparse_mla_q8kv8_prefill_fwd``, the main part
+    one), and so is a V4.1 FP4 cache beside a V4.1 cache, its selected slots gathered into V4.1 tokens first.
+    Another one is a second part: read directly when the paged kernel reads its layout (V3.2, V4, V4.1) or
+    else gathered to e4m3 rows (scale 1) and attended by ``sparse_mla_q8kv8_prefill_fwd``, the main part
     without the sink, the two merged exactly by their lse, then the sink applied once (``max_logits``: the
     larger of the parts'; ``lse`` over both, without the sink). ``extra_indices`` or ``extra_topk_length``
     without ``extra_cache`` is an error before anything else is checked; with one, the main call is checked

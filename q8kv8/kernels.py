@@ -29,7 +29,7 @@ from typing import NamedTuple
 import torch
 
 from q8kv8.build import CacheStats, Variant, build_or_load, compile_for_tvm_ffi, import_dsl, ptxas_report
-from q8kv8.kv_layout import LAYOUTS, PAGED_ATTENTION_LAYOUTS
+from q8kv8.kv_layout import LAYOUTS, PAGED_ATTENTION_LAYOUTS, RECORDS_FROM
 from q8kv8.metadata import (
     D_V,
     HEAD_ALIGNMENT,
@@ -62,8 +62,9 @@ CACHE_LAYOUTS = {layout.name: layout.d_qk for layout in PAGED_ATTENTION_LAYOUTS}
 """The paged cache layouts the attention kernel reads (``q8kv8.kv_layout``), with their d_qk; the gather
 (``PagedGatherKey``) reads every one of ``LAYOUTS``."""
 SCHEDULE_SUFFIXES = {ONE_TILE: "", PERSISTENT: "_persistent", SPLIT: "_split"}
-GATHER_DTYPES = {FP8: "e4m3", torch.bfloat16: "bf16"}
-"""The gather's output dtypes, as its variant names spell them."""
+GATHER_DTYPES = {FP8: "e4m3", torch.bfloat16: "bf16", torch.uint8: "v41"}
+"""The gather's output dtypes, as its variant names spell them: e4m3 or bf16 rows, or (uint8, from a V4.1 FP4
+cache only) records of V4.1's layout."""
 
 cache_stats = CacheStats()
 """This process's disk-cache hits and misses, every family together."""
@@ -195,7 +196,8 @@ class Bf16AttentionKey(_FamilyDefaults):
 @dataclass(frozen=True, slots=True)
 class PagedGatherKey(_FamilyDefaults):
     """The paged-cache gather (``cute_kernels/sm90/paged_kv.py``) for one cache layout and output dtype:
-    token slots into contiguous e4m3 (scale 1) or bf16 rows."""
+    token slots into contiguous e4m3 (scale 1) or bf16 rows, or (uint8) a V4.1 FP4 cache's slots into
+    records of V4.1's layout."""
 
     layout: str
     out_dtype: torch.dtype = FP8
@@ -219,18 +221,31 @@ class PagedGatherKey(_FamilyDefaults):
             raise ValueError(f"layout: expected one of {tuple(LAYOUTS)}, got {self.layout!r}")
         if self.out_dtype not in GATHER_DTYPES:
             raise ValueError(f"out_dtype: expected one of {tuple(GATHER_DTYPES)}, got {self.out_dtype}")
+        if self.out_dtype == torch.uint8 and self.layout != RECORDS_FROM:
+            raise ValueError(f"out_dtype: uint8 (V4.1 records) from a {RECORDS_FROM} cache only")
 
     def kernel(self):
         import_dsl()
         from cute_kernels.sm90.paged_kv import PagedKvGatherSm90
 
-        return PagedKvGatherSm90(self.layout, self.out_dtype == torch.bfloat16)
+        return PagedKvGatherSm90(self.layout, GATHER_DTYPES[self.out_dtype])
 
     def compile(self, dump_dir: Path):
         cutlass, cute = import_dsl()
         from cutlass import BFloat16, Float8E4M3FN, Int32, Uint8
 
         kernel = self.kernel()
+        if self.out_dtype == torch.uint8:  # records [rows, 528], row-major
+            out = cute.runtime.make_fake_compact_tensor(
+                Uint8, (cute.sym_int(), kernel.out_row_bytes), stride_order=(1, 0), assumed_align=16
+            )
+        else:  # rows [rows, 1, d_qk], row-major
+            out = cute.runtime.make_fake_compact_tensor(
+                BFloat16 if self.out_dtype == torch.bfloat16 else Float8E4M3FN,
+                (cute.sym_int(), 1, kernel.d_qk),
+                stride_order=(2, 1, 0),
+                assumed_align=16,
+            )
         args = (
             cute.runtime.make_fake_tensor(  # cache [num_pages, page_bytes], page stride a multiple of 16
                 Uint8,
@@ -241,12 +256,7 @@ class PagedGatherKey(_FamilyDefaults):
             cute.runtime.make_fake_tensor(  # slots [num_tokens, 1 or 2 words]
                 Int32, (cute.sym_int(), cute.sym_int()), stride=(cute.sym_int64(), 1), assumed_align=4
             ),
-            cute.runtime.make_fake_compact_tensor(  # out [rows, 1, d_qk], row-major
-                BFloat16 if self.out_dtype == torch.bfloat16 else Float8E4M3FN,
-                (cute.sym_int(), 1, kernel.d_qk),
-                stride_order=(2, 1, 0),
-                assumed_align=16,
-            ),
+            out,
             Int32(1),  # page_size
             cute.runtime.make_fake_stream(use_tvm_ffi_env_stream=True),
         )
@@ -380,7 +390,12 @@ IMPORT_KEYS = [
 ``IMPORT_PRECISIONS`` (a precision buying one of the accurate mode's two parts builds on its first call)."""
 SERVING_KEYS = [
     SlotIndicesKey(),
-    *(PagedGatherKey(layout, dtype) for layout in LAYOUTS for dtype in GATHER_DTYPES),
+    *(
+        PagedGatherKey(layout, dtype)
+        for layout in LAYOUTS
+        for dtype in GATHER_DTYPES
+        if dtype != torch.uint8 or layout == RECORDS_FROM
+    ),
     *(QCastKey(d) for d in D_QK_VARIANTS),
     *_attention_keys(q_dtype=BF16_Q),
     *(Bf16AttentionKey(d_qk) for d_qk in D_QK_VARIANTS),
@@ -721,7 +736,8 @@ def _argument_layout(arguments: tuple) -> tuple:
 def launch_paged_kv_gather(cache_pages, slot_words, out, page_size: int, layout: str) -> None:
     """Launch the gather on validated tensors: ``cache_pages`` [num_pages, page_bytes] uint8 (base and
     page stride 16-byte aligned), ``slot_words`` [num_tokens, 1 or 2] int32 (last dim contiguous),
-    ``out`` [rows, 1, d_qk] e4m3 or bf16, contiguous and 16-byte aligned, rows > 0."""
+    ``out`` [rows, 1, d_qk] e4m3 or bf16 (or, from a V4.1 FP4 cache, [rows, 528] uint8 V4.1 records),
+    contiguous and 16-byte aligned, rows > 0."""
     key = PagedGatherKey(layout, out.dtype)
     variant = _variants.get(key) or load(key)
     _call_on_device_of(out, variant.function, cache_pages, slot_words, out, page_size)

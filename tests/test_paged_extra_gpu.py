@@ -1,7 +1,7 @@
 """``sparse_mla_q8kv8_paged_fwd`` with an extra cache on an H100/H200 (``gpu`` marker): DeepSeek V4.1's main
-cache read directly with its FP4 extra cache gathered, and V4's compressed and SWA caches (or two V4.1 caches)
-read in one launch, in every schedule and with pages of other sizes in the extra cache, as one softmax with a
-sink and per-part valid counts, against the float64 reference over both caches
+cache with its FP4 extra cache gathered into V4.1 tokens, and V4's compressed and SWA caches (or two V4.1
+caches), each pair read in one launch, in every schedule and with pages of other sizes in the extra cache, as
+one softmax with a sink and per-part valid counts, against the float64 reference over both caches
 (``sparse_mla_paged_reference(..., extra_cache=...)``); a CUDA graph replay.
 
 Tolerances (``||out - ref|| / ||ref||``; max_logits and lse relative, absolute below 1), each part's own plus
