@@ -139,15 +139,17 @@ def sparse_mla_q8kv8_paged_fwd(
     ``torch.ops.q8kv8.sparse_mla_q8kv8_paged`` (``..._paged_out`` with buffers).
 
     With an extra cache (``q8kv8.paged_extra``) each query attends its valid slots of both caches as one
-    softmax: the main part without the sink, the extra part read directly when the paged kernel reads its
-    layout (V3.2, V4, V4.1) or else gathered to e4m3 rows (scale 1) and attended by
-    ``sparse_mla_q8kv8_prefill_fwd``, the two merged exactly by their lse, then the sink applied once
-    (``max_logits``: the larger of the parts'; ``lse`` over both, without the sink). ``extra_indices`` or
-    ``extra_topk_length`` without ``extra_cache`` is an error before anything else is checked; with one, the
-    main call is checked first, then the extra arguments. It is composed of the single-cache calls and torch
-    operations (the custom ops are not extended): under ``torch.compile`` the parts are those calls' ops (the
-    gather's, ``torch.ops.q8kv8.gather_dequant_paged_out``, for an extra cache the paged kernel does not
-    read), and the arguments are checked by the parts' ops under the single-cache names.
+    softmax. An extra cache of the cache's layout is read in the same launch (both index rows joined into
+    one), and so is a V4.1 FP4 cache beside a V4.1 cache, its selected slots gathered into V4.1 tokens first.
+    Another one is a second part: read directly when the paged kernel reads its layout (V3.2, V4, V4.1) or
+    else gathered to e4m3 rows (scale 1) and attended by ``sparse_mla_q8kv8_prefill_fwd``, the main part
+    without the sink, the two merged exactly by their lse, then the sink applied once (``max_logits``: the
+    larger of the parts'; ``lse`` over both, without the sink). ``extra_indices`` or ``extra_topk_length``
+    without ``extra_cache`` is an error before anything else is checked; with one, the main call is checked
+    first, then the extra arguments. Under ``torch.compile`` (the custom ops are not extended) every extra
+    cache is a second part, composed of the single-cache calls' ops (the gather's,
+    ``torch.ops.q8kv8.gather_dequant_paged_out``, for an extra cache the paged kernel does not read) and torch
+    operations, and the arguments are checked by the parts' ops under the single-cache names.
     """
     call = new_call(
         PagedCall,
@@ -158,7 +160,7 @@ def sparse_mla_q8kv8_paged_fwd(
         if is_compiling():
             return paged_extra.attend(call, extra, ops.call_paged_traced, ops.call_traced, ops.gather_traced)
         paged_extra.check_extra(call, extra)
-        return paged_extra.attend(call, extra, paged.run, eager.run, paged_extra.gather_rows)
+        return paged_extra.attend(call, extra, paged.run, eager.run, paged_extra.gather_rows, paged.run)
     return attend_paged(call)
 
 

@@ -30,7 +30,7 @@ from typing import NamedTuple
 import torch
 
 from q8kv8.build import CacheStats, Variant, build_or_load, compile_for_tvm_ffi, import_dsl, ptxas_report
-from q8kv8.kv_layout import LAYOUTS, PAGED_ATTENTION_LAYOUTS
+from q8kv8.kv_layout import LAYOUTS, PAGED_ATTENTION_LAYOUTS, RECORDS_FROM
 from q8kv8.metadata import (
     D_V,
     HEAD_ALIGNMENT,
@@ -63,8 +63,9 @@ CACHE_LAYOUTS = {layout.name: layout.d_qk for layout in PAGED_ATTENTION_LAYOUTS}
 """The paged cache layouts the attention kernel reads (``q8kv8.kv_layout``), with their d_qk; the gather
 (``PagedGatherKey``) reads every one of ``LAYOUTS``."""
 SCHEDULE_SUFFIXES = {ONE_TILE: "", PERSISTENT: "_persistent", SPLIT: "_split"}
-GATHER_DTYPES = {FP8: "e4m3", torch.bfloat16: "bf16"}
-"""The gather's output dtypes, as its variant names spell them."""
+GATHER_DTYPES = {FP8: "e4m3", torch.bfloat16: "bf16", torch.uint8: "v41"}
+"""The gather's output dtypes, as its variant names spell them: e4m3 or bf16 rows, or (uint8, from a V4.1 FP4
+cache only) records of V4.1's layout."""
 
 cache_stats = CacheStats()
 """This process's disk-cache hits and misses, every family together."""
@@ -129,16 +130,22 @@ class VariantKey(NamedTuple):
 
         q_type = BFloat16 if self.q_dtype == BF16_Q else Float8E4M3FN
         args = _fake_attention_args(cute, Float8E4M3FN, self.d_qk, with_scales=True, q_type=q_type)
+        extra = args[1]  # a row-major kv: kv again, in the extra cache's place
         if self.cache is not None:
-            # kv: the cache, [num_pages, page_size, bytes per token], page stride dynamic
-            kv = cute.runtime.make_fake_tensor(
-                Uint8,
-                (cute.sym_int(), cute.sym_int(), LAYOUTS[self.cache].bytes_per_token),
-                stride=(cute.sym_int64(divisibility=16), cute.sym_int64(), 1),
-                assumed_align=16,
+            # kv and the extra cache: each [num_pages, page_size, bytes per token], page stride dynamic
+            kv, extra = (
+                cute.runtime.make_fake_tensor(
+                    Uint8,
+                    (cute.sym_int(), cute.sym_int(), LAYOUTS[self.cache].bytes_per_token),
+                    stride=(cute.sym_int64(divisibility=16), cute.sym_int64(), 1),
+                    assumed_align=16,
+                )
+                for _ in range(2)
             )
             args = (args[0], kv, *args[2:])
-        args = (*args[:-1], Int32(1), args[-1])  # schedule_count (tiles per CTA, or parts), before the stream
+        lse = _LAUNCH_TENSORS.index("lse")
+        # the extra cache after lse; schedule_count (tiles per CTA, or parts) and extra_from before the stream
+        args = (*args[: lse + 1], extra, *args[lse + 1 : -1], Int32(1), Int32(0), args[-1])
         return compile_for_tvm_ffi(self.kernel(), args, dump_dir)
 
 
@@ -190,7 +197,8 @@ class Bf16AttentionKey(_FamilyDefaults):
 @dataclass(frozen=True, slots=True)
 class PagedGatherKey(_FamilyDefaults):
     """The paged-cache gather (``cute_kernels/sm90/paged_kv.py``) for one cache layout and output dtype:
-    token slots into contiguous e4m3 (scale 1) or bf16 rows."""
+    token slots into contiguous e4m3 (scale 1) or bf16 rows, or (uint8) a V4.1 FP4 cache's slots into
+    records of V4.1's layout."""
 
     layout: str
     out_dtype: torch.dtype = FP8
@@ -214,18 +222,31 @@ class PagedGatherKey(_FamilyDefaults):
             raise ValueError(f"layout: expected one of {tuple(LAYOUTS)}, got {self.layout!r}")
         if self.out_dtype not in GATHER_DTYPES:
             raise ValueError(f"out_dtype: expected one of {tuple(GATHER_DTYPES)}, got {self.out_dtype}")
+        if self.out_dtype == torch.uint8 and self.layout != RECORDS_FROM:
+            raise ValueError(f"out_dtype: uint8 (V4.1 records) from a {RECORDS_FROM} cache only")
 
     def kernel(self):
         import_dsl()
         from cute_kernels.sm90.paged_kv import PagedKvGatherSm90
 
-        return PagedKvGatherSm90(self.layout, self.out_dtype == torch.bfloat16)
+        return PagedKvGatherSm90(self.layout, GATHER_DTYPES[self.out_dtype])
 
     def compile(self, dump_dir: Path):
         cutlass, cute = import_dsl()
         from cutlass import BFloat16, Float8E4M3FN, Int32, Uint8
 
         kernel = self.kernel()
+        if self.out_dtype == torch.uint8:  # records [rows, 528], row-major
+            out = cute.runtime.make_fake_compact_tensor(
+                Uint8, (cute.sym_int(), kernel.out_row_bytes), stride_order=(1, 0), assumed_align=16
+            )
+        else:  # rows [rows, 1, d_qk], row-major
+            out = cute.runtime.make_fake_compact_tensor(
+                BFloat16 if self.out_dtype == torch.bfloat16 else Float8E4M3FN,
+                (cute.sym_int(), 1, kernel.d_qk),
+                stride_order=(2, 1, 0),
+                assumed_align=16,
+            )
         args = (
             cute.runtime.make_fake_tensor(  # cache [num_pages, page_bytes], page stride a multiple of 16
                 Uint8,
@@ -236,12 +257,7 @@ class PagedGatherKey(_FamilyDefaults):
             cute.runtime.make_fake_tensor(  # slots [num_tokens, 1 or 2 words]
                 Int32, (cute.sym_int(), cute.sym_int()), stride=(cute.sym_int64(), 1), assumed_align=4
             ),
-            cute.runtime.make_fake_compact_tensor(  # out [rows, 1, d_qk], row-major
-                BFloat16 if self.out_dtype == torch.bfloat16 else Float8E4M3FN,
-                (cute.sym_int(), 1, kernel.d_qk),
-                stride_order=(2, 1, 0),
-                assumed_align=16,
-            ),
+            out,
             Int32(1),  # page_size
             cute.runtime.make_fake_stream(use_tvm_ffi_env_stream=True),
         )
@@ -420,7 +436,12 @@ IMPORT_KEYS = [
 SERVING_KEYS = [
     SlotIndicesKey(),
     MergeKey(),
-    *(PagedGatherKey(layout, dtype) for layout in LAYOUTS for dtype in GATHER_DTYPES),
+    *(
+        PagedGatherKey(layout, dtype)
+        for layout in LAYOUTS
+        for dtype in GATHER_DTYPES
+        if dtype != torch.uint8 or layout == RECORDS_FROM
+    ),
     *(QCastKey(d) for d in D_QK_VARIANTS),
     *_attention_keys(q_dtype=BF16_Q),
     *(Bf16AttentionKey(d_qk) for d_qk in D_QK_VARIANTS),
@@ -568,8 +589,9 @@ class AttentionLaunch(NamedTuple):
 
     key: VariantKey
     rows: slice | None  # the tokens it runs (None: all of them)
-    # The arguments after the tensors: sm_scale * log2(e), the flags, the schedule count.
-    scalars: tuple[float, int, int]
+    # The arguments after the tensors: sm_scale * log2(e), the flags, the schedule count, the extra cache's
+    # first index slot.
+    scalars: tuple[float, int, int, int]
 
 
 @functools.lru_cache(maxsize=1024)
@@ -585,6 +607,7 @@ def attention_plan(
     splits: int = 1,
     split_from: int = 0,
     cache: str | None = None,
+    extra_from: int = 0,
 ) -> tuple[tuple[tuple[str, torch.dtype | None, bool], ...], tuple[AttentionLaunch, ...]]:
     """What a call of ``launch_sparse_prefill``'s arguments launches: ``(arguments, launches)``, the one
     description that both the Python launcher and the C++ fast path (``q8kv8.native``) execute.
@@ -593,12 +616,14 @@ def attention_plan(
     ``PrefillCall`` field whose tensor it is, the dtype it is viewed as (None: its own) and whether a launch
     of some of the tokens passes only their rows. A bfloat16 q has no q_scale: the kernel does not read that
     argument, which gets kv_scale. An absent topk_length / attn_sink gets the placeholders of
-    ``placeholders`` (a scale's bytes as int32, kv_scale), never read (the flags say absent).
+    ``placeholders`` (a scale's bytes as int32, kv_scale), never read (the flags say absent). The last is a
+    paged call's extra cache (``launch_sparse_prefill``'s ``extra_cache``); on kv rows, kv again, not read.
 
     ``launches``: the persistent variant (``tiles`` > 0, or small heads not split: the small-head variant);
     else the one-tile variant, the split one (``splits`` > 1), or both for a split tail: the one-tile kernel
     on the tokens before ``split_from``, then the split one on the others, with the split-tail flag (the two
-    launches overlap)."""
+    launches overlap). ``extra_from``: a paged call's first index slot of its extra cache (its top-k when it
+    has none; 0 on kv rows, where the kernel does not read it)."""
     s_q, h_q, d_qk = q_shape
     small = small_heads(h_q) and splits == 1  # small heads split: tiles of 64 heads (schedule.choose)
     key = VariantKey(d_qk, precision, ONE_TILE, q_dtype, h_q if small else HEAD_ALIGNMENT, cache)
@@ -615,15 +640,17 @@ def attention_plan(
     logit_scale = sm_scale * LOG2_E
     launches = tuple(
         AttentionLaunch(
-            key._replace(schedule=kind), rows, (logit_scale, flags, splits if kind == SPLIT else tiles or 1)
+            key._replace(schedule=kind),
+            rows,
+            (logit_scale, flags, splits if kind == SPLIT else tiles or 1, extra_from),
         )
         for kind, rows in zip(kinds, tokens, strict=True)
     )
-    return _attention_arguments(has_q_scale, has_topk_length, has_sink), launches
+    return _attention_arguments(has_q_scale, has_topk_length, has_sink, cache is not None), launches
 
 
 @functools.cache
-def _attention_arguments(has_q_scale: bool, has_topk_length: bool, has_sink: bool) -> tuple:
+def _attention_arguments(has_q_scale: bool, has_topk_length: bool, has_sink: bool, paged: bool) -> tuple:
     scale = "q_scale" if has_q_scale else "kv_scale"
     return (
         ("q", None, True),
@@ -636,6 +663,7 @@ def _attention_arguments(has_q_scale: bool, has_topk_length: bool, has_sink: boo
         ("out", None, True),
         ("max_logits", None, True),
         ("lse", None, True),
+        ("extra_cache" if paged else "kv", None, False),
     )
 
 
@@ -662,6 +690,8 @@ def launch_sparse_prefill(
     splits: int = 1,
     split_from: int = 0,
     cache: str | None = None,
+    extra_cache: torch.Tensor | None = None,
+    extra_from: int | None = None,
 ) -> tuple[tuple[int, Variant], ...]:
     """Launch the kernel on validated tensors: q (e4m3 or bfloat16), out, max_logits, lse row-major with a
     head count (one of ``SMALL_HEAD_COUNTS`` and not split: the small-head variant, a persistent kernel; any
@@ -669,15 +699,17 @@ def launch_sparse_prefill(
     dimension; one-element scales, ``q_scale`` None for a bfloat16 q. ``cache``: kv is a paged cache of that
     layout (``CACHE_LAYOUTS``) as [num_pages, page_size, bytes per token] uint8 (16-byte aligned base and page
     stride, page_size a power of two), indices its token slots, ``kv_scale`` a one-element 1.0 (its block
-    scales apply instead). ``schedule``: ``tiles_per_cta``'s (small heads: ``small_head_tiles_per_cta``'s)
-    answer when the caller has it (the contract memoises it), else computed here. ``ready``: the caller knows
-    that q, kv and out meet the alignments of ``q8kv8.metadata`` (``contract.Problem.launch_ready``), so they
-    are not checked again (else misaligned tensors are copied to aligned ones). ``splits`` > 1 and
-    ``split_from`` (``q8kv8.schedule.split_tokens``'s answer; only with the one-tile schedule): the split
-    variant computes each tile of the tokens from ``split_from`` on with a cluster of ``splits`` CTAs, one per
-    range of index slots, which merge their results; the tokens before it, if any, run one tile per CTA in a
-    launch before. The launches are ``attention_plan``'s. Variants build on their first launch. Returns the
-    launches' ``(schedule kind, variant)``, in order."""
+    scales apply instead); ``extra_cache``: None, or a second cache of that layout whose token slots are the
+    index slots from ``extra_from`` on (the cache's those before it), attended in the same softmax.
+    ``schedule``: ``tiles_per_cta``'s (small heads: ``small_head_tiles_per_cta``'s) answer when the caller has
+    it (the contract memoises it), else computed here. ``ready``: the caller knows that q, kv and out meet the
+    alignments of ``q8kv8.metadata`` (``contract.Problem.launch_ready``), so they are not checked again (else
+    misaligned tensors are copied to aligned ones). ``splits`` > 1 and ``split_from``
+    (``q8kv8.schedule.split_tokens``'s answer; only with the one-tile schedule): the split variant computes
+    each tile of the tokens from ``split_from`` on with a cluster of ``splits`` CTAs, one per range of index
+    slots, which merge their results; the tokens before it, if any, run one tile per CTA in a launch before.
+    The launches are ``attention_plan``'s. Variants build on their first launch. Returns the launches'
+    ``(schedule kind, variant)``, in order."""
     tiles = schedule
     small = small_heads(q.shape[1]) and splits == 1  # small heads split: tiles of 64 heads (schedule.choose)
     if tiles is None and small:
@@ -689,9 +721,11 @@ def launch_sparse_prefill(
             topk_length is not None,
             q.get_device(),
         )
+    if cache is not None and extra_from is None:
+        extra_from = indices.shape[2]  # no extra cache
     arguments, launches = attention_plan(
         q.shape, q.dtype, precision, sm_scale, q_scale is not None, topk_length is not None,
-        attn_sink is not None, tiles, splits, split_from, cache,
+        attn_sink is not None, tiles, splits, split_from, cache, extra_from or 0,
     )  # fmt: skip
     launched = [(launch.key.schedule, _variants.get(launch.key) or load(launch.key)) for launch in launches]
     kernel_out = out
@@ -708,7 +742,11 @@ def launch_sparse_prefill(
     names, retyped, per_token = _argument_layout(arguments)
     q_scale = q_scale if q_scale is None or q_scale.dim() == 1 else q_scale.reshape(1)
     kv_scale = kv_scale if kv_scale.dim() == 1 else kv_scale.reshape(1)
-    tensors = names((q, kv, indices, topk_length, attn_sink, q_scale, kv_scale, kernel_out, max_logits, lse))
+    if cache is not None and extra_cache is None:
+        extra_cache = kv[:0]  # no extra cache: one of no pages
+    tensors = names(
+        (q, kv, indices, topk_length, attn_sink, q_scale, kv_scale, kernel_out, max_logits, lse, extra_cache)
+    )
     if retyped:
         tensors = list(tensors)
         for index, dtype in retyped:
@@ -725,7 +763,9 @@ def launch_sparse_prefill(
     return tuple(launched)
 
 
-_LAUNCH_TENSORS = tuple("q kv indices topk_length attn_sink q_scale kv_scale out max_logits lse".split())
+_LAUNCH_TENSORS = tuple(
+    "q kv indices topk_length attn_sink q_scale kv_scale out max_logits lse extra_cache".split()
+)
 """The order in which ``launch_sparse_prefill`` hands its tensors to ``_argument_layout``'s getter."""
 
 
@@ -743,7 +783,8 @@ def _argument_layout(arguments: tuple) -> tuple:
 def launch_paged_kv_gather(cache_pages, slot_words, out, page_size: int, layout: str) -> None:
     """Launch the gather on validated tensors: ``cache_pages`` [num_pages, page_bytes] uint8 (base and
     page stride 16-byte aligned), ``slot_words`` [num_tokens, 1 or 2] int32 (last dim contiguous),
-    ``out`` [rows, 1, d_qk] e4m3 or bf16, contiguous and 16-byte aligned, rows > 0."""
+    ``out`` [rows, 1, d_qk] e4m3 or bf16 (or, from a V4.1 FP4 cache, [rows, 528] uint8 V4.1 records),
+    contiguous and 16-byte aligned, rows > 0."""
     key = PagedGatherKey(layout, out.dtype)
     variant = _variants.get(key) or load(key)
     _call_on_device_of(out, variant.function, cache_pages, slot_words, out, page_size)

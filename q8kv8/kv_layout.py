@@ -137,6 +137,9 @@ PAGED_ATTENTION_LAYOUTS = (MODEL1, V32, V41)
 """The layouts ``sparse_mla_q8kv8_paged_fwd`` reads directly; the gather reads every one of ``LAYOUTS``."""
 LAYOUTS = {layout.name: layout for layout in ALL_LAYOUTS}
 LAYOUT_BY_BYTES_PER_TOKEN = {layout.bytes_per_token: layout for layout in ALL_LAYOUTS}
+RECORDS_FROM, RECORDS_LAYOUT = "v41_fp4", "v41"
+"""The gather turns tokens of a ``RECORDS_FROM`` cache into records of the ``RECORDS_LAYOUT`` layout (its
+uint8 output, ``q8kv8.reference.fp4_rows_as_v41``), which the paged kernel reads."""
 
 
 def get_layout(layout) -> KvCacheLayout:

@@ -165,8 +165,13 @@ def _check_paged_call(call: PagedCall) -> tuple:
     return problem, layout, tuple(view.shape), view.stride()
 
 
-def run(call: PagedCall) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """``(out, max_logits, lse)`` of a paged call, launched on the GPU (``sparse_mla_q8kv8_paged_fwd``)."""
+def run(
+    call: PagedCall, extra_cache: torch.Tensor | None = None, extra_from: int | None = None
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(out, max_logits, lse)`` of a paged call, launched on the GPU (``sparse_mla_q8kv8_paged_fwd``).
+    ``extra_cache``: a checked cache view of the same layout (``check_cache``) whose token slots are the
+    call's index slots from ``extra_from`` on (``q8kv8.paged_extra``: the cache's are those before it), or
+    None."""
     problem, layout, view = check_paged_inputs(call)
     if check_ranges_enabled():
         check_topk_length_range(call.topk_length, problem.topk)
@@ -175,7 +180,8 @@ def run(call: PagedCall) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     # kv_scale: a 1.0 (the cache's block scales apply), made for a launch only; an empty cache (s_kv 0) has
     # every slot invalid and launches nothing.
     kv_scale = _one(q.device) if problem.s_q and problem.s_kv else None
-    launch_checked(call, problem, view, kv_scale, out, max_logits, lse, cache=layout.name)
+    extra = {} if extra_cache is None else {"extra_cache": extra_cache, "extra_from": extra_from}
+    launch_checked(call, problem, view, kv_scale, out, max_logits, lse, cache=layout.name, **extra)
     return out, max_logits, lse
 
 

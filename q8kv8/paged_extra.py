@@ -1,17 +1,23 @@
 """A paged call over a main and an extra cache as one softmax (FlashMLA's ``extra_k_cache``): DeepSeek V4.1's
 main and FP4 caches, or V4's compressed and SWA caches, in one ``sparse_mla_q8kv8_paged_fwd`` call.
 
-Algorithm: the main part is the paged call without the sink; the extra part is the paged call on the extra
-cache when the paged kernel reads its layout (``q8kv8.kv_layout.PAGED_ATTENTION_LAYOUTS``), else its selected
-slots (``s_q * extra_topk`` of them, each query's own) are gathered into e4m3 rows at scale 1
-(``q8kv8.paged_gather``) and ``sparse_mla_q8kv8_prefill_fwd`` attends them, each query its own rows. The two
-are merged exactly by their lse into one softmax (``q8kv8.merge.merge_attention``), which applies the sink
-once. Outputs as the single-cache call's: ``lse`` over both parts without the sink, ``max_logits`` the larger
-of the two, a row with no valid slot in either part out 0, max_logits -inf, lse +inf.
+Algorithm: an extra cache of the main cache's layout (V4's SWA cache beside its compressed one, a second V4.1
+cache) is attended in the main call itself, one launch: each query's index slots of both caches joined into
+one row (``join_indices``: the main cache's, then the extra cache's; a slot at or past its part's top-k length
+made -1), the kernel reading the slots from the main top-k on in the extra cache (eager calls; under
+``torch.compile``, as the other layouts). So is V4.1's FP4 cache beside a V4.1 main cache, its selected slots
+first gathered into tokens of V4.1's layout (``_as_records``). Any other extra cache is a second part: the
+paged call on the extra cache when the paged kernel reads its layout
+(``q8kv8.kv_layout.PAGED_ATTENTION_LAYOUTS``), else its selected slots (``s_q * extra_topk`` of them, each
+query's own) gathered into e4m3 rows at scale 1 (``q8kv8.paged_gather``) and attended by
+``sparse_mla_q8kv8_prefill_fwd``, each query its own rows; the main part is the paged call without the sink,
+and the two are merged exactly by their lse into one softmax (``q8kv8.merge.merge_attention``), which applies
+the sink once. Outputs as the single-cache call's: ``lse`` over both caches without the sink, ``max_logits``
+the larger, a row with no valid slot in either cache out 0, max_logits -inf, lse +inf.
 
 Constraints: the extra cache has q's d_qk and any layout of ``q8kv8.kv_layout`` with page_size a power of
 two; ``extra_indices`` are its token slots, ``[s_q, 1, extra_topk]`` int32 with extra_topk a positive
-multiple of 128. The parts' outputs are bfloat16 before the merge (about 2^-9 relative on out). No host
+multiple of 128. Two parts' outputs are bfloat16 before the merge (about 2^-9 relative on out). No host
 sync (shapes decide every branch), CUDA graph capturable; under ``torch.compile`` the parts are the custom
 ops of the single-cache calls and of the gather, the merge torch operations.
 """
@@ -34,7 +40,13 @@ from q8kv8.checks import (
     signature,
 )
 from q8kv8.contract import check_ranges_enabled, check_topk_length_range
-from q8kv8.kv_layout import LAYOUT_BY_BYTES_PER_TOKEN, PAGED_ATTENTION_LAYOUTS
+from q8kv8.kv_layout import (
+    LAYOUT_BY_BYTES_PER_TOKEN,
+    LAYOUTS,
+    PAGED_ATTENTION_LAYOUTS,
+    RECORDS_FROM,
+    RECORDS_LAYOUT,
+)
 from q8kv8.merge import merge_attention
 from q8kv8.metadata import TOPK_ALIGNMENT
 from q8kv8.paged_gather import gather_dequant_paged
@@ -106,21 +118,68 @@ def check_extra(call: PagedCall, extra: ExtraCache) -> None:
         check_topk_length_range(extra.topk_length, shape[2], "extra_topk_length")
 
 
+def join_indices(call: PagedCall, extra: ExtraCache) -> torch.Tensor:
+    """``[s_q, 1, topk + extra_topk]`` int32: each query's index slots of the main cache, then those of the
+    extra cache, a slot at or past its part's top-k length (when given) made -1. One ``torch.cat`` without
+    top-k lengths, three more small operations for each one given."""
+    parts = []
+    for indices, length in ((call.indices, call.topk_length), (extra.indices, extra.topk_length)):
+        if length is not None:
+            positions = torch.arange(indices.shape[2], dtype=torch.int32, device=indices.device)
+            indices = indices.masked_fill(positions >= length.view(-1, 1, 1), -1)
+        parts.append(indices)
+    return torch.cat(parts, dim=2)
+
+
+RECORD_BYTES = LAYOUTS[RECORDS_LAYOUT].bytes_per_token
+RECORD_PAGE_SIZE = 64
+"""Records a page of the gathered extra cache (``_as_records``): extra_topk is a multiple of it."""
+
+
+def _as_records(extra: ExtraCache, gather: Callable) -> ExtraCache:
+    """A V4.1 FP4 extra cache's selected slots gathered into records of V4.1's layout (one gather launch,
+    ``q8kv8.reference.fp4_rows_as_v41``), as an extra cache of pages of ``RECORD_PAGE_SIZE`` records: slot j
+    of query i is record i * extra_topk + j, -1 for a slot outside the FP4 cache."""
+    cache, indices = extra.cache, extra.indices
+    page_size, num_rows = cache.shape[1], indices.numel()
+    records = torch.empty((num_rows, RECORD_BYTES), dtype=torch.uint8, device=indices.device)
+    records = gather(cache, indices.reshape(-1), page_size, RECORDS_FROM, records)
+    rows = torch.arange(num_rows, dtype=torch.int32, device=indices.device).view(indices.shape)
+    rows = torch.where((indices >= 0) & (indices < cache.shape[0] * page_size), rows, -1)
+    pages = records.view(num_rows // RECORD_PAGE_SIZE, RECORD_PAGE_SIZE, 1, RECORD_BYTES)
+    return ExtraCache(pages, rows, extra.topk_length)
+
+
 def attend(
     call: PagedCall,
     extra: ExtraCache,
     run_paged: Callable[[PagedCall], tuple],
     run_rows: Callable[[PrefillCall], tuple],
     gather: Callable,
+    run_joined: Callable | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``(out, max_logits, lse)`` of a checked extra-cache call (see the module), the caller's buffers
-    written and returned when given. ``run_paged`` / ``run_rows`` run a single-cache paged / prefill call
-    and ``gather(cache, slot_ids, page_size, layout_name, out)`` gathers e4m3 rows into ``out`` (eagerly
-    ``q8kv8.paged.run``, ``q8kv8.eager.run`` and ``gather_rows``; traced, the custom ops)."""
-    bare = call._replace(attn_sink=None, out=None, max_logits=None, lse=None)  # one part's call
-    main = run_paged(bare)
+    written and returned when given. ``run_paged`` / ``run_rows`` run a single-cache paged / prefill call,
+    ``gather(cache, slot_ids, page_size, layout_name, out)`` gathers e4m3 rows into ``out`` (eagerly
+    ``q8kv8.paged.run``, ``q8kv8.eager.run`` and ``gather_rows``; traced, the custom ops) and
+    ``run_joined(call, extra_cache_view, extra_from)`` runs a paged call whose index slots from
+    ``extra_from`` on are the extra cache's (eagerly ``q8kv8.paged.run``; None: the parts merged)."""
     cache, indices = extra.cache, extra.indices
     layout = cache_geometry(cache)[0]
+    main_layout = cache_geometry(call.cache)[0]
+    if run_joined is not None and call.cache.shape[0] and call.q.shape[0]:
+        joined_extra = None
+        if layout == main_layout:
+            joined_extra = extra
+        elif layout.name == RECORDS_FROM and main_layout.name == RECORDS_LAYOUT:
+            joined_extra = _as_records(extra, gather)
+        if joined_extra is not None:
+            view = paged.check_cache(joined_extra.cache, main_layout.d_qk, "extra_cache")[1]
+            if view.shape[0]:  # the extra cache holds slots (else the main one is all of it)
+                joined = call._replace(indices=join_indices(call, joined_extra), topk_length=None)
+                return run_joined(joined, view, call.indices.shape[2])
+    bare = call._replace(attn_sink=None, out=None, max_logits=None, lse=None)  # one part's call
+    main = run_paged(bare)
     if layout in PAGED_ATTENTION_LAYOUTS:
         part = run_paged(bare._replace(cache=cache, indices=indices, topk_length=extra.topk_length))
     else:

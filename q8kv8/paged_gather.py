@@ -15,7 +15,7 @@ import torch
 from q8kv8 import checks, kernels
 from q8kv8.arguments import check_buffer, require_int
 from q8kv8.checks import overlaps, require_aligned_pages, signature
-from q8kv8.kv_layout import get_layout
+from q8kv8.kv_layout import RECORDS_FROM, RECORDS_LAYOUT, get_layout
 
 
 def paged_cache_pages(cache: torch.Tensor, page_size: int, layout) -> torch.Tensor:
@@ -74,10 +74,29 @@ def slot_words(slot_ids: torch.Tensor) -> torch.Tensor:
     return slot_ids.contiguous().view(torch.int32).view(slot_ids.shape[0], 2)
 
 
-def out_dtype_of(out_dtype) -> torch.dtype:
+RECORDS = torch.uint8
+"""The gather's ``out_dtype`` for V4.1 records: a V4.1 FP4 cache's slots as ``[rows, 528]`` uint8 tokens of
+V4.1's layout (``q8kv8.reference.fp4_rows_as_v41``), a cache of one token a page that the paged kernel
+reads."""
+
+
+def out_dtype_of(out_dtype, layout=None) -> torch.dtype:
+    """``out_dtype`` when the gather writes it from ``layout`` (records only from a V4.1 FP4 cache)."""
+    if out_dtype == RECORDS and layout is not None and layout.name == RECORDS_FROM:
+        return out_dtype
     if out_dtype not in (torch.float8_e4m3fn, torch.bfloat16):
-        raise TypeError(f"out_dtype: expected torch.float8_e4m3fn or torch.bfloat16, got {out_dtype}")
+        raise TypeError(
+            f"out_dtype: expected torch.float8_e4m3fn or torch.bfloat16 (torch.uint8: V4.1 records, from a "
+            f"v41_fp4 cache), got {out_dtype}"
+        )
     return out_dtype
+
+
+def out_shape(layout, rows: int, out_dtype: torch.dtype) -> tuple[int, ...]:
+    """The gather's output shape for ``rows`` rows: ``[rows, 1, d_qk]``, or ``[rows, 528]`` records."""
+    if out_dtype == RECORDS:
+        return (rows, get_layout(RECORDS_LAYOUT).bytes_per_token)
+    return (rows, 1, layout.d_qk)
 
 
 def gather_dequant_paged(
@@ -123,7 +142,10 @@ def gather_dequant_paged(
         return out
     words = slot_words(slot_ids)
     if words.shape[0] == 0 or page_shape[0] == 0:  # nothing to read: only zero rows
-        return out.zero_()
+        out.zero_()
+        if out.dtype == RECORDS:  # their scales 2^0, as the kernel writes a zero row's
+            out[:, layout.d_qk :] = 127
+        return out
     pages = cache.view(torch.uint8).as_strided(page_shape, page_strides)
     kernels.launch_paged_kv_gather(pages, words, out, page_size, layout.name)
     return out
@@ -136,12 +158,12 @@ _memo: dict[tuple, tuple] = checks.memo()
 def _check_gather(cache, slot_ids, page_size, layout, out_dtype, extra_rows, out) -> tuple:
     """``gather_dequant_paged``'s checks: ``(layout, the pages view's shape and strides, out's shape)``."""
     layout = get_layout(layout)
-    out_dtype = out_dtype_of(out_dtype)
+    out_dtype = out_dtype_of(out_dtype, layout)
     extra_rows = require_int("extra_rows", extra_rows, 0)
     pages = paged_cache_pages(cache, page_size, layout)
     require_aligned_pages("cache", pages.data_ptr(), pages.shape[0], pages.stride(0))
     words = slot_words(slot_ids)
-    shape = (words.shape[0] + extra_rows, 1, layout.d_qk)
+    shape = out_shape(layout, words.shape[0] + extra_rows, out_dtype)
     if out is not None:
         check_buffer("out", out, shape, out_dtype)
         if out.data_ptr() % 16:

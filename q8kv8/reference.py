@@ -138,9 +138,10 @@ def gather_dequant_paged_reference(
     out_dtype: torch.dtype = torch.float8_e4m3fn,
     extra_rows: int = 0,
 ) -> torch.Tensor:
-    """The gather in plain PyTorch (CPU or GPU), bit-exact with the kernel: same arguments, new output."""
+    """The gather in plain PyTorch (CPU or GPU), bit-exact with the kernel: same arguments, new output
+    (``out_dtype`` uint8: a V4.1 FP4 cache's slots as V4.1 records, ``fp4_rows_as_v41``)."""
     layout = get_layout(layout)
-    out_dtype = out_dtype_of(out_dtype)
+    out_dtype = out_dtype_of(out_dtype, layout)
     extra_rows = require_int("extra_rows", extra_rows, 0)
     pages = paged_cache_pages(cache, page_size, layout)
     words = slot_words(slot_ids)
@@ -157,6 +158,12 @@ def gather_dequant_paged_reference(
             return pages.new_zeros(num_tokens, count)
         return pages[page, offsets + torch.arange(count, device=pages.device)]
 
+    if out_dtype == torch.uint8:
+        records = fp4_rows_as_v41(take(pos * layout.token_bytes, layout.token_bytes), layout)
+        out = torch.zeros(num_tokens + extra_rows, records.shape[1], dtype=torch.uint8, device=pages.device)
+        out[:, layout.d_qk :] = 127  # the scales of zero rows: 2^0
+        out[:num_tokens] = torch.where(valid[:, None], records, out[:num_tokens])
+        return out
     dequant, rope = _decode_tokens(take, pos, page_size, layout, torch.float32)
     if out_dtype == torch.bfloat16:
         row = torch.cat([dequant.to(torch.bfloat16), rope], dim=1)
@@ -166,6 +173,27 @@ def gather_dequant_paged_reference(
     out = torch.zeros(num_tokens + extra_rows, 1, layout.d_qk, dtype=out_dtype, device=pages.device)
     out[:num_tokens, 0] = row.to(out_dtype)
     return out
+
+
+def fp4_rows_as_v41(data: torch.Tensor, layout: KvCacheLayout) -> torch.Tensor:
+    """V4.1 FP4 tokens (``data`` [n, 288] uint8, their bytes) as records of V4.1's layout, [n, 528] uint8: per
+    32 values (FP4 blocks 2g and 2g + 1) the UE8M0 scale 2^E, E the least with 6 * max(s_2g, s_2g+1) <= 448 *
+    2^E (0 when both are zero), then each value times its block scale times 2^-E rounded once to e4m3."""
+    n = data.shape[0]
+    raw = data[:, : layout.value_bytes]
+    codes = torch.stack([raw & 0xF, raw >> 4], dim=2).flatten(1).long()
+    values = torch.tensor(E2M1_VALUES, dtype=torch.float64, device=data.device)[codes]
+    scale_bytes = data[:, layout.scale_offset : layout.scale_offset + layout.num_scales].contiguous()
+    scales = scale_bytes.view(torch.float8_e4m3fn).double()  # [n, 32], one per 16 values
+    bound = 6.0 * scales.view(n, -1, 2).amax(dim=2)  # [n, 16], exact
+    mantissa, exponent = torch.frexp(bound)  # bound = mantissa * 2^exponent, mantissa in [0.5, 1)
+    ceil_log2 = torch.where(mantissa > 0.5, exponent, exponent - 1)
+    group_exponent = ceil_log2 - 9 + (bound > torch.ldexp(torch.full_like(bound, 448.0), ceil_log2 - 9)).int()
+    group_exponent = torch.where(bound > 0, group_exponent, 0)
+    factor = scales * torch.ldexp(torch.ones_like(scales), -group_exponent.repeat_interleave(2, dim=1))
+    scaled = values.view(n, -1, layout.scale_group) * factor[:, :, None]
+    e4m3 = scaled.flatten(1).float().to(torch.float8_e4m3fn).view(torch.uint8)  # exact in float32
+    return torch.cat([e4m3, (group_exponent + 127).to(torch.uint8)], dim=1)
 
 
 def _decode_tokens(take, pos: torch.Tensor, page_size: int, layout: KvCacheLayout, dtype: torch.dtype):
@@ -309,10 +337,12 @@ def slot_indices_reference(indices, page_table, seqlens, compress_ratio: int, to
     return out, seen.clamp(0, topk).to(torch.int32)
 
 
-def _reference_attention_paged(q, cache, slots, sm_scale, attn_sink, topk_length, precision=None):
+def _reference_attention_paged(q, cache, slots, sm_scale, attn_sink, topk_length, precision=None, extra=None):
+    extra_cache, extra_indices, extra_topk_length = extra if extra is not None else (None, None, None)
     out, max_logits, lse = sparse_mla_paged_reference(
-        q, cache, slots, sm_scale, None, D_V, attn_sink, topk_length
-    )
+        q, cache, slots, sm_scale, None, D_V, attn_sink, topk_length,
+        extra_cache=extra_cache, extra_indices=extra_indices, extra_topk_length=extra_topk_length,
+    )  # fmt: skip
     return out.to(torch.bfloat16), max_logits.float(), lse.float()
 
 

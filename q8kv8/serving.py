@@ -26,7 +26,7 @@ from typing import NamedTuple
 import torch
 
 from q8kv8 import kernels
-from q8kv8.api import attend, attend_paged
+from q8kv8.api import attend, attend_paged, sparse_mla_q8kv8_paged_fwd
 from q8kv8.arguments import require_int
 from q8kv8.checks import cache_geometry
 from q8kv8.contract import check_ranges_enabled
@@ -56,8 +56,9 @@ class PrefillKernels(NamedTuple):
     - ``slot_indices(indices, page_table, seqlens, compress_ratio, topk_pad) -> (slots, topk_length)``:
       ``slots`` [s_q, 1, topk_pad] int32 token slots (``page_table[indices]`` for the entries in
       ``[0, len(page_table))``, else -1), ``topk_length`` [s_q] int32 (``topk_length_for``);
-    - ``attention_paged(q, cache, slots, sm_scale, attn_sink, topk_length, precision) -> (out, max_logits,
-      lse)``: the ``sparse_mla_q8kv8_paged_fwd`` contract on a bfloat16 q;
+    - ``attention_paged(q, cache, slots, sm_scale, attn_sink, topk_length, precision, extra=None) -> (out,
+      max_logits, lse)``: the ``sparse_mla_q8kv8_paged_fwd`` contract on a bfloat16 q; ``extra``: None, or
+      ``(extra_cache, extra_slots, extra_topk_length)``, a second cache attended in the same softmax;
     - ``gather(cache, slot_ids, page_size, layout, out_dtype, extra_rows, out) -> out``;
     - ``attention_fp8(q, kv, indices, sm_scale, q_scale, kv_scale, attn_sink, topk_length, precision)
       -> (out, max_logits, lse)``: the ``sparse_mla_q8kv8_prefill_fwd`` contract; ``SparsePrefill`` passes a
@@ -85,8 +86,15 @@ def _cuda_slot_indices(indices, page_table, seqlens, compress_ratio, topk_pad):
     return slots, topk_length
 
 
-def _cuda_attention_paged(q, cache, slots, sm_scale, attn_sink, topk_length, precision):
-    """``sparse_mla_q8kv8_paged_fwd`` on the call as ``q8kv8.api`` gathers it (``api.attend_paged``)."""
+def _cuda_attention_paged(q, cache, slots, sm_scale, attn_sink, topk_length, precision, extra=None):
+    """``sparse_mla_q8kv8_paged_fwd`` on the call as ``q8kv8.api`` gathers it (``api.attend_paged``; with
+    ``extra``, the public call with its extra cache)."""
+    if extra is not None:
+        extra_cache, extra_slots, extra_topk_length = extra
+        return sparse_mla_q8kv8_paged_fwd(
+            q, cache, slots, sm_scale, None, D_V, attn_sink, topk_length, precision=precision,
+            extra_cache=extra_cache, extra_indices=extra_slots, extra_topk_length=extra_topk_length,
+        )  # fmt: skip
     return attend_paged(
         new_call(
             PagedCall,
@@ -276,6 +284,45 @@ class SparsePrefill:
 
     __call__ = forward
 
+    def _paged_call_of_two(self, q, parts, sm_scale, attn_sink):
+        """``forward_merged`` of two parts that both take the paged path on caches of one layout, as one
+        paged call with the second cache as its extra cache; None (nothing launched) for any other parts."""
+        if len(parts) != 2 or self.backend != "fp8" or self.path == "workspace":
+            return None
+        prepared = []
+        for part in parts:
+            cache, page_table, indices, seqlens, compress_ratio = part
+            layout, _ = paged_cache_geometry(cache)
+            s_q, h, _ = self._check(q, cache, layout, page_table, indices, seqlens, sm_scale, attn_sink)
+            if compress_ratio not in COMPRESS_RATIOS:
+                raise ValueError(f"compress_ratio: expected one of {COMPRESS_RATIOS}, got {compress_ratio!r}")
+            indices = indices[:, 0] if indices.dim() == 3 else indices
+            topk_pad = max(1, -(-indices.shape[1] // TOPK_ALIGNMENT)) * TOPK_ALIGNMENT
+            if self._choose_path(s_q, h, topk_pad, page_table.shape[0], layout) != "paged":
+                return None
+            prepared.append((cache, layout, (indices, page_table, seqlens, compress_ratio, topk_pad)))
+        (cache, layout, main), (extra_cache, extra_layout, extra) = prepared
+        if layout != extra_layout:
+            return None
+        slots, topk_length = self.kernels.slot_indices(*main)
+        extra_slots, extra_topk_length = self.kernels.slot_indices(*extra)
+        precision = LOGITS_IN_FLOAT32[self.precision] if attn_sink is not None else self.precision
+        sink = None if attn_sink is None else attn_sink.contiguous()
+        self.last_path = "paged"
+        return self.kernels.attention_paged(
+            self._kernel_q(q), cache, slots, sm_scale, sink, topk_length, precision,
+            extra=(extra_cache, extra_slots, extra_topk_length),
+        )  # fmt: skip
+
+    def _kernel_q(self, q: torch.Tensor) -> torch.Tensor:
+        """q as the kernels read it: bfloat16 as it is, any head count; row-major (copied into a reused
+        buffer when it is not)."""
+        if q.is_contiguous():
+            return q
+        kernel_q = self._q.view(tuple(q.shape), torch.bfloat16, q.device)
+        kernel_q.copy_(q)
+        return kernel_q
+
     def _forward(self, q, cache, page_table, indices, seqlens, compress_ratio, sm_scale, attn_sink, lse_used):
         """``forward``; ``lse_used``: S summed in float32 (the lse weighs the output afterwards)."""
         precision = LOGITS_IN_FLOAT32[self.precision] if lse_used else self.precision
@@ -286,10 +333,7 @@ class SparsePrefill:
         if indices.dim() == 3:
             indices = indices[:, 0]
         sink = None if attn_sink is None else attn_sink.contiguous()
-        kernel_q = q  # the kernels read bfloat16 Q as it is, any head count
-        if not q.is_contiguous():
-            kernel_q = self._q.view((s_q, h, d_qk), torch.bfloat16, q.device)
-            kernel_q.copy_(q)
+        kernel_q = self._kernel_q(q)
         topk_pad = max(1, -(-indices.shape[1] // TOPK_ALIGNMENT)) * TOPK_ALIGNMENT
         num_rows = page_table.shape[0]
         self.last_path = self._choose_path(s_q, h, topk_pad, num_rows, layout)
@@ -338,14 +382,19 @@ class SparsePrefill:
         """Attend each query to the rows of several caches as one softmax (DeepSeek V4: the compressed cache's
         top-k rows and the SWA cache's window): one ``forward`` per part without the sink, with S summed in
         float32 (``LOGITS_IN_FLOAT32``), merged exactly by their lse (``q8kv8.merge.merge_attention``), then
-        the sink. Returns what ``forward`` returns; ``last_path`` is the parts' paths joined by "+". A part's
+        the sink. Returns what ``forward`` returns; ``last_path`` is the parts' paths joined by "+". Two parts
+        that would both take the paged path on caches of one layout are instead one paged call, the second
+        cache its ``extra_cache`` (read in the same launch, one softmax; ``last_path`` "paged"). A part's
         weight is off by exp(its lse's absolute error); with the FP8 tensor cores' own sums that was, at
         dominant logits of 20-30, about 2% on the paged path and 5-25% on the workspace path
-        (``docs/usage.md``, "Serving path"). The paged call's ``extra_cache`` merges the same way but takes
-        token slots; here each part keeps its own page table, seqlens, compress ratio and path, so the parts
-        stay ``forward`` calls."""
+        (``docs/usage.md``, "Serving path"). The paged call's ``extra_cache`` takes token slots (one of the
+        main layout is read in the main launch, any other merged the same way); here each part keeps its own
+        page table, seqlens, compress ratio and path, so the parts stay ``forward`` calls."""
         if len(parts) == 0:
             raise ValueError("parts: expected at least one CacheRows")
+        joined = self._paged_call_of_two(q, parts, sm_scale, attn_sink)
+        if joined is not None:
+            return joined
         results, paths = [], []
         for part in parts:
             results.append(self._forward(q, *part, sm_scale, None, lse_used=True))

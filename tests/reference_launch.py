@@ -7,10 +7,13 @@ from q8kv8 import kernels
 from q8kv8.metadata import D_V
 from q8kv8.reference import sparse_mla_prefill_reference
 
+PAGED_PARAMETERS = ("cache", "extra_cache", "extra_from")
 LAUNCH_PARAMETERS = tuple(
-    name for name in inspect.signature(kernels.launch_sparse_prefill).parameters if name != "cache"
+    name
+    for name in inspect.signature(kernels.launch_sparse_prefill).parameters
+    if name not in PAGED_PARAMETERS
 )
-"""The launch's parameters that the eager path passes, in order (all but a paged call's ``cache``)."""
+"""The launch's parameters that the eager path passes, in order (all but a paged call's)."""
 
 
 def launch_arguments(args: tuple) -> dict:

@@ -27,9 +27,11 @@ FUNCTION_PARAMETERS = (
     "out",
     "max_logits",
     "lse",
+    "extra_cache",
     "scale_log2",
     "flags",
     "tiles_per_cta",
+    "extra_from",
 )
 
 
@@ -216,8 +218,8 @@ def test_variant_names_and_keys():
             bad.check()
     names = [key.name for key in kernels.LISTED_KEYS]
     # the attention variants (60 a precision: 24 on gathered rows, 12 a paged layout), the serving path's
-    # kernels (8 of them gathers: 4 layouts; the slot indices, the merge, 2 query casts, 2 bf16 kernels)
-    assert len(names) == len(set(names)) == 60 * len(PRECISIONS) + 14
+    # kernels (9 of them gathers: 4 layouts to e4m3 and bf16, the FP4 one also to V4.1 records)
+    assert len(names) == len(set(names)) == 60 * len(PRECISIONS) + 15
     assert kernels.LISTED_KEYS[: len(kernels.IMPORT_KEYS)] == kernels.IMPORT_KEYS
     assert set(kernels.SERVING_KEYS) < set(kernels.LISTED_KEYS)
 
@@ -227,6 +229,7 @@ def test_every_family_is_one_table_of_keys():
     and keys of different families with equal fields kept apart."""
     assert kernels.PagedGatherKey("v32").name == "paged_kv_gather_sm90_v32_e4m3"
     assert kernels.PagedGatherKey("model1", torch.bfloat16).name == "paged_kv_gather_sm90_model1_bf16"
+    assert kernels.PagedGatherKey("v41_fp4", torch.uint8).name == "paged_kv_gather_sm90_v41_fp4_v41"
     assert kernels.QCastKey(576).name == "cast_q_fp8_sm90_d576"
     assert kernels.SlotIndicesKey().name == "paged_indices_sm90"
     assert kernels.MergeKey().name == "attention_merge_sm90"
@@ -236,6 +239,7 @@ def test_every_family_is_one_table_of_keys():
     for bad, message in (
         (kernels.PagedGatherKey("v4"), "layout: expected one of"),
         (kernels.PagedGatherKey("v32", torch.float16), "out_dtype: expected one of"),
+        (kernels.PagedGatherKey("v41", torch.uint8), "out_dtype: uint8 .V4.1 records. from a v41_fp4 cache"),
         (kernels.QCastKey(128), "d: expected one of"),
         (kernels.Bf16AttentionKey(128), "d_qk: expected one of"),
     ):

@@ -166,7 +166,7 @@ def test_launches_what_the_python_path_launches(
 ):
     """Same variant, schedule and arguments (for a bfloat16 q: the bfloat16-q variant, with kv_scale in
     q_scale's place and, without topk_length, kv_scale's bytes as its placeholder; a split schedule: the
-    split variant, with the part count as its last argument; a split tail: the one-tile variant on the tokens
+    split variant, with the part count as its schedule count; a split tail: the one-tile variant on the tokens
     before split_from, then the split variant on the others)."""
     args = make_valid_args(
         s_q, h_q, S_KV, d_qk, topk, with_sink=with_sink, with_topk_length=with_topk_length, q_dtype=q_dtype
@@ -181,7 +181,8 @@ def test_launches_what_the_python_path_launches(
     assert len(expected_launches) == len(token_ranges)
     for (key, arguments), (first, end) in zip(expected_launches, token_ranges, strict=True):
         split = splits > 1 and first == split_from
-        assert arguments[-1] == (splits if split else max(tiles, 1))
+        assert arguments[-2] == (splits if split else max(tiles, 1))
+        assert arguments[-1] == 0  # extra_from: not read on kv rows
         assert (key[2] == "split") == split
         assert arguments[0][1][0] == end - first  # the launch's tokens
         if small:  # the small-head variant of the q dtype
@@ -522,7 +523,8 @@ def test_logit_scale_is_the_python_paths_double(fast, valid_args):
     valid_args["sm_scale"] = 0.1234567890123
     fast.extension.launch(PrefillCall(**valid_args))
     _, arguments = fast.calls.pop()
-    assert arguments[10] == 0.1234567890123 * math.log2(math.e)
+    # after the ten tensors and the extra cache's placeholder
+    assert arguments[11] == 0.1234567890123 * math.log2(math.e)
 
 
 def test_note_launch_registers_the_device_once_and_again_after_disable(fast, monkeypatch):

@@ -1,14 +1,15 @@
 """``sparse_mla_q8kv8_paged_fwd`` with an extra cache (``q8kv8.paged_extra``) on CPU: the whole composition
-(main part, extra part read directly or gathered, the merge by lse, the sink once, the buffers) against the
-float64 reference over both caches (``sparse_mla_paged_reference(..., extra_cache=...)``), and the extra
-arguments' errors.
+(an extra cache of the main layout joined into the main launch; else main part, extra part read directly or
+gathered, the merge by lse, the sink once; the buffers) against the float64 reference over both caches
+(``sparse_mla_paged_reference(..., extra_cache=...)``), and the extra arguments' errors.
 
 The device checks are patched to accept CPU tensors; the attention launch is a stand-in writing the float64
-reference of what it is given (a cache's byte view or gathered e4m3 rows), the gather launch the bit-exact
-gather reference. The FP4 caches get power-of-two e4m3 scales, so their rows gathered to e4m3 are exact and
-the composition's own rounding is all that differs from the reference: each part's out rounded to bf16, the
-merge in float32, the merged out rounded to bf16 (``||out - ref|| / ||ref|| <= 2^-8``); max_logits a part's
-float32 max (relative 2^-23), lse the float32 log-sum-exp of the parts' (relative 1e-6, absolute below 1).
+reference of what it is given (a cache's byte view, read as the kernel reads it with an extra cache, or
+gathered e4m3 rows), the gather launch the bit-exact gather reference. The FP4 caches get power-of-two e4m3
+scales, so their rows gathered to e4m3 are exact and the composition's own rounding is all that differs from
+the reference: each part's out rounded to bf16, the merge in float32, the merged out rounded to bf16
+(``||out - ref|| / ||ref|| <= 2^-8``); max_logits a part's float32 max (relative 2^-23), lse the float32
+log-sum-exp of the parts' (relative 1e-6, absolute below 1).
 """
 
 import math
@@ -35,18 +36,25 @@ OUT_TOLERANCE, MAX_TOLERANCE, LSE_TOLERANCE = 2**-8, 2**-23, 1e-6
 @pytest.fixture
 def launches(monkeypatch, fake_kernels) -> list[str]:
     """Accept CPU tensors; the attention launch writes the float64 reference of the rows it is given, the
-    gather launch the gather reference; returns what was launched ("paged v41", "rows", "gather v41_fp4")."""
+    gather launch the gather reference; returns what was launched ("paged v41", "paged v41 + extra", "rows",
+    "gather v41_fp4")."""
     recorded = []
     monkeypatch.setattr(contract, "check_device", lambda named_devices: None)
     monkeypatch.setattr(paged_gather, "_check_devices", lambda *tensors: None)
 
     def attention(q, kv, indices, topk_length, attn_sink, q_scale, kv_scale, sm_scale, out, max_logits, lse,
-                  *_schedule, cache=None):  # fmt: skip
-        recorded.append("rows" if cache is None else f"paged {cache}")
-        if cache is not None:  # the cache's [num_pages, page_size, bytes_per_token] byte view
-            kv = dequantize_paged_cache(
-                kv.as_strided((*kv.shape[:2], 1, kv.shape[2]), (*kv.stride()[:2], 1, 1))
-            )
+                  *_schedule, cache=None, extra_cache=None, extra_from=None):  # fmt: skip
+        recorded.append(
+            "rows" if cache is None else f"paged {cache}" + (" + extra" if extra_cache is not None else "")
+        )
+        if cache is not None:
+            kv = dequantized_rows(kv)
+        if extra_cache is not None:  # index slots from extra_from on are the extra cache's token slots
+            extra_rows = dequantized_rows(extra_cache)
+            main, extra = indices[..., :extra_from], indices[..., extra_from:]
+            main = torch.where(main < kv.shape[0], main, -1)
+            extra = torch.where((extra >= 0) & (extra < extra_rows.shape[0]), extra + kv.shape[0], -1)
+            kv, indices = torch.cat((kv, extra_rows)), torch.cat((main, extra), dim=-1)
         reference = sparse_mla_prefill_reference(
             q, kv, indices, sm_scale, q_scale, kv_scale, 512, attn_sink, topk_length
         )
@@ -60,6 +68,13 @@ def launches(monkeypatch, fake_kernels) -> list[str]:
     module = fake_kernels(attention)
     module.launch_paged_kv_gather = gather
     return recorded
+
+
+def dequantized_rows(view):
+    """A cache's [num_pages, page_size, bytes_per_token] byte view (what the kernel reads) as float64 rows."""
+    return dequantize_paged_cache(
+        view.as_strided((*view.shape[:2], 1, view.shape[2]), (*view.stride()[:2], 1, 1))
+    )
 
 
 def make_cache(layout, pages, generator):
@@ -117,10 +132,10 @@ def test_matches_the_float64_reference_over_both_caches(generator, launches, mai
     call = extra_call(generator, main, extra, q_dtype)
     outputs = sparse_mla_q8kv8_paged_fwd(**call)
     assert not assert_matches(outputs, call)[1:].any()  # queries 1 and 2: one part's slots only
-    if extra == "v41_fp4":  # gathered, then attended as rows
-        assert launches == [f"paged {main}", "gather v41_fp4", "rows"]
-    else:  # read directly
-        assert launches == [f"paged {main}", f"paged {extra}"]
+    if extra == "v41_fp4":  # gathered into V4.1 records, read in the same launch
+        assert launches == ["gather v41_fp4", f"paged {main} + extra"]
+    else:  # the main layout's: read in the same launch
+        assert launches == [f"paged {main} + extra"]
 
 
 def test_without_a_sink_or_lengths(generator, launches):
@@ -277,8 +292,9 @@ def test_check_ranges_names_extra_topk_length(generator, launches, monkeypatch):
 @pytest.mark.parametrize("extra", ["v41_fp4", "v41"])
 def test_compiled_call_matches_eager(generator, launches, extra):
     """Under ``torch.compile(fullgraph=True)`` the call is the parts' custom ops (the gather's included) and
-    the merge's torch operations: the eager call's max_logits, its out and lse up to Inductor's own float32
-    merge arithmetic (out one bf16 step at most)."""
+    the merge's torch operations (the eager call reads the extra cache in the main launch, the FP4 one
+    gathered into V4.1 records): the eager call's max_logits, the reference's out and lse as the eager
+    call's."""
     call = extra_call(generator, extra=extra)
     expected = sparse_mla_q8kv8_paged_fwd(**call)
     torch._dynamo.reset()
@@ -287,6 +303,6 @@ def test_compiled_call_matches_eager(generator, launches, extra):
     finally:
         torch._dynamo.reset()
     assert torch.equal(got[1], expected[1])
-    torch.testing.assert_close(got[0].double(), expected[0].double(), rtol=2**-7, atol=1e-6)
-    torch.testing.assert_close(got[2], expected[2], rtol=1e-6, atol=1e-6)
+    assert_matches(got, call)
     assert launches.count("gather v41_fp4") == (2 if extra == "v41_fp4" else 0)
+    assert launches.count("paged v41 + extra") == 1  # the eager call's

@@ -1,6 +1,7 @@
 """``sparse_mla_q8kv8_paged_fwd`` with an extra cache on an H100/H200 (``gpu`` marker): DeepSeek V4.1's main
-cache read directly with its FP4 extra cache gathered, and V4's compressed and SWA caches both read directly,
-as one softmax with a sink and per-part valid counts, against the float64 reference over both caches
+cache with its FP4 extra cache gathered into V4.1 tokens, and V4's compressed and SWA caches (or two V4.1
+caches), each pair read in one launch, in every schedule and with pages of other sizes in the extra cache, as
+one softmax with a sink and per-part valid counts, against the float64 reference over both caches
 (``sparse_mla_paged_reference(..., extra_cache=...)``); a CUDA graph replay.
 
 Tolerances (``||out - ref|| / ||ref||``; max_logits and lse relative, absolute below 1), each part's own plus
@@ -23,6 +24,7 @@ from paged_cache import pow2_fp4_scales, quantized_cache, to_device
 from reference_checks import assert_outputs_match, logit_tolerances, out_tolerances
 
 from q8kv8 import sparse_mla_q8kv8_paged_fwd
+from q8kv8.eager import forced_splits, forced_tiles_per_cta
 from q8kv8.reference import sparse_mla_paged_reference
 
 pytestmark = pytest.mark.gpu
@@ -34,18 +36,32 @@ LOGIT_TOLERANCE = {"v41_fp4": logit_tolerances(1e-2, 1e-3), "model1": logit_tole
 ROUNDED_FP4_OUT_TOLERANCE, ROUNDED_FP4_LOGIT_TOLERANCE = 8e-2, 0.15
 
 
-def make_call(generator, main, extra, s_q, h, *, topk=512, extra_topk=256, pow2_fp4=True, q_dtype=BF16):
+def make_call(
+    generator,
+    main,
+    extra,
+    s_q,
+    h,
+    *,
+    topk=512,
+    extra_topk=256,
+    pow2_fp4=True,
+    q_dtype=BF16,
+    extra_page_size=None,
+):
     """Keyword arguments of one call on the GPU: slots uniform over each cache and a few past either end,
     valid counts random but for a query with no valid slot, one with the extra part's only and one with the
-    main part's only; a sink."""
+    main part's only; a sink. The extra cache's pages hold ``extra_page_size`` tokens (by default the main
+    cache's ``PAGE_SIZE``)."""
     pages, extra_pages = 24, 12
+    extra_page_size = extra_page_size or PAGE_SIZE
     caches = []
-    for layout, count in ((main, pages), (extra, extra_pages)):
-        cache = quantized_cache(layout, count, PAGE_SIZE, generator, pow2_scales=True)
+    for layout, count, page_size in ((main, pages, PAGE_SIZE), (extra, extra_pages, extra_page_size)):
+        cache = quantized_cache(layout, count, page_size, generator, pow2_scales=True)
         caches.append(pow2_fp4_scales(cache, generator) if layout == "v41_fp4" and pow2_fp4 else cache)
     indices = torch.randint(-2, pages * PAGE_SIZE + 2, (s_q, 1, topk), generator=generator, dtype=torch.int32)
     extra_indices = torch.randint(
-        -2, extra_pages * PAGE_SIZE + 2, (s_q, 1, extra_topk), generator=generator, dtype=torch.int32
+        -2, extra_pages * extra_page_size + 2, (s_q, 1, extra_topk), generator=generator, dtype=torch.int32
     )
     topk_length = torch.randint(0, topk + 1, (s_q,), generator=generator, dtype=torch.int32)
     extra_topk_length = torch.randint(0, extra_topk + 1, (s_q,), generator=generator, dtype=torch.int32)
@@ -98,6 +114,31 @@ def test_fp4_extra_as_the_quantiser_writes_it(generator, precision):
         outputs, reference(call), ROUNDED_FP4_OUT_TOLERANCE, ROUNDED_FP4_LOGIT_TOLERANCE
     )
     print(f"extra cache v41 + rounded v41_fp4 {precision}: ||out - ref|| / ||ref|| = {rel:.2e}")
+
+
+SCHEDULES = {
+    "one tile": lambda: forced_tiles_per_cta(0),
+    "persistent": lambda: forced_tiles_per_cta(2),
+    "split": lambda: forced_splits(4),
+}
+
+
+@pytest.mark.parametrize("schedule", list(SCHEDULES))
+@pytest.mark.parametrize(
+    "main, extra_page_size, h", [("model1", 32, 128), ("v41", 128, 64), ("model1", 64, 16)]
+)
+def test_an_extra_cache_of_the_main_layout_in_every_schedule(generator, main, extra_page_size, h, schedule):
+    """Read in the main launch (the index slots from the main top-k on are the extra cache's token slots),
+    its pages of another size than the main cache's: one tile, persistent, split in 4 (small heads: their
+    own kernel whatever is forced), both precisions."""
+    call = make_call(generator, main, main, 24, h, extra_page_size=extra_page_size)
+    bounds = "model1" if main == "model1" else "v41_fp4"  # V4.1's: those of its paged part
+    for precision in ("default", "accurate"):
+        with SCHEDULES[schedule]():
+            outputs = run(call, precision=precision)
+        assert_outputs_match(
+            outputs, reference(call), OUT_TOLERANCE[bounds][precision], LOGIT_TOLERANCE[bounds][precision]
+        )
 
 
 def test_v41_extra_read_directly(generator):

@@ -557,9 +557,9 @@ def recording_kernels(calls: list):
     """``reference_kernels()`` whose attention records the tensors it is given."""
     kernels = reference_kernels()
 
-    def attention_paged(q, cache, slots, sm_scale, attn_sink, topk_length, precision):
-        calls.append({"q": q, "cache": cache, "attn_sink": attn_sink, "precision": precision})
-        return kernels.attention_paged(q, cache, slots, sm_scale, attn_sink, topk_length, precision)
+    def attention_paged(q, cache, slots, sm_scale, attn_sink, topk_length, precision, extra=None):
+        calls.append({"q": q, "cache": cache, "attn_sink": attn_sink, "precision": precision, "extra": extra})
+        return kernels.attention_paged(q, cache, slots, sm_scale, attn_sink, topk_length, precision, extra)
 
     def attention_fp8(q, kv, indices, sm_scale, q_scale, kv_scale, attn_sink, topk_length, precision):
         calls.append({"q": q, "q_scale": q_scale, "kv_scale": kv_scale, "attn_sink": attn_sink})
@@ -750,8 +750,9 @@ def test_sinks_and_merged_parts_sum_logits_in_float32(generator, path):
         prefill = SparsePrefill("fp8", precision=precision, path=path, kernels=recording_kernels(calls))
         prefill.forward(*args)
         prefill.forward(*args, sink)
-        prefill.forward_merged(batch["q"], [part, part], SM_SCALE, sink)
-        assert [call["precision"] for call in calls] == [precision] + [summed] * 3, precision
+        prefill.forward_merged(batch["q"], [part, part], SM_SCALE, sink)  # paged: one call, both caches
+        merged_calls = 1 if path == "paged" else 2
+        assert [call["precision"] for call in calls] == [precision] + [summed] * (1 + merged_calls), precision
         assert prefill.info()["precision"] == precision
     for precision, summed in metadata.LOGITS_IN_FLOAT32.items():  # P's terms kept, S in float32
         assert KERNEL_PRECISIONS[summed] == KERNEL_PRECISIONS[precision]._replace(qk_in_float32=True)
@@ -877,7 +878,8 @@ def test_forward_merged_attends_two_caches_as_one_softmax(generator, path):
         for b in (compressed, window)
     ]
     got = prefill.forward_merged(compressed["q"], parts, SM_SCALE, sink)
-    assert prefill.last_path == f"{path}+{path}" and prefill.info()["last_path"] == prefill.last_path
+    joined = "paged" if path == "paged" else "workspace+workspace"  # two paged parts: one paged call
+    assert prefill.last_path == joined and prefill.info()["last_path"] == prefill.last_path
     kv_format = "f64" if path == "paged" else "e4m3"
     q = compressed["q"]
     truth = union_ground_truth(q, [compressed, window], "model1", SM_SCALE, sink, kv_format, quantize_q=True)

@@ -1,7 +1,9 @@
 """DeepSeek V4.1's paged caches on CPU: the layouts' offsets, the test quantiser's round trip against the
 float64 values it quantised, the exact dequantisation against the byte-by-byte decoder, the float64 paged
-reference's one softmax over a main and an extra cache against a direct float64 computation, and the
-checks that name what is wrong (the gather's, and the direct paged read's refusal of V4.1 caches).
+reference's one softmax over a main and an extra cache against a direct float64 computation, the FP4 tokens
+gathered as V4.1 records (read back as a V4.1 cache: within half an e4m3 step of the exact values, exact
+for power-of-two FP4 scales, each group's scale the least that holds it), and the checks that name what is
+wrong (the gather's, and the direct paged read's refusal of V4.1 caches).
 
 Round-trip bounds, per value x with its group's scale s: V4.1 (e4m3, power-of-two s) |x - x'| <=
 max(2^-4 |x|, 2^-10 s) (half an e4m3 step; 2^-10 below e4m3's normal range); V4.1 FP4 (e2m1, e4m3 s)
@@ -18,13 +20,14 @@ from paged_cache import (
     decode_token_f64,
     empty_cache,
     fill_random,
+    pow2_fp4_scales,
     quantize_v41,
     quantized_cache,
     write_token,
 )
 
 from q8kv8 import contract, gather_dequant_requant_fp8_paged, kv_layout, sparse_mla_q8kv8_paged_fwd
-from q8kv8.reference import dequantize_paged_cache, sparse_mla_paged_reference
+from q8kv8.reference import dequantize_paged_cache, gather_dequant_paged_reference, sparse_mla_paged_reference
 
 E4M3 = torch.float8_e4m3fn
 
@@ -218,3 +221,31 @@ def test_the_direct_paged_read_names_the_workspace_path(generator, monkeypatch, 
     indices = torch.zeros(3, 1, 128, dtype=torch.int32)
     with pytest.raises(ValueError, match=f"a {layout} cache .* is not read directly; gather its rows"):
         sparse_mla_q8kv8_paged_fwd(q, cache, indices, 0.05, None)
+
+
+def test_fp4_tokens_as_v41_records(generator):
+    """The gather's V4.1 records of FP4 tokens, read back as a V4.1 cache (one token a page): each value
+    within half an e4m3 step (2^-4 relative) of the exact FP4 value, exact for power-of-two FP4 scales; each
+    group's UE8M0 scale the least 2^E with 6 * (its larger block scale) <= 448 * 2^E, so a cache of small
+    values keeps its precision (e4m3 rows at scale 1 would flush it); invalid slots and the extra rows zero
+    with scales 2^0."""
+    for pow2, std in ((False, 1.0), (True, 1.0), (False, 1e-4)):
+        cache = quantized_cache("v41_fp4", 4, 16, generator, pow2_scales=True, std=std)
+        if pow2:
+            cache = pow2_fp4_scales(cache, generator)
+        slots = torch.tensor([0, 5, 63, -1, 64, 17, 40], dtype=torch.int32)
+        records = gather_dequant_paged_reference(cache, slots, 16, "v41_fp4", torch.uint8, extra_rows=2)
+        assert records.shape == (9, 528) and records.dtype == torch.uint8
+        valid = (slots >= 0) & (slots < 64)
+        read = dequantize_paged_cache(records.view(-1, 1, 1, 528))[:, 0]
+        exact = dequantize_paged_cache(cache, slots[valid])[:, 0]
+        error = (read[:7][valid] - exact).abs()
+        assert (error <= exact.abs() * 2**-4).all(), (pow2, std)
+        assert not pow2 or torch.equal(read[:7][valid], exact)
+        assert (read[:7][~valid] == 0).all() and (read[7:] == 0).all()
+        assert (records[~torch.cat([valid, torch.tensor([False, False])]), 512:] == 127).all()
+        token = slots[valid].long()
+        block_scales = cache[token // 16, token % 16, 0, 256:].contiguous().view(E4M3).double()
+        bound = 6 * block_scales.view(-1, 16, 2).amax(dim=2)
+        exponent = records[:7][valid, 512:].double() - 127
+        assert ((bound <= 448 * 2**exponent) & (bound > 448 * 2 ** (exponent - 1))).all(), (pow2, std)

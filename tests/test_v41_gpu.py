@@ -18,7 +18,12 @@ from reference_checks import assert_outputs_match
 
 from q8kv8 import gather_dequant_requant_fp8_paged, sparse_mla_q8kv8_prefill_fwd
 from q8kv8.paged_gather import gather_dequant_paged
-from q8kv8.reference import dequantize_paged_cache, sparse_mla_paged_reference, sparse_mla_prefill_reference
+from q8kv8.reference import (
+    dequantize_paged_cache,
+    gather_dequant_paged_reference,
+    sparse_mla_paged_reference,
+    sparse_mla_prefill_reference,
+)
 
 pytestmark = pytest.mark.gpu
 
@@ -113,3 +118,15 @@ def test_bf16_rows_are_exact(generator, layout):
     got = gather_dequant_paged(to_device(cache, "cuda"), slots.cuda(), PAGE_SIZE, layout, BF16).cpu()
     torch.cuda.synchronize()
     assert torch.equal(got.double(), dequantize_paged_cache(cache)[slots.long()])
+
+
+@pytest.mark.parametrize("std", [1.0, 1e-4])
+def test_fp4_records_match_the_reference_bit_for_bit(generator, std):
+    """The gather's V4.1 records of FP4 tokens (``out_dtype`` uint8): the reference's bytes, values and
+    scales, with invalid slots and extra rows zero at scale 2^0."""
+    cache = quantized_cache("v41_fp4", 8, PAGE_SIZE, generator, pow2_scales=False, std=std)
+    slots = torch.randint(-2, 8 * PAGE_SIZE + 2, (300,), generator=generator, dtype=torch.int32)
+    got = gather_dequant_paged(to_device(cache, "cuda"), slots.cuda(), PAGE_SIZE, "v41_fp4", torch.uint8, 3)
+    torch.cuda.synchronize()
+    want = gather_dequant_paged_reference(cache, slots, PAGE_SIZE, "v41_fp4", torch.uint8, 3)
+    assert torch.equal(got.cpu(), want)

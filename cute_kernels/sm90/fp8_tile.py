@@ -72,7 +72,7 @@ class Consumer(NamedTuple):
     mbar_merge_full: cute.Pointer  # split: completed by the other parts' fragments (None otherwise)
     mbar_peers_free: cute.Pointer  # split: the other parts arrive when their KV tiles are free (else None)
     mIdx: cute.Tensor
-    s_kv: Int32
+    s_kv: object  # kv's rows (Int32); paged: the caches' token slots (``row_gather.SlotBounds``)
     scale_log2: object  # q_scale * kv_scale * sm_scale * log2(e); bf16 q: a pair, row r's with its own scale
     # Small heads only: smem [consumer, buffer, warp, head], the S^T blocks' maxima
     s_column_max: cute.Tensor = None

@@ -7,7 +7,10 @@ scales, no bf16 RoPE) and V4.1 FP4 (d_qk 512, e2m1 values with e4m3 scales); ``o
 e4m3 or bf16, bit-exact with ``q8kv8.reference.gather_dequant_paged_reference``. Each value times its
 block scale in float32 (exact but for float32 subnormals), rounded once to the output type; e2m1 values
 are first widened to the e4m3 values they equal (a byte permute). One thread per 16-byte output chunk.
-Layouts and conversion: docs/kernel.md.
+From a V4.1 FP4 cache ``out`` may instead be [rows, 528] uint8, each row a record of V4.1's layout,
+bit-exact with ``q8kv8.reference.fp4_rows_as_v41_reference``: per 32 values (two FP4 scale blocks) the
+UE8M0 scale 2^E, E the least with 6 * (the larger block scale) <= 448 * 2^E (0 for zero scales), each
+value times its block scale times 2^-E rounded once to e4m3. Layouts and conversion: docs/kernel.md.
 
 Constraints: cache base and page stride 16-byte aligned, ``out`` 16-byte aligned and row-major,
 ``num_pages * page_size < 2^31``.
@@ -15,11 +18,13 @@ Constraints: cache base and page stride 16-byte aligned, ``out`` 16-byte aligned
 
 from typing import NamedTuple
 
+import cutlass
 import cutlass.cute as cute
 from cutlass import Int32, Int64, Uint32, const_expr
 from cutlass._mlir.dialects import llvm
 from cutlass.cutlass_dsl import T, dsl_user_op
 
+from cute_kernels import ptx
 from cute_kernels.ptx import (
     bf16x4_to_e4m3x4,
     inline_asm,
@@ -73,6 +78,41 @@ def e8m0_to_f32_bits(byte, *, loc=None, ip=None) -> Uint32:
             "selp.b32 bits, 0x00400000, bits, zero;\n\t"
             "selp.b32 $0, 0x7fc00000, bits, nan;\n\t}",
             "=r,r",
+            False,
+        )
+    )
+
+
+@dsl_user_op
+def record_exponent(scale_bits, *, loc=None, ip=None) -> Int32:
+    """The least E with 6 * s <= 448 * 2^E for the positive float32 s (an e4m3 scale) given by its bits: with
+    c = ceil(log2(6 s)), c - 9, or c - 8 when 6 s > 1.75 * 2^(c - 1) (every step exact)."""
+    return Int32(
+        inline_asm(
+            T.i32(),
+            [Uint32(scale_bits).ir_value(loc=loc, ip=ip)],
+            "{\n\t.reg .f32 b, t;\n\t.reg .b32 bits, e, m;\n\t.reg .pred p, q;\n\t"
+            "mov.b32 b, $1;\n\tmul.rn.f32 b, b, 0f40C00000;\n\t"  # 6 s
+            "mov.b32 bits, b;\n\tbfe.u32 e, bits, 23, 8;\n\tand.b32 m, bits, 0x7fffff;\n\t"
+            "setp.ne.u32 p, m, 0;\n\t@p add.s32 e, e, 1;\n\t"  # c + 127
+            "sub.s32 m, e, 1;\n\tshl.b32 m, m, 23;\n\tor.b32 m, m, 0x600000;\n\tmov.b32 t, m;\n\t"
+            "setp.gt.f32 q, b, t;\n\tsub.s32 e, e, 136;\n\t@q add.s32 e, e, 1;\n\tmov.b32 $0, e;\n\t}",
+            "=r,r",
+            False,
+        )
+    )
+
+
+@dsl_user_op
+def pow2_scaled_bits(scale_bits, exponent, *, loc=None, ip=None) -> Uint32:
+    """The float32 bits of s * 2^-E (exact) for the float32 s given by its bits and -126 <= -E <= 127."""
+    return Uint32(
+        inline_asm(
+            T.i32(),
+            [Uint32(scale_bits).ir_value(loc=loc, ip=ip), Int32(exponent).ir_value(loc=loc, ip=ip)],
+            "{\n\t.reg .f32 a, b;\n\t.reg .b32 e;\n\tmov.b32 a, $1;\n\tsub.s32 e, 127, $2;\n\t"
+            "shl.b32 e, e, 23;\n\tmov.b32 b, e;\n\tmul.rn.f32 a, a, b;\n\tmov.b32 $0, a;\n\t}",
+            "=r,r,r",
             False,
         )
     )
@@ -175,20 +215,29 @@ def dequant_e4m3x4_bf16(word, scale_bits, *, loc=None, ip=None):
 
 
 # ------------------------------------------------------------------------------------------
-class PagedKvGatherSm90:
-    """Compile-time configuration: the cache layout (a name of ``LAYOUTS``) and the output type."""
+GATHER_OUTPUTS = ("e4m3", "bf16", "v41")
+"""The gather's outputs: e4m3 rows (scale 1), bf16 rows, or V4.1 records (from a V4.1 FP4 cache only)."""
+V41_RECORD_BYTES = LAYOUTS["v41"].token_bytes  # 512 e4m3 values, then 16 UE8M0 scales
 
-    def __init__(self, layout: str, out_bf16: bool):
+
+class PagedKvGatherSm90:
+    """Compile-time configuration: the cache layout (a name of ``LAYOUTS``) and the output (one of
+    ``GATHER_OUTPUTS``)."""
+
+    def __init__(self, layout: str, out: str):
         if layout not in LAYOUTS:
             raise ValueError(f"layout must be one of {sorted(LAYOUTS)}, got {layout!r}")
+        if out not in GATHER_OUTPUTS or (out == "v41" and layout != "v41_fp4"):
+            raise ValueError(f"out must be one of {GATHER_OUTPUTS} (v41 from a v41_fp4 cache), got {out!r}")
         self.layout_name = layout
         self.layout = LAYOUTS[layout]
-        self.out_bf16 = out_bf16
+        self.out_bf16 = out == "bf16"
+        self.out_records = out == "v41"
         self.d_qk = self.layout.d_nope + self.layout.d_rope
-        self.out_elem_bytes = 2 if out_bf16 else 1
-        self.out_row_bytes = self.d_qk * self.out_elem_bytes
+        self.out_elem_bytes = 2 if self.out_bf16 else 1
+        self.chunks = self.d_qk * self.out_elem_bytes // CHUNK_BYTES  # threads per row
+        self.out_row_bytes = V41_RECORD_BYTES if self.out_records else self.chunks * CHUNK_BYTES
         self.values_per_chunk = CHUNK_BYTES // self.out_elem_bytes  # 16 (e4m3) or 8 (bf16)
-        self.chunks = self.out_row_bytes // CHUNK_BYTES  # threads per row
         self.nope_chunks = self.layout.d_nope // self.values_per_chunk
         self.rows_per_cta = ROWS_PER_CTA_E4M3 // self.out_elem_bytes  # whole warps: 256 or 288 threads
         assert self.layout.scale_group % self.values_per_chunk == 0
@@ -198,7 +247,7 @@ class PagedKvGatherSm90:
         self,
         mCache: cute.Tensor,  # [num_pages, page_bytes] uint8, page stride dynamic (multiple of 16)
         mSlots: cute.Tensor,  # [num_tokens, words] int32: words 1 (int32 table) or 2 (int64, lo/hi)
-        mOut: cute.Tensor,  # [num_tokens + extra_rows, 1, d_qk] e4m3 or bf16, row-major
+        mOut: cute.Tensor,  # [num_tokens + extra_rows, 1, d_qk] e4m3 or bf16, row-major; v41: [rows, 528]
         page_size: Int32,
         stream,
     ):
@@ -236,6 +285,8 @@ class PagedKvGatherSm90:
                         self.convert_rope(out_addr, token_addr, chunk - self.nope_chunks)
             else:
                 st_global_v4(out_addr, Uint32(0), Uint32(0), Uint32(0), Uint32(0))
+                if const_expr(self.out_records):  # the record's scales 2^0
+                    self.store_record_scales(out_addr - chunk * CHUNK_BYTES, chunk, Int32(0))
 
     @cute.jit
     def scale_bits(self, page_addr, token_addr, pos, page_size, chunk):
@@ -257,7 +308,9 @@ class PagedKvGatherSm90:
     @cute.jit
     def convert_nope(self, out_addr, page_addr, token_addr, pos, page_size, chunk):
         scale = self.scale_bits(page_addr, token_addr, pos, page_size, chunk)
-        if const_expr(self.layout.value_bits == 4):
+        if const_expr(self.out_records):
+            self.convert_e2m1_record(out_addr, token_addr, chunk, scale)
+        elif const_expr(self.layout.value_bits == 4):
             self.convert_e2m1(out_addr, token_addr, chunk, scale)
         elif const_expr(self.out_bf16):
             w = ld_global_nc_v2(token_addr + chunk * 8)
@@ -291,6 +344,30 @@ class PagedKvGatherSm90:
                 requant_e4m3x4(e2m1x4_to_e4m3x4(w[1], False), scale),
                 requant_e4m3x4(e2m1x4_to_e4m3x4(w[1], True), scale),
             )
+
+    @cute.jit
+    def convert_e2m1_record(self, out_addr, token_addr, chunk, scale):
+        """FP4 block ``chunk`` of a row (its 16 values, ``scale`` its e4m3 scale's float32 bits) into a V4.1
+        record: lanes 2g and 2g + 1 of the row's warp hold scale group g's 32 values, whose exponent E comes
+        from the larger of their two block scales (``record_exponent``; 0 when both are zero); the values
+        times scale * 2^-E (exact) rounded once to e4m3, and the record's scale bytes."""
+        larger = ptx.max_u32(scale, cute.arch.shuffle_sync_bfly(scale, offset=1))  # positive floats' bits
+        exponent = Int32(0)
+        if larger != 0:
+            exponent = record_exponent(larger)
+        self.convert_e2m1(out_addr, token_addr, chunk, pow2_scaled_bits(scale, exponent))
+        self.store_record_scales(out_addr - chunk * CHUNK_BYTES, chunk, exponent)
+
+    @cute.jit
+    def store_record_scales(self, record_addr, chunk, exponent):
+        """The 16 UE8M0 bytes after a record's values: group g's (E + 127, lanes 2g and 2g + 1 alike) packed
+        four a word by lanes 0, 8, 16 and 24 of the row's warp."""
+        byte = Uint32(exponent + 127)
+        word = byte
+        for k in cutlass.range_constexpr(1, 4):
+            word = word | (Uint32(cute.arch.shuffle_sync(byte, (chunk + 2 * k) % 32)) << (8 * k))
+        if chunk % 8 == 0:
+            ptx.st_global_u32(record_addr + self.d_qk + chunk // 2, word)
 
     @cute.jit
     def convert_rope(self, out_addr, token_addr, rope_chunk):

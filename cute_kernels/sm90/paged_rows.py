@@ -44,7 +44,13 @@ from cutlass import Float32, Int32, Int64, Uint32, const_expr
 from cute_kernels import ptx
 from cute_kernels.interface import D_V
 from cute_kernels.sm90.paged_kv import LAYOUTS, e8m0_to_f32_bits
-from cute_kernels.sm90.row_gather import CHUNK_BYTES, slot_valid_flag, swizzle_offset
+from cute_kernels.sm90.row_gather import (
+    CHUNK_BYTES,
+    SlotBounds,
+    in_extra_cache,
+    slot_valid_flag,
+    swizzle_offset,
+)
 from cute_kernels.sm90.row_views import shared_row_scale
 
 COLUMN_BYTES = 64  # a column tile's row: the e4m3 K tile's 64-byte swizzle
@@ -97,19 +103,55 @@ def cache_geometry(layout: str) -> CacheGeometry:
     )
 
 
+class PagedCache(NamedTuple):
+    """One paged cache as the producer addresses it (trace-time bundle of run-time values)."""
+
+    base: Int64  # the first page's address
+    page_stride: Int64  # bytes from a page to the next
+    page_size: Int32  # tokens a page, a power of two
+    page_shift: Int32  # log2(page_size)
+
+
+def paged_cache(mCache: cute.Tensor) -> PagedCache:
+    """``mCache`` ([num_pages, page_size, bytes per token] uint8, page stride a multiple of 16 bytes)."""
+    page_size = cute.size(mCache, mode=[1])
+    return PagedCache(
+        mCache.iterator.toint(), Int64(mCache.stride[0]), page_size, ptx.floor_log2_u32(page_size)
+    )
+
+
+def slot_bounds(mCache: cute.Tensor, mExtraCache: cute.Tensor, extra_from: Int32) -> SlotBounds:
+    """The token slots of a cache and its extra cache, the extra cache's from index slot ``extra_from`` on."""
+    return SlotBounds(
+        cute.size(mCache, mode=[0]) * cute.size(mCache, mode=[1]),
+        cute.size(mExtraCache, mode=[0]) * cute.size(mExtraCache, mode=[1]),
+        extra_from,
+    )
+
+
 class PagedRowGather:
     """One producer lane's part of the paged gather (trace-time object; its integers stay Python values)."""
 
-    def __init__(self, mCache: cute.Tensor, geometry: CacheGeometry, sK_base, lo_base, scale_base, lane):
-        """From ``mCache`` ([num_pages, page_size, bytes per token] uint8, page stride a multiple of 16 bytes)
-        into the block tiles at shared address ``sK_base``, their RoPE staging tiles at ``lo_base`` and their
-        raw scale tables at ``scale_base``; ``lane`` copies chunk ``lane % 4`` of each 64-byte column."""
+    def __init__(
+        self,
+        mCache: cute.Tensor,
+        mExtraCache: cute.Tensor,
+        extra_from: Int32,
+        geometry: CacheGeometry,
+        sK_base,
+        lo_base,
+        scale_base,
+        lane,
+    ):
+        """From ``mCache`` and ``mExtraCache`` (each [num_pages, page_size, bytes per token] uint8 of the same
+        layout, page stride a multiple of 16 bytes; the extra cache's token slots are the index slots from
+        ``extra_from`` on, ``slot_bounds``) into the block tiles at shared address ``sK_base``, their RoPE
+        staging tiles at ``lo_base`` and their raw scale tables at ``scale_base``; ``lane`` copies chunk
+        ``lane % 4`` of each 64-byte column."""
         self.geometry = geometry
-        self.page_size: Int32 = cute.size(mCache, mode=[1])  # a power of two
-        self.page_shift: Int32 = ptx.floor_log2_u32(self.page_size)
-        self.num_slots: Int32 = cute.size(mCache, mode=[0]) * self.page_size
-        self.page_stride: Int64 = Int64(mCache.stride[0])
-        self.cache_base: Int64 = mCache.iterator.toint()
+        self.main = paged_cache(mCache)
+        self.extra = paged_cache(mExtraCache)
+        self.bounds = slot_bounds(mCache, mExtraCache, extra_from)
         self.sK_base: Int32 = sK_base
         self.lo_base: Int32 = lo_base
         self.scale_base: Int32 = scale_base
@@ -117,28 +159,35 @@ class PagedRowGather:
 
     def locate(self, slot, index, valid_len):
         """``(valid, where)`` of token slot ``slot`` at index position ``index`` (``RowGather.locate``):
-        ``where`` is ``(page, position)`` (0, 0 for an invalid slot)."""
-        valid = slot_valid_flag(slot, index, self.num_slots, valid_len)
-        return valid, page_and_position(self, slot, valid)
+        ``where`` is ``(page, position, in_extra)`` (0, 0, 0 for an invalid slot)."""
+        valid = slot_valid_flag(slot, index, self.bounds, valid_len)
+        return valid, page_and_position(self, slot * valid, in_extra_cache(self.bounds, index) * valid)
 
     def copy_row(self, tile, tile_base, row, where, valid):
         """Queue the copies of the token ``where`` (``locate``'s) into row ``row`` of block tile ``tile``
         (``copy_paged_row``; ``tile_base`` unused here), zeros where ``valid`` is 0."""
-        copy_paged_row(self, tile, row, where[0], where[1], valid)
+        copy_paged_row(self, tile, row, where, valid)
 
 
-def page_and_position(gather: PagedRowGather, slot, valid):
-    """``(page, position)`` of a token slot (0, 0 for an invalid one: ``valid`` 0)."""
-    slot = slot * valid
-    return slot >> gather.page_shift, slot & (gather.page_size - 1)
+def page_and_position(gather: PagedRowGather, slot, in_extra):
+    """``(page, position, in_extra)`` of token slot ``slot`` of the main cache (``in_extra`` 0) or of the
+    extra one (1)."""
+    shift = gather.main.page_shift + in_extra * (gather.extra.page_shift - gather.main.page_shift)
+    return slot >> shift, slot & ((Int32(1) << shift) - 1), in_extra
 
 
 @cute.jit
-def copy_paged_row(gather: PagedRowGather, tile: Int32, row, page, position, valid):
-    """Queue the copies of one row (zero-filled when ``valid`` is 0) into row ``row`` of block tile ``tile``:
-    this lane's chunk of each nope column tile, of each half of the staged RoPE and (lane 0 of the row's four)
-    the row's scale record. Row sizes and addresses follow ``CacheGeometry``."""
+def copy_paged_row(gather: PagedRowGather, tile: Int32, row, where, valid):
+    """Queue the copies of one row (``where``: its ``(page, position, in_extra)``; zero-filled when ``valid``
+    is 0) into row ``row`` of block tile ``tile``: this lane's chunk of each nope column tile, of each half of
+    the staged RoPE and (lane 0 of the row's four) the row's scale record. Row sizes and addresses follow
+    ``CacheGeometry``."""
     geo = gather.geometry
+    page, position, in_extra = where
+    main, extra = gather.main, gather.extra
+    wide = Int64(in_extra)
+    cache_base = main.base + wide * (extra.base - main.base)
+    page_stride = main.page_stride + wide * (extra.page_stride - main.page_stride)
     tile_bytes = 64 * geo.d_qk
     col_tile_bytes = 64 * COLUMN_BYTES
     # Per-thread bases (see row_gather.copy_rows: with a warp-uniform one ptxas may address a copy as
@@ -146,7 +195,7 @@ def copy_paged_row(gather: PagedRowGather, tile: Int32, row, page, position, val
     tile_base = cute.arch.shuffle_sync(gather.sK_base + tile * tile_bytes, 0)
     lo_base = cute.arch.shuffle_sync(gather.lo_base + tile * col_tile_bytes, 0)
     scale_base = cute.arch.shuffle_sync(gather.scale_base + tile * (64 * RAW_SCALE_ENTRY_BYTES), 0)
-    page_addr = gather.cache_base + Int64(page) * gather.page_stride
+    page_addr = cache_base + Int64(page) * page_stride
     token_addr = page_addr + Int64(position * geo.token_bytes)
     chunk = gather.chunk16
     dest = tile_base + swizzle_offset(row, chunk, COLUMN_BYTES)
@@ -165,7 +214,8 @@ def copy_paged_row(gather: PagedRowGather, tile: Int32, row, page, position, val
     if const_expr(geo.scale_offset >= 0):
         ptx.cp_async_4_zfill(scale_dest, token_addr + geo.scale_offset + chunk * 4, valid * 4)
     else:  # V4: the page's scale region, after page_size tokens' data
-        record = page_addr + Int64(gather.page_size * geo.token_bytes + position * geo.raw_scale_bytes)
+        page_size = main.page_size + in_extra * (extra.page_size - main.page_size)
+        record = page_addr + Int64(page_size * geo.token_bytes + position * geo.raw_scale_bytes)
         ptx.cp_async_4_zfill(scale_dest, record + chunk * 4, valid * (chunk < 2) * 4)
 
 

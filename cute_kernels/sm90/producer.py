@@ -33,6 +33,8 @@ class ProducerInputs(NamedTuple):
     sK: cute.Tensor
     s_valid_words: cute.Tensor  # small heads: the gathered slots' validity (None otherwise)
     mKV: cute.Tensor  # row-major kv, or a paged cache
+    mExtraCache: cute.Tensor  # paged: the extra cache (0 pages when there is none); None otherwise
+    extra_from: Int32  # paged: the extra cache's first index slot; None otherwise
     mIdx: cute.Tensor
     mbar_q: cute.Pointer
     mbar_q_empty: cute.Pointer
@@ -67,7 +69,14 @@ class Producer:
             gather = RowGather(cta.mKV, cta.sK, self.d_qk, lane, SW64_TILE_COLS, B_TOPK)
         else:
             gather = PagedRowGather(
-                cta.mKV, self.cache, cta.sK.iterator.toint(), cta.tables.lo, cta.tables.raw, lane
+                cta.mKV,
+                cta.mExtraCache,
+                cta.extra_from,
+                self.cache,
+                cta.sK.iterator.toint(),
+                cta.tables.lo,
+                cta.tables.raw,
+                lane,
             )
         lanes = ProducerLanes(gather, warp_idx // 2, (warp_idx % 2) * 32, lane // 4)
         if const_expr(self.persistent):

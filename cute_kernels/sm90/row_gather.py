@@ -7,6 +7,8 @@ of a row in every column tile. Slot s of a query token's index row is valid when
 0: nothing is read from global memory).
 """
 
+from typing import NamedTuple
+
 import cutlass.cute as cute
 from cutlass import Int32, Int64
 
@@ -15,9 +17,26 @@ from cute_kernels import ptx
 CHUNK_BYTES = 16  # bytes per cp.async
 
 
+class SlotBounds(NamedTuple):
+    """A paged call's token slots (trace-time bundle of run-time values): the index slots below
+    ``extra_from`` hold token slots of the cache (valid below ``main_slots``), those from it on token slots
+    of the extra cache (valid below ``extra_slots``)."""
+
+    main_slots: Int32
+    extra_slots: Int32
+    extra_from: Int32
+
+
+def in_extra_cache(bounds: SlotBounds, slot) -> Int32:
+    """1 when index slot ``slot`` holds a token slot of the extra cache, else 0."""
+    return Int32(slot >= bounds.extra_from)
+
+
 def slot_valid(kv_row, slot, s_kv, valid_len):
     """Whether ``slot`` (its index ``kv_row``) is read: the index in [0, s_kv) and the slot below
-    ``valid_len``."""
+    ``valid_len``. ``s_kv``: kv's rows, or a paged call's ``SlotBounds``."""
+    if isinstance(s_kv, SlotBounds):
+        s_kv = s_kv.main_slots + in_extra_cache(s_kv, slot) * (s_kv.extra_slots - s_kv.main_slots)
     return (kv_row >= 0) & (kv_row < s_kv) & (slot < valid_len)
 
 

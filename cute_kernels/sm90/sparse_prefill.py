@@ -73,6 +73,7 @@ from cute_kernels.sm90.paged_rows import (
     RAW_SCALE_ENTRY_BYTES,
     BlockScaleTables,
     cache_geometry,
+    slot_bounds,
 )
 from cute_kernels.sm90.producer import Producer, ProducerInputs
 from cute_kernels.sm90.pv_product import PvProduct
@@ -130,6 +131,8 @@ class ConsumerInputs(NamedTuple):
     s_valid_words: cute.Tensor  # small heads: the gathered slots' validity (None otherwise)
     mIdx: cute.Tensor
     mKV: cute.Tensor
+    mExtraCache: cute.Tensor  # paged: the extra cache (0 pages when there is none); None otherwise
+    extra_from: Int32  # paged: the extra cache's first index slot; None otherwise
     mSink: cute.Tensor
     mQ: cute.Tensor  # bf16 q: the q row view
     q_row_scale: cute.Tensor  # bf16 q: the Q tile's row scales
@@ -185,7 +188,8 @@ class SparsePrefillSm90(Producer, QkProducts, SoftmaxP, PvProduct, TileEpilogue,
         small-head kernel: a tile is all h = ``heads`` heads of a token; not with ``split``).
         ``cache``: None (kv is a [s_kv, 1, d_qk] e4m3 tensor with a per-tensor scale) or a paged cache layout,
         "v32", "model1" or "v41" (kv is the cache, [num_pages, page_size, bytes per token] uint8, indices are
-        its token slots, and its block scales apply: ``paged_rows``)."""
+        its token slots, and its block scales apply: ``paged_rows``); the launch's extra cache, of the same
+        layout, holds the slots after the cache's (an extra cache attended in the same softmax)."""
         if d_qk not in (512, 576):
             raise ValueError(f"d_qk must be 512 or 576, got {d_qk}")
         if precision not in PRECISIONS:
@@ -336,9 +340,12 @@ class SparsePrefillSm90(Producer, QkProducts, SoftmaxP, PvProduct, TileEpilogue,
         mOut: cute.Tensor,  # [s_q, h, 512] bf16, row-major
         mMaxLogits: cute.Tensor,  # [s_q, h] f32, row-major
         mLse: cute.Tensor,  # [s_q, h] f32, row-major
+        mExtraCache: cute.Tensor,  # paged: an extra cache of the same layout (0 pages when there is none); a
+        # row-major kv: kv again, not read
         sm_scale_log2: Float32,  # sm_scale * log2(e)
         flags: Int32,  # bit 0: topk_length given, bit 1: attn_sink given, bit 2: a split tail's launch
         schedule_count: Int32,  # persistent: tiles per CTA (the grid is ceil(tiles / it)); split: parts
+        extra_from: Int32,  # paged: the index slots from this one on are the extra cache's; kv rows: not read
         stream,
     ):
         views, layouts, tma_atom_q, tma_tensor_q = self.host_setup(
@@ -359,9 +366,11 @@ class SparsePrefillSm90(Producer, QkProducts, SoftmaxP, PvProduct, TileEpilogue,
                 mOut,
                 views.max_logits,
                 views.lse,
+                None if const_expr(self.cache is None) else mExtraCache,
                 sm_scale_log2,
                 flags,
                 schedule_count,
+                None if const_expr(self.cache is None) else extra_from,
                 sQ_layout,
                 sK_layout,
                 sP_layout,
@@ -395,9 +404,11 @@ class SparsePrefillSm90(Producer, QkProducts, SoftmaxP, PvProduct, TileEpilogue,
         mOut: cute.Tensor,
         mMaxLogits: cute.Tensor,
         mLse: cute.Tensor,
+        mExtraCache: cute.Tensor,  # paged: the extra cache (0 pages when there is none); else None
         sm_scale_log2: Float32,
         flags: Int32,
         schedule_count: Int32,
+        extra_from,  # paged: the extra cache's first index slot (Int32); else None
         sQ_layout: cute.ComposedLayout,
         sK_layout: cute.ComposedLayout,
         sP_layout: cute.ComposedLayout,
@@ -465,6 +476,8 @@ class SparsePrefillSm90(Producer, QkProducts, SoftmaxP, PvProduct, TileEpilogue,
                     sK=sK,
                     s_valid_words=s_valid_words,
                     mKV=mKV,
+                    mExtraCache=mExtraCache,
+                    extra_from=extra_from,
                     mIdx=mIdx,
                     mbar_q=mbar_q,
                     mbar_q_empty=mbar_q_empty,
@@ -512,6 +525,8 @@ class SparsePrefillSm90(Producer, QkProducts, SoftmaxP, PvProduct, TileEpilogue,
                     s_valid_words=s_valid_words,
                     mIdx=mIdx,
                     mKV=mKV,
+                    mExtraCache=mExtraCache,
+                    extra_from=extra_from,
                     mSink=mSink,
                     mQ=mQ_tma,
                     q_row_scale=storage.q_row_scale.get_tensor(cute.make_layout(B_H)),
@@ -713,8 +728,10 @@ class SparsePrefillSm90(Producer, QkProducts, SoftmaxP, PvProduct, TileEpilogue,
             mbar_merge_full=cta.merge_barriers[0],
             mbar_peers_free=cta.merge_barriers[1],
             mIdx=cta.mIdx,
+            # the rows a valid index is below; paged: the caches' token slots
             s_kv=cute.size(cta.mKV, mode=[0])
-            * (1 if const_expr(self.cache is None) else cute.size(cta.mKV, mode=[1])),
+            if const_expr(self.cache is None)
+            else slot_bounds(cta.mKV, cta.mExtraCache, cta.extra_from),
             s_valid_slots=cute.recast_tensor(cta.s_valid_words, Uint64) if const_expr(self.small) else None,
             # bf16 q: the rows' own scales join in consume_tile
             scale_log2=(cta.mKVScale[0] if const_expr(self.q_bf16) else cta.mQScale[0] * cta.mKVScale[0])
