@@ -134,11 +134,10 @@ def clear_memo() -> None:
     checks.clear_memos()
 
 
-def check_signatures(signatures: PrefillCall, paged: bool = False) -> Problem:
+def check_signatures(signatures: PrefillCall) -> Problem:
     """The checks of ``check_inputs`` on a call whose tensors are their signatures (``q8kv8.checks``; None
     for an absent optional tensor). kv and kv_scale may be ``checks.rows_signature`` and
-    ``checks.scalar_signature``: a paged cache's token slots, as ``q8kv8.paged`` checks its calls (``paged``:
-    the schedule of a call from a paged cache, ``q8kv8.schedule.choose``'s)."""
+    ``checks.scalar_signature``: a paged cache's token slots, as ``q8kv8.paged`` checks its calls."""
     q, kv, indices = signatures.q, signatures.kv, signatures.indices
     q_scale, kv_scale = signatures.q_scale, signatures.kv_scale
     attn_sink, topk_length = signatures.attn_sink, signatures.topk_length
@@ -273,7 +272,7 @@ def check_signatures(signatures: PrefillCall, paged: bool = False) -> Problem:
     device = q[DEVICE]
     chosen = schedule.Schedule(0)
     if device.type == "cuda" and s_q > 0 and s_kv > 0:
-        chosen = schedule.choose(s_q, h_q, topk, topk_length is not None, device.index, paged=paged)
+        chosen = schedule.choose(s_q, h_q, topk, topk_length is not None, device.index)
     launch_ready = (
         all(
             (tensor := getattr(signatures, name)) is None or tensor[DATA_PTR] % alignment == 0

@@ -155,7 +155,7 @@ def _check_paged_call(call: PagedCall) -> tuple:
             call.precision,
         ),
     )
-    problem = check_signatures(signatures, paged=True)
+    problem = check_signatures(signatures)
     for name in ("out", "max_logits", "lse"):
         buffer = getattr(call, name)
         if buffer is not None and checks.overlaps(buffer, view):

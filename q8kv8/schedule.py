@@ -13,8 +13,7 @@ A short grid (at most half as many tiles as SMs: a short prefill chunk) leaves S
 split into ``splits`` ranges of index slots, one CTA each (``sparse_prefill.py``, ``split=True``), the
 tile's CTAs a cluster that merges their results through shared memory: ``splits`` is the largest p of 2,
 4 and 8 (the part counts that divide the eight d tiles of out) with tiles * ``SPLIT_CLUSTER_SMS[p]`` <= SMs
-and p * 256 <= topk, so that all clusters run at once and each range keeps two pairs of blocks or more
-(from a paged cache, ``PAGED_SPLIT_MIN_SLOTS``: p * 128 <= topk, one pair of blocks or more). A
+and p * 128 <= topk, so that all clusters run at once and each range keeps one pair of blocks or more. A
 cluster's CTAs run in one GPC, one per SM (each takes all of an SM's shared memory), and a GPC's SMs need
 not be a multiple of 4: on the 132-SM H200 28 clusters of 4 ran at once and 32 did not, so a tile split
 in 4 is counted as 5 SMs, and one split in 8 as 11 (at most 12 clusters of 8, 96 CTAs, fewer than the 112
@@ -61,11 +60,10 @@ PERSISTENT_MAX_TILES_PER_CTA = 4
 PERSISTENT_MIN_WAVES = 4
 SMALL_HEAD_MAX_TILES_PER_CTA = 8
 SMALL_HEAD_SPLIT_MIN_PARTS = 4  # small heads run split tiles of 64 heads from this many parts (see above)
-SPLIT_MIN_SLOTS = 256  # index slots per range: two pairs of blocks
-# ... and from a paged cache, whose pages cost a range more per slot: one pair (H100, kernels of 3d1b433,
-# decode of 8-16 requests, h 64 / 128: parts of 128-144 slots 9-17% faster than of 256 at topk 512, 6-11% at
-# 1152)
-PAGED_SPLIT_MIN_SLOTS = 128
+SPLIT_MIN_SLOTS = 128  # index slots per range: one pair of blocks (decode of 4-16 requests, h 64 / 128: parts
+# of 128-144 slots 3-8% faster than of 256 on gathered rows at topk 512-1152, H200, kernels of 2d16466, and
+# 9-17% from a paged cache, H100, kernels of 3d1b433; docs/perf-notes.md, "Paged cache")
+SMALL_HEAD_SPLIT_MIN_SLOTS = 256  # the small-head rule's: two pairs (split tiles of 64 heads not timed below)
 SPLIT_CLUSTER_SMS = (2, 5, 11)  # SMs counted for a tile split in SPLIT_PARTS[i] (see above)
 SPLIT_TAIL_MIN_TOPK = 1024  # the split tail's second launch pays for itself from here (docs/perf-notes.md)
 
@@ -184,15 +182,15 @@ def choose(
     has_topk_length: bool,
     device_index: int,
     num_sms: int | None = None,
-    paged: bool = False,
 ) -> Schedule:
     """The ``Schedule`` of a call of ``s_q`` tokens, ``h_q`` heads (ceil(h_q / 64) tiles a token) and
     ``topk`` slots on CUDA device ``device_index`` (or on a GPU of ``num_sms`` SMs): the small-head rule for
-    small heads (split tiles of 64 heads when the split rule gives ``SMALL_HEAD_SPLIT_MIN_PARTS`` or more),
-    else the persistent rule first, the split rule for a one-tile launch (``paged``: a call from a paged
-    cache, whose split ranges may be of ``PAGED_SPLIT_MIN_SLOTS``)."""
+    small heads (split tiles of 64 heads when the split rule, with ranges of ``SMALL_HEAD_SPLIT_MIN_SLOTS``,
+    gives ``SMALL_HEAD_SPLIT_MIN_PARTS`` or more), else the persistent rule first, the split rule for a
+    one-tile launch."""
     if small_heads(h_q):
-        parts = splits(s_q, topk, device_index, num_sms)  # a grid of one tile a token
+        # a grid of one tile a token
+        parts = splits(s_q, topk, device_index, num_sms, SMALL_HEAD_SPLIT_MIN_SLOTS)
         if parts < SMALL_HEAD_SPLIT_MIN_PARTS:
             return Schedule(small_head_tiles_per_cta(s_q, device_index, num_sms))
         return Schedule(0, parts)
@@ -200,8 +198,7 @@ def choose(
     tiles = tiles_per_cta(s_q * groups, topk, has_topk_length, device_index, num_sms)
     if tiles:
         return Schedule(tiles)
-    min_slots = PAGED_SPLIT_MIN_SLOTS if paged else SPLIT_MIN_SLOTS
-    return Schedule(0, *split_tokens(s_q, groups, topk, device_index, num_sms, min_slots))
+    return Schedule(0, *split_tokens(s_q, groups, topk, device_index, num_sms))
 
 
 def describe(
@@ -211,7 +208,6 @@ def describe(
     has_topk_length: bool = False,
     device_index: int = 0,
     num_sms: int | None = None,
-    paged: bool = False,
 ) -> str:
     """``choose``'s answer in words: "one tile per CTA", "small heads, k tokens per CTA", "persistent, k
     tiles per CTA", "split in n" or "one tile per CTA, t split in n" (a split tail of t tokens).
@@ -219,7 +215,7 @@ def describe(
     The answer depends on the GPU's SM count: that of CUDA device ``device_index``, or ``num_sms`` when
     given (132 on an H100 SXM or an H200), which answers without a GPU. Without a CUDA device and without
     ``num_sms`` it raises a ``RuntimeError`` naming ``num_sms=``."""
-    tiles, parts, split_from = choose(s_q, h_q, topk, has_topk_length, device_index, num_sms, paged)
+    tiles, parts, split_from = choose(s_q, h_q, topk, has_topk_length, device_index, num_sms)
     if small_heads(h_q) and tiles:
         return f"small heads, {tiles} token{'s' if tiles > 1 else ''} per CTA"
     if tiles:

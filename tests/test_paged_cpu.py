@@ -185,22 +185,6 @@ def test_check_paged_inputs_reports_the_cache_slots_as_s_kv(generator, monkeypat
     assert layout.name == "model1" and problem.s_kv == PAGES * PAGE_SIZE and view.dtype == torch.uint8
 
 
-def test_a_paged_call_is_scheduled_as_one(generator, monkeypatch):
-    """The contract's checks of a paged call choose the paged cache's schedule (``schedule.choose``'s
-    ``paged``)."""
-    monkeypatch.setattr(contract, "check_device", lambda named_devices: None)
-    seen = []
-
-    def check_signatures(signatures, **kwargs):
-        seen.append(kwargs)
-        return contract.check_signatures(signatures, **kwargs)
-
-    monkeypatch.setattr(paged, "check_signatures", check_signatures)
-    monkeypatch.setattr(paged, "_memo", {})
-    paged.check_paged_inputs(paged.PagedCall(**paged_call(generator, "v32")))
-    assert seen == [{"paged": True}]
-
-
 @pytest.mark.parametrize("layout", ["v32", "model1", "v41"])
 def test_reference_reads_only_the_selected_slots(layout):
     """``sparse_mla_paged_reference`` dequantises only the slots it reads (a decode batch's cache need not

@@ -35,13 +35,13 @@ def test_each_consumer_accumulates_every_block_once_and_owns_alternate_blocks(nu
 
 def test_split_parts_are_the_kernels_and_divide_its_d_tiles(monkeypatch):
     """2, 4 or 8 parts (the eight d tiles of out are shared among the parts), the most that let every cluster
-    run at once (a tile in 4 parts counted as 5 SMs, in 8 as 11) and the two-pairs-per-range minimum allow;
+    run at once (a tile in 4 parts counted as 5 SMs, in 8 as 11) and the one-pair-per-range minimum allow;
     3 is never chosen nor forced."""
     assert all(8 % parts == 0 for parts in schedule.SPLIT_PARTS)
     monkeypatch.setattr(schedule, "_sm_counts", {0: 132})
     tiles = (1, 12, 13, 26, 27, 33, 34, 66, 67)
     assert [schedule.splits(t, 2048, 0) for t in tiles] == [8, 8, 4, 4, 2, 2, 2, 2, 1]
-    assert [schedule.splits(1, topk, 0) for topk in (256, 512, 768, 1024, 2048)] == [1, 2, 2, 4, 8]
+    assert [schedule.splits(1, topk, 0) for topk in (128, 256, 512, 768, 1024)] == [1, 2, 4, 4, 8]
     with pytest.raises(ValueError, match="parts: expected 1 or one of"):
         eager.forced_splits(3)
 
@@ -105,24 +105,24 @@ def test_describe_answers_for_a_given_sm_count_and_names_that_argument_without_a
         schedule.describe(437, 64, 2048, num_sms=0)
 
 
-def test_a_paged_cache_splits_into_ranges_of_one_pair(monkeypatch):
-    """From a paged cache a split range may be one pair of blocks (``PAGED_SPLIT_MIN_SLOTS``): a small decode
-    batch at topk 512 or 1152 splits in twice the parts it does on gathered rows, where it fits; small heads
-    and longer top-k choose as on gathered rows."""
+def test_small_decode_batches_split_into_ranges_of_one_pair(monkeypatch):
+    """A split range may be one pair of blocks (``SPLIT_MIN_SLOTS``): a small decode batch at topk 512 or 1152
+    splits in as many parts as its clusters fit; small heads keep ranges of two pairs
+    (``SMALL_HEAD_SPLIT_MIN_SLOTS``), so 8-16 of their tokens at topk 512 run the small-head kernel."""
     monkeypatch.setattr(schedule, "_sm_counts", {0: 132})
-    assert schedule.PAGED_SPLIT_MIN_SLOTS == 128
-    cases = {  # (s_q, h_q, topk): (parts on gathered rows, parts from a paged cache)
-        (8, 64, 512): (2, 4),
-        (8, 128, 512): (2, 4),  # 16 tiles in 4 parts: 80 SMs
-        (8, 64, 1152): (4, 8),
-        (16, 64, 1152): (4, 4),  # 8 parts would need 176 SMs
-        (1, 64, 256): (1, 2),
-        (64, 64, 2048): (2, 2),
-        (8, 64, 2048): (8, 8),
+    assert schedule.SPLIT_MIN_SLOTS == 128 and schedule.SMALL_HEAD_SPLIT_MIN_SLOTS == 256
+    cases = {  # (s_q, h_q, topk): parts
+        (8, 64, 512): 4,
+        (8, 128, 512): 4,  # 16 tiles in 4 parts: 80 SMs
+        (8, 64, 1152): 8,
+        (16, 64, 1152): 4,  # 8 parts would need 176 SMs
+        (32, 64, 512): 2,  # 4 parts would need 160 SMs
+        (1, 64, 256): 2,
+        (64, 64, 2048): 2,
+        (8, 64, 2048): 8,
     }
     for (s_q, h_q, topk), parts in cases.items():
-        got = tuple(schedule.choose(s_q, h_q, topk, False, 0, paged=paged).splits for paged in (False, True))
-        assert got == parts, (s_q, h_q, topk)
-    for s_q in (8, 128):  # small heads: the small-head kernel either way
-        assert schedule.choose(s_q, 16, 512, False, 0, paged=True) == schedule.choose(s_q, 16, 512, False, 0)
-    assert schedule.describe(8, 64, 512, num_sms=132, paged=True) == "split in 4"
+        assert schedule.choose(s_q, h_q, topk, False, 0).splits == parts, (s_q, h_q, topk)
+    for s_q in (8, 16):
+        assert schedule.describe(s_q, 16, 512, num_sms=132) == "small heads, 1 token per CTA"
+    assert schedule.describe(8, 64, 512, num_sms=132) == "split in 4"
