@@ -17,6 +17,8 @@ from q8kv8 import build, kernels, kv_layout
 REPO = Path(__file__).resolve().parent.parent
 LAYOUTS = ("model1", "v32", "v41", "v41_fp4")
 VARIANTS = [(layout, out_bf16) for layout in LAYOUTS for out_bf16 in (False, True)]
+RECORDS_KEY = kernels.PagedGatherKey("v41_fp4", torch.uint8)  # V4.1 tokens from a V4.1 FP4 cache
+GATHER_VARIANTS = len(VARIANTS) + 1  # the serving path's gathers: rows of each layout, and the records
 
 
 @pytest.fixture(scope="module")
@@ -83,6 +85,24 @@ def test_ptx_uses_wide_accesses_and_explicit_rounding(variants, layout, out_bf16
         assert "ld.global.nc.b32" in ptx  # the float32 scale
 
 
+def test_fp4_records_variant_uses_a_warp_a_row_and_explicit_rounding():
+    """The V4.1 records from an FP4 cache: a warp a row (32 chunks of 16 values), the pair's scales shared by
+    a shuffle, the scale words stored 4 bytes at a time, each value rounded once to e4m3, no contraction or
+    flush-to-zero, and no spills."""
+    variant = kernels.load(RECORDS_KEY)
+    assert variant.name == "paged_kv_gather_sm90_v41_fp4_v41"
+    ptx = variant.ptx_path.read_text()
+    assert ".reqntid 32, 8, 1" in ptx
+    assert "shfl.sync.bfly.b32" in ptx and "shfl.sync.idx.b32" in ptx
+    assert "st.global.v4.b32" in ptx and "st.global.b32" in ptx
+    assert "cvt.rn.satfinite.e4m3x2.f32" in ptx and "mul.rn.f32" in ptx and "prmt.b32" in ptx
+    assert "fma" not in ptx and ".ftz" not in ptx
+    report = build.ptxas_report(variant)
+    if report is None:
+        pytest.skip(cuda_tools.missing("ptxas"))
+    assert report.spill_store_bytes == report.spill_load_bytes == report.stack_frame_bytes == 0, report.text
+
+
 @pytest.mark.parametrize(("layout", "out_bf16"), VARIANTS)
 def test_ptxas_reports_no_spills(variants, layout, out_bf16):
     report = build.ptxas_report(variants[(layout, out_bf16)])
@@ -107,10 +127,10 @@ def test_second_load_hits_the_disk_cache(tmp_path):
         hits, misses, seconds = result.stdout.split()
         return int(hits), int(misses), float(seconds)
 
-    assert run()[:2] == (0, len(VARIANTS))
+    assert run()[:2] == (0, GATHER_VARIANTS)
     hits, misses, seconds = run()
-    assert (hits, misses) == (len(VARIANTS), 0) and seconds < 1.0
-    assert len(list(tmp_path.rglob("paged_kv_gather_*.o"))) == len(VARIANTS)
+    assert (hits, misses) == (GATHER_VARIANTS, 0) and seconds < 1.0
+    assert len(list(tmp_path.rglob("paged_kv_gather_*.o"))) == GATHER_VARIANTS
 
 
 @pytest.mark.parametrize("d", [512, 576])

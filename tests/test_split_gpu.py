@@ -107,14 +107,16 @@ def test_rule_splits_short_grids_only(make_inputs):
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     assert schedule.splits(sms // 11, 2048, 0) == 8
     assert schedule.splits(sms // 11 + 1, 2048, 0) == 4  # clusters of 8 would not all fit at once
-    assert schedule.splits(sms // 11, 1024, 0) == 4  # two pairs of blocks per range at least
+    assert schedule.splits(sms // 11, 1024, 0) == 8  # one pair of blocks per range at least
+    assert schedule.splits(sms // 11, 768, 0) == 4
     assert schedule.splits(sms // 5, 2048, 0) == 4
     assert schedule.splits(sms // 4, 2048, 0) == 2  # clusters of 4 would not all fit at once
     assert schedule.splits(sms // 3, 2048, 0) == 2  # 3 parts would not divide the d tiles
     assert schedule.splits(sms // 2, 2048, 0) == 2
     assert schedule.splits(sms // 2 + 1, 2048, 0) == 1
-    assert schedule.splits(1, 512, 0) == 2  # two pairs of blocks per range at least
-    assert schedule.splits(1, 256, 0) == 1
+    assert schedule.splits(1, 512, 0) == 4  # one pair of blocks per range at least
+    assert schedule.splits(1, 256, 0) == 2
+    assert schedule.splits(1, 128, 0) == 1
     inputs = make_inputs(sms // 5, 64, 3000, 576, 2048, device="cuda", with_topk_length=True)
     chosen = [t.clone() for t in run_and_sync(inputs)]
     with eager.forced_splits(4):
