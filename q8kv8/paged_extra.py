@@ -144,10 +144,15 @@ def _as_records(extra: ExtraCache, gather: Callable) -> ExtraCache:
     page_size, num_rows = cache.shape[1], indices.numel()
     records = torch.empty((num_rows, RECORD_BYTES), dtype=torch.uint8, device=indices.device)
     records = gather(cache, indices.reshape(-1), page_size, RECORDS_FROM, records)
-    rows = torch.arange(num_rows, dtype=torch.int32, device=indices.device).view(indices.shape)
-    rows = torch.where((indices >= 0) & (indices < cache.shape[0] * page_size), rows, -1)
     pages = records.view(num_rows // RECORD_PAGE_SIZE, RECORD_PAGE_SIZE, 1, RECORD_BYTES)
-    return ExtraCache(pages, rows, extra.topk_length)
+    return ExtraCache(pages, _gathered_rows(cache, indices), extra.topk_length)
+
+
+def _gathered_rows(cache: torch.Tensor, indices: torch.Tensor) -> torch.Tensor:
+    """The rows that slots ``indices`` [s_q, 1, extra_topk] of ``cache`` are gathered to, each query its own:
+    slot j of query i to row i * extra_topk + j, -1 for a slot outside the cache (its zero row never read)."""
+    rows = torch.arange(indices.numel(), dtype=torch.int32, device=indices.device).view(indices.shape)
+    return torch.where((indices >= 0) & (indices < cache.shape[0] * cache.shape[1]), rows, -1)
 
 
 def attend(
@@ -183,14 +188,9 @@ def attend(
     if layout in PAGED_ATTENTION_LAYOUTS:
         part = run_paged(bare._replace(cache=cache, indices=indices, topk_length=extra.topk_length))
     else:
-        # Each query's own rows: slot j of query i gathered to row i * extra_topk + j (an out-of-range slot
-        # to a zero row, which its index -1 keeps out of the softmax).
-        page_size = cache.shape[1]
         kv = torch.empty((indices.numel(), 1, layout.d_qk), dtype=torch.float8_e4m3fn, device=indices.device)
-        kv = gather(cache, indices.reshape(-1), page_size, layout.name, kv)
-        rows = torch.arange(indices.numel(), dtype=torch.int32, device=indices.device).view(indices.shape)
-        in_cache = (indices >= 0) & (indices < cache.shape[0] * page_size)
-        rows = torch.where(in_cache, rows, -1)
+        kv = gather(cache, indices.reshape(-1), cache.shape[1], layout.name, kv)
+        rows = _gathered_rows(cache, indices)
         q = call.q
         part = run_rows(
             PrefillCall(
