@@ -469,7 +469,8 @@ def test_listings_name_every_variant_once_bf16_q_split_small_heads_paged_and_ser
     names = [v.name for v in variants]
     assert names[: len(kernels.IMPORT_KEYS)] == [key.name for key in kernels.IMPORT_KEYS]
     per_precision = len(PRECISIONS)
-    assert len(set(names)) == len(names) == 60 * per_precision + 14  # 8 gathers: 4 layouts, 2 dtypes
+    # 9 gathers: 4 layouts to 2 dtypes, and the FP4 one to V4.1 records
+    assert len(set(names)) == len(names) == 60 * per_precision + 15
     attention = [v for v in variants if v.name.startswith("sparse_prefill_sm90_")]
     assert len(attention) == 60 * per_precision  # a precision's: 24 on gathered rows, 12 a paged layout
     assert len([name for name in names if name.endswith("_split")]) == (4 + 6) * per_precision  # 2 a layout
@@ -488,6 +489,7 @@ def test_listings_name_every_variant_once_bf16_q_split_small_heads_paged_and_ser
             for c in ("model1", "v32", "v41", "v41_fp4")
             for t in ("e4m3", "bf16")
         ]
+        + ["paged_kv_gather_sm90_v41_fp4_v41"]
         + ["cast_q_fp8_sm90_d512", "cast_q_fp8_sm90_d576", "paged_indices_sm90", "attention_merge_sm90"]
         + ["sparse_prefill_bf16_sm90_d512", "sparse_prefill_bf16_sm90_d576"]
     )
