@@ -67,8 +67,7 @@ def info() -> Report:
             f"{schedule.PERSISTENT_MAX_TILES_PER_CTA} tiles per CTA",
             "split": f"one-tile grids of at most half as many tiles as SMs: each tile in "
             f"{' or '.join(map(str, schedule.SPLIT_PARTS))} parts of >= {schedule.SPLIT_MIN_SLOTS} index "
-            "slots, one cluster of CTAs a tile; "
-            "longer ones with topk >= "
+            "slots, one cluster of CTAs a tile; longer ones with topk >= "
             f"{schedule.SPLIT_TAIL_MIN_TOPK}: the tokens of their last, partial wave so, in a launch after "
             "the others'",
             "small_heads": f"h_q in {metadata.SMALL_HEAD_COUNTS}: the small-head kernel (a tile is a "

@@ -194,6 +194,17 @@ class CacheRows(NamedTuple):
     compress_ratio: int
 
 
+class _Part(NamedTuple):
+    """One cache's rows as ``SparsePrefill`` runs them (``_prepare``): checked, indices 2-D."""
+
+    rows: CacheRows
+    layout: KvCacheLayout
+    page_size: int
+    d_qk: int
+    topk_pad: int  # the top-k padded to a multiple of TOPK_ALIGNMENT
+    path: str  # "paged" or "workspace"
+
+
 class SparsePrefill:
     """One sparse MLA prefill layer call on a paged FP8 KV cache (DeepSeek V3.2 / V4 / V4.1 serving).
 
@@ -279,40 +290,52 @@ class SparsePrefill:
         to e4m3 itself with a power-of-two scale per (token, head) row (``q8kv8.reference.quantize_q_rows``);
         with a sink, S summed in float32 (``LOGITS_IN_FLOAT32``).
         """
-        args = (q, cache, page_table, indices, seqlens, compress_ratio, sm_scale, attn_sink)
-        return self._forward(*args, lse_used=attn_sink is not None)
+        part = self._prepare(
+            q, CacheRows(cache, page_table, indices, seqlens, compress_ratio), sm_scale, attn_sink
+        )
+        return self._forward(q, part, sm_scale, attn_sink, lse_used=attn_sink is not None)
 
     __call__ = forward
 
-    def _paged_call_of_two(self, q, parts, sm_scale, attn_sink):
-        """``forward_merged`` of two parts that both take the paged path on caches of one layout, as one
-        paged call with the second cache as its extra cache; None (nothing launched) for any other parts."""
-        if len(parts) != 2 or self.backend != "fp8" or self.path == "workspace":
+    def _prepare(self, q, rows: CacheRows, sm_scale, attn_sink) -> _Part:
+        """One cache's rows checked (with q, ``sm_scale`` and ``attn_sink``), their indices 2-D, the top-k
+        padded and the path the layer takes for them."""
+        cache, page_table, indices, seqlens, compress_ratio = rows
+        layout, page_size = paged_cache_geometry(cache)
+        s_q, h, d_qk = self._check(q, cache, layout, page_table, indices, seqlens, sm_scale, attn_sink)
+        if compress_ratio not in COMPRESS_RATIOS:
+            raise ValueError(f"compress_ratio: expected one of {COMPRESS_RATIOS}, got {compress_ratio!r}")
+        if indices.dim() == 3:
+            indices = indices[:, 0]
+        topk_pad = max(1, -(-indices.shape[1] // TOPK_ALIGNMENT)) * TOPK_ALIGNMENT
+        path = self._choose_path(s_q, h, topk_pad, page_table.shape[0], layout)
+        return _Part(rows._replace(indices=indices), layout, page_size, d_qk, topk_pad, path)
+
+    def _paged_call_of_two(self, q, parts: list[_Part], sm_scale, attn_sink):
+        """``forward_merged`` of two prepared parts that both take the paged path on caches of one layout, as
+        one paged call with the second cache as its extra cache; None (nothing launched) for any other
+        parts."""
+        if (
+            len(parts) != 2
+            or any(part.path != "paged" for part in parts)
+            or parts[0].layout != parts[1].layout
+        ):
             return None
-        prepared = []
-        for part in parts:
-            cache, page_table, indices, seqlens, compress_ratio = part
-            layout, _ = paged_cache_geometry(cache)
-            s_q, h, _ = self._check(q, cache, layout, page_table, indices, seqlens, sm_scale, attn_sink)
-            if compress_ratio not in COMPRESS_RATIOS:
-                raise ValueError(f"compress_ratio: expected one of {COMPRESS_RATIOS}, got {compress_ratio!r}")
-            indices = indices[:, 0] if indices.dim() == 3 else indices
-            topk_pad = max(1, -(-indices.shape[1] // TOPK_ALIGNMENT)) * TOPK_ALIGNMENT
-            if self._choose_path(s_q, h, topk_pad, page_table.shape[0], layout) != "paged":
-                return None
-            prepared.append((cache, layout, (indices, page_table, seqlens, compress_ratio, topk_pad)))
-        (cache, layout, main), (extra_cache, extra_layout, extra) = prepared
-        if layout != extra_layout:
-            return None
-        slots, topk_length = self.kernels.slot_indices(*main)
-        extra_slots, extra_topk_length = self.kernels.slot_indices(*extra)
+        (slots, topk_length), extra = (self._slot_indices(part) for part in parts)
         precision = LOGITS_IN_FLOAT32[self.precision] if attn_sink is not None else self.precision
         sink = None if attn_sink is None else attn_sink.contiguous()
         self.last_path = "paged"
         return self.kernels.attention_paged(
-            self._kernel_q(q), cache, slots, sm_scale, sink, topk_length, precision,
-            extra=(extra_cache, extra_slots, extra_topk_length),
+            self._kernel_q(q), parts[0].rows.cache, slots, sm_scale, sink, topk_length, precision,
+            extra=(parts[1].rows.cache, *extra),
         )  # fmt: skip
+
+    def _slot_indices(self, part: _Part):
+        """``(slots, topk_length)`` of a prepared part's rows (the slot-index kernel)."""
+        rows = part.rows
+        return self.kernels.slot_indices(
+            rows.indices, rows.page_table, rows.seqlens, rows.compress_ratio, part.topk_pad
+        )
 
     def _kernel_q(self, q: torch.Tensor) -> torch.Tensor:
         """q as the kernels read it: bfloat16 as it is, any head count; row-major (copied into a reused
@@ -323,24 +346,17 @@ class SparsePrefill:
         kernel_q.copy_(q)
         return kernel_q
 
-    def _forward(self, q, cache, page_table, indices, seqlens, compress_ratio, sm_scale, attn_sink, lse_used):
-        """``forward``; ``lse_used``: S summed in float32 (the lse weighs the output afterwards)."""
+    def _forward(self, q, part: _Part, sm_scale, attn_sink, lse_used):
+        """``forward`` of a prepared part; ``lse_used``: S summed in float32 (the lse weighs the output
+        afterwards)."""
         precision = LOGITS_IN_FLOAT32[self.precision] if lse_used else self.precision
-        layout, page_size = paged_cache_geometry(cache)
-        s_q, h, d_qk = self._check(q, cache, layout, page_table, indices, seqlens, sm_scale, attn_sink)
-        if compress_ratio not in COMPRESS_RATIOS:
-            raise ValueError(f"compress_ratio: expected one of {COMPRESS_RATIOS}, got {compress_ratio!r}")
-        if indices.dim() == 3:
-            indices = indices[:, 0]
+        (cache, page_table, indices, seqlens, compress_ratio), layout, page_size, d_qk, topk_pad, path = part
         sink = None if attn_sink is None else attn_sink.contiguous()
         kernel_q = self._kernel_q(q)
-        topk_pad = max(1, -(-indices.shape[1] // TOPK_ALIGNMENT)) * TOPK_ALIGNMENT
         num_rows = page_table.shape[0]
-        self.last_path = self._choose_path(s_q, h, topk_pad, num_rows, layout)
-        if self.last_path == "paged":
-            slots, topk_length = self.kernels.slot_indices(
-                indices, page_table, seqlens, compress_ratio, topk_pad
-            )
+        self.last_path = path
+        if path == "paged":
+            slots, topk_length = self._slot_indices(part)
             return self.kernels.attention_paged(
                 kernel_q, cache, slots, sm_scale, sink, topk_length, precision
             )
@@ -387,17 +403,17 @@ class SparsePrefill:
         cache its ``extra_cache`` (read in the same launch, one softmax; ``last_path`` "paged"). A part's
         weight is off by exp(its lse's absolute error); with the FP8 tensor cores' own sums that was, at
         dominant logits of 20-30, about 2% on the paged path and 5-25% on the workspace path
-        (``docs/usage.md``, "Serving path"). The paged call's ``extra_cache`` takes token slots (one of the
-        main layout is read in the main launch, any other merged the same way); here each part keeps its own
-        page table, seqlens, compress ratio and path, so the parts stay ``forward`` calls."""
+        (``docs/usage.md``, "Serving path"). Each part keeps its own page table, seqlens, compress ratio and
+        path; every part is checked before anything is launched."""
         if len(parts) == 0:
             raise ValueError("parts: expected at least one CacheRows")
-        joined = self._paged_call_of_two(q, parts, sm_scale, attn_sink)
+        prepared = [self._prepare(q, part, sm_scale, None) for part in parts]
+        joined = self._paged_call_of_two(q, prepared, sm_scale, attn_sink)
         if joined is not None:
             return joined
         results, paths = [], []
-        for part in parts:
-            results.append(self._forward(q, *part, sm_scale, None, lse_used=True))
+        for part in prepared:
+            results.append(self._forward(q, part, sm_scale, None, lse_used=True))
             paths.append(self.last_path)
         merged = merge_attention(results, attn_sink)
         self.last_path = "+".join(paths)

@@ -189,7 +189,8 @@ class SparsePrefillSm90(Producer, QkProducts, SoftmaxP, PvProduct, TileEpilogue,
         ``cache``: None (kv is a [s_kv, 1, d_qk] e4m3 tensor with a per-tensor scale) or a paged cache layout,
         "v32", "model1" or "v41" (kv is the cache, [num_pages, page_size, bytes per token] uint8, indices are
         its token slots, and its block scales apply: ``paged_rows``); the launch's extra cache, of the same
-        layout, holds the slots after the cache's (an extra cache attended in the same softmax)."""
+        layout, holds the token slots of the index slots from ``extra_from`` on (attended in the same
+        softmax)."""
         if d_qk not in (512, 576):
             raise ValueError(f"d_qk must be 512 or 576, got {d_qk}")
         if precision not in PRECISIONS:
