@@ -258,6 +258,9 @@ class PagedGatherKey(_FamilyDefaults):
                 Int32, (cute.sym_int(), cute.sym_int()), stride=(cute.sym_int64(), 1), assumed_align=4
             ),
             out,
+            cute.runtime.make_fake_compact_tensor(Int32, (cute.sym_int(),), assumed_align=4)  # records' rows
+            if self.out_dtype == torch.uint8
+            else None,
             Int32(1),  # page_size
             cute.runtime.make_fake_stream(use_tvm_ffi_env_stream=True),
         )
@@ -780,14 +783,16 @@ def _argument_layout(arguments: tuple) -> tuple:
     return operator.itemgetter(*names), retyped, per_token
 
 
-def launch_paged_kv_gather(cache_pages, slot_words, out, page_size: int, layout: str) -> None:
+def launch_paged_kv_gather(cache_pages, slot_words, out, page_size: int, layout: str, rows=None) -> None:
     """Launch the gather on validated tensors: ``cache_pages`` [num_pages, page_bytes] uint8 (base and
     page stride 16-byte aligned), ``slot_words`` [num_tokens, 1 or 2] int32 (last dim contiguous),
-    ``out`` [rows, 1, d_qk] e4m3 or bf16 (or, from a V4.1 FP4 cache, [rows, 528] uint8 V4.1 records),
-    contiguous and 16-byte aligned, rows > 0."""
+    ``out`` [rows, 1, d_qk] e4m3 or bf16 (or, from a V4.1 FP4 cache, [num_tokens, 528] uint8 V4.1 records,
+    with ``rows`` [num_tokens] int32 contiguous: each slot's record, or -1), contiguous and 16-byte aligned,
+    rows > 0."""
     key = PagedGatherKey(layout, out.dtype)
     variant = _variants.get(key) or load(key)
-    _call_on_device_of(out, variant.function, cache_pages, slot_words, out, page_size)
+    records = () if rows is None else (rows,)
+    _call_on_device_of(out, variant.function, cache_pages, slot_words, out, *records, page_size)
 
 
 def launch_cast_q_fp8(q, q_scale, out) -> None:

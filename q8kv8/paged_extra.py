@@ -138,14 +138,16 @@ RECORD_PAGE_SIZE = 64
 
 def _as_records(extra: ExtraCache, gather: Callable) -> ExtraCache:
     """A V4.1 FP4 extra cache's selected slots gathered into records of V4.1's layout (one gather launch,
-    ``q8kv8.reference.fp4_rows_as_v41``), as an extra cache of pages of ``RECORD_PAGE_SIZE`` records: slot j
-    of query i is record i * extra_topk + j, -1 for a slot outside the FP4 cache."""
+    ``q8kv8.reference.fp4_rows_as_v41``), as an extra cache of pages of ``RECORD_PAGE_SIZE`` records, and
+    the records' token slots, written by the same launch: slot j of query i is record i * extra_topk + j,
+    -1 for a slot outside the FP4 cache (``_gathered_rows``)."""
     cache, indices = extra.cache, extra.indices
     page_size, num_rows = cache.shape[1], indices.numel()
     records = torch.empty((num_rows, RECORD_BYTES), dtype=torch.uint8, device=indices.device)
-    records = gather(cache, indices.reshape(-1), page_size, RECORDS_FROM, records)
+    rows = torch.empty(indices.shape, dtype=torch.int32, device=indices.device)
+    records = gather(cache, indices.reshape(-1), page_size, RECORDS_FROM, records, rows.view(-1))
     pages = records.view(num_rows // RECORD_PAGE_SIZE, RECORD_PAGE_SIZE, 1, RECORD_BYTES)
-    return ExtraCache(pages, _gathered_rows(cache, indices), extra.topk_length)
+    return ExtraCache(pages, rows, extra.topk_length)
 
 
 def _gathered_rows(cache: torch.Tensor, indices: torch.Tensor) -> torch.Tensor:
@@ -165,10 +167,11 @@ def attend(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``(out, max_logits, lse)`` of a checked extra-cache call (see the module), the caller's buffers
     written and returned when given. ``run_paged`` / ``run_rows`` run a single-cache paged / prefill call,
-    ``gather(cache, slot_ids, page_size, layout_name, out)`` gathers e4m3 rows into ``out`` (eagerly
-    ``q8kv8.paged.run``, ``q8kv8.eager.run`` and ``gather_rows``; traced, the custom ops) and
-    ``run_joined(call, extra_cache_view, extra_from)`` runs a paged call whose index slots from
-    ``extra_from`` on are the extra cache's (eagerly ``q8kv8.paged.run``; None: the parts merged)."""
+    ``gather(cache, slot_ids, page_size, layout_name, out[, rows])`` gathers e4m3 rows or V4.1 records (and
+    their token slots) into ``out`` (eagerly ``q8kv8.paged.run``, ``q8kv8.eager.run`` and ``gather_rows``;
+    traced, the custom ops) and ``run_joined(call, extra_cache_view, extra_from)`` runs a paged call whose
+    index slots from ``extra_from`` on are the extra cache's (eagerly ``q8kv8.paged.run``; None: the parts
+    merged)."""
     cache, indices = extra.cache, extra.indices
     layout = cache_geometry(cache)[0]
     main_layout = cache_geometry(call.cache)[0]
@@ -206,6 +209,7 @@ def attend(
     )
 
 
-def gather_rows(cache, slot_ids, page_size: int, layout: str, out: torch.Tensor) -> torch.Tensor:
-    """``gather_dequant_paged`` into ``out`` (its dtype the rows', no extra rows); returns ``out``."""
-    return gather_dequant_paged(cache, slot_ids, page_size, layout, out.dtype, 0, out)
+def gather_rows(cache, slot_ids, page_size: int, layout: str, out: torch.Tensor, rows=None) -> torch.Tensor:
+    """``gather_dequant_paged`` into ``out`` (its dtype the rows', no extra rows; records: their token slots
+    into ``rows``); returns ``out``."""
+    return gather_dequant_paged(cache, slot_ids, page_size, layout, out.dtype, 0, out, rows)

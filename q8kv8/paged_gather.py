@@ -107,11 +107,15 @@ def gather_dequant_paged(
     out_dtype: torch.dtype = torch.float8_e4m3fn,
     extra_rows: int = 0,
     out: torch.Tensor | None = None,
+    rows: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Gather token slots of a paged FP8 cache into contiguous ``[num_tokens + extra_rows, 1, d_qk]``
     rows of ``out_dtype`` (e4m3 with per-tensor scale 1.0, or bf16) on the GPU; see
     ``gather_dequant_requant_fp8_paged``. The bf16 rows hold the dequantised nope (rounded to bf16)
-    and the RoPE values unchanged.
+    and the RoPE values unchanged. V4.1 records (``out_dtype`` uint8, from a V4.1 FP4 cache) may come
+    with ``rows``, a contiguous ``[num_tokens]`` int32 buffer the same launch fills with
+    each slot's record r, or -1 for a slot outside the cache: the token slots a paged call reads the
+    records by.
 
     A valid call's verdict is memoised under its tensors' signatures and its other arguments (as the
     contract's), so a serving loop's repeated calls pay the signatures and one lookup."""
@@ -127,12 +131,13 @@ def gather_dequant_paged(
             signature(cache),
             signature(slot_ids),
             None if out is None else signature(out),
+            None if rows is None else signature(rows),
         )
         verdict = _memo.get(key)
     except TypeError:  # an unhashable argument: the checks say what is wrong with it
         key = verdict = None
     if verdict is None:
-        verdict = _check_gather(cache, slot_ids, page_size, layout, out_dtype, extra_rows, out)
+        verdict = _check_gather(cache, slot_ids, page_size, layout, out_dtype, extra_rows, out, rows)
         if key is not None:
             checks.remember(_memo, key, verdict, _MEMO_ENTRIES)
     layout, page_shape, page_strides, shape = verdict
@@ -145,9 +150,13 @@ def gather_dequant_paged(
         out.zero_()
         if out.dtype == RECORDS:  # their scales 2^0, as the kernel writes a zero row's
             out[:, layout.d_qk :] = 127
+            if rows is not None:
+                rows.fill_(-1)
         return out
+    if out.dtype == RECORDS and rows is None:  # the kernel writes them
+        rows = torch.empty(words.shape[0], dtype=torch.int32, device=cache.device)
     pages = cache.view(torch.uint8).as_strided(page_shape, page_strides)
-    kernels.launch_paged_kv_gather(pages, words, out, page_size, layout.name)
+    kernels.launch_paged_kv_gather(pages, words, out, page_size, layout.name, rows)
     return out
 
 
@@ -155,7 +164,7 @@ _MEMO_ENTRIES = 64
 _memo: dict[tuple, tuple] = checks.memo()
 
 
-def _check_gather(cache, slot_ids, page_size, layout, out_dtype, extra_rows, out) -> tuple:
+def _check_gather(cache, slot_ids, page_size, layout, out_dtype, extra_rows, out, rows) -> tuple:
     """``gather_dequant_paged``'s checks: ``(layout, the pages view's shape and strides, out's shape)``."""
     layout = get_layout(layout)
     out_dtype = out_dtype_of(out_dtype, layout)
@@ -170,14 +179,21 @@ def _check_gather(cache, slot_ids, page_size, layout, out_dtype, extra_rows, out
             raise ValueError("out: expected a 16-byte aligned buffer (rows are written 16 bytes at a time)")
         if overlaps(out, pages):
             raise ValueError("out: expected memory of its own, got memory overlapping cache")
-    _check_devices(cache, slot_ids, out)  # last, so that every other check reports the same way without a GPU
+    if rows is not None:
+        if out_dtype != RECORDS:
+            raise ValueError("rows: expected None unless out_dtype is torch.uint8 (V4.1 records)")
+        check_buffer("rows", rows, (words.shape[0],), torch.int32)
+        for name, tensor in (("cache", pages), ("slot_ids", slot_ids), ("out", out)):
+            if tensor is not None and overlaps(rows, tensor):
+                raise ValueError(f"rows: expected memory of its own, got memory overlapping {name}")
+    _check_devices(cache, slot_ids, out, rows)  # last: every other check reports the same way without a GPU
     return layout, tuple(pages.shape), pages.stride(), shape
 
 
-def _check_devices(cache, slot_ids, out) -> None:
+def _check_devices(cache, slot_ids, out, rows) -> None:
     if cache.device.type != "cuda":
         raise ValueError(f"cache: expected a CUDA tensor, got device {cache.device}")
-    for name, tensor in (("slot_ids", slot_ids), ("out", out)):
+    for name, tensor in (("slot_ids", slot_ids), ("out", out), ("rows", rows)):
         if tensor is not None and tensor.device != cache.device:
             raise ValueError(
                 f"{name}: expected a tensor on {cache.device} (the cache's device), got {tensor.device}"

@@ -61,9 +61,13 @@ def launches(monkeypatch, fake_kernels) -> list[str]:
         for buffer, values in zip((out, max_logits, lse), reference, strict=True):
             buffer.copy_(values)
 
-    def gather(pages, words, out, page_size, layout):
+    def gather(pages, words, out, page_size, layout, rows=None):
         recorded.append(f"gather {layout}")
         out.copy_(gather_dequant_paged_reference(pages, words[:, 0], page_size, layout, out.dtype))
+        if rows is not None:  # V4.1 records: each slot's record, -1 for a slot outside the cache
+            slots = words[:, 0]
+            valid = (slots >= 0) & (slots < pages.shape[0] * page_size)
+            rows.copy_(torch.where(valid, torch.arange(slots.shape[0], dtype=torch.int32), -1))
 
     module = fake_kernels(attention)
     module.launch_paged_kv_gather = gather

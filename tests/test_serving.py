@@ -276,7 +276,8 @@ def test_gather_memo_answers_a_repeated_call_and_checks_any_change(gather_memo):
     assert len(gather_memo["device_checks"]) == 1
     first, *later = gather_memo["launches"]
     for launch in later:
-        pages, words, launched_out, page_size, layout = launch
+        pages, words, launched_out, page_size, layout, rows = launch
+        assert rows is None  # e4m3 rows: no record slots
         assert (pages.data_ptr(), pages.shape, pages.stride()) == (
             first[0].data_ptr(),
             first[0].shape,
@@ -299,6 +300,29 @@ def test_gather_memo_answers_a_repeated_call_and_checks_any_change(gather_memo):
         with pytest.raises(error):
             _gather(cache_u8=cache, slot_ids=slots, **overrides)
         assert len(paged_gather._memo) == size  # errors are never memoised
+
+
+def test_gather_records_launch_with_their_slots(gather_memo):
+    """V4.1 records (out_dtype uint8) launch with a [num_tokens] int32 buffer for their token slots: the
+    caller's, checked as out is, or one of their own; other outputs take none."""
+    cache, slots = empty_cache("v41_fp4", 2, 64), torch.arange(10, dtype=torch.int32)
+    rows = torch.empty(10, dtype=torch.int32)
+    gather = paged_gather.gather_dequant_paged
+    out = gather(cache, slots, 64, "v41_fp4", torch.uint8, rows=rows)
+    assert out.shape == (10, 528) and gather_memo["launches"][-1][-1] is rows
+    gather(cache, slots, 64, "v41_fp4", torch.uint8, 2)  # allocating them, extra rows beside
+    allocated = gather_memo["launches"][-1][-1]
+    assert allocated.shape == (10,) and allocated.dtype == torch.int32
+    for rows_arg, error, match in (
+        (torch.empty(10, dtype=torch.int64), TypeError, "rows: expected dtype torch.int32"),
+        (torch.empty(11, dtype=torch.int32), ValueError, r"rows: expected shape \[10\]"),
+        (torch.empty(20, dtype=torch.int32)[::2], ValueError, "rows: expected a contiguous"),
+        (slots, ValueError, "rows: expected memory of its own, got memory overlapping slot_ids"),
+    ):
+        with pytest.raises(error, match=match):
+            gather(cache, slots, 64, "v41_fp4", torch.uint8, rows=rows_arg)
+    with pytest.raises(ValueError, match="rows: expected None unless out_dtype is torch.uint8"):
+        gather(cache, slots, 64, "v41_fp4", E4M3, rows=rows)
 
 
 def test_gather_rejects_out_overlapping_the_cache():

@@ -123,10 +123,15 @@ def test_bf16_rows_are_exact(generator, layout):
 @pytest.mark.parametrize("std", [1.0, 1e-4])
 def test_fp4_records_match_the_reference_bit_for_bit(generator, std):
     """The gather's V4.1 records of FP4 tokens (``out_dtype`` uint8): the reference's bytes, values and
-    scales, with invalid slots and extra rows zero at scale 2^0."""
+    scales, with invalid slots and extra rows zero at scale 2^0; and ``rows``, each slot's record or -1."""
     cache = quantized_cache("v41_fp4", 8, PAGE_SIZE, generator, pow2_scales=False, std=std)
     slots = torch.randint(-2, 8 * PAGE_SIZE + 2, (300,), generator=generator, dtype=torch.int32)
-    got = gather_dequant_paged(to_device(cache, "cuda"), slots.cuda(), PAGE_SIZE, "v41_fp4", torch.uint8, 3)
+    rows = torch.full((300,), 7, dtype=torch.int32, device="cuda")  # poisoned
+    got = gather_dequant_paged(
+        to_device(cache, "cuda"), slots.cuda(), PAGE_SIZE, "v41_fp4", torch.uint8, 3, rows=rows
+    )
     torch.cuda.synchronize()
     want = gather_dequant_paged_reference(cache, slots, PAGE_SIZE, "v41_fp4", torch.uint8, 3)
     assert torch.equal(got.cpu(), want)
+    valid = (slots >= 0) & (slots < 8 * PAGE_SIZE)
+    assert torch.equal(rows.cpu(), torch.where(valid, torch.arange(300, dtype=torch.int32), -1))

@@ -10,7 +10,9 @@ are first widened to the e4m3 values they equal (a byte permute). One thread per
 From a V4.1 FP4 cache ``out`` may instead be [rows, 528] uint8, each row a record of V4.1's layout,
 bit-exact with ``q8kv8.reference.fp4_rows_as_v41_reference``: per 32 values (two FP4 scale blocks) the
 UE8M0 scale 2^E, E the least with 6 * (the larger block scale) <= 448 * 2^E (0 for zero scales), each
-value times its block scale times 2^-E rounded once to e4m3. Layouts and conversion: docs/kernel.md.
+value times its block scale times 2^-E rounded once to e4m3; and ``rows`` [num_tokens] int32 the record each
+slot went to, r, or -1 for a slot outside the cache (the paged kernel's index slots of the records). Layouts
+and conversion: docs/kernel.md.
 
 Constraints: cache base and page stride 16-byte aligned, ``out`` 16-byte aligned and row-major,
 ``num_pages * page_size < 2^31``.
@@ -248,17 +250,25 @@ class PagedKvGatherSm90:
         mCache: cute.Tensor,  # [num_pages, page_bytes] uint8, page stride dynamic (multiple of 16)
         mSlots: cute.Tensor,  # [num_tokens, words] int32: words 1 (int32 table) or 2 (int64, lo/hi)
         mOut: cute.Tensor,  # [num_tokens + extra_rows, 1, d_qk] e4m3 or bf16, row-major; v41: [rows, 528]
+        mRows: cute.Tensor,  # v41: [num_tokens] int32, each slot's record (or -1); None otherwise
         page_size: Int32,
         stream,
     ):
         num_rows = cute.size(mOut, mode=[0])
         grid = (num_rows + self.rows_per_cta - 1) // self.rows_per_cta
-        self.kernel(mCache, mSlots, mOut, page_size).launch(
+        self.kernel(mCache, mSlots, mOut, mRows, page_size).launch(
             grid=[grid, 1, 1], block=[self.chunks, self.rows_per_cta, 1], stream=stream
         )
 
     @cute.kernel
-    def kernel(self, mCache: cute.Tensor, mSlots: cute.Tensor, mOut: cute.Tensor, page_size: Int32):
+    def kernel(
+        self,
+        mCache: cute.Tensor,
+        mSlots: cute.Tensor,
+        mOut: cute.Tensor,
+        mRows: cute.Tensor,
+        page_size: Int32,
+    ):
         chunk, row_in_cta, _ = cute.arch.thread_idx()
         bid, _, _ = cute.arch.block_idx()
         row = bid * self.rows_per_cta + row_in_cta
@@ -271,6 +281,12 @@ class PagedKvGatherSm90:
                     if mSlots[row, 1] != 0:
                         slot = Int32(-1)
             num_slots = cute.size(mCache, mode=[0]) * page_size
+            if const_expr(self.out_records):
+                if (chunk == 0) & (row < cute.size(mRows, mode=[0])):
+                    record = Int32(-1)
+                    if (slot >= 0) & (slot < num_slots):
+                        record = row
+                    mRows[row] = record
             if (slot >= 0) & (slot < num_slots):
                 page = slot // page_size
                 pos = slot - page * page_size
