@@ -791,8 +791,7 @@ def launch_paged_kv_gather(cache_pages, slot_words, out, page_size: int, layout:
     rows > 0."""
     key = PagedGatherKey(layout, out.dtype)
     variant = _variants.get(key) or load(key)
-    records = () if rows is None else (rows,)
-    _call_on_device_of(out, variant.function, cache_pages, slot_words, out, *records, page_size)
+    _call_on_device_of(out, variant.function, cache_pages, slot_words, out, rows, page_size)
 
 
 def launch_cast_q_fp8(q, q_scale, out) -> None:
