@@ -79,6 +79,10 @@ DECODE_SHAPES = [
     ("v41", 64, 1, 64, 1152),
     ("v41", 8, 1, 64, 1152),
     ("v41", 128, 1, 32, 2048),
+    ("v41", 32, 1, 64, 1024),
+    ("model1", 32, 1, 64, 1024),
+    ("v41", 128, 1, 8, 1024),
+    ("model1", 128, 1, 8, 1024),
 ]
 DECODE_CONTEXT = 65536
 # (main layout, extra layout, batch, h, topk, extra topk): one query a request
