@@ -323,6 +323,9 @@ def test_gather_records_launch_with_their_slots(gather_memo):
             gather(cache, slots, 64, "v41_fp4", torch.uint8, rows=rows_arg)
     with pytest.raises(ValueError, match="rows: expected None unless out_dtype is torch.uint8"):
         gather(cache, slots, 64, "v41_fp4", E4M3, rows=rows)
+    launches = len(gather_memo["launches"])
+    zeros = gather(empty_cache("v41_fp4", 0, 64), slots, 64, "v41_fp4", torch.uint8, rows=rows)  # no slot
+    assert len(gather_memo["launches"]) == launches and (rows == -1).all() and (zeros[:, 512:] == 127).all()
 
 
 def test_gather_rejects_out_overlapping_the_cache():
