@@ -129,3 +129,15 @@ def test_schedule_describe_in_the_readme_takes_num_sms_as_without_a_gpu_it_must(
     assert inspect.signature(schedule.describe).parameters["num_sms"].default is None
     assert schedule.describe(8, 16, 2048, num_sms=132).startswith("split in ")
     assert schedule.describe(4096, 16, 2048, num_sms=132).startswith("small heads")
+
+
+def test_the_readme_counts_the_variants_the_build_checks_run_on():
+    """The README's counts of the variants the per-variant build checks run on: the representative ones of
+    ``make test`` (``tests/variant_subset.py``) and every listed one of ``make test-variants``."""
+    from variant_subset import REPRESENTATIVE
+
+    from q8kv8 import kernels
+
+    readme = " ".join((REPO / "README.md").read_text().split())
+    assert f"run in `make test` on {len(REPRESENTATIVE)} representative variants" in readme
+    assert f"in `make test-variants` on all {len(kernels.LISTED_KEYS)} (CI runs both)" in readme
