@@ -48,6 +48,9 @@ def sparse_mla_q8kv8_prefill_fwd(
         kv_scale: one-element float32 tensor, the per-tensor dequantisation scale of kv.
         d_v: 512.
         attn_sink: optional [h_q] float32; ``out`` is multiplied by ``1 / (1 + exp(attn_sink[h] - lse))``.
+            With a sink the call sums S in float32 whatever its precision ("default" runs as
+            "accurate_logits", "accurate_out" as "accurate": ``q8kv8.metadata.LOGITS_IN_FLOAT32``), since
+            the sink turns an error in ``lse`` into one of ``out``.
         topk_length: optional [s_q] int32, the number of leading slots of each row to consider; values
             outside [0, topk] are clamped in the kernel (``Q8KV8_CHECK_RANGES=1`` raises for them instead).
         out, max_logits, lse: optional contiguous output buffers ([s_q, h_q, d_v] bfloat16, [s_q, h_q]

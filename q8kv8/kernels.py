@@ -36,6 +36,7 @@ from q8kv8.metadata import (
     HEAD_ALIGNMENT,
     KV_ROW_ALIGNMENT_BYTES,
     LOG2_E,
+    LOGITS_IN_FLOAT32,
     OUT_ALIGNMENT_BYTES,
     PRECISIONS,
     Q_ALIGNMENT_BYTES,
@@ -626,8 +627,11 @@ def attention_plan(
     else the one-tile variant, the split one (``splits`` > 1), or both for a split tail: the one-tile kernel
     on the tokens before ``split_from``, then the split one on the others, with the split-tail flag (the two
     launches overlap). ``extra_from``: a paged call's first index slot of its extra cache (its top-k when it
-    has none; 0 on kv rows, where the kernel does not read it)."""
+    has none; 0 on kv rows, where the kernel does not read it). With a sink every launch runs ``precision``
+    with S summed in float32 (``LOGITS_IN_FLOAT32``)."""
     s_q, h_q, d_qk = q_shape
+    if has_sink:  # the sink weighs out by exp(lse): S summed in float32
+        precision = LOGITS_IN_FLOAT32[precision]
     small = small_heads(h_q) and splits == 1  # small heads split: tiles of 64 heads (schedule.choose)
     key = VariantKey(d_qk, precision, ONE_TILE, q_dtype, h_q if small else HEAD_ALIGNMENT, cache)
     if small or tiles:

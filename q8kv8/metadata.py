@@ -31,10 +31,11 @@ LOGITS_IN_FLOAT32 = {
     "accurate_logits": "accurate_logits",
     "accurate": "accurate",
 }
-"""Each precision with S summed in float32: what ``SparsePrefill`` runs where the lse is used after the
-kernel (a sink scales out by ``exp(lse) / (exp(lse) + exp(sink))``, parts merge by their lse), since the FP8
-tensor cores' own sums leave the logits of a row led by one slot up to 1% low, and such a row's out takes
-exp(that) where the sink is near or above its lse."""
+"""Each precision with S summed in float32: what runs where the lse weighs the output, since the FP8 tensor
+cores' own sums leave the logits of a row led by one slot up to 1% low, and such a row's out takes exp(that)
+where a sink is near or above its lse. A call with a sink (out scaled by ``exp(lse) / (exp(lse) +
+exp(sink))``) runs it in every path (``q8kv8.kernels.attention_plan``), as do the parts of
+``SparsePrefill.forward_merged``, which merge by their lse."""
 
 E4M3_MAX = 448.0
 """The largest finite float8_e4m3fn value; casts to e4m3 saturate at +-E4M3_MAX."""

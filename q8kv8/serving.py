@@ -212,9 +212,9 @@ class SparsePrefill:
     rows), "bf16" (Q and the gathered KV in bf16: dequantised nope rounded to bf16 + RoPE; the bf16 kernel),
     or "auto" (fp8); ``$Q8KV8_PREFILL_BACKEND`` overrides it. ``precision``: the FP8 kernel's, one of
     ``q8kv8.metadata.PRECISIONS`` (``sparse_mla_q8kv8_prefill_fwd``); ``$Q8KV8_PRECISION`` overrides it. A
-    call with a sink, and the parts of ``forward_merged``, run it with S summed in float32
-    (``q8kv8.metadata.LOGITS_IN_FLOAT32``: "default" runs as "accurate_logits"), since their lse weighs
-    the output.
+    call with a sink (in the kernel's plan), and the parts of ``forward_merged``, run it with S summed in
+    float32 (``q8kv8.metadata.LOGITS_IN_FLOAT32``: "default" runs as "accurate_logits"), since their lse
+    weighs the output.
     ``path``: for the FP8 backend, "paged" (attend straight from the cache), "workspace" (gather the rows
     the batch may attend into a workspace first), or "auto"
     (paged when the workspace would gather more than ``PAGED_ROWS_PER_TILE_SLOT`` rows per tile-slot of the
@@ -293,7 +293,7 @@ class SparsePrefill:
         part = self._prepare(
             q, CacheRows(cache, page_table, indices, seqlens, compress_ratio), sm_scale, attn_sink
         )
-        return self._forward(q, part, sm_scale, attn_sink, lse_used=attn_sink is not None)
+        return self._forward(q, part, sm_scale, attn_sink)
 
     __call__ = forward
 
@@ -322,11 +322,10 @@ class SparsePrefill:
         ):
             return None
         (slots, topk_length), extra = (self._slot_indices(part) for part in parts)
-        precision = LOGITS_IN_FLOAT32[self.precision] if attn_sink is not None else self.precision
         sink = None if attn_sink is None else attn_sink.contiguous()
         self.last_path = "paged"
         return self.kernels.attention_paged(
-            self._kernel_q(q), parts[0].rows.cache, slots, sm_scale, sink, topk_length, precision,
+            self._kernel_q(q), parts[0].rows.cache, slots, sm_scale, sink, topk_length, self.precision,
             extra=(parts[1].rows.cache, *extra),
         )  # fmt: skip
 
@@ -346,9 +345,9 @@ class SparsePrefill:
         kernel_q.copy_(q)
         return kernel_q
 
-    def _forward(self, q, part: _Part, sm_scale, attn_sink, lse_used):
+    def _forward(self, q, part: _Part, sm_scale, attn_sink, lse_used=False):
         """``forward`` of a prepared part; ``lse_used``: S summed in float32 (the lse weighs the output
-        afterwards)."""
+        afterwards, where a part is merged; a sink's call sums in float32 in the kernel's plan)."""
         precision = LOGITS_IN_FLOAT32[self.precision] if lse_used else self.precision
         (cache, page_table, indices, seqlens, compress_ratio), layout, page_size, d_qk, topk_pad, path = part
         sink = None if attn_sink is None else attn_sink.contiguous()

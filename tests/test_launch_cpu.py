@@ -13,9 +13,10 @@ import pytest
 import torch
 
 from q8kv8 import eager, kernels, schedule
-from q8kv8.metadata import PRECISIONS
+from q8kv8.metadata import LOGITS_IN_FLOAT32, PRECISIONS
 
 S_Q, H, S_KV, D_QK, D_V, TOPK = 3, 64, 40, 576, 512, 128
+FP8 = torch.float8_e4m3fn
 FUNCTION_PARAMETERS = (
     "q",
     "kv",
@@ -168,6 +169,45 @@ def test_a_bf16_q_launches_its_own_variant(monkeypatch, precision, tiles):
         assert kernels.launch_sparse_prefill(**args, schedule=tiles) == ((kind, kernels._variants[key]),)
     assert loaded == [key]  # built (or loaded) once
     assert launched == [key] * 2
+
+
+@pytest.mark.parametrize("cache", [None, "model1"])
+@pytest.mark.parametrize("s_q, h_q, splits", [(3, 64, 1), (2, 128, 4), (40, 16, 1)])
+@pytest.mark.parametrize("precision", PRECISIONS)
+def test_a_sink_sums_the_logits_in_float32_in_every_launch(monkeypatch, precision, s_q, h_q, splits, cache):
+    """A call with a sink launches its precision's variants with S summed in float32 (``LOGITS_IN_FLOAT32``:
+    the sink weighs out by exp(lse)), on kv rows and a paged cache, in every schedule (one tile, split with
+    its tail, small heads); without a sink, the precision's own."""
+    launched = []
+
+    def load(key):
+        variant = types.SimpleNamespace(function=lambda *args: launched.append(key), name=key.name)
+        kernels._variants[key] = variant
+        return variant
+
+    monkeypatch.setattr(kernels, "_variants", {})
+    monkeypatch.setattr(kernels, "load", load)
+    monkeypatch.setattr(kernels, "_gpu_count", 1)
+    d_qk = 512 if cache else D_QK
+    kv = torch.zeros(4, 64, 584, dtype=torch.uint8) if cache else torch.zeros(S_KV, 1, d_qk, dtype=FP8)
+    for sink, want in ((None, precision), (torch.zeros(h_q), LOGITS_IN_FLOAT32[precision])):
+        launched.clear()
+        args = launch_args(
+            q=torch.zeros(s_q, h_q, d_qk, dtype=FP8),
+            kv=kv,
+            indices=torch.zeros(s_q, 1, TOPK, dtype=torch.int32),
+            attn_sink=sink,
+            out=torch.empty(s_q, h_q, D_V, dtype=torch.bfloat16),
+            max_logits=torch.empty(s_q, h_q),
+            lse=torch.empty(s_q, h_q),
+            precision=precision,
+        )
+        split_from = 1 if splits > 1 else 0
+        kernels.launch_sparse_prefill(
+            **args, schedule=0, ready=True, splits=splits, split_from=split_from, cache=cache
+        )
+        assert launched and all(key.precision == want for key in launched), (sink is None, launched)
+        assert len(launched) == (2 if splits > 1 else 1)
 
 
 @pytest.mark.parametrize("h_q, kind, heads", [(48, schedule.ONE_TILE, 64), (16, schedule.PERSISTENT, 16)])

@@ -37,7 +37,7 @@ from q8kv8 import (  # noqa: E402
     schedule,
     sparse_mla_q8kv8_prefill_fwd,
 )
-from q8kv8.metadata import D_V, PRECISIONS, SMALL_HEAD_COUNTS, SUPPORTED_D_QK  # noqa: E402
+from q8kv8.metadata import D_V, LOGITS_IN_FLOAT32, PRECISIONS, SMALL_HEAD_COUNTS, SUPPORTED_D_QK  # noqa: E402
 from q8kv8.prefill_call import PrefillCall  # noqa: E402
 
 pytestmark = pytest.mark.skipif(
@@ -185,8 +185,9 @@ def test_launches_what_the_python_path_launches(
         assert arguments[-1] == 0  # extra_from: not read on kv rows
         assert (key[2] == "split") == split
         assert arguments[0][1][0] == end - first  # the launch's tokens
-        if small:  # the small-head variant of the q dtype
-            assert key == (d_qk, precision, h_q, str(q_dtype)) and tiles >= 1
+        if small:  # the small-head variant of the q dtype; with a sink, S summed in float32
+            launched = LOGITS_IN_FLOAT32[precision] if with_sink else precision
+            assert key == (d_qk, launched, h_q, str(q_dtype)) and tiles >= 1
         else:
             assert split or (len(key) == 4) == (q_dtype == BF16)  # the bfloat16-q variant
         if q_dtype == BF16:
@@ -396,7 +397,7 @@ def test_declines_unregistered_devices_and_variants(fast, valid_args, monkeypatc
     native.register_device(torch.device("meta"), SM_COUNT)  # another device
     assert fast.extension.decline_reason(call) == "the device is not registered"
     native.register_device(CPU, SM_COUNT)
-    one_tile = kernels.VariantKey(D_QK)
+    one_tile = kernels.VariantKey(D_QK, LOGITS_IN_FLOAT32["default"])  # the call has a sink
     monkeypatch.setattr(kernels, "_variants", {})
     not_loaded = "the kernel variant is not loaded yet (its first launch on the Python path loads it)"
     assert fast.extension.plan(call) == DECLINED  # no variant loaded
@@ -411,7 +412,7 @@ def test_declines_unregistered_devices_and_variants(fast, valid_args, monkeypatc
     bf16_q_call = call._replace(q=valid_args["q"].to(BF16), q_scale=None)
     assert fast.extension.plan(bf16_q_call) == DECLINED  # the bfloat16-q variant is another one
     assert fast.extension.decline_reason(bf16_q_call) == not_loaded
-    bf16_one_tile = kernels.VariantKey(D_QK, q_dtype=BF16)
+    bf16_one_tile = kernels.VariantKey(D_QK, LOGITS_IN_FLOAT32["default"], q_dtype=BF16)
     kernels._variants[bf16_one_tile] = fast.variants[bf16_one_tile]
     assert fast.extension.plan(bf16_q_call) == (0, 1, 0)
     assert not fast.calls
@@ -460,7 +461,7 @@ def test_entry_point_takes_the_fast_path_for_a_bf16_q(fast_entry_point, valid_bf
     out, max_logits, lse = sparse_mla_q8kv8_prefill_fwd(**valid_bf16_q_args)
     assert (out.shape, max_logits.shape, lse.shape) == ((S_Q, H_Q, D_V), (S_Q, H_Q), (S_Q, H_Q))
     keys = [key for key, _ in fast_entry_point.calls]
-    assert keys == [(D_QK, "default", False, "bf16 q")] * 2
+    assert keys == [(D_QK, LOGITS_IN_FLOAT32["default"], False, "bf16 q")] * 2  # a sink: S in float32
     q = valid_bf16_q_args["q"]
     for _, arguments in fast_entry_point.calls:
         assert arguments[0] == (q.data_ptr(), tuple(q.shape), q.stride(), "bfloat16")
@@ -506,9 +507,9 @@ def test_entry_point_reraises_an_error_of_the_launch_itself(fast_entry_point, va
         attempts.append(args)
         raise raised("launch failed")
 
-    fast_entry_point.variants[kernels.VariantKey(D_QK)] = types.SimpleNamespace(
+    fast_entry_point.variants[kernels.VariantKey(D_QK, LOGITS_IN_FLOAT32["default"])] = types.SimpleNamespace(
         function=tvm_ffi.convert(failing_launch)
-    )
+    )  # the call's variant: it has a sink
     valid_args["topk_length"] = None
     with pytest.raises(Exception, match="launch failed") as error:
         sparse_mla_q8kv8_prefill_fwd(**valid_args)

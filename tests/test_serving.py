@@ -765,9 +765,10 @@ def test_precision_reaches_the_kernel_and_the_environment_overrides_it(generator
 
 
 @pytest.mark.parametrize("path", ["paged", "workspace"])
-def test_sinks_and_merged_parts_sum_logits_in_float32(generator, path):
-    """A call with a sink, and each part of ``forward_merged``, runs the layer's precision with S summed in
-    float32 (their lse weighs the output); a call without a sink runs the precision as it is."""
+def test_merged_parts_sum_logits_in_float32(generator, path):
+    """Each part of ``forward_merged`` runs the layer's precision with S summed in float32 (its lse weighs the
+    output in the merge); a call, with or without a sink, and the paged path's joined call of two parts pass
+    the precision as it is (a sink's call sums in float32 in the kernel's plan: test_launch_cpu.py)."""
     batch = make_batch("model1", 64, 0, h=16, topk=16, generator=generator)
     args = (batch["q"], batch["cache"], batch["page_table"], batch["indices"], batch["seqlens"], 0, SM_SCALE)
     sink = torch.randn(16, generator=generator)
@@ -778,8 +779,8 @@ def test_sinks_and_merged_parts_sum_logits_in_float32(generator, path):
         prefill.forward(*args)
         prefill.forward(*args, sink)
         prefill.forward_merged(batch["q"], [part, part], SM_SCALE, sink)  # paged: one call, both caches
-        merged_calls = 1 if path == "paged" else 2
-        assert [call["precision"] for call in calls] == [precision] + [summed] * (1 + merged_calls), precision
+        merged = [precision] if path == "paged" else [summed] * 2
+        assert [call["precision"] for call in calls] == [precision] * 2 + merged, precision
         assert prefill.info()["precision"] == precision
     for precision, summed in metadata.LOGITS_IN_FLOAT32.items():  # P's terms kept, S in float32
         assert KERNEL_PRECISIONS[summed] == KERNEL_PRECISIONS[precision]._replace(qk_in_float32=True)

@@ -12,6 +12,7 @@ from cuda_graphs import capture_and_replay
 from reference_checks import assert_matches_float64_reference, run_and_sync, with_every_invalid_index_kind
 
 from q8kv8 import eager, kernels, schedule, sparse_mla_q8kv8_prefill_fwd
+from q8kv8.metadata import LOGITS_IN_FLOAT32
 
 pytestmark = pytest.mark.gpu
 
@@ -31,7 +32,8 @@ def test_matches_reference_and_is_stable(make_inputs, h_q, precision, d_qk, topk
     )
     assert schedule.describe(37, h_q, topk) == "small heads, 1 token per CTA"
     first = [t.clone() for t in run_and_sync(inputs, precision=precision)]
-    assert kernels.VariantKey(d_qk, precision, schedule.PERSISTENT, q_dtype, h_q) in kernels._variants
+    summed = LOGITS_IN_FLOAT32[precision]  # the call has a sink: S summed in float32
+    assert kernels.VariantKey(d_qk, summed, schedule.PERSISTENT, q_dtype, h_q) in kernels._variants
     second = run_and_sync(inputs, precision=precision)
     assert all(torch.equal(a, b) for a, b in zip(first, second, strict=True))
     assert_matches_float64_reference(first, inputs, precision)
@@ -89,7 +91,8 @@ def test_a_few_tokens_run_split_tiles_of_64_heads(make_inputs, h_q, precision, q
     )
     assert schedule.describe(8, h_q, 2048) == "split in 8"
     chosen = [t.clone() for t in run_and_sync(inputs, precision=precision)]
-    assert kernels.VariantKey(576, precision, schedule.SPLIT, q_dtype) in kernels._variants
+    summed = LOGITS_IN_FLOAT32[precision]  # the call has a sink: S summed in float32
+    assert kernels.VariantKey(576, summed, schedule.SPLIT, q_dtype) in kernels._variants
     assert_matches_float64_reference(chosen, inputs, precision)
     with eager.forced_splits(8):
         forced = run_and_sync(inputs, precision=precision)
