@@ -246,15 +246,9 @@ def test_persistent_is_bitwise_the_one_tile_kernel(generator, layout, precision)
         assert all(torch.equal(a, b) for a, b in zip(one_tile, persistent, strict=True)), tiles
 
 
-@pytest.mark.parametrize("precision", PRECISIONS)
-@pytest.mark.parametrize("h_q", [64, 16])
-@pytest.mark.parametrize("layout", ["v32", "model1", "v41"])
-def test_dominant_logits_up_to_30(generator, layout, h_q, precision):
-    """Rows whose largest logit is 20 to 30 (q a multiple of one selected row's dequantised values):
-    max_logits and lse within 5e-3 (S of the tensor cores' sums per scale group) and 5e-4 (S summed in
-    float32) of the float64 reference, with tiles of 64 heads and with the small-head kernel; V4 and V4.1 with
-    S not summed in float32, one chain of the tensor cores' accumulation as on gathered rows, within the
-    default mode's documented 1e-2."""
+def led_by_one_slot(generator, layout, h_q):
+    """A paged call of 32 rows whose largest logit is 20 to 30 (q a multiple of one selected row's dequantised
+    values, slot 0 of the row, plus noise), bf16 q."""
     call = make_call(generator, layout, 32, h_q, 512, pages=16)
     reference_kv = dequantize_paged_cache(call["cache"]).cpu()
     q = torch.randn(32, h_q, D_QK[layout], generator=generator) * 0.3
@@ -265,6 +259,19 @@ def test_dominant_logits_up_to_30(generator, layout, h_q, precision):
         target = 20.0 + 10.0 * torch.rand(h_q, generator=generator)
         q[token] += row[None, :] * (target / (row.double().square().sum().item() * call["sm_scale"]))[:, None]
     call["q"] = q.to(BF16).cuda()
+    return call
+
+
+@pytest.mark.parametrize("precision", PRECISIONS)
+@pytest.mark.parametrize("h_q", [64, 16])
+@pytest.mark.parametrize("layout", ["v32", "model1", "v41"])
+def test_dominant_logits_up_to_30(generator, layout, h_q, precision):
+    """Rows whose largest logit is 20 to 30 (q a multiple of one selected row's dequantised values):
+    max_logits and lse within 5e-3 (S of the tensor cores' sums per scale group) and 5e-4 (S summed in
+    float32) of the float64 reference, with tiles of 64 heads and with the small-head kernel; V4 and V4.1 with
+    S not summed in float32, one chain of the tensor cores' accumulation as on gathered rows, within the
+    default mode's documented 1e-2."""
+    call = led_by_one_slot(generator, layout, h_q)
     reference = sparse_mla_paged_reference(**call, chunk_rows=16)
     assert reference[1].max() > 19
     outputs = run(call, precision=precision)
@@ -279,16 +286,7 @@ def test_a_sink_on_rows_led_by_one_slot_keeps_every_heads_out(generator, layout,
     about half of the rows have the sink near or above their lse), in the default precision: the call sums
     S in float32, as every call with a sink does, and each head's out is within 4.5e-2 of the float64
     reference (the tensor cores' one chain, 0.8% low on such logits, took 13% off such a head's out)."""
-    call = make_call(generator, layout, 32, h_q, 512, pages=16)
-    reference_kv = dequantize_paged_cache(call["cache"]).cpu()
-    q = torch.randn(32, h_q, D_QK[layout], generator=generator) * 0.3
-    for token in range(32):
-        slot = int(call["indices"][token, 0, 0].clamp(min=0))  # slot 0 of the row, made valid
-        call["indices"][token, 0, 0] = slot
-        row = reference_kv[slot, 0].float()
-        target = 20.0 + 10.0 * torch.rand(h_q, generator=generator)
-        q[token] += row[None, :] * (target / (row.double().square().sum().item() * call["sm_scale"]))[:, None]
-    call["q"] = q.to(BF16).cuda()
+    call = led_by_one_slot(generator, layout, h_q)
     lse = sparse_mla_paged_reference(**call, chunk_rows=16)[2]
     call["attn_sink"] = lse.median(dim=0).values.float().cuda()
     reference = sparse_mla_paged_reference(**call, chunk_rows=16)
