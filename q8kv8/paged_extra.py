@@ -11,9 +11,10 @@ paged call on the extra cache when the paged kernel reads its layout
 (``q8kv8.kv_layout.PAGED_ATTENTION_LAYOUTS``), else its selected slots (``s_q * extra_topk`` of them, each
 query's own) gathered into e4m3 rows at scale 1 (``q8kv8.paged_gather``) and attended by
 ``sparse_mla_q8kv8_prefill_fwd``, each query its own rows; the main part is the paged call without the sink,
-and the two are merged exactly by their lse into one softmax (``q8kv8.merge.merge_attention``), which applies
-the sink once. Outputs as the single-cache call's: ``lse`` over both caches without the sink, ``max_logits``
-the larger, a row with no valid slot in either cache out 0, max_logits -inf, lse +inf.
+and the two, each with S summed in float32 (``LOGITS_IN_FLOAT32``: their lse weighs the merge), are merged
+exactly by their lse into one softmax (``q8kv8.merge.merge_attention``), which applies the sink once.
+Outputs as the single-cache call's: ``lse`` over both caches without the sink, ``max_logits`` the larger, a
+row with no valid slot in either cache out 0, max_logits -inf, lse +inf.
 
 Constraints: the extra cache has q's d_qk and any layout of ``q8kv8.kv_layout`` with page_size a power of
 two; ``extra_indices`` are its token slots, ``[s_q, 1, extra_topk]`` int32 with extra_topk a positive
@@ -48,7 +49,7 @@ from q8kv8.kv_layout import (
     RECORDS_LAYOUT,
 )
 from q8kv8.merge import merge_attention
-from q8kv8.metadata import TOPK_ALIGNMENT
+from q8kv8.metadata import LOGITS_IN_FLOAT32, TOPK_ALIGNMENT
 from q8kv8.paged_gather import gather_dequant_paged
 from q8kv8.prefill_call import PagedCall, PrefillCall
 
@@ -186,7 +187,9 @@ def attend(
             if view.shape[0]:  # the extra cache holds slots (else the main one is all of it)
                 joined = call._replace(indices=join_indices(call, joined_extra), topk_length=None)
                 return run_joined(joined, view, call.indices.shape[2])
-    bare = call._replace(attn_sink=None, out=None, max_logits=None, lse=None)  # one part's call
+    # One part's call: no sink, S summed in float32 (its lse weighs the merge)
+    precision = LOGITS_IN_FLOAT32[call.precision]
+    bare = call._replace(attn_sink=None, out=None, max_logits=None, lse=None, precision=precision)
     main = run_paged(bare)
     if layout in PAGED_ATTENTION_LAYOUTS:
         part = run_paged(bare._replace(cache=cache, indices=indices, topk_length=extra.topk_length))
@@ -198,7 +201,7 @@ def attend(
         part = run_rows(
             PrefillCall(
                 q, kv, rows, call.sm_scale, call.q_scale, paged._one(q.device), call.d_v,
-                topk_length=extra.topk_length, precision=call.precision,
+                topk_length=extra.topk_length, precision=precision,
             )
         )  # fmt: skip
     merged = merge_attention((main, part), call.attn_sink)

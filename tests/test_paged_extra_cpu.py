@@ -20,6 +20,7 @@ from paged_cache import pow2_fp4_scales, quantized_cache
 
 from q8kv8 import contract, paged_gather, sparse_mla_q8kv8_paged_fwd
 from q8kv8.contract import InputTypeError
+from q8kv8.metadata import LOGITS_IN_FLOAT32, PRECISIONS
 from q8kv8.reference import (
     dequantize_paged_cache,
     gather_dequant_paged_reference,
@@ -140,6 +141,30 @@ def test_matches_the_float64_reference_over_both_caches(generator, launches, mai
         assert launches == ["gather v41_fp4", f"paged {main} + extra"]
     else:  # the main layout's: read in the same launch
         assert launches == [f"paged {main} + extra"]
+
+
+@pytest.mark.parametrize("extra", ["v41", "v41_fp4"])
+@pytest.mark.parametrize("precision", PRECISIONS)
+def test_merged_parts_sum_their_logits_in_float32(generator, launches, monkeypatch, extra, precision):
+    """Two parts merged by their lse (an extra cache the main launch does not read: V4.1's beside a V4 main
+    cache, read by its own paged call or gathered into e4m3 rows) each run the precision with S summed in
+    float32 (``LOGITS_IN_FLOAT32``: their lse weighs the merge); the sink is applied once, after."""
+    import q8kv8
+
+    precisions = []
+    launch = q8kv8.kernels.launch_sparse_prefill
+
+    def recording(*args, **kwargs):
+        precisions.append(args[11])  # launch_sparse_prefill's precision
+        return launch(*args, **kwargs)
+
+    monkeypatch.setattr(q8kv8.kernels, "launch_sparse_prefill", recording)
+    call = extra_call(generator, main="model1", extra=extra)
+    assert_matches(sparse_mla_q8kv8_paged_fwd(**call, precision=precision), call)
+    assert launches == (
+        ["paged model1", "paged v41"] if extra == "v41" else ["paged model1", "gather v41_fp4", "rows"]
+    )
+    assert precisions == [LOGITS_IN_FLOAT32[precision]] * 2
 
 
 def test_without_a_sink_or_lengths(generator, launches):
