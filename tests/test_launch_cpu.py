@@ -64,6 +64,24 @@ def calls(monkeypatch) -> list[dict]:
     return recorded
 
 
+@pytest.fixture
+def stand_in_loads(monkeypatch) -> tuple[list, list]:
+    """No variant loaded, and ``kernels.load`` a stand-in that builds nothing: ``(loaded, launched)``, the
+    keys it was asked for and those whose function the launches called."""
+    loaded, launched = [], []
+
+    def load(key):
+        loaded.append(key)
+        variant = types.SimpleNamespace(function=lambda *args: launched.append(key), name=key.name)
+        kernels._variants[key] = variant
+        return variant
+
+    monkeypatch.setattr(kernels, "_variants", {})
+    monkeypatch.setattr(kernels, "load", load)
+    monkeypatch.setattr(kernels, "_gpu_count", 1)
+    return loaded, launched
+
+
 def launch_args(**changes) -> dict:
     args = {
         "q": torch.zeros(S_Q, H, D_QK, dtype=torch.float8_e4m3fn),
@@ -148,20 +166,10 @@ def test_a_bf16_q_gets_kv_scale_in_q_scales_place(calls):
 
 @pytest.mark.parametrize("tiles", [0, 2])
 @pytest.mark.parametrize("precision", PRECISIONS)
-def test_a_bf16_q_launches_its_own_variant(monkeypatch, precision, tiles):
+def test_a_bf16_q_launches_its_own_variant(stand_in_loads, precision, tiles):
     """The variant for a bfloat16 q: looked up by its key (q's dtype included), built on first use
     (``kernels.load``, replaced here by a stand-in: nothing is compiled)."""
-    launched, loaded = [], []
-
-    def load(key):
-        loaded.append(key)
-        variant = types.SimpleNamespace(function=lambda *args: launched.append(key), name=key.name)
-        kernels._variants[key] = variant
-        return variant
-
-    monkeypatch.setattr(kernels, "_variants", {})  # an e4m3 variant launched instead would fail the test
-    monkeypatch.setattr(kernels, "load", load)
-    monkeypatch.setattr(kernels, "_gpu_count", 1)
+    loaded, launched = stand_in_loads
     args = launch_args(q=torch.zeros(S_Q, H, D_QK, dtype=torch.bfloat16), q_scale=None, precision=precision)
     kind = schedule.PERSISTENT if tiles else schedule.ONE_TILE
     key = kernels.VariantKey(D_QK, precision, kind, torch.bfloat16)
@@ -174,20 +182,13 @@ def test_a_bf16_q_launches_its_own_variant(monkeypatch, precision, tiles):
 @pytest.mark.parametrize("cache", [None, "model1"])
 @pytest.mark.parametrize("s_q, h_q, splits", [(3, 64, 1), (2, 128, 4), (40, 16, 1)])
 @pytest.mark.parametrize("precision", PRECISIONS)
-def test_a_sink_sums_the_logits_in_float32_in_every_launch(monkeypatch, precision, s_q, h_q, splits, cache):
+def test_a_sink_sums_the_logits_in_float32_in_every_launch(
+    stand_in_loads, precision, s_q, h_q, splits, cache
+):
     """A call with a sink launches its precision's variants with S summed in float32 (``LOGITS_IN_FLOAT32``:
     the sink weighs out by exp(lse)), on kv rows and a paged cache, in every schedule (one tile, split with
     its tail, small heads); without a sink, the precision's own."""
-    launched = []
-
-    def load(key):
-        variant = types.SimpleNamespace(function=lambda *args: launched.append(key), name=key.name)
-        kernels._variants[key] = variant
-        return variant
-
-    monkeypatch.setattr(kernels, "_variants", {})
-    monkeypatch.setattr(kernels, "load", load)
-    monkeypatch.setattr(kernels, "_gpu_count", 1)
+    _, launched = stand_in_loads
     d_qk = 512 if cache else D_QK
     kv = torch.zeros(4, 64, 584, dtype=torch.uint8) if cache else torch.zeros(S_KV, 1, d_qk, dtype=FP8)
     for sink, want in ((None, precision), (torch.zeros(h_q), LOGITS_IN_FLOAT32[precision])):
