@@ -331,8 +331,8 @@ beside a producer of ``sparse_prefill.WIDE_PRODUCER_REGS``)."""
 
 def rows_rescaled(layout, precision) -> bool:
     """Whether the paged variant rescales each block row to one power-of-two scale before its QK product
-    (``convert_row``): V4 with S not promoted, V4.1 always."""
-    return layout == "v41" or (layout == "model1" and not promoted(precision))
+    (``convert_row``): V4 and V4.1, whose UE8M0 scales are powers of two."""
+    return layout in ("v41", "model1")
 
 
 def paged_spills(layout, precision, kind, q_dtype, heads) -> bool:
@@ -352,8 +352,8 @@ def test_paged_variants_gather_pages_and_sum_scale_groups(layout, precision, kin
     """The paged kernel (``paged_rows``): S from WGMMA groups of a scale group's k-steps (S promoted: at most
     ``PAGED_ACCURATE_CHUNK_KSTEPS``: the first group and the loop's, and the RoPE's 2 k-steps x 2 e4m3
     terms; 64 heads: once per N = 32 half; small heads: S^T = K . Q^T whole, N = heads), or with its rows
-    rescaled (V4, S not promoted; V4.1) one chain over every k-step and a bf16 RoPE's lo terms at N = 64
-    (small heads: S^T; V4.1 with S promoted: ``qk_promoted``'s groups); PV as the kernel on gathered rows; per
+    rescaled (V4, V4.1) one chain over every k-step and a bf16 RoPE's lo terms at N = 64 (small heads: S^T;
+    S promoted: ``qk_promoted``'s groups, the lo terms in the first); PV as the kernel on gathered rows; per
     row, four 16-byte copies per 64-byte column of its e4m3 values and bf16 RoPE (no L2 cache hint) and four
     4-byte copies of its scales; the Q TMA for an e4m3 q; registers as the others, within the documented
     spills."""
@@ -369,9 +369,10 @@ def test_paged_variants_gather_pages_and_sum_scale_groups(layout, precision, kin
     pv = (16 + 8 + 8) * p_terms(precision)  # a pair of blocks and a single one, per d tile
     rope_lo = 2 if geometry.rope_column is not None else 0  # a bf16 RoPE's lo terms
     if rows_rescaled(layout, precision) and promoted(precision):
-        # V4.1: qk_promoted, its first group and its loop's (64 heads: per N = 32 half)
+        # qk_promoted, its first group (a bf16 RoPE's lo terms too) and its loop's (64 heads: per N = 32 half)
         halves = 2 if heads == 64 else 1
-        qk = [str(32 if heads == 64 else heads)] * (halves * 2 * qk_products.ROW_SCALED_PROMOTION_KSTEPS)
+        per_half = 2 * qk_products.ROW_SCALED_PROMOTION_KSTEPS + rope_lo
+        qk = [str(32 if heads == 64 else heads)] * (halves * per_half)
         assert sorted(wgmma) == sorted(qk + [str(heads)] * pv)
     elif rows_rescaled(layout, precision):
         assert wgmma == [str(heads)] * (PAGED_D_QK[layout] // 32 + rope_lo + pv)

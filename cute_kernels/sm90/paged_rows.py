@@ -20,7 +20,7 @@ The block's owner, before its QK product, in one of two ways:
   groups g of sigma[row, g] * (Q_g . K_g^T), the RoPE a group of its own (its row scale, hi and lo), each
   group's product summed in float32 (``scale_slots``); the row's V factors sigma_g 2^-E go to a table
   (``store_v_factors``) by which the PV products scale V's fragments (``scale_v_fragment``).
-- ``convert_row`` (V4 with S not promoted, and V4.1: their UE8M0 scales are powers of two; V4.1's RoPE is
+- ``convert_row`` (V4 and V4.1: their UE8M0 scales are powers of two; V4.1's RoPE is
   e4m3 already, among its 16 groups of 32 values): each row rescaled in place to
   one power-of-two scale 2^E of its own (every group's bytes times sigma_g 2^-E, the RoPE's two terms at
   2^-E), so that S = 2^E_s (Q . K_s^T) is one WGMMA chain, as on gathered rows, scaled per slot after it.

@@ -1,7 +1,7 @@
 """The FP8 kernel's QK product S = Q . K^T of a block (small heads: S^T = K . Q^T) and its precision strategy:
 one WGMMA chain; summed in float32 from groups of a few k-steps (``precision`` "accurate", "accurate_logits");
-from a paged cache, summed per scale group with the exact scales (V3.2, V4 with S promoted) or over rows
-rescaled to one power-of-two scale each, then scaled per slot (V4 with S not promoted, V4.1).
+from a paged cache, summed per scale group with the exact scales (V3.2) or over rows rescaled to one
+power-of-two scale each, then scaled per slot (V4, V4.1).
 
 ``QkProducts`` is a part of ``SparsePrefillSm90`` (``sparse_prefill.py``): its methods read the kernel's
 configuration from ``self`` and the consumer's MMAs and fragments from its ``Consumer`` bundle."""
@@ -42,7 +42,7 @@ class QkProducts:
     @cute.jit
     def issue_qk(self, c: Consumer, block):
         """Queue S = Q . K_block^T (one WGMMA group; summed in float32: computed, see ``qk_promoted``,
-        ``qk_paged``; paged V4, S not promoted: the block's rows rescaled first, see ``qk_row_scaled``);
+        ``qk_paged``; paged V4 and V4.1: the block's rows rescaled first, see ``qk_row_scaled``);
         returns the block's KV tile (its data has landed)."""
         ring = c.work.block_base + block
         tile = self.kv_ring.index(ring)
@@ -89,16 +89,28 @@ class QkProducts:
         Returns with S complete."""
         first = range(self.promotion_ksteps)
         if const_expr(self.small):
-            self.queue_qk_steps(c, c.acc_s, tile, first)
+            self.queue_qk_group(c, c.acc_s, self.first_group(c, tile, first, None))
             self.sum_chunks(c, tile, c.acc_s, None)
         else:
             # S's registers of half h are those of columns 32h.. (its 8-column groups 4h..4h+3)
             part = c.qk_chunks.part
             s_half = [cute.make_tensor(c.acc_s.iterator + h * cute.size(part), part.layout) for h in (0, 1)]
             for h in (0, 1):
-                self.queue_qk_steps(c, s_half[h], tile, first, h)
+                self.queue_qk_group(c, s_half[h], self.first_group(c, tile, first, h), h)
             for h in (0, 1):
                 self.sum_chunks(c, tile, s_half[h], h)
+
+    def first_group(self, c: Consumer, tile, steps, half):
+        """The operands of S's first promoted group (of its N = 32 half ``half``): the k-steps ``steps``, and
+        for rows rescaled with a bf16 RoPE (paged V4) the RoPE's lo terms, about 2^-8 of its hi terms, whose
+        few products add nothing measurable to the group's truncation."""
+        k_tiles = c.tSrK if const_expr(half is None) else c.qk_chunks.k_halves[half]
+        operands = [(k, k_tiles[None, None, k, tile]) for k in steps]
+        if const_expr(self.row_scaled and self.bf16_rope):
+            rope = self.cache.rope_column * 2  # the RoPE's first k-step (its hi terms: the last chunk)
+            lo_tiles = c.qk_chunks.rope_lo if const_expr(half is None) else c.qk_chunks.rope_lo[half]
+            operands += [(rope + j, lo_tiles[None, None, j, tile]) for j in range(2)]
+        return operands
 
     @cute.jit
     def sum_chunks(self, c: Consumer, tile, total: cute.Tensor, half: cutlass.Constexpr):
@@ -121,10 +133,10 @@ class QkProducts:
         add_into(total, part)
 
     def qk_row_scaled(self, c: Consumer, tile):
-        """Paged rows of power-of-two scales (V4 with S not promoted, V4.1): this warpgroup rescales the
-        block's rows to one power-of-two scale each (``convert_row``), then queues S = Q . K''^T over every
-        k-step and a bf16 RoPE's lo terms as one WGMMA group (V4.1 with S promoted: ``qk_promoted``, S
-        complete on return); after its wait, ``scale_row_scaled_s`` multiplies each slot's S by its scale."""
+        """Paged rows of power-of-two scales (V4, V4.1): this warpgroup rescales the block's rows to one
+        power-of-two scale each (``convert_row``), then queues S = Q . K''^T over every k-step and a bf16
+        RoPE's lo terms as one WGMMA group (S promoted: ``qk_promoted``, S complete on return); after its
+        wait, ``scale_row_scaled_s`` multiplies each slot's S by its scale."""
         geo = self.cache
         convert_row(geo, c.tables, c.sK_base + tile * self.k_tile_bytes, tile, c.warp * 32 + c.lane)
         cute.arch.fence_proxy("async.shared", space="cta")  # the stores, seen by the WGMMAs

@@ -218,13 +218,12 @@ class SparsePrefillSm90(Producer, QkProducts, SoftmaxP, PvProduct, TileEpilogue,
         self.precision = precision
         self.q_bf16 = q_dtype == "bf16"
         self.promote_qk = PRECISIONS[precision].qk_in_float32  # S summed in float32 per chunk (qk_promoted)
-        # Paged V4, S not promoted, and V4.1: their UE8M0 scales are powers of two, so each block row is
-        # rescaled to one power-of-two scale (paged_rows.convert_row) and S is one WGMMA chain (qk_row_scaled;
-        # V4.1 with S promoted: summed in float32 in chunks, qk_promoted); V3.2 (whose float32 scales need not
-        # be powers of two), and V4 with S promoted, sum S per scale group in float32 with the exact scales
-        # (qk_paged).
+        # Paged V4 and V4.1: their UE8M0 scales are powers of two, so each block row is rescaled to one
+        # power-of-two scale (paged_rows.convert_row) and S is one WGMMA chain (qk_row_scaled; S promoted:
+        # summed in float32 in chunks, qk_promoted); V3.2, whose float32 scales need not be powers of two,
+        # sums S per scale group in float32 with the exact scales (qk_paged).
         self.row_scaled = self.cache is not None and (
-            self.cache.rope_column is None or (not self.promote_qk and self.cache.scale_offset < 0)
+            self.cache.rope_column is None or self.cache.scale_offset < 0
         )
         self.bf16_rope = self.cache is not None and self.cache.rope_column is not None
         self.promotion_ksteps = ROW_SCALED_PROMOTION_KSTEPS if self.row_scaled else QK_PROMOTION_KSTEPS
