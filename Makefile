@@ -19,8 +19,13 @@ deps:
 # checks alone, on every variant (CI runs both).
 JOBS ?= $(shell nproc 2>/dev/null || echo 1)
 
+# `make test` spreads the tests over $(TEST_JOBS) pytest-xdist workers (one a core, at most 4) when
+# pytest-xdist is installed (the dev extras), else runs them in one process.
+TEST_JOBS ?= $(shell n=$$(nproc 2>/dev/null || echo 1); echo $$((n < 4 ? n : 4)))
+TEST_WORKERS = $(shell $(PYTHON) -c "import xdist" 2>/dev/null && echo "-n $(TEST_JOBS)")
+
 test: deps
-	$(PYTHON) -m pytest -q -ra tests
+	$(PYTHON) -m pytest -q -ra $(TEST_WORKERS) tests
 
 test-variants: deps
 	Q8KV8_COMPILE_AT_IMPORT=0 $(PYTHON) -m q8kv8.compile --jobs $(JOBS)

@@ -52,7 +52,7 @@ def test_make_test_variants_runs_the_per_variant_checks_on_every_variant():
     makefile = (REPO / "Makefile").read_text()
     [test] = re.findall(r"^test: deps\n\t(.+)$", makefile, re.MULTILINE)
     [variants] = re.findall(r"^test-variants: deps\n((?:\t.+\n)+)", makefile, re.MULTILINE)
-    assert test == "$(PYTHON) -m pytest -q -ra tests"
+    assert test == "$(PYTHON) -m pytest -q -ra $(TEST_WORKERS) tests"
     assert variants.splitlines() == [
         "\tQ8KV8_COMPILE_AT_IMPORT=0 $(PYTHON) -m q8kv8.compile --jobs $(JOBS)",
         "\t$(PYTHON) -m pytest -q -ra --all-variants -m variants tests",
