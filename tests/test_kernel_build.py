@@ -329,7 +329,7 @@ spill at most this much (measured 4-36 B); every other paged variant fits (the s
 beside a producer of ``sparse_prefill.WIDE_PRODUCER_REGS``)."""
 
 
-def rows_rescaled(layout, precision) -> bool:
+def rows_rescaled(layout) -> bool:
     """Whether the paged variant rescales each block row to one power-of-two scale before its QK product
     (``convert_row``): V4 and V4.1, whose UE8M0 scales are powers of two."""
     return layout in ("v41", "model1")
@@ -338,7 +338,7 @@ def rows_rescaled(layout, precision) -> bool:
 def paged_spills(layout, precision, kind, q_dtype, heads) -> bool:
     if heads != 64:
         return q_dtype == kernels.FP8
-    if rows_rescaled(layout, precision):
+    if rows_rescaled(layout):
         return False
     return kind == PERSISTENT or (kind == SPLIT and q_dtype == kernels.FP8)
 
@@ -368,13 +368,13 @@ def test_paged_variants_gather_pages_and_sum_scale_groups(layout, precision, kin
     wgmma = re.findall(r"wgmma\.mma_async\.sync\.aligned\.m64n(\d+)k32\.f32\.e4m3\.e4m3", ptx)
     pv = (16 + 8 + 8) * p_terms(precision)  # a pair of blocks and a single one, per d tile
     rope_lo = 2 if geometry.rope_column is not None else 0  # a bf16 RoPE's lo terms
-    if rows_rescaled(layout, precision) and promoted(precision):
+    if rows_rescaled(layout) and promoted(precision):
         # qk_promoted, its first group (a bf16 RoPE's lo terms too) and its loop's (64 heads: per N = 32 half)
         halves = 2 if heads == 64 else 1
         per_half = 2 * qk_products.ROW_SCALED_PROMOTION_KSTEPS + rope_lo
         qk = [str(32 if heads == 64 else heads)] * (halves * per_half)
         assert sorted(wgmma) == sorted(qk + [str(heads)] * pv)
-    elif rows_rescaled(layout, precision):
+    elif rows_rescaled(layout):
         assert wgmma == [str(heads)] * (PAGED_D_QK[layout] // 32 + rope_lo + pv)
     elif heads == 64:
         assert wgmma.count("32") == 2 * (2 * chunk + 4) and wgmma.count("64") == pv
