@@ -42,7 +42,6 @@ import cutlass.cute as cute
 from cutlass import Float32, Int32, Int64, Uint32, const_expr
 
 from cute_kernels import ptx
-from cute_kernels.interface import D_V
 from cute_kernels.sm90.paged_kv import LAYOUTS, e8m0_to_f32_bits
 from cute_kernels.sm90.row_gather import (
     CHUNK_BYTES,
@@ -79,7 +78,6 @@ class CacheGeometry(NamedTuple):
     raw_scale_bytes: int  # the raw scale record a row's table entry holds (16: four float32, sixteen UE8M0
     # bytes; 8: seven UE8M0 bytes and a pad)
     scale_bytes: int  # a scale's bytes: 4 (float32) or 1 (UE8M0)
-    v_groups: int  # the scale groups of V (d_v = 512): V3.2 the 4 nope groups, V4 the 7 and the RoPE, V4.1 16
 
 
 def cache_geometry(layout: str) -> CacheGeometry:
@@ -99,7 +97,6 @@ def cache_geometry(layout: str) -> CacheGeometry:
         scale_offset=lay.scale_offset,
         raw_scale_bytes=lay.scale_record_bytes if page_scales else scale_bytes * groups,
         scale_bytes=scale_bytes,
-        v_groups=groups + 1 if lay.d_nope < D_V else groups,  # V4: the RoPE is V's last group
     )
 
 
@@ -271,8 +268,9 @@ def convert_rope(geo: CacheGeometry, tables: BlockScaleTables, tile_rope, tile, 
     """The owner warpgroup's thread ``thread`` (0-127) of block tile ``tile`` (its RoPE column tile at
     shared address ``tile_rope``): half of row ``thread // 2``'s staged RoPE to two e4m3 terms with the row's
     scale 2^e, hi in place and the lo residual into the staging tile; 2^e into the RoPE scale table; the row's
-    V scale 2^E (``v_row_exponent``; V4: its RoPE too, V's last 64 values) into the row tables. The block's QK
-    product reads all of it after a fence for the async proxy and a barrier of the warpgroup."""
+    V scale 2^E (``v_row_exponent`` of its nope groups) into the row tables. The block's QK product reads all
+    of it after a fence for the async proxy and a barrier of the warpgroup. (V3.2: the caches whose rows are
+    summed per scale group, ``qk_products.qk_paged``; V is its nope values.)"""
     row, chunks, lo_tile, words = load_staged_rope(tables, tile_rope, tile, thread)
     # the row's two threads; a zero RoPE (whose terms stay zero) leaves V's exponent to the nope groups
     exponent, inverse = shared_row_scale(words, (1,), zero_exponent=ROW_MIN_EXPONENT)
@@ -280,23 +278,20 @@ def convert_rope(geo: CacheGeometry, tables: BlockScaleTables, tile_rope, tile, 
     if (thread & 1) == 0:
         rope_bits = Uint32((127 + exponent) << 23)
         ptx.st_shared_u32(tables.rope + (tile * 64 + row) * 4, rope_bits)
-        v4 = geo.v_groups > geo.groups  # V4: the RoPE is V's last group
-        v_exponent = v_row_exponent(geo, tables, tile, row, exponent if v4 else None)
+        v_exponent = v_row_exponent(geo, tables, tile, row)
         store_row_exponent(tables, tile, row, v_exponent)
-        store_v_factors(geo, tables, tile, row, v_exponent, rope_bits)
+        store_v_factors(geo, tables, tile, row, v_exponent)
 
 
-def store_v_factors(geo: CacheGeometry, tables: BlockScaleTables, tile, row, exponent, rope_bits):
-    """Row ``row``'s factors of V's groups, sigma_g 2^-E in f16 (V4: the RoPE's hi terms 2^(e - E), its scale
-    ``rope_bits``), into the table the PV products scale V's fragments by (``scale_v_fragment``): the bytes
-    as ``rescale_nope`` would leave them in place, without a pass over the tile."""
+def store_v_factors(geo: CacheGeometry, tables: BlockScaleTables, tile, row, exponent):
+    """Row ``row``'s factors of V's groups, sigma_g 2^-E in f16, into the table the PV products scale V's
+    fragments by (``scale_v_fragment``): the bytes as ``rescale_nope`` would leave them in place, without a
+    pass over the tile."""
     inverse_bits = Uint32((127 - exponent) << 23)  # 2^-E
-    table = tables.v_factors + tile * (geo.v_groups * 64 * 2) + row * 2
+    table = tables.v_factors + tile * (geo.groups * 64 * 2) + row * 2
     for group in range(geo.groups):
         factor = group_factor(geo, tables, tile, row, group, inverse_bits)
         ptx.st_shared_u16(table + group * 64 * 2, factor)
-    if const_expr(geo.v_groups > geo.groups):
-        ptx.st_shared_u16(table + geo.groups * 64 * 2, ptx.f32_product_to_f16x2(rope_bits, inverse_bits))
 
 
 @cute.jit
@@ -305,7 +300,7 @@ def scale_v_fragment(geo: CacheGeometry, tables: BlockScaleTables, words, ks, ti
     tile ``tile``, the slot order of ``load_v_fragment``: a0 and a1 hold slots 2t, 2t + 1, 8 + 2t, 9 + 2t, a2
     and a3 the same + 16) times V group ``group``'s factors of their slots (``store_v_factors``), rounded to
     e4m3: the same bytes as ``rescale_nope`` writes, so P carrying 2^E finds V as on the other paths."""
-    base = tables.v_factors + ((tile * geo.v_groups + group) * 64 + 32 * half + 2 * quad_lane) * 2
+    base = tables.v_factors + ((tile * geo.groups + group) * 64 + 32 * half + 2 * quad_lane) * 2
     factors = [ptx.ld_shared_u32(base + 2 * slot) for slot in (0, 8, 16, 24)]
     for i in cutlass.range_constexpr(4):
         pair = (i // 2) * 2  # a0, a1: slots 0 and 8 from 2t; a2, a3: slots 16 and 24

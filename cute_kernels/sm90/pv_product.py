@@ -112,7 +112,7 @@ class PvProduct:
             for half in cutlass.range_constexpr(2):
                 self.load_v_fragment(words, 2 * i + half, tile_base, half, c.warp, c.lane)
                 if const_expr(self.v_fragment_factors):  # V's bytes to their rows' 2^E (paged_rows)
-                    group = d_tile // (8 // self.cache.v_groups)
+                    group = d_tile // (8 // self.cache.groups)
                     tile = self.kv_ring.index(block)
                     scale_v_fragment(
                         self.cache, c.tables, words, 2 * i + half, tile, group, half, c.quad_lane

@@ -26,7 +26,7 @@ QK_PROMOTION_KSTEPS = 2
 # left 8e-4 on rows led by one slot at logits 20-30; a last chunk of one k-step makes ptxas serialise the
 # 64-head kernel's WGMMAs, C7512)
 ROW_SCALED_PROMOTION_KSTEPS = 2
-# A paged cache's scale groups are 4 k-steps (V3.2) or 2 (V4): S summed in float32 sums them 2 at a time.
+# A V3.2 scale group is 4 k-steps: S summed in float32 sums them 2 at a time.
 PAGED_ACCURATE_CHUNK_KSTEPS = 2
 
 

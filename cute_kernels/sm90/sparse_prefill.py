@@ -222,9 +222,7 @@ class SparsePrefillSm90(Producer, QkProducts, SoftmaxP, PvProduct, TileEpilogue,
         # power-of-two scale (paged_rows.convert_row) and S is one WGMMA chain (qk_row_scaled; S promoted:
         # summed in float32 in chunks, qk_promoted); V3.2, whose float32 scales need not be powers of two,
         # sums S per scale group in float32 with the exact scales (qk_paged).
-        self.row_scaled = self.cache is not None and (
-            self.cache.rope_column is None or self.cache.scale_offset < 0
-        )
+        self.row_scaled = self.cache is not None and self.cache.scale_bytes == 1  # UE8M0 scales
         self.bf16_rope = self.cache is not None and self.cache.rope_column is not None
         self.promotion_ksteps = ROW_SCALED_PROMOTION_KSTEPS if self.row_scaled else QK_PROMOTION_KSTEPS
         self.registers = (PRODUCER_REGS, CONSUMER_REGS)  # per thread of the producer, of a consumer
@@ -309,7 +307,7 @@ class SparsePrefillSm90(Producer, QkProducts, SoftmaxP, PvProduct, TileEpilogue,
                 row_scale: cute.struct.MemRange[Float32, NUM_KV_TILES * B_TOPK]
                 row_exponent: cute.struct.MemRange[Float32, NUM_KV_TILES * B_TOPK]
                 if self.v_fragment_factors:  # [tile][V group][row] f16
-                    v_factors: cute.struct.MemRange[Uint16, NUM_KV_TILES * self.cache.v_groups * B_TOPK]
+                    v_factors: cute.struct.MemRange[Uint16, NUM_KV_TILES * self.cache.groups * B_TOPK]
             if self.small:
                 valid_words: cute.struct.MemRange[Uint32, NUM_KV_TILES * 2]  # [block tile, word]
                 column_max: cute.struct.MemRange[Float32, 2 * 2 * WARPS_PER_WG * self.b_h]
