@@ -59,6 +59,28 @@ def test_make_test_variants_runs_the_per_variant_checks_on_every_variant():
     ]
 
 
+@pytest.mark.skipif(shutil.which("make") is None, reason="needs make")
+def test_make_test_runs_in_workers_only_where_pytest_xdist_imports():
+    """``make test`` passes ``-n $(TEST_JOBS)`` to pytest when pytest-xdist imports, and runs the tests in one
+    process where it does not (``python -S``: no site-packages, so no pytest-xdist)."""
+    pytest.importorskip("xdist")
+
+    def test_recipe(python: str, *variables: str) -> list[str]:
+        result = subprocess.run(
+            ["make", "-n", "--no-print-directory", "test", f"PYTHON={python}", *variables],
+            cwd=REPO,
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+        assert result.returncode == 0, result.stderr
+        return result.stdout.splitlines()[-1].split()
+
+    pytest_args = ["-m", "pytest", "-q", "-ra"]
+    assert test_recipe(sys.executable, "TEST_JOBS=3") == [sys.executable, *pytest_args, "-n", "3", "tests"]
+    assert test_recipe(f"{sys.executable} -S") == [sys.executable, "-S", *pytest_args, "tests"]
+
+
 def makefile_commands() -> list[str]:
     """The shell commands of the Makefile's recipes, each recipe line split at ``||``, ``&&``, ``;`` and
     braces."""
