@@ -60,8 +60,19 @@ class QkProducts:
     def queue_qk_steps(self, c: Consumer, acc, tile, steps, half=None):
         """Queue the k-steps ``steps`` of S (or of its N = 32 half ``half``) into ``acc`` as one WGMMA group,
         the first overwriting."""
-        k_tiles = c.tSrK if half is None else c.qk_chunks.k_halves[half]
-        self.queue_qk_group(c, acc, [(k, k_tiles[None, None, k, tile]) for k in steps], half)
+        self.queue_qk_group(c, acc, self.step_operands(c, tile, steps, half), half)
+
+    def step_operands(self, c: Consumer, tile, steps, half=None):
+        """``(q_step, k_operand)`` of the k-steps ``steps`` of block tile ``tile`` (for S, or its N = 32 half
+        ``half``), as ``queue_qk_group`` takes them."""
+        k_tiles = c.tSrK if const_expr(half is None) else c.qk_chunks.k_halves[half]
+        return [(k, k_tiles[None, None, k, tile]) for k in steps]
+
+    def rope_lo_operands(self, lo_tiles, tile):
+        """``(q_step, k_operand)`` of a bf16 RoPE's lo terms of block tile ``tile`` (descriptors ``lo_tiles``
+        over the staging tile), each beside Q's RoPE k-step."""
+        rope = self.cache.rope_column * 2  # the RoPE's first k-step
+        return [(rope + j, lo_tiles[None, None, j, tile]) for j in range(2)]
 
     def queue_qk_group(self, c: Consumer, acc, operands, half=None):
         """Queue one WGMMA group into ``acc`` (the first k-step overwriting): per ``(q_step, k_operand)`` of
@@ -104,12 +115,10 @@ class QkProducts:
         """The operands of S's first promoted group (of its N = 32 half ``half``): the k-steps ``steps``, and
         for rows rescaled with a bf16 RoPE (paged V4) the RoPE's lo terms, about 2^-8 of its hi terms, whose
         few products add nothing measurable to the group's truncation."""
-        k_tiles = c.tSrK if const_expr(half is None) else c.qk_chunks.k_halves[half]
-        operands = [(k, k_tiles[None, None, k, tile]) for k in steps]
-        if const_expr(self.row_scaled and self.bf16_rope):
-            rope = self.cache.rope_column * 2  # the RoPE's first k-step (its hi terms: the last chunk)
+        operands = self.step_operands(c, tile, steps, half)
+        if const_expr(self.row_scaled and self.bf16_rope):  # (the RoPE's hi terms: the last chunk)
             lo_tiles = c.qk_chunks.rope_lo if const_expr(half is None) else c.qk_chunks.rope_lo[half]
-            operands += [(rope + j, lo_tiles[None, None, j, tile]) for j in range(2)]
+            operands += self.rope_lo_operands(lo_tiles, tile)
         return operands
 
     @cute.jit
@@ -146,10 +155,9 @@ class QkProducts:
         if const_expr(self.promote_qk):
             self.qk_promoted(c, tile)
         else:
-            operands = [(k, c.tSrK[None, None, k, tile]) for k in range(self.d_qk // 32)]
+            operands = self.step_operands(c, tile, range(self.d_qk // 32))
             if const_expr(self.bf16_rope):
-                rope = geo.rope_column * 2  # the RoPE's first k-step
-                operands += [(rope + j, c.rope_lo[None, None, j, tile]) for j in range(2)]
+                operands += self.rope_lo_operands(c.rope_lo, tile)
             self.queue_qk_group(c, c.acc_s, operands)
 
     def s_rows(self, c: Consumer, tile):
@@ -214,10 +222,8 @@ class QkProducts:
             self.scale_slots(c, total, part, tile, chunk // chunks_per_group, half, False)
         # The RoPE: its hi term in the block tile's RoPE column, its lo term in the staging tile
         rope = geo.rope_column * 2  # its first k-step
-        k_tiles = c.tSrK if const_expr(half is None) else c.qk_chunks.k_halves[half]
         lo_tiles = c.qk_chunks.rope_lo if const_expr(half is None) else c.qk_chunks.rope_lo[half]
-        operands = [(rope + j, k_tiles[None, None, rope + j, tile]) for j in range(2)]
-        operands += [(rope + j, lo_tiles[None, None, j, tile]) for j in range(2)]
+        operands = self.step_operands(c, tile, [rope, rope + 1], half) + self.rope_lo_operands(lo_tiles, tile)
         self.queue_qk_group(c, part, operands, half)
         warpgroup.wait_group(0)
         self.scale_slots(c, total, part, tile, geo.groups, half, False)
