@@ -105,9 +105,13 @@ def _b32_op(instruction: str, a, b, *, loc=None, ip=None) -> Uint32:
 
 
 @dsl_user_op
-def prmt(a, b, selector: int, *, loc=None, ip=None) -> Uint32:
-    """``prmt.b32``: byte i of the result is byte ``(selector >> 4i) & 7`` of the pair {b:a}."""
-    return _b32_op(f"prmt.b32 $0, $1, $2, {selector:#x};", a, b, loc=loc, ip=ip)
+def prmt(a, b, selector, *, loc=None, ip=None) -> Uint32:
+    """``prmt.b32``: byte i of the result is byte ``(selector >> 4i) & 7`` of the pair {b:a} (``selector`` a
+    Python int or a run-time 32-bit value)."""
+    if isinstance(selector, int):
+        return _b32_op(f"prmt.b32 $0, $1, $2, {selector:#x};", a, b, loc=loc, ip=ip)
+    operands = [Uint32(x).ir_value(loc=loc, ip=ip) for x in (a, b, selector)]
+    return Uint32(inline_asm(T.i32(), operands, "prmt.b32 $0, $1, $2, $3;", "=r,r,r,r", False))
 
 
 @dsl_user_op
@@ -467,6 +471,22 @@ def floor_log2_u32(value, *, loc=None, ip=None) -> Int32:
 @dsl_user_op
 def max_u32(a, b, *, loc=None, ip=None) -> Uint32:
     return _b32_op("max.u32 $0, $1, $2;", a, b, loc=loc, ip=ip)
+
+
+@dsl_user_op
+def max_u16x2(a, b, *, loc=None, ip=None) -> Uint32:
+    """Each 16-bit half: the larger unsigned value of ``a``'s and ``b``'s."""
+    return _b32_op("max.u16x2 $0, $1, $2;", a, b, loc=loc, ip=ip)
+
+
+def max_u8(words) -> Uint32:
+    """The largest byte of ``words`` (32-bit each): their even and odd bytes spread to 16-bit halves
+    (``prmt``), the halves' maxima, then the larger of the two halves."""
+    halves = [prmt(w, 0, selector) for w in words for selector in (0x4240, 0x4341)]
+    while len(halves) > 1:
+        pairs = [max_u16x2(halves[i], halves[i + 1]) for i in range(0, len(halves) - 1, 2)]
+        halves = pairs + halves[len(pairs) * 2 :]
+    return max_u32(halves[0] >> Uint32(16), halves[0] & Uint32(0xFFFF))
 
 
 def bf16x4_to_e4m3x4(w01, w23, operand_bits=None, op: str | None = None, *, loc=None, ip=None) -> Uint32:

@@ -353,7 +353,8 @@ def test_paged_variants_gather_pages_and_sum_scale_groups(layout, precision, kin
     ``PAGED_ACCURATE_CHUNK_KSTEPS``: the first group and the loop's, and the RoPE's 2 k-steps x 2 e4m3
     terms; 64 heads: once per N = 32 half; small heads: S^T = K . Q^T whole, N = heads), or with its rows
     rescaled (V4, V4.1) one chain over every k-step and a bf16 RoPE's lo terms at N = 64 (small heads: S^T;
-    S promoted: ``qk_promoted``'s groups, the lo terms in the first); PV as the kernel on gathered rows; per
+    S promoted: ``qk_promoted``'s groups, the lo terms in the first; E of a row the largest of its scale
+    bytes, a byte maximum); PV as the kernel on gathered rows; per
     row, four 16-byte copies per 64-byte column of its e4m3 values and bf16 RoPE (no L2 cache hint) and four
     4-byte copies of its scales; the Q TMA for an e4m3 q; registers as the others, within the documented
     spills."""
@@ -368,6 +369,7 @@ def test_paged_variants_gather_pages_and_sum_scale_groups(layout, precision, kin
     wgmma = re.findall(r"wgmma\.mma_async\.sync\.aligned\.m64n(\d+)k32\.f32\.e4m3\.e4m3", ptx)
     pv = (16 + 8 + 8) * p_terms(precision)  # a pair of blocks and a single one, per d tile
     rope_lo = 2 if geometry.rope_column is not None else 0  # a bf16 RoPE's lo terms
+    assert ("max.u16x2" in ptx) == rows_rescaled(layout)  # E from the largest scale byte (ue8m0_record)
     if rows_rescaled(layout) and promoted(precision):
         # qk_promoted, its first group (a bf16 RoPE's lo terms too) and its loop's (64 heads: per N = 32 half)
         halves = 2 if heads == 64 else 1

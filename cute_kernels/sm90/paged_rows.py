@@ -60,7 +60,6 @@ ROW_MAX_EXPONENT = 126  # a row's scale 2^E and its inverse stay normal float32 
 # terms reach 2^(-E + 9); a row under 2^-51 (an all-zero row: its scales and RoPE zero) has its nope bytes
 # shifted to zero, a negligible share of any row above it
 ROW_MIN_EXPONENT = -60
-F16X2_ONE = 0x3C003C00  # 1.0 in both f16 halves
 ROW_SCALE = "row"  # scale_slots: the rows' scales 2^E
 
 
@@ -252,15 +251,38 @@ def store_row_exponent(tables: BlockScaleTables, tile, row, exponent):
     ptx.st_shared_u32(tables.exponent + entry, ptx.s32_to_f32_bits(exponent))
 
 
-def v_row_exponent(geo: CacheGeometry, tables: BlockScaleTables, tile, row, rope_exponent=None) -> Int32:
+def v_row_exponent(
+    geo: CacheGeometry, tables: BlockScaleTables, tile, row, rope_exponent=None, record=None
+) -> Int32:
     """E of row ``row`` of block tile ``tile``: the least exponent that holds each of its nope groups' scales
-    (and ``rope_exponent``, the RoPE's, when given), within [``ROW_MIN_EXPONENT``, ``ROW_MAX_EXPONENT``]."""
+    (and ``rope_exponent``, the RoPE's, when given), within [``ROW_MIN_EXPONENT``, ``ROW_MAX_EXPONENT``].
+    UE8M0 scales come as the row's ``record`` (``ue8m0_record``): 2^(byte - 127), the largest byte's (its
+    exponent is ``ceil_log2_f32_bits`` of the scale but for byte 0, -127 for -126, and 255, NaN: 128 for 129,
+    all beyond the clamp)."""
     exponent = Int32(ROW_MIN_EXPONENT) if rope_exponent is None else rope_exponent
-    for group in range(geo.groups):
-        exponent = cutlass.max(
-            exponent, ptx.ceil_log2_f32_bits(_raw_scale_bits(geo, tables, tile, row, group))
-        )
+    if const_expr(geo.scale_bytes == 1):
+        exponent = cutlass.max(exponent, Int32(ptx.max_u8(record)) - 127)
+    else:
+        for group in range(geo.groups):
+            exponent = cutlass.max(
+                exponent, ptx.ceil_log2_f32_bits(_raw_scale_bits(geo, tables, tile, row, group))
+            )
     return cutlass.max(cutlass.min(exponent, Int32(ROW_MAX_EXPONENT)), Int32(ROW_MIN_EXPONENT))
+
+
+def ue8m0_record(geo: CacheGeometry, tables: BlockScaleTables, tile, row) -> list:
+    """The ``geo.groups`` UE8M0 scale bytes of row ``row`` of block tile ``tile`` as 32-bit words, group 0 in
+    the lowest byte (one 16-byte load of its raw record; V4's pad byte zeroed)."""
+    words = ptx.ld_shared_v4(tables.raw + (tile * 64 + row) * RAW_SCALE_ENTRY_BYTES)[: (geo.groups + 3) // 4]
+    if const_expr(geo.groups % 4):
+        words = [*words[:-1], words[-1] & Uint32((1 << (8 * (geo.groups % 4))) - 1)]
+    return words
+
+
+def ue8m0_byte(record, group: int, offset=0) -> Uint32:
+    """Scale byte ``group + offset`` of a row's ``record`` (``ue8m0_record``); ``offset`` (a run-time value
+    or 0) keeps it in group ``group``'s word."""
+    return ptx.prmt(record[group // 4], 0, 0x4440 + group % 4 + offset)
 
 
 @cute.jit
@@ -351,39 +373,44 @@ def convert_row(geo: CacheGeometry, tables: BlockScaleTables, tile_base, tile, t
     The block's QK product reads it all after a fence for the async proxy and a barrier of the warpgroup."""
     if const_expr(geo.rope_column is None):  # V4.1: every value e4m3 with its group's scale
         row, chunks = row_and_chunks(thread)
-        exponent = v_row_exponent(geo, tables, tile, row)
+        record = ue8m0_record(geo, tables, tile, row)
+        exponent = v_row_exponent(geo, tables, tile, row, record=record)
     else:
         tile_rope = tile_base + geo.rope_column * COLUMN_TILE_BYTES
         row, chunks, lo_tile, words = load_staged_rope(tables, tile_rope, tile, thread)
         rope_exponent, _ = shared_row_scale(words, (1,), zero_exponent=ROW_MIN_EXPONENT)  # the row's threads
-        exponent = v_row_exponent(geo, tables, tile, row, rope_exponent)
+        record = ue8m0_record(geo, tables, tile, row)
+        exponent = v_row_exponent(geo, tables, tile, row, rope_exponent, record)
         inverse = Uint32((127 - exponent) << 7)  # 2^-E in bf16
         store_rope_terms(tile_rope, lo_tile, row, chunks, words, inverse | (inverse << Uint32(16)))
-    rescale_nope(geo, tables, tile_base, tile, row, chunks, exponent)
+    rescale_nope(geo, record, tile_base, row, chunks, exponent)
     if (thread & 1) == 0:
         store_row_exponent(tables, tile, row, exponent)
 
 
 @cute.jit
-def rescale_nope(geo: CacheGeometry, tables: BlockScaleTables, tile_base, tile, row, chunks, exponent):
-    """``chunks`` of row ``row`` of each nope column tile of block tile ``tile`` times sigma_g 2^-E (its scale
-    group's), rounded to e4m3 in place: exact but for values that fall below e4m3's normal range (under 2^-6 /
-    448 of the row's largest); a group whose factor is 1 (exact at f16's 11 bits) stays as it is. ``chunks``
-    lie in one scale group of each column (a half column: V4.1's groups of 32 values)."""
+def rescale_nope(geo: CacheGeometry, record, tile_base, row, chunks, exponent):
+    """``chunks`` of row ``row`` of each nope column tile of the block tile at ``tile_base`` times sigma_g
+    2^-E (its scale group's, from the row's UE8M0 ``record``), rounded to e4m3 in place: exact but for values
+    that fall below e4m3's normal range (under 2^-6 / 448 of the row's largest); a group at the row's scale
+    (sigma_g = 2^E) stays as it is. ``chunks`` lie in one scale group of each column (a half column: V4.1's
+    groups of 32 values)."""
     inverse_bits = Uint32((127 - exponent) << 23)  # 2^-E
+    row_byte = Uint32(exponent + 127)
     if const_expr(geo.nope_columns < geo.groups):  # groups of half a column: the chunks' half's
         groups_per_column = geo.groups // geo.nope_columns
         chunks_per_group = COLUMN_BYTES // CHUNK_BYTES // groups_per_column
         for column in cutlass.range_constexpr(geo.nope_columns):
-            group = column * groups_per_column + chunks[0] // chunks_per_group
-            factor = group_factor(geo, tables, tile, row, group, inverse_bits)
-            if factor != Uint32(F16X2_ONE):
+            byte = ue8m0_byte(record, column * groups_per_column, chunks[0] // chunks_per_group)
+            if byte != row_byte:
+                factor = ptx.f32_product_to_f16x2(e8m0_to_f32_bits(byte), inverse_bits)
                 scale_chunks(tile_base + column * COLUMN_TILE_BYTES, row, chunks, factor)
     else:
         columns_per_group = geo.nope_columns // geo.groups
         for group in cutlass.range_constexpr(geo.groups):
-            factor = group_factor(geo, tables, tile, row, group, inverse_bits)
-            if factor != Uint32(F16X2_ONE):
+            byte = ue8m0_byte(record, group)
+            if byte != row_byte:
+                factor = ptx.f32_product_to_f16x2(e8m0_to_f32_bits(byte), inverse_bits)
                 first = group * columns_per_group
                 for column in cutlass.range_constexpr(first, first + columns_per_group):
                     scale_chunks(tile_base + column * COLUMN_TILE_BYTES, row, chunks, factor)
