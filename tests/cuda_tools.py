@@ -1,9 +1,6 @@
 """The CUDA toolkit's tools that CPU tests run on the kernels' PTX (``ptxas``, ``nvdisasm``, ``nvcc``), and
 the reason a test gives when one is missing: where to get it (docs/usage.md, "Build cache")."""
 
-import shutil
-from pathlib import Path
-
 WHERE = (
     "a CUDA toolkit's bin folder (release 12.9 or later) on PATH, or `pip install nvidia-cuda-nvcc "
     "nvidia-cuda-nvdisasm` with its nvidia/cu13/bin folder on PATH; docs/usage.md, 'Build cache'"
@@ -13,13 +10,3 @@ WHERE = (
 def missing(*tools: str) -> str:
     """The skip reason of a test that needs ``tools``."""
     return f"needs {' and '.join(tools)} ({WHERE})"
-
-
-def disassembler() -> str | None:
-    """nvdisasm on PATH or in the CUDA toolkit beside ptxas (None when neither has it)."""
-    found = shutil.which("nvdisasm")
-    ptxas = shutil.which("ptxas")
-    if found is None and ptxas is not None:
-        candidate = Path(ptxas).resolve().parent / "nvdisasm"
-        found = str(candidate) if candidate.exists() else None
-    return found

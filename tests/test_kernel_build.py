@@ -17,7 +17,7 @@ from cute_kernels.sm90 import fp8_tile, paged_rows, qk_products, sparse_prefill,
 from cute_kernels.sm90.cta import B_H
 from q8kv8 import build, disk_cache, kernels
 from q8kv8.schedule import ONE_TILE, PERSISTENT, SPLIT
-from scripts.tools import ptx_manifest
+from scripts.tools import ptx_manifest, sass_counts
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -484,7 +484,7 @@ def _gather_variants():
 def test_row_copies_read_only_uniform_registers_they_set(tmp_path, listing):
     """The SASS of every variant with a row gather (ptxas on its PTX, nvdisasm): each ``LDGSTS`` reads only
     uniform registers an earlier instruction writes (see ``cute_kernels.sm90.row_gather.copy_rows``)."""
-    ptxas, disassembler = shutil.which("ptxas"), cuda_tools.disassembler()
+    ptxas, disassembler = shutil.which("ptxas"), sass_counts.disassembler()
     if ptxas is None or disassembler is None:
         pytest.skip(
             cuda_tools.missing(
@@ -493,13 +493,9 @@ def test_row_copies_read_only_uniform_registers_they_set(tmp_path, listing):
         )
     failures = {}
     for variant in _gather_variants():
-        cubin = tmp_path / f"{variant.name}.cubin"
-        subprocess.run(
-            [ptxas, f"-arch={build.TARGET_ARCH}", str(variant.ptx_path), "-o", str(cubin)], check=True
-        )
-        sass = subprocess.run([disassembler, "-c", str(cubin)], capture_output=True, text=True, check=True)
-        assert "LDGSTS" in sass.stdout, variant.name
-        unwritten = uniform_registers_read_unwritten(sass.stdout)
+        sass = sass_counts.sass(variant.ptx_path, tmp_path)
+        assert "LDGSTS" in sass, variant.name
+        unwritten = uniform_registers_read_unwritten(sass)
         if unwritten:
             failures[variant.name] = sorted(unwritten)
     assert not failures, failures

@@ -1,6 +1,6 @@
 """``python -m q8kv8.compile``, ``python -m q8kv8.info`` / ``q8kv8.info()``, the ptxas reports they list
-(kept in the cache), build failures, ``make bench`` without an SM90 GPU and the schedule-timing tool's
-power sampler (CPU).
+(kept in the cache), build failures, ``make bench`` without an SM90 GPU, the schedule-timing tool's power
+sampler and the SASS counts (CPU).
 
 The commands run in subprocesses on the test run's kernel cache (filled when ``q8kv8`` was imported),
 so they load the variants rather than compile them again.
@@ -28,6 +28,7 @@ import q8kv8
 from q8kv8 import build, disk_cache, kernels, native
 from q8kv8 import compile as compile_command
 from q8kv8.metadata import PRECISIONS
+from scripts.tools import sass_counts
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -548,3 +549,31 @@ def test_layer_timeline_gaps_span_and_table(monkeypatch, capsys):
         monkeypatch.setattr(sys, "argv", ["layer_timeline"])
         assert tl.main() == 2
         assert "needs an SM90 GPU" in capsys.readouterr().err
+
+
+def test_sass_counts_count_opcodes_without_guards_or_nops():
+    listing = """
+        /*0000*/                   LDC R1, c[0x0][0x28] ;
+        /*0010*/              @!P0 BRA `(.L_x_18) ;
+        /*0020*/               @P1 IADD3 R1, R1, 0x1, RZ ;
+        /*0030*/                   NOP;
+        /*0040*/             @!UP2 UMOV UR4, 0x1 ;
+        /*0050*/                   IADD3 R2, R1, 0x1, RZ ;
+        /*0060*/                   EXIT ;
+        /*0000*/ 	.byte	0xff, 0xff
+"""
+    counts = sass_counts.opcode_counts(listing)
+    assert counts == {"LDC": 1, "BRA": 1, "IADD3": 2, "UMOV": 1, "EXIT": 1}
+    assert sass_counts.summary("k", counts, 1) == "k: 6 instructions | IADD3 2"
+
+
+@pytest.mark.skipif(
+    shutil.which("ptxas") is None or sass_counts.disassembler() is None,
+    reason=cuda_tools.missing("ptxas", "nvdisasm"),
+)
+def test_sass_counts_prints_a_variants_total_and_its_opcodes(capsys):
+    assert sass_counts.main(["attention_merge_sm90", "--top", "3"]) == 0
+    line = capsys.readouterr().out.strip()
+    total, common = re.fullmatch(r"attention_merge_sm90: (\d+) instructions \| (.*)", line).groups()
+    counted = [int(n) for n in re.findall(r"[A-Z][A-Z0-9_]* (\d+)", common)]
+    assert int(total) > 0 and len(counted) == 3 and sum(counted) <= int(total)
