@@ -226,12 +226,10 @@ class BlockScaleTables(NamedTuple):
     v_factors: Int32 = None  # [tile][V group][row] f16: sigma_g 2^-E, V's factors (``convert_rope``'s path)
 
 
-def raw_scale(geo: CacheGeometry, tables: BlockScaleTables, tile, row, group) -> Float32:
-    """sigma[row, group] of nope group ``group`` of block tile ``tile``, from its raw record."""
-    record = tables.raw + (tile * 64 + row) * RAW_SCALE_ENTRY_BYTES
-    if geo.scale_bytes == 4:
-        return ptx.ld_shared_f32(record + group * 4)
-    return ptx.f32_from_bits(e8m0_to_f32_bits(ptx.ld_shared_u8(record + group)))
+def raw_scale(tables: BlockScaleTables, tile, row, group) -> Float32:
+    """sigma[row, group] of nope group ``group`` of block tile ``tile``, from its raw record of float32 scales
+    (V3.2: the caches summed per scale group; UE8M0 records are read whole, ``ue8m0_record``)."""
+    return ptx.ld_shared_f32(_raw_scale_address(tables, tile, row, group))
 
 
 def rope_scale(tables: BlockScaleTables, tile, row) -> Float32:
@@ -265,7 +263,7 @@ def v_row_exponent(
     else:
         for group in range(geo.groups):
             exponent = cutlass.max(
-                exponent, ptx.ceil_log2_f32_bits(_raw_scale_bits(geo, tables, tile, row, group))
+                exponent, ptx.ceil_log2_f32_bits(_raw_scale_bits(tables, tile, row, group))
             )
     return cutlass.max(cutlass.min(exponent, Int32(ROW_MAX_EXPONENT)), Int32(ROW_MIN_EXPONENT))
 
@@ -312,7 +310,7 @@ def store_v_factors(geo: CacheGeometry, tables: BlockScaleTables, tile, row, exp
     inverse_bits = Uint32((127 - exponent) << 23)  # 2^-E
     table = tables.v_factors + tile * (geo.groups * 64 * 2) + row * 2
     for group in range(geo.groups):
-        factor = group_factor(geo, tables, tile, row, group, inverse_bits)
+        factor = group_factor(tables, tile, row, group, inverse_bits)
         ptx.st_shared_u16(table + group * 64 * 2, factor)
 
 
@@ -425,17 +423,18 @@ def scale_chunks(column_tile, row, chunks, factor):
         ptx.st_shared_v4(address, *[ptx.scale_e4m3x4_f16(w, factor, factor) for w in nope])
 
 
-def group_factor(geo: CacheGeometry, tables: BlockScaleTables, tile, row, group, inverse_bits) -> Uint32:
-    """sigma[row, group] of block tile ``tile`` times ``inverse_bits`` (2^-E as float32 bits), in f16 in both
-    halves: the factor that takes the group's e4m3 bytes to the row's scale 2^E."""
-    return ptx.f32_product_to_f16x2(_raw_scale_bits(geo, tables, tile, row, group), inverse_bits)
+def group_factor(tables: BlockScaleTables, tile, row, group, inverse_bits) -> Uint32:
+    """sigma[row, group] (``raw_scale``) of block tile ``tile`` times ``inverse_bits`` (2^-E as float32 bits),
+    in f16 in both halves: the factor that takes the group's e4m3 bytes to the row's scale 2^E."""
+    return ptx.f32_product_to_f16x2(_raw_scale_bits(tables, tile, row, group), inverse_bits)
 
 
-def _raw_scale_bits(geo: CacheGeometry, tables: BlockScaleTables, tile, row, group) -> Uint32:
-    record = tables.raw + (tile * 64 + row) * RAW_SCALE_ENTRY_BYTES
-    if geo.scale_bytes == 4:
-        return ptx.ld_shared_u32(record + group * 4)
-    return e8m0_to_f32_bits(ptx.ld_shared_u8(record + group))
+def _raw_scale_bits(tables: BlockScaleTables, tile, row, group) -> Uint32:
+    return ptx.ld_shared_u32(_raw_scale_address(tables, tile, row, group))
+
+
+def _raw_scale_address(tables: BlockScaleTables, tile, row, group):
+    return tables.raw + (tile * 64 + row) * RAW_SCALE_ENTRY_BYTES + group * 4
 
 
 def scale_slots(geo, tables, total, part, tile, group, slots, slot_of, first: bool):
@@ -451,7 +450,7 @@ def scale_slots(geo, tables, total, part, tile, group, slots, slot_of, first: bo
         elif rope:
             sigma = rope_scale(tables, tile, slot)
         else:
-            sigma = raw_scale(geo, tables, tile, slot, group)
+            sigma = raw_scale(tables, tile, slot, group)
         for i in range(cute.size(total)):
             if slot_of(i) == k:
                 total[i] = total[i] * sigma if first else total[i] + sigma * part[i]
