@@ -551,6 +551,36 @@ def test_layer_timeline_gaps_span_and_table(monkeypatch, capsys):
         assert "needs an SM90 GPU" in capsys.readouterr().err
 
 
+def test_layer_timeline_back_to_back_prints_the_last_two_calls(monkeypatch, capsys):
+    """``--back-to-back``: the last two of the queued calls' kernels (each call's count from the total), the
+    gap before each, and the time per call."""
+    from types import SimpleNamespace
+
+    from scripts.tools import layer_timeline as tl
+
+    calls = 6  # two kernels each, 10 us apart, the second 1 us after the first's end
+    spans = []
+    for c in range(calls):
+        spans += [
+            tl.KernelSpan("gather", 100.0 * c, 30.0),
+            tl.KernelSpan("attention", 100.0 * c + 31.0, 60.0),
+        ]
+    monkeypatch.setattr(tl, "back_to_back", lambda call, n: spans)
+    monkeypatch.setattr(tl, "per_call_us", lambda call: (55.0, 100.0))
+    args = SimpleNamespace(context=32768, heads=16)
+    tl.print_back_to_back("workspace", args, {"q": torch.empty(256, 16, 576)}, call=None, calls=calls)
+    lines = capsys.readouterr().out.strip().splitlines()
+    assert lines[0] == "workspace, back to back: context 32768, h 16, s_q 256"
+    kernels = [line.split() for line in lines[2:6]]
+    assert [k[0] for k in kernels] == ["gather", "attention", "gather", "attention"]
+    assert [k[1:] for k in kernels[1:]] == [
+        ["431.0", "60.0", "1.0"],
+        ["500.0", "30.0", "9.0"],
+        ["531.0", "60.0", "1.0"],
+    ]
+    assert lines[6] == "per call: GPU 100.0 us, host 55.0 us; gaps in the last two calls 11.0 us"
+
+
 def test_sass_counts_count_opcodes_without_guards_or_nops():
     listing = """
         /*0000*/                   LDC R1, c[0x0][0x28] ;

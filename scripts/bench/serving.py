@@ -49,16 +49,19 @@ def make_v32_cache(num_slots: int, device, std: float = 0.1) -> torch.Tensor:
     return records.view(num_pages, PAGE_SIZE, 1, V32_BYTES_PER_TOKEN)
 
 
-def layer_inputs(context: int, h: int, device="cuda") -> dict:
+def layer_inputs(context: int, h: int, device="cuda", s_q: int | None = None) -> dict:
+    """One layer call's inputs: ``s_q`` (default ``S_Q``) tokens at the end of one request of ``context``
+    tokens, ``h`` heads, on a V3.2 cache whose request pages are random."""
+    s_q = S_Q if s_q is None else s_q
     torch.manual_seed(0)
     num_slots = context + context // 4  # a cache with unused slots; the request's pages are random
     cache = make_v32_cache(num_slots, device)
     return {
-        "q": (torch.randn(S_Q, h, D_QK, device=device) * 0.5).to(torch.bfloat16),
+        "q": (torch.randn(s_q, h, D_QK, device=device) * 0.5).to(torch.bfloat16),
         "cache": cache,
         "page_table": torch.randperm(cache.shape[0] * PAGE_SIZE, device=device)[:context].to(torch.int32),
-        "indices": random_indices(S_Q, context, TOPK, device),
-        "seqlens": torch.arange(context - S_Q + 1, context + 1, dtype=torch.int32, device=device),
+        "indices": random_indices(s_q, context, TOPK, device),
+        "seqlens": torch.arange(context - s_q + 1, context + 1, dtype=torch.int32, device=device),
         "compress_ratio": 0,
         "sm_scale": D_QK**-0.5,
     }
