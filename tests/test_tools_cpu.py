@@ -558,7 +558,7 @@ def test_layer_timeline_back_to_back_prints_the_last_two_calls(monkeypatch, caps
 
     from scripts.tools import layer_timeline as tl
 
-    calls = 6  # two kernels each, 10 us apart, the second 1 us after the first's end
+    calls = 6  # a call every 100 us: its attention 1 us after its gather's end, 9 us before the next gather
     spans = []
     for c in range(calls):
         spans += [
