@@ -395,23 +395,16 @@ def rescale_nope(geo: CacheGeometry, record, tile_base, row, chunks, exponent):
     groups of 32 values)."""
     inverse_bits = Uint32((127 - exponent) << 23)  # 2^-E
     row_byte = Uint32(exponent + 127)
-    if const_expr(geo.nope_columns < geo.groups):  # groups of half a column: the chunks' half's
-        groups_per_column = geo.groups // geo.nope_columns
-        chunks_per_group = COLUMN_BYTES // CHUNK_BYTES // groups_per_column
-        for column in cutlass.range_constexpr(geo.nope_columns):
-            byte = ue8m0_byte(record, column * groups_per_column, chunks[0] // chunks_per_group)
-            if byte != row_byte:
-                factor = ptx.f32_product_to_f16x2(e8m0_to_f32_bits(byte), inverse_bits)
-                scale_chunks(tile_base + column * COLUMN_TILE_BYTES, row, chunks, factor)
-    else:
-        columns_per_group = geo.nope_columns // geo.groups
-        for group in cutlass.range_constexpr(geo.groups):
-            byte = ue8m0_byte(record, group)
-            if byte != row_byte:
-                factor = ptx.f32_product_to_f16x2(e8m0_to_f32_bits(byte), inverse_bits)
-                first = group * columns_per_group
-                for column in cutlass.range_constexpr(first, first + columns_per_group):
-                    scale_chunks(tile_base + column * COLUMN_TILE_BYTES, row, chunks, factor)
+    groups_per_column = geo.groups // geo.nope_columns  # V4: 1 (a group a column); V4.1: 2 (half a column)
+    assert groups_per_column * geo.nope_columns == geo.groups, "UE8M0 groups of a column or half a column"
+    for column in cutlass.range_constexpr(geo.nope_columns):
+        offset = 0  # the chunks' group within the column: their half's (V4.1)
+        if const_expr(groups_per_column > 1):
+            offset = chunks[0] // (COLUMN_BYTES // CHUNK_BYTES // groups_per_column)
+        byte = ue8m0_byte(record, column * groups_per_column, offset)
+        if byte != row_byte:
+            factor = ptx.f32_product_to_f16x2(e8m0_to_f32_bits(byte), inverse_bits)
+            scale_chunks(tile_base + column * COLUMN_TILE_BYTES, row, chunks, factor)
 
 
 def scale_chunks(column_tile, row, chunks, factor):
