@@ -430,20 +430,20 @@ def _raw_scale_address(tables: BlockScaleTables, tile, row, group):
     return tables.raw + (tile * 64 + row) * RAW_SCALE_ENTRY_BYTES + group * 4
 
 
-def scale_slots(geo, tables, total, part, tile, group, slots, slot_of, first: bool):
-    """``total`` += sigma[slot, group] * ``part``, element i's slot (row of block tile ``tile``) being
-    ``slots[slot_of(i)]`` (``first``: total = sigma * total, ``part`` unused); ``group`` == ``geo.groups``:
-    the RoPE's row scales; ``ROW_SCALE``: the rows' scales 2^E. One scale load per slot. (Unrolled while
-    tracing.)"""
-    rope = isinstance(group, int) and group == geo.groups
-    rows = isinstance(group, str) and group == ROW_SCALE
-    for k, slot in enumerate(slots):
-        if rows:
-            sigma = row_scale(tables, tile, slot)
-        elif rope:
-            sigma = rope_scale(tables, tile, slot)
-        else:
-            sigma = raw_scale(tables, tile, slot, group)
-        for i in range(cute.size(total)):
-            if slot_of(i) == k:
-                total[i] = total[i] * sigma if first else total[i] + sigma * part[i]
+def slot_scales(geo, tables, tile, group, slots) -> list:
+    """sigma[slot, group] of each of ``slots`` (rows of block tile ``tile``), one shared load each; ``group``
+    == ``geo.groups``: the RoPE's row scales; ``ROW_SCALE``: the rows' scales 2^E. Loaded before the wait for
+    the product they scale, their latency runs with it."""
+    if isinstance(group, str) and group == ROW_SCALE:
+        return [row_scale(tables, tile, slot) for slot in slots]
+    if isinstance(group, int) and group == geo.groups:
+        return [rope_scale(tables, tile, slot) for slot in slots]
+    return [raw_scale(tables, tile, slot, group) for slot in slots]
+
+
+def scale_slots(total, part, sigmas, slot_of, first: bool):
+    """``total`` += sigma * ``part``, element i's sigma being ``sigmas[slot_of(i)]`` (``slot_scales``;
+    ``first``: total = sigma * total, ``part`` unused). (Unrolled while tracing.)"""
+    for i in range(cute.size(total)):
+        sigma = sigmas[slot_of(i)]
+        total[i] = total[i] * sigma if first else total[i] + sigma * part[i]

@@ -15,7 +15,7 @@ from cute_kernels import ptx
 from cute_kernels.sm90.cta import THREADS_PER_WG
 from cute_kernels.sm90.fp8_tile import B_TOPK, TILE_ROW_GROUP_BYTES, Consumer
 from cute_kernels.sm90.named_barrier import NamedBarrierFp8
-from cute_kernels.sm90.paged_rows import ROW_SCALE, convert_rope, convert_row, scale_slots
+from cute_kernels.sm90.paged_rows import ROW_SCALE, convert_rope, convert_row, scale_slots, slot_scales
 
 # S summed in float32 ("accurate", "accurate_logits"): from WGMMA groups of at most this many k-steps (64
 # elements of d_qk), each started from zero: the FP8 tensor cores' own accumulation keeps about 14 bits, which
@@ -172,7 +172,7 @@ class QkProducts:
 
     def scale_row_scaled_s(self, c: Consumer, tile):
         """Paged rows rescaled, S complete: each slot's S times its row scale 2^E (``convert_row``)."""
-        self.scale_slots(c, c.acc_s, None, tile, ROW_SCALE, 0, True)
+        self.scale_slots(c.acc_s, None, self.slot_scales(c, c.acc_s, tile, ROW_SCALE, 0), True)
 
     def qk_paged(self, c: Consumer, tile):
         """S = Q . K^T from a paged cache's block tile (``paged_rows``): sum over the scale groups g of
@@ -201,9 +201,10 @@ class QkProducts:
         cute.arch.barrier(
             barrier_id=int(NamedBarrierFp8.RopeConverted0) + c.index, number_of_threads=THREADS_PER_WG
         )
+        scales = [self.slot_scales(c, s_part, tile, 0, h) for h, s_part in zip(halves, s_parts, strict=True)]
         warpgroup.wait_group(0)
-        for h, s_part in zip(halves, s_parts, strict=True):
-            self.scale_slots(c, s_part, None, tile, 0, h, True)
+        for s_part, part_scales in zip(s_parts, scales, strict=True):
+            self.scale_slots(s_part, None, part_scales, True)
         for h, s_part in zip(halves, s_parts, strict=True):
             self.sum_scale_groups(c, tile, s_part, h)
 
@@ -218,29 +219,33 @@ class QkProducts:
         chunks_per_group = geo.group_ksteps // chunk_ksteps
         for chunk in cutlass.range(1, geo.groups * chunks_per_group, unroll=1):
             self.queue_qk_steps(c, part, tile, [chunk * chunk_ksteps + j for j in range(chunk_ksteps)], half)
+            scales = self.slot_scales(c, total, tile, chunk // chunks_per_group, half)
             warpgroup.wait_group(0)
-            self.scale_slots(c, total, part, tile, chunk // chunks_per_group, half, False)
+            self.scale_slots(total, part, scales, False)
         # The RoPE: its hi term in the block tile's RoPE column, its lo term in the staging tile
         rope = geo.rope_column * 2  # its first k-step
         lo_tiles = c.qk_chunks.rope_lo if const_expr(half is None) else c.qk_chunks.rope_lo[half]
         operands = self.step_operands(c, tile, [rope, rope + 1], half) + self.rope_lo_operands(lo_tiles, tile)
         self.queue_qk_group(c, part, operands, half)
+        scales = self.slot_scales(c, total, tile, geo.groups, half)
         warpgroup.wait_group(0)
-        self.scale_slots(c, total, part, tile, geo.groups, half, False)
+        self.scale_slots(total, part, scales, False)
 
-    def scale_slots(self, c: Consumer, total, part, tile, group, half, first: bool):
-        """Paged: ``total`` += sigma[slot, group] * ``part`` per element (``first``: ``total`` = sigma *
-        ``total``), the slot of an element its column (64 heads: S's N = 32 half ``half``) or its row (small
-        heads: S^T); ``group`` == the cache's ``groups``: the RoPE's row scales."""
+    def slot_scales(self, c: Consumer, total, tile, group, half):
+        """Paged: ``(sigmas, slot_of)`` for ``scale_slots``: sigma[slot, group] of this thread's slots of
+        ``total``, element i's slot being ``slot_of(i)``: its column (64 heads: S's N = 32 half ``half``) or
+        its row (small heads: S^T); ``group`` == the cache's ``groups``: the RoPE's row scales."""
         if const_expr(self.small):  # rows 16w + g + 8r: element e + 2r + 4j
             slots = [c.warp * 16 + c.quad_row + 8 * r for r in range(2)]
-            scale_slots(self.cache, c.tables, total, part, tile, group, slots, lambda i: (i // 2) % 2, first)
-        else:  # columns 32 half + 8j + 2t + e: element e + 2r + 4j
-            slots = [
-                32 * half + 8 * j + 2 * c.quad_lane + e
-                for j in range(cute.size(total) // 4)
-                for e in range(2)
-            ]
-            scale_slots(
-                self.cache, c.tables, total, part, tile, group, slots, lambda i: (i // 4) * 2 + i % 2, first
-            )
+            return slot_scales(self.cache, c.tables, tile, group, slots), lambda i: (i // 2) % 2
+        # columns 32 half + 8j + 2t + e: element e + 2r + 4j
+        columns = range(cute.size(total) // 4)
+        slots = [32 * half + 8 * j + 2 * c.quad_lane + e for j in columns for e in range(2)]
+        return slot_scales(self.cache, c.tables, tile, group, slots), lambda i: (i // 4) * 2 + i % 2
+
+    @staticmethod
+    def scale_slots(total, part, scales, first: bool):
+        """Paged: ``total`` += sigma * ``part`` per element (``first``: ``total`` = sigma * ``total``),
+        ``scales`` from ``slot_scales``."""
+        sigmas, slot_of = scales
+        scale_slots(total, part, sigmas, slot_of, first)
