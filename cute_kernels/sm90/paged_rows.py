@@ -61,6 +61,7 @@ ROW_MAX_EXPONENT = 126  # a row's scale 2^E and its inverse stay normal float32 
 # shifted to zero, a negligible share of any row above it
 ROW_MIN_EXPONENT = -60
 ROW_SCALE = "row"  # scale_slots: the rows' scales 2^E
+RESCALE_COLUMNS_IN_FLIGHT = 2  # rescale_nope: column tiles whose chunks are loaded before any is stored
 
 
 class CacheGeometry(NamedTuple):
@@ -391,29 +392,28 @@ def rescale_nope(geo: CacheGeometry, record, tile_base, row, chunks, exponent):
     """``chunks`` of row ``row`` of each nope column tile of the block tile at ``tile_base`` times sigma_g
     2^-E (its scale group's, from the row's UE8M0 ``record``), rounded to e4m3 in place: exact but for values
     that fall below e4m3's normal range (under 2^-6 / 448 of the row's largest); a group at the row's scale
-    (sigma_g = 2^E) stays as it is. ``chunks`` lie in one scale group of each column (a half column: V4.1's
-    groups of 32 values)."""
+    is multiplied by 1 (the same bytes). ``chunks`` lie in one scale group of each column (a half column:
+    V4.1's groups of 32 values). The chunks of ``RESCALE_COLUMNS_IN_FLIGHT`` column tiles are loaded before
+    any of them is stored back, with no branch between: a shared load that follows a store waits for it, so
+    a column at a time would wait out every load's latency."""
     inverse_bits = Uint32((127 - exponent) << 23)  # 2^-E
-    row_byte = Uint32(exponent + 127)
     groups_per_column = geo.groups // geo.nope_columns  # V4: 1 (a group a column); V4.1: 2 (half a column)
     assert groups_per_column * geo.nope_columns == geo.groups, "UE8M0 groups of a column or half a column"
+    half = 0  # the chunks' group within each column: their half's (V4.1)
+    if const_expr(groups_per_column > 1):
+        half = chunks[0] // (COLUMN_BYTES // CHUNK_BYTES // groups_per_column)
+    factors = []  # per nope column: its group's sigma_g 2^-E in f16 (both halves)
     for column in cutlass.range_constexpr(geo.nope_columns):
-        offset = 0  # the chunks' group within the column: their half's (V4.1)
-        if const_expr(groups_per_column > 1):
-            offset = chunks[0] // (COLUMN_BYTES // CHUNK_BYTES // groups_per_column)
-        byte = ue8m0_byte(record, column * groups_per_column, offset)
-        if byte != row_byte:
-            factor = ptx.f32_product_to_f16x2(e8m0_to_f32_bits(byte), inverse_bits)
-            scale_chunks(tile_base + column * COLUMN_TILE_BYTES, row, chunks, factor)
-
-
-def scale_chunks(column_tile, row, chunks, factor):
-    """``chunks`` (16 bytes each) of row ``row`` of the e4m3 column tile at ``column_tile`` times ``factor``
-    (f16 in both halves), rounded to e4m3 in place."""
-    for chunk in chunks:
-        address = column_tile + swizzle_offset(row, chunk, COLUMN_BYTES)
-        nope = ptx.ld_shared_v4(address)
-        ptx.st_shared_v4(address, *[ptx.scale_e4m3x4_f16(w, factor, factor) for w in nope])
+        byte = ue8m0_byte(record, column * groups_per_column, half)
+        factors.append(ptx.f32_product_to_f16x2(e8m0_to_f32_bits(byte), inverse_bits))
+    offsets = [swizzle_offset(row, chunk, COLUMN_BYTES) for chunk in chunks]
+    for first in cutlass.range_constexpr(0, geo.nope_columns, RESCALE_COLUMNS_IN_FLIGHT):
+        columns = range(first, min(first + RESCALE_COLUMNS_IN_FLIGHT, geo.nope_columns))
+        addresses = [tile_base + column * COLUMN_TILE_BYTES + offset for column in columns for offset in offsets]
+        nope = [ptx.ld_shared_v4(address) for address in addresses]
+        for i, address in enumerate(addresses):
+            factor = factors[columns[i // len(offsets)]]
+            ptx.st_shared_v4(address, *[ptx.scale_e4m3x4_f16(w, factor, factor) for w in nope[i]])
 
 
 def group_factor(tables: BlockScaleTables, tile, row, group, inverse_bits) -> Uint32:
