@@ -409,7 +409,8 @@ def rescale_nope(geo: CacheGeometry, record, tile_base, row, chunks, exponent):
     offsets = [swizzle_offset(row, chunk, COLUMN_BYTES) for chunk in chunks]
     for first in cutlass.range_constexpr(0, geo.nope_columns, RESCALE_COLUMNS_IN_FLIGHT):
         columns = range(first, min(first + RESCALE_COLUMNS_IN_FLIGHT, geo.nope_columns))
-        addresses = [tile_base + column * COLUMN_TILE_BYTES + offset for column in columns for offset in offsets]
+        column_tiles = [tile_base + column * COLUMN_TILE_BYTES for column in columns]
+        addresses = [column_tile + offset for column_tile in column_tiles for offset in offsets]
         nope = [ptx.ld_shared_v4(address) for address in addresses]
         for i, address in enumerate(addresses):
             factor = factors[columns[i // len(offsets)]]
