@@ -442,9 +442,11 @@ def slot_scales(geo, tables, tile, group, slots) -> list:
     return [raw_scale(tables, tile, slot, group) for slot in slots]
 
 
-def scale_slots(total, part, sigmas, slot_of, first: bool):
-    """``total`` += sigma * ``part``, element i's sigma being ``sigmas[slot_of(i)]`` (``slot_scales``;
-    ``first``: total = sigma * total, ``part`` unused). (Unrolled while tracing.)"""
+def scale_slots(total, part, scales, first: bool):
+    """``total`` += sigma * ``part``, ``scales`` being ``(sigmas, slot_of)``: element i's sigma is
+    ``sigmas[slot_of(i)]`` (``slot_scales``; ``first``: total = sigma * total, ``part`` unused). (Unrolled
+    while tracing.)"""
+    sigmas, slot_of = scales
     for i in range(cute.size(total)):
         sigma = sigmas[slot_of(i)]
         total[i] = total[i] * sigma if first else total[i] + sigma * part[i]

@@ -172,7 +172,7 @@ class QkProducts:
 
     def scale_row_scaled_s(self, c: Consumer, tile):
         """Paged rows rescaled, S complete: each slot's S times its row scale 2^E (``convert_row``)."""
-        self.scale_slots(c.acc_s, None, self.slot_scales(c, c.acc_s, tile, ROW_SCALE, 0), True)
+        scale_slots(c.acc_s, None, self.slot_scales(c, c.acc_s, tile, ROW_SCALE, 0), True)
 
     def qk_paged(self, c: Consumer, tile):
         """S = Q . K^T from a paged cache's block tile (``paged_rows``): sum over the scale groups g of
@@ -204,7 +204,7 @@ class QkProducts:
         scales = [self.slot_scales(c, s_part, tile, 0, h) for h, s_part in zip(halves, s_parts, strict=True)]
         warpgroup.wait_group(0)
         for s_part, part_scales in zip(s_parts, scales, strict=True):
-            self.scale_slots(s_part, None, part_scales, True)
+            scale_slots(s_part, None, part_scales, True)
         for h, s_part in zip(halves, s_parts, strict=True):
             self.sum_scale_groups(c, tile, s_part, h)
 
@@ -221,7 +221,7 @@ class QkProducts:
             self.queue_qk_steps(c, part, tile, [chunk * chunk_ksteps + j for j in range(chunk_ksteps)], half)
             scales = self.slot_scales(c, total, tile, chunk // chunks_per_group, half)
             warpgroup.wait_group(0)
-            self.scale_slots(total, part, scales, False)
+            scale_slots(total, part, scales, False)
         # The RoPE: its hi term in the block tile's RoPE column, its lo term in the staging tile
         rope = geo.rope_column * 2  # its first k-step
         lo_tiles = c.qk_chunks.rope_lo if const_expr(half is None) else c.qk_chunks.rope_lo[half]
@@ -229,7 +229,7 @@ class QkProducts:
         self.queue_qk_group(c, part, operands, half)
         scales = self.slot_scales(c, total, tile, geo.groups, half)
         warpgroup.wait_group(0)
-        self.scale_slots(total, part, scales, False)
+        scale_slots(total, part, scales, False)
 
     def slot_scales(self, c: Consumer, total, tile, group, half):
         """Paged: ``(sigmas, slot_of)`` for ``scale_slots``: sigma[slot, group] of this thread's slots of
@@ -242,10 +242,3 @@ class QkProducts:
         columns = range(cute.size(total) // 4)
         slots = [32 * half + 8 * j + 2 * c.quad_lane + e for j in columns for e in range(2)]
         return slot_scales(self.cache, c.tables, tile, group, slots), lambda i: (i // 4) * 2 + i % 2
-
-    @staticmethod
-    def scale_slots(total, part, scales, first: bool):
-        """Paged: ``total`` += sigma * ``part`` per element (``first``: ``total`` = sigma * ``total``),
-        ``scales`` from ``slot_scales``."""
-        sigmas, slot_of = scales
-        scale_slots(total, part, sigmas, slot_of, first)
