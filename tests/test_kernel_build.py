@@ -369,7 +369,7 @@ def test_paged_variants_gather_pages_and_sum_scale_groups(layout, precision, kin
     wgmma = re.findall(r"wgmma\.mma_async\.sync\.aligned\.m64n(\d+)k32\.f32\.e4m3\.e4m3", ptx)
     pv = (16 + 8 + 8) * p_terms(precision)  # a pair of blocks and a single one, per d tile
     rope_lo = 2 if geometry.rope_column is not None else 0  # a bf16 RoPE's lo terms
-    assert ("max.u16x2" in ptx) == rows_rescaled(layout)  # E from the largest scale byte (ue8m0_record)
+    assert ("max.u16x2" in ptx) == rows_rescaled(layout)  # E from the largest scale byte (scale_record)
     if rows_rescaled(layout) and promoted(precision):
         # qk_promoted, its first group (a bf16 RoPE's lo terms too) and its loop's (64 heads: per N = 32 half)
         halves = 2 if heads == 64 else 1

@@ -229,7 +229,7 @@ class BlockScaleTables(NamedTuple):
 
 def raw_scale(tables: BlockScaleTables, tile, row, group) -> Float32:
     """sigma[row, group] of nope group ``group`` of block tile ``tile``, from its raw record of float32 scales
-    (V3.2: the caches summed per scale group; UE8M0 records are read whole, ``ue8m0_record``)."""
+    (V3.2: the caches summed per scale group; UE8M0 records are read whole, ``scale_record``)."""
     return ptx.ld_shared_f32(_raw_scale_address(tables, tile, row, group))
 
 
@@ -250,36 +250,33 @@ def store_row_exponent(tables: BlockScaleTables, tile, row, exponent):
     ptx.st_shared_u32(tables.exponent + entry, ptx.s32_to_f32_bits(exponent))
 
 
-def v_row_exponent(
-    geo: CacheGeometry, tables: BlockScaleTables, tile, row, rope_exponent=None, record=None
-) -> Int32:
-    """E of row ``row`` of block tile ``tile``: the least exponent that holds each of its nope groups' scales
-    (and ``rope_exponent``, the RoPE's, when given), within [``ROW_MIN_EXPONENT``, ``ROW_MAX_EXPONENT``].
-    UE8M0 scales come as the row's ``record`` (``ue8m0_record``): 2^(byte - 127), the largest byte's (its
-    exponent is ``ceil_log2_f32_bits`` of the scale but for byte 0, -127 for -126, and 255, NaN: 128 for 129,
-    all beyond the clamp)."""
+def v_row_exponent(geo: CacheGeometry, record, rope_exponent=None) -> Int32:
+    """E of a row whose scale ``record`` is given (``scale_record``): the least exponent that holds each of
+    its nope groups' scales (and ``rope_exponent``, the RoPE's, when given), within [``ROW_MIN_EXPONENT``,
+    ``ROW_MAX_EXPONENT``]. A UE8M0 scale is 2^(byte - 127): the largest byte's (its exponent is
+    ``ceil_log2_f32_bits`` of the scale but for byte 0, -127 for -126, and 255, NaN: 128 for 129, all beyond
+    the clamp)."""
     exponent = Int32(ROW_MIN_EXPONENT) if rope_exponent is None else rope_exponent
     if const_expr(geo.scale_bytes == 1):
         exponent = cutlass.max(exponent, Int32(ptx.max_u8(record)) - 127)
     else:
         for group in range(geo.groups):
-            exponent = cutlass.max(
-                exponent, ptx.ceil_log2_f32_bits(_raw_scale_bits(tables, tile, row, group))
-            )
+            exponent = cutlass.max(exponent, ptx.ceil_log2_f32_bits(record[group]))
     return cutlass.max(cutlass.min(exponent, Int32(ROW_MAX_EXPONENT)), Int32(ROW_MIN_EXPONENT))
 
 
-def ue8m0_record(geo: CacheGeometry, tables: BlockScaleTables, tile, row) -> list:
-    """The ``geo.groups`` UE8M0 scale bytes of row ``row`` of block tile ``tile`` as 32-bit words, group 0 in
-    the lowest byte (one 16-byte load of its raw record; V4's pad byte zeroed)."""
-    words = ptx.ld_shared_v4(tables.raw + (tile * 64 + row) * RAW_SCALE_ENTRY_BYTES)[: (geo.groups + 3) // 4]
-    if const_expr(geo.groups % 4):
+def scale_record(geo: CacheGeometry, tables: BlockScaleTables, tile, row) -> list:
+    """Row ``row``'s scales of block tile ``tile`` as 32-bit words, one 16-byte load of its raw record: V3.2's
+    float32 scales a word each; UE8M0 bytes four a word, group 0 in the lowest byte (V4's pad byte zeroed)."""
+    words_per_record = geo.groups if geo.scale_bytes == 4 else (geo.groups + 3) // 4
+    words = ptx.ld_shared_v4(tables.raw + (tile * 64 + row) * RAW_SCALE_ENTRY_BYTES)[:words_per_record]
+    if const_expr(geo.scale_bytes == 1 and geo.groups % 4):
         words = [*words[:-1], words[-1] & Uint32((1 << (8 * (geo.groups % 4))) - 1)]
     return words
 
 
 def ue8m0_byte(record, group: int, offset=0) -> Uint32:
-    """Scale byte ``group + offset`` of a row's ``record`` (``ue8m0_record``); ``offset`` (a run-time value
+    """Scale byte ``group + offset`` of a row's ``record`` (``scale_record``); ``offset`` (a run-time value
     or 0) keeps it in group ``group``'s word."""
     return ptx.prmt(record[group // 4], 0, 0x4440 + group % 4 + offset)
 
@@ -292,6 +289,7 @@ def convert_rope(geo: CacheGeometry, tables: BlockScaleTables, tile_rope, tile, 
     V scale 2^E (``v_row_exponent`` of its nope groups) into the row tables. The block's QK product reads all
     of it after a fence for the async proxy and a barrier of the warpgroup. (V3.2: the caches whose rows are
     summed per scale group, ``qk_products.qk_paged``; V is its nope values.)"""
+    assert geo.scale_bytes == 4, "float32 scales (V3.2); UE8M0 rows are rescaled by convert_row"
     row, chunks, lo_tile, words = load_staged_rope(tables, tile_rope, tile, thread)
     # the row's two threads; a zero RoPE (whose terms stay zero) leaves V's exponent to the nope groups
     exponent, inverse = shared_row_scale(words, (1,), zero_exponent=ROW_MIN_EXPONENT)
@@ -299,19 +297,20 @@ def convert_rope(geo: CacheGeometry, tables: BlockScaleTables, tile_rope, tile, 
     if (thread & 1) == 0:
         rope_bits = Uint32((127 + exponent) << 23)
         ptx.st_shared_u32(tables.rope + (tile * 64 + row) * 4, rope_bits)
-        v_exponent = v_row_exponent(geo, tables, tile, row)
+        record = scale_record(geo, tables, tile, row)  # one load: none of the stores below waits for another
+        v_exponent = v_row_exponent(geo, record)
         store_row_exponent(tables, tile, row, v_exponent)
-        store_v_factors(geo, tables, tile, row, v_exponent)
+        store_v_factors(geo, tables, tile, row, v_exponent, record)
 
 
-def store_v_factors(geo: CacheGeometry, tables: BlockScaleTables, tile, row, exponent):
-    """Row ``row``'s factors of V's groups, sigma_g 2^-E in f16, into the table the PV products scale V's
-    fragments by (``scale_v_fragment``): the bytes as ``rescale_nope`` would leave them in place, without a
-    pass over the tile."""
+def store_v_factors(geo: CacheGeometry, tables: BlockScaleTables, tile, row, exponent, record):
+    """Row ``row``'s factors of V's groups, sigma_g 2^-E in f16 (sigma_g from its float32 scale ``record``),
+    into the table the PV products scale V's fragments by (``scale_v_fragment``): the bytes as
+    ``rescale_nope`` would leave them in place, without a pass over the tile."""
     inverse_bits = Uint32((127 - exponent) << 23)  # 2^-E
     table = tables.v_factors + tile * (geo.groups * 64 * 2) + row * 2
     for group in range(geo.groups):
-        factor = group_factor(tables, tile, row, group, inverse_bits)
+        factor = ptx.f32_product_to_f16x2(record[group], inverse_bits)
         ptx.st_shared_u16(table + group * 64 * 2, factor)
 
 
@@ -372,14 +371,14 @@ def convert_row(geo: CacheGeometry, tables: BlockScaleTables, tile_base, tile, t
     The block's QK product reads it all after a fence for the async proxy and a barrier of the warpgroup."""
     if const_expr(geo.rope_column is None):  # V4.1: every value e4m3 with its group's scale
         row, chunks = row_and_chunks(thread)
-        record = ue8m0_record(geo, tables, tile, row)
-        exponent = v_row_exponent(geo, tables, tile, row, record=record)
+        record = scale_record(geo, tables, tile, row)
+        exponent = v_row_exponent(geo, record)
     else:
         tile_rope = tile_base + geo.rope_column * COLUMN_TILE_BYTES
         row, chunks, lo_tile, words = load_staged_rope(tables, tile_rope, tile, thread)
         rope_exponent, _ = shared_row_scale(words, (1,), zero_exponent=ROW_MIN_EXPONENT)  # the row's threads
-        record = ue8m0_record(geo, tables, tile, row)
-        exponent = v_row_exponent(geo, tables, tile, row, rope_exponent, record)
+        record = scale_record(geo, tables, tile, row)
+        exponent = v_row_exponent(geo, record, rope_exponent)
         inverse = Uint32((127 - exponent) << 7)  # 2^-E in bf16
         store_rope_terms(tile_rope, lo_tile, row, chunks, words, inverse | (inverse << Uint32(16)))
     rescale_nope(geo, record, tile_base, row, chunks, exponent)
@@ -415,16 +414,6 @@ def rescale_nope(geo: CacheGeometry, record, tile_base, row, chunks, exponent):
         for i, address in enumerate(addresses):
             factor = factors[columns[i // len(offsets)]]
             ptx.st_shared_v4(address, *[ptx.scale_e4m3x4_f16(w, factor, factor) for w in nope[i]])
-
-
-def group_factor(tables: BlockScaleTables, tile, row, group, inverse_bits) -> Uint32:
-    """sigma[row, group] (``raw_scale``) of block tile ``tile`` times ``inverse_bits`` (2^-E as float32 bits),
-    in f16 in both halves: the factor that takes the group's e4m3 bytes to the row's scale 2^E."""
-    return ptx.f32_product_to_f16x2(_raw_scale_bits(tables, tile, row, group), inverse_bits)
-
-
-def _raw_scale_bits(tables: BlockScaleTables, tile, row, group) -> Uint32:
-    return ptx.ld_shared_u32(_raw_scale_address(tables, tile, row, group))
 
 
 def _raw_scale_address(tables: BlockScaleTables, tile, row, group):
