@@ -61,7 +61,7 @@ ROW_MAX_EXPONENT = 126  # a row's scale 2^E and its inverse stay normal float32 
 # shifted to zero, a negligible share of any row above it
 ROW_MIN_EXPONENT = -60
 ROW_SCALE = "row"  # scale_slots: the rows' scales 2^E
-RESCALE_COLUMNS_IN_FLIGHT = 2  # rescale_nope: column tiles whose chunks are loaded before any is stored
+RESCALE_COLUMNS_IN_FLIGHT = 3  # rescale_nope: column tiles whose chunks are loaded before any is stored
 
 
 class CacheGeometry(NamedTuple):
