@@ -9,7 +9,7 @@ torch.compile traces it, it is one custom op (``q8kv8.ops``). It never syncs wit
 import torch
 from torch.compiler import is_compiling
 
-from q8kv8 import eager, ops, paged, paged_extra
+from q8kv8 import eager, ops, paged_extra
 from q8kv8.metadata import D_V
 from q8kv8.prefill_call import PagedCall, PrefillCall, new_call
 
@@ -163,7 +163,8 @@ def sparse_mla_q8kv8_paged_fwd(
         if is_compiling():
             return paged_extra.attend(call, extra, ops.call_paged_traced, ops.call_traced, ops.gather_traced)
         paged_extra.check_extra(call, extra)
-        return paged_extra.attend(call, extra, paged.run, eager.run, paged_extra.gather_rows, paged.run)
+        run_paged = eager.run_paged
+        return paged_extra.attend(call, extra, run_paged, eager.run, paged_extra.gather_rows, run_paged)
     return attend_paged(call)
 
 
@@ -178,7 +179,7 @@ def attend(call: PrefillCall) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]
 
 def attend_paged(call: PagedCall) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``sparse_mla_q8kv8_paged_fwd`` of a single-cache call already gathered into a ``PagedCall``: the
-    custom op while torch.compile traces, else the eager call (``q8kv8.paged.run``), checks included."""
+    custom op while torch.compile traces, else the eager call (``q8kv8.eager.run_paged``), checks included."""
     if is_compiling():
         return ops.call_paged_traced(call)
-    return paged.run(call)
+    return eager.run_paged(call)

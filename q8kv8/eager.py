@@ -1,10 +1,12 @@
-"""One eager call of the sparse prefill: the C++ fast path when it takes the call, else the Python path.
+"""One eager call of the sparse prefill, on kv rows (``run``) or on a paged cache (``run_paged``): the C++
+fast path when it takes the call, else the Python path.
 
-``run`` is what ``sparse_mla_q8kv8_prefill_fwd`` and the custom ops' implementations execute. The Python
-path checks the call (``q8kv8.contract``), allocates the outputs and launches the kernel (``q8kv8.kernels``;
-any head count as it is: 8, 16 or 32 heads run the small-head kernel, others tiles of 64 heads, a token's
-last tile partly filled); its first launch on a GPU registers the device with the fast path
-(``q8kv8.native``), which from then on takes the calls it can plan.
+``run`` is what ``sparse_mla_q8kv8_prefill_fwd`` and the custom ops' implementations execute, ``run_paged``
+what ``sparse_mla_q8kv8_paged_fwd`` and its ops do. The Python path checks the call (``q8kv8.contract``,
+``q8kv8.paged``), allocates the outputs and launches the kernel (``q8kv8.kernels``; any head count as it is:
+8, 16 or 32 heads run the small-head kernel, others tiles of 64 heads, a token's last tile partly filled);
+its first launch on a GPU registers the device with the fast path (``q8kv8.native``), which from then on
+takes the calls it can plan.
 """
 
 import contextlib
@@ -12,7 +14,7 @@ import math
 
 import torch
 
-from q8kv8 import contract, kernels, native, schedule
+from q8kv8 import contract, kernels, native, paged, schedule
 from q8kv8.contract import check_inputs, check_ranges_enabled, check_topk_length_range
 from q8kv8.metadata import output_layouts
 from q8kv8.prefill_call import PagedCall, PrefillCall
@@ -36,6 +38,33 @@ def run(call: PrefillCall) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         out, max_logits, lse = output_buffers(q, problem.h_q, problem.d_v, out, max_logits, lse)
     if launch_checked(call, problem, call.kv, call.kv_scale, out, max_logits, lse) and q.is_cuda:
         # The call's device (the contract checked): Tensor.is_cuda is the cheap test.
+        native.note_launch(problem.device.index)
+    return out, max_logits, lse
+
+
+def run_paged(
+    call: PagedCall, extra_cache: torch.Tensor | None = None, extra_from: int | None = None
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(out, max_logits, lse)`` of a paged call, launched on the GPU (``sparse_mla_q8kv8_paged_fwd``).
+    ``extra_cache``: a checked cache view of the same layout (``paged.check_cache``) whose token slots are
+    the call's index slots from ``extra_from`` on (``q8kv8.paged_extra``: the cache's are those before it),
+    or None: then the fast path takes the call when it can, as ``run``'s."""
+    launch = native.launch
+    if launch is not None and extra_cache is None and not check_ranges_enabled():
+        outputs = launch(call)
+        if outputs is not None:
+            return outputs
+    problem, layout, view = paged.check_paged_inputs(call)
+    if check_ranges_enabled():
+        check_topk_length_range(call.topk_length, problem.topk)
+    q = call.q
+    out, max_logits, lse = output_buffers(q, problem.h_q, problem.d_v, call.out, call.max_logits, call.lse)
+    # kv_scale: a 1.0 (the cache's block scales apply), made for a launch only; an empty cache (s_kv 0) has
+    # every slot invalid and launches nothing.
+    kv_scale = paged.unit_kv_scale(q.device) if problem.s_q and problem.s_kv else None
+    extra = {} if extra_cache is None else {"extra_cache": extra_cache, "extra_from": extra_from}
+    launched = launch_checked(call, problem, view, kv_scale, out, max_logits, lse, cache=layout.name, **extra)
+    if launched and q.is_cuda:
         native.note_launch(problem.device.index)
     return out, max_logits, lse
 

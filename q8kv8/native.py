@@ -31,8 +31,8 @@ from pathlib import Path
 
 import torch
 
-from q8kv8 import contract, kernels, metadata, native_build, schedule
-from q8kv8.prefill_call import PrefillCall
+from q8kv8 import contract, kernels, metadata, native_build, paged, schedule
+from q8kv8.prefill_call import PagedCall, PrefillCall
 
 SOURCE = Path(__file__).resolve().parent / "csrc" / "native.cc"
 MODULE_NAME = "_q8kv8_native"
@@ -42,7 +42,8 @@ grows from call to call (a serving loop's gathered rows) keeps its plan."""
 
 launch = None
 """The extension's ``launch`` once a device is registered, else None (also while ``suspended``): called with a
-PrefillCall, it returns ``(out, max_logits, lse)`` having launched, or None having launched nothing."""
+PrefillCall or a PagedCall, it returns ``(out, max_logits, lse)`` having launched, or None having launched
+nothing."""
 
 _extension = None
 _build_failed = False
@@ -54,12 +55,14 @@ _suspended = 0
 _resumed_launch = None  # what ``launch`` becomes when the outermost ``suspended`` ends
 _gpu_count: int | None = None  # visible GPUs, counted on the first note_launch
 _ffi_function_type: type | None = None  # tvm_ffi.Function, once ``load`` has imported TVM-FFI
-_FIELDS = {name: index for index, name in enumerate(PrefillCall._fields)}
+_PREFILL_FIELDS = {name: index for index, name in enumerate(PrefillCall._fields)}
+_PAGED_FIELDS = {name: index for index, name in enumerate(PagedCall._fields)}
 
 
 def constants() -> dict:
-    """The extension's configuration (``configure(**constants())``): the call's fields (each name with the
-    dimension of its free extent, or -1), the planner, and the Python exception of each TVM-FFI error kind."""
+    """The extension's configuration (``configure(**constants())``): the kinds of call it takes, each
+    ``(tuple type, fields, planner)`` (its fields by name with the dimension of a free extent, or -1), and the
+    Python exception of each TVM-FFI error kind."""
     import tvm_ffi
 
     error_kinds = {
@@ -68,56 +71,102 @@ def constants() -> dict:
         if isinstance(value, type) and issubclass(value, BaseException)
     }
     error_kinds.update(getattr(tvm_ffi.core, "ERROR_NAME_TO_TYPE", {}))  # kinds registered with TVM-FFI
+    prefill_fields = tuple((name, FREE_EXTENTS.get(name, -1)) for name in PrefillCall._fields)
     return {
-        "fields": tuple((name, FREE_EXTENTS.get(name, -1)) for name in PrefillCall._fields),
-        "planner": launch_plan,
+        "kinds": (
+            (PrefillCall, prefill_fields, launch_plan),
+            (PagedCall, tuple((name, -1) for name in PagedCall._fields), paged_launch_plan),
+        ),
         "error_kinds": error_kinds,
     }
 
 
 def launch_plan(call: PrefillCall) -> tuple:
-    """The extension's answer for the key of ``call`` (it asks on a memo miss): a plan, or ``(reason, kept)``,
-    why such calls are left to the Python path, ``kept`` when that holds for every call of the key (memoised,
-    as plans are; else asked again: the contract rejected this call, or its addresses, or a variant is not
-    loaded yet).
+    """The extension's answer for the key of a ``PrefillCall`` (it asks on a memo miss): a plan, or ``(reason,
+    kept)``, why such calls are left to the Python path, ``kept`` when that holds for every call of the key
+    (memoised, as plans are; else asked again: the contract rejected this call, or its addresses, or a variant
+    is not loaded yet).
 
     A plan is ``(schedule, arguments, launches, outputs)``, fields by their index in the call: ``schedule``
     ``(tiles per CTA, splits, split_from)`` (``schedule.choose``); ``arguments`` the kernel's tensor
-    arguments, ``(field, dtype or None, per token, alignment in bytes)`` (``kernels.attention_plan``);
-    ``launches`` ``(TVM-FFI function handle, first token, tokens, scalars)``; ``outputs`` ``(field, shape,
-    dtype)``, returned, and allocated when the call gives none. Only calls of the common case get one: a
-    registered device; a valid call (the contract); a Python float sm_scale; all output buffers or none; no
-    empty extent; 1-D scales; the layout the launch needs without copies; loaded TVM-FFI variants."""
-    q = call.q
-    sms = _devices.get(q.device)
-    if sms is None:
-        return "the device is not registered", True
-    if type(call.sm_scale) is not float:
-        return "sm_scale is not a Python float", True
+    arguments (``kernels.attention_plan``), each ``(source, dtype or None, per token, alignment in bytes,
+    sizes, strides)``: ``source`` a field, or a tensor the plan holds (a constant), viewed with ``sizes``
+    and ``strides`` when not None; ``launches`` ``(TVM-FFI function handle, first token, tokens,
+    scalars)``; ``outputs`` ``(field, shape, dtype)``, returned, and allocated when the call gives none.
+    Only calls of the common case get one: a registered device; a valid call (the contract); a Python float
+    sm_scale; all output buffers or none; no empty extent; 1-D scales; the layout the launch needs without
+    copies; loaded TVM-FFI variants."""
+    declined = _declined(call)
+    if declined:
+        return declined
     try:
         problem = contract.check_inputs(call)
     except (TypeError, ValueError) as error:
         return f"the Python path raises {type(error).__name__}: {error}", False
+    return _plan(call, _PREFILL_FIELDS, problem, {})
+
+
+def paged_launch_plan(call: PagedCall) -> tuple:
+    """``launch_plan``'s answer for a ``PagedCall`` (``sparse_mla_q8kv8_paged_fwd`` without an extra cache),
+    its checks ``paged.check_paged_inputs``: the kernel's kv is the cache viewed as ``[num_pages, page_size,
+    bytes per token]`` uint8 (``paged.check_cache``), its extra cache the same view of no pages, its kv_scale
+    the constant 1.0 (``paged.unit_kv_scale``)."""
+    declined = _declined(call)
+    if declined:
+        return declined
+    try:
+        problem, layout, view = paged.check_paged_inputs(call)
+    except (TypeError, ValueError) as error:
+        return f"the Python path raises {type(error).__name__}: {error}", False
+    cache = _PAGED_FIELDS["cache"]
+    sizes, strides = tuple(view.shape), view.stride()
+    sources = {
+        "kv": (cache, torch.uint8, sizes, strides),
+        "extra_cache": (cache, torch.uint8, (0, *sizes[1:]), strides),  # no extra cache: no pages
+        "kv_scale": paged.unit_kv_scale(call.q.device),
+    }
+    return _plan(call, _PAGED_FIELDS, problem, sources, layout.name, problem.topk)
+
+
+def _declined(call: PrefillCall | PagedCall) -> tuple | None:
+    """``(reason, True)`` for a call whose key the fast path never takes: an unregistered device, a sm_scale
+    that is not a Python float."""
+    if call.q.device not in _devices:
+        return "the device is not registered", True
+    if type(call.sm_scale) is not float:
+        return "sm_scale is not a Python float", True
+    return None
+
+
+def _plan(call, fields: dict, problem, sources: dict, cache: str | None = None, extra_from: int = 0) -> tuple:
+    """The plan of a checked call (``problem``: its verdict), or why not: ``fields`` the call's field indices
+    by name; ``sources`` what stands for a kernel argument that is not the call's field of its name (a
+    constant tensor, or ``(field, dtype, sizes, strides)``: a view of that field); ``cache`` and
+    ``extra_from`` ``kernels.attention_plan``'s."""
+    q = call.q
     s_q = problem.s_q
     given = [getattr(call, name) is not None for name in metadata.OUTPUTS]
     if any(given) and not all(given):
         return f"only some of {', '.join(metadata.OUTPUTS)} are given", True
     if s_q == 0 or problem.s_kv == 0:
         return "s_q or s_kv is 0", True
-    if any(scale is not None and scale.dim() != 1 for scale in (call.q_scale, call.kv_scale)):
+    scales = call.q_scale, getattr(call, "kv_scale", None)  # a paged call's kv_scale: the plan's constant
+    if any(scale is not None and scale.dim() != 1 for scale in scales):
         return "q_scale or kv_scale is not a 1-D tensor", True
     alignments = metadata.LAUNCH_ALIGNMENT_BYTES
     if not problem.launch_ready:
         aligned = all(
-            (tensor := getattr(call, name)) is None or tensor.data_ptr() % alignment == 0
+            (tensor := getattr(call, name, None)) is None or tensor.data_ptr() % alignment == 0
             for name, alignment in alignments.items()
         )
         return "q, kv, out, topk_length or attn_sink needs a copy for the launch", aligned
     has_topk_length = call.topk_length is not None
-    chosen = schedule.choose(s_q, problem.h_q, problem.topk, has_topk_length, q.device.index, num_sms=sms)
+    chosen = schedule.choose(
+        s_q, problem.h_q, problem.topk, has_topk_length, q.device.index, num_sms=_devices[q.device]
+    )
     arguments, launches = kernels.attention_plan(
         q.shape, q.dtype, call.precision, call.sm_scale, call.q_scale is not None, has_topk_length,
-        call.attn_sink is not None, *chosen,
+        call.attn_sink is not None, *chosen, cache, extra_from,
     )  # fmt: skip
     calls = []
     for planned in launches:
@@ -131,12 +180,20 @@ def launch_plan(call: PrefillCall) -> tuple:
             return "the kernel variant is not a TVM-FFI function", True
         first, stop, _ = (planned.rows or slice(None)).indices(s_q)
         calls.append((variant.function.__chandle__(), first, stop - first, planned.scalars))
+    planned_arguments = []
+    for name, dtype, rows in arguments:
+        source = sources.get(name, fields.get(name))
+        if isinstance(source, tuple):  # a view of a field
+            field, view_dtype, sizes, strides = source
+            planned_arguments.append((field, view_dtype, False, alignments.get(name, 1), sizes, strides))
+        else:  # a field, or a constant tensor
+            planned_arguments.append((source, dtype, rows, alignments.get(name, 1), None, None))
     return (
         tuple(chosen),
-        tuple((_FIELDS[name], dtype, rows, alignments.get(name, 1)) for name, dtype, rows in arguments),
+        tuple(planned_arguments),
         tuple(calls),
         tuple(
-            (_FIELDS[name], shape, dtype)
+            (fields[name], shape, dtype)
             for name, (shape, dtype) in zip(
                 metadata.OUTPUTS, metadata.output_layouts(s_q, problem.h_q, problem.d_v), strict=True
             )

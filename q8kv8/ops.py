@@ -21,7 +21,7 @@ shaped, typed and placed outputs without reading or checking anything; the real 
 
 import torch
 
-from q8kv8 import eager, paged
+from q8kv8 import eager
 from q8kv8.eager import output_buffers
 from q8kv8.metadata import D_V
 from q8kv8.paged_gather import gather_dequant_paged
@@ -130,7 +130,7 @@ def sparse_mla_q8kv8_paged(
     precision: str = "default",
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``sparse_mla_q8kv8_paged_fwd`` without buffers: returns new ``(out, max_logits, lse)``."""
-    return paged.run(
+    return eager.run_paged(
         PagedCall(q, cache, indices, sm_scale, q_scale, d_v, attn_sink, topk_length, precision=precision)
     )
 
@@ -156,7 +156,7 @@ def sparse_mla_q8kv8_paged_out(
     lse: torch.Tensor,
 ) -> None:
     """``sparse_mla_q8kv8_paged_fwd`` into the given ``out``, ``max_logits`` and ``lse``."""
-    paged.run(
+    eager.run_paged(
         PagedCall(
             q, cache, indices, sm_scale, q_scale, d_v, attn_sink, topk_length, out, max_logits, lse, precision
         )

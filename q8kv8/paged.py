@@ -1,5 +1,5 @@
-"""Sparse MLA attention straight from a paged FP8 KV cache: the checks and the eager call of
-``sparse_mla_q8kv8_paged_fwd`` (``q8kv8.api``).
+"""Sparse MLA attention straight from a paged FP8 KV cache: the checks of a ``sparse_mla_q8kv8_paged_fwd``
+call (``q8kv8.api``; its eager call is ``q8kv8.eager.run_paged``).
 
 The cache is ``[num_pages, page_size, 1, bytes_per_token]`` uint8 (or an e4m3 view of it) in DeepSeek's V3.2
 layout (656 bytes a token, d_qk 576), V4 / MODEL1 layout (584, d_qk 512) or V4.1 layout (528, d_qk 512;
@@ -31,14 +31,13 @@ from q8kv8.checks import (
     scalar_signature,
     signature,
 )
-from q8kv8.contract import check_ranges_enabled, check_signatures, check_topk_length_range
-from q8kv8.eager import launch_checked, output_buffers
+from q8kv8.contract import check_signatures
 from q8kv8.kv_layout import PAGED_ATTENTION_LAYOUTS, KvCacheLayout
 from q8kv8.prefill_call import PagedCall, PrefillCall, new_call
 
 CACHE_DTYPES = (torch.uint8, FP8)
 MAX_SLOTS = 2**31  # token slots are int32
-_ones: dict[torch.device, torch.Tensor] = {}  # the kernel's kv_scale argument (1.0) per device
+_ones: dict[torch.device, torch.Tensor] = {}  # unit_kv_scale's, per device
 
 
 def check_cache(
@@ -165,29 +164,9 @@ def _check_paged_call(call: PagedCall) -> tuple:
     return problem, layout, tuple(view.shape), view.stride()
 
 
-def run(
-    call: PagedCall, extra_cache: torch.Tensor | None = None, extra_from: int | None = None
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """``(out, max_logits, lse)`` of a paged call, launched on the GPU (``sparse_mla_q8kv8_paged_fwd``).
-    ``extra_cache``: a checked cache view of the same layout (``check_cache``) whose token slots are the
-    call's index slots from ``extra_from`` on (``q8kv8.paged_extra``: the cache's are those before it), or
-    None."""
-    problem, layout, view = check_paged_inputs(call)
-    if check_ranges_enabled():
-        check_topk_length_range(call.topk_length, problem.topk)
-    q = call.q
-    out, max_logits, lse = output_buffers(q, problem.h_q, problem.d_v, call.out, call.max_logits, call.lse)
-    # kv_scale: a 1.0 (the cache's block scales apply), made for a launch only; an empty cache (s_kv 0) has
-    # every slot invalid and launches nothing.
-    kv_scale = _one(q.device) if problem.s_q and problem.s_kv else None
-    extra = {} if extra_cache is None else {"extra_cache": extra_cache, "extra_from": extra_from}
-    launch_checked(call, problem, view, kv_scale, out, max_logits, lse, cache=layout.name, **extra)
-    return out, max_logits, lse
-
-
-def _one(device: torch.device) -> torch.Tensor:
-    """A one-element float32 1.0 on ``device``, made once (the kernel's kv_scale: the cache's block scales
-    apply instead)."""
+def unit_kv_scale(device: torch.device) -> torch.Tensor:
+    """A one-element float32 1.0 on ``device``, made once: the kernel's kv_scale on a paged cache (its block
+    scales apply instead)."""
     one = _ones.get(device)
     if one is None:
         one = _ones[device] = torch.ones(1, dtype=torch.float32, device=device)

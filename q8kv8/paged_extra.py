@@ -169,10 +169,10 @@ def attend(
     """``(out, max_logits, lse)`` of a checked extra-cache call (see the module), the caller's buffers
     written and returned when given. ``run_paged`` / ``run_rows`` run a single-cache paged / prefill call,
     ``gather(cache, slot_ids, page_size, layout_name, out[, rows])`` gathers e4m3 rows or V4.1 records (and
-    their token slots) into ``out`` (eagerly ``q8kv8.paged.run``, ``q8kv8.eager.run`` and ``gather_rows``;
-    traced, the custom ops) and ``run_joined(call, extra_cache_view, extra_from)`` runs a paged call whose
-    index slots from ``extra_from`` on are the extra cache's (eagerly ``q8kv8.paged.run``; None: the parts
-    merged)."""
+    their token slots) into ``out`` (eagerly ``q8kv8.eager.run_paged``, ``q8kv8.eager.run`` and
+    ``gather_rows``; traced, the custom ops) and ``run_joined(call, extra_cache_view, extra_from)`` runs a
+    paged call whose index slots from ``extra_from`` on are the extra cache's (eagerly
+    ``q8kv8.eager.run_paged``; None: the parts merged)."""
     cache, indices = extra.cache, extra.indices
     layout = cache_geometry(cache)[0]
     main_layout = cache_geometry(call.cache)[0]
@@ -200,7 +200,7 @@ def attend(
         q = call.q
         part = run_rows(
             PrefillCall(
-                q, kv, rows, call.sm_scale, call.q_scale, paged._one(q.device), call.d_v,
+                q, kv, rows, call.sm_scale, call.q_scale, paged.unit_kv_scale(q.device), call.d_v,
                 topk_length=extra.topk_length, precision=precision,
             )
         )  # fmt: skip

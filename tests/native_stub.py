@@ -19,6 +19,23 @@ def allocate(extension, q: torch.Tensor, layouts: tuple) -> tuple | None:
     outputs = tuple(
         (fields.index(name), shape, dtype) for name, (shape, dtype) in zip(OUTPUTS, layouts, strict=True)
     )
-    plan = ((0, 1, 0), ((fields.index("q"), None, False, 1),), ((no_op.__chandle__(), 0, 1, ()),), outputs)
-    extension.configure(**{**native.constants(), "planner": lambda call: plan})
+    plan = (
+        (0, 1, 0),
+        ((fields.index("q"), None, False, 1, None, None),),
+        ((no_op.__chandle__(), 0, 1, ()),),
+        outputs,
+    )
+    extension.configure(**with_planner(lambda call: plan))
     return extension.launch(PrefillCall(q, q, q, 0.1, None, q))
+
+
+def with_planner(planner, fields=None) -> dict:
+    """``native.constants()`` with ``planner`` (and ``fields``, when given) for ``PrefillCall``s."""
+    constants = native.constants()
+    kinds = tuple(
+        (kind, kind_fields if fields is None else fields, planner)
+        if kind is PrefillCall
+        else (kind, kind_fields, plans)
+        for kind, kind_fields, plans in constants["kinds"]
+    )
+    return {**constants, "kinds": kinds}

@@ -21,6 +21,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+from paged_cache import empty_cache  # noqa: E402
 from test_contract import (  # noqa: E402
     BF16_Q_VIOLATIONS,
     VIOLATIONS,
@@ -34,11 +35,20 @@ from q8kv8 import (  # noqa: E402
     eager,
     kernels,
     native,
+    paged,
     schedule,
+    sparse_mla_q8kv8_paged_fwd,
     sparse_mla_q8kv8_prefill_fwd,
 )
-from q8kv8.metadata import D_V, LOGITS_IN_FLOAT32, PRECISIONS, SMALL_HEAD_COUNTS, SUPPORTED_D_QK  # noqa: E402
-from q8kv8.prefill_call import PrefillCall  # noqa: E402
+from q8kv8.metadata import (  # noqa: E402
+    D_V,
+    HEAD_ALIGNMENT,
+    LOGITS_IN_FLOAT32,
+    PRECISIONS,
+    SMALL_HEAD_COUNTS,
+    SUPPORTED_D_QK,
+)
+from q8kv8.prefill_call import PagedCall, PrefillCall  # noqa: E402
 
 pytestmark = pytest.mark.skipif(
     shutil.which("c++") is None and shutil.which("g++") is None, reason="needs a C++ compiler"
@@ -87,6 +97,15 @@ def fast(monkeypatch):
                 kind = schedule.PERSISTENT if persistent else schedule.ONE_TILE
                 add(kernels.VariantKey(d_qk, precision, kind), (d_qk, precision, persistent))
                 add(kernels.VariantKey(d_qk, precision, kind, BF16), (d_qk, precision, persistent, "bf16 q"))
+    for (layout, d_qk), precision, q_dtype in itertools.product(
+        kernels.CACHE_LAYOUTS.items(), PRECISIONS, (FP8, BF16)
+    ):
+        for kind in (schedule.ONE_TILE, schedule.PERSISTENT, schedule.SPLIT):
+            key = kernels.VariantKey(d_qk, precision, kind, q_dtype, HEAD_ALIGNMENT, layout)
+            add(key, (layout, precision, kind, str(q_dtype)))
+        for heads in SMALL_HEAD_COUNTS:
+            key = kernels.VariantKey(d_qk, precision, schedule.PERSISTENT, q_dtype, heads, layout)
+            add(key, (layout, precision, heads, str(q_dtype)))
     monkeypatch.setattr(kernels, "_variants", variants)
     native.register_device(CPU, SM_COUNT)
     monkeypatch.setattr(schedule, "_sm_counts", {0: SM_COUNT, None: SM_COUNT, -1: SM_COUNT})
@@ -220,6 +239,116 @@ def test_launches_what_the_python_path_launches(
             expected_key, expected_arguments[:7], new_outputs, expected_arguments[10:],
         )  # fmt: skip
         assert [a[3] for a in arguments[7:10]] == [a[3] for a in expected_arguments[7:10]]  # dtypes
+
+
+PAGES, PAGE_SIZE = 4, 64
+
+
+def paged_call(
+    layout, s_q, h_q, topk, q_dtype, with_sink, with_topk_length, generator, **changes
+) -> PagedCall:
+    """A valid ``sparse_mla_q8kv8_paged_fwd`` call on CPU tensors (but for the device check), with buffers."""
+    d_qk = kernels.CACHE_LAYOUTS[layout]
+    q = torch.randn(s_q, h_q, d_qk, generator=generator).to(q_dtype)
+    slots = PAGES * PAGE_SIZE
+    call = PagedCall(
+        q,
+        empty_cache(layout, PAGES, PAGE_SIZE),
+        torch.randint(-2, slots + 2, (s_q, 1, topk), generator=generator, dtype=torch.int32),
+        0.07,
+        torch.tensor([0.75]) if q_dtype == FP8 else None,
+        D_V,
+        torch.randn(h_q, generator=generator) if with_sink else None,
+        torch.randint(0, topk + 1, (s_q,), generator=generator, dtype=torch.int32)
+        if with_topk_length
+        else None,
+        torch.empty(s_q, h_q, D_V, dtype=torch.bfloat16),
+        torch.empty(s_q, h_q),
+        torch.empty(s_q, h_q),
+    )
+    return call._replace(**changes)
+
+
+def without_extra_address(launches: list) -> list:
+    """Recorded launches with the extra cache's address left out (a view of no pages, never read: the Python
+    path's reaches TVM-FFI as a null pointer, the extension's as the cache's)."""
+    return [(key, [*arguments[:10], arguments[10][1:], *arguments[11:]]) for key, arguments in launches]
+
+
+@pytest.mark.parametrize("q_dtype", [FP8, BF16], ids=["e4m3", "bf16"])
+@pytest.mark.parametrize("layout", sorted(kernels.CACHE_LAYOUTS))
+@pytest.mark.parametrize(
+    ("s_q", "h_q", "topk", "with_sink", "with_topk_length", "precision"),
+    [
+        (4, 64, 128, False, False, "default"),
+        (3, 128, 256, True, False, "accurate_out"),
+        (16, 64, 512, True, True, "accurate_logits"),  # the persistent schedule
+        (1, 64, 2048, True, True, "default"),  # split in 2, merged in the cluster
+        (3, 64, 2048, False, True, "accurate"),  # a split tail
+        (5, 48, 256, True, True, "default"),  # a token's heads in one partly filled tile
+        (6, 16, 512, False, True, "default"),  # the small-head kernel
+    ],
+)
+def test_paged_calls_launch_what_the_python_path_launches(
+    fast, monkeypatch, generator, layout, q_dtype, s_q, h_q, topk, with_sink, with_topk_length, precision
+):
+    """A paged call: the same variant, schedule and arguments as the Python path's (``eager.run_paged``): the
+    cache as ``[num_pages, page_size, bytes per token]`` uint8, the extra cache that view of no pages, the
+    constant 1.0 as kv_scale (and, for a bfloat16 q, in q_scale's place)."""
+    checked = paged.check_paged_inputs
+
+    def on_a_gpu(call):  # the schedule the contract gives a CUDA device (for CPU tensors it says 0)
+        problem, layout, view = checked(call)
+        chosen = schedule.choose(problem.s_q, problem.h_q, problem.topk, call.topk_length is not None, 0)
+        return problem._replace(tiles_per_cta=chosen[0], splits=chosen[1], split_from=chosen[2]), layout, view
+
+    monkeypatch.setattr(paged, "check_paged_inputs", on_a_gpu)
+    call = paged_call(
+        layout, s_q, h_q, topk, q_dtype, with_sink, with_topk_length, generator, precision=precision
+    )
+    with native.suspended():
+        eager.run_paged(call)  # the Python path, recorded
+    expected = list(fast.calls)
+    fast.calls.clear()
+    assert expected and all(key[0] == layout for key, _ in expected)
+    unit = paged.unit_kv_scale(CPU)
+    cache_view = expected[0][1][1]
+    assert cache_view[0] == call.cache.data_ptr() and cache_view[3] == "uint8" and len(cache_view[1]) == 3
+    assert expected[0][1][6][:3] == (unit.data_ptr(), (1,), (1,))  # kv_scale
+    assert fast.extension.decline_reason(call) == ""
+    returned = fast.extension.launch(call)
+    assert all(a is b for a, b in zip(returned, call[-4:-1], strict=True))
+    assert without_extra_address(fast.calls) == without_extra_address(expected)
+    fast.calls.clear()
+    allocating = call._replace(out=None, max_logits=None, lse=None)
+    out, max_logits, lse = fast.extension.launch(allocating)
+    assert (out.shape, max_logits.shape, lse.shape) == ((s_q, h_q, D_V), (s_q, h_q), (s_q, h_q))
+    assert [(key, arguments[:7]) for key, arguments in fast.calls] == [
+        (key, arguments[:7]) for key, arguments in expected
+    ]
+
+
+def test_paged_calls_the_fast_path_declines(fast, generator, monkeypatch):
+    """A paged call the Python path must take: its error, a copy for the launch, an empty cache, some
+    buffers; and the public call on the fast path, then without it."""
+    call = paged_call("v41", 2, 64, 128, BF16, True, True, generator)
+    assert fast.extension.decline_reason(call) == ""
+    offset_q = torch.empty(call.q.numel() + 1, dtype=BF16)[1:].view(call.q.shape)
+    for changes, reason in (
+        ({"sm_scale": 1}, "sm_scale is not a Python float"),
+        ({"d_v": 256}, "the Python path raises ValueError: d_v: expected the integer 512, got 256"),
+        ({"cache": call.cache[:, :, :, :100]}, "the Python path raises ValueError: cache"),
+        ({"q": offset_q}, "q is not 16-byte aligned"),  # the plan of the valid call's key checks it
+        ({"cache": call.cache[:0]}, "s_q or s_kv is 0"),
+        ({"lse": None}, "only some of out, max_logits, lse are given"),
+        ({"out": call.cache.view(-1)[: 2 * 64 * D_V * 2].view(BF16).view(2, 64, D_V)}, "out shares memory"),
+    ):
+        assert fast.extension.decline_reason(call._replace(**changes)).startswith(reason), changes
+    assert not fast.calls
+    monkeypatch.setattr(native, "launch", fast.extension.launch)
+    monkeypatch.setattr(paged, "check_paged_inputs", None)  # the Python path would fail the test
+    returned = sparse_mla_q8kv8_paged_fwd(*call[:8], out=call.out, max_logits=call.max_logits, lse=call.lse)
+    assert all(a is b for a, b in zip(returned, call[-4:-1], strict=True)) and len(fast.calls) == 1
 
 
 def test_schedule_is_the_python_rule_over_a_grid(fast, monkeypatch, generator):
@@ -568,6 +697,23 @@ def test_the_python_path_notes_its_gpu_launches(monkeypatch, fake_kernels, make_
     problem = contract.check_inputs(PrefillCall(**args))
     monkeypatch.setattr(eager, "check_inputs", lambda call: problem._replace(device=torch.device("cuda", 0)))
     sparse_mla_q8kv8_prefill_fwd(**{**args, "q": args["q"].as_subclass(CudaLooking)}, precision="accurate")
+    assert noted == [(0,)]
+
+
+def test_the_paged_python_path_notes_its_gpu_launches(monkeypatch, fake_kernels, generator):
+    """A paged call's Python path registers as ``eager.run``'s does (a CPU launch is not noted)."""
+    fake_kernels(lambda *args, **kwargs: None)
+    monkeypatch.setattr(native, "launch", None)
+    noted = []
+    monkeypatch.setattr(native, "note_launch", lambda *args: noted.append(args))
+    monkeypatch.setattr(contract, "check_device", lambda named_devices: None)
+    call = paged_call("v32", 2, 64, 128, BF16, False, False, generator)
+    eager.run_paged(call)
+    assert noted == []  # a CPU launch
+    problem, layout, view = paged.check_paged_inputs(call)
+    on_gpu = problem._replace(device=torch.device("cuda", 0)), layout, view
+    monkeypatch.setattr(paged, "check_paged_inputs", lambda call: on_gpu)
+    eager.run_paged(call._replace(q=call.q.as_subclass(CudaLooking)))
     assert noted == [(0,)]
 
 

@@ -14,7 +14,7 @@ import warnings
 
 import pytest
 import torch
-from native_stub import allocate
+from native_stub import allocate, with_planner
 
 from q8kv8 import contract, eager, native, native_build, sparse_mla_q8kv8_prefill_fwd
 from q8kv8.metadata import D_V, output_layouts
@@ -110,38 +110,46 @@ def test_configuration_and_planner_errors(extension):
     # The planner's plan is checked: a malformed one raises (a bug of the planner), and is not memoised.
     handle = tvm_ffi.convert(lambda *args: None).__chandle__()
     launches = ((handle, 0, 2, ()),)
+    argument = (0, None, True, 16, None, None)
     for malformed in (
         (),
         "declined",
         ((0, 1, 0), (), launches, ()),  # no tensor argument
-        ((0, 1, 0), ((0, None, True, 16),), ((0, 0, 2, ()),), ()),  # not a TVM-FFI function
-        ((0, 1, 0), ((3, None, True, 16),), launches, ()),  # sm_scale is no tensor
-        ((0, 1, 0), ((0, None, True, 16),), launches, ((9, (2, -1), torch.float32),)),  # a negative size
-        ((0, 1, 0), ((0, None, True, 16),), launches, ((3, (2, 1), torch.float32),)),  # nor an output
+        ((0, 1, 0), (argument,), ((0, 0, 2, ()),), ()),  # not a TVM-FFI function
+        ((0, 1, 0), ((3, None, True, 16, None, None),), launches, ()),  # sm_scale is no tensor
+        ((0, 1, 0), ((0, None, True, 16),), launches, ()),  # no view
+        ((0, 1, 0), (argument, (0, None, False, 16, (2, 3), (3,))), launches, ()),  # sizes and strides differ
+        ((0, 1, 0), (argument, (0, None, True, 16, (2, 3), (3, 1))), launches, ()),  # a view per token
+        ((0, 1, 0), ((q, None, False, 16, None, None),), launches, ()),  # a constant first
+        ((0, 1, 0), (argument, (q, None, True, 16, None, None)), launches, ()),  # a constant per token
+        ((0, 1, 0), (argument, ("q", None, False, 16, None, None)), launches, ()),  # neither field nor tensor
+        ((0, 1, 0), (argument,), launches, ((9, (2, -1), torch.float32),)),  # a negative size
+        ((0, 1, 0), (argument,), launches, ((3, (2, 1), torch.float32),)),  # nor an output
     ):
-        extension.configure(**{**constants, "planner": lambda call, plan=malformed: plan})
+        extension.configure(**with_planner(lambda call, plan=malformed: plan))
         with pytest.raises(TypeError, match="the planner's plan is malformed"):
             extension.launch(call)
-    extension.configure(**{**constants, "planner": lambda call: 1 / 0})
+    extension.configure(**with_planner(lambda call: 1 / 0))
     with pytest.raises(ZeroDivisionError):
         extension.plan(call)  # the planner's own error
     answers = []
     for kept in (False, True):  # a decline the planner keeps is memoised, another one asked again
-        extension.configure(
-            **{**constants, "planner": lambda call, kept=kept: answers.append(call) or ("no", kept)}
-        )
+        extension.configure(**with_planner(lambda call, kept=kept: answers.append(call) or ("no", kept)))
         for _ in range(2):
             assert extension.plan(call) == -1 and extension.decline_reason(call) == "no"
             assert extension.launch(call) is None
     assert len(answers) == 6 + 1
-    with pytest.raises(TypeError, match="missing required argument 'planner'"):
-        extension.configure(**{name: value for name, value in constants.items() if name != "planner"})
+    with pytest.raises(TypeError, match="missing required argument 'kinds'"):
+        extension.configure(error_kinds=constants["error_kinds"])
     assert extension.plan(call) == -1 and extension.decline_reason(call) == "the fast path is not configured"
     for fields in ((("q", 8),), (("q",),), ("q",)):  # a dimension past the last one read, none, no pair
-        with pytest.raises(ValueError, match=r"configure: expected \(name, dim or -1\) pairs, a planner"):
-            extension.configure(**{**constants, "fields": fields})
-    with pytest.raises(ValueError, match="pairs, a planner"):
-        extension.configure(**{**constants, "planner": None})
+        with pytest.raises(ValueError, match=r"configure: expected \(tuple type, \(name, dim or -1\) pairs"):
+            extension.configure(**with_planner(lambda call: None, fields))
+    assert extension.plan(call) == -1  # a failed configuration leaves none
+    with pytest.raises(ValueError, match="pairs, planner"):
+        extension.configure(**with_planner(None))
+    with pytest.raises(ValueError, match="pairs, planner"):  # not a tuple type
+        extension.configure(**{**constants, "kinds": ((int, (), lambda call: None),)})
     with pytest.raises(TypeError):
         extension.configure(**{**constants, "error_kinds": ()})
 

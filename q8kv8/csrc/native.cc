@@ -1,6 +1,6 @@
 // q8kv8's eager fast path: a CPython extension, built against torch and linked to TVM-FFI, that runs the launch
 // plans q8kv8.native computes in Python (q8kv8/native.py builds, loads and configures it, and tells the design).
-// launch(call) reads a PrefillCall's arguments into a key, takes the plan memoised under it (else asks the
+// launch(call) reads a call's arguments (a PrefillCall or a PagedCall: a kind of call each) into a key, takes the plan memoised under it (else asks the
 // configured planner and memoises its plan or kept decline), checks the addresses the plan names, allocates
 // absent outputs, launches the plan's TVM-FFI functions on torch's current stream and returns the outputs; else
 // None, having launched nothing (the Python path takes the call). No rule of the call is written here. All runs
@@ -43,12 +43,16 @@ constexpr size_t kMaxFields = 32;  // of a call; and arguments of a launch, tens
 constexpr int kMaxDims = 8;  // of a tensor read here
 constexpr size_t kMaxPlans = 4096;  // memoised before the memo is emptied
 
-struct Argument {  // the call's tensor `field`, viewed as `dtype` when retyped, a launch's rows when per_token
-  Py_ssize_t field;
-  bool retyped;
-  int per_token;
-  DLDataType dtype;
-  int64_t alignment;  // of its address, in bytes (a power of two)
+struct Argument {  // the call's tensor `field` (or the plan's constant tensor), viewed as `dtype` when retyped,
+                  // with `sizes` and `strides` when given (else its own), a launch's rows when per_token
+  Py_ssize_t field = -1;  // -1: the constant
+  PyObject* constant = nullptr;  // owned by the plan (a torch.Tensor the planner holds for every call)
+  DLTensor constant_view{};
+  bool retyped = false;
+  int per_token = 0;
+  DLDataType dtype{};
+  int64_t alignment = 1;  // of its address, in bytes (a power of two)
+  std::vector<int64_t> sizes, strides;  // empty: the tensor's own
 };
 
 struct Launch {  // a TVM-FFI function (owned) on the tokens [first, first + count), with its scalars
@@ -70,6 +74,7 @@ struct Plan {  // no launches: a declined key
   std::vector<Output> outputs;
   ~Plan() {  // with the GIL held (dropped by this module's functions only)
     for (const Launch& launch : launches) TVMFFIObjectDecRef(launch.function);  // never null (Parse)
+    for (const Argument& argument : arguments) Py_XDECREF(argument.constant);
     Py_XDECREF(schedule);
   }
 };
@@ -80,21 +85,30 @@ struct KeyHash {  // keys are strings of words, found by a call's string_view; t
   size_t operator()(std::string_view key) const { return *reinterpret_cast<const size_t*>(key.data()); }
 };
 
-struct State {  // configured while it has a planner
+struct Kind {  // a kind of call: its tuple type, fields and planner, and the plans memoised for its keys
+  PyObject* type = nullptr;  // owned
   std::vector<std::pair<std::string, int>> fields;  // name, and the extent keyed only as zero or not (or -1)
   PyObject* planner = nullptr;  // owned
-  PyObject* error_kinds = nullptr;  // dict: TVM-FFI error kind -> Python exception type, owned
   std::unordered_map<std::string, PlanPtr, KeyHash, std::equal_to<>> plans;
+};
+
+struct State {  // configured while it has kinds
+  std::vector<std::shared_ptr<Kind>> kinds;  // a call holds its kind: configure() may run under its planner
+  PyObject* error_kinds = nullptr;  // dict: TVM-FFI error kind -> Python exception type, owned
   uint64_t generation = 0;  // of the configuration and memo: an answer given across a change is not kept
 };
 
 // Never destroyed (releasing needs the interpreter, gone when static destructors run): emptied at exit, reset().
 State& state = *new State();
 
-void ReleaseAll() {  // the fields stay, unread until configured again
-  state.plans.clear();
+void ReleaseAll() {
+  for (const auto& kind : state.kinds) {  // its fields stay, for a call under way
+    kind->plans.clear();
+    Py_CLEAR(kind->type);
+    Py_CLEAR(kind->planner);
+  }
+  state.kinds.clear();
   ++state.generation;
-  Py_CLEAR(state.planner);
   Py_CLEAR(state.error_kinds);
 }
 
@@ -102,6 +116,7 @@ void ReleaseAll() {  // the fields stay, unread until configured again
 DLDataType DLDtypeOf(c10::ScalarType type) {
   switch (type) {
     case at::kFloat8_e4m3fn: return {kDLFloat8_e4m3fn, 8, 1};
+    case at::kByte: return {kDLUInt, 8, 1};
     case at::kInt: return {kDLInt, 32, 1};
     case at::kFloat: return {kDLFloat, 32, 1};
     case at::kBFloat16: return {kDLBfloat, 16, 1};
@@ -137,6 +152,7 @@ bool FillDLTensor(const at::Tensor& tensor, DLTensor* view) {
 // A call's arguments as read: its tuple, a DLPack view of each tensor (valid while the call is alive), its key
 // (each argument's type; a tensor's scalar type, device and rank in one word, its sizes and strides; a scalar).
 struct Call {
+  std::shared_ptr<Kind> kind;
   PyObject* tuple = nullptr;
   std::array<DLTensor, kMaxFields> views;
   std::array<const at::Tensor*, kMaxFields> tensors{};  // null: not a tensor
@@ -152,9 +168,10 @@ struct Call {
 
 // Reads `call` into `c`: whether every argument is read, else *reason says why not.
 bool Read(PyObject* call, Call* c, std::string* reason) {
+  const auto& fields = c->kind->fields;
   c->tuple = call;
   c->key[0] = 0;
-  for (Py_ssize_t f = 0; f < static_cast<Py_ssize_t>(state.fields.size()); ++f) {
+  for (Py_ssize_t f = 0; f < static_cast<Py_ssize_t>(fields.size()); ++f) {
     PyObject* value = PyTuple_GET_ITEM(call, f);
     c->Push(static_cast<int64_t>(reinterpret_cast<intptr_t>(Py_TYPE(value))));
     if (value == Py_None) continue;
@@ -175,7 +192,7 @@ bool Read(PyObject* call, Call* c, std::string* reason) {
     if (text == nullptr && PyUnicode_CheckExact(value)) PyErr_Clear();  // a str that is not UTF-8
     DLTensor& view = c->views[f];
     if (!THPVariable_CheckExact(value) || !FillDLTensor(THPVariable_Unpack(value), &view)) {
-      *reason = state.fields[f].first + " is not a tensor read here (a plain CPU or CUDA torch.Tensor or "
+      *reason = fields[f].first + " is not a tensor read here (a plain CPU or CUDA torch.Tensor or "
                                         "nn.Parameter, no wrapper, negative or conjugate view; or None, a float, a "
                                         "64-bit int, a short str)";
       return false;
@@ -184,7 +201,7 @@ bool Read(PyObject* call, Call* c, std::string* reason) {
     c->tensors[f] = &tensor;
     c->Push(static_cast<int64_t>(tensor.scalar_type()) << 56 | int64_t{view.device.device_type} << 48 |
             int64_t{view.device.device_id} << 8 | view.ndim);  // a device index < 2^31, ndim <= kMaxDims
-    for (int d = 0; d < view.ndim; ++d) c->Push(d == state.fields[f].second ? view.shape[d] != 0 : view.shape[d]);
+    for (int d = 0; d < view.ndim; ++d) c->Push(d == fields[f].second ? view.shape[d] != 0 : view.shape[d]);
     for (int d = 0; d < view.ndim; ++d) c->Push(view.strides[d]);
   }
   return true;
@@ -192,22 +209,48 @@ bool Read(PyObject* call, Call* c, std::string* reason) {
 
 // The planner's plan for the call read into `c` (and every call of its key), or null with a Python exception
 // set (a malformed one, a bug of the planner: its tensor arguments and outputs must be the call's tensors).
+// `sizes` and `strides` of an argument's view (None, or tuples of as many ints, at most kMaxDims): whether valid.
+bool ParseView(PyObject* sizes, PyObject* strides, Argument* argument) {
+  if (sizes == Py_None || strides == Py_None) return sizes == strides;
+  if (!PyTuple_Check(sizes) || !PyTuple_Check(strides) || PyTuple_GET_SIZE(sizes) != PyTuple_GET_SIZE(strides) ||
+      PyTuple_GET_SIZE(sizes) > kMaxDims) {
+    return false;
+  }
+  for (Py_ssize_t d = 0; d < PyTuple_GET_SIZE(sizes); ++d) {
+    argument->sizes.push_back(PyLong_AsLongLong(PyTuple_GET_ITEM(sizes, d)));
+    argument->strides.push_back(PyLong_AsLongLong(PyTuple_GET_ITEM(strides, d)));
+    if (argument->sizes.back() < 0 || PyErr_Occurred()) return false;
+  }
+  return true;
+}
+
 PlanPtr Parse(PyObject* answer, const Call& c) {
   auto plan = std::make_shared<Plan>();
-  const auto is_field = [](Py_ssize_t f) { return f >= 0 && f < static_cast<Py_ssize_t>(state.fields.size()); };
-  PyObject *schedule, *arguments, *launches, *outputs, *dtype, *handle, *scalars, *sizes;
+  const auto num_fields = static_cast<Py_ssize_t>(c.kind->fields.size());
+  const auto is_field = [num_fields](Py_ssize_t f) { return f >= 0 && f < num_fields; };
+  PyObject *schedule, *arguments, *launches, *outputs, *dtype, *handle, *scalars, *sizes, *source, *strides;
   bool ok = PyTuple_Check(answer) && PyArg_ParseTuple(answer, "OO!O!O!", &schedule, &PyTuple_Type, &arguments,
                                                       &PyTuple_Type, &launches, &PyTuple_Type, &outputs);
   if (ok) plan->schedule = Py_NewRef(schedule);
   for (Py_ssize_t i = 0; ok && i < PyTuple_GET_SIZE(arguments); ++i) {
     Argument& argument = plan->arguments.emplace_back();
-    ok = PyArg_ParseTuple(PyTuple_GET_ITEM(arguments, i), "nOpL", &argument.field, &dtype, &argument.per_token,
-                          &argument.alignment) &&
-         is_field(argument.field) && std::has_single_bit(static_cast<uint64_t>(argument.alignment)) &&
-         (dtype == Py_None || THPDtype_Check(dtype));
+    ok = PyArg_ParseTuple(PyTuple_GET_ITEM(arguments, i), "OOpLOO", &source, &dtype, &argument.per_token,
+                          &argument.alignment, &sizes, &strides) &&
+         std::has_single_bit(static_cast<uint64_t>(argument.alignment)) &&
+         (dtype == Py_None || THPDtype_Check(dtype)) && ParseView(sizes, strides, &argument) &&
+         !(argument.per_token && !argument.sizes.empty());
+    if (ok && PyLong_CheckExact(source)) {  // a field of the call
+      argument.field = PyLong_AsSsize_t(source);
+      ok = is_field(argument.field);
+    } else if (ok) {  // a constant: a plain tensor (FillDLTensor), never per token
+      ok = THPVariable_CheckExact(source) && !argument.per_token &&
+           FillDLTensor(THPVariable_Unpack(source), &argument.constant_view);
+      if (ok) argument.constant = Py_NewRef(source);
+    }
     argument.retyped = ok && dtype != Py_None;
     if (argument.retyped) argument.dtype = DLDtypeOf(reinterpret_cast<THPDtype*>(dtype)->scalar_type);
   }
+  ok = ok && !plan->arguments.empty() && plan->arguments[0].field >= 0;  // the first: a tensor of the call
   for (Py_ssize_t i = 0; ok && i < PyTuple_GET_SIZE(launches); ++i) {
     Launch& launch = plan->launches.emplace_back();
     ok = PyArg_ParseTuple(PyTuple_GET_ITEM(launches, i), "OLLO!", &handle, &launch.first, &launch.count,
@@ -237,6 +280,7 @@ PlanPtr Parse(PyObject* answer, const Call& c) {
   }
   for (size_t i = 0; ok && i < plan->arguments.size(); ++i) {  // a tensor of the call (the first), or an output
     const Argument& a = plan->arguments[i];
+    if (a.constant != nullptr) continue;
     const auto is_a = [&a](const Output& o) { return o.field == a.field; };
     const auto output = std::find_if(plan->outputs.begin(), plan->outputs.end(), is_a);
     const auto allocated = i > 0 && output != plan->outputs.end() ? static_cast<int>(output->sizes.size()) : -1;
@@ -251,11 +295,12 @@ PlanPtr Parse(PyObject* answer, const Call& c) {
 // The plan memoised under the key of the call read into `c`, else the planner's answer (memoised when a plan or
 // a decline it keeps); null when declined (*reason set) or when the planner raised (a Python exception set).
 PlanPtr Find(const Call& c, std::string* reason) {
-  const auto found = state.plans.find(c.Key());
-  PlanPtr plan = found == state.plans.end() ? nullptr : found->second;
+  auto& plans = c.kind->plans;
+  const auto found = plans.find(c.Key());
+  PlanPtr plan = found == plans.end() ? nullptr : found->second;
   if (plan == nullptr) {
     const uint64_t generation = state.generation;  // the planner's Python code may let other threads run
-    PyObject* planner = Py_NewRef(state.planner);
+    PyObject* planner = Py_NewRef(c.kind->planner);
     PyObject* answer = PyObject_CallOneArg(planner, c.tuple);
     Py_DECREF(planner);
     if (answer == nullptr) return nullptr;
@@ -270,8 +315,8 @@ PlanPtr Find(const Call& c, std::string* reason) {
     plan = plan != nullptr ? plan : Parse(answer, c);
     Py_DECREF(answer);
     if (plan != nullptr && (kept || !plan->launches.empty()) && generation == state.generation) {
-      if (state.plans.size() >= kMaxPlans) state.plans.clear();
-      state.plans.emplace(c.Key(), plan);
+      if (plans.size() >= kMaxPlans) plans.clear();
+      plans.emplace(c.Key(), plan);
     }
   }
   if (plan == nullptr || !plan->launches.empty()) return plan;
@@ -292,13 +337,15 @@ std::pair<uintptr_t, uintptr_t> Span(const DLTensor& t) {
 
 // The plan's address checks (alignments; the contract's: no output given shares memory with another argument).
 bool CheckAddresses(const Plan& plan, const Call& c, std::string* reason) {
+  const auto& fields = c.kind->fields;
   for (const Argument& a : plan.arguments) {
-    if (c.tensors[a.field] != nullptr && (reinterpret_cast<uintptr_t>(c.views[a.field].data) & (a.alignment - 1))) {
-      return *reason = state.fields[a.field].first + " is not " + std::to_string(a.alignment) + "-byte aligned", false;
+    if (a.constant == nullptr && c.tensors[a.field] != nullptr &&
+        (reinterpret_cast<uintptr_t>(c.views[a.field].data) & (a.alignment - 1))) {
+      return *reason = fields[a.field].first + " is not " + std::to_string(a.alignment) + "-byte aligned", false;
     }
   }
   std::array<std::pair<uintptr_t, uintptr_t>, kMaxFields> spans;  // empty for a field without a tensor
-  const auto num_fields = static_cast<Py_ssize_t>(state.fields.size());
+  const auto num_fields = static_cast<Py_ssize_t>(fields.size());
   for (Py_ssize_t f = 0; f < num_fields; ++f) {
     spans[f] = c.tensors[f] != nullptr ? Span(c.views[f]) : std::pair<uintptr_t, uintptr_t>{};
   }
@@ -307,7 +354,7 @@ bool CheckAddresses(const Plan& plan, const Call& c, std::string* reason) {
     for (Py_ssize_t f = 0; f < num_fields; ++f) {
       const auto [other_start, other_end] = spans[f];
       if (other_start < end && start < other_end && f != output.field && start != end && other_start != other_end) {
-        return *reason = state.fields[output.field].first + " shares memory with " + state.fields[f].first, false;
+        return *reason = fields[output.field].first + " shares memory with " + fields[f].first, false;
       }
     }
   }
@@ -316,9 +363,12 @@ bool CheckAddresses(const Plan& plan, const Call& c, std::string* reason) {
 
 // Reads `call`, finds its plan, checks the addresses: whether it applies (else why not, or a Python exception).
 bool Prepare(PyObject* call, Call* c, PlanPtr* plan, std::string* reason) {
-  if (state.planner == nullptr) return (*reason = "the fast path is not configured", false);
-  if (!PyTuple_Check(call) || PyTuple_GET_SIZE(call) != static_cast<Py_ssize_t>(state.fields.size())) {
-    return PyErr_SetString(PyExc_TypeError, "expected a q8kv8.prefill_call.PrefillCall"), false;
+  if (state.kinds.empty()) return (*reason = "the fast path is not configured", false);
+  for (const auto& kind : state.kinds) {
+    if (reinterpret_cast<PyObject*>(Py_TYPE(call)) == kind->type) c->kind = kind;
+  }
+  if (c->kind == nullptr || PyTuple_GET_SIZE(call) != static_cast<Py_ssize_t>(c->kind->fields.size())) {
+    return PyErr_SetString(PyExc_TypeError, "expected a q8kv8.prefill_call.PrefillCall or PagedCall"), false;
   }
   return Read(call, c, reason) && (*plan = Find(*c, reason)) != nullptr && CheckAddresses(**plan, *c, reason);
 }
@@ -377,13 +427,19 @@ int CallLaunch(const Call& c, const Plan& plan, const Launch& launch) {
   const size_t num_tensors = plan.arguments.size();
   for (size_t i = 0; i < num_tensors; ++i) {
     const Argument& argument = plan.arguments[i];
-    const DLTensor& tensor = c.views[argument.field];
+    const DLTensor& tensor = argument.constant != nullptr ? argument.constant_view : c.views[argument.field];
     const bool rows = argument.per_token && (launch.first != 0 || launch.count != tensor.shape[0]);
+    const bool viewed = !argument.sizes.empty();
     (args[i] = TVMFFIAny{}).type_index = kTVMFFIDLTensorPtr;
-    args[i].v_ptr = const_cast<DLTensor*>(&tensor);  // the call's own view, unless retyped or of some rows
-    if (!argument.retyped && !rows) continue;
+    args[i].v_ptr = const_cast<DLTensor*>(&tensor);  // the tensor's own view, unless retyped, re-viewed or rows
+    if (!argument.retyped && !rows && !viewed) continue;
     DLTensor& view = *static_cast<DLTensor*>(args[i].v_ptr = &(views[i] = tensor));
     if (argument.retyped) view.dtype = argument.dtype;
+    if (viewed) {  // the plan's sizes and strides (never per token)
+      view.ndim = static_cast<int32_t>(argument.sizes.size());
+      view.shape = const_cast<int64_t*>(argument.sizes.data());
+      view.strides = const_cast<int64_t*>(argument.strides.data());
+    }
     if (rows) {
       std::copy(tensor.shape, tensor.shape + tensor.ndim, shapes[i].begin());
       shapes[i][0] = launch.count;
@@ -452,27 +508,43 @@ PyObject* Entry(PyObject* /*module*/, PyObject* call) {
   END_HANDLE_TH_ERRORS
 }
 
-// configure(fields, planner, error_kinds): forgets every plan, and takes the call's fields ((name, the dimension
-// of its extent keyed only as zero or not, or -1) pairs), the planner (call -> plan, or (reason, kept)) and the
-// dict of TVM-FFI error kinds -> Python exception types.
+// configure(kinds, error_kinds): forgets every plan, and takes the kinds of call (each a (tuple type, fields,
+// planner) triple: its fields (name, the dimension of its extent keyed only as zero or not, or -1) pairs, its planner
+// call -> plan, or (reason, kept)) and the dict of TVM-FFI error kinds -> Python exception types.
 PyObject* Configure(PyObject* /*module*/, PyObject* args, PyObject* kwargs) {
   ReleaseAll();
-  static const char* names[] = {"fields", "planner", "error_kinds", nullptr};
-  PyObject *fields, *planner, *error_kinds;
-  if (!PyArg_ParseTupleAndKeywords(args, kwargs, "O!OO!:configure", const_cast<char**>(names), &PyTuple_Type,
-                                   &fields, &planner, &PyDict_Type, &error_kinds)) {
+  static const char* names[] = {"kinds", "error_kinds", nullptr};
+  PyObject *kinds, *error_kinds;
+  if (!PyArg_ParseTupleAndKeywords(args, kwargs, "O!O!:configure", const_cast<char**>(names), &PyTuple_Type, &kinds,
+                                   &PyDict_Type, &error_kinds)) {
     return nullptr;
   }
-  bool ok = PyCallable_Check(planner) && static_cast<size_t>(PyTuple_GET_SIZE(fields)) <= kMaxFields;
-  state.fields.clear();
-  for (Py_ssize_t i = 0; ok && i < PyTuple_GET_SIZE(fields); ++i) {
-    const char* name = nullptr;
-    int dim = -1;
-    ok = PyArg_ParseTuple(PyTuple_GET_ITEM(fields, i), "si", &name, &dim) && dim >= -1 && dim < kMaxDims;
-    if (ok) state.fields.emplace_back(name, dim);
+  bool ok = true;
+  for (Py_ssize_t k = 0; ok && k < PyTuple_GET_SIZE(kinds); ++k) {
+    PyObject *type, *fields, *planner;
+    ok = PyArg_ParseTuple(PyTuple_GET_ITEM(kinds, k), "O!O!O", &PyType_Type, &type, &PyTuple_Type, &fields,
+                          &planner) &&
+         PyCallable_Check(planner) && static_cast<size_t>(PyTuple_GET_SIZE(fields)) <= kMaxFields &&
+         PyType_IsSubtype(reinterpret_cast<PyTypeObject*>(type), &PyTuple_Type);
+    if (!ok) break;
+    auto kind = std::make_shared<Kind>();
+    for (Py_ssize_t i = 0; ok && i < PyTuple_GET_SIZE(fields); ++i) {
+      const char* name = nullptr;
+      int dim = -1;
+      ok = PyArg_ParseTuple(PyTuple_GET_ITEM(fields, i), "si", &name, &dim) && dim >= -1 && dim < kMaxDims;
+      if (ok) kind->fields.emplace_back(name, dim);
+    }
+    kind->type = Py_NewRef(type);
+    kind->planner = Py_NewRef(planner);
+    state.kinds.push_back(std::move(kind));
   }
-  if (!ok) return PyErr_SetString(PyExc_ValueError, "configure: expected (name, dim or -1) pairs, a planner"), nullptr;
-  state.planner = Py_NewRef(planner);
+  if (!ok) {
+    ReleaseAll();
+    PyErr_Clear();
+    return PyErr_SetString(PyExc_ValueError, "configure: expected (tuple type, (name, dim or -1) pairs, planner) "
+                                             "triples and a dict of error kinds"),
+           nullptr;
+  }
   state.error_kinds = Py_NewRef(error_kinds);
   Py_RETURN_NONE;
 }
@@ -487,7 +559,7 @@ PyMethodDef methods[] = {
     Q8KV8_METHOD("plan", Entry<kPlan>, METH_O, "plan(call) -> the schedule of the plan launch(call) runs, or -1"),
     Q8KV8_METHOD("decline_reason", Entry<kReason>, METH_O, "decline_reason(call) -> why launch(call) declines, or ''"),
     Q8KV8_METHOD("configure", Configure, METH_VARARGS | METH_KEYWORDS,
-                 "configure(fields, planner, error_kinds): forgets every plan"),
+                 "configure(kinds, error_kinds): forgets every plan"),
     Q8KV8_METHOD("reset", Reset, METH_NOARGS, "reset(): forget the configuration and every plan"),
     {nullptr, nullptr, 0, nullptr},
 };

@@ -94,6 +94,14 @@ def main() -> None:
     )  # fmt: skip
 
     memo = getattr(contract, "_memo", {})
+    # A paged call (V3.2 cache of 8 pages of 64 tokens, bf16 q), if this checkout has one.
+    paged_fwd = getattr(q8kv8, "sparse_mla_q8kv8_paged_fwd", None)
+    paged_inputs = {
+        "q": torch.zeros(S_Q, H_Q, D_QK, dtype=torch.bfloat16),
+        "cache": torch.zeros(8, 64, 1, 656, dtype=torch.uint8),
+        "indices": inputs["indices"],
+        "sm_scale": inputs["sm_scale"],
+    }
 
     def memo_miss(check):
         memo.clear()
@@ -109,6 +117,8 @@ def main() -> None:
             **inputs, **buffers
         ),
     }
+    if paged_fwd is not None:
+        rows["paged call, buffers given (no-op kernel)"] = lambda: paged_fwd(**paged_inputs, **buffers)
     for name, fn in rows.items():
         print(f"{name:48s} {per_call_us(fn):6.2f} us")
 
@@ -131,6 +141,9 @@ def main() -> None:
             ),
             "full call, fast path, allocating": lambda: q8kv8.sparse_mla_q8kv8_prefill_fwd(**inputs),
         }
+        if paged_fwd is not None:
+            fast_rows["paged call, fast path, buffers given"] = lambda: paged_fwd(**paged_inputs, **buffers)
+            fast_rows["paged call, fast path, allocating"] = lambda: paged_fwd(**paged_inputs)
         for name, fn in fast_rows.items():
             print(f"{name:48s} {per_call_us(fn):6.2f} us")
         variant.function = no_op_python  # the layers' kernels: Python no-ops, which the fast path declines
