@@ -149,13 +149,14 @@ def main() -> None:
         variant.function = no_op_python  # the layers' kernels: Python no-ops, which the fast path declines
         extension.configure(**native.constants())
 
-    layer_rows()
+    layer_rows(variant, extension)
 
 
-def layer_rows() -> None:
+def layer_rows(variant, extension) -> None:
     """One ``SparsePrefill`` call (V3.2 cache, 32k prefix, s_q 256, h 16, topk 2048) on each path, its
-    kernels no-ops. Last: every tensor reports ``cuda:0`` from here on (the layer's and the gather's device
-    checks pass) and ``torch.empty`` ignores the device."""
+    kernels no-ops: Python ones (every call on the Python path), then, with ``extension``, TVM-FFI ones (its
+    attention calls on the fast path, as on a GPU). Last: every tensor reports ``cuda:0`` from here on (the
+    layer's and the gather's device checks pass) and ``torch.empty`` ignores the device."""
     from q8kv8 import paged, serving, workspace
 
     page, prefix, s_q, h = 64, 32768, 256, 16
@@ -185,6 +186,18 @@ def layer_rows() -> None:
     torch.cuda.device_count = lambda: 1
     for path, layer in layers.items():
         name = f"SparsePrefill, {path} path (no-op kernels)"
+        print(f"{name:48s} {per_call_us(lambda layer=layer: layer.forward(**inputs), calls=500):6.2f} us")
+    if extension is None:
+        return
+    import tvm_ffi
+
+    from q8kv8 import native
+
+    variant.function = tvm_ffi.convert(lambda *args: None)
+    native.register_device(torch.device("cpu"), 132)
+    native.launch = extension.launch
+    for path, layer in layers.items():
+        name = f"SparsePrefill, {path} path, fast path"
         print(f"{name:48s} {per_call_us(lambda layer=layer: layer.forward(**inputs), calls=500):6.2f} us")
 
 
