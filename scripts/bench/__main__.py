@@ -108,18 +108,29 @@ def bf16_q_inputs(inputs: dict) -> dict:
 
 
 def host_overhead_us(
-    calls: int = 500, runs: int = 20, given_buffers: bool = True, bf16_q: bool = False
+    calls: int = 500, runs: int = 20, given_buffers: bool = True, bf16_q: bool = False, paged: bool = False
 ) -> float:
     """Wall time per call of a tiny problem (validation + launch), with the output buffers given or
-    allocated by each call, for an e4m3 q or a bfloat16 one: the best of ``runs`` runs of ``calls`` launches
-    queued without syncs, after a warm-up. A run stays below the launch queue's depth, so the host never
-    waits for the GPU and the number is the host's own time."""
-    inputs = make_inputs(1, 256, 64, 576, 128, None, "cuda")
-    if bf16_q:
-        inputs = bf16_q_inputs(inputs)
-    out = q8kv8.sparse_mla_q8kv8_prefill_fwd(**inputs)
+    allocated by each call, for an e4m3 q or a bfloat16 one, or (``paged``) a paged call of a bfloat16 q on a
+    V4.1 cache: the best of ``runs`` runs of ``calls`` launches queued without syncs, after a warm-up. A run
+    stays below the launch queue's depth, so the host never waits for the GPU and the number is the host's
+    own time."""
+    if paged:
+        from scripts.bench.paged import make_cache
+
+        q = torch.randn(1, 64, 512, device="cuda").to(torch.bfloat16)
+        indices = torch.randint(0, 256, (1, 1, 128), dtype=torch.int32, device="cuda")
+        cache = make_cache(256, "v41")
+        function = functools.partial(q8kv8.sparse_mla_q8kv8_paged_fwd, q, cache, indices, 0.04)
+        inputs = {}
+    else:
+        inputs = make_inputs(1, 256, 64, 576, 128, None, "cuda")
+        if bf16_q:
+            inputs = bf16_q_inputs(inputs)
+        function = q8kv8.sparse_mla_q8kv8_prefill_fwd
+    out = function(**inputs)
     buffers = {"out": out[0], "max_logits": out[1], "lse": out[2]} if given_buffers else {}
-    call = functools.partial(q8kv8.sparse_mla_q8kv8_prefill_fwd, **inputs, **buffers)
+    call = functools.partial(function, **inputs, **buffers)
     return host_us(call, calls, runs, warmup=4 * calls)  # warm-up: caches, allocator, CPU clocks
 
 
@@ -254,6 +265,12 @@ def main(argv: list[str] | None = None) -> int:
             f"the same for a bfloat16 q: {report['host_overhead_bf16q_us']:.1f} us with output buffers "
             f"given, {report['host_overhead_bf16q_allocating_us']:.1f} us allocating them"
         )
+    report["host_overhead_paged_us"] = host_overhead_us(paged=True)
+    report["host_overhead_paged_allocating_us"] = host_overhead_us(given_buffers=False, paged=True)
+    print(
+        f"a paged call (V4.1 cache, bfloat16 q): {report['host_overhead_paged_us']:.1f} us with output "
+        f"buffers given, {report['host_overhead_paged_allocating_us']:.1f} us allocating them"
+    )
     if not args.no_schedules:
         from scripts.bench import schedules
 
