@@ -163,8 +163,9 @@ def sparse_mla_q8kv8_paged_fwd(
         if is_compiling():
             return paged_extra.attend(call, extra, ops.call_paged_traced, ops.call_traced, ops.gather_traced)
         paged_extra.check_extra(call, extra)
-        run_paged = eager.run_paged
-        return paged_extra.attend(call, extra, run_paged, eager.run, paged_extra.gather_rows, run_paged)
+        return paged_extra.attend(
+            call, extra, eager.run_paged, eager.run, paged_extra.gather_rows, eager.run_paged
+        )
     return attend_paged(call)
 
 

@@ -1,10 +1,11 @@
 // q8kv8's eager fast path: a CPython extension, built against torch and linked to TVM-FFI, that runs the launch
 // plans q8kv8.native computes in Python (q8kv8/native.py builds, loads and configures it, and tells the design).
-// launch(call) reads a call's arguments (a PrefillCall or a PagedCall: a kind of call each) into a key, takes the plan memoised under it (else asks the
-// configured planner and memoises its plan or kept decline), checks the addresses the plan names, allocates
-// absent outputs, launches the plan's TVM-FFI functions on torch's current stream and returns the outputs; else
-// None, having launched nothing (the Python path takes the call). No rule of the call is written here. All runs
-// with the GIL held; the planner and Python-defined variants may let other threads run, hence shared_ptr plans.
+// launch(call) reads a call's arguments (a PrefillCall or a PagedCall: a kind of call each) into a key, takes the
+// plan memoised under it (else asks its kind's planner and memoises its plan or kept decline), checks the addresses
+// the plan names, allocates absent outputs, launches the plan's TVM-FFI functions on torch's current stream and
+// returns the outputs; else None, having launched nothing (the Python path takes the call). No rule of the call is
+// written here. All runs with the GIL held; the planner and Python-defined variants may let other threads run,
+// hence shared_ptr plans and kinds.
 
 #include <Python.h>
 
@@ -43,8 +44,9 @@ constexpr size_t kMaxFields = 32;  // of a call; and arguments of a launch, tens
 constexpr int kMaxDims = 8;  // of a tensor read here
 constexpr size_t kMaxPlans = 4096;  // memoised before the memo is emptied
 
-struct Argument {  // the call's tensor `field` (or the plan's constant tensor), viewed as `dtype` when retyped,
-                  // with `sizes` and `strides` when given (else its own), a launch's rows when per_token
+// A kernel argument: the call's tensor `field` (or the plan's constant tensor), viewed as `dtype` when retyped, with
+// `sizes` and `strides` when given (else its own), a launch's rows when per_token.
+struct Argument {
   Py_ssize_t field = -1;  // -1: the constant
   PyObject* constant = nullptr;  // owned by the plan (a torch.Tensor the planner holds for every call)
   DLTensor constant_view{};
@@ -207,8 +209,6 @@ bool Read(PyObject* call, Call* c, std::string* reason) {
   return true;
 }
 
-// The planner's plan for the call read into `c` (and every call of its key), or null with a Python exception
-// set (a malformed one, a bug of the planner: its tensor arguments and outputs must be the call's tensors).
 // `sizes` and `strides` of an argument's view (None, or tuples of as many ints, at most kMaxDims): whether valid.
 bool ParseView(PyObject* sizes, PyObject* strides, Argument* argument) {
   if (sizes == Py_None || strides == Py_None) return sizes == strides;
@@ -224,6 +224,9 @@ bool ParseView(PyObject* sizes, PyObject* strides, Argument* argument) {
   return true;
 }
 
+// The planner's plan for the call read into `c` (and every call of its key), or null with a Python exception
+// set (a malformed one, a bug of the planner: its tensor arguments and outputs must be the call's tensors or
+// constants it holds).
 PlanPtr Parse(PyObject* answer, const Call& c) {
   auto plan = std::make_shared<Plan>();
   const auto num_fields = static_cast<Py_ssize_t>(c.kind->fields.size());
@@ -508,9 +511,9 @@ PyObject* Entry(PyObject* /*module*/, PyObject* call) {
   END_HANDLE_TH_ERRORS
 }
 
-// configure(kinds, error_kinds): forgets every plan, and takes the kinds of call (each a (tuple type, fields,
-// planner) triple: its fields (name, the dimension of its extent keyed only as zero or not, or -1) pairs, its planner
-// call -> plan, or (reason, kept)) and the dict of TVM-FFI error kinds -> Python exception types.
+// configure(kinds, error_kinds): forgets every plan, and takes the kinds of call, each a (tuple type, fields,
+// planner) triple (fields: (name, the dimension of its extent keyed only as zero or not, or -1) pairs; planner:
+// call -> plan, or (reason, kept)), and the dict of TVM-FFI error kinds -> Python exception types.
 PyObject* Configure(PyObject* /*module*/, PyObject* args, PyObject* kwargs) {
   ReleaseAll();
   static const char* names[] = {"kinds", "error_kinds", nullptr};
