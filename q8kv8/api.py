@@ -133,9 +133,9 @@ def sparse_mla_q8kv8_paged_fwd(
         extra_topk_length: optional [s_q] int32, the number of leading slots of ``extra_indices`` to consider
             (clamped as ``topk_length``).
 
-    Each selected row is read from the cache as it is: its e4m3 values with their block scales (V3.2, and V4
-    with S summed in float32: the QK product summed in float32 per scale group; V4 otherwise, V4.1: the row
-    rescaled to one power-of-two scale, exact for power-of-two scales; V at one power-of-two scale per row,
+    Each selected row is read from the cache as it is: its e4m3 values with their block scales (V3.2: the QK
+    product summed in float32 per scale group; V4, V4.1: the row rescaled to one power-of-two scale, exact
+    for power-of-two scales; V at one power-of-two scale per row,
     which P carries), a bf16 RoPE as two e4m3 terms with a power-of-two scale of its own row (V4's V: one
     term). Same outputs, sentinels, head counts (any h_q, in tiles of 64 heads), errors and CUDA-graph
     behaviour as ``sparse_mla_q8kv8_prefill_fwd``; under ``torch.compile`` the custom op

@@ -30,7 +30,7 @@ from q8kv8.api import attend, attend_paged, sparse_mla_q8kv8_paged_fwd
 from q8kv8.arguments import require_int
 from q8kv8.checks import cache_geometry
 from q8kv8.contract import check_ranges_enabled
-from q8kv8.kv_layout import PAGED_ATTENTION_LAYOUTS, KvCacheLayout
+from q8kv8.kv_layout import PAGED_ATTENTION_LAYOUTS, RECORDS_FROM, RECORDS_LAYOUT, KvCacheLayout
 from q8kv8.merge import merge_attention
 from q8kv8.metadata import D_V, LOGITS_IN_FLOAT32, PRECISIONS, TOPK_ALIGNMENT, topk_length_from_seqlens
 from q8kv8.paged_gather import gather_dequant_paged, slot_words
@@ -312,21 +312,25 @@ class SparsePrefill:
         return _Part(rows._replace(indices=indices), layout, page_size, d_qk, topk_pad, path)
 
     def _paged_call_of_two(self, q, parts: list[_Part], sm_scale, attn_sink):
-        """``forward_merged`` of two prepared parts that both take the paged path on caches of one layout, as
-        one paged call with the second cache as its extra cache; None (nothing launched) for any other
-        parts."""
-        if (
-            len(parts) != 2
-            or any(part.path != "paged" for part in parts)
-            or parts[0].layout != parts[1].layout
-        ):
+        """``forward_merged`` of two prepared parts as one paged call, the second cache its extra cache, where
+        the paged call reads both in one launch: two parts on the paged path on caches of one layout, or a
+        V4.1 part on the paged path and a V4.1 FP4 part (in either order; the FP4 cache's selected slots
+        gathered as V4.1 records, ``q8kv8.paged_extra``). None (nothing launched) for any other parts."""
+        if len(parts) != 2:
             return None
-        (slots, topk_length), extra = (self._slot_indices(part) for part in parts)
+        main, extra = parts
+        if main.layout.name == RECORDS_FROM:
+            main, extra = extra, main
+        records = (main.layout.name, extra.layout.name) == (RECORDS_LAYOUT, RECORDS_FROM)
+        same_layout = extra.path == "paged" and extra.layout == main.layout
+        if main.path != "paged" or not (records or same_layout):
+            return None
+        (slots, topk_length), extra_slots = (self._slot_indices(part) for part in (main, extra))
         sink = None if attn_sink is None else attn_sink.contiguous()
         self.last_path = "paged"
         return self.kernels.attention_paged(
-            self._kernel_q(q), parts[0].rows.cache, slots, sm_scale, sink, topk_length, self.precision,
-            extra=(parts[1].rows.cache, *extra),
+            self._kernel_q(q), main.rows.cache, slots, sm_scale, sink, topk_length, self.precision,
+            extra=(extra.rows.cache, *extra_slots),
         )  # fmt: skip
 
     def _slot_indices(self, part: _Part):
@@ -398,8 +402,9 @@ class SparsePrefill:
         top-k rows and the SWA cache's window): one ``forward`` per part without the sink, with S summed in
         float32 (``LOGITS_IN_FLOAT32``), merged exactly by their lse (``q8kv8.merge.merge_attention``), then
         the sink. Returns what ``forward`` returns; ``last_path`` is the parts' paths joined by "+". Two parts
-        that would both take the paged path on caches of one layout are instead one paged call, the second
-        cache its ``extra_cache`` (read in the same launch, one softmax; ``last_path`` "paged"). A part's
+        that would both take the paged path on caches of one layout, or a V4.1 part on the paged path and a
+        V4.1 FP4 part, are instead one paged call, the second cache its ``extra_cache`` (read in the same
+        launch, one softmax, the layer's precision; ``last_path`` "paged"). A part's
         weight is off by exp(its lse's absolute error); with the FP8 tensor cores' own sums that was, at
         dominant logits of 20-30, about 2% on the paged path and 5-25% on the workspace path
         (``docs/usage.md``, "Serving path"). Each part keeps its own page table, seqlens, compress ratio and

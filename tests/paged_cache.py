@@ -336,11 +336,12 @@ def ground_truth(batch, layout, sm_scale, attn_sink=None, kv_format="f64", quant
 
 def union_ground_truth(q, batches, layout, sm_scale, attn_sink=None, kv_format="f64", quantize_q=False):
     """``ground_truth`` of ``q`` over the union of the rows each batch (a cache of its own) lets a query see:
-    one softmax over them all."""
+    one softmax over them all. ``layout``: the caches' layout, or a list of each batch's."""
     from q8kv8.reference import sparse_mla_prefill_reference
 
+    layouts = [layout] * len(batches) if isinstance(layout, str) else layout
     rows, indices = [], []
-    for batch in batches:
+    for batch, layout in zip(batches, layouts, strict=True):
         slots = batch["page_table"].tolist()
         kv = [decode_token_f64(batch["cache"], s, batch["page_size"], layout) for s in slots]
         topk = batch["indices"].shape[1]

@@ -917,6 +917,44 @@ def test_forward_merged_attends_two_caches_as_one_softmax(generator, path):
         prefill.forward_merged(q, [], SM_SCALE)
 
 
+@pytest.mark.parametrize("path", ["auto", "paged", "workspace"])
+@pytest.mark.parametrize("fp4_first", [False, True])
+def test_forward_merged_reads_a_v41_fp4_cache_in_the_v41_paged_call(generator, path, fp4_first):
+    """A V4.1 cache and its FP4 cache: where the V4.1 part takes the paged path ("auto" on a decode step, or
+    forced), ``forward_merged`` runs one paged call with the FP4 cache as its extra cache (its selected slots
+    read as V4.1 records), in either order of the parts, the layer's precision as it is; on the workspace
+    path the parts are merged by lse. Against the float64 attention over the union of the rows."""
+    main = make_batch("v41", 64, 0, h=20, topk=16, generator=generator)
+    fp4 = make_batch("v41_fp4", 64, 0, h=20, topk=8, generator=generator)  # the same queries
+    one = slice(len(main["q"]) - 1, None)  # the last query alone: a decode step over the prefix
+    for batch in (main, fp4):
+        for name in ("q", "indices", "seqlens", "n_valid"):
+            batch[name] = batch[name][one]
+    sink = torch.randn(20, generator=generator)
+    calls = []
+    prefill = SparsePrefill(
+        "fp8", path=path, kernels=recording_kernels(calls), workspace=SparsePrefillWorkspace("cpu")
+    )
+    batches, layouts = [main, fp4], ["v41", "v41_fp4"]
+    if fp4_first:
+        batches, layouts = batches[::-1], layouts[::-1]
+    parts = [
+        CacheRows(b["cache"], b["page_table"], b["indices"], b["seqlens"], b["compress_ratio"])
+        for b in batches
+    ]
+    got = prefill.forward_merged(main["q"], parts, SM_SCALE, sink)
+    if path == "workspace":
+        assert prefill.last_path == "workspace+workspace" and len(calls) == 2
+        kv_format = "e4m3"
+    else:
+        assert prefill.last_path == "paged" and len(calls) == 1
+        assert calls[0]["cache"] is main["cache"] and calls[0]["extra"][0] is fp4["cache"]
+        assert calls[0]["precision"] == prefill.precision and calls[0]["attn_sink"] is not None
+        kv_format = "f64"
+    truth = union_ground_truth(main["q"], batches, layouts, SM_SCALE, sink, kv_format, quantize_q=True)
+    assert_close_to_truth(got, truth, out_tol=4e-3, stat_tol=1e-6)
+
+
 def test_info_says_what_the_layer_runs(generator):
     batch = make_batch("v32", 64, 0, h=20, topk=16, generator=generator)
     paged, _ = run_pipeline(batch, "fp8", path="paged")

@@ -244,6 +244,39 @@ def test_forward_merged_attends_two_caches_as_one_softmax(generator, path, preci
     )
 
 
+@pytest.mark.parametrize("precision", ["default", "accurate"])
+@pytest.mark.parametrize("path", ["auto", "paged"])
+def test_forward_merged_reads_a_v41_fp4_cache_in_the_v41_paged_call(generator, path, precision):
+    """A decode step over a V4.1 cache and its FP4 cache: ``forward_merged`` is one paged call with the FP4
+    cache as its extra cache, the public call's result bit for bit (the slots its indices select through
+    each page table, their topk_length, the layer's precision), and matches the float64 attention over the
+    union of the rows within the bounds of FP4 values rounded to V4.1's records (test_paged_extra_gpu.py)."""
+    main = make_batch("v41", 64, 0, h=20, topk=16, generator=generator)
+    fp4 = make_batch("v41_fp4", 64, 0, h=20, topk=8, generator=generator)  # the same queries
+    for batch in (main, fp4):  # the last query alone: a decode step, which "auto" runs paged
+        for name in ("q", "indices", "seqlens", "n_valid"):
+            batch[name] = batch[name][-1:]
+    sink = torch.randn(20, generator=generator)
+    prefill = SparsePrefill("fp8", precision=precision, path=path)
+    on_gpu = [cuda_batch(b) for b in (main, fp4)]
+    parts = [CacheRows(b["cache"], b["page_table"], b["indices"], b["seqlens"], 0) for b in on_gpu]
+    got = prefill.forward_merged(on_gpu[0]["q"], parts, SM_SCALE, sink.cuda())
+    assert prefill.last_path == "paged"
+    (slots, topk_length), (extra_slots, extra_topk_length) = (
+        slot_indices_reference(b["indices"], b["page_table"], b["seqlens"], 0, 128) for b in on_gpu
+    )
+    want = sparse_mla_q8kv8_paged_fwd(
+        on_gpu[0]["q"], on_gpu[0]["cache"], slots, SM_SCALE, None, 512, sink.cuda(), topk_length,
+        precision=precision, extra_cache=on_gpu[1]["cache"], extra_indices=extra_slots,
+        extra_topk_length=extra_topk_length,
+    )  # fmt: skip
+    torch.cuda.synchronize()
+    for a, b in zip(got, want, strict=True):
+        assert torch.equal(a, b)
+    truth = union_ground_truth(main["q"], [main, fp4], ["v41", "v41_fp4"], SM_SCALE, sink, "f64", True)
+    assert_matches(got, truth, out_tol=8e-2, stat_tol=0.15)
+
+
 @pytest.mark.parametrize("compress_ratio", [0, 4, 128])
 @pytest.mark.parametrize("layout", ["model1", "v32"])
 def test_forward_bf16_matches_float64_ground_truth(generator, layout, compress_ratio):

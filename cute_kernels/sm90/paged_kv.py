@@ -8,7 +8,7 @@ e4m3 or bf16, bit-exact with ``q8kv8.reference.gather_dequant_paged_reference``.
 block scale in float32 (exact but for float32 subnormals), rounded once to the output type; e2m1 values
 are first widened to the e4m3 values they equal (a byte permute). One thread per 16-byte output chunk.
 From a V4.1 FP4 cache ``out`` may instead be [rows, 528] uint8, each row a record of V4.1's layout,
-bit-exact with ``q8kv8.reference.fp4_rows_as_v41_reference``: per 32 values (two FP4 scale blocks) the
+bit-exact with ``q8kv8.reference.fp4_rows_as_v41``: per 32 values (two FP4 scale blocks) the
 UE8M0 scale 2^E, E the least with 6 * (the larger block scale) <= 448 * 2^E (0 for zero scales), each
 value times its block scale times 2^-E rounded once to e4m3; and ``rows`` [num_tokens] int32 the record each
 slot went to, r, or -1 for a slot outside the cache (the paged kernel's index slots of the records). Layouts
