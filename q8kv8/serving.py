@@ -314,14 +314,18 @@ class SparsePrefill:
     def _paged_call_of_two(self, q, parts: list[_Part], sm_scale, attn_sink):
         """``forward_merged`` of two prepared parts as one paged call, the second cache its extra cache, where
         the paged call reads both in one launch: two parts on the paged path on caches of one layout, or a
-        V4.1 part on the paged path and a V4.1 FP4 part (in either order; the FP4 cache's selected slots
-        gathered as V4.1 records, ``q8kv8.paged_extra``). None (nothing launched) for any other parts."""
+        V4.1 part on the paged path and a V4.1 FP4 part of pages of a power-of-two size (in either order; the
+        FP4 cache's selected slots gathered as V4.1 records, ``q8kv8.paged_extra``). None (nothing launched)
+        for any other parts."""
         if len(parts) != 2:
             return None
         main, extra = parts
         if main.layout.name == RECORDS_FROM:
             main, extra = extra, main
-        records = (main.layout.name, extra.layout.name) == (RECORDS_LAYOUT, RECORDS_FROM)
+        # (the paged call reads an extra cache of pages of a power-of-two size; the workspace path any)
+        records = (main.layout.name, extra.layout.name) == (RECORDS_LAYOUT, RECORDS_FROM) and not (
+            extra.page_size & (extra.page_size - 1)
+        )
         same_layout = extra.path == "paged" and extra.layout == main.layout
         if main.path != "paged" or not (records or same_layout):
             return None

@@ -336,25 +336,28 @@ def ground_truth(batch, layout, sm_scale, attn_sink=None, kv_format="f64", quant
 
 def union_ground_truth(q, batches, layout, sm_scale, attn_sink=None, kv_format="f64", quantize_q=False):
     """``ground_truth`` of ``q`` over the union of the rows each batch (a cache of its own) lets a query see:
-    one softmax over them all. ``layout``: the caches' layout, or a list of each batch's."""
+    one softmax over them all. ``layout`` and ``kv_format``: the caches', or a list of each batch's."""
     from q8kv8.reference import sparse_mla_prefill_reference
 
     layouts = [layout] * len(batches) if isinstance(layout, str) else layout
+    kv_formats = [kv_format] * len(batches) if isinstance(kv_format, str) else kv_format
     rows, indices = [], []
-    for batch, layout in zip(batches, layouts, strict=True):
+    for batch, layout, kv_format in zip(batches, layouts, kv_formats, strict=True):
         slots = batch["page_table"].tolist()
-        kv = [decode_token_f64(batch["cache"], s, batch["page_size"], layout) for s in slots]
+        kv = torch.tensor(
+            [decode_token_f64(batch["cache"], s, batch["page_size"], layout) for s in slots],
+            dtype=torch.float64,
+        ).reshape(len(slots), FORMATS[layout][0] + FORMATS[layout][1])
+        if kv_format == "e4m3":
+            kv = e4m3_round(kv.float())
+        elif kv_format == "bf16":
+            kv = kv.float().to(torch.bfloat16).double()
         topk = batch["indices"].shape[1]
         valid = torch.arange(topk)[None, :] < batch["n_valid"][:, None]
         first = sum(len(r) for r in rows)
         indices.append(torch.where(valid, batch["indices"].long() + first, -1))
         rows.append(kv)
-    kv = torch.tensor([r for part in rows for r in part], dtype=torch.float64)
-    kv = kv.reshape(kv.shape[0], 1, -1)
-    if kv_format == "e4m3":
-        kv = e4m3_round(kv.float())
-    elif kv_format == "bf16":
-        kv = kv.float().to(torch.bfloat16).double()
+    kv = torch.cat(rows).reshape(-1, 1, rows[0].shape[1])
     q = q.double()
     if quantize_q:
         amax = q.abs().amax(dim=-1, keepdim=True)

@@ -955,6 +955,25 @@ def test_forward_merged_reads_a_v41_fp4_cache_in_the_v41_paged_call(generator, p
     assert_close_to_truth(got, truth, out_tol=4e-3, stat_tol=1e-6)
 
 
+def test_forward_merged_merges_a_v41_fp4_part_of_other_page_sizes(generator):
+    """An FP4 cache of pages of 48 tokens (which the paged call does not read; the gather does): its part
+    stays on the workspace path, merged by lse with the V4.1 part's paged call."""
+    main = make_batch("v41", 64, 0, h=20, topk=16, generator=generator)
+    fp4 = make_batch("v41_fp4", 48, 0, h=20, topk=8, generator=generator)
+    for batch in (main, fp4):
+        for name in ("q", "indices", "seqlens", "n_valid"):
+            batch[name] = batch[name][-1:]
+    sink = torch.randn(20, generator=generator)
+    prefill = SparsePrefill("fp8", kernels=reference_kernels(), workspace=SparsePrefillWorkspace("cpu"))
+    parts = [CacheRows(b["cache"], b["page_table"], b["indices"], b["seqlens"], 0) for b in (main, fp4)]
+    got = prefill.forward_merged(main["q"], parts, SM_SCALE, sink)
+    assert prefill.last_path == "paged+workspace"
+    # the V4.1 rows as the paged call reads them (exactly), the FP4 rows as the workspace holds them
+    layouts, kv_formats = ["v41", "v41_fp4"], ["f64", "e4m3"]
+    truth = union_ground_truth(main["q"], [main, fp4], layouts, SM_SCALE, sink, kv_formats, True)
+    assert_close_to_truth(got, truth, out_tol=4e-3, stat_tol=1e-6)
+
+
 def test_info_says_what_the_layer_runs(generator):
     batch = make_batch("v32", 64, 0, h=20, topk=16, generator=generator)
     paged, _ = run_pipeline(batch, "fp8", path="paged")
