@@ -319,22 +319,25 @@ def _reference_attention_bf16(q, kv, indices, sm_scale, attn_sink, topk_length):
 
 def slot_indices_reference(indices, page_table, seqlens, compress_ratio: int, topk_pad: int):
     """The slot-index kernel in PyTorch: ``(slots [s_q, 1, topk_pad] int32, topk_length [s_q] int32)``;
-    ``slots[i, 0, j] = page_table[indices[i, j]]`` where that entry exists (and, for an int64 table, is below
-    2^31), else -1; ``topk_length`` is ``topk_length_for(seqlens, compress_ratio, topk)``."""
+    ``topk_length`` is ``topk_length_for(seqlens, compress_ratio, topk)``, ``slots[i, 0, j] =
+    page_table[indices[i, j]]`` for ``j < topk_length[i]`` where that entry exists (and, for an int64 table,
+    is below 2^31), else -1."""
     s_q, topk = indices.shape
     rows = page_table.shape[0]
-    index = indices.long()
-    valid = (index >= 0) & (index < rows)
-    slots = page_table.long()[index.clamp(0, max(rows - 1, 0))] if rows else index
-    valid &= (slots >= 0) & (slots < 2**31)
-    out = torch.full((s_q, 1, topk_pad), -1, dtype=torch.int32, device=indices.device)
-    out[:, 0, :topk] = torch.where(valid, slots, -1).to(torch.int32)
     seen = (
         seqlens.long()
         if compress_ratio == 0
         else torch.div(seqlens.long(), compress_ratio, rounding_mode="floor")
     )
-    return out, seen.clamp(0, topk).to(torch.int32)
+    length = seen.clamp(0, topk)
+    index = indices.long()
+    valid = (index >= 0) & (index < rows)
+    valid &= torch.arange(topk, device=indices.device)[None, :] < length[:, None]
+    slots = page_table.long()[index.clamp(0, max(rows - 1, 0))] if rows else index
+    valid &= (slots >= 0) & (slots < 2**31)
+    out = torch.full((s_q, 1, topk_pad), -1, dtype=torch.int32, device=indices.device)
+    out[:, 0, :topk] = torch.where(valid, slots, -1).to(torch.int32)
+    return out, length.to(torch.int32)
 
 
 def _reference_attention_paged(q, cache, slots, sm_scale, attn_sink, topk_length, precision=None, extra=None):

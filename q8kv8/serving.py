@@ -55,7 +55,8 @@ class PrefillKernels(NamedTuple):
 
     - ``slot_indices(indices, page_table, seqlens, compress_ratio, topk_pad) -> (slots, topk_length)``:
       ``slots`` [s_q, 1, topk_pad] int32 token slots (``page_table[indices]`` for the entries in
-      ``[0, len(page_table))``, else -1), ``topk_length`` [s_q] int32 (``topk_length_for``);
+      ``[0, len(page_table))`` before ``topk_length``, else -1), ``topk_length`` [s_q] int32
+      (``topk_length_for``);
     - ``attention_paged(q, cache, slots, sm_scale, attn_sink, topk_length, precision, extra=None) -> (out,
       max_logits, lse)``: the ``sparse_mla_q8kv8_paged_fwd`` contract on a bfloat16 q; ``extra``: None, or
       ``(extra_cache, extra_slots, extra_topk_length)``, a second cache attended in the same softmax;
@@ -329,12 +330,14 @@ class SparsePrefill:
         same_layout = extra.path == "paged" and extra.layout == main.layout
         if main.path != "paged" or not (records or same_layout):
             return None
-        (slots, topk_length), extra_slots = (self._slot_indices(part) for part in (main, extra))
+        # Each part's slots are -1 from its topk_length on (the slot-index kernel): the joined index row needs
+        # no mask, so the call takes no topk_length (the joined row's kernel reads none either)
+        slots, extra_slots = (self._slot_indices(part)[0] for part in (main, extra))
         sink = None if attn_sink is None else attn_sink.contiguous()
         self.last_path = "paged"
         return self.kernels.attention_paged(
-            self._kernel_q(q), main.rows.cache, slots, sm_scale, sink, topk_length, self.precision,
-            extra=(extra.rows.cache, *extra_slots),
+            self._kernel_q(q), main.rows.cache, slots, sm_scale, sink, None, self.precision,
+            extra=(extra.rows.cache, extra_slots, None),
         )  # fmt: skip
 
     def _slot_indices(self, part: _Part):

@@ -790,23 +790,31 @@ def test_merged_parts_sum_logits_in_float32(generator, path):
 @pytest.mark.parametrize("table_dtype", [torch.int32, torch.int64])
 @pytest.mark.parametrize("compress_ratio", [0, 4, 128])
 def test_slot_indices_map_rows_to_slots_and_count_the_valid_ones(generator, table_dtype, compress_ratio):
-    """Rows of the page table to its slots, -1 for every other entry (negative, past the table, an int64
-    entry at 2^31 or more), padded with -1 to the padded top-k; the valid counts as ``topk_length_for``."""
+    """Rows of the page table to its slots before each query's valid count, -1 for every other entry
+    (negative, past the table, an int64 entry at 2^31 or more, at or past the count), padded with -1 to the
+    padded top-k; the valid counts as ``topk_length_for``."""
     table = torch.randint(0, 10000, (300,), generator=generator).to(table_dtype)
     if table_dtype == torch.int64:
         table[7] = 2**31
     indices = torch.randint(-5, 310, (9, 200), generator=generator, dtype=torch.int32)
     indices[0, :3] = torch.tensor([7, 299, 300])
     seqlens = torch.randint(0, 3000, (9,), generator=generator)
+    seqlens[0] = 200 * max(compress_ratio, 1) + 5  # every slot of row 0 counts
+    seqlens[1] = 50 * max(compress_ratio, 1)  # 50 of row 1's
     slots, topk_length = slot_indices_reference(indices, table, seqlens, compress_ratio, 256)
     assert slots.shape == (9, 1, 256) and slots.dtype == topk_length.dtype == torch.int32
+    assert torch.equal(topk_length, serving.topk_length_for(seqlens, compress_ratio, 200))
+    assert topk_length[0] == 200 and topk_length[1] == 50
     expected = [
-        [int(table[i]) if 0 <= i < 300 and int(table[i]) < 2**31 else -1 for i in row.tolist()] + [-1] * 56
-        for row in indices
+        [
+            int(table[i]) if 0 <= i < 300 and int(table[i]) < 2**31 and j < length else -1
+            for j, i in enumerate(row.tolist())
+        ]
+        + [-1] * 56
+        for row, length in zip(indices, topk_length.tolist(), strict=True)
     ]
     assert slots[:, 0].tolist() == expected
     assert slots[0, 0, :3].tolist()[1:] == [int(table[299]), -1]
-    assert torch.equal(topk_length, serving.topk_length_for(seqlens, compress_ratio, 200))
 
 
 def test_auto_path_attends_from_the_cache_when_the_workspace_would_gather_more(generator):
@@ -949,6 +957,7 @@ def test_forward_merged_reads_a_v41_fp4_cache_in_the_v41_paged_call(generator, p
     else:
         assert prefill.last_path == "paged" and len(calls) == 1
         assert calls[0]["cache"] is main["cache"] and calls[0]["extra"][0] is fp4["cache"]
+        assert calls[0]["extra"][2] is None  # each part's slots -1 from its length on: nothing to mask
         assert calls[0]["precision"] == prefill.precision and calls[0]["attn_sink"] is not None
         kv_format = "f64"
     truth = union_ground_truth(main["q"], batches, layouts, SM_SCALE, sink, kv_format, quantize_q=True)

@@ -1,10 +1,12 @@
 """A serving layer's top-k rows -> the paged cache's token slots, and each query's valid slot count.
 
-``slots[i, 0, j] = page_table[indices[i, j]]`` for ``j < topk`` and ``0 <= indices[i, j] < num_rows`` (an
-int64 table's entries at or above 2^31 count as outside), else -1, for every ``j`` of the padded top-k of
-``slots``; ``topk_length[i] = min(max(seqlens[i] // ratio, 0), topk)`` (``seqlens[i]`` itself for ratio 0):
-the rows a query of a compressed (ratio r) or uncompressed cache sees, of the top-k the caller gave. One
-launch for what a layer would otherwise compute in several PyTorch operations.
+``topk_length[i] = min(max(seqlens[i] // ratio, 0), topk)`` (``seqlens[i]`` itself for ratio 0): the rows a
+query of a compressed (ratio r) or uncompressed cache sees, of the top-k the caller gave;
+``slots[i, 0, j] = page_table[indices[i, j]]`` for ``j < topk_length[i]`` and ``0 <= indices[i, j] <
+num_rows`` (an int64 table's entries at or above 2^31 count as outside), else -1, for every ``j`` of the
+padded top-k of ``slots``: a row of slots is valid without its length (two rows joined, one cache's after
+the other's, need no mask). One launch for what a layer would otherwise compute in several PyTorch
+operations.
 
 Latency-bound (two dependent loads an entry): CTA (i, c) covers entries ``c * ENTRIES_PER_CTA ..`` of query
 row i, and each thread loads its ``ENTRIES_PER_THREAD`` indices before it looks any of them up, so a CTA
@@ -55,6 +57,7 @@ class PagedIndicesSm90:
             j = first + k * THREADS
             if j < topk:
                 indices[k] = mIndices[row, j]
+        length = self.topk_length(mSeqlens, row, ratio, topk)  # every thread, its loads beside the indices'
         slots = [Int32(-1)] * ENTRIES_PER_THREAD
         for k in cutlass.range_constexpr(ENTRIES_PER_THREAD):  # every lookup issued before any store
             index = indices[k]
@@ -67,15 +70,24 @@ class PagedIndicesSm90:
         for k in cutlass.range_constexpr(ENTRIES_PER_THREAD):
             j = first + k * THREADS
             if j < topk_pad:
-                mSlots[row, 0, j] = slots[k]
+                slot = slots[k]
+                if j >= length:
+                    slot = Int32(-1)
+                mSlots[row, 0, j] = slot
         if (thread == 0) & (column_cta == 0):
-            seen = mSeqlens[row, 0]
-            if cute.size(mSeqlens, mode=[1]) > 1:  # int64: at or beyond 2^31 counts as 2^31 - 1
-                high = mSeqlens[row, 1]
-                if high < 0:
-                    seen = Int32(0)
-                elif (high > 0) | (seen < 0):
-                    seen = Int32(2**31 - 1)
-            if ratio > 0:
-                seen = seen // ratio
-            mTopkLength[row] = cutlass.min(cutlass.max(seen, 0), topk)
+            mTopkLength[row] = length
+
+    @cute.jit
+    def topk_length(self, mSeqlens, row, ratio: Int32, topk) -> Int32:
+        """Row ``row``'s ``min(max(seqlens // ratio, 0), topk)`` (an int64 seqlens at or beyond 2^31 counts as
+        2^31 - 1, a negative one as 0)."""
+        seen = mSeqlens[row, 0]
+        if cute.size(mSeqlens, mode=[1]) > 1:  # int64: its high word
+            high = mSeqlens[row, 1]
+            if high < 0:
+                seen = Int32(0)
+            elif (high > 0) | (seen < 0):
+                seen = Int32(2**31 - 1)
+        if ratio > 0:
+            seen = seen // ratio
+        return cutlass.min(cutlass.max(seen, 0), topk)
