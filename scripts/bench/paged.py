@@ -15,7 +15,8 @@
   V4.1 rows of one seed hold the same tokens.
 - **Extra cache** (``extra_rows``): decode with a second cache in the same softmax (V4.1's FP4 cache next
   to its main cache, or two caches of one layout, as V4's compressed and SWA rows): both against the main
-  cache alone.
+  cache alone; then the serving layer's step over both (``layer_rows``: ``SparsePrefill.forward_merged``,
+  page tables of every token, the indices request-local rows) against the paged call on the same slots.
 - **Precisions** (``precision_rows``): against float64 on the exactly dequantised cache (V3.2, V4, V4.1),
   with rows whose largest logit is 20-30: ``||out - ref|| / ||ref||`` and the worst relative error (with its
   sign) of max_logits and lse, for every precision, the paged call and the workspace path, 64 heads (tiles
@@ -34,7 +35,7 @@ from q8kv8 import sparse_mla_q8kv8_paged_fwd, sparse_mla_q8kv8_prefill_fwd
 from q8kv8.metadata import PRECISIONS
 from q8kv8.paged_gather import gather_dequant_paged
 from q8kv8.reference import dequantize_paged_cache, sparse_mla_paged_reference
-from q8kv8.serving import SparsePrefill
+from q8kv8.serving import CacheRows, SparsePrefill
 from scripts.bench.common import host_us, measured_rows, random_indices, section_args, time_interleaved_ms
 
 PAGE_SIZE = 64
@@ -94,6 +95,12 @@ EXTRA_SHAPES = [
     ("v41", "v41_fp4", 128, 16, 512, 128),
 ]
 EXTRA_CONTEXT = 8192
+# (main layout, extra layout, batch, h, topk, extra topk): the serving layer's decode step over two caches
+LAYER_EXTRA_SHAPES = [
+    ("v41", "v41_fp4", 64, 64, 512, 128),
+    ("v41", "v41_fp4", 128, 16, 512, 128),
+    ("model1", "model1", 64, 64, 512, 128),
+]
 LAYER_HOST_CALLS = 50  # a layer call's host time: this many calls issued without a sync
 # d_qk, bytes a token, values a scale group, scale groups (V3.2 and V4: of the nope; V4.1: of all 512 values)
 LAYOUTS = {"v32": (576, 656, 128, 4), "model1": (512, 584, 64, 7), "v41": (512, 528, 32, 16)}
@@ -427,11 +434,73 @@ def extra_row(layout: str, extra_layout: str, batch: int, h: int, topk: int, ext
     return row
 
 
+def layer_rows() -> list[dict]:
+    """The serving layer's decode step over a cache and its extra cache (``forward_merged``: one paged call
+    where both parts go paged), against the paged call with the extra cache on the same slots."""
+    print(
+        f"\nserving layer, decode over two caches ({DECODE_CONTEXT}-token requests, extra caches of "
+        f"{EXTRA_CONTEXT} tokens a request, a sink, CUDA-graph replay): ms; layer: forward_merged; call: "
+        "the paged call on the same slots; same: its outputs bit for bit the layer's"
+    )
+    print(
+        f"{'layout':>6s} {'extra':>7s} {'batch':>5s} {'h':>4s} {'topk':>5s} {'extra':>5s} | {'layer':>7s} "
+        f"{'call':>7s} {'x':>5s} | {'path':>6s} {'same':>5s}"
+    )
+    return measured_rows(LAYER_EXTRA_SHAPES, layer_row, layer_line)
+
+
+def layer_line(shape: tuple, row: dict) -> str:
+    return (
+        f"{row['layout']:>6s} {row['extra_layout']:>7s} {row['batch']:5d} {row['h']:4d} {row['topk']:5d} "
+        f"{row['extra_topk']:5d} | {row['layer']:7.4f} {row['call']:7.4f} "
+        f"{row['layer'] / row['call']:5.2f} | {row['path']:>6s} {str(row['same']):>5s}"
+    )
+
+
+def layer_part(cache: torch.Tensor, batch: int, context: int, topk: int) -> CacheRows:
+    """One query a request over ``context`` tokens of its own: the page table every token's slot (rows are
+    slots), ``topk`` distinct rows of the request a query."""
+    first_row = torch.arange(batch, device="cuda", dtype=torch.int32)[:, None] * context
+    return CacheRows(
+        cache,
+        torch.arange(batch * context, device="cuda", dtype=torch.int32),
+        (random_indices(batch, context, topk, "cuda") + first_row).contiguous(),
+        torch.full((batch,), context, device="cuda", dtype=torch.int32),
+        0,
+    )
+
+
+def layer_row(layout: str, extra_layout: str, batch: int, h: int, topk: int, extra_topk: int) -> dict:
+    torch.manual_seed(0)
+    main = layer_part(make_cache(batch * DECODE_CONTEXT, layout), batch, DECODE_CONTEXT, topk)
+    num_slots = batch * EXTRA_CONTEXT
+    extra_cache = fp4_cache(num_slots) if extra_layout == "v41_fp4" else make_cache(num_slots, extra_layout)
+    extra = layer_part(extra_cache, batch, EXTRA_CONTEXT, extra_topk)
+    d_qk = LAYOUTS[layout][0]
+    q = (torch.randn(batch, h, d_qk, device="cuda") * 0.5).to(torch.bfloat16)
+    sink, sm_scale = torch.randn(h, device="cuda"), d_qk**-0.5
+    layer = SparsePrefill("fp8")
+    row = {"layout": layout, "extra_layout": extra_layout, "batch": batch, "h": h, "topk": topk}
+    row["extra_topk"] = extra_topk
+    row["layer"] = graph_ms(lambda: layer.forward_merged(q, [main, extra], sm_scale, sink))
+    row["path"] = layer.last_path
+    both = {"extra_cache": extra.cache, "extra_indices": extra.indices[:, None, :]}
+    slots = main.indices[:, None, :]
+    row["call"] = graph_ms(
+        lambda: sparse_mla_q8kv8_paged_fwd(q, main.cache, slots, sm_scale, None, 512, sink, **both)
+    )
+    got = layer.forward_merged(q, [main, extra], sm_scale, sink)
+    want = sparse_mla_q8kv8_paged_fwd(q, main.cache, slots, sm_scale, None, 512, sink, **both)
+    row["same"] = all(torch.equal(a, b) for a, b in zip(got, want, strict=True))
+    return row
+
+
 def run(rep_ms: int = 40, full: bool = False) -> dict:
     return {
         "prefill": prefill_rows(rep_ms, full),
         "decode": decode_rows(),
         "extra": extra_rows(),
+        "layer": layer_rows(),
         "precisions": precision_rows(),
     }
 
