@@ -410,8 +410,9 @@ class SparsePrefill:
         float32 (``LOGITS_IN_FLOAT32``), merged exactly by their lse (``q8kv8.merge.merge_attention``), then
         the sink. Returns what ``forward`` returns; ``last_path`` is the parts' paths joined by "+". Two parts
         that would both take the paged path on caches of one layout, or a V4.1 part on the paged path and a
-        V4.1 FP4 part, are instead one paged call, the second cache its ``extra_cache`` (read in the same
-        launch, one softmax, the layer's precision; ``last_path`` "paged"). A part's
+        V4.1 FP4 part of pages of a power-of-two size, are instead one paged call, the second cache its
+        ``extra_cache`` (read in the same launch, one softmax, the layer's precision; ``last_path``
+        "paged"). A part's
         weight is off by exp(its lse's absolute error); with the FP8 tensor cores' own sums that was, at
         dominant logits of 20-30, about 2% on the paged path and 5-25% on the workspace path
         (``docs/usage.md``, "Serving path"). Each part keeps its own page table, seqlens, compress ratio and
