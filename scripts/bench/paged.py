@@ -397,18 +397,25 @@ def extra_rows() -> list[dict]:
         f"{EXTRA_CONTEXT} tokens a request, CUDA-graph replay): ms; main: the main cache alone; +extra: both "
         "caches in one softmax; err: out vs float64 (default)"
     )
-    print(
-        f"{'layout':>6s} {'extra':>7s} {'batch':>5s} {'h':>4s} {'topk':>5s} {'extra':>5s} | {'main':>7s} "
-        f"{'+extra':>7s} {'x':>5s} | {'err':>8s}"
-    )
+    print(f"{TWO_CACHES_HEADER}{'main':>7s} {'+extra':>7s} {'x':>5s} | {'err':>8s}")
     return measured_rows(EXTRA_SHAPES, extra_row, extra_line)
+
+
+TWO_CACHES_HEADER = f"{'layout':>6s} {'extra':>7s} {'batch':>5s} {'h':>4s} {'topk':>5s} {'extra':>5s} | "
+
+
+def two_caches(row: dict) -> str:
+    """A two-cache row's shape, as ``TWO_CACHES_HEADER`` heads it."""
+    return (
+        f"{row['layout']:>6s} {row['extra_layout']:>7s} {row['batch']:5d} {row['h']:4d} {row['topk']:5d} "
+        f"{row['extra_topk']:5d} | "
+    )
 
 
 def extra_line(shape: tuple, row: dict) -> str:
     return (
-        f"{row['layout']:>6s} {row['extra_layout']:>7s} {row['batch']:5d} {row['h']:4d} {row['topk']:5d} "
-        f"{row['extra_topk']:5d} | {row['main']:7.4f} {row['extra']:7.4f} "
-        f"{row['extra'] / row['main']:5.2f} | {row['out_error']:8.2e}"
+        f"{two_caches(row)}{row['main']:7.4f} {row['extra']:7.4f} {row['extra'] / row['main']:5.2f} | "
+        f"{row['out_error']:8.2e}"
     )
 
 
@@ -442,18 +449,14 @@ def layer_rows() -> list[dict]:
         f"{EXTRA_CONTEXT} tokens a request, a sink, CUDA-graph replay): ms; layer: forward_merged; call: "
         "the paged call on the same slots; same: its outputs bit for bit the layer's"
     )
-    print(
-        f"{'layout':>6s} {'extra':>7s} {'batch':>5s} {'h':>4s} {'topk':>5s} {'extra':>5s} | {'layer':>7s} "
-        f"{'call':>7s} {'x':>5s} | {'path':>6s} {'same':>5s}"
-    )
+    print(f"{TWO_CACHES_HEADER}{'layer':>7s} {'call':>7s} {'x':>5s} | {'path':>6s} {'same':>5s}")
     return measured_rows(LAYER_EXTRA_SHAPES, layer_row, layer_line)
 
 
 def layer_line(shape: tuple, row: dict) -> str:
     return (
-        f"{row['layout']:>6s} {row['extra_layout']:>7s} {row['batch']:5d} {row['h']:4d} {row['topk']:5d} "
-        f"{row['extra_topk']:5d} | {row['layer']:7.4f} {row['call']:7.4f} "
-        f"{row['layer'] / row['call']:5.2f} | {row['path']:>6s} {str(row['same']):>5s}"
+        f"{two_caches(row)}{row['layer']:7.4f} {row['call']:7.4f} {row['layer'] / row['call']:5.2f} | "
+        f"{row['path']:>6s} {str(row['same']):>5s}"
     )
 
 
