@@ -321,6 +321,11 @@ def make_batch(layout, page_size, compress_ratio, h, topk, generator, *, garbage
     }
 
 
+def last_query(batch: dict) -> dict:
+    """``batch`` (``make_batch``) cut to its last query alone: a decode step over its request's rows."""
+    return {**batch, **{name: batch[name][-1:] for name in ("q", "indices", "seqlens", "n_valid")}}
+
+
 def e4m3_round(x: torch.Tensor) -> torch.Tensor:
     return x.float().clamp(-448.0, 448.0).to(torch.float8_e4m3fn).double()
 

@@ -14,6 +14,7 @@ from paged_cache import (
     expected_rows,
     fill_random,
     ground_truth,
+    last_query,
     make_batch,
     same_bits,
     union_ground_truth,
@@ -932,12 +933,8 @@ def test_forward_merged_reads_a_v41_fp4_cache_in_the_v41_paged_call(generator, p
     forced), ``forward_merged`` runs one paged call with the FP4 cache as its extra cache (its selected slots
     read as V4.1 records), in either order of the parts, the layer's precision as it is; on the workspace
     path the parts are merged by lse. Against the float64 attention over the union of the rows."""
-    main = make_batch("v41", 64, 0, h=20, topk=16, generator=generator)
-    fp4 = make_batch("v41_fp4", 64, 0, h=20, topk=8, generator=generator)  # the same queries
-    one = slice(len(main["q"]) - 1, None)  # the last query alone: a decode step over the prefix
-    for batch in (main, fp4):
-        for name in ("q", "indices", "seqlens", "n_valid"):
-            batch[name] = batch[name][one]
+    main = last_query(make_batch("v41", 64, 0, h=20, topk=16, generator=generator))
+    fp4 = last_query(make_batch("v41_fp4", 64, 0, h=20, topk=8, generator=generator))  # the same query
     sink = torch.randn(20, generator=generator)
     calls = []
     prefill = SparsePrefill(
@@ -967,11 +964,8 @@ def test_forward_merged_reads_a_v41_fp4_cache_in_the_v41_paged_call(generator, p
 def test_forward_merged_merges_a_v41_fp4_part_of_other_page_sizes(generator):
     """An FP4 cache of pages of 48 tokens (which the paged call does not read; the gather does): its part
     stays on the workspace path, merged by lse with the V4.1 part's paged call."""
-    main = make_batch("v41", 64, 0, h=20, topk=16, generator=generator)
-    fp4 = make_batch("v41_fp4", 48, 0, h=20, topk=8, generator=generator)
-    for batch in (main, fp4):
-        for name in ("q", "indices", "seqlens", "n_valid"):
-            batch[name] = batch[name][-1:]
+    main = last_query(make_batch("v41", 64, 0, h=20, topk=16, generator=generator))
+    fp4 = last_query(make_batch("v41_fp4", 48, 0, h=20, topk=8, generator=generator))
     sink = torch.randn(20, generator=generator)
     prefill = SparsePrefill("fp8", kernels=reference_kernels(), workspace=SparsePrefillWorkspace("cpu"))
     parts = [CacheRows(b["cache"], b["page_table"], b["indices"], b["seqlens"], 0) for b in (main, fp4)]

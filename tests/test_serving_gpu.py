@@ -23,6 +23,7 @@ from paged_cache import (
     expected_rows,
     fill_quantized,
     ground_truth,
+    last_query,
     make_batch,
     random_bytes_cache,
     same_bits,
@@ -251,11 +252,9 @@ def test_forward_merged_reads_a_v41_fp4_cache_in_the_v41_paged_call(generator, p
     cache as its extra cache, the public call's result bit for bit (the slots its indices select through
     each page table, their topk_length, the layer's precision), and matches the float64 attention over the
     union of the rows within the bounds of FP4 values rounded to V4.1's records (test_paged_extra_gpu.py)."""
-    main = make_batch("v41", 64, 0, h=20, topk=16, generator=generator)
-    fp4 = make_batch("v41_fp4", 64, 0, h=20, topk=8, generator=generator)  # the same queries
-    for batch in (main, fp4):  # the last query alone: a decode step, which "auto" runs paged
-        for name in ("q", "indices", "seqlens", "n_valid"):
-            batch[name] = batch[name][-1:]
+    # the last query alone: a decode step, which "auto" runs paged
+    main = last_query(make_batch("v41", 64, 0, h=20, topk=16, generator=generator))
+    fp4 = last_query(make_batch("v41_fp4", 64, 0, h=20, topk=8, generator=generator))  # the same query
     sink = torch.randn(20, generator=generator)
     prefill = SparsePrefill("fp8", precision=precision, path=path)
     on_gpu = [cuda_batch(b) for b in (main, fp4)]
