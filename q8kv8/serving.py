@@ -219,7 +219,8 @@ class SparsePrefill:
     ``path``: for the FP8 backend, "paged" (attend straight from the cache), "workspace" (gather the rows
     the batch may attend into a workspace first), or "auto"
     (paged when the workspace would gather more than ``PAGED_ROWS_PER_TILE_SLOT`` rows per tile-slot of the
-    batch, else the workspace; always the workspace for a V4.1 FP4 cache, which only the gather reads);
+    batch, else the workspace; always the workspace for a V4.1 FP4 cache, which only the gather reads, and
+    for pages of a size that is not a power of two, which the paged call does not take);
     ``last_path`` says which ran. ``extra_rows`` zero rows follow the gathered
     rows in the workspace (a landing zone); they are never attended. ``kernels`` replaces the GPU kernels
     (``reference_kernels()`` runs the pipeline in PyTorch).
@@ -309,7 +310,7 @@ class SparsePrefill:
         if indices.dim() == 3:
             indices = indices[:, 0]
         topk_pad = max(1, -(-indices.shape[1] // TOPK_ALIGNMENT)) * TOPK_ALIGNMENT
-        path = self._choose_path(s_q, h, topk_pad, page_table.shape[0], layout)
+        path = self._choose_path(s_q, h, topk_pad, page_table.shape[0], layout, page_size)
         return _Part(rows._replace(indices=indices), layout, page_size, d_qk, topk_pad, path)
 
     def _paged_call_of_two(self, q, parts: list[_Part], sm_scale, attn_sink):
@@ -443,12 +444,14 @@ class SparsePrefill:
             "workspace_bytes": 0 if self.workspace is None else self.workspace.capacity_bytes,
         }
 
-    def _choose_path(self, s_q: int, h: int, topk_pad: int, num_rows: int, layout: KvCacheLayout) -> str:
+    def _choose_path(
+        self, s_q: int, h: int, topk_pad: int, num_rows: int, layout: KvCacheLayout, page_size: int
+    ) -> str:
         if self.backend != "fp8":
             return "workspace"
         if self.path != "auto":
             return self.path
-        if layout not in PAGED_ATTENTION_LAYOUTS:  # read by the gather only
+        if layout not in PAGED_ATTENTION_LAYOUTS or page_size & (page_size - 1):  # read by the gather only
             return "workspace"
         tile_slots = s_q * -(-h // 64) * topk_pad
         return "paged" if num_rows > PAGED_ROWS_PER_TILE_SLOT * tile_slots else "workspace"

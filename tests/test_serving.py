@@ -835,12 +835,24 @@ def test_auto_path_attends_from_the_cache_when_the_workspace_would_gather_more(g
     prefill.forward(*one)  # one query over 127 rows: 127 > 0.4 * 128
     assert prefill.last_path == "paged" and prefill.workspace is not None
     assert SparsePrefill("bf16", path="paged", kernels=reference_kernels())._choose_path(
-        1, 64, 128, 10**6, kv_layout.V32
+        1, 64, 128, 10**6, kv_layout.V32, 64
     ) == ("workspace")
     auto = SparsePrefill("fp8", kernels=reference_kernels())
-    assert auto._choose_path(1, 64, 128, 10**6, kv_layout.V32) == "paged"
-    assert auto._choose_path(1, 64, 128, 10**6, kv_layout.V41) == "paged"
-    assert auto._choose_path(1, 64, 128, 10**6, kv_layout.V41_FP4) == "workspace"  # read by the gather only
+    assert auto._choose_path(1, 64, 128, 10**6, kv_layout.V32, 64) == "paged"
+    assert auto._choose_path(1, 64, 128, 10**6, kv_layout.V41, 64) == "paged"
+    assert auto._choose_path(1, 64, 128, 10**6, kv_layout.V41_FP4, 64) == "workspace"  # the gather reads it
+    assert auto._choose_path(1, 64, 128, 10**6, kv_layout.V41, 48) == "workspace"  # paged: pages of 2^n
+
+
+def test_auto_takes_the_workspace_for_pages_not_of_a_power_of_two(generator):
+    """A decode step over pages of 48 tokens, where the rule would read the cache directly: "auto" gathers
+    (the paged call takes pages of a power-of-two size only), as the float64 reference on the gathered e4m3
+    rows."""
+    batch = last_query(make_batch("v41", 48, 0, h=16, topk=16, generator=generator))
+    prefill, got = run_pipeline(batch, "fp8")
+    assert prefill.last_path == "workspace"
+    same = ground_truth(batch, "v41", SM_SCALE, kv_format="e4m3", quantize_q=True)
+    assert_close_to_truth(got, same, out_tol=4e-3, stat_tol=1e-6)
 
 
 def test_workspace_path_takes_padded_indices_as_they_are(generator):
