@@ -6,7 +6,8 @@ extent dynamic) or loads it from the disk cache (``q8kv8.build.build_or_load``),
 - ``VariantKey``: the FP8 attention kernel (``cute_kernels/sm90/sparse_prefill.py``) by d_qk, precision,
   schedule kind, q's dtype, heads a tile and paged cache layout. The one-tile and persistent variants for an
   e4m3 q in the default and accurate precisions (``IMPORT_KEYS``) are loaded when ``q8kv8`` is imported,
-  every other one on its first launch; the sink and ``topk_length`` are runtime flags;
+  every other one on its first launch (a call with a sink runs "default" as "accurate_logits"); the sink and
+  ``topk_length`` are runtime flags;
 - the serving path's kernels (``SERVING_KEYS``, built on first use or by ``load_serving_variants()``):
   ``PagedGatherKey`` (the paged-cache gather, ``paged_kv.py``), ``QCastKey`` (the query cast,
   ``q_cast.py``), ``SlotIndicesKey`` (top-k rows to token slots, ``paged_indices.py``), ``MergeKey`` (two

@@ -57,7 +57,7 @@ def check_cache(
     if layout not in layouts:
         raise ValueError(
             f"{name}: a {layout.name} cache ({layout.bytes_per_token} bytes a token) is not read directly; "
-            "gather its rows (q8kv8.gather_dequant_requant_fp8_paged) and call "
+            "gather its rows (q8kv8.gather_dequant_requant_fp8_paged with its layout) and call "
             "sparse_mla_q8kv8_prefill_fwd on them, or pass it as the paged call's extra_cache"
         )
     num_pages, page_size = shape[0], shape[1]

@@ -118,14 +118,18 @@ def test_quoted_logit_errors_are_perf_notes_figures_with_their_quantity():
 
 
 def test_schedule_describe_in_the_readme_takes_num_sms_as_without_a_gpu_it_must():
-    """The README shows ``describe`` with ``num_sms`` and says when to pass it; the answer for 8 decode tokens
-    of 16 heads at topk 2048 is a split of 64-head tiles, the README's exception to the small-head rule."""
-    readme = " ".join((REPO / "README.md").read_text().split())
-    assert "`q8kv8.schedule.describe(s_q, h_q, topk, num_sms=None)`" in readme
-    assert "without a GPU pass `num_sms=`" in readme
-    assert "except a few tokens at a long top-k (8 decode tokens at topk 2048, say)" in readme
+    """The README shows ``describe``'s signature as the code has it and says when to pass ``num_sms``; the
+    answer for 8 decode tokens of 16 heads at topk 2048 is a split of 64-head tiles, the README's exception to
+    the small-head rule."""
     from q8kv8 import schedule
 
+    readme = " ".join((REPO / "README.md").read_text().split())
+    parameters = inspect.signature(schedule.describe).parameters.values()
+    empty = inspect.Parameter.empty
+    shown = ", ".join(p.name if p.default is empty else f"{p.name}={p.default}" for p in parameters)
+    assert f"`q8kv8.schedule.describe({shown})`" in readme
+    assert "without a GPU pass `num_sms=`" in readme
+    assert "except a few tokens at a long top-k (8 decode tokens at topk 2048, say)" in readme
     assert inspect.signature(schedule.describe).parameters["num_sms"].default is None
     assert schedule.describe(8, 16, 2048, num_sms=132).startswith("split in ")
     assert schedule.describe(4096, 16, 2048, num_sms=132).startswith("small heads")
