@@ -451,7 +451,7 @@ class SparsePrefill:
             return "workspace"
         if self.path != "auto":
             return self.path
-        if layout not in PAGED_ATTENTION_LAYOUTS or page_size & (page_size - 1):  # read by the gather only
+        if layout not in PAGED_ATTENTION_LAYOUTS or page_size & (page_size - 1):  # the gather reads these
             return "workspace"
         tile_slots = s_q * -(-h // 64) * topk_pad
         return "paged" if num_rows > PAGED_ROWS_PER_TILE_SLOT * tile_slots else "workspace"
