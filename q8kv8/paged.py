@@ -40,6 +40,12 @@ MAX_SLOTS = 2**31  # token slots are int32
 _ones: dict[torch.device, torch.Tensor] = {}  # unit_kv_scale's, per device
 
 
+def page_size_read_directly(page_size: int) -> bool:
+    """Whether the paged call reads pages of ``page_size`` tokens: a power of two (a slot's page and position
+    are a shift and a mask)."""
+    return page_size >= 1 and not page_size & (page_size - 1)
+
+
 def check_cache(
     cache, d_qk: int, name: str = "cache", layouts=PAGED_ATTENTION_LAYOUTS
 ) -> tuple[KvCacheLayout, torch.Tensor]:
@@ -63,7 +69,7 @@ def check_cache(
     num_pages, page_size = shape[0], shape[1]
     if layout.d_qk != d_qk:
         raise ValueError(f"{name}: a {layout.name} cache holds d_qk {layout.d_qk}, got q with d_qk {d_qk}")
-    if page_size < 1 or page_size & (page_size - 1):
+    if not page_size_read_directly(page_size):
         raise ValueError(f"{name}: expected page_size = {name}.shape[1] a power of two, got {page_size}")
     if strides[3] != 1:
         raise ValueError(f"{name}: expected a contiguous last dimension (stride 1), got stride {strides[3]}")

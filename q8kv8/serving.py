@@ -33,6 +33,7 @@ from q8kv8.contract import check_ranges_enabled
 from q8kv8.kv_layout import PAGED_ATTENTION_LAYOUTS, RECORDS_FROM, RECORDS_LAYOUT, KvCacheLayout
 from q8kv8.merge import merge_attention
 from q8kv8.metadata import D_V, LOGITS_IN_FLOAT32, PRECISIONS, TOPK_ALIGNMENT, topk_length_from_seqlens
+from q8kv8.paged import page_size_read_directly
 from q8kv8.paged_gather import gather_dequant_paged, slot_words
 from q8kv8.prefill_call import PagedCall, PrefillCall, new_call
 from q8kv8.workspace import SparsePrefillWorkspace, _ReusableBuffer, indexed_device
@@ -325,9 +326,8 @@ class SparsePrefill:
         if main.layout.name == RECORDS_FROM:
             main, extra = extra, main
         # (the paged call reads an extra cache of pages of a power-of-two size; the workspace path any)
-        records = (main.layout.name, extra.layout.name) == (RECORDS_LAYOUT, RECORDS_FROM) and not (
-            extra.page_size & (extra.page_size - 1)
-        )
+        records = (main.layout.name, extra.layout.name) == (RECORDS_LAYOUT, RECORDS_FROM)
+        records = records and page_size_read_directly(extra.page_size)
         same_layout = extra.path == "paged" and extra.layout == main.layout
         if main.path != "paged" or not (records or same_layout):
             return None
@@ -451,8 +451,8 @@ class SparsePrefill:
             return "workspace"
         if self.path != "auto":
             return self.path
-        if layout not in PAGED_ATTENTION_LAYOUTS or page_size & (page_size - 1):  # the gather reads these
-            return "workspace"
+        if layout not in PAGED_ATTENTION_LAYOUTS or not page_size_read_directly(page_size):
+            return "workspace"  # the gather reads these
         tile_slots = s_q * -(-h // 64) * topk_pad
         return "paged" if num_rows > PAGED_ROWS_PER_TILE_SLOT * tile_slots else "workspace"
 
